@@ -1,0 +1,84 @@
+"""Prometheus text exposition of the daemon's counters, written by hand (no client library needed)."""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from appliance.vad import VadModel
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def lines(self, name: str, labels: str = "") -> Iterable[str]:
+        cumulative = 0
+        sep = "," if labels else ""
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            yield f'{name}_bucket{{{labels}{sep}le="{bound:g}"}} {cumulative}'
+        yield f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}'
+        braces = f"{{{labels}}}" if labels else ""
+        yield f"{name}_sum{braces} {self.sum:.6f}"
+        yield f"{name}_count{braces} {self.count}"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.latency: dict[str, Histogram] = {}
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        key = (endpoint, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        histogram = self.latency.get(endpoint)
+        if histogram is None:
+            histogram = self.latency[endpoint] = Histogram(LATENCY_BUCKETS)
+        histogram.observe(seconds)
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+
+def render(metrics: Metrics, models: Iterable["VadModel"]) -> str:
+    """Text format 0.0.4."""
+    out = ["# HELP appliance_requests_total API requests by endpoint and HTTP status.",
+           "# TYPE appliance_requests_total counter"]
+    out += [f'appliance_requests_total{{endpoint="{e}",code="{s}"}} {n}' for (e, s), n in sorted(metrics.requests.items())]
+    out += ["# HELP appliance_request_duration_seconds Time from a request's last byte to its response.",
+            "# TYPE appliance_request_duration_seconds histogram"]
+    for endpoint, histogram in sorted(metrics.latency.items()):
+        out += histogram.lines("appliance_request_duration_seconds", f'endpoint="{endpoint}"')
+    sections: dict[str, list[str]] = {
+        "appliance_batch_size": ["# HELP appliance_batch_size Sequences per engine call.", "# TYPE appliance_batch_size histogram"],
+        "appliance_engine_frames_total": ["# HELP appliance_engine_frames_total Frames run by the engine.", "# TYPE appliance_engine_frames_total counter"],
+        "appliance_queue_depth": ["# HELP appliance_queue_depth Works waiting or running in the engine.", "# TYPE appliance_queue_depth gauge"],
+        "appliance_live_sequences": ["# HELP appliance_live_sequences Open stateful sequences.", "# TYPE appliance_live_sequences gauge"],
+    }
+    for model in models:
+        label = f'model="{model.name}",engine="{model.engine_name}"'
+        stats = model.scheduler.stats
+        batches = Histogram(BATCH_BUCKETS)
+        for size, count in list(stats.batch_sizes.items()):
+            batches.observe(size, count)
+        sections["appliance_batch_size"] += batches.lines("appliance_batch_size", label)
+        sections["appliance_engine_frames_total"].append(f"appliance_engine_frames_total{{{label}}} {stats.frames}")
+        sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.scheduler.queue_depth}")
+        sections["appliance_live_sequences"].append(f"appliance_live_sequences{{{label}}} {len(model.sequences)}")
+    for lines in sections.values():
+        out += lines
+    return "\n".join(out) + "\n"

@@ -1,0 +1,179 @@
+"""The `appliance` command: run the daemon, call it, build and check firmware, keys, config, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import ApplianceError
+
+DEV_SOCKET = Path("run/api.sock")
+INSTALLED_SOCKET = Path("/run/appliance/api.sock")
+
+
+def default_socket() -> str:
+    if env := os.environ.get("APPLIANCE_SOCKET"):
+        return env
+    return str(DEV_SOCKET if DEV_SOCKET.exists() else INSTALLED_SOCKET)
+
+
+def _print(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from appliance import config, daemon
+
+    try:
+        cfg = config.load(args.config)
+    except ApplianceError as exc:
+        print(f"appliance: start failed: {exc}", file=sys.stderr)
+        return daemon.EXIT_START_FAILED
+    return daemon.run(cfg)
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    from appliance.client import ClientError
+
+    try:
+        return _call(args)
+    except ClientError as exc:
+        print(f"appliance: {exc}", file=sys.stderr)
+        return 1
+
+
+def _call(args: argparse.Namespace) -> int:
+    from appliance.audio import decode_wav
+    from appliance.client import Client
+
+    with Client(args.socket) as client:
+        if args.what == "health":
+            health = client.health()
+            _print(health)
+            return 0 if health["ready"] else 1
+        if args.what == "server":
+            _print(client.server())
+        elif args.what == "models":
+            _print(client.models())
+        elif args.what == "model":
+            _print(client.model(args.args[0] if args.args else "silero_vad"))
+        elif args.what == "metrics":
+            print(client.metrics(), end="")
+        elif args.what == "vad":
+            if not args.args:
+                raise ApplianceError("usage: appliance call vad FILE.wav [--model NAME]")
+            wav = Path(args.args[0]).read_bytes()
+            _print(client.segments(wav, model=args.model))
+        elif args.what == "probs":
+            samples = decode_wav(Path(args.args[0]).read_bytes(), 16000)
+            _print([round(float(p), 4) for p in client.infer(samples, model=args.model)])
+    return 0
+
+
+def cmd_firmware(args: argparse.Namespace) -> int:
+    from appliance import firmware
+
+    if args.action == "build":
+        manifest = firmware.build(args.spec, args.key, args.out)
+        print(f"built {manifest.name} {manifest.version} in {args.out} (signed by {manifest.signing_key_id})")
+    elif args.action == "verify":
+        bundle = firmware.verify(args.bundle, args.trusted_keys)
+        print(f"ok: {bundle.manifest.name} {bundle.manifest.version}, signed by {bundle.manifest.signing_key_id}, "
+              f"{len(bundle.manifest.artifacts)} artifacts match")
+    elif args.action == "inspect":
+        print((args.bundle / firmware.MANIFEST).read_text(), end="")
+        try:
+            firmware.verify(args.bundle, args.trusted_keys)
+            print(f"# verified against {args.trusted_keys}")
+        except ApplianceError as exc:
+            print(f"# NOT VERIFIED: {exc}")
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from appliance import keys
+
+    kid = keys.new_key_pair(args.out, args.trust_dir)
+    print(f"key {kid}: private {args.out}, public {args.out.with_suffix('.pub')}"
+          + (f", trusted in {args.trust_dir}" if args.trust_dir else ""))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from appliance import config
+
+    print(config.to_toml(config.load(args.config)), end="")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from appliance.bench import main as bench
+
+    return bench(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="appliance", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the daemon in the foreground")
+    run.add_argument("--config", type=Path, action="append", help="config file (repeatable; default /etc/appliance)")
+    run.set_defaults(func=cmd_run)
+
+    call = sub.add_parser("call", help="call the daemon over its Unix socket")
+    call.add_argument("what", choices=["health", "server", "models", "model", "metrics", "vad", "probs"])
+    call.add_argument("args", nargs="*")
+    call.add_argument("--socket", default=default_socket())
+    call.add_argument("--model", default="silero_vad")
+    call.set_defaults(func=cmd_call)
+
+    fw = sub.add_parser("firmware", help="build, verify or inspect a firmware bundle")
+    fw_sub = fw.add_subparsers(dest="action", required=True)
+    build = fw_sub.add_parser("build")
+    build.add_argument("spec", type=Path)
+    build.add_argument("--key", type=Path, required=True)
+    build.add_argument("--out", type=Path, required=True)
+    for name in ("verify", "inspect"):
+        action = fw_sub.add_parser(name)
+        action.add_argument("bundle", type=Path)
+        action.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
+    fw.set_defaults(func=cmd_firmware)
+
+    keys = sub.add_parser("keys", help="make a signing key pair")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    new = keys_sub.add_parser("new")
+    new.add_argument("--out", type=Path, required=True, help="private key path; the public key goes next to it as .pub")
+    new.add_argument("--trust-dir", type=Path, help="also trust the public key there")
+    keys.set_defaults(func=cmd_keys)
+
+    cfg = sub.add_parser("config", help="check config files")
+    cfg_sub = cfg.add_subparsers(dest="action", required=True)
+    check = cfg_sub.add_parser("check")
+    check.add_argument("--config", type=Path, action="append")
+    cfg.set_defaults(func=cmd_config)
+
+    bench = sub.add_parser("bench", help="benchmark the daemon against raw ONNX Runtime, side by side")
+    bench.add_argument("--bundle", type=Path, default=Path("build/firmware/default"))
+    bench.add_argument("--trusted-keys", type=Path, default=Path("keys/trusted"))
+    bench.add_argument("--seconds", type=float, default=5.0, help="time per measurement")
+    bench.add_argument("--json", type=Path, help="also write the figures here")
+    bench.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ApplianceError as exc:
+        print(f"appliance: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"appliance: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

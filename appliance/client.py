@@ -1,0 +1,210 @@
+"""Python client for the appliance API over the Unix socket (HTTP/1.1, keep-alive).
+
+`Client` is blocking, for scripts and on-box apps; `AsyncClient` is the same over asyncio.
+Both build requests and read responses with the same functions below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlencode
+
+import httptools
+import numpy as np
+
+from appliance.api.tensors import decode_response, encode_request
+
+DEFAULT_MODEL = "silero_vad"
+
+
+class ClientError(Exception):
+    """The daemon answered with an error status; `message` is its {"error": ...} text."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status, self.message = status, message
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    method: str
+    target: str
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def encode(self) -> bytes:
+        lines = [f"{self.method} {self.target} HTTP/1.1", "host: localhost", f"content-length: {len(self.body)}"]
+        lines += [f"{k}: {v}" for k, v in self.headers]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.body
+
+
+class ResponseReader:
+    """Bytes in, complete responses out (httptools' response parser)."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.done: list[HttpResponse] = []
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_message_begin(self) -> None:
+        self._headers, self._body = {}, []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done.append(HttpResponse(self._parser.get_status_code(), self._headers, b"".join(self._body)))
+
+
+def checked(response: HttpResponse) -> HttpResponse:
+    if response.status >= 400:
+        try:
+            message = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            message = response.body.decode("utf-8", "replace")
+        raise ClientError(response.status, message)
+    return response
+
+
+# --- calls: how each API operation is asked and read --------------------------------------------
+
+def infer_call(model: str, audio: np.ndarray, sequence_id: int | str | None = None, start: bool = False,
+               end: bool = False, binary: bool = True) -> Call:
+    parameters: dict[str, Any] = {}
+    if sequence_id is not None:
+        parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+    body, header_length = encode_request({"audio": np.asarray(audio)}, parameters, binary)
+    headers = [("content-type", "application/octet-stream" if binary else "application/json")]
+    if header_length is not None:
+        headers.append(("inference-header-content-length", str(header_length)))
+    return Call("POST", f"/v2/models/{model}/infer", body, tuple(headers))
+
+
+def infer_result(response: HttpResponse) -> np.ndarray:
+    length = response.headers.get("inference-header-content-length")
+    return decode_response(response.body, int(length) if length else None)["speech_prob"]
+
+
+def segments_call(model: str, wav: bytes, **params: float) -> Call:
+    query = f"?{urlencode(params)}" if params else ""
+    return Call("POST", f"/v2/models/{model}/segments{query}", wav, (("content-type", "audio/wav"),))
+
+
+class Client:
+    """Blocking client; one keep-alive connection, reopened if the daemon closed it."""
+
+    def __init__(self, socket_path: str, timeout: float = 120.0) -> None:
+        self.socket_path, self.timeout = socket_path, timeout
+        self._sock: socket.socket | None = None
+        self._reader = ResponseReader()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, call: Call) -> HttpResponse:
+        """Send one call and return the raw response, whatever its status."""
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.settimeout(self.timeout)
+            self._sock.connect(self.socket_path)
+            self._reader = ResponseReader()
+        sock, reader = self._sock, self._reader
+        try:
+            sock.sendall(call.encode())
+            while not reader.done:
+                data = sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("the daemon closed the connection")
+                reader.feed(data)
+        except BaseException:
+            self.close()
+            raise
+        response = reader.done.pop(0)
+        if response.headers.get("connection") == "close":
+            self.close()
+        return response
+
+    def get(self, path: str) -> Any:
+        return checked(self.send(Call("GET", path))).json()
+
+    def health(self) -> dict[str, Any]:
+        return {"live": self.send(Call("GET", "/v2/health/live")).status == 200,
+                "ready": self.send(Call("GET", "/v2/health/ready")).status == 200}
+
+    def server(self) -> Any:
+        return self.get("/v2")
+
+    def models(self) -> Any:
+        return self.get("/v2/models")
+
+    def model(self, name: str = DEFAULT_MODEL) -> Any:
+        return self.get(f"/v2/models/{name}")
+
+    def metrics(self) -> str:
+        return checked(self.send(Call("GET", "/metrics"))).body.decode()
+
+    def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+        return infer_result(checked(self.send(infer_call(model, audio, **kwargs))))
+
+    def segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Any:
+        return checked(self.send(segments_call(model, wav, **params))).json()
+
+
+@dataclass
+class AsyncClient:
+    """The same over asyncio, for apps that stream many sequences at once."""
+
+    socket_path: str
+    _reader: ResponseReader = field(default_factory=ResponseReader)
+    _streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def send(self, call: Call) -> HttpResponse:
+        if self._streams is None:
+            self._streams = await asyncio.open_unix_connection(self.socket_path, limit=1 << 22)
+            self._reader = ResponseReader()
+        stream_in, stream_out = self._streams
+        stream_out.write(call.encode())
+        while not self._reader.done:
+            data = await stream_in.read(1 << 20)
+            if not data:
+                await self.close()
+                raise ConnectionError("the daemon closed the connection")
+            self._reader.feed(data)
+        return self._reader.done.pop(0)
+
+    async def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+        return infer_result(checked(await self.send(infer_call(model, audio, **kwargs))))
+
+    async def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None

@@ -1,0 +1,190 @@
+"""Runtime config: one typed structure, loaded from local TOML files once and validated strictly.
+
+Files: /etc/appliance/appliance.toml, then /etc/appliance/conf.d/*.toml in name order (or the
+files given with --config). A later file overrides keys of an earlier one. Every error names
+the file, the key and the reason. Baked shard parameters live in the firmware, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import ApplianceError
+from appliance.firmware import BAKED_PARAMETERS, read_unverified_name
+
+DEFAULT_FILE = Path("/etc/appliance/appliance.toml")
+DEFAULT_DROPINS = Path("/etc/appliance/conf.d")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    socket: Path = Path("/run/appliance/api.sock")
+    socket_mode: str = "0660"
+    socket_group: str = ""
+    max_body_bytes: int = 64 << 20
+    max_header_bytes: int = 16 << 10
+    max_connections: int = 512
+    shutdown_grace_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class FirmwareConfig:
+    bundle: Path = Path("/var/lib/appliance/firmware/current")
+    trusted_keys: Path = Path("/etc/appliance/trusted-keys")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    device: str = "cpu"
+    threads: int = 1
+    queue_delay_us: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceConfig:
+    idle_timeout_s: float = 60.0
+    max_live: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class VadConfig:
+    """Defaults for turning speech probabilities into segments (a request may override them)."""
+
+    threshold: float = 0.5
+    min_speech_ms: int = 250
+    min_silence_ms: int = 100
+    speech_pad_ms: int = 30
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    firmware: FirmwareConfig = field(default_factory=FirmwareConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sequences: SequenceConfig = field(default_factory=SequenceConfig)
+    vad: VadConfig = field(default_factory=VadConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    sources: tuple[Path, ...] = ()
+
+
+CHOICES = {("engine", "device"): ("cpu",), ("log", "level"): ("debug", "info", "warning", "error")}
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "sources"}
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+
+def default_files() -> list[Path]:
+    files = [DEFAULT_FILE] if DEFAULT_FILE.exists() else []
+    if DEFAULT_DROPINS.is_dir():
+        files += sorted(DEFAULT_DROPINS.glob("*.toml"))
+    return files
+
+
+def load(paths: list[Path] | None = None) -> Config:
+    """Merge the given files (or the default ones) over the defaults; raise on the first error."""
+    files = default_files() if paths is None else paths
+    merged: dict[str, dict[str, Any]] = {}
+    for path in files:
+        for section, values in _read_file(path).items():
+            merged.setdefault(section, {}).update(values)
+    sections = {name: _SECTION_TYPES[name](**values) for name, values in merged.items()}
+    config = Config(sources=tuple(files), **sections)
+    _check_values(config)
+    return config
+
+
+def _read_file(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ApplianceError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ApplianceError(f"{path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ApplianceError(f"{path}: not valid TOML: {exc}") from None
+    out: dict[str, dict[str, Any]] = {}
+    for section, table in data.items():
+        if section in BAKED_PARAMETERS:
+            raise ApplianceError(_baked_message(path, section, data))
+        if section not in _SECTIONS:
+            raise ApplianceError(f"{path}: [{section}]: unknown section (known: {', '.join(_SECTIONS)})")
+        if not isinstance(table, dict):
+            raise ApplianceError(f"{path}: {section}: expected a table")
+        hints = typing.get_type_hints(_SECTION_TYPES[section])
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            if key in BAKED_PARAMETERS:
+                raise ApplianceError(_baked_message(path, f"{section}.{key}", data))
+            if key not in hints:
+                raise ApplianceError(f"{path}: {section}.{key}: unknown key (known: {', '.join(hints)})")
+            values[key] = _coerce(path, f"{section}.{key}", hints[key], value)
+        out[section] = values
+    return out
+
+
+def _coerce(path: Path, key: str, kind: type, value: Any) -> Any:
+    if kind is Path:
+        if not isinstance(value, str):
+            raise ApplianceError(f"{path}: {key}: expected a path string, got {value!r}")
+        p = Path(value)
+        return p if p.is_absolute() else (path.parent / p).resolve()
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise ApplianceError(f"{path}: {key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _baked_message(path: Path, key: str, data: dict[str, Any]) -> str:
+    bundle = data.get("firmware", {}).get("bundle") if isinstance(data.get("firmware"), dict) else None
+    name = read_unverified_name((path.parent / bundle)) if isinstance(bundle, str) else None
+    which = f"firmware {name!r}" if name else "the firmware"
+    return (f"{path}: {key}: '{key.split('.')[-1]}' is baked into {which} at build time and cannot be set "
+            "in config; build a new firmware to change it")
+
+
+def _check_values(config: Config) -> None:
+    source = ", ".join(str(p) for p in config.sources) or "defaults"
+    for (section, key), allowed in CHOICES.items():
+        value = getattr(getattr(config, section), key)
+        if value not in allowed:
+            raise ApplianceError(f"{source}: {section}.{key}: {value!r} is not one of {', '.join(allowed)}")
+    try:
+        mode = int(config.server.socket_mode, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise ApplianceError(f"{source}: server.socket_mode: {config.server.socket_mode!r} is not an octal mode like '0660'")
+    positive = {"server.max_body_bytes": config.server.max_body_bytes, "server.max_header_bytes": config.server.max_header_bytes,
+                "server.max_connections": config.server.max_connections,
+                "server.shutdown_grace_s": config.server.shutdown_grace_s, "engine.threads": config.engine.threads,
+                "sequences.max_live": config.sequences.max_live, "sequences.idle_timeout_s": config.sequences.idle_timeout_s}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ApplianceError(f"{source}: {key}: must be positive, got {value}")
+    if config.engine.queue_delay_us < 0:
+        raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
+    if not 0.0 < config.vad.threshold < 1.0:
+        raise ApplianceError(f"{source}: vad.threshold: must be between 0 and 1")
+
+
+def to_toml(config: Config) -> str:
+    """The merged config as TOML, for `appliance config check`."""
+    lines = [f"# merged from: {', '.join(str(p) for p in config.sources) or 'defaults only'}"]
+    for section in _SECTIONS:
+        lines.append(f"\n[{section}]")
+        for key, value in dataclasses.asdict(getattr(config, section)).items():
+            if isinstance(value, (str, Path)):
+                lines.append(f'{key} = "{value}"')
+            else:
+                lines.append(f"{key} = {str(value).lower() if isinstance(value, bool) else value}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,249 @@
+"""Continuous batching of stateful frame models (the VAD's recurrent state and audio context).
+
+Theory of operation. A *sequence* is one live audio stream: its recurrent state rows and the
+last `context_samples` of its audio. A *work* item asks for N frames of one sequence to be run.
+The engine thread repeatedly takes up to `max_batch` works (at most one per sequence: frames of
+one sequence must run in order), stacks one frame of each into a batch, gathers their state
+rows, runs the engine once, scatters the new state rows back and moves each work one frame on.
+Finished works leave the batch and waiting ones join it between steps, so a stream never waits
+for another stream's long request to finish, and concurrent streams share every engine call.
+
+Nothing here knows about asyncio or sockets: works carry a completion callback, and the
+SequenceTable takes the time as an argument.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from appliance.engine.base import Engine
+from appliance.errors import ApiError, ApplianceError, BadRequest, TooManyRequests, Unavailable
+from appliance.firmware import ModelSpec
+
+
+class FrameModel:
+    """How to feed one batch of frames of a stateful audio model, read from its manifest entry."""
+
+    def __init__(self, spec: ModelSpec, engine: Engine) -> None:
+        self.spec, self.engine = spec, engine
+        audio = spec.audio
+        self.frame_samples, self.context_samples = audio.frame_samples, audio.context_samples
+        self.sample_rate = audio.sample_rate
+        self._sample_rate_feed = np.array(audio.sample_rate, dtype=np.int64)
+        declared = {t.name: t for t in spec.inputs}
+        self._row_shapes: list[tuple[int, ...]] = []
+        for pair in spec.state:
+            shape = list(declared[pair.input].shape)
+            del shape[pair.batch_axis]
+            if any(d < 0 for d in shape):
+                raise ApplianceError(f"model {spec.name}: state {pair.input} needs a fixed shape besides its batch axis")
+            self._row_shapes.append(tuple(shape))
+
+    def new_sequence(self, key: object = None) -> "Sequence":
+        return Sequence(
+            key=key,
+            state=[np.zeros(shape, np.float32) for shape in self._row_shapes],
+            context=np.zeros(self.context_samples, np.float32),
+        )
+
+    def step(self, sequences: list["Sequence"], frames: np.ndarray) -> np.ndarray:
+        """Run one frame of each sequence (frames: [batch, frame_samples]); update their state; return probabilities."""
+        audio, batch = self.spec.audio, len(sequences)
+        x = np.concatenate([np.stack([s.context for s in sequences]), frames], axis=1)
+        feeds = {audio.audio_input: x, audio.sample_rate_input: self._sample_rate_feed}
+        for i, pair in enumerate(self.spec.state):
+            feeds[pair.input] = np.stack([s.state[i] for s in sequences], axis=pair.batch_axis)
+        out = self.engine.run(feeds)
+        for i, pair in enumerate(self.spec.state):
+            rows = np.moveaxis(out[pair.output], pair.batch_axis, 0)
+            for sequence, row in zip(sequences, rows):
+                sequence.state[i] = row
+        contexts = x[:, -self.context_samples:]
+        for sequence, context in zip(sequences, contexts):
+            sequence.context = context
+        return out[audio.prob_output].reshape(batch, -1)[:, 0]
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    key: object
+    state: list[np.ndarray]
+    context: np.ndarray
+    last_used: float = 0.0
+    in_flight: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Work:
+    """Frames of one sequence to run; `on_done(work, error)` is called from the engine thread."""
+
+    sequence: Sequence
+    frames: np.ndarray
+    on_done: Callable[["Work", BaseException | None], None]
+    probs: np.ndarray = field(init=False)
+    next_frame: int = 0
+    arrived: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.probs = np.empty(len(self.frames), np.float32)
+
+
+class SequenceTable:
+    """Live sequences by id, bounded in count, expired after an idle time. The caller passes `now`."""
+
+    def __init__(self, model: FrameModel, max_live: int, idle_timeout_s: float) -> None:
+        self.model, self.max_live, self.idle_timeout_s = model, max_live, idle_timeout_s
+        self._live: dict[object, Sequence] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def start(self, key: object, now: float) -> Sequence:
+        """Open a sequence; a start on a live id restarts it (a client that reconnected)."""
+        old = self._live.pop(key, None)
+        if old is not None and old.in_flight:
+            self._live[key] = old
+            raise ApiError(f"sequence {key} has a request in flight; it cannot restart until that finishes", 409)
+        if len(self._live) >= self.max_live:
+            self.expire(now)
+            if len(self._live) >= self.max_live:
+                raise TooManyRequests(
+                    f"sequence table full ({self.max_live} live sequences): end a sequence or retry later"
+                )
+        sequence = self.model.new_sequence(key)
+        sequence.last_used = now
+        self._live[key] = sequence
+        return sequence
+
+    def get(self, key: object, now: float) -> Sequence:
+        sequence = self._live.get(key)
+        if sequence is None:
+            raise BadRequest(
+                f"sequence {key} is not open (never started, ended, or expired after "
+                f"{self.idle_timeout_s:g} s idle): send sequence_start=true first"
+            )
+        sequence.last_used = now
+        return sequence
+
+    def end(self, key: object) -> None:
+        self._live.pop(key, None)
+
+    def expire(self, now: float) -> int:
+        idle = [k for k, s in self._live.items() if not s.in_flight and now - s.last_used > self.idle_timeout_s]
+        for key in idle:
+            del self._live[key]
+        return len(idle)
+
+
+class EngineStats:
+    """Counters the engine thread bumps and /metrics and the watchdog read."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.frames = 0
+        self.batch_sizes: dict[int, int] = {}
+        self.last_progress = time.monotonic()
+
+    def record(self, batch: int) -> None:
+        self.batches += 1
+        self.frames += batch
+        self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
+        self.last_progress = time.monotonic()
+
+
+class Scheduler:
+    """The engine thread: continuous batching of works up to the baked max_batch."""
+
+    def __init__(self, model: FrameModel, max_batch: int, queue_delay_s: float) -> None:
+        self.model, self.max_batch, self.queue_delay_s = model, max_batch, queue_delay_s
+        self.stats = EngineStats()
+        self._pending: deque[Work] = deque()
+        self._active: list[Work] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{model.spec.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish what was submitted, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending) + len(self._active)
+
+    def submit(self, work: Work) -> None:
+        work.arrived = time.monotonic()
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("engine is shutting down")
+            self._pending.append(work)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        active = self._active
+        while True:
+            with self._cond:
+                if not active:
+                    while not self._pending and not self._stopping:
+                        self._cond.wait()
+                    if not self._pending:
+                        return
+                    self._wait_for_batch()
+                self._take_pending(active)
+            self._step(active)
+
+    def _wait_for_batch(self) -> None:
+        """Triton's max queue delay: give other streams a moment to join an idle engine's first batch."""
+        if self.queue_delay_s <= 0:
+            return
+        deadline = self._pending[0].arrived + self.queue_delay_s
+        while len(self._pending) < self.max_batch and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+
+    def _take_pending(self, active: list[Work]) -> None:
+        busy = {id(w.sequence) for w in active}
+        skipped: list[Work] = []
+        while self._pending and len(active) < self.max_batch:
+            work = self._pending.popleft()
+            if id(work.sequence) in busy:
+                skipped.append(work)  # a later request of a sequence already running: keep its order
+            else:
+                active.append(work)
+                busy.add(id(work.sequence))
+        self._pending.extendleft(reversed(skipped))
+
+    def _step(self, active: list[Work]) -> None:
+        frames = np.stack([w.frames[w.next_frame] for w in active])
+        try:
+            probs = self.model.step([w.sequence for w in active], frames)
+        except Exception as exc:  # an engine failure fails this batch, not the daemon
+            failed = list(active)
+            active.clear()
+            error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
+            for work in failed:
+                work.on_done(work, error)
+            return
+        self.stats.record(len(active))
+        finished = []
+        for work, p in zip(active, probs):
+            work.probs[work.next_frame] = p
+            work.next_frame += 1
+            if work.next_frame == len(work.frames):
+                finished.append(work)
+        if finished:
+            active[:] = [w for w in active if w.next_frame < len(w.frames)]
+            for work in finished:
+                work.on_done(work, None)

@@ -1,0 +1,1 @@
+"""Thin transports that pump bytes between sockets and the API core."""

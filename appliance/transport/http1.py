@@ -1,0 +1,169 @@
+"""HTTP/1.1 over a stream socket (the Unix API socket): parse with httptools, call Api.handle, write.
+
+One protocol object per connection. Requests on a keep-alive connection are answered in order;
+malformed HTTP gets a 400 naming the problem and the connection is closed, leaving every other
+connection untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import httptools
+
+from appliance.api.core import Api, Request, Response, error_response
+
+log = logging.getLogger("appliance.http")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body_bytes: int
+    max_header_bytes: int
+    max_connections: int
+
+
+def encode_response(response: Response, keep_alive: bool) -> bytes:
+    reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
+    head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}",
+            f"content-length: {len(response.body)}"]
+    head += [f"{k}: {v}" for k, v in response.headers]
+    if not keep_alive:
+        head.append("connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body
+
+
+class Http1Server:
+    """Shared state of all connections: the API, the limits, and who is connected."""
+
+    def __init__(self, api: Api, limits: Limits) -> None:
+        self.api, self.limits = api, limits
+        self.connections: set[HttpConnection] = set()
+        self.accepting = True
+
+    def protocol(self) -> "HttpConnection":
+        return HttpConnection(self)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(c.in_flight for c in self.connections)
+
+    def close_idle(self) -> None:
+        """Shutdown: stop accepting requests; close connections with nothing in flight."""
+        self.accepting = False
+        for connection in list(self.connections):
+            if not connection.in_flight:
+                connection.close()
+
+
+class HttpConnection(asyncio.Protocol):
+    def __init__(self, server: Http1Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[tuple[Request, bool]] = deque()
+        self.busy = False
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._rejected = False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.queue) + self.busy
+
+    # --- asyncio callbacks ---
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.server.limits.max_connections:
+            self._fail(503, f"too many connections (limit {self.server.limits.max_connections})")
+            return
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.queue.clear()
+
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, "protocol upgrade is not supported")
+        except httptools.HttpParserError as exc:
+            if not self._rejected:
+                self._fail(400, f"malformed HTTP request: {exc}")
+
+    # --- httptools callbacks ---
+    def on_message_begin(self) -> None:
+        self._url, self._headers, self._header_bytes, self._body, self._body_size = b"", {}, 0, [], 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_header_bytes(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value))
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.server.limits.max_body_bytes:
+            self._reject(413, f"body of {length} bytes exceeds the limit of {self.server.limits.max_body_bytes}")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self.server.limits.max_body_bytes:
+            self._reject(413, f"body exceeds the limit of {self.server.limits.max_body_bytes} bytes")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        request = Request(self.parser.get_method().decode("latin-1"), self._url.decode("latin-1"), self._headers,
+                          b"".join(self._body))
+        self.queue.append((request, self.parser.should_keep_alive()))
+        if not self.busy:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._serve())
+
+    # --- serving ---
+    async def _serve(self) -> None:
+        try:
+            while self.queue and self.transport is not None:
+                request, keep_alive = self.queue.popleft()
+                response = await self.server.api.handle(request)
+                if self.transport.is_closing():
+                    return
+                # while shutting down, answer what was accepted, then close
+                keep_alive = keep_alive and (self.server.accepting or bool(self.queue))
+                self.transport.write(encode_response(response, keep_alive))
+                if not keep_alive:
+                    self.transport.close()
+                    return
+        finally:
+            self.busy = False
+
+    def _count_header_bytes(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > self.server.limits.max_header_bytes:
+            self._reject(431, f"request line and headers exceed {self.server.limits.max_header_bytes} bytes")
+
+    def _reject(self, status: int, message: str) -> None:
+        self._fail(status, message)
+        raise httptools.HttpParserError(message)  # stop the parser feeding this connection
+
+    def _fail(self, status: int, message: str) -> None:
+        self._rejected = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(encode_response(error_response(status, message), keep_alive=False))
+            self.transport.close()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
