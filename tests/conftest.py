@@ -1,0 +1,136 @@
+"""Fixtures: a firmware bundle built by the real CLI, and the real daemon as a process on a real socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from appliance.client import Client
+
+ROOT = Path(__file__).resolve().parent.parent
+APPLIANCE = [sys.executable, "-m", "appliance"]
+DEFAULT_SPEC = ROOT / "firmware" / "default.toml"
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([*APPLIANCE, *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"appliance {' '.join(map(str, args))} failed ({result.returncode}): {result.stderr}")
+    return result
+
+
+@dataclass
+class Keys:
+    private: Path
+    trusted: Path
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    base = tmp_path_factory.mktemp("keys")
+    cli("keys", "new", "--out", base / "signing.key", "--trust-dir", base / "trusted")
+    return Keys(base / "signing.key", base / "trusted")
+
+
+def build_bundle(keys: Keys, out: Path, spec: Path = DEFAULT_SPEC, **baked: object) -> Path:
+    """Build a bundle, optionally with other baked values (a new firmware, as the box would get)."""
+    if baked:
+        text = spec.read_text()
+        for key, value in baked.items():
+            rendered = f'"{value}"' if isinstance(value, str) else str(value)
+            lines = [f"{key} = {rendered}" if line.split("=")[0].strip() == key else line for line in text.splitlines()]
+            text = "\n".join(lines) + "\n"
+        spec = out.parent / f"{out.name}.toml"
+        spec.write_text(text)
+    cli("firmware", "build", spec, "--key", keys.private, "--out", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_bundle(keys, tmp_path_factory.mktemp("fw") / "default")
+
+
+class Daemon:
+    """`appliance run` as a child process with its own config and socket."""
+
+    def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "") -> None:
+        self.socket = workdir / "api.sock"
+        self.config = workdir / "appliance.toml"
+        self.config.write_text(
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\n'
+            f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + extra
+        )
+        self.log = workdir / "daemon.log"
+        self.proc = subprocess.Popen([*APPLIANCE, "run", "--config", str(self.config)], cwd=ROOT,
+                                     stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> "Daemon":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.log.read_text()}")
+            if self.socket.exists():
+                try:
+                    with Client(str(self.socket), timeout=5) as client:
+                        if client.health()["ready"]:
+                            return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        raise AssertionError(f"daemon not ready in {timeout} s: {self.log.read_text()}")
+
+    def client(self) -> Client:
+        return Client(str(self.socket))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
+    started: list[Daemon] = []
+
+    def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True) -> Daemon:
+        workdir = tmp_path / f"d{len(started)}"
+        workdir.mkdir()
+        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra)
+        started.append(daemon)
+        return daemon.wait_ready() if wait else daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, bundle: Path):
+    d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted).wait_ready()
+    yield d
+    assert d.stop() == 0, d.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Daemon):
+    with daemon.client() as c:
+        yield c

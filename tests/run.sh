@@ -1,0 +1,11 @@
+#!/bin/bash
+# The whole suite. pytest's exit 5 (no tests collected) is a failure here, never a pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pytest -ra "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+    echo "tests/run.sh: pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$rc"

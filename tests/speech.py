@@ -1,0 +1,44 @@
+"""Test audio: real speech from espeak-ng, placed at known times between known silences."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import wave
+
+import numpy as np
+
+RATE = 16000
+
+
+def say(text: str) -> np.ndarray:
+    """espeak-ng speech at 16 kHz, trimmed to where the voice is."""
+    if shutil.which("espeak-ng") is None:
+        raise RuntimeError("espeak-ng is not installed (make deps installs it)")
+    raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+    with wave.open(io.BytesIO(raw)) as w:
+        rate = w.getframerate()
+        x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+    count = int(len(x) * RATE / rate)
+    x = np.interp(np.arange(count) * rate / RATE, np.arange(len(x)), x).astype(np.float32)
+    loud = np.flatnonzero(np.abs(x) > 0.01)
+    return x[loud[0]: loud[-1] + 1]
+
+
+def recording(sentences: list[str], gap_s: float = 1.5, lead_s: float = 1.0) -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """Sentences separated by silence; returns the samples and each sentence's (start, end) in seconds."""
+    parts, spans, position = [np.zeros(int(lead_s * RATE), np.float32)], [], int(lead_s * RATE)
+    for text in sentences:
+        voice = say(text)
+        spans.append((position / RATE, (position + len(voice)) / RATE))
+        parts += [voice, np.zeros(int(gap_s * RATE), np.float32)]
+        position += len(voice) + int(gap_s * RATE)
+    return np.concatenate(parts), spans
+
+
+SENTENCES = [
+    "Hello there this is the first sentence",
+    "And here comes a second one that is a little longer than the first",
+    "Good bye and thank you",
+]

@@ -1,0 +1,120 @@
+"""Unit tests where the logic is subtle: shard planning, segment rules, the sequence table, batching."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from appliance.engine.scheduler import FrameModel, Scheduler, SequenceTable, Work
+from appliance.errors import BadRequest, TooManyRequests
+from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
+from appliance.segments import SegmentParams, speech_segments
+from appliance.shards import plan_shards
+
+
+def test_fixed_shards_cut_at_the_limit() -> None:
+    assert plan_shards(np.ones(25), 10, "fixed") == [(0, 10), (10, 20), (20, 25)]
+    assert plan_shards(np.ones(0), 10, "fixed") == [(0, 0)]
+
+
+def test_semantic_shards_cut_at_the_quietest_frame_of_the_window() -> None:
+    energy = np.ones(25)
+    energy[7] = 0.1  # a pause inside the second half of the first window
+    energy[15] = 0.0
+    plan = plan_shards(energy, 10, "semantic")
+    assert plan[0] == (0, 7) and plan[1] == (7, 15)
+    assert all(end - start <= 10 for start, end in plan)
+    assert plan[-1][1] == 25 and all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+
+
+def test_segment_rules_hysteresis_min_speech_and_padding() -> None:
+    frame, rate = 512, 16000
+    probs = np.zeros(100, np.float32)
+    probs[10:40] = 0.9          # ~1 s of speech
+    probs[42:44] = 0.2          # a dip above the off threshold (0.35)? no: below it, but shorter than min silence
+    probs[44:60] = 0.9
+    probs[80:82] = 0.9          # 64 ms: shorter than min_speech, dropped
+    segments = speech_segments(probs, frame, rate, 100 * frame, SegmentParams())
+    pad = int(0.03 * rate)
+    assert segments == [(10 * frame - pad, 60 * frame + pad)]
+
+
+class CountingEngine:
+    """A fake engine whose state output counts frames seen, so order and row scatter are checkable."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def run(self, feeds):
+        self.gate.wait()
+        state = feeds["state"]
+        self.batches.append(state.shape[1])
+        frame_mean = feeds["input"][:, 64:].mean(axis=1)
+        new_state = state + 1.0
+        return {"output": (state[0, :, 0] + frame_mean)[:, None].astype(np.float32), "stateN": new_state}
+
+
+def frame_model(engine) -> FrameModel:
+    spec = ModelSpec(
+        name="fake", kind="vad", file="x.onnx",
+        inputs=(TensorSpec("input", "FP32", (-1, -1)), TensorSpec("state", "FP32", (2, -1, 128)), TensorSpec("sr", "INT64", ())),
+        outputs=(TensorSpec("output", "FP32", (-1, 1)), TensorSpec("stateN", "FP32", (2, -1, 128))),
+        state=(StatePair("state", "stateN", 1),),
+        audio=AudioSpec(16000, 512, 64, "input", "output", "sr"),
+    )
+    return FrameModel(spec, engine)
+
+
+def test_scheduler_batches_streams_and_keeps_each_sequence_in_order() -> None:
+    engine = CountingEngine()
+    model = frame_model(engine)
+    scheduler = Scheduler(model, max_batch=4, queue_delay_s=0)
+    done = threading.Semaphore(0)
+    results = {}
+
+    def on_done(work, error):
+        results[id(work)] = (work, error)
+        done.release()
+
+    sequences = [model.new_sequence(i) for i in range(6)]
+    works = []
+    engine.gate.clear()  # hold the engine so every work is queued before the first batch
+    scheduler.start()
+    for seq in sequences:
+        for part in range(2):  # two requests per sequence: the second must see the first's state
+            work = Work(seq, np.full((3, 512), part, np.float32), on_done)
+            works.append(work)
+            scheduler.submit(work)
+    engine.gate.set()
+    for _ in works:
+        assert done.acquire(timeout=10)
+    scheduler.stop()
+    assert max(engine.batches) == 4 and sum(engine.batches) == 6 * 2 * 3
+    for seq_index in range(6):
+        first, second = works[2 * seq_index], works[2 * seq_index + 1]
+        assert results[id(first)][1] is None
+        # the counting state went 0,1,2 in the first request and 3,4,5 in the second
+        np.testing.assert_allclose(first.probs, [0, 1, 2])
+        np.testing.assert_allclose(second.probs, [4, 5, 6])
+
+
+def test_sequence_table_limits_and_expiry_follow_the_clock() -> None:
+    table = SequenceTable(frame_model(CountingEngine()), max_live=2, idle_timeout_s=10)
+    table.start("a", now=0)
+    table.start("b", now=5)
+    with pytest.raises(TooManyRequests):
+        table.start("c", now=6)
+    table.get("a", now=9)                  # touching keeps it alive
+    assert table.expire(now=15.5) == 1     # b idle 10.5 s
+    table.start("c", now=16)
+    with pytest.raises(BadRequest, match="not open"):
+        table.get("b", now=16)
+    busy = table.get("a", now=16)
+    busy.in_flight = 1
+    assert table.expire(now=100) == 1 and len(table) == 1  # a request in flight keeps its sequence

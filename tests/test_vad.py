@@ -1,0 +1,118 @@
+"""Voice activity on real speech (espeak-ng): segments, concurrent streams, long recordings in shards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from appliance.audio import encode_wav
+from appliance.client import AsyncClient, Client
+from appliance.segments import SegmentParams, speech_segments
+from appliance.shards import frame_energy, plan_shards
+from appliance.audio import to_frames
+from conftest import build_bundle
+from speech import RATE, SENTENCES, recording
+
+FRAME = 512
+CHUNK = 8 * FRAME  # 256 ms
+# Pauses inside a sentence are speech for these tests: the spans are whole sentences.
+QUERY = {"min_silence_ms": 400}
+
+
+@pytest.fixture(scope="module")
+def speech() -> tuple[np.ndarray, list[tuple[float, float]]]:
+    return recording(SENTENCES)
+
+
+def stream(client: Client, audio: np.ndarray, sequence_id: int) -> np.ndarray:
+    audio = np.concatenate([audio, np.zeros(-len(audio) % CHUNK, np.float32)])
+    chunks = [audio[i:i + CHUNK] for i in range(0, len(audio), CHUNK)]
+    return np.concatenate([
+        client.infer(chunk, sequence_id=sequence_id, start=i == 0, end=i == len(chunks) - 1)
+        for i, chunk in enumerate(chunks)
+    ])
+
+
+def test_segments_match_the_spoken_sentences(client: Client, speech) -> None:
+    audio, spans = speech
+    result = client.segments(encode_wav(audio, RATE), **QUERY)
+    segments = [(s["start"], s["end"]) for s in result["segments"]]
+    assert len(segments) == len(spans), (segments, spans)
+    for (start, end), (truth_start, truth_end) in zip(segments, spans):
+        assert abs(start - truth_start) <= 0.2 and abs(end - truth_end) <= 0.2, (segments, spans)
+    assert result["duration"] == pytest.approx(len(audio) / RATE, abs=0.001)
+
+
+def test_silence_has_no_segments(client: Client) -> None:
+    assert client.segments(encode_wav(np.zeros(5 * RATE, np.float32), RATE))["segments"] == []
+
+
+def test_streamed_sequence_matches_one_off_call(client: Client, speech) -> None:
+    audio, _ = speech
+    streamed = stream(client, audio, sequence_id=4242)
+    whole = client.infer(np.concatenate([audio, np.zeros(-len(audio) % CHUNK, np.float32)]))
+    np.testing.assert_allclose(streamed, whole, atol=1e-4)
+
+
+def test_sixteen_concurrent_streams_get_what_each_gets_alone(daemon, client: Client, speech) -> None:
+    audio, _ = speech
+    # each stream its own slice of speech, so a mixed-up state row would show
+    inputs = [np.roll(audio, i * 3 * CHUNK) for i in range(16)]
+    alone = [stream(client, x, sequence_id=5000 + i) for i, x in enumerate(inputs)]
+
+    async def one(i: int) -> np.ndarray:
+        c = AsyncClient(str(daemon.socket))
+        padded = np.concatenate([inputs[i], np.zeros(-len(inputs[i]) % CHUNK, np.float32)])
+        out = []
+        for k in range(0, len(padded), CHUNK):
+            out.append(await c.infer(padded[k:k + CHUNK], sequence_id=6000 + i, start=k == 0,
+                                     end=k + CHUNK >= len(padded)))
+        await c.close()
+        return np.concatenate(out)
+
+    async def together() -> list[np.ndarray]:
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    before = client.metrics()
+    concurrent = asyncio.run(together())
+    for i in range(16):
+        np.testing.assert_allclose(concurrent[i], alone[i], atol=1e-4, err_msg=f"stream {i}")
+    assert batched_frames(client.metrics()) > batched_frames(before), "concurrent streams were never batched"
+
+
+def batched_frames(metrics: str) -> int:
+    """Engine calls that carried more than one sequence."""
+    ones = total = 0
+    for line in metrics.splitlines():
+        if line.startswith("appliance_batch_size_bucket") and 'le="1"' in line:
+            ones = int(line.split()[-1])
+        if line.startswith("appliance_batch_size_count"):
+            total = int(line.split()[-1])
+    return total - ones
+
+
+@pytest.mark.parametrize("algorithm", ["semantic", "fixed"])
+def test_long_recording_in_shards_agrees_with_one_sequence(keys, tmp_path, start_daemon, speech, algorithm) -> None:
+    """A firmware with 3.2 s shards: segments agree with one sequence within a frame away from the cuts."""
+    audio, _ = speech
+    audio = np.concatenate([audio, audio, audio])  # ~45 s: many shards
+    small = build_bundle(keys, tmp_path / f"fw-{algorithm}", max_tokens_per_shard=100, split_algorithm=algorithm)
+    daemon = start_daemon(bundle_dir=small)
+    with daemon.client() as client:
+        assert client.model()["parameters"]["baked"]["max_tokens_per_shard"] == 100
+        sharded = client.segments(encode_wav(audio, RATE), **QUERY)["segments"]
+        probs = stream(client, audio, sequence_id=1)[: -(-len(audio) // FRAME)]
+    params = SegmentParams(min_silence_ms=QUERY["min_silence_ms"])
+    reference = speech_segments(probs, FRAME, RATE, len(audio), params)
+    cuts = [start * FRAME / RATE for start, _ in plan_shards(frame_energy(to_frames(audio, FRAME)), 100, algorithm)[1:]]
+    assert len(cuts) >= 10
+    assert len(sharded) == len(reference)
+    compared = 0
+    for got, (ref_start, ref_end) in zip(sharded, reference):
+        for value, ref in ((got["start"], ref_start / RATE), (got["end"], ref_end / RATE)):
+            if min(abs(ref - c) for c in cuts) > 0.5:  # not at a shard boundary
+                assert abs(value - ref) <= FRAME / RATE + 1e-3, (sharded, reference)
+                compared += 1
+    assert compared >= len(reference) // 2  # most boundaries are away from a cut
