@@ -115,7 +115,7 @@ class Daemon:
         try:
             server = await self.start()
         except BaseException:
-            self._stop_models()
+            await self._stop_models()
             raise
         expiry = loop.create_task(self._expire_idle_sequences())
         await self.stopping.wait()
@@ -144,14 +144,14 @@ class Daemon:
             log.warning("grace time over: %d requests abandoned", self.http.in_flight)
         for connection in list(self.http.connections):
             connection.close()
-        self._stop_models()
+        await self._stop_models()
         with contextlib.suppress(FileNotFoundError):
             Path(self.config.server.socket).unlink()
         log.info("stopped")
 
-    def _stop_models(self) -> None:
+    async def _stop_models(self) -> None:
         for model in self.models.values():
-            model.stop()
+            await model.stop()
 
 
 def configure_logging(level: str) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
-from appliance.engine.scheduler import FrameModel, Scheduler, SequenceTable, Work
+from appliance.engine.scheduler import Batcher, FrameModel, SequenceTable, Work
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
 from appliance.segments import SegmentParams, speech_segments
@@ -48,16 +46,12 @@ class CountingEngine:
 
     def __init__(self) -> None:
         self.batches: list[int] = []
-        self.gate = threading.Event()
-        self.gate.set()
 
     def run(self, feeds):
-        self.gate.wait()
         state = feeds["state"]
         self.batches.append(state.shape[1])
         frame_mean = feeds["input"][:, 64:].mean(axis=1)
-        new_state = state + 1.0
-        return {"output": (state[0, :, 0] + frame_mean)[:, None].astype(np.float32), "stateN": new_state}
+        return {"output": (state[0, :, 0] + frame_mean)[:, None].astype(np.float32), "stateN": state + 1.0}
 
 
 def frame_model(engine) -> FrameModel:
@@ -71,37 +65,40 @@ def frame_model(engine) -> FrameModel:
     return FrameModel(spec, engine)
 
 
-def test_scheduler_batches_streams_and_keeps_each_sequence_in_order() -> None:
+def test_batcher_batches_streams_and_keeps_each_sequence_in_order() -> None:
     engine = CountingEngine()
     model = frame_model(engine)
-    scheduler = Scheduler(model, max_batch=4, queue_delay_s=0)
-    done = threading.Semaphore(0)
-    results = {}
-
-    def on_done(work, error):
-        results[id(work)] = (work, error)
-        done.release()
-
+    batcher = Batcher(model, max_batch=4)
+    finished = []
     sequences = [model.new_sequence(i) for i in range(6)]
     works = []
-    engine.gate.clear()  # hold the engine so every work is queued before the first batch
-    scheduler.start()
     for seq in sequences:
         for part in range(2):  # two requests per sequence: the second must see the first's state
-            work = Work(seq, np.full((3, 512), part, np.float32), on_done)
+            work = Work(seq, np.full((3, 512), part, np.float32), lambda w, e: finished.append((w, e)))
             works.append(work)
-            scheduler.submit(work)
-    engine.gate.set()
-    for _ in works:
-        assert done.acquire(timeout=10)
-    scheduler.stop()
+            batcher.submit(work)
+    while batcher.busy:
+        batcher.step()
+    assert len(finished) == 12 and all(error is None for _, error in finished)
     assert max(engine.batches) == 4 and sum(engine.batches) == 6 * 2 * 3
     for seq_index in range(6):
         first, second = works[2 * seq_index], works[2 * seq_index + 1]
-        assert results[id(first)][1] is None
-        # the counting state went 0,1,2 in the first request and 3,4,5 in the second
+        # the counting state went 0,1,2 in the first request and 3,4,5 in the second (+1 for its frames)
         np.testing.assert_allclose(first.probs, [0, 1, 2])
         np.testing.assert_allclose(second.probs, [4, 5, 6])
+
+
+def test_batcher_fails_the_batch_when_the_engine_raises() -> None:
+    class Broken(CountingEngine):
+        def run(self, feeds):
+            raise RuntimeError("device lost")
+
+    batcher = Batcher(frame_model(Broken()), max_batch=4)
+    errors = []
+    seq = batcher.model.new_sequence()
+    batcher.submit(Work(seq, np.zeros((2, 512), np.float32), lambda w, e: errors.append(e)))
+    batcher.step()
+    assert not batcher.busy and "device lost" in str(errors[0]) and errors[0].status == 500
 
 
 def test_sequence_table_limits_and_expiry_follow_the_clock() -> None:

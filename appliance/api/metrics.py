@@ -71,13 +71,13 @@ def render(metrics: Metrics, models: Iterable["VadModel"]) -> str:
     }
     for model in models:
         label = f'model="{model.name}",engine="{model.engine_name}"'
-        stats = model.scheduler.stats
+        stats = model.batcher.stats
         batches = Histogram(BATCH_BUCKETS)
         for size, count in list(stats.batch_sizes.items()):
             batches.observe(size, count)
         sections["appliance_batch_size"] += batches.lines("appliance_batch_size", label)
         sections["appliance_engine_frames_total"].append(f"appliance_engine_frames_total{{{label}}} {stats.frames}")
-        sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.scheduler.queue_depth}")
+        sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.batcher.queue_depth}")
         sections["appliance_live_sequences"].append(f"appliance_live_sequences{{{label}}} {len(model.sequences)}")
     for lines in sections.values():
         out += lines

@@ -2,19 +2,18 @@
 
 Theory of operation. A *sequence* is one live audio stream: its recurrent state rows and the
 last `context_samples` of its audio. A *work* item asks for N frames of one sequence to be run.
-The engine thread repeatedly takes up to `max_batch` works (at most one per sequence: frames of
+The batcher repeatedly takes up to `max_batch` works (at most one per sequence: frames of
 one sequence must run in order), stacks one frame of each into a batch, gathers their state
 rows, runs the engine once, scatters the new state rows back and moves each work one frame on.
 Finished works leave the batch and waiting ones join it between steps, so a stream never waits
 for another stream's long request to finish, and concurrent streams share every engine call.
 
-Nothing here knows about asyncio or sockets: works carry a completion callback, and the
-SequenceTable takes the time as an argument.
+Nothing here knows about asyncio, threads or sockets: works carry a completion callback, the
+Batcher runs one engine call when asked, and the SequenceTable takes the time as an argument.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,14 +80,13 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class Work:
-    """Frames of one sequence to run; `on_done(work, error)` is called from the engine thread."""
+    """Frames of one sequence to run; `on_done(work, error)` is called when they all ran, or failed."""
 
     sequence: Sequence
     frames: np.ndarray
     on_done: Callable[["Work", BaseException | None], None]
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
-    arrived: float = 0.0
 
     def __post_init__(self) -> None:
         self.probs = np.empty(len(self.frames), np.float32)
@@ -142,78 +140,51 @@ class SequenceTable:
 
 
 class EngineStats:
-    """Counters the engine thread bumps and /metrics and the watchdog read."""
+    """Counters the batcher bumps and /metrics and the watchdog read."""
 
     def __init__(self) -> None:
         self.batches = 0
         self.frames = 0
         self.batch_sizes: dict[int, int] = {}
-        self.last_progress = time.monotonic()
 
     def record(self, batch: int) -> None:
         self.batches += 1
         self.frames += batch
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
-        self.last_progress = time.monotonic()
 
 
-class Scheduler:
-    """The engine thread: continuous batching of works up to the baked max_batch."""
+class Batcher:
+    """Continuous batching of works up to the baked max_batch.
 
-    def __init__(self, model: FrameModel, max_batch: int, queue_delay_s: float) -> None:
-        self.model, self.max_batch, self.queue_delay_s = model, max_batch, queue_delay_s
+    The caller drives it (vad.EngineLoop): `submit` works, `fill` the batch from the waiting
+    ones, `run_steps` (engine calls; safe to run on another thread while `submit` goes on),
+    then hand the finished works their results with `finish`.
+    """
+
+    def __init__(self, model: FrameModel, max_batch: int) -> None:
+        self.model, self.max_batch = model, max_batch
         self.stats = EngineStats()
         self._pending: deque[Work] = deque()
         self._active: list[Work] = []
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"engine-{model.spec.name}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Finish what was submitted, then end the thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.ident is not None:
-            self._thread.join()
 
     @property
     def queue_depth(self) -> int:
         return len(self._pending) + len(self._active)
 
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending or self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
     def submit(self, work: Work) -> None:
-        work.arrived = time.monotonic()
-        with self._cond:
-            if self._stopping:
-                raise Unavailable("engine is shutting down")
-            self._pending.append(work)
-            self._cond.notify()
+        self._pending.append(work)
 
-    def _run(self) -> None:
+    def fill(self) -> int:
+        """Move waiting works into the batch (one per sequence, in order); return the batch size."""
         active = self._active
-        while True:
-            with self._cond:
-                if not active:
-                    while not self._pending and not self._stopping:
-                        self._cond.wait()
-                    if not self._pending:
-                        return
-                    self._wait_for_batch()
-                self._take_pending(active)
-            self._step(active)
-
-    def _wait_for_batch(self) -> None:
-        """Triton's max queue delay: give other streams a moment to join an idle engine's first batch."""
-        if self.queue_delay_s <= 0:
-            return
-        deadline = self._pending[0].arrived + self.queue_delay_s
-        while len(self._pending) < self.max_batch and (left := deadline - time.monotonic()) > 0:
-            self._cond.wait(left)
-
-    def _take_pending(self, active: list[Work]) -> None:
         busy = {id(w.sequence) for w in active}
         skipped: list[Work] = []
         while self._pending and len(active) < self.max_batch:
@@ -224,26 +195,42 @@ class Scheduler:
                 active.append(work)
                 busy.add(id(work.sequence))
         self._pending.extendleft(reversed(skipped))
+        return len(active)
 
-    def _step(self, active: list[Work]) -> None:
-        frames = np.stack([w.frames[w.next_frame] for w in active])
-        try:
-            probs = self.model.step([w.sequence for w in active], frames)
-        except Exception as exc:  # an engine failure fails this batch, not the daemon
-            failed = list(active)
-            active.clear()
-            error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
-            for work in failed:
-                work.on_done(work, error)
-            return
-        self.stats.record(len(active))
-        finished = []
-        for work, p in zip(active, probs):
-            work.probs[work.next_frame] = p
-            work.next_frame += 1
-            if work.next_frame == len(work.frames):
-                finished.append(work)
-        if finished:
-            active[:] = [w for w in active if w.next_frame < len(w.frames)]
-            for work in finished:
-                work.on_done(work, None)
+    def run_steps(self, budget_s: float = 0.0) -> list[tuple[Work, BaseException | None]]:
+        """Run engine calls on the current batch until a work finishes, work waits for a free
+        slot, or `budget_s` is spent (one call when 0); return the finished works."""
+        active = self._active
+        deadline = time.perf_counter() + budget_s
+        while active:
+            frames = np.stack([w.frames[w.next_frame] for w in active])
+            try:
+                probs = self.model.step([w.sequence for w in active], frames)
+            except Exception as exc:  # an engine failure fails this batch, not the daemon
+                error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
+                failed = [(w, error) for w in active]
+                active.clear()
+                return failed
+            self.stats.record(len(active))
+            finished: list[tuple[Work, BaseException | None]] = []
+            for work, p in zip(active, probs):
+                work.probs[work.next_frame] = p
+                work.next_frame += 1
+                if work.next_frame == len(work.frames):
+                    finished.append((work, None))
+            if finished:
+                active[:] = [w for w in active if w.next_frame < len(w.frames)]
+                return finished
+            if (self._pending and len(active) < self.max_batch) or time.perf_counter() >= deadline:
+                return finished
+        return []
+
+    @staticmethod
+    def finish(finished: list[tuple[Work, BaseException | None]]) -> None:
+        for work, error in finished:
+            work.on_done(work, error)
+
+    def step(self) -> None:
+        """Fill, run one engine call and finish, all on the caller's thread."""
+        self.fill()
+        self.finish(self.run_steps())

@@ -1,0 +1,223 @@
+"""`appliance bench`: the daemon measured against raw in-process ONNX Runtime, side by side in one run.
+
+Figures: one stream one frame per request (median, p99, overhead over the raw call); 16 concurrent
+streams of 256 ms chunks (frames/s against the raw single-stream rate); a 10-minute recording in
+one call (against the same audio run as one sequence, in-process); the daemon's resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from appliance import firmware
+from appliance.client import AsyncClient, Client
+
+TARGETS = {"overhead_us": 200.0, "streams16_ratio": 1.5, "recording_ratio": 1.5, "rss_mib": 250.0}
+
+
+class RawVad:
+    """The model called the way its own wrapper calls it: one stream, one frame, context and state carried."""
+
+    def __init__(self, model_path: Path, spec: firmware.ModelSpec) -> None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        self.audio = spec.audio
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = np.zeros((2, 1, 128), np.float32)
+        self.context = np.zeros((1, self.audio.context_samples), np.float32)
+        self.sr = np.array(self.audio.sample_rate, np.int64)
+
+    def __call__(self, frame: np.ndarray) -> float:
+        x = np.concatenate([self.context, frame[None, :]], axis=1)
+        out, self.state = self.session.run(None, {"input": x, "state": self.state, "sr": self.sr})
+        self.context = x[:, -self.audio.context_samples:]
+        return float(out[0, 0])
+
+
+def timed(fn: Callable[[], Any], seconds: float) -> list[float]:
+    samples, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def stats_us(samples: list[float]) -> dict[str, float]:
+    arr = np.asarray(samples) * 1e6
+    return {"median_us": round(float(np.median(arr)), 1), "p99_us": round(float(np.percentile(arr, 99)), 1),
+            "count": len(arr)}
+
+
+def test_audio(seconds: float, rate: int) -> np.ndarray:
+    """Speech-like audio without a network: espeak-ng where installed, else noise bursts and silences."""
+    rng = np.random.default_rng(0)
+    try:
+        raw = subprocess.run(["espeak-ng", "--stdout", "The appliance measures its own speed on real speech."],
+                             capture_output=True, check=True).stdout
+        from appliance.audio import decode_wav  # noqa: PLC0415
+        import io, wave  # noqa: E401
+        with wave.open(io.BytesIO(raw)) as w:
+            src_rate, pcm = w.getframerate(), w.readframes(w.getnframes())
+        voice = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+        voice = np.interp(np.arange(int(len(voice) * rate / src_rate)) * src_rate / rate, np.arange(len(voice)), voice)
+        del decode_wav
+    except (OSError, subprocess.CalledProcessError):
+        voice = rng.standard_normal(rate * 2) * 0.2
+    pieces, total = [], 0
+    while total < seconds * rate:
+        gap = np.zeros(int(rate * rng.uniform(0.3, 2.0)))
+        pieces += [voice, gap]
+        total += len(voice) + len(gap)
+    return np.concatenate(pieces)[: int(seconds * rate)].astype(np.float32)
+
+
+class DaemonProcess:
+    def __init__(self, bundle: Path, trusted: Path, workdir: Path) -> None:
+        self.socket = workdir / "api.sock"
+        config = workdir / "bench.toml"
+        config.write_text(f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\n'
+                          f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
+                          '[log]\nlevel = "warning"\n')
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with Client(str(self.socket), timeout=5) as c:
+                    if c.health()["ready"]:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("daemon did not become ready")
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+async def concurrent_streams(socket_path: str, streams: int, chunk: np.ndarray, seconds: float) -> tuple[int, float]:
+    clients = [AsyncClient(socket_path) for _ in range(streams)]
+    for i, c in enumerate(clients):
+        await c.infer(chunk, sequence_id=10_000 + i, start=True)
+    frames, deadline = 0, time.perf_counter() + seconds
+    frames_per_chunk = len(chunk) // 512
+
+    async def run(i: int) -> int:
+        n = 0
+        while time.perf_counter() < deadline:
+            await clients[i].infer(chunk, sequence_id=10_000 + i)
+            n += frames_per_chunk
+        return n
+
+    started = time.perf_counter()
+    counts = await asyncio.gather(*(run(i) for i in range(streams)))
+    elapsed = time.perf_counter() - started
+    for i, c in enumerate(clients):
+        await c.infer(chunk[:512], sequence_id=10_000 + i, end=True)
+        await c.close()
+    frames = sum(counts)
+    return frames, elapsed
+
+
+def main(args: argparse.Namespace) -> int:
+    bundle = firmware.verify(args.bundle, args.trusted_keys)
+    spec = bundle.manifest.models[0]
+    raw = RawVad(bundle.artifact(spec.file), spec)
+    frame_samples, rate = spec.audio.frame_samples, spec.audio.sample_rate
+    rng = np.random.default_rng(1)
+    frame = (rng.standard_normal(frame_samples) * 0.1).astype(np.float32)
+    results: dict[str, Any] = {"firmware": f"{bundle.manifest.name} {bundle.manifest.version}",
+                               "cpu_count": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+        daemon = DaemonProcess(args.bundle, args.trusted_keys, Path(tmp))
+        try:
+            client = Client(str(daemon.socket))
+            client.infer(frame, sequence_id=1, start=True)
+            # 1. one stream, one frame per request: raw and daemon in alternating rounds
+            polling = Client(str(daemon.socket), busy_poll_s=0.005)
+            raw_times, daemon_times, polled_times = [], [], []
+            for _ in range(4):
+                raw_times += timed(lambda: raw(frame), args.seconds / 4)
+                daemon_times += timed(lambda: client.infer(frame, sequence_id=1), args.seconds / 4)
+                polled_times += timed(lambda: polling.infer(frame, sequence_id=1), args.seconds / 4)
+            polling.close()
+            results["raw_one_frame"] = stats_us(raw_times)
+            results["daemon_one_frame"] = stats_us(daemon_times)
+            results["daemon_one_frame_busy_poll"] = stats_us(polled_times)
+            results["overhead_us"] = round(results["daemon_one_frame"]["median_us"] - results["raw_one_frame"]["median_us"], 1)
+            results["overhead_busy_poll_us"] = round(
+                results["daemon_one_frame_busy_poll"]["median_us"] - results["raw_one_frame"]["median_us"], 1)
+            raw_rate = len(raw_times) / sum(raw_times)
+            results["raw_frames_per_s"] = round(raw_rate)
+
+            # 2. sixteen streams of 256 ms chunks
+            chunk = (rng.standard_normal(8 * frame_samples) * 0.1).astype(np.float32)
+            frames, elapsed = asyncio.run(concurrent_streams(str(daemon.socket), 16, chunk, args.seconds))
+            results["streams16_frames_per_s"] = round(frames / elapsed)
+            results["streams16_ratio"] = round(frames / elapsed / raw_rate, 2)
+
+            # 3. a ten-minute recording in one call, against the same audio as one sequence in-process
+            audio = test_audio(600, rate)
+            frames_all = np.zeros((-(-len(audio) // frame_samples), frame_samples), np.float32)
+            frames_all.reshape(-1)[: len(audio)] = audio
+            raw.reset()
+            t = time.perf_counter()
+            for f in frames_all:
+                raw(f)
+            sequential = time.perf_counter() - t
+            t = time.perf_counter()
+            client.infer(audio)
+            sharded = time.perf_counter() - t
+            results["recording_600s"] = {"one_sequence_s": round(sequential, 3), "daemon_sharded_s": round(sharded, 3)}
+            results["recording_ratio"] = round(sequential / sharded, 2)
+            results["rss_mib"] = round(daemon.rss_mib(), 1)
+            client.close()
+        finally:
+            daemon.stop()
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def report(r: dict[str, Any]) -> None:
+    ok = {
+        "overhead_us": r["overhead_us"] <= TARGETS["overhead_us"],
+        "streams16_ratio": r["streams16_ratio"] >= TARGETS["streams16_ratio"],
+        "recording_ratio": r["recording_ratio"] >= TARGETS["recording_ratio"],
+        "rss_mib": r["rss_mib"] < TARGETS["rss_mib"],
+    }
+    mark = {True: "ok", False: "MISSED"}
+    print(f"appliance bench: {r['firmware']} on {r['cpu_count']} CPUs")
+    print(f"  raw ONNX Runtime, 1 frame/call     median {r['raw_one_frame']['median_us']:8.1f} us  p99 {r['raw_one_frame']['p99_us']:8.1f} us  ({r['raw_frames_per_s']} frames/s)")
+    print(f"  daemon, 1 frame/request, binary    median {r['daemon_one_frame']['median_us']:8.1f} us  p99 {r['daemon_one_frame']['p99_us']:8.1f} us")
+    print(f"  overhead (median)                  {r['overhead_us']:8.1f} us   target <= {TARGETS['overhead_us']:.0f} us   {mark[ok['overhead_us']]}")
+    polled = r["daemon_one_frame_busy_poll"]
+    print(f"  same, client busy-polling 5 ms     median {polled['median_us']:8.1f} us  p99 {polled['p99_us']:8.1f} us  overhead {r['overhead_busy_poll_us']:.1f} us")
+    print(f"  16 streams x 256 ms chunks         {r['streams16_frames_per_s']} frames/s = {r['streams16_ratio']}x raw   target >= 1.5x   {mark[ok['streams16_ratio']]}")
+    rec = r["recording_600s"]
+    print(f"  10 min recording, one call         {rec['daemon_sharded_s']} s vs one sequence {rec['one_sequence_s']} s = {r['recording_ratio']}x   target >= 1.5x   {mark[ok['recording_ratio']]}")
+    print(f"  daemon resident memory             {r['rss_mib']} MiB   target < 250 MiB   {mark[ok['rss_mib']]}")
