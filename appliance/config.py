@@ -41,7 +41,7 @@ class FirmwareConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     device: str = "cpu"
-    threads: int = 1
+    threads: int = 2  # intra-op threads for large batches; small ones run on one
     queue_delay_us: int = 0
 
 

@@ -47,7 +47,7 @@ class CountingEngine:
     def __init__(self) -> None:
         self.batches: list[int] = []
 
-    def run(self, feeds):
+    def run(self, feeds, batch):
         state = feeds["state"]
         self.batches.append(state.shape[1])
         frame_mean = feeds["input"][:, 64:].mean(axis=1)
@@ -90,7 +90,7 @@ def test_batcher_batches_streams_and_keeps_each_sequence_in_order() -> None:
 
 def test_batcher_fails_the_batch_when_the_engine_raises() -> None:
     class Broken(CountingEngine):
-        def run(self, feeds):
+        def run(self, feeds, batch):
             raise RuntimeError("device lost")
 
     batcher = Batcher(frame_model(Broken()), max_batch=4)

@@ -13,8 +13,8 @@ from appliance.errors import ApplianceError
 class Engine(Protocol):
     name: str
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the graph once on a batch; feeds and results are keyed by graph tensor name."""
+    def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+        """Run the graph once on a batch of `batch` sequences; feeds and results keyed by tensor name."""
         ...
 
 

@@ -58,7 +58,7 @@ class FrameModel:
         feeds = {audio.audio_input: x, audio.sample_rate_input: self._sample_rate_feed}
         for i, pair in enumerate(self.spec.state):
             feeds[pair.input] = np.stack([s.state[i] for s in sequences], axis=pair.batch_axis)
-        out = self.engine.run(feeds)
+        out = self.engine.run(feeds, batch)
         for i, pair in enumerate(self.spec.state):
             rows = np.moveaxis(out[pair.output], pair.batch_axis, 0)
             for sequence, row in zip(sequences, rows):
