@@ -26,14 +26,16 @@ def _print(doc: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from appliance import config, daemon
+    from appliance import config, daemon, systemd
 
     try:
         cfg = config.load(args.config)
     except ApplianceError as exc:
-        print(f"appliance: start failed: {exc}", file=sys.stderr)
+        daemon.configure_logging("info")
+        daemon.log.error("start failed: %s", exc)
+        systemd.status(f"start failed: {exc}")
         return daemon.EXIT_START_FAILED
-    return daemon.run(cfg)
+    return daemon.run(cfg, args.config)
 
 
 def cmd_call(args: argparse.Namespace) -> int:

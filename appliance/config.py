@@ -177,6 +177,26 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: vad.threshold: must be between 0 and 1")
 
 
+# What SIGHUP can change in a running daemon; every other key needs a restart.
+LIVE_KEYS = frozenset({
+    "server.max_body_bytes", "server.max_header_bytes", "server.max_connections", "server.shutdown_grace_s",
+    "engine.queue_delay_us", "sequences.idle_timeout_s", "sequences.max_live",
+    "vad.threshold", "vad.min_speech_ms", "vad.min_silence_ms", "vad.speech_pad_ms", "log.level",
+})
+
+
+def changed_keys(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """(keys that changed and apply live, keys that changed and need a restart)."""
+    live, restart = [], []
+    for section in _SECTIONS:
+        before, after = dataclasses.asdict(getattr(old, section)), dataclasses.asdict(getattr(new, section))
+        for key in before:
+            if before[key] != after[key]:
+                name = f"{section}.{key}"
+                (live if name in LIVE_KEYS else restart).append(name)
+    return live, restart
+
+
 def to_toml(config: Config) -> str:
     """The merged config as TOML, for `appliance config check`."""
     lines = [f"# merged from: {', '.join(str(p) for p in config.sources) or 'defaults only'}"]

@@ -1,25 +1,28 @@
-"""The daemon: verify firmware, load engines, warm up, bind the socket, serve, shut down gracefully.
+"""The daemon: verify firmware, load engines, warm up, bind the socket, serve, reload, stop gracefully.
 
-Start-up failures (bad config, a bundle that does not verify, a socket in use) print one line
-naming the file and the reason and exit with EXIT_START_FAILED.
+Start-up failures (bad config, a bundle that does not verify, a socket in use) log one line
+naming the file and the reason, tell systemd in STATUS=, and exit with EXIT_START_FAILED.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import logging
 import os
 import signal
 import socket
 import stat
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from appliance import firmware
+from appliance import config as config_files
+from appliance import firmware, systemd
 from appliance.api.core import Api
 from appliance.config import Config, ServerConfig
 from appliance.engine import load_engine
@@ -31,6 +34,7 @@ log = logging.getLogger("appliance")
 
 EXIT_START_FAILED = 3
 EXPIRY_INTERVAL_S = 1.0
+STATUS_INTERVAL_S = 5.0
 
 
 def load_models(config: Config, bundle: firmware.Bundle) -> dict[str, VadModel]:
@@ -45,11 +49,11 @@ def load_models(config: Config, bundle: firmware.Bundle) -> dict[str, VadModel]:
     return models
 
 
-async def warm_up(model: VadModel) -> None:
-    """One real inference per model before the daemon calls itself ready."""
-    probs = await model.infer_recording(np.zeros(model.frames.frame_samples * 4, np.float32))
+async def probe(model: VadModel) -> None:
+    """One real inference: the warm-up before ready, and the watchdog's proof that the engine works."""
+    probs = await model.infer_recording(np.zeros(model.frames.frame_samples * 2, np.float32))
     if not np.all(np.isfinite(probs)):
-        raise ApplianceError(f"model {model.name}: warm-up inference returned non-finite values")
+        raise ApplianceError(f"model {model.name}: probe inference returned non-finite values")
 
 
 def bind_unix_socket(server: ServerConfig) -> socket.socket:
@@ -58,14 +62,14 @@ def bind_unix_socket(server: ServerConfig) -> socket.socket:
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise ApplianceError(f"{path}: exists and is not a socket; refusing to replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            probe.connect(str(path))
+            probe_socket.connect(str(path))
             raise ApplianceError(f"{path}: another daemon is already serving on this socket")
         except (ConnectionRefusedError, FileNotFoundError):
             path.unlink(missing_ok=True)  # stale socket of a daemon that died
         finally:
-            probe.close()
+            probe_socket.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
     os.chmod(path, int(server.socket_mode, 8))
@@ -81,46 +85,98 @@ def bind_unix_socket(server: ServerConfig) -> socket.socket:
     return sock
 
 
+class FirmwareField(logging.Filter):
+    """Adds FIRMWARE to every record, for the journal's structured fields."""
+
+    firmware = "-"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.FIRMWARE = self.firmware
+        return True
+
+
+FIRMWARE_FIELD = FirmwareField()
+
+
+def configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    if systemd.stderr_is_journal():
+        handler = systemd.journal_handler(FIRMWARE_FIELD.firmware)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("appliance: %(levelname)s: %(message)s"))
+    handler.addFilter(FIRMWARE_FIELD)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
 class Daemon:
-    def __init__(self, config: Config) -> None:
-        self.config = config
+    def __init__(self, config: Config, config_paths: list[Path] | None) -> None:
+        self.config, self.config_paths = config, config_paths
         self.stopping = asyncio.Event()
         self.api: Api | None = None
         self.http: Http1Server | None = None
         self.models: dict[str, VadModel] = {}
+        self.owns_socket = True
+        self.manifest: firmware.Manifest | None = None
 
+    # --- start ---
     async def start(self) -> asyncio.base_events.Server:
         config = self.config
         bundle = firmware.verify(config.firmware.bundle, config.firmware.trusted_keys)
-        manifest = bundle.manifest
+        self.manifest = manifest = bundle.manifest
+        FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
         self.models = load_models(config, bundle)
         for model in self.models.values():
             model.start()
-            await warm_up(model)
+            await probe(model)
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, config.vad)
-        limits = Limits(config.server.max_body_bytes, config.server.max_header_bytes, config.server.max_connections)
-        self.http = Http1Server(self.api, limits)
-        sock = bind_unix_socket(config.server)
+        self.http = Http1Server(self.api, self._limits(config))
+        sock = systemd.listen_unix_socket()
+        self.owns_socket = sock is None
+        if sock is None:
+            sock = bind_unix_socket(config.server)
         server = await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock)
         self.api.ready = True
-        log.info("ready: serving %s on %s", ", ".join(self.models), config.server.socket)
+        where = sock.getsockname() or config.server.socket
+        log.info("ready: serving %s on %s%s", ", ".join(self.models), where,
+                 "" if self.owns_socket else " (socket from systemd)")
+        systemd.ready(self.status_text())
         return server
 
+    @staticmethod
+    def _limits(config: Config) -> Limits:
+        return Limits(config.server.max_body_bytes, config.server.max_header_bytes, config.server.max_connections)
+
+    def status_text(self, rate: float | None = None) -> str:
+        assert self.manifest is not None
+        engines = ", ".join(sorted({m.engine_name for m in self.models.values()}))
+        text = f"firmware {self.manifest.name} {self.manifest.version}, engine {engines}"
+        return text if rate is None else f"{text}, {rate:.1f} req/s"
+
+    # --- run ---
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             server = await self.start()
         except BaseException:
             await self._stop_models()
             raise
-        expiry = loop.create_task(self._expire_idle_sequences())
+        # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
+        tasks = [loop.create_task(self._expire_idle_sequences()), loop.create_task(self._report_status())]
+        if (interval := systemd.watchdog_interval()) is not None:
+            tasks.append(loop.create_task(self._watchdog(interval)))
         await self.stopping.wait()
-        expiry.cancel()
         await self.shutdown(server)
+        for task in tasks:
+            task.cancel()
         return 0
 
     async def _expire_idle_sequences(self) -> None:
@@ -128,25 +184,91 @@ class Daemon:
             await asyncio.sleep(EXPIRY_INTERVAL_S)
             for model in self.models.values():
                 if count := model.expire_idle():
-                    log.info("model %s: %d idle sequences expired", model.name, count)
+                    log.info("model %s: %d idle sequences expired", model.name, count, extra={"MODEL": model.name})
 
-    async def shutdown(self, server: asyncio.base_events.Server) -> None:
-        """Stop accepting, let accepted requests finish within the grace time, then stop."""
+    async def _report_status(self) -> None:
+        assert self.api is not None
+        last_count, last_time = self.api.metrics.total_requests, time.monotonic()
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            count, now = self.api.metrics.total_requests, time.monotonic()
+            systemd.status(self.status_text((count - last_count) / (now - last_time)))
+            last_count, last_time = count, now
+
+    async def _watchdog(self, interval: float) -> None:
+        """Ping only when every engine just completed a real inference: a wedged engine stops the pings."""
+        log.info("watchdog: probing the engines every %.2f s", interval)
+        while True:
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(asyncio.gather(*(probe(m) for m in self.models.values())), interval)
+            except (TimeoutError, asyncio.TimeoutError):
+                log.error("watchdog: an engine did not complete a probe within %.2f s; withholding the ping", interval)
+                continue  # the probes stay queued: a recovering engine answers them and pings resume
+            except ApplianceError as exc:
+                log.error("watchdog: %s; withholding the ping", exc)
+            else:
+                systemd.watchdog_ping()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    # --- reload ---
+    def reload(self) -> None:
+        """SIGHUP: re-read config, apply what can change live, report what needs a restart."""
+        systemd.reloading()
+        try:
+            new = config_files.load(self.config_paths)
+        except ApplianceError as exc:
+            log.error("reload failed, keeping the running config: %s", exc)
+            systemd.ready(f"{self.status_text()}; last reload failed: {exc}")
+            return
+        live, restart = config_files.changed_keys(self.config, new)
+        applied = dataclasses.replace(self.config, **{
+            "server": dataclasses.replace(new.server, socket=self.config.server.socket,
+                                          socket_mode=self.config.server.socket_mode,
+                                          socket_group=self.config.server.socket_group),
+            "sequences": new.sequences, "vad": new.vad, "log": new.log,
+            "engine": dataclasses.replace(self.config.engine, queue_delay_us=new.engine.queue_delay_us),
+        })
+        self.apply(applied)
+        if live:
+            log.info("reload: applied %s", ", ".join(live))
+        if restart:
+            log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
+        note = f"; needs restart for {', '.join(restart)}" if restart else ""
+        systemd.ready(self.status_text() + note)
+
+    def apply(self, config: Config) -> None:
         assert self.api is not None and self.http is not None
-        log.info("stopping: %d requests in flight", self.http.in_flight)
-        self.api.ready = False
+        self.config = config
+        logging.getLogger().setLevel(config.log.level.upper())
+        self.api.vad_defaults = config.vad
+        self.http.limits = self._limits(config)
+        for model in self.models.values():
+            model.sequences.max_live = config.sequences.max_live
+            model.sequences.idle_timeout_s = config.sequences.idle_timeout_s
+            model.engine_loop.queue_delay_s = config.engine.queue_delay_us / 1e6
+
+    # --- stop ---
+    async def shutdown(self, server: asyncio.base_events.Server) -> None:
+        """Stop accepting; let accepted requests and open sequences finish within the grace time."""
+        assert self.api is not None and self.http is not None
+        http, api = self.http, self.api
+        live = lambda: sum(len(m.sequences) for m in self.models.values())  # noqa: E731
+        log.info("stopping: %d requests in flight, %d sequences open", http.in_flight, live())
+        systemd.stopping(f"stopping: {http.in_flight} requests in flight, {live()} sequences open")
+        api.ready = False
+        api.draining = True
         server.close()
-        self.http.close_idle()
         deadline = time.monotonic() + self.config.server.shutdown_grace_s
-        while self.http.in_flight and time.monotonic() < deadline:
+        while (http.in_flight or live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self.http.in_flight:
-            log.warning("grace time over: %d requests abandoned", self.http.in_flight)
-        for connection in list(self.http.connections):
-            connection.close()
+        if http.in_flight or live():
+            log.warning("grace time over: %d requests and %d sequences abandoned", http.in_flight, live())
+        http.close_all()
         await self._stop_models()
-        with contextlib.suppress(FileNotFoundError):
-            Path(self.config.server.socket).unlink()
+        if self.owns_socket:
+            with contextlib.suppress(FileNotFoundError):
+                Path(self.config.server.socket).unlink()
         log.info("stopped")
 
     async def _stop_models(self) -> None:
@@ -154,14 +276,11 @@ class Daemon:
             await model.stop()
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="appliance: %(levelname)s: %(message)s")
-
-
-def run(config: Config) -> int:
+def run(config: Config, config_paths: list[Path] | None) -> int:
     configure_logging(config.log.level)
     try:
-        return asyncio.run(Daemon(config).run())
+        return asyncio.run(Daemon(config, config_paths).run())
     except ApplianceError as exc:
         log.error("start failed: %s", exc)
+        systemd.status(f"start failed: {exc}")
         return EXIT_START_FAILED

@@ -65,7 +65,7 @@ class Daemon:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.config.write_text(
-            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\n'
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + extra
         )
         self.log = workdir / "daemon.log"

@@ -72,6 +72,7 @@ class Api:
         self.manifest, self.models, self.vad_defaults = manifest, models, vad_defaults
         self.metrics = prometheus.Metrics()
         self.ready = False
+        self.draining = False  # shutting down: open sequences may finish, nothing new starts
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self._routes: list[tuple[str, re.Pattern[str], str, Handler]] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
@@ -187,6 +188,8 @@ class Api:
         infer = decode_infer(request.body, request.headers.get(HEADER_LENGTH))
         samples = _audio_input(infer, model)
         sequence = _sequence_parameters(infer.parameters)
+        if self.draining and (sequence is None or sequence[1]):
+            raise Unavailable("shutting down: only open sequences are served")
         if sequence is None:
             probs = await model.infer_recording(samples)
             out_params: dict[str, Any] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Mapping, Protocol
 
@@ -18,9 +20,27 @@ class Engine(Protocol):
         ...
 
 
-def load_engine(device: str, model_path: Path, threads: int) -> Engine:
-    if device == "cpu":
-        from appliance.engine.onnx_cpu import OnnxCpuEngine
+# Failpoint for the watchdog tests: while this file exists, engine calls stall the way a wedged
+# driver call would. Read from the environment only, never from config.
+HANG_FAILPOINT = "APPLIANCE_FAILPOINT_ENGINE_HANG"
 
-        return OnnxCpuEngine(model_path, threads)
-    raise ApplianceError(f"engine.device: no engine for {device!r}")
+
+class _StallWhenFilePresent:
+    def __init__(self, engine: Engine, trigger: Path) -> None:
+        self.engine, self.trigger, self.name = engine, trigger, engine.name
+
+    def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+        while self.trigger.exists():
+            time.sleep(0.05)
+        return self.engine.run(feeds, batch)
+
+
+def load_engine(device: str, model_path: Path, threads: int) -> Engine:
+    if device != "cpu":
+        raise ApplianceError(f"engine.device: no engine for {device!r}")
+    from appliance.engine.onnx_cpu import OnnxCpuEngine
+
+    engine: Engine = OnnxCpuEngine(model_path, threads)
+    if trigger := os.environ.get(HANG_FAILPOINT):
+        engine = _StallWhenFilePresent(engine, Path(trigger))
+    return engine

@@ -43,7 +43,6 @@ class Http1Server:
     def __init__(self, api: Api, limits: Limits) -> None:
         self.api, self.limits = api, limits
         self.connections: set[HttpConnection] = set()
-        self.accepting = True
 
     def protocol(self) -> "HttpConnection":
         return HttpConnection(self)
@@ -52,12 +51,9 @@ class Http1Server:
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.connections)
 
-    def close_idle(self) -> None:
-        """Shutdown: stop accepting requests; close connections with nothing in flight."""
-        self.accepting = False
+    def close_all(self) -> None:
         for connection in list(self.connections):
-            if not connection.in_flight:
-                connection.close()
+            connection.close()
 
 
 class HttpConnection(asyncio.Protocol):
@@ -140,8 +136,6 @@ class HttpConnection(asyncio.Protocol):
                 response = await self.server.api.handle(request)
                 if self.transport.is_closing():
                     return
-                # while shutting down, answer what was accepted, then close
-                keep_alive = keep_alive and (self.server.accepting or bool(self.queue))
                 self.transport.write(encode_response(response, keep_alive))
                 if not keep_alive:
                     self.transport.close()

@@ -1,0 +1,78 @@
+"""What the daemon says to and takes from systemd: readiness, status, watchdog, sockets, journal.
+
+Every function is a no-op outside systemd (no NOTIFY_SOCKET, no LISTEN_FDS, no JOURNAL_STREAM),
+so the same daemon runs in a terminal, under systemd-socket-activate and as a unit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+try:  # Debian's python3-systemd, seen through the venv's system site packages
+    from systemd import daemon as sd_daemon
+    from systemd import journal as sd_journal
+except ImportError:  # pragma: no cover - a machine without python3-systemd
+    sd_daemon = sd_journal = None
+
+
+def notify(*lines: str) -> None:
+    if sd_daemon is not None and os.environ.get("NOTIFY_SOCKET"):
+        sd_daemon.notify("\n".join(lines))
+
+
+def ready(status: str) -> None:
+    notify("READY=1", f"STATUS={status}")
+
+
+def status(text: str) -> None:
+    notify(f"STATUS={text}")
+
+
+def stopping(text: str) -> None:
+    notify("STOPPING=1", f"STATUS={text}")
+
+
+def reloading() -> None:
+    notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+           "STATUS=reloading config")
+
+
+def watchdog_ping() -> None:
+    notify("WATCHDOG=1")
+
+
+def watchdog_interval() -> float | None:
+    """Seconds between pings (half of WATCHDOG_USEC), or None when systemd wants none from us."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and int(pid) != os.getpid()):
+        return None
+    return int(usec) / 2e6
+
+
+def listen_unix_socket() -> socket.socket | None:
+    """The stream Unix socket systemd handed us (socket activation), or None to bind our own."""
+    if sd_daemon is None:
+        return None
+    for fd in sd_daemon.listen_fds(unset_environment=True):
+        if sd_daemon.is_socket_unix(fd, socket.SOCK_STREAM, 1):
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            return sock
+    return None
+
+
+def stderr_is_journal() -> bool:
+    stream = os.environ.get("JOURNAL_STREAM")
+    if not stream or sd_journal is None:
+        return False
+    st = os.fstat(2)
+    return stream == f"{st.st_dev}:{st.st_ino}"
+
+
+def journal_handler(firmware: str) -> logging.Handler:
+    """Structured records: PRIORITY from the level, FIRMWARE always, MODEL and REQUEST_ID when given."""
+    return sd_journal.JournalHandler(SYSLOG_IDENTIFIER="appliance", FIRMWARE=firmware)
