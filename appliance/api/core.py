@@ -72,7 +72,7 @@ class Api:
         self.manifest, self.models, self.vad_defaults = manifest, models, vad_defaults
         self.metrics = prometheus.Metrics()
         self.ready = False
-        self.draining = False  # shutting down: open sequences may finish, nothing new starts
+        self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self._routes: list[tuple[str, re.Pattern[str], str, Handler]] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
@@ -111,6 +111,10 @@ class Api:
             response = error_response(500, "internal error (logged)")
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
         return response
+
+    def keep_connections(self) -> bool:
+        """While draining, a connection stays open only as long as some sequence may still stream on it."""
+        return not self.draining or any(len(m.sequences) for m in self.models.values())
 
     # --- metadata and health ----------------------------------------------------------------------
 
@@ -188,8 +192,8 @@ class Api:
         infer = decode_infer(request.body, request.headers.get(HEADER_LENGTH))
         samples = _audio_input(infer, model)
         sequence = _sequence_parameters(infer.parameters)
-        if self.draining and (sequence is None or sequence[1]):
-            raise Unavailable("shutting down: only open sequences are served")
+        if self.draining and sequence is not None and sequence[1]:
+            raise Unavailable("shutting down: no new sequences; open ones may finish")
         if sequence is None:
             probs = await model.infer_recording(samples)
             out_params: dict[str, Any] = {}

@@ -136,6 +136,7 @@ class HttpConnection(asyncio.Protocol):
                 response = await self.server.api.handle(request)
                 if self.transport.is_closing():
                     return
+                keep_alive = keep_alive and (self.server.api.keep_connections() or bool(self.queue))
                 self.transport.write(encode_response(response, keep_alive))
                 if not keep_alive:
                     self.transport.close()
