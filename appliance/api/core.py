@@ -89,7 +89,8 @@ class Api:
     async def handle(self, request: Request) -> Response:
         started = time.perf_counter()
         url = urlsplit(request.target)
-        endpoint, response = "unknown", None
+        endpoint, params = "unknown", {}
+        response: Response
         try:
             for method, pattern, name, handler in self._routes:
                 match = pattern.fullmatch(url.path)
@@ -107,10 +108,19 @@ class Api:
         except ApiError as exc:
             response = error_response(exc.status, exc.message)
         except Exception:
-            log.exception("request %s %s failed", request.method, url.path)
+            log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
             response = error_response(500, "internal error (logged)")
+        if response.status >= 400:  # the client's mistakes at debug level; ours are errors
+            log.log(logging.ERROR if response.status >= 500 else logging.DEBUG, "%s %s: %d %s", request.method,
+                    url.path, response.status, response.body[:200].decode("utf-8", "replace"),
+                    extra=self._log_fields(request, params))
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
         return response
+
+    @staticmethod
+    def _log_fields(request: Request, params: dict[str, str]) -> dict[str, str]:
+        """Structured journal fields: which model, which request (the caller's x-request-id)."""
+        return {"MODEL": params.get("model", "-"), "REQUEST_ID": request.headers.get("x-request-id", "-")}
 
     def keep_connections(self) -> bool:
         """While draining, a connection stays open only as long as some sequence may still stream on it."""
