@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import wave
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,18 +69,15 @@ def stats_us(samples: list[float]) -> dict[str, float]:
 
 
 def test_audio(seconds: float, rate: int) -> np.ndarray:
-    """Speech-like audio without a network: espeak-ng where installed, else noise bursts and silences."""
+    """Speech-like audio without a network: espeak-ng where installed, else noise bursts; random pauses."""
     rng = np.random.default_rng(0)
     try:
         raw = subprocess.run(["espeak-ng", "--stdout", "The appliance measures its own speed on real speech."],
                              capture_output=True, check=True).stdout
-        from appliance.audio import decode_wav  # noqa: PLC0415
-        import io, wave  # noqa: E401
         with wave.open(io.BytesIO(raw)) as w:
             src_rate, pcm = w.getframerate(), w.readframes(w.getnframes())
         voice = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
         voice = np.interp(np.arange(int(len(voice) * rate / src_rate)) * src_rate / rate, np.arange(len(voice)), voice)
-        del decode_wav
     except (OSError, subprocess.CalledProcessError):
         voice = rng.standard_normal(rate * 2) * 0.2
     pieces, total = [], 0

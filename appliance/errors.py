@@ -26,14 +26,6 @@ class NotFound(ApiError):
     status = 404
 
 
-class Conflict(ApiError):
-    status = 409
-
-
-class PayloadTooLarge(ApiError):
-    status = 413
-
-
 class TooManyRequests(ApiError):
     status = 429
 
