@@ -39,9 +39,12 @@ def install(rootfs: Path, bundle: Path, keys: Keys) -> None:
         shutil.copy(ROOT / "image" / name, units / name)
     dropin = units / "appliance.service.d"
     dropin.mkdir(exist_ok=True)
+    # The checkout is mounted where the image installs the appliance; its venv's scripts name the
+    # checkout's own path, so run the venv's python on the mounted package instead.
     (dropin / "test.conf").write_text(
         "[Service]\nExecStart=\n"
-        f"ExecStart={ROOT}/.venv/bin/appliance run\n"
+        "ExecStart=/opt/appliance/.venv/bin/python -m appliance run\n"
+        "Environment=PYTHONPATH=/opt/appliance\n"
         "WatchdogSec=2\n"
         "Environment=APPLIANCE_FAILPOINT_ENGINE_HANG=/run/appliance-hang\n"
     )
@@ -66,7 +69,7 @@ def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_pat
     out.mkdir()
     boot = subprocess.run(
         ["systemd-nspawn", "-q", "-D", str(rootfs), "--boot", "--register=no", "--keep-unit", "--pipe",
-         f"--bind-ro={ROOT}", f"--bind-ro={ROOT / 'tests' / 'pid1'}:/selftest", f"--bind={out}:/out",
+         f"--bind-ro={ROOT}:/opt/appliance", f"--bind-ro={ROOT / 'tests' / 'pid1'}:/selftest", f"--bind={out}:/out",
          "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN"],
         capture_output=True, text=True, timeout=600)
     text = (out / "result.txt").read_text() if (out / "result.txt").exists() else ""
