@@ -162,6 +162,7 @@ def main(args: argparse.Namespace) -> int:
                 raw_times += timed(lambda: raw(frame), args.seconds / 4)
                 daemon_times += timed(lambda: client.infer(frame, sequence_id=1), args.seconds / 4)
                 polled_times += timed(lambda: polling.infer(frame, sequence_id=1), args.seconds / 4)
+            polling.infer(frame, sequence_id=1, end=True)  # an open sequence would hold the daemon's stop
             polling.close()
             results["raw_one_frame"] = stats_us(raw_times)
             results["daemon_one_frame"] = stats_us(daemon_times)
