@@ -52,7 +52,8 @@ def _call(args: argparse.Namespace) -> int:
     from appliance.audio import decode_wav
     from appliance.client import Client
 
-    with Client(args.socket) as client:
+    client = Client(quic=args.quic, cafile=args.cafile) if args.quic else Client(args.socket)
+    with client:
         if args.what == "health":
             health = client.health()
             _print(health)
@@ -112,6 +113,17 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tls(args: argparse.Namespace) -> int:
+    from appliance.tls import init_self_signed
+
+    if args.cert.exists() and not args.force:
+        print(f"{args.cert} exists (use --force to replace it)")
+        return 0
+    fingerprint = init_self_signed(args.cert, args.key, args.name)
+    print(f"certificate {args.cert}, key {args.key}, sha256 fingerprint {fingerprint}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from appliance.bench import main as bench
 
@@ -131,6 +143,8 @@ def parser() -> argparse.ArgumentParser:
     call.add_argument("args", nargs="*")
     call.add_argument("--socket", default=default_socket())
     call.add_argument("--model", default="silero_vad")
+    call.add_argument("--quic", metavar="HOST:PORT", help="call over QUIC/HTTP3 instead of the Unix socket")
+    call.add_argument("--cafile", help="pinned server certificate or CA file for --quic")
     call.set_defaults(func=cmd_call)
 
     fw = sub.add_parser("firmware", help="build, verify or inspect a firmware bundle")
@@ -157,6 +171,15 @@ def parser() -> argparse.ArgumentParser:
     check = cfg_sub.add_parser("check")
     check.add_argument("--config", type=Path, action="append")
     cfg.set_defaults(func=cmd_config)
+
+    tls = sub.add_parser("tls", help="TLS material for the QUIC listener, made offline")
+    tls_sub = tls.add_subparsers(dest="action", required=True)
+    init = tls_sub.add_parser("init", help="make a self-signed certificate and key for this box")
+    init.add_argument("--cert", type=Path, default=Path("/etc/appliance/tls/cert.pem"))
+    init.add_argument("--key", type=Path, default=Path("/etc/appliance/tls/key.pem"))
+    init.add_argument("--name", action="append", default=[], help="extra DNS name or IP address (repeatable)")
+    init.add_argument("--force", action="store_true")
+    tls.set_defaults(func=cmd_tls)
 
     bench = sub.add_parser("bench", help="benchmark the daemon against raw ONNX Runtime, side by side")
     bench.add_argument("--bundle", type=Path, default=Path("build/firmware/default"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,14 +113,14 @@ def segments_call(model: str, wav: bytes, **params: float) -> Call:
     return Call("POST", f"/v2/models/{model}/segments{query}", wav, (("content-type", "audio/wav"),))
 
 
-class Client:
-    """Blocking client; one keep-alive connection, reopened if the daemon closed it.
+class UnixTransport:
+    """HTTP/1.1 on the Unix socket; one keep-alive connection, reopened if the daemon closed it.
 
     `busy_poll_s`: spin on the socket this long before sleeping in recv. A latency-critical
     on-box app trades a core for the wake-up of a sleeping CPU (tens of microseconds in a VM).
     """
 
-    def __init__(self, socket_path: str, timeout: float = 120.0, busy_poll_s: float = 0.0) -> None:
+    def __init__(self, socket_path: str, timeout: float, busy_poll_s: float = 0.0) -> None:
         self.socket_path, self.timeout, self.busy_poll_s = socket_path, timeout, busy_poll_s
         self._sock: socket.socket | None = None
         self._reader = ResponseReader()
@@ -129,14 +130,7 @@ class Client:
             self._sock.close()
             self._sock = None
 
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def send(self, call: Call) -> HttpResponse:
-        """Send one call and return the raw response, whatever its status."""
         if self._sock is None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._sock.settimeout(self.timeout)
@@ -174,6 +168,55 @@ class Client:
                 reader.feed(data)
         finally:
             sock.settimeout(self.timeout)
+
+
+class QuicTransport:
+    """HTTP/3 to HOST:PORT on a private event loop thread, so blocking callers can use it."""
+
+    def __init__(self, address: str, cafile: str | None, timeout: float) -> None:
+        from appliance.quic_client import QuicSession  # aioquic is only needed by QUIC callers
+
+        self.timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="quic-client", daemon=True)
+        self._thread.start()
+        self._session = QuicSession(address, cafile)
+
+    def send(self, call: Call) -> HttpResponse:
+        future = asyncio.run_coroutine_threadsafe(self._session.send(call), self._loop)
+        return future.result(self.timeout)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(self.timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+
+class Client:
+    """Blocking client over the Unix socket (`Client(path)`) or QUIC (`Client(quic="host:port")`)."""
+
+    def __init__(self, socket_path: str | None = None, timeout: float = 120.0, busy_poll_s: float = 0.0,
+                 quic: str | None = None, cafile: str | None = None) -> None:
+        self.transport: UnixTransport | QuicTransport
+        if quic is not None:
+            self.transport = QuicTransport(quic, cafile, timeout)
+        elif socket_path is not None:
+            self.transport = UnixTransport(socket_path, timeout, busy_poll_s)
+        else:
+            raise ValueError("Client needs a socket path or quic='host:port'")
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, call: Call) -> HttpResponse:
+        """Send one call and return the raw response, whatever its status."""
+        return self.transport.send(call)
 
     def get(self, path: str) -> Any:
         return checked(self.send(Call("GET", path))).json()

@@ -33,6 +33,20 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class QuicConfig:
+    """The HTTP/3 listener for LAN clients; TLS certificate and key from local files."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 4433
+    certificate: Path = Path("/etc/appliance/tls/cert.pem")
+    private_key: Path = Path("/etc/appliance/tls/key.pem")
+    idle_timeout_s: float = 30.0
+    max_connections: int = 256
+    retry: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class FirmwareConfig:
     bundle: Path = Path("/var/lib/appliance/firmware/current")
     trusted_keys: Path = Path("/etc/appliance/trusted-keys")
@@ -69,6 +83,7 @@ class LogConfig:
 @dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
+    quic: QuicConfig = field(default_factory=QuicConfig)
     firmware: FirmwareConfig = field(default_factory=FirmwareConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
@@ -166,11 +181,14 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: server.socket_mode: {config.server.socket_mode!r} is not an octal mode like '0660'")
     positive = {"server.max_body_bytes": config.server.max_body_bytes, "server.max_header_bytes": config.server.max_header_bytes,
                 "server.max_connections": config.server.max_connections,
-                "server.shutdown_grace_s": config.server.shutdown_grace_s, "engine.threads": config.engine.threads,
+                "server.shutdown_grace_s": config.server.shutdown_grace_s, "quic.idle_timeout_s": config.quic.idle_timeout_s,
+                "quic.max_connections": config.quic.max_connections, "engine.threads": config.engine.threads,
                 "sequences.max_live": config.sequences.max_live, "sequences.idle_timeout_s": config.sequences.idle_timeout_s}
     for key, value in positive.items():
         if value <= 0:
             raise ApplianceError(f"{source}: {key}: must be positive, got {value}")
+    if not 0 < config.quic.port < 65536:
+        raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if not 0.0 < config.vad.threshold < 1.0:

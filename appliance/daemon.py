@@ -18,6 +18,7 @@ import stat
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from appliance.config import Config, ServerConfig
 from appliance.engine import load_engine
 from appliance.errors import ApplianceError
 from appliance.transport.http1 import Http1Server, Limits
+
+if TYPE_CHECKING:
+    from appliance.transport.h3 import H3Server
 from appliance.vad import VadModel
 
 log = logging.getLogger("appliance")
@@ -118,6 +122,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.api: Api | None = None
         self.http: Http1Server | None = None
+        self.h3: H3Server | None = None
         self.models: dict[str, VadModel] = {}
         self.owns_socket = True
         self.manifest: firmware.Manifest | None = None
@@ -141,6 +146,16 @@ class Daemon:
         if sock is None:
             sock = bind_unix_socket(config.server)
         server = await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock)
+        if config.quic.enabled:
+            from appliance.transport.h3 import H3Server  # aioquic is loaded only where QUIC serves
+
+            self.h3 = H3Server(self.api, self.http.limits, config.quic)
+            try:
+                await self.h3.start()
+            except (OSError, ValueError) as exc:
+                raise ApplianceError(f"quic: cannot listen on {config.quic.host}:{config.quic.port} with "
+                                     f"{config.quic.certificate}: {exc}") from None
+            log.info("quic: HTTP/3 on %s:%d", config.quic.host, self.h3.port)
         self.api.ready = True
         where = sock.getsockname() or config.server.socket
         log.info("ready: serving %s on %s%s", ", ".join(self.models), where,
@@ -259,12 +274,15 @@ class Daemon:
         api.ready = False
         api.draining = True
         server.close()
+        in_flight = lambda: http.in_flight + (self.h3.in_flight if self.h3 else 0)  # noqa: E731
         deadline = time.monotonic() + self.config.server.shutdown_grace_s
-        while (http.in_flight or live()) and time.monotonic() < deadline:
+        while (in_flight() or live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if http.in_flight or live():
-            log.warning("grace time over: %d requests and %d sequences abandoned", http.in_flight, live())
+        if in_flight() or live():
+            log.warning("grace time over: %d requests and %d sequences abandoned", in_flight(), live())
         http.close_all()
+        if self.h3 is not None:
+            self.h3.close()
         await self._stop_models()
         if self.owns_socket:
             with contextlib.suppress(FileNotFoundError):

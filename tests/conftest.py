@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,15 +58,33 @@ def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_bundle(keys, tmp_path_factory.mktemp("fw") / "default")
 
 
-class Daemon:
-    """`appliance run` as a child process with its own config and socket."""
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "") -> None:
+
+@pytest.fixture(scope="session")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("tls")
+    cli("tls", "init", "--cert", base / "cert.pem", "--key", base / "key.pem")
+    return base / "cert.pem", base / "key.pem"
+
+
+class Daemon:
+    """`appliance run` as a child process with its own config, Unix socket and (with tls) QUIC port."""
+
+    def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "",
+                 tls: tuple[Path, Path] | None = None) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
+        self.quic_port = free_udp_port() if tls else None
+        quic = (f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
+                f'private_key = "{tls[1]}"\n') if tls else ""
+        self.cafile = str(tls[0]) if tls else None
         self.config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n'
-            f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + extra
+            f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"
         self.proc = subprocess.Popen([*APPLIANCE, "run", "--config", str(self.config)], cwd=ROOT,
@@ -86,7 +105,9 @@ class Daemon:
             time.sleep(0.05)
         raise AssertionError(f"daemon not ready in {timeout} s: {self.log.read_text()}")
 
-    def client(self) -> Client:
+    def client(self, transport: str = "unix") -> Client:
+        if transport == "quic":
+            return Client(quic=f"127.0.0.1:{self.quic_port}", cafile=self.cafile, timeout=60)
         return Client(str(self.socket))
 
     def stop(self) -> int:
@@ -123,13 +144,14 @@ def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, bundle: Path):
-    d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted).wait_ready()
+def daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, bundle: Path, tls):
+    d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, tls=tls).wait_ready()
     yield d
     assert d.stop() == 0, d.log.read_text()
 
 
-@pytest.fixture(scope="module")
-def client(daemon: Daemon):
-    with daemon.client() as c:
+@pytest.fixture(scope="module", params=["unix", "quic"])
+def client(request: pytest.FixtureRequest, daemon: Daemon):
+    """One contract, two transports: every test that takes `client` runs over both."""
+    with daemon.client(request.param) as c:
         yield c

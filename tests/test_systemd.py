@@ -194,7 +194,7 @@ def test_sighup_applies_a_changed_setting_on_open_connections(activate) -> None:
     d.notify.wait_for("READY=1")
     client.infer(noise(1), sequence_id=1, start=True)
     client.infer(noise(1), sequence_id=2, start=True)
-    connection = client._sock
+    connection = client.transport._sock
     d.config.write_text(d.config.read_text().replace("max_live = 2", "max_live = 1")
                         .replace("shutdown_grace_s = 20.0", "shutdown_grace_s = 20.0\nsocket_mode = \"0600\""))
     hup_at = time.monotonic()
@@ -207,7 +207,7 @@ def test_sighup_applies_a_changed_setting_on_open_connections(activate) -> None:
     with pytest.raises(ClientError) as err:
         client.infer(noise(1), sequence_id=4, start=True)
     assert err.value.status == 429 and "(1 live sequences)" in err.value.message
-    assert client._sock is connection, "the reload dropped the connection"
+    assert client.transport._sock is connection, "the reload dropped the connection"
     assert any("needs restart for server.socket_mode" in s for s in d.notify.statuses())
     client.close()
 

@@ -1,0 +1,52 @@
+"""TLS material from local files: `appliance tls init` makes a self-signed certificate, offline."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+
+def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 3650) -> str:
+    """Write a P-256 key (0600) and a self-signed certificate for the box; return its SHA-256 fingerprint."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    hostname = socket.gethostname()
+    dns = sorted({hostname, "localhost", *[n for n in names if not _is_ip(n)]})
+    ips = sorted({"127.0.0.1", "::1", *[n for n in names if _is_ip(n)]})
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject).issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName(n) for n in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path.parent.mkdir(parents=True, exist_ok=True)
+    cert_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert.fingerprint(hashes.SHA256()).hex()
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True

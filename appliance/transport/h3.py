@@ -1,0 +1,197 @@
+"""HTTP/3 over QUIC for LAN clients (aioquic): the same Api.handle as the Unix socket.
+
+aioquic's QuicConnection and H3Connection are sans-I/O; this module only pumps their events
+into Requests and the API's Responses back into frames. Per RFC 8470, a request that arrives
+as 0-RTT early data is served at once only if it is safe to replay (GET, HEAD); any other
+waits until the handshake completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+from aioquic.asyncio import QuicConnectionProtocol, serve
+from aioquic.asyncio.server import QuicServer
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.h3.exceptions import H3Error
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
+from aioquic.tls import SessionTicket
+
+from appliance.api.core import Api, Request, Response, error_response
+from appliance.config import QuicConfig
+from appliance.transport.http1 import Limits
+
+log = logging.getLogger("appliance.h3")
+
+SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
+
+
+@dataclass(slots=True)
+class _Incoming:
+    headers: dict[str, str]
+    method: str = ""
+    path: str = ""
+    body: list[bytes] = field(default_factory=list)
+    size: int = 0
+    rejected: bool = False
+
+
+class TicketStore:
+    """Session tickets for 0-RTT resumption, in memory, each usable once (replay protection)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._tickets: dict[bytes, SessionTicket] = {}
+
+    def add(self, ticket: SessionTicket) -> None:
+        if len(self._tickets) >= self.capacity:
+            self._tickets.pop(next(iter(self._tickets)))
+        self._tickets[ticket.ticket] = ticket
+
+    def pop(self, label: bytes) -> SessionTicket | None:
+        return self._tickets.pop(label, None)
+
+
+class H3Server:
+    """Shared state of all QUIC connections: the API, limits, and who is connected."""
+
+    def __init__(self, api: Api, limits: Limits, config: QuicConfig) -> None:
+        self.api, self.limits, self.config = api, limits, config
+        self.connections: set[H3Protocol] = set()
+        self.tickets = TicketStore()
+        self._quic_server: QuicServer | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(c.in_flight for c in self.connections)
+
+    async def start(self) -> None:
+        configuration = QuicConfiguration(
+            is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s,
+            max_datagram_frame_size=None,
+        )
+        configuration.load_cert_chain(self.config.certificate, self.config.private_key)
+        self._quic_server = await serve(
+            self.config.host, self.config.port, configuration=configuration,
+            create_protocol=partial(H3Protocol, server=self),
+            session_ticket_fetcher=self.tickets.pop, session_ticket_handler=self.tickets.add,
+            retry=self.config.retry,
+        )
+
+    def close(self) -> None:
+        if self._quic_server is not None:
+            self._quic_server.close()
+
+    @property
+    def port(self) -> int:
+        assert self._quic_server is not None
+        return self._quic_server._transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
+
+
+class H3Protocol(QuicConnectionProtocol):
+    def __init__(self, *args: object, server: H3Server, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.server = server
+        self._http: H3Connection | None = None
+        self._incoming: dict[int, _Incoming] = {}
+        self._handshake_done = False
+        self._waiting_for_handshake: list[tuple[int, Request]] = []
+        self.in_flight = 0
+        if len(server.connections) >= server.config.max_connections:
+            self._quic.close(error_code=0x2, reason_phrase="too many connections")  # CONNECTION_REFUSED
+        else:
+            server.connections.add(self)
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
+            self._http = H3Connection(self._quic)
+        elif isinstance(event, HandshakeCompleted):
+            self._handshake_done = True
+            waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
+            for stream_id, request in waiting:
+                self._dispatch(stream_id, request)
+        elif isinstance(event, ConnectionTerminated):
+            self.server.connections.discard(self)
+        if self._http is None:
+            return
+        try:
+            for h3_event in self._http.handle_event(event):
+                self._h3_event_received(h3_event)
+        except H3Error as exc:  # a peer that breaks HTTP/3 loses its connection, nobody else's
+            self._quic.close(error_code=exc.error_code, reason_phrase=str(exc))
+            self.transmit()
+
+    def _h3_event_received(self, event: H3Event) -> None:
+        if isinstance(event, HeadersReceived):
+            incoming = self._incoming.get(event.stream_id)
+            if incoming is None:
+                incoming = self._incoming[event.stream_id] = self._start(event)
+            if event.stream_ended:
+                self._complete(event.stream_id)
+        elif isinstance(event, DataReceived) and event.stream_id in self._incoming:
+            incoming = self._incoming[event.stream_id]
+            incoming.size += len(event.data)
+            if incoming.size > self.server.limits.max_body_bytes and not incoming.rejected:
+                incoming.rejected = True
+                self._respond(event.stream_id, error_response(
+                    413, f"body exceeds the limit of {self.server.limits.max_body_bytes} bytes"))
+            elif not incoming.rejected:
+                incoming.body.append(event.data)
+            if event.stream_ended:
+                self._complete(event.stream_id)
+
+    def _start(self, event: HeadersReceived) -> _Incoming:
+        headers: dict[str, str] = {}
+        size = 0
+        for name, value in event.headers:
+            size += len(name) + len(value)
+            headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        incoming = _Incoming(headers, headers.pop(":method", ""), headers.pop(":path", ""))
+        headers.pop(":scheme", None)
+        headers.pop(":authority", None)
+        if size > self.server.limits.max_header_bytes:
+            incoming.rejected = True
+            self._respond(event.stream_id, error_response(
+                431, f"headers exceed {self.server.limits.max_header_bytes} bytes"))
+        elif not incoming.method or not incoming.path.startswith("/"):
+            incoming.rejected = True
+            self._respond(event.stream_id, error_response(400, "request needs :method and a :path starting with /"))
+        return incoming
+
+    def _complete(self, stream_id: int) -> None:
+        incoming = self._incoming.pop(stream_id)
+        if incoming.rejected:
+            return
+        request = Request(incoming.method, incoming.path, incoming.headers, b"".join(incoming.body))
+        if not self._handshake_done and request.method not in SAFE_TO_REPLAY:
+            self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
+        else:
+            self._dispatch(stream_id, request)
+
+    def _dispatch(self, stream_id: int, request: Request) -> None:
+        self.in_flight += 1
+        asyncio.get_running_loop().create_task(self._serve(stream_id, request))
+
+    async def _serve(self, stream_id: int, request: Request) -> None:
+        try:
+            self._respond(stream_id, await self.server.api.handle(request))
+        finally:
+            self.in_flight -= 1
+
+    def _respond(self, stream_id: int, response: Response) -> None:
+        if self._http is None:
+            return
+        headers = [(b":status", str(response.status).encode()), (b"content-type", response.content_type.encode()),
+                   (b"content-length", str(len(response.body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in response.headers]
+        try:
+            self._http.send_headers(stream_id, headers)
+            self._http.send_data(stream_id, response.body, end_stream=True)
+        except Exception as exc:  # the stream or connection went away meanwhile
+            log.debug("stream %d: response dropped: %s", stream_id, exc)
+        self.transmit()
