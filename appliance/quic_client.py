@@ -15,7 +15,7 @@ from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, QuicEvent
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 from aioquic.tls import SessionTicket
 
 from appliance.client import Call, HttpResponse
@@ -25,6 +25,7 @@ class _H3Client(QuicConnectionProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.http = H3Connection(self._quic)
+        self.handshake: HandshakeCompleted | None = None
         self._pending: dict[int, tuple[asyncio.Future[HttpResponse], dict[str, str], list[bytes]]] = {}
 
     async def request(self, call: Call, authority: str) -> HttpResponse:
@@ -41,6 +42,8 @@ class _H3Client(QuicConnectionProtocol):
         return await future
 
     def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, HandshakeCompleted):
+            self.handshake = event
         if isinstance(event, ConnectionTerminated):
             for future, _, _ in self._pending.values():
                 if not future.done():
@@ -95,6 +98,11 @@ class QuicSession:
             self._context = None
             raise ConnectionError(f"QUIC handshake with {self.host}:{self.port} failed ({exc or 'refused'}); "
                                   "is the server's certificate in --cafile?") from None
+
+    @property
+    def handshake(self) -> HandshakeCompleted | None:
+        """How the current connection's handshake went: session_resumed, early_data_accepted."""
+        return self._protocol.handshake if self._protocol is not None else None
 
     async def send(self, call: Call) -> HttpResponse:
         if self._protocol is None:

@@ -75,12 +75,12 @@ class Daemon:
     """`appliance run` as a child process with its own config, Unix socket and (with tls) QUIC port."""
 
     def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "",
-                 tls: tuple[Path, Path] | None = None) -> None:
+                 tls: tuple[Path, Path] | None = None, extra_quic: str = "") -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
         quic = (f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
-                f'private_key = "{tls[1]}"\n') if tls else ""
+                f'private_key = "{tls[1]}"\n{extra_quic}') if tls else ""
         self.cafile = str(tls[0]) if tls else None
         self.config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n'
@@ -131,10 +131,11 @@ class Daemon:
 def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
     started: list[Daemon] = []
 
-    def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True) -> Daemon:
+    def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True,
+              tls: tuple[Path, Path] | None = None, extra_quic: str = "") -> Daemon:
         workdir = tmp_path / f"d{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra)
+        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic)
         started.append(daemon)
         return daemon.wait_ready() if wait else daemon
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any, Callable
 
-from aioquic.asyncio import QuicConnectionProtocol, serve
+from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
@@ -57,6 +59,43 @@ class TicketStore:
         return self._tickets.pop(label, None)
 
 
+class TokenBucket:
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.updated = burst, clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class GuardedQuicServer(QuicServer):
+    """aioquic's server with a budget on Version Negotiation replies.
+
+    Any datagram with a long header and an unknown version earns a reply, so spoofed floods
+    turn the box into a reflector (reported upstream). Real clients with another version are
+    rare; a small global budget serves them and starves the reflection.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.version_negotiation = TokenBucket(rate=20.0, burst=40.0)
+        self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
+        self.dropped = 0
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if (isinstance(data, bytes) and len(data) >= 5 and data[0] & 0x80 and data[1:5] not in self.supported
+                and data[1:5] != b"\0\0\0\0" and not self.version_negotiation.take()):
+            self.dropped += 1
+            return
+        super().datagram_received(data, addr)
+
+
 class H3Server:
     """Shared state of all QUIC connections: the API, limits, and who is connected."""
 
@@ -64,7 +103,7 @@ class H3Server:
         self.api, self.limits, self.config = api, limits, config
         self.connections: set[H3Protocol] = set()
         self.tickets = TicketStore()
-        self._quic_server: QuicServer | None = None
+        self._quic_server: GuardedQuicServer | None = None
 
     @property
     def in_flight(self) -> int:
@@ -76,11 +115,13 @@ class H3Server:
             max_datagram_frame_size=None,
         )
         configuration.load_cert_chain(self.config.certificate, self.config.private_key)
-        self._quic_server = await serve(
-            self.config.host, self.config.port, configuration=configuration,
-            create_protocol=partial(H3Protocol, server=self),
-            session_ticket_fetcher=self.tickets.pop, session_ticket_handler=self.tickets.add,
-            retry=self.config.retry,
+        _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: GuardedQuicServer(
+                configuration=configuration, create_protocol=partial(H3Protocol, server=self),
+                session_ticket_fetcher=self.tickets.pop, session_ticket_handler=self.tickets.add,
+                retry=self.config.retry,
+            ),
+            local_addr=(self.config.host, self.config.port),
         )
 
     def close(self) -> None:

@@ -1,0 +1,137 @@
+"""QUIC specifics: certificate pinning, 0-RTT resumption, limits, and garbage datagrams.
+
+The API itself runs over QUIC in test_api.py and test_vad.py (the `client` fixture's two transports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from appliance.client import Call, Client, infer_call
+from appliance.quic_client import QuicSession
+from conftest import cli
+
+
+def test_quic_client_refuses_a_server_it_cannot_verify(daemon) -> None:
+    result = cli("call", "--quic", f"127.0.0.1:{daemon.quic_port}", "health", check=False)
+    assert result.returncode != 0 and "certificate" in result.stderr
+    ok = cli("call", "--quic", f"127.0.0.1:{daemon.quic_port}", "--cafile", daemon.cafile, "health")
+    assert '"ready": true' in ok.stdout
+
+
+def test_resumed_session_sends_get_as_0rtt_and_post_waits_for_the_handshake(daemon) -> None:
+    async def scenario() -> None:
+        session = QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile)
+        assert (await session.send(Call("GET", "/v2/health/ready"))).status == 200
+        assert not session.handshake.session_resumed
+        for _ in range(100):  # the ticket follows the handshake
+            if session.ticket is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert session.ticket is not None and session.ticket.max_early_data_size
+        await session.close()
+
+        await session.open(wait_connected=False)  # send before the handshake completes: early data
+        get = await session.send(Call("GET", "/v2/health/ready"))
+        assert get.status == 200
+        assert session.handshake.session_resumed and session.handshake.early_data_accepted
+        await session.close()
+
+        await session.open(wait_connected=False)
+        post = await session.send(infer_call("silero_vad", np.zeros(1024, np.float32)))
+        assert post.status == 200  # served once the handshake completed, never from replayable data
+        await session.close()
+
+    asyncio.run(scenario())
+
+
+def test_body_over_the_limit_gets_413_over_quic(daemon) -> None:
+    with daemon.client("quic") as client:
+        body = b"\0" * ((8 << 20) + 1)
+        response = client.send(Call("POST", "/v2/models/silero_vad/infer", body))
+        assert response.status == 413 and "exceeds the limit" in response.json()["error"]
+        assert client.health()["ready"]
+
+
+def test_connection_limit(start_daemon, tls) -> None:
+    daemon = start_daemon("", tls=tls, extra_quic="max_connections = 2\n")
+    clients = [daemon.client("quic") for _ in range(2)]
+    for c in clients:
+        assert c.health()["ready"]
+    with pytest.raises((ConnectionError, TimeoutError)):
+        with daemon.client("quic") as third:
+            third.health()
+    for c in clients:
+        c.close()
+
+
+def mutated_datagrams(count: int, seed: int = 7) -> list[bytes]:
+    """Random bytes, QUIC-looking long headers with junk, version negotiation bait, truncations."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        kind = i % 4
+        body = rng.integers(0, 256, int(rng.integers(1, 1350)), dtype=np.uint8).tobytes()
+        if kind == 0:
+            out.append(body)
+        elif kind == 1:  # long header, version 1, random connection id lengths
+            out.append(bytes([0xC0 | int(rng.integers(0, 64))]) + b"\x00\x00\x00\x01" + body)
+        elif kind == 2:  # unknown version: must not become a reflection amplifier
+            out.append(bytes([0xC0]) + b"\x1a\x2a\x3a\x4a" + bytes([8]) + body[:8] + bytes([8]) + body[8:16] + b"\0" * 1180)
+        else:  # short header
+            out.append(bytes([0x40 | int(rng.integers(0, 64))]) + body[:40])
+    return out
+
+
+def test_garbage_datagrams_do_not_disturb_other_clients(daemon) -> None:
+    rss_before = daemon.rss_kib()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    answered = [0]
+
+    def good_client() -> None:
+        try:
+            with daemon.client("quic") as client:
+                while not stop.is_set():
+                    assert client.infer(np.zeros(512, np.float32)).shape == (1,)
+                    answered[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=good_client)
+    thread.start()
+    sent = 0
+    replies = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
+        attacker.bind(("127.0.0.2", 0))
+        attacker.setblocking(False)
+        deadline = time.monotonic() + 20
+        for datagram in mutated_datagrams(5000):
+            if time.monotonic() > deadline:
+                break
+            attacker.sendto(datagram, ("127.0.0.1", daemon.quic_port))
+            sent += 1
+            if sent % 200 == 0:
+                time.sleep(0.01)
+            try:
+                while attacker.recv(65536):
+                    replies += 1
+            except BlockingIOError:
+                pass
+    time.sleep(0.5)
+    stop.set()
+    thread.join(30)
+    assert not errors, errors
+    assert answered[0] >= 10
+    assert sent >= 2000
+    assert replies <= sent // 10, f"{replies} replies to {sent} garbage datagrams"
+    with daemon.client("quic") as client:
+        assert client.health()["ready"]
+    assert daemon.rss_kib() - rss_before < 64 * 1024, "memory grew by more than 64 MiB under garbage"
