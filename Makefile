@@ -13,12 +13,13 @@ CONFIG := etc/dev.toml
 
 .PHONY: run test bench deps venv firmware clean
 
-run: firmware
-	@echo "appliance: serving $(BUNDLE) on ./run/api.sock. Try, from another terminal:"
+run: firmware run/tls/cert.pem
+	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
 	@echo "  $(APPLIANCE) call health"
 	@echo "  $(APPLIANCE) call models"
 	@echo "  $(APPLIANCE) call vad speech.wav"
 	@echo "  curl --unix-socket ./run/api.sock http://localhost/v2/health/ready"
+	@echo "  $(APPLIANCE) call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models"
 	$(APPLIANCE) run --config $(CONFIG)
 
 test: firmware
@@ -52,6 +53,9 @@ $(BUNDLE)/manifest.json: firmware/default.toml $(DEV_KEY) | venv
 	$(APPLIANCE) firmware build firmware/default.toml --key $(DEV_KEY) --out $(BUNDLE)
 
 firmware: $(BUNDLE)/manifest.json
+
+run/tls/cert.pem: | venv
+	$(APPLIANCE) tls init --cert run/tls/cert.pem --key run/tls/key.pem
 
 clean:
 	rm -rf build run
