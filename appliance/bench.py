@@ -13,6 +13,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,9 @@ import numpy as np
 import onnxruntime as ort
 
 from appliance import firmware
-from appliance.client import AsyncClient, Client
+from appliance.client import AsyncClient, Call, Client, infer_call
+from appliance.quic_client import QuicSession
+from appliance.tls import init_self_signed
 
 TARGETS = {"overhead_us": 200.0, "streams16_ratio": 1.5, "recording_ratio": 1.5, "rss_mib": 250.0}
 
@@ -88,11 +91,22 @@ def test_audio(seconds: float, rate: int) -> np.ndarray:
     return np.concatenate(pieces)[: int(seconds * rate)].astype(np.float32)
 
 
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class DaemonProcess:
     def __init__(self, bundle: Path, trusted: Path, workdir: Path) -> None:
         self.socket = workdir / "api.sock"
+        self.cert, key = workdir / "cert.pem", workdir / "key.pem"
+        init_self_signed(self.cert, key, [])
+        self.quic = f"127.0.0.1:{free_udp_port()}"
         config = workdir / "bench.toml"
         config.write_text(f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\n'
+                          f'[quic]\nenabled = true\nport = {self.quic.split(":")[1]}\n'
+                          f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
                           f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
                           '[log]\nlevel = "warning"\n')
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
@@ -139,6 +153,100 @@ async def concurrent_streams(socket_path: str, streams: int, chunk: np.ndarray, 
         await c.close()
     frames = sum(counts)
     return frames, elapsed
+
+
+async def load(send: Callable[[Call], Any], call: Call, streams: int, seconds: float) -> dict[str, float]:
+    """`streams` concurrent request loops for `seconds`: latency median/p99 and requests per second."""
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        while time.perf_counter() < deadline:
+            t = time.perf_counter()
+            response = await send(call)
+            latencies.append(time.perf_counter() - t)
+            assert response.status == 200, response.body[:200]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(streams)))
+    elapsed = time.perf_counter() - started
+    return {**stats_us(latencies), "rps": round(len(latencies) / elapsed)}
+
+
+async def compare_transports(daemon: "DaemonProcess", frame: np.ndarray, seconds: float) -> dict[str, Any]:
+    """The same one-frame binary infer over the Unix socket and over QUIC, at 1 and 16 streams."""
+    call = infer_call("silero_vad", frame)
+    out: dict[str, Any] = {}
+    for streams in (1, 16):
+        # one connection per stream on the socket (HTTP/1.1); one QUIC connection carrying all streams
+        unix = [AsyncClient(str(daemon.socket)) for _ in range(streams)]
+        results = await asyncio.gather(*(load(c.send, call, 1, seconds / 2) for c in unix))
+        out[f"unix_{streams}"] = {"median_us": round(float(np.median([r["median_us"] for r in results])), 1),
+                                  "p99_us": max(r["p99_us"] for r in results),
+                                  "rps": sum(r["rps"] for r in results)}
+        for c in unix:
+            await c.close()
+        session = QuicSession(daemon.quic, str(daemon.cert))
+        await session.send(Call("GET", "/v2/health/ready"))
+        out[f"quic_{streams}"] = await load(session.send, call, streams, seconds / 2)
+        await session.close()
+    return out
+
+
+async def handshakes(address: str, cafile: str, rounds: int = 20) -> dict[str, float]:
+    """A full handshake plus one GET, against a resumed session whose GET rides in 0-RTT."""
+    full, resumed = [], []
+    session = QuicSession(address, cafile)
+    for _ in range(rounds):
+        session.ticket = None
+        t = time.perf_counter()
+        await session.open()
+        await session.send(Call("GET", "/v2/health/ready"))
+        full.append(time.perf_counter() - t)
+        for _ in range(100):
+            if session.ticket is not None:
+                break
+            await asyncio.sleep(0.001)
+        await session.close()
+        t = time.perf_counter()
+        await session.open(wait_connected=False)
+        await session.send(Call("GET", "/v2/health/ready"))
+        resumed.append(time.perf_counter() - t)
+        assert session.handshake is not None and session.handshake.early_data_accepted
+        await session.close()
+    return {"full_median_us": stats_us(full)["median_us"], "resumed_0rtt_median_us": stats_us(resumed)["median_us"]}
+
+
+def hypercorn_peer(model: Path, daemon: "DaemonProcess", frame: np.ndarray, seconds: float,
+                   workdir: Path) -> dict[str, Any] | str:
+    """Hypercorn serving the same endpoint over HTTP/3, measured with the same client and calls."""
+    try:
+        import hypercorn  # noqa: F401
+    except ImportError:
+        return "not installed (pip install 'hypercorn[h3]')"
+    address = f"127.0.0.1:{free_udp_port()}"
+    key = workdir / "key.pem"
+    env = {**os.environ, "APPLIANCE_BENCH_MODEL": str(model)}
+    proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "--quic-bind", address, "--bind", "127.0.0.1:0",
+                             "--certfile", str(daemon.cert), "--keyfile", str(key), "--log-level", "warning",
+                             "appliance.bench_peer:app"], env=env)
+    try:
+        async def run() -> dict[str, Any]:
+            session = QuicSession(address, str(daemon.cert))
+            for _ in range(200):
+                try:
+                    await session.open()
+                    break
+                except ConnectionError:
+                    await asyncio.sleep(0.05)
+            call = infer_call("silero_vad", frame)
+            out = {f"quic_{n}": await load(session.send, call, n, seconds / 2) for n in (1, 16)}
+            await session.close()
+            return out
+        return asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -195,6 +303,9 @@ def main(args: argparse.Namespace) -> int:
             results["recording_ratio"] = round(sequential / sharded, 2)
             results["rss_mib"] = round(daemon.rss_mib(), 1)
             client.close()
+            results["transports"] = asyncio.run(compare_transports(daemon, frame, args.seconds))
+            results["quic_handshake"] = asyncio.run(handshakes(daemon.quic, str(daemon.cert)))
+            results["hypercorn"] = hypercorn_peer(bundle.artifact(spec.file), daemon, frame, args.seconds, Path(tmp))
         finally:
             daemon.stop()
     report(results)
@@ -221,3 +332,18 @@ def report(r: dict[str, Any]) -> None:
     rec = r["recording_600s"]
     print(f"  10 min recording, one call         {rec['daemon_sharded_s']} s vs one sequence {rec['one_sequence_s']} s = {r['recording_ratio']}x   target >= 1.5x   {mark[ok['recording_ratio']]}")
     print(f"  daemon resident memory             {r['rss_mib']} MiB   target < 250 MiB   {mark[ok['rss_mib']]}")
+    print("  one-frame binary infer, by transport (median / p99 latency, requests per second):")
+    rows = [(f"daemon {name.replace('_', ', ')} streams", v) for name, v in r["transports"].items()]
+    if isinstance(r["hypercorn"], dict):
+        rows += [(f"Hypercorn {name.replace('_', ', ')} streams", v) for name, v in r["hypercorn"].items()]
+    else:
+        print(f"    Hypercorn peer: {r['hypercorn']}")
+    for label, v in rows:
+        print(f"    {label:30} {v['median_us']:8.1f} us  {v['p99_us']:8.1f} us  {v['rps']:6} req/s")
+    hs = r["quic_handshake"]
+    print(f"  QUIC full handshake + GET {hs['full_median_us']:.0f} us; resumed, GET in 0-RTT {hs['resumed_0rtt_median_us']:.0f} us")
+    if isinstance(r["hypercorn"], dict):
+        for n in (1, 16):
+            ours, peer = r["transports"][f"quic_{n}"], r["hypercorn"][f"quic_{n}"]
+            print(f"  QUIC vs Hypercorn at {n:2} streams: {ours['rps'] / peer['rps']:.2f}x throughput, "
+                  f"p99 {ours['p99_us']:.0f} vs {peer['p99_us']:.0f} us")
