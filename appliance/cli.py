@@ -52,7 +52,8 @@ def _call(args: argparse.Namespace) -> int:
     from appliance.audio import decode_wav
     from appliance.client import Client
 
-    client = Client(quic=args.quic, cafile=args.cafile) if args.quic else Client(args.socket)
+    certificate = (args.cert, args.key) if args.cert else None
+    client = Client(quic=args.quic, cafile=args.cafile, certificate=certificate) if args.quic else Client(args.socket)
     with client:
         if args.what == "health":
             health = client.health()
@@ -145,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
     call.add_argument("--model", default="silero_vad")
     call.add_argument("--quic", metavar="HOST:PORT", help="call over QUIC/HTTP3 instead of the Unix socket")
     call.add_argument("--cafile", help="pinned server certificate or CA file for --quic")
+    call.add_argument("--cert", help="client certificate for servers that require mutual TLS")
+    call.add_argument("--key", help="the client certificate's private key")
     call.set_defaults(func=cmd_call)
 
     fw = sub.add_parser("firmware", help="build, verify or inspect a firmware bundle")

@@ -173,14 +173,15 @@ class UnixTransport:
 class QuicTransport:
     """HTTP/3 to HOST:PORT on a private event loop thread, so blocking callers can use it."""
 
-    def __init__(self, address: str, cafile: str | None, timeout: float) -> None:
+    def __init__(self, address: str, cafile: str | None, timeout: float,
+                 certificate: tuple[str, str] | None = None) -> None:
         from appliance.quic_client import QuicSession  # aioquic is only needed by QUIC callers
 
         self.timeout = timeout
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="quic-client", daemon=True)
         self._thread.start()
-        self._session = QuicSession(address, cafile)
+        self._session = QuicSession(address, cafile, certificate)
 
     def send(self, call: Call) -> HttpResponse:
         future = asyncio.run_coroutine_threadsafe(self._session.send(call), self._loop)
@@ -196,10 +197,11 @@ class Client:
     """Blocking client over the Unix socket (`Client(path)`) or QUIC (`Client(quic="host:port")`)."""
 
     def __init__(self, socket_path: str | None = None, timeout: float = 120.0, busy_poll_s: float = 0.0,
-                 quic: str | None = None, cafile: str | None = None) -> None:
+                 quic: str | None = None, cafile: str | None = None,
+                 certificate: tuple[str, str] | None = None) -> None:
         self.transport: UnixTransport | QuicTransport
         if quic is not None:
-            self.transport = QuicTransport(quic, cafile, timeout)
+            self.transport = QuicTransport(quic, cafile, timeout, certificate)
         elif socket_path is not None:
             self.transport = UnixTransport(socket_path, timeout, busy_poll_s)
         else:

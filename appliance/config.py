@@ -41,6 +41,7 @@ class QuicConfig:
     port: int = 4433
     certificate: Path = Path("/etc/appliance/tls/cert.pem")
     private_key: Path = Path("/etc/appliance/tls/key.pem")
+    client_ca: Path = Path("")  # set: mutual TLS, clients need a certificate signed by a CA in this file
     idle_timeout_s: float = 30.0
     max_connections: int = 256
     retry: bool = False

@@ -149,8 +149,8 @@ class Daemon:
         if config.quic.enabled:
             from appliance.transport.h3 import H3Server  # aioquic is loaded only where QUIC serves
 
-            self.h3 = H3Server(self.api, self.http.limits, config.quic)
             try:
+                self.h3 = H3Server(self.api, self.http.limits, config.quic)
                 await self.h3.start()
             except (OSError, ValueError) as exc:
                 raise ApplianceError(f"quic: cannot listen on {config.quic.host}:{config.quic.port} with "

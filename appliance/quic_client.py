@@ -68,8 +68,9 @@ class _H3Client(QuicConnectionProtocol):
 class QuicSession:
     """A reconnecting HTTP/3 session to HOST:PORT."""
 
-    def __init__(self, address: str, cafile: str | None) -> None:
+    def __init__(self, address: str, cafile: str | None, certificate: tuple[str, str] | None = None) -> None:
         host, _, port = address.rpartition(":")
+        self.certificate = certificate  # (certfile, keyfile) for servers that require mutual TLS
         self.host, self.port = host.strip("[]"), int(port)
         self.cafile = cafile
         self.ticket: SessionTicket | None = None
@@ -82,6 +83,8 @@ class QuicSession:
             configuration.load_verify_locations(self.cafile)
         else:
             configuration.verify_mode = ssl.CERT_REQUIRED  # the system's CAs; a box normally pins its own
+        if self.certificate:
+            configuration.load_cert_chain(*self.certificate)
         configuration.session_ticket = self.ticket
         return configuration
 

@@ -3,7 +3,8 @@
 aioquic's QuicConnection and H3Connection are sans-I/O; this module only pumps their events
 into Requests and the API's Responses back into frames. Per RFC 8470, a request that arrives
 as 0-RTT early data is served at once only if it is safe to replay (GET, HEAD); any other
-waits until the handshake completes.
+waits until the handshake completes (with mutual TLS, every request waits for the client's
+certificate to be verified).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 from aioquic.asyncio import QuicConnectionProtocol
@@ -20,9 +22,10 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.h3.exceptions import H3Error
+from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
-from aioquic.tls import SessionTicket
 
 from appliance.api.core import Api, Request, Response, error_response
 from appliance.config import QuicConfig
@@ -48,14 +51,14 @@ class TicketStore:
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
-        self._tickets: dict[bytes, SessionTicket] = {}
+        self._tickets: dict[bytes, tls.SessionTicket] = {}
 
-    def add(self, ticket: SessionTicket) -> None:
+    def add(self, ticket: tls.SessionTicket) -> None:
         if len(self._tickets) >= self.capacity:
             self._tickets.pop(next(iter(self._tickets)))
         self._tickets[ticket.ticket] = ticket
 
-    def pop(self, label: bytes) -> SessionTicket | None:
+    def pop(self, label: bytes) -> tls.SessionTicket | None:
         return self._tickets.pop(label, None)
 
 
@@ -96,6 +99,52 @@ class GuardedQuicServer(QuicServer):
         super().datagram_received(data, addr)
 
 
+class ClientCertificates:
+    """Mutual TLS: the client's certificate must chain to a CA in the configured file.
+
+    aioquic's server side can ask for a client certificate but does not check it (upstream marks
+    it "for test purposes"), so each connection's TLS context is given the request and a check
+    that runs inside the handshake: no certificate, or one the CA did not sign, is a TLS alert.
+    """
+
+    def __init__(self, ca_file: Path) -> None:
+        from cryptography import x509
+        from cryptography.x509.verification import PolicyBuilder, Store
+
+        try:
+            cas = x509.load_pem_x509_certificates(ca_file.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"client CA file {ca_file}: {exc}") from None
+        self._verifier = PolicyBuilder().store(Store(cas)).build_client_verifier()
+
+    def require(self, quic: QuicConnection) -> None:
+        initialize = quic._initialize
+
+        def initialize_with_client_auth(peer_cid: bytes) -> None:
+            initialize(peer_cid)
+            context = quic.tls
+            context._request_client_certificate = True
+            handle_certificate = context._server_handle_certificate
+
+            def handle_and_verify(input_buf: Any) -> None:
+                handle_certificate(input_buf)
+                if context._peer_certificate is None:
+                    raise tls.AlertHandshakeFailure("a client certificate is required")
+                self.verify(context._peer_certificate, context._peer_certificate_chain)
+
+            context._server_handle_certificate = handle_and_verify
+
+        quic._initialize = initialize_with_client_auth
+
+    def verify(self, leaf: Any, chain: list[Any]) -> None:
+        from cryptography.x509.verification import VerificationError
+
+        try:
+            self._verifier.verify(leaf, chain)
+        except VerificationError as exc:
+            raise tls.AlertBadCertificate(f"client certificate not signed by the configured CA: {exc}") from None
+
+
 class H3Server:
     """Shared state of all QUIC connections: the API, limits, and who is connected."""
 
@@ -103,6 +152,7 @@ class H3Server:
         self.api, self.limits, self.config = api, limits, config
         self.connections: set[H3Protocol] = set()
         self.tickets = TicketStore()
+        self.client_certificates = ClientCertificates(config.client_ca) if config.client_ca.name else None
         self._quic_server: GuardedQuicServer | None = None
 
     @property
@@ -143,6 +193,8 @@ class H3Protocol(QuicConnectionProtocol):
         self._handshake_done = False
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
+        if server.client_certificates is not None:
+            server.client_certificates.require(self._quic)
         if len(server.connections) >= server.config.max_connections:
             self._quic.close(error_code=0x2, reason_phrase="too many connections")  # CONNECTION_REFUSED
         else:
@@ -209,7 +261,7 @@ class H3Protocol(QuicConnectionProtocol):
         if incoming.rejected:
             return
         request = Request(incoming.method, incoming.path, incoming.headers, b"".join(incoming.body))
-        if not self._handshake_done and request.method not in SAFE_TO_REPLAY:
+        if not self._handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
             self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
         else:
             self._dispatch(stream_id, request)
