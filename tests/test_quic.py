@@ -6,7 +6,6 @@ The API itself runs over QUIC in test_api.py and test_vad.py (the `client` fixtu
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 import time
