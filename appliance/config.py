@@ -43,7 +43,9 @@ class QuicConfig:
     private_key: Path = Path("/etc/appliance/tls/key.pem")
     client_ca: Path = Path("")  # set: mutual TLS, clients need a certificate signed by a CA in this file
     idle_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 10.0  # a request stream that goes quiet this long gets a 408
     max_connections: int = 256
+    max_streams_per_connection: int = 128
     retry: bool = False
 
 
@@ -183,7 +185,9 @@ def _check_values(config: Config) -> None:
     positive = {"server.max_body_bytes": config.server.max_body_bytes, "server.max_header_bytes": config.server.max_header_bytes,
                 "server.max_connections": config.server.max_connections,
                 "server.shutdown_grace_s": config.server.shutdown_grace_s, "quic.idle_timeout_s": config.quic.idle_timeout_s,
-                "quic.max_connections": config.quic.max_connections, "engine.threads": config.engine.threads,
+                "quic.max_connections": config.quic.max_connections,
+                "quic.stream_idle_timeout_s": config.quic.stream_idle_timeout_s,
+                "quic.max_streams_per_connection": config.quic.max_streams_per_connection, "engine.threads": config.engine.threads,
                 "sequences.max_live": config.sequences.max_live, "sequences.idle_timeout_s": config.sequences.idle_timeout_s}
     for key, value in positive.items():
         if value <= 0:

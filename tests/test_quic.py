@@ -190,3 +190,30 @@ def test_mutual_tls_accepts_signed_clients_and_refuses_others_in_the_handshake(s
                 refused.health()
     with daemon.client() as local:  # the Unix socket is unaffected
         assert local.health()["ready"]
+
+
+def test_quiet_streams_get_408_and_open_streams_are_bounded(start_daemon, tls) -> None:
+    daemon = start_daemon(tls=tls, extra_quic="stream_idle_timeout_s = 1.0\nmax_streams_per_connection = 4\n")
+
+    async def scenario() -> tuple[list[int], int]:
+        session = QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile)
+        await session.send(Call("GET", "/v2/health/ready"))
+        protocol = session._protocol
+        loop = asyncio.get_running_loop()
+        quiet = []
+        for _ in range(5):  # open request streams that never finish their body
+            stream_id = protocol._quic.get_next_available_stream_id()
+            future = loop.create_future()
+            protocol._pending[stream_id] = (future, {}, [])
+            protocol.http.send_headers(stream_id, [(b":method", b"POST"), (b":scheme", b"https"),
+                                                   (b":authority", b"x"), (b":path", b"/v2/models/silero_vad/infer")])
+            protocol.transmit()
+            quiet.append(future)
+        statuses = [r.status for r in await asyncio.wait_for(asyncio.gather(*quiet), 10)]
+        after = (await session.send(Call("GET", "/v2/health/ready"))).status  # the connection still serves
+        await session.close()
+        return statuses, after
+
+    statuses, after = asyncio.run(scenario())
+    assert sorted(statuses) == [408, 408, 408, 408, 429], statuses
+    assert after == 200

@@ -44,6 +44,7 @@ class _Incoming:
     body: list[bytes] = field(default_factory=list)
     size: int = 0
     rejected: bool = False
+    last_heard: float = field(default_factory=time.monotonic)
 
 
 class TicketStore:
@@ -154,6 +155,7 @@ class H3Server:
         self.tickets = TicketStore()
         self.client_certificates = ClientCertificates(config.client_ca) if config.client_ca.name else None
         self._quic_server: GuardedQuicServer | None = None
+        self._reaper: asyncio.Task[None] | None = None
 
     @property
     def in_flight(self) -> int:
@@ -173,8 +175,17 @@ class H3Server:
             ),
             local_addr=(self.config.host, self.config.port),
         )
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_quiet_streams())
+
+    async def _reap_quiet_streams(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.stream_idle_timeout_s / 2))
+            for connection in list(self.connections):
+                connection.reap_quiet_streams(time.monotonic() - self.config.stream_idle_timeout_s)
 
     def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         if self._quic_server is not None:
             self._quic_server.close()
 
@@ -224,10 +235,12 @@ class H3Protocol(QuicConnectionProtocol):
             incoming = self._incoming.get(event.stream_id)
             if incoming is None:
                 incoming = self._incoming[event.stream_id] = self._start(event)
+            incoming.last_heard = time.monotonic()
             if event.stream_ended:
                 self._complete(event.stream_id)
         elif isinstance(event, DataReceived) and event.stream_id in self._incoming:
             incoming = self._incoming[event.stream_id]
+            incoming.last_heard = time.monotonic()
             incoming.size += len(event.data)
             if incoming.size > self.server.limits.max_body_bytes and not incoming.rejected:
                 incoming.rejected = True
@@ -247,7 +260,12 @@ class H3Protocol(QuicConnectionProtocol):
         incoming = _Incoming(headers, headers.pop(":method", ""), headers.pop(":path", ""))
         headers.pop(":scheme", None)
         headers.pop(":authority", None)
-        if size > self.server.limits.max_header_bytes:
+        open_streams = len(self._incoming) + self.in_flight
+        if open_streams >= self.server.config.max_streams_per_connection:
+            incoming.rejected = True
+            self._respond(event.stream_id, error_response(
+                429, f"too many open streams on this connection (limit {self.server.config.max_streams_per_connection})"))
+        elif size > self.server.limits.max_header_bytes:
             incoming.rejected = True
             self._respond(event.stream_id, error_response(
                 431, f"headers exceed {self.server.limits.max_header_bytes} bytes"))
@@ -255,6 +273,14 @@ class H3Protocol(QuicConnectionProtocol):
             incoming.rejected = True
             self._respond(event.stream_id, error_response(400, "request needs :method and a :path starting with /"))
         return incoming
+
+    def reap_quiet_streams(self, heard_before: float) -> None:
+        """Answer 408 on request streams that went quiet, and forget what they sent."""
+        for stream_id, incoming in list(self._incoming.items()):
+            if incoming.last_heard < heard_before:
+                del self._incoming[stream_id]
+                if not incoming.rejected:
+                    self._respond(stream_id, error_response(408, "request stream went quiet before its end"))
 
     def _complete(self, stream_id: int) -> None:
         incoming = self._incoming.pop(stream_id)
