@@ -208,16 +208,23 @@ LIVE_KEYS = frozenset({
 })
 
 
-def changed_keys(old: Config, new: Config) -> tuple[list[str], list[str]]:
-    """(keys that changed and apply live, keys that changed and need a restart)."""
-    live, restart = [], []
+def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
+    """The running config with every changed LIVE_KEYS value taken from `new`; and the keys that
+    changed and applied live, and those that changed and need a restart."""
+    live, restart, sections = [], [], {}
     for section in _SECTIONS:
-        before, after = dataclasses.asdict(getattr(old, section)), dataclasses.asdict(getattr(new, section))
-        for key in before:
-            if before[key] != after[key]:
-                name = f"{section}.{key}"
-                (live if name in LIVE_KEYS else restart).append(name)
-    return live, restart
+        before, after = getattr(old, section), getattr(new, section)
+        changes = {}
+        for f in dataclasses.fields(before):
+            if getattr(before, f.name) != getattr(after, f.name):
+                name = f"{section}.{f.name}"
+                if name in LIVE_KEYS:
+                    live.append(name)
+                    changes[f.name] = getattr(after, f.name)
+                else:
+                    restart.append(name)
+        sections[section] = dataclasses.replace(before, **changes)
+    return dataclasses.replace(old, **sections), live, restart
 
 
 def to_toml(config: Config) -> str:

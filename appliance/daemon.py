@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import grp
 import logging
 import os
@@ -107,7 +106,7 @@ def configure_logging(level: str) -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     if systemd.stderr_is_journal():
-        handler = systemd.journal_handler(FIRMWARE_FIELD.firmware)
+        handler = systemd.journal_handler()
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("appliance: %(levelname)s: %(message)s"))
@@ -236,14 +235,7 @@ class Daemon:
             log.error("reload failed, keeping the running config: %s", exc)
             systemd.ready(f"{self.status_text()}; last reload failed: {exc}")
             return
-        live, restart = config_files.changed_keys(self.config, new)
-        applied = dataclasses.replace(self.config, **{
-            "server": dataclasses.replace(new.server, socket=self.config.server.socket,
-                                          socket_mode=self.config.server.socket_mode,
-                                          socket_group=self.config.server.socket_group),
-            "sequences": new.sequences, "vad": new.vad, "log": new.log,
-            "engine": dataclasses.replace(self.config.engine, queue_delay_us=new.engine.queue_delay_us),
-        })
+        applied, live, restart = config_files.apply_live(self.config, new)
         self.apply(applied)
         if live:
             log.info("reload: applied %s", ", ".join(live))

@@ -73,6 +73,6 @@ def stderr_is_journal() -> bool:
     return stream == f"{st.st_dev}:{st.st_ino}"
 
 
-def journal_handler(firmware: str) -> logging.Handler:
-    """Structured records: PRIORITY from the level, FIRMWARE always, MODEL and REQUEST_ID when given."""
-    return sd_journal.JournalHandler(SYSLOG_IDENTIFIER="appliance", FIRMWARE=firmware)
+def journal_handler() -> logging.Handler:
+    """Structured records: PRIORITY from the level; fields from the record (FIRMWARE, MODEL, REQUEST_ID)."""
+    return sd_journal.JournalHandler(SYSLOG_IDENTIFIER="appliance")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from appliance.bench import free_udp_port
 from appliance.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,10 +58,16 @@ def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_bundle(keys, tmp_path_factory.mktemp("fw") / "default")
 
 
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def terminate(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM, as systemd stops a unit; SIGKILL if it has not exited in 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @pytest.fixture(scope="session")
@@ -111,14 +117,7 @@ class Daemon:
         return Client(str(self.socket))
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc)
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from appliance.client import Client, ClientError
-from conftest import ROOT, Keys
+from conftest import ROOT, Keys, terminate
 
 pytestmark = pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd is not installed")
 
@@ -92,15 +92,9 @@ class Activated:
         return Client(str(self.socket), timeout=60)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = terminate(self.proc)
         self.notify.close()
-        return self.proc.returncode
+        return code
 
 
 @pytest.fixture

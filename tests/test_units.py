@@ -65,6 +65,12 @@ def frame_model(engine) -> FrameModel:
     return FrameModel(spec, engine)
 
 
+def step(batcher: Batcher) -> None:
+    """What the engine loop does each turn, on this thread."""
+    batcher.fill()
+    batcher.finish(batcher.run_steps())
+
+
 def test_batcher_batches_streams_and_keeps_each_sequence_in_order() -> None:
     engine = CountingEngine()
     model = frame_model(engine)
@@ -78,7 +84,7 @@ def test_batcher_batches_streams_and_keeps_each_sequence_in_order() -> None:
             works.append(work)
             batcher.submit(work)
     while batcher.busy:
-        batcher.step()
+        step(batcher)
     assert len(finished) == 12 and all(error is None for _, error in finished)
     assert max(engine.batches) == 4 and sum(engine.batches) == 6 * 2 * 3
     for seq_index in range(6):
@@ -97,7 +103,7 @@ def test_batcher_fails_the_batch_when_the_engine_raises() -> None:
     errors = []
     seq = batcher.model.new_sequence()
     batcher.submit(Work(seq, np.zeros((2, 512), np.float32), lambda w, e: errors.append(e)))
-    batcher.step()
+    step(batcher)
     assert not batcher.busy and "device lost" in str(errors[0]) and errors[0].status == 500
 
 

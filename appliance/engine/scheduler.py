@@ -143,12 +143,10 @@ class EngineStats:
     """Counters the batcher bumps and /metrics and the watchdog read."""
 
     def __init__(self) -> None:
-        self.batches = 0
         self.frames = 0
         self.batch_sizes: dict[int, int] = {}
 
     def record(self, batch: int) -> None:
-        self.batches += 1
         self.frames += batch
         self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
 
@@ -229,8 +227,3 @@ class Batcher:
     def finish(finished: list[tuple[Work, BaseException | None]]) -> None:
         for work, error in finished:
             work.on_done(work, error)
-
-    def step(self) -> None:
-        """Fill, run one engine call and finish, all on the caller's thread."""
-        self.fill()
-        self.finish(self.run_steps())

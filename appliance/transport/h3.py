@@ -162,10 +162,7 @@ class H3Server:
         return sum(c.in_flight for c in self.connections)
 
     async def start(self) -> None:
-        configuration = QuicConfiguration(
-            is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s,
-            max_datagram_frame_size=None,
-        )
+        configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s)
         configuration.load_cert_chain(self.config.certificate, self.config.private_key)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: GuardedQuicServer(
