@@ -69,9 +69,13 @@ def _call(args: argparse.Namespace) -> int:
             print(client.metrics(), end="")
         elif args.what == "vad":
             if not args.args:
-                raise ApplianceError("usage: appliance call vad FILE.wav [--model NAME]")
+                raise ApplianceError("usage: appliance call vad FILE.wav [--model NAME] [--stream]")
             wav = Path(args.args[0]).read_bytes()
-            _print(client.segments(wav, model=args.model))
+            if args.stream:
+                for line in client.stream_segments(wav, model=args.model):
+                    print(json.dumps(line), flush=True)
+            else:
+                _print(client.segments(wav, model=args.model))
         elif args.what == "probs":
             samples = decode_wav(Path(args.args[0]).read_bytes(), 16000)
             _print([round(float(p), 4) for p in client.infer(samples, model=args.model)])
@@ -144,6 +148,7 @@ def parser() -> argparse.ArgumentParser:
     call.add_argument("args", nargs="*")
     call.add_argument("--socket", default=default_socket())
     call.add_argument("--model", default="silero_vad")
+    call.add_argument("--stream", action="store_true", help="vad: print each segment as soon as it is final")
     call.add_argument("--quic", metavar="HOST:PORT", help="call over QUIC/HTTP3 instead of the Unix socket")
     call.add_argument("--cafile", help="pinned server certificate or CA file for --quic")
     call.add_argument("--cert", help="client certificate for servers that require mutual TLS")

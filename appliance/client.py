@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlencode
 
 import httptools
@@ -60,6 +60,8 @@ class ResponseReader:
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
         self.done: list[HttpResponse] = []
+        self.status = 0  # of the response being read, once its headers are in
+        self.arrived: list[bytes] = []  # body pieces not yet taken by a streaming reader
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
 
@@ -67,13 +69,17 @@ class ResponseReader:
         self._parser.feed_data(data)
 
     def on_message_begin(self) -> None:
-        self._headers, self._body = {}, []
+        self._headers, self._body, self.arrived, self.status = {}, [], [], 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
+        self.arrived.append(body)
 
     def on_message_complete(self) -> None:
         self.done.append(HttpResponse(self._parser.get_status_code(), self._headers, b"".join(self._body)))
@@ -108,6 +114,19 @@ def infer_result(response: HttpResponse) -> np.ndarray:
     return decode_response(response.body, int(length) if length else None)["speech_prob"]
 
 
+def json_lines(pieces: Iterator[bytes]) -> Iterator[Any]:
+    """A streamed NDJSON body, one document per line as each arrives; an error line raises."""
+    buffered = b""
+    for piece in pieces:
+        buffered += piece
+        *lines, buffered = buffered.split(b"\n")
+        for line in lines:
+            doc = json.loads(line)
+            if "error" in doc:
+                raise ClientError(200, doc["error"])
+            yield doc
+
+
 def segments_call(model: str, wav: bytes, **params: float) -> Call:
     query = f"?{urlencode(params)}" if params else ""
     return Call("POST", f"/v2/models/{model}/segments{query}", wav, (("content-type", "audio/wav"),))
@@ -130,13 +149,38 @@ class UnixTransport:
             self._sock.close()
             self._sock = None
 
-    def send(self, call: Call) -> HttpResponse:
+    def _connect(self) -> socket.socket:
         if self._sock is None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._sock.settimeout(self.timeout)
             self._sock.connect(self.socket_path)
             self._reader = ResponseReader()
-        sock, reader = self._sock, self._reader
+        return self._sock
+
+    def stream(self, call: Call) -> Iterator[bytes]:
+        """Send one call; yield its body in pieces as they arrive (an error status raises first)."""
+        sock, reader = self._connect(), self._reader
+        reader.status, reader.arrived = 0, []  # what is left of the previous response is not ours
+        try:
+            sock.sendall(call.encode())
+            while not reader.done:
+                if reader.status and reader.status < 400 and reader.arrived:
+                    pieces, reader.arrived = reader.arrived, []
+                    yield from pieces
+                data = sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("the daemon closed the connection")
+                reader.feed(data)
+        except BaseException:
+            self.close()
+            raise
+        response = checked(reader.done.pop(0))
+        yield from reader.arrived
+        if response.headers.get("connection") == "close":
+            self.close()
+
+    def send(self, call: Call) -> HttpResponse:
+        sock, reader = self._connect(), self._reader
         try:
             sock.sendall(call.encode())
             if self.busy_poll_s:
@@ -186,6 +230,23 @@ class QuicTransport:
     def send(self, call: Call) -> HttpResponse:
         future = asyncio.run_coroutine_threadsafe(self._session.send(call), self._loop)
         return future.result(self.timeout)
+
+    def stream(self, call: Call) -> Iterator[bytes]:
+        """Send one call; yield its body in pieces as they arrive (an error status raises first)."""
+        parts = self._session.exchange(call)
+
+        async def next_part() -> Any:
+            return await anext(parts, None)
+
+        def step() -> Any:
+            return asyncio.run_coroutine_threadsafe(next_part(), self._loop).result(self.timeout)
+
+        headers = dict(step())
+        status = int(headers.pop(":status", "0"))
+        if status >= 400:
+            body = b"".join(iter(step, None))
+            checked(HttpResponse(status, headers, body))
+        yield from iter(step, None)
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(self.timeout)
@@ -244,6 +305,10 @@ class Client:
 
     def segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Any:
         return checked(self.send(segments_call(model, wav, **params))).json()
+
+    def stream_segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Iterator[Any]:
+        """Each speech segment as soon as the daemon finds it final, then a summary with "done"."""
+        return json_lines(self.transport.stream(segments_call(model, wav, stream="true", **params)))
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from typing import Any
+from typing import Any, AsyncIterator
 
 from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.h3.connection import H3_ALPN, H3Connection
@@ -26,43 +26,49 @@ class _H3Client(QuicConnectionProtocol):
         super().__init__(*args, **kwargs)
         self.http = H3Connection(self._quic)
         self.handshake: HandshakeCompleted | None = None
-        self._pending: dict[int, tuple[asyncio.Future[HttpResponse], dict[str, str], list[bytes]]] = {}
+        self._streams: dict[int, asyncio.Queue[dict[str, str] | bytes | Exception | None]] = {}
 
-    async def request(self, call: Call, authority: str) -> HttpResponse:
+    async def exchange(self, call: Call, authority: str) -> AsyncIterator[dict[str, str] | bytes]:
+        """Send a request; yield the response headers, then each body piece as it arrives."""
         stream_id = self._quic.get_next_available_stream_id()
         headers = [(b":method", call.method.encode()), (b":scheme", b"https"), (b":authority", authority.encode()),
                    (b":path", call.target.encode()), (b"content-length", str(len(call.body)).encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in call.headers]
-        future: asyncio.Future[HttpResponse] = asyncio.get_running_loop().create_future()
-        self._pending[stream_id] = (future, {}, [])
+        parts = self._streams[stream_id] = asyncio.Queue()
         self.http.send_headers(stream_id, headers, end_stream=not call.body)
         if call.body:
             self.http.send_data(stream_id, call.body, end_stream=True)
         self.transmit()
-        return await future
+        try:
+            while (part := await parts.get()) is not None:
+                if isinstance(part, Exception):
+                    raise part
+                yield part
+        finally:
+            self._streams.pop(stream_id, None)
+
+    async def request(self, call: Call, authority: str) -> HttpResponse:
+        parts = self.exchange(call, authority)
+        headers = dict(await anext(parts))  # type: ignore[arg-type]
+        body = b"".join([part async for part in parts])  # type: ignore[misc]
+        return HttpResponse(int(headers.pop(":status", "0")), headers, body)
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
             self.handshake = event
         if isinstance(event, ConnectionTerminated):
-            for future, _, _ in self._pending.values():
-                if not future.done():
-                    future.set_exception(ConnectionError(f"QUIC connection closed: {event.reason_phrase}"))
-            self._pending.clear()
+            for parts in self._streams.values():
+                parts.put_nowait(ConnectionError(f"QUIC connection closed: {event.reason_phrase}"))
         for h3_event in self.http.handle_event(event):
-            pending = self._pending.get(getattr(h3_event, "stream_id", -1))
-            if pending is None:
+            parts = self._streams.get(getattr(h3_event, "stream_id", -1))
+            if parts is None:
                 continue
-            future, headers, body = pending
             if isinstance(h3_event, HeadersReceived):
-                headers.update((k.decode().lower(), v.decode()) for k, v in h3_event.headers)
-            elif isinstance(h3_event, DataReceived):
-                body.append(h3_event.data)
+                parts.put_nowait({k.decode().lower(): v.decode() for k, v in h3_event.headers})
+            elif isinstance(h3_event, DataReceived) and h3_event.data:
+                parts.put_nowait(h3_event.data)
             if getattr(h3_event, "stream_ended", False):
-                del self._pending[h3_event.stream_id]
-                status = int(headers.pop(":status", "0"))
-                if not future.done():
-                    future.set_result(HttpResponse(status, headers, b"".join(body)))
+                parts.put_nowait(None)
 
 
 class QuicSession:
@@ -112,6 +118,14 @@ class QuicSession:
             await self.open()
         assert self._protocol is not None
         return await self._protocol.request(call, f"{self.host}:{self.port}")
+
+    async def exchange(self, call: Call) -> AsyncIterator[dict[str, str] | bytes]:
+        """The response headers, then each body piece as it arrives."""
+        if self._protocol is None:
+            await self.open()
+        assert self._protocol is not None
+        async for part in self._protocol.exchange(call, f"{self.host}:{self.port}"):
+            yield part
 
     async def close(self) -> None:
         if self._context is not None:

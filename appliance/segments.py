@@ -3,6 +3,10 @@
 Follows the rules of silero-vad's get_speech_timestamps: speech starts at a frame above
 `threshold`, ends after `min_silence_ms` below `threshold - 0.15`; segments shorter than
 `min_speech_ms` are dropped; each side is padded by `speech_pad_ms`, splitting a shorter gap.
+
+`SegmentTracker` applies the rules incrementally, so a long recording's segments can be sent
+as soon as they are final: a segment is final once the next one has started or the silence
+after it is long enough that no later segment can take from its padding.
 """
 
 from __future__ import annotations
@@ -20,40 +24,77 @@ class SegmentParams:
     speech_pad_ms: int = 30
 
 
+class SegmentTracker:
+    """Feed probabilities in order with `feed`; each call returns the (start, end) sample
+    positions that became final; `finish(total_samples)` returns the rest."""
+
+    def __init__(self, frame_samples: int, sample_rate: int, params: SegmentParams) -> None:
+        self.frame_samples = frame_samples
+        self.threshold = params.threshold
+        self.off_threshold = max(params.threshold - 0.15, 0.01)
+        self.min_speech = sample_rate * params.min_speech_ms / 1000
+        self.min_silence = sample_rate * params.min_silence_ms / 1000
+        self.pad = int(sample_rate * params.speech_pad_ms / 1000)
+        self._position = 0  # sample position of the next frame
+        self._start: int | None = None  # start of the speech being heard
+        self._silence_from = 0
+        self._closed: list[tuple[int, int]] = []  # unpadded, not yet final
+        self._left: int | None = None  # padded start of _closed[0] when a previous segment set it
+
+    def feed(self, probs: np.ndarray) -> list[tuple[int, int]]:
+        for p in probs.tolist():
+            position = self._position
+            self._position += self.frame_samples
+            if p >= self.threshold:
+                self._silence_from = 0
+                if self._start is None:
+                    self._start = position
+            elif self._start is not None and p < self.off_threshold:
+                if not self._silence_from:
+                    self._silence_from = position
+                if position - self._silence_from >= self.min_silence:
+                    if self._silence_from - self._start > self.min_speech:
+                        self._closed.append((self._start, self._silence_from))
+                    self._start, self._silence_from = None, 0
+        return self._release(total=None)
+
+    def finish(self, total_samples: int) -> list[tuple[int, int]]:
+        if self._start is not None and total_samples - self._start > self.min_speech:
+            self._closed.append((self._start, total_samples))
+        self._start = None
+        return self._release(total=total_samples)
+
+    def _release(self, total: int | None) -> list[tuple[int, int]]:
+        final = []
+        while self._closed:
+            start, end = self._closed[0]
+            next_start = self._closed[1][0] if len(self._closed) > 1 else self._kept_start()
+            if next_start is not None:
+                gap = next_start - end
+                share = gap // 2 if gap < 2 * self.pad else self.pad
+            elif total is not None:
+                share = min(total, end + self.pad) - end
+            elif (self._start if self._start is not None else self._position) - end >= 2 * self.pad:
+                share = self.pad  # whatever speech comes next starts too far away to take from this padding
+            else:
+                break
+            left = self._left if self._left is not None else max(0, start - self.pad)
+            final.append((left, end + share))
+            self._closed.pop(0)
+            self._left = next_start - share if next_start is not None else None
+        return final
+
+    def _kept_start(self) -> int | None:
+        """Start of the speech being heard once it is long enough that it will be kept."""
+        if self._start is None:
+            return None
+        end_so_far = self._silence_from or self._position
+        return self._start if end_so_far - self._start > self.min_speech else None
+
+
 def speech_segments(
     probs: np.ndarray, frame_samples: int, sample_rate: int, total_samples: int, params: SegmentParams
 ) -> list[tuple[int, int]]:
-    """Return (start, end) sample positions of speech."""
-    min_speech = sample_rate * params.min_speech_ms / 1000
-    min_silence = sample_rate * params.min_silence_ms / 1000
-    pad = int(sample_rate * params.speech_pad_ms / 1000)
-    off_threshold = max(params.threshold - 0.15, 0.01)
-    segments: list[list[int]] = []
-    start: int | None = None
-    silence_from = 0
-    for i, p in enumerate(probs.tolist()):
-        position = i * frame_samples
-        if p >= params.threshold:
-            silence_from = 0
-            if start is None:
-                start = position
-        elif start is not None and p < off_threshold:
-            if not silence_from:
-                silence_from = position
-            if position - silence_from >= min_silence:
-                if silence_from - start > min_speech:
-                    segments.append([start, silence_from])
-                start, silence_from = None, 0
-    if start is not None and total_samples - start > min_speech:
-        segments.append([start, total_samples])
-    for i, segment in enumerate(segments):
-        if i == 0:
-            segment[0] = max(0, segment[0] - pad)
-        if i + 1 < len(segments):
-            gap = segments[i + 1][0] - segment[1]
-            share = gap // 2 if gap < 2 * pad else pad
-            segment[1] += share
-            segments[i + 1][0] -= share
-        else:
-            segment[1] = min(total_samples, segment[1] + pad)
-    return [(s, e) for s, e in segments]
+    """Return (start, end) sample positions of speech in a whole recording."""
+    tracker = SegmentTracker(frame_samples, sample_rate, params)
+    return tracker.feed(probs) + tracker.finish(total_samples)

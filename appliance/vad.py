@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from appliance.engine.base import Engine
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, SequenceTable, Work
 from appliance.errors import BadRequest
 from appliance.firmware import Baked, ModelSpec
-from appliance.segments import SegmentParams, speech_segments
+from appliance.segments import SegmentParams, SegmentTracker
 from appliance.shards import frame_energy, plan_shards
 
 
@@ -96,12 +96,13 @@ class VadModel:
     async def stop(self) -> None:
         await self.engine_loop.stop()
 
-    async def _run(self, sequence: Sequence, frames: np.ndarray) -> np.ndarray:
-        if not len(frames):
-            return np.empty(0, np.float32)
+    def _submit(self, sequence: Sequence, frames: np.ndarray) -> asyncio.Future[np.ndarray]:
+        """Queue frames of a sequence for the engine; the future gets their probabilities.
+        Cancelling the future before the frames start running drops them from the queue."""
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
 
         def done(work: Work, error: BaseException | None) -> None:
+            sequence.in_flight -= 1
             if future.done():  # the caller went away
                 return
             if error is None:
@@ -109,12 +110,11 @@ class VadModel:
             else:
                 future.set_exception(error)
 
+        work = Work(sequence, frames, done)
+        future.add_done_callback(lambda f: setattr(work, "cancelled", f.cancelled()))
         sequence.in_flight += 1
-        try:
-            self.engine_loop.submit(Work(sequence, frames, done))
-            return await future
-        finally:
-            sequence.in_flight -= 1
+        self.engine_loop.submit(work)
+        return future
 
     async def infer_stream(self, samples: np.ndarray, sequence_id: object, start: bool, end: bool) -> np.ndarray:
         """Frames of a live stream; the runtime keeps its state and audio context between calls."""
@@ -124,26 +124,46 @@ class VadModel:
         now = self.clock()
         sequence = self.sequences.start(sequence_id, now) if start else self.sequences.get(sequence_id, now)
         try:
-            return await self._run(sequence, samples.reshape(-1, frame))
+            if not len(samples):
+                return np.empty(0, np.float32)
+            return await self._submit(sequence, samples.reshape(-1, frame))
         finally:
             if end:
                 self.sequences.end(sequence_id)
 
-    async def infer_recording(self, samples: np.ndarray) -> np.ndarray:
-        """A whole recording: cut into shards of at most the baked frames, run as one batch, stitched back."""
+    async def recording_chunks(self, samples: np.ndarray, chunk_frames: int | None = None) -> AsyncIterator[np.ndarray]:
+        """A whole recording, cut into shards of at most the baked frames, all run as one batch;
+        yields its probabilities in order, in pieces of at most `chunk_frames` (a shard when None)
+        as soon as each is computed, so a caller can stream long results as they are produced."""
         frames = to_frames(samples, self.frames.frame_samples)
         plan = plan_shards(frame_energy(frames), self.baked.max_tokens_per_shard, self.baked.split_algorithm)
-        runs = []
+        pieces: list[asyncio.Future[np.ndarray]] = []
         for start, end in plan:
             sequence = self.frames.new_sequence()
             if start:  # the audio just before the cut is the shard's context, as it would be in one sequence
                 sequence.context = frames[start - 1, -self.frames.context_samples:].copy()
-            runs.append(self._run(sequence, frames[start:end]))
-        return np.concatenate(await asyncio.gather(*runs)) if runs else np.empty(0, np.float32)
+            step = chunk_frames or max(end - start, 1)
+            pieces += [self._submit(sequence, frames[i:min(i + step, end)]) for i in range(start, end, step)]
+        try:
+            for piece in pieces:
+                yield await piece
+        finally:
+            for piece in pieces:
+                piece.cancel()
 
-    async def segments(self, samples: np.ndarray, params: SegmentParams) -> list[tuple[int, int]]:
-        probs = await self.infer_recording(samples)
-        return speech_segments(probs, self.frames.frame_samples, self.frames.sample_rate, len(samples), params)
+    async def infer_recording(self, samples: np.ndarray) -> np.ndarray:
+        pieces = [p async for p in self.recording_chunks(samples)]
+        return np.concatenate(pieces) if pieces else np.empty(0, np.float32)
+
+    async def segments(self, samples: np.ndarray, params: SegmentParams,
+                       chunk_frames: int | None = None) -> AsyncIterator[tuple[int, int]]:
+        """Speech segments (sample positions), each yielded as soon as it is final."""
+        tracker = SegmentTracker(self.frames.frame_samples, self.frames.sample_rate, params)
+        async for probs in self.recording_chunks(samples, chunk_frames):
+            for segment in tracker.feed(probs):
+                yield segment
+        for segment in tracker.finish(len(samples)):
+            yield segment
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())

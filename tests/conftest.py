@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ class Daemon:
     """`appliance run` as a child process with its own config, Unix socket and (with tls) QUIC port."""
 
     def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "",
-                 tls: tuple[Path, Path] | None = None, extra_quic: str = "") -> None:
+                 tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
@@ -94,7 +95,7 @@ class Daemon:
         )
         self.log = workdir / "daemon.log"
         self.proc = subprocess.Popen([*APPLIANCE, "run", "--config", str(self.config)], cwd=ROOT,
-                                     stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+                                     stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 60.0) -> "Daemon":
         deadline = time.monotonic() + timeout
@@ -131,10 +132,10 @@ def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
     started: list[Daemon] = []
 
     def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True,
-              tls: tuple[Path, Path] | None = None, extra_quic: str = "") -> Daemon:
+              tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None) -> Daemon:
         workdir = tmp_path / f"d{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic)
+        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env)
         started.append(daemon)
         return daemon.wait_ready() if wait else daemon
 

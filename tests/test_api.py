@@ -73,6 +73,19 @@ def test_cli_call_commands(daemon, tmp_path: Path) -> None:
     wav = tmp_path / "silence.wav"
     wav.write_bytes(encode_wav(np.zeros(16000, np.float32), 16000))
     assert json.loads(cli("call", "vad", wav, *env_socket).stdout)["segments"] == []
+    streamed = [json.loads(line) for line in cli("call", "vad", wav, "--stream", *env_socket).stdout.splitlines()]
+    assert streamed == [{"model_name": "silero_vad", "duration": 1.0, "segments": 0, "done": True}]
+
+
+def test_curl_reads_streamed_segments_as_chunked_http(daemon, tmp_path: Path) -> None:
+    wav = tmp_path / "silence.wav"
+    wav.write_bytes(encode_wav(np.zeros(16000, np.float32), 16000))
+    out = subprocess.run(["curl", "-si", "--unix-socket", str(daemon.socket), "--data-binary", f"@{wav}",
+                          "http://localhost/v2/models/silero_vad/segments?stream=true"],
+                         capture_output=True, text=True, check=True).stdout
+    head, _, body = out.partition("\r\n\r\n")
+    assert "transfer-encoding: chunked" in head.lower() and "application/x-ndjson" in head
+    assert json.loads(body)["done"] is True
 
 
 def test_socket_mode_is_0660(daemon) -> None:

@@ -199,17 +199,19 @@ def test_quiet_streams_get_408_and_open_streams_are_bounded(start_daemon, tls) -
         session = QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile)
         await session.send(Call("GET", "/v2/health/ready"))
         protocol = session._protocol
-        loop = asyncio.get_running_loop()
         quiet = []
         for _ in range(5):  # open request streams that never finish their body
             stream_id = protocol._quic.get_next_available_stream_id()
-            future = loop.create_future()
-            protocol._pending[stream_id] = (future, {}, [])
+            parts = protocol._streams[stream_id] = asyncio.Queue()
             protocol.http.send_headers(stream_id, [(b":method", b"POST"), (b":scheme", b"https"),
                                                    (b":authority", b"x"), (b":path", b"/v2/models/silero_vad/infer")])
             protocol.transmit()
-            quiet.append(future)
-        statuses = [r.status for r in await asyncio.wait_for(asyncio.gather(*quiet), 10)]
+            quiet.append(parts)
+
+        async def status_of(parts: asyncio.Queue) -> int:
+            return int((await parts.get())[":status"])
+
+        statuses = await asyncio.wait_for(asyncio.gather(*map(status_of, quiet)), 10)
         after = (await session.send(Call("GET", "/v2/health/ready"))).status  # the connection still serves
         await session.close()
         return statuses, after

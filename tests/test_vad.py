@@ -12,6 +12,7 @@ from appliance.client import AsyncClient, Client
 from appliance.segments import SegmentParams, speech_segments
 from appliance.shards import frame_energy, plan_shards
 from appliance.audio import to_frames
+from appliance.engine.base import HANG_FAILPOINT
 from conftest import build_bundle
 from speech import RATE, SENTENCES, recording
 
@@ -116,3 +117,30 @@ def test_long_recording_in_shards_agrees_with_one_sequence(keys, tmp_path, start
                 assert abs(value - ref) <= FRAME / RATE + 1e-3, (sharded, reference)
                 compared += 1
     assert compared >= len(reference) // 2  # most boundaries are away from a cut
+
+
+@pytest.mark.parametrize("transport", ["unix", "quic"])
+def test_long_results_stream_as_they_are_produced(start_daemon, tls, tmp_path, speech, transport: str) -> None:
+    """A 3-minute recording: the first segment arrives while the engine is held (failpoint) part
+    way through; the rest follow once it resumes, and match the one-response call."""
+    audio, spans = speech
+    audio = np.concatenate([audio, np.zeros(180 * RATE - len(audio), np.float32)])  # 6 shards of <= 1024 frames
+    wav = encode_wav(audio, RATE)
+    hold = tmp_path / "hold-engine"
+    daemon = start_daemon(tls=tls, env={HANG_FAILPOINT: str(hold)})
+    with daemon.client(transport) as client, daemon.client() as observer:
+        expected = client.segments(wav, **QUERY)
+        hold.write_text("300")  # the engine runs 300 more batched steps, then stalls
+        lines = client.stream_segments(wav, **QUERY)
+        first = next(lines)
+        frames_run = sum(float(line.split()[-1]) for line in observer.metrics().splitlines()
+                         if line.startswith("appliance_engine_frames_total"))
+        hold.unlink()
+        rest = list(lines)
+    assert (first["start"], first["end"]) == (expected["segments"][0]["start"], expected["segments"][0]["end"])
+    assert abs(first["start"] - spans[0][0]) <= 0.2
+    # what had run when the first segment arrived: the first call's frames, plus at most 300 steps of 6
+    assert frames_run < 2 * len(audio) / FRAME, frames_run
+    assert [first, *rest[:-1]] == expected["segments"]
+    assert rest[-1] == {"model_name": "silero_vad", "duration": expected["duration"],
+                        "segments": len(expected["segments"]), "done": True}

@@ -9,6 +9,7 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     GET  /v2/models/{name}[/versions/{v}]/ready
     POST /v2/models/{name}[/versions/{v}]/infer      JSON or binary tensors; Triton sequence parameters
     POST /v2/models/{name}[/versions/{v}]/segments   a WAV in, speech segments out
+                                          (?stream=true: one JSON line per segment as soon as it is final)
     GET  /metrics
 """
 
@@ -19,7 +20,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
@@ -37,6 +38,7 @@ from appliance.vad import VadModel
 log = logging.getLogger("appliance.api")
 
 AUDIO_INPUT, PROB_OUTPUT = "audio", "speech_prob"
+STREAM_CHUNK_FRAMES = 64  # streamed results: the engine reports each shard in pieces of ~2 s of audio
 EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository_index", "segments", "metrics"]
 
 
@@ -54,6 +56,7 @@ class Response:
     body: bytes = b""
     content_type: str = "application/json"
     headers: list[tuple[str, str]] = field(default_factory=list)
+    stream: AsyncIterator[bytes] | None = None  # set: the body is sent piece by piece as produced, `body` unused
 
 
 def json_response(status: int, doc: Any) -> Response:
@@ -218,15 +221,47 @@ class Api:
 
     async def _segments(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
+        stream = _flag(params.pop("query:stream", "false"), "stream")
         samples = decode_wav(request.body, model.frames.sample_rate)
         segment_params = _segment_params(params, self.vad_defaults)
-        segments = await model.segments(samples, segment_params)
         rate = model.frames.sample_rate
-        return json_response(200, {
-            "model_name": model.name,
-            "duration": round(len(samples) / rate, 3),
-            "segments": [{"start": round(s / rate, 3), "end": round(e / rate, 3)} for s, e in segments],
-        })
+        seconds = lambda s: round(s / rate, 3)  # noqa: E731
+        summary = {"model_name": model.name, "duration": seconds(len(samples))}
+        if stream:
+            return Response(200, content_type="application/x-ndjson",
+                            stream=self._segment_lines(model.segments(samples, segment_params, STREAM_CHUNK_FRAMES),
+                                                       seconds, summary, request, params))
+        segments = [s async for s in model.segments(samples, segment_params)]
+        return json_response(200, {**summary, "segments": [{"start": seconds(s), "end": seconds(e)} for s, e in segments]})
+
+    async def _segment_lines(self, segments: AsyncIterator[tuple[int, int]], seconds: Callable[[int], float],
+                             summary: dict[str, Any], request: Request, params: dict[str, str]) -> AsyncIterator[bytes]:
+        """NDJSON: a line per segment as soon as it is final, then the summary (or an error) line."""
+        count = 0
+        try:
+            async for start, end in segments:
+                count += 1
+                yield _json_line({"start": seconds(start), "end": seconds(end)})
+        except ApiError as exc:
+            yield _json_line({"error": exc.message})
+            return
+        except Exception:
+            log.exception("streamed segments crashed", extra=self._log_fields(request, params))
+            yield _json_line({"error": "internal error (logged)"})
+            return
+        yield _json_line({**summary, "segments": count, "done": True})
+
+
+def _json_line(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+
+def _flag(raw: str, name: str) -> bool:
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "no"):
+        return False
+    raise BadRequest(f"query parameter {name}: {raw!r} is not true or false")
 
 
 def _audio_input(infer: InferRequest, model: VadModel) -> np.ndarray:

@@ -20,19 +20,32 @@ class Engine(Protocol):
         ...
 
 
-# Failpoint for the watchdog tests: while this file exists, engine calls stall the way a wedged
-# driver call would. Read from the environment only, never from config.
+# Failpoint for tests: while this file exists, engine calls stall the way a wedged driver call
+# would; if the file holds a number N, the first N calls after it appeared still run. Read from
+# the environment only, never from config.
 HANG_FAILPOINT = "APPLIANCE_FAILPOINT_ENGINE_HANG"
 
 
 class _StallWhenFilePresent:
     def __init__(self, engine: Engine, trigger: Path) -> None:
         self.engine, self.trigger, self.name = engine, trigger, engine.name
+        self.calls_while_armed = 0
 
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
-        while self.trigger.exists():
-            time.sleep(0.05)
+        if self.trigger.exists():
+            self.calls_while_armed += 1
+            if self.calls_while_armed > self._allowance():
+                while self.trigger.exists():
+                    time.sleep(0.05)
+        else:
+            self.calls_while_armed = 0
         return self.engine.run(feeds, batch)
+
+    def _allowance(self) -> int:
+        try:
+            return int(self.trigger.read_text() or 0)
+        except (OSError, ValueError):
+            return 0
 
 
 def load_engine(device: str, model_path: Path, threads: int) -> Engine:

@@ -87,6 +87,7 @@ class Work:
     on_done: Callable[["Work", BaseException | None], None]
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
+    cancelled: bool = False  # its caller went away before it started: never run it
 
     def __post_init__(self) -> None:
         self.probs = np.empty(len(self.frames), np.float32)
@@ -187,6 +188,9 @@ class Batcher:
         skipped: list[Work] = []
         while self._pending and len(active) < self.max_batch:
             work = self._pending.popleft()
+            if work.cancelled:
+                work.on_done(work, Unavailable("cancelled by its caller"))
+                continue
             if id(work.sequence) in busy:
                 skipped.append(work)  # a later request of a sequence already running: keep its order
             else:

@@ -10,6 +10,7 @@ certificate to be verified).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -201,6 +202,7 @@ class H3Protocol(QuicConnectionProtocol):
         self._handshake_done = False
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
+        self._closed = False
         if server.client_certificates is not None:
             server.client_certificates.require(self._quic)
         if len(server.connections) >= server.config.max_connections:
@@ -217,6 +219,7 @@ class H3Protocol(QuicConnectionProtocol):
             for stream_id, request in waiting:
                 self._dispatch(stream_id, request)
         elif isinstance(event, ConnectionTerminated):
+            self._closed = True
             self.server.connections.discard(self)
         if self._http is None:
             return
@@ -295,19 +298,38 @@ class H3Protocol(QuicConnectionProtocol):
 
     async def _serve(self, stream_id: int, request: Request) -> None:
         try:
-            self._respond(stream_id, await self.server.api.handle(request))
+            response = await self.server.api.handle(request)
+            if self._respond(stream_id, response) and response.stream is not None:
+                async with contextlib.aclosing(response.stream) as pieces:
+                    async for piece in pieces:  # each piece goes out as produced
+                        if self._closed or not self._send_data(stream_id, piece, end_stream=False):
+                            return
+                self._send_data(stream_id, b"", end_stream=True)
         finally:
             self.in_flight -= 1
 
-    def _respond(self, stream_id: int, response: Response) -> None:
+    def _respond(self, stream_id: int, response: Response) -> bool:
+        """Send the headers, and the body unless it is streamed; False if the stream is gone."""
         if self._http is None:
-            return
-        headers = [(b":status", str(response.status).encode()), (b"content-type", response.content_type.encode()),
-                   (b"content-length", str(len(response.body)).encode())]
+            return False
+        headers = [(b":status", str(response.status).encode()), (b"content-type", response.content_type.encode())]
+        if response.stream is None:
+            headers.append((b"content-length", str(len(response.body)).encode()))
         headers += [(k.lower().encode(), v.encode()) for k, v in response.headers]
         try:
             self._http.send_headers(stream_id, headers)
-            self._http.send_data(stream_id, response.body, end_stream=True)
         except Exception as exc:  # the stream or connection went away meanwhile
             log.debug("stream %d: response dropped: %s", stream_id, exc)
-        self.transmit()
+            return False
+        return response.stream is not None or self._send_data(stream_id, response.body, end_stream=True)
+
+    def _send_data(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
+        assert self._http is not None
+        try:
+            self._http.send_data(stream_id, data, end_stream=end_stream)
+        except Exception as exc:
+            log.debug("stream %d: response dropped: %s", stream_id, exc)
+            return False
+        finally:
+            self.transmit()
+        return True

@@ -8,10 +8,12 @@ connection untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import AsyncIterator
 
 import httptools
 
@@ -28,13 +30,14 @@ class Limits:
 
 
 def encode_response(response: Response, keep_alive: bool) -> bytes:
+    """The status line and headers, and the body unless it is streamed (then chunked follows)."""
     reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
-    head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}",
-            f"content-length: {len(response.body)}"]
+    length = "transfer-encoding: chunked" if response.stream else f"content-length: {len(response.body)}"
+    head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
     head += [f"{k}: {v}" for k, v in response.headers]
     if not keep_alive:
         head.append("connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
 
 
 class Http1Server:
@@ -138,11 +141,25 @@ class HttpConnection(asyncio.Protocol):
                     return
                 keep_alive = keep_alive and (self.server.api.keep_connections() or bool(self.queue))
                 self.transport.write(encode_response(response, keep_alive))
+                if response.stream is not None and not await self._write_chunks(response.stream):
+                    return
                 if not keep_alive:
                     self.transport.close()
                     return
         finally:
             self.busy = False
+
+    async def _write_chunks(self, stream: AsyncIterator[bytes]) -> bool:
+        """Send each piece as it is produced; False if the client went away meanwhile."""
+        async with contextlib.aclosing(stream) as pieces:
+            async for piece in pieces:
+                if self.transport is None or self.transport.is_closing():
+                    return False
+                self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        if self.transport is None or self.transport.is_closing():
+            return False
+        self.transport.write(b"0\r\n\r\n")
+        return True
 
     def _count_header_bytes(self, n: int) -> None:
         self._header_bytes += n
