@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from appliance.config import QuicConfig
 from appliance.errors import ApplianceError
 
 DEV_SOCKET = Path("run/api.sock")
@@ -121,7 +122,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_tls(args: argparse.Namespace) -> int:
     from appliance.tls import init_self_signed
 
-    if args.cert.exists() and not args.force:
+    if args.cert.exists() and args.key.exists() and not args.force:
         print(f"{args.cert} exists (use --force to replace it)")
         return 0
     fingerprint = init_self_signed(args.cert, args.key, args.name)
@@ -183,8 +184,8 @@ def parser() -> argparse.ArgumentParser:
     tls = sub.add_parser("tls", help="TLS material for the QUIC listener, made offline")
     tls_sub = tls.add_subparsers(dest="action", required=True)
     init = tls_sub.add_parser("init", help="make a self-signed certificate and key for this box")
-    init.add_argument("--cert", type=Path, default=Path("/etc/appliance/tls/cert.pem"))
-    init.add_argument("--key", type=Path, default=Path("/etc/appliance/tls/key.pem"))
+    init.add_argument("--cert", type=Path, default=QuicConfig().certificate)
+    init.add_argument("--key", type=Path, default=QuicConfig().private_key)
     init.add_argument("--name", action="append", default=[], help="extra DNS name or IP address (repeatable)")
     init.add_argument("--force", action="store_true")
     tls.set_defaults(func=cmd_tls)

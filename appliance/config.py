@@ -39,8 +39,9 @@ class QuicConfig:
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = 4433
-    certificate: Path = Path("/etc/appliance/tls/cert.pem")
-    private_key: Path = Path("/etc/appliance/tls/key.pem")
+    # the box's own identity, made at first start (`appliance tls init`) and kept with its state
+    certificate: Path = Path("/var/lib/appliance/tls/cert.pem")
+    private_key: Path = Path("/var/lib/appliance/tls/key.pem")
     client_ca: Path = Path("")  # set: mutual TLS, clients need a certificate signed by a CA in this file
     idle_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 10.0  # a request stream that goes quiet this long gets a 408

@@ -140,7 +140,7 @@ class Daemon:
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, config.vad)
         self.http = Http1Server(self.api, self._limits(config))
-        sock = systemd.listen_unix_socket()
+        sock, quic_sock = systemd.listen_sockets()
         self.owns_socket = sock is None
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -150,11 +150,13 @@ class Daemon:
 
             try:
                 self.h3 = H3Server(self.api, self.http.limits, config.quic)
-                await self.h3.start()
+                await self.h3.start(quic_sock)
             except (OSError, ValueError) as exc:
-                raise ApplianceError(f"quic: cannot listen on {config.quic.host}:{config.quic.port} with "
-                                     f"{config.quic.certificate}: {exc}") from None
-            log.info("quic: HTTP/3 on %s:%d", config.quic.host, self.h3.port)
+                where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"
+                raise ApplianceError(f"quic: cannot listen on {where} with {config.quic.certificate}: {exc}") from None
+            log.info("quic: HTTP/3 on UDP port %d%s", self.h3.port, " (socket from systemd)" if quic_sock else "")
+        elif quic_sock is not None:
+            log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
         self.api.ready = True
         where = sock.getsockname() or config.server.socket
         log.info("ready: serving %s on %s%s", ", ".join(self.models), where,

@@ -53,16 +53,21 @@ def watchdog_interval() -> float | None:
     return int(usec) / 2e6
 
 
-def listen_unix_socket() -> socket.socket | None:
-    """The stream Unix socket systemd handed us (socket activation), or None to bind our own."""
+def listen_sockets() -> tuple[socket.socket | None, socket.socket | None]:
+    """The sockets systemd handed us (socket activation): the API's stream Unix socket and the
+    QUIC listener's UDP socket, each None where we bind our own."""
+    api = quic = None
     if sd_daemon is None:
-        return None
+        return api, quic
     for fd in sd_daemon.listen_fds(unset_environment=True):
         if sd_daemon.is_socket_unix(fd, socket.SOCK_STREAM, 1):
-            sock = socket.socket(fileno=fd)
+            api = socket.socket(fileno=fd)
+        elif sd_daemon.is_socket_inet(fd, 0, socket.SOCK_DGRAM):
+            quic = socket.socket(fileno=fd)
+    for sock in (api, quic):
+        if sock is not None:
             sock.setblocking(False)
-            return sock
-    return None
+    return api, quic
 
 
 def stderr_is_journal() -> bool:

@@ -13,6 +13,11 @@ import time
 import numpy as np
 import pytest
 
+from aioquic import tls
+from aioquic.quic import connection as quic_connection
+from aioquic.quic.packet import push_ack_frame
+from aioquic.quic.rangeset import RangeSet
+
 from appliance.client import Call, Client, infer_call
 from appliance.quic_client import QuicSession
 from conftest import cli
@@ -89,26 +94,38 @@ def mutated_datagrams(count: int, seed: int = 7) -> list[bytes]:
     return out
 
 
+class Bystander:
+    """Another LAN client calling inference in a loop while a test attacks the listener."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon, self.answered, self.errors = daemon, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        try:
+            with self.daemon.client("quic") as client:
+                while not self._stop.is_set():
+                    assert client.infer(np.zeros(512, np.float32)).shape == (1,)
+                    self.answered += 1
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            self.errors.append(exc)
+
+    def __enter__(self) -> "Bystander":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.5)
+        self._stop.set()
+        self._thread.join(30)
+
+
 def test_garbage_datagrams_do_not_disturb_other_clients(daemon) -> None:
     rss_before = daemon.rss_kib()
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    answered = [0]
-
-    def good_client() -> None:
-        try:
-            with daemon.client("quic") as client:
-                while not stop.is_set():
-                    assert client.infer(np.zeros(512, np.float32)).shape == (1,)
-                    answered[0] += 1
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-
-    thread = threading.Thread(target=good_client)
-    thread.start()
     sent = 0
     replies = 0
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
+    with Bystander(daemon) as bystander, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
         attacker.bind(("127.0.0.2", 0))
         attacker.setblocking(False)
         deadline = time.monotonic() + 20
@@ -124,16 +141,50 @@ def test_garbage_datagrams_do_not_disturb_other_clients(daemon) -> None:
                     replies += 1
             except BlockingIOError:
                 pass
-    time.sleep(0.5)
-    stop.set()
-    thread.join(30)
-    assert not errors, errors
-    assert answered[0] >= 10
+    assert not bystander.errors, bystander.errors
+    assert bystander.answered >= 10
     assert sent >= 2000
     assert replies <= sent // 10, f"{replies} replies to {sent} garbage datagrams"
     with daemon.client("quic") as client:
         assert client.health()["ready"]
     assert daemon.rss_kib() - rss_before < 64 * 1024, "memory grew by more than 64 MiB under garbage"
+
+
+def test_ack_range_flood_from_a_connected_peer_does_not_disturb_other_clients(daemon, monkeypatch) -> None:
+    """An authenticated peer sends 1-RTT packets, each one ACK frame with hundreds of ranges
+    for packets never sent (the ACK-range flood reported against aioquic)."""
+    rss_before = daemon.rss_kib()
+    pushed = [0]
+
+    def counting_push_ack_frame(*args, **kwargs) -> int:
+        ranges = push_ack_frame(*args, **kwargs)
+        pushed[0] += ranges
+        return ranges
+
+    monkeypatch.setattr(quic_connection, "push_ack_frame", counting_push_ack_frame)
+
+    async def flood(packets: int) -> None:
+        session = QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile)
+        assert (await session.send(Call("GET", "/v2/health/ready"))).status == 200
+        protocol = session._protocol
+        space = protocol._quic._spaces[tls.Epoch.ONE_RTT]
+        for i in range(packets):
+            top = 1_000_000 + 2_000 * i
+            space.ack_queue = RangeSet(range(n, n + 1) for n in range(top, top - 2_000, -2))  # 1000 gaps
+            space.ack_at = 0.0  # due now: the next packet carries it
+            protocol.transmit()
+            if i % 20 == 0:
+                await asyncio.sleep(0.001)
+        await session.close()
+
+    with Bystander(daemon) as bystander:
+        asyncio.run(flood(2000))
+    assert pushed[0] >= 2000 * 100, f"only {pushed[0]} ACK ranges went out"
+    assert not bystander.errors, bystander.errors
+    assert bystander.answered >= 10
+    with daemon.client("quic") as client:
+        assert client.health()["ready"]
+    assert daemon.rss_kib() - rss_before < 64 * 1024, "memory grew by more than 64 MiB under the ACK flood"
 
 
 def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, str]:
@@ -219,3 +270,30 @@ def test_quiet_streams_get_408_and_open_streams_are_bounded(start_daemon, tls) -
     statuses, after = asyncio.run(scenario())
     assert sorted(statuses) == [408, 408, 408, 408, 429], statuses
     assert after == 200
+
+
+def test_retry_validates_addresses_and_refuses_forged_tokens(start_daemon, tls) -> None:
+    daemon = start_daemon(tls=tls, extra_quic="retry = true\n")
+
+    async def scenario(token: bytes) -> tuple[int, int]:
+        session = QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile)
+        configuration = session._configuration
+
+        def with_token():
+            c = configuration()
+            c.token = token  # a token the server never issued rides in the first Initial
+            return c
+
+        session._configuration = with_token
+        try:
+            status = (await asyncio.wait_for(session.send(Call("GET", "/v2/health/ready")), 5)).status
+            return status, session._protocol._quic._retry_count
+        finally:
+            await session.close()
+
+    # no token: the server answers the first Initial with a Retry, the client echoes the token
+    assert asyncio.run(scenario(b"")) == (200, 1)
+    with pytest.raises((ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        asyncio.run(scenario(b"\x00" * 12 + b"forged token from nowhere"))
+    with daemon.client("quic") as client:
+        assert client.health()["ready"]

@@ -43,12 +43,16 @@ def install(rootfs: Path, bundle: Path, keys: Keys) -> None:
     # checkout's own path, so run the venv's python on the mounted package instead.
     (dropin / "test.conf").write_text(
         "[Service]\nExecStart=\n"
+        "ExecStartPre=\nExecStartPre=/opt/appliance/.venv/bin/python -m appliance tls init\n"
         "ExecStart=/opt/appliance/.venv/bin/python -m appliance run\n"
         "Environment=PYTHONPATH=/opt/appliance\n"
         "WatchdogSec=2\n"
         "Environment=APPLIANCE_FAILPOINT_ENGINE_HANG=/run/appliance-hang\n"
     )
     shutil.copy(ROOT / "image" / "appliance.sysusers.conf", rootfs / "usr/lib/sysusers.d/appliance.conf")
+    (rootfs / "etc/appliance").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "image" / "appliance.toml", rootfs / "etc/appliance/appliance.toml")
+    shutil.rmtree(rootfs / "var/lib/appliance/tls", ignore_errors=True)
     firmware_dir = rootfs / "var/lib/appliance/firmware/current"
     shutil.rmtree(firmware_dir, ignore_errors=True)
     shutil.copytree(bundle, firmware_dir)
@@ -70,7 +74,7 @@ def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_pat
     boot = subprocess.run(
         ["systemd-nspawn", "-q", "-D", str(rootfs), "--boot", "--register=no", "--keep-unit", "--pipe",
          f"--bind-ro={ROOT}:/opt/appliance", f"--bind-ro={ROOT / 'tests' / 'pid1'}:/selftest", f"--bind={out}:/out",
-         "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN"],
+         "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN", "--private-network"],
         capture_output=True, text=True, timeout=600)
     text = (out / "result.txt").read_text() if (out / "result.txt").exists() else ""
     result = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
@@ -78,6 +82,8 @@ def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_pat
     assert result.get("done") == "yes", context
     assert result["start_rc"] == "0" and result["active"] == "active", context
     assert result["health"] == "200" and result["infer"] == "200 [2]", context
+    assert result["quic_health"] == "ready" and result["quic_from_systemd"] == "1", context
+    assert result["tls_key_mode"] == "600:appliance", context
     assert "firmware voice-vad 1.0.0, engine onnxruntime-cpu" in result["status_text"], context
     assert result["uid"] == "appliance" and result["socket_mode"] == "660:appliance", context
     assert int(result["journal_firmware"]) >= 1, context

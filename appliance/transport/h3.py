@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -162,7 +163,8 @@ class H3Server:
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.connections)
 
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on `sock` (from systemd) or on the configured host and port."""
         configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s)
         configuration.load_cert_chain(self.config.certificate, self.config.private_key)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
@@ -171,7 +173,7 @@ class H3Server:
                 session_ticket_fetcher=self.tickets.pop, session_ticket_handler=self.tickets.add,
                 retry=self.config.retry,
             ),
-            local_addr=(self.config.host, self.config.port),
+            **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
         self._reaper = asyncio.get_running_loop().create_task(self._reap_quiet_streams())
 
