@@ -51,6 +51,18 @@ class QuicConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ConnCacheConfig:
+    """The QUIC listener's per-peer table (eBPF in the kernel, or user space) and flood budget."""
+
+    backend: str = "auto"  # "ebpf": failing to load the BPF program is a start-up error; "user": never try
+    max_entries: int = 65536  # peers (address and port) kept; the least recently seen is evicted
+    peer_rate: float = 5000.0  # packets per second each peer may send ...
+    peer_burst: float = 10000.0  # ... with bursts up to this many; the rest are dropped
+    idle_timeout_s: float = 60.0  # a peer silent this long is forgotten and its sequences released
+    pin_dir: Path = Path("/sys/fs/bpf/appliance")
+
+
+@dataclass(frozen=True, slots=True)
 class FirmwareConfig:
     bundle: Path = Path("/var/lib/appliance/firmware/current")
     trusted_keys: Path = Path("/etc/appliance/trusted-keys")
@@ -88,6 +100,7 @@ class LogConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     quic: QuicConfig = field(default_factory=QuicConfig)
+    conncache: ConnCacheConfig = field(default_factory=ConnCacheConfig)
     firmware: FirmwareConfig = field(default_factory=FirmwareConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
@@ -96,7 +109,7 @@ class Config:
     sources: tuple[Path, ...] = ()
 
 
-CHOICES = {("engine", "device"): ("cpu",), ("log", "level"): ("debug", "info", "warning", "error")}
+CHOICES = {("engine", "device"): ("cpu",), ("conncache", "backend"): ("auto", "ebpf", "user"), ("log", "level"): ("debug", "info", "warning", "error")}
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "sources"}
 _SECTION_TYPES = typing.get_type_hints(Config)
 
@@ -189,7 +202,10 @@ def _check_values(config: Config) -> None:
                 "quic.max_connections": config.quic.max_connections,
                 "quic.stream_idle_timeout_s": config.quic.stream_idle_timeout_s,
                 "quic.max_streams_per_connection": config.quic.max_streams_per_connection, "engine.threads": config.engine.threads,
-                "sequences.max_live": config.sequences.max_live, "sequences.idle_timeout_s": config.sequences.idle_timeout_s}
+                "sequences.max_live": config.sequences.max_live,
+                "conncache.max_entries": config.conncache.max_entries, "conncache.peer_rate": config.conncache.peer_rate,
+                "conncache.peer_burst": config.conncache.peer_burst,
+                "conncache.idle_timeout_s": config.conncache.idle_timeout_s, "sequences.idle_timeout_s": config.sequences.idle_timeout_s}
     for key, value in positive.items():
         if value <= 0:
             raise ApplianceError(f"{source}: {key}: must be positive, got {value}")
@@ -204,7 +220,7 @@ def _check_values(config: Config) -> None:
 # What SIGHUP can change in a running daemon; every other key needs a restart.
 LIVE_KEYS = frozenset({
     "server.max_body_bytes", "server.max_header_bytes", "server.max_connections", "server.shutdown_grace_s",
-    "engine.queue_delay_us", "sequences.idle_timeout_s", "sequences.max_live",
+    "engine.queue_delay_us", "sequences.idle_timeout_s", "sequences.max_live", "conncache.idle_timeout_s",
     "vad.threshold", "vad.min_speech_ms", "vad.min_silence_ms", "vad.speech_pad_ms", "log.level",
 })
 

@@ -38,6 +38,7 @@ log = logging.getLogger("appliance")
 EXIT_START_FAILED = 3
 EXPIRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
+CONNCACHE_SWEEP_S = 1.0
 
 
 def load_models(config: Config, bundle: firmware.Bundle) -> dict[str, VadModel]:
@@ -113,6 +114,7 @@ def configure_logging(level: str) -> None:
     handler.addFilter(FIRMWARE_FIELD)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection's handshake at info
 
 
 class Daemon:
@@ -150,11 +152,15 @@ class Daemon:
 
             try:
                 self.h3 = H3Server(self.api, self.http.limits, config.quic)
-                await self.h3.start(quic_sock)
+                await self.h3.start(config.conncache, quic_sock)
             except (OSError, ValueError) as exc:
                 where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"
                 raise ApplianceError(f"quic: cannot listen on {where} with {config.quic.certificate}: {exc}") from None
             log.info("quic: HTTP/3 on UDP port %d%s", self.h3.port, " (socket from systemd)" if quic_sock else "")
+            self.api.conncache = self.h3.cache
+            log.info("conncache: %s backend, up to %d peers, %g packets/s per peer (burst %g)",
+                     self.h3.cache.backend, config.conncache.max_entries, config.conncache.peer_rate,
+                     config.conncache.peer_burst)
         elif quic_sock is not None:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
         self.api.ready = True
@@ -172,6 +178,9 @@ class Daemon:
         assert self.manifest is not None
         engines = ", ".join(sorted({m.engine_name for m in self.models.values()}))
         text = f"firmware {self.manifest.name} {self.manifest.version}, engine {engines}"
+        if self.h3 is not None and self.h3.cache is not None:
+            cache = self.h3.cache
+            text += f", conncache {cache.backend}" + (f" ({cache.reason})" if cache.reason else "")
         return text if rate is None else f"{text}, {rate:.1f} req/s"
 
     # --- run ---
@@ -187,6 +196,8 @@ class Daemon:
             raise
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
         tasks = [loop.create_task(self._expire_idle_sequences()), loop.create_task(self._report_status())]
+        if self.h3 is not None:
+            tasks.append(loop.create_task(self._sweep_connection_cache(self.h3)))
         if (interval := systemd.watchdog_interval()) is not None:
             tasks.append(loop.create_task(self._watchdog(interval)))
         await self.stopping.wait()
@@ -201,6 +212,16 @@ class Daemon:
             for model in self.models.values():
                 if count := model.expire_idle():
                     log.info("model %s: %d idle sequences expired", model.name, count, extra={"MODEL": model.name})
+
+    async def _sweep_connection_cache(self, h3: "H3Server") -> None:
+        """Release what vanished QUIC peers held: peers idle past the timeout, or evicted."""
+        assert self.api is not None and h3.cache is not None
+        while True:
+            await asyncio.sleep(CONNCACHE_SWEEP_S)
+            for peer in h3.cache.sweep(h3.peers_held() | self.api.sequence_owners()):
+                released = self.api.release_peer(peer)
+                h3.close_peer(peer, "peer idle or evicted from the connection cache")
+                log.info("conncache: peer %s idle or evicted: connection closed, %d sequences released", peer, released)
 
     async def _report_status(self) -> None:
         assert self.api is not None
@@ -252,6 +273,8 @@ class Daemon:
         logging.getLogger().setLevel(config.log.level.upper())
         self.api.vad_defaults = config.vad
         self.http.limits = self._limits(config)
+        if self.h3 is not None and self.h3.cache is not None:
+            self.h3.cache.config = config.conncache
         for model in self.models.values():
             model.sequences.max_live = config.sequences.max_live
             model.sequences.idle_timeout_s = config.sequences.idle_timeout_s

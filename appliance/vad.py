@@ -116,13 +116,15 @@ class VadModel:
         self.engine_loop.submit(work)
         return future
 
-    async def infer_stream(self, samples: np.ndarray, sequence_id: object, start: bool, end: bool) -> np.ndarray:
-        """Frames of a live stream; the runtime keeps its state and audio context between calls."""
+    async def infer_stream(self, samples: np.ndarray, sequence_id: object, start: bool, end: bool,
+                           owner: str = "") -> np.ndarray:
+        """Frames of a live stream; the runtime keeps its state and audio context between calls.
+        `owner`: the QUIC peer opening it, whose departure releases it."""
         frame = self.frames.frame_samples
         if len(samples) % frame:
             raise BadRequest(f"a sequence request carries whole frames: {len(samples)} samples is not a multiple of {frame}")
         now = self.clock()
-        sequence = self.sequences.start(sequence_id, now) if start else self.sequences.get(sequence_id, now)
+        sequence = self.sequences.start(sequence_id, now, owner) if start else self.sequences.get(sequence_id, now)
         try:
             if not len(samples):
                 return np.empty(0, np.float32)

@@ -11,10 +11,12 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     POST /v2/models/{name}[/versions/{v}]/segments   a WAV in, speech segments out
                                           (?stream=true: one JSON line per segment as soon as it is final)
     GET  /metrics
+    GET  /status                          firmware, engines, QUIC peers from the connection cache
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -30,6 +32,7 @@ from appliance.api import metrics as prometheus
 from appliance.api.tensors import HEADER_LENGTH, InferRequest, decode_infer, encode_infer
 from appliance.audio import decode_wav
 from appliance.config import VadConfig
+from appliance.conncache import ConnectionCache
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.segments import SegmentParams
@@ -48,6 +51,7 @@ class Request:
     target: str
     headers: dict[str, str]  # lower-case names
     body: bytes = b""
+    peer: str = ""  # the LAN client's address and port (QUIC); empty on the Unix socket
 
 
 @dataclass(slots=True)
@@ -76,6 +80,7 @@ class Api:
         self.metrics = prometheus.Metrics()
         self.ready = False
         self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
+        self.conncache: ConnectionCache | None = None  # the QUIC listener's peer table, where QUIC serves
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self._routes: list[tuple[str, re.Pattern[str], str, Handler]] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
@@ -87,6 +92,7 @@ class Api:
             ("POST", re.compile(model + "/infer"), "infer", self._infer),
             ("POST", re.compile(model + "/segments"), "segments", self._segments),
             ("GET", re.compile(r"/metrics"), "metrics", self._metrics),
+            ("GET", re.compile(r"/status"), "status", self._status),
         ]
 
     async def handle(self, request: Request) -> Response:
@@ -124,6 +130,13 @@ class Api:
     def _log_fields(request: Request, params: dict[str, str]) -> dict[str, str]:
         """Structured journal fields: which model, which request (the caller's x-request-id)."""
         return {"MODEL": params.get("model", "-"), "REQUEST_ID": request.headers.get("x-request-id", "-")}
+
+    def sequence_owners(self) -> set[str]:
+        return set().union(*(m.sequences.owners() for m in self.models.values()))
+
+    def release_peer(self, peer: str) -> int:
+        """A QUIC peer is gone (idle or evicted from the connection cache): end its sequences."""
+        return sum(m.sequences.release_owner(peer) for m in self.models.values())
 
     def keep_connections(self) -> bool:
         """While draining, a connection stays open only as long as some sequence may still stream on it."""
@@ -195,8 +208,24 @@ class Api:
         return json_response(200, {"name": model.name, "ready": True})
 
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
-        text = prometheus.render(self.metrics, self.models.values())
+        text = prometheus.render(self.metrics, self.models.values(), self.conncache)
         return Response(200, text.encode(), "text/plain; version=0.0.4")
+
+    async def _status(self, request: Request, params: dict[str, str]) -> Response:
+        """What `appliance status` shows: firmware, engines, sequences, and the QUIC peers."""
+        cache = self.conncache
+        now = time.monotonic()
+        return json_response(200, {
+            "firmware": self.firmware_info(),
+            "ready": self.ready,
+            "models": [{"name": m.name, "engine": m.engine_name, "live_sequences": len(m.sequences)}
+                       for m in self.models.values()],
+            "conncache": None if cache is None else {
+                "backend": cache.backend, "reason": cache.reason,
+                "totals": dataclasses.asdict(cache.totals()),
+                "peers": sorted((p.as_dict(now) for p in cache.peers().values()), key=lambda p: p["peer"]),
+            },
+        })
 
     # --- inference ----------------------------------------------------------------------------------
 
@@ -212,7 +241,7 @@ class Api:
             out_params: dict[str, Any] = {}
         else:
             sequence_id, start, end = sequence
-            probs = await model.infer_stream(samples, sequence_id, start, end)
+            probs = await model.infer_stream(samples, sequence_id, start, end, owner=request.peer)
             out_params = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
         body, header_length = encode_infer(model.name, self.manifest.version, infer, {PROB_OUTPUT: probs}, out_params)
         if header_length is None:

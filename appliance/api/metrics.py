@@ -6,6 +6,7 @@ import bisect
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
+    from appliance.conncache import ConnectionCache
     from appliance.vad import VadModel
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -54,7 +55,7 @@ class Metrics:
         return sum(self.requests.values())
 
 
-def render(metrics: Metrics, models: Iterable["VadModel"]) -> str:
+def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "ConnectionCache | None" = None) -> str:
     """Text format 0.0.4."""
     out = ["# HELP appliance_requests_total API requests by endpoint and HTTP status.",
            "# TYPE appliance_requests_total counter"]
@@ -81,4 +82,24 @@ def render(metrics: Metrics, models: Iterable["VadModel"]) -> str:
         sections["appliance_live_sequences"].append(f"appliance_live_sequences{{{label}}} {len(model.sequences)}")
     for lines in sections.values():
         out += lines
+    if conncache is not None:
+        out += _conncache_lines(conncache)
     return "\n".join(out) + "\n"
+
+
+def _conncache_lines(cache: "ConnectionCache") -> list[str]:
+    totals, peers = cache.totals(), cache.peers()
+    label = f'backend="{cache.backend}"'
+    out = []
+    for name, kind, help_text, value in (
+        ("appliance_quic_peers", "gauge", "QUIC peers (address and port) in the connection cache.", len(peers)),
+        ("appliance_quic_packets_total", "counter", "Datagrams admitted to the QUIC listener.", totals.packets),
+        ("appliance_quic_bytes_total", "counter", "UDP payload bytes admitted to the QUIC listener.", totals.bytes),
+        ("appliance_quic_dropped_total", "counter", "Datagrams dropped over a peer's budget.", totals.drops),
+    ):
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {value}"]
+    out += ["# HELP appliance_quic_peer_dropped_total Datagrams dropped over budget, by peer (peers with drops).",
+            "# TYPE appliance_quic_peer_dropped_total counter"]
+    out += [f'appliance_quic_peer_dropped_total{{{label},peer="{p.address}"}} {p.drops}'
+            for p in sorted(peers.values(), key=lambda p: -p.drops) if p.drops]
+    return out

@@ -76,6 +76,7 @@ class Sequence:
     context: np.ndarray
     last_used: float = 0.0
     in_flight: int = 0
+    owner: str = ""  # the peer that opened it over QUIC: its state goes when that peer does
 
 
 @dataclass(slots=True, eq=False)
@@ -103,7 +104,7 @@ class SequenceTable:
     def __len__(self) -> int:
         return len(self._live)
 
-    def start(self, key: object, now: float) -> Sequence:
+    def start(self, key: object, now: float, owner: str = "") -> Sequence:
         """Open a sequence; a start on a live id restarts it (a client that reconnected)."""
         old = self._live.pop(key, None)
         if old is not None and old.in_flight:
@@ -116,7 +117,7 @@ class SequenceTable:
                     f"sequence table full ({self.max_live} live sequences): end a sequence or retry later"
                 )
         sequence = self.model.new_sequence(key)
-        sequence.last_used = now
+        sequence.last_used, sequence.owner = now, owner
         self._live[key] = sequence
         return sequence
 
@@ -132,6 +133,16 @@ class SequenceTable:
 
     def end(self, key: object) -> None:
         self._live.pop(key, None)
+
+    def owners(self) -> set[str]:
+        return {s.owner for s in self._live.values() if s.owner}
+
+    def release_owner(self, owner: str) -> int:
+        """End every sequence `owner` opened (its peer vanished); return how many."""
+        keys = [k for k, s in self._live.items() if s.owner == owner]
+        for key in keys:
+            del self._live[key]
+        return len(keys)
 
     def expire(self, now: float) -> int:
         idle = [k for k, s in self._live.items() if not s.in_flight and now - s.last_used > self.idle_timeout_s]

@@ -30,7 +30,8 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
 
 from appliance.api.core import Api, Request, Response, error_response
-from appliance.config import QuicConfig
+from appliance.config import ConnCacheConfig, QuicConfig
+from appliance.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.http1 import Limits
 
 log = logging.getLogger("appliance.h3")
@@ -88,13 +89,16 @@ class GuardedQuicServer(QuicServer):
     rare; a small global budget serves them and starves the reflection.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, admit: Callable[[bytes, Any], bool], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.admit = admit  # the connection cache: counts each datagram, False when over the peer's budget
         self.version_negotiation = TokenBucket(rate=20.0, burst=40.0)
         self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
         self.dropped = 0
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if not self.admit(data, addr):  # type: ignore[arg-type]
+            return
         if (isinstance(data, bytes) and len(data) >= 5 and data[0] & 0x80 and data[1:5] not in self.supported
                 and data[1:5] != b"\0\0\0\0" and not self.version_negotiation.take()):
             self.dropped += 1
@@ -156,6 +160,7 @@ class H3Server:
         self.connections: set[H3Protocol] = set()
         self.tickets = TicketStore()
         self.client_certificates = ClientCertificates(config.client_ca) if config.client_ca.name else None
+        self.cache: ConnectionCache | None = None
         self._quic_server: GuardedQuicServer | None = None
         self._reaper: asyncio.Task[None] | None = None
 
@@ -163,19 +168,31 @@ class H3Server:
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.connections)
 
-    async def start(self, sock: socket.socket | None = None) -> None:
-        """Listen on `sock` (from systemd) or on the configured host and port."""
+    async def start(self, cache_config: ConnCacheConfig, sock: socket.socket | None = None) -> None:
+        """Listen on `sock` (from systemd) or on the configured host and port; attach the connection cache."""
         configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s)
         configuration.load_cert_chain(self.config.certificate, self.config.private_key)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: GuardedQuicServer(
-                configuration=configuration, create_protocol=partial(H3Protocol, server=self),
+                admit=self._admit, configuration=configuration, create_protocol=partial(H3Protocol, server=self),
                 session_ticket_fetcher=self.tickets.pop, session_ticket_handler=self.tickets.add,
                 retry=self.config.retry,
             ),
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
+        self.cache = open_cache(cache_config, self._quic_server._transport.get_extra_info("socket"))  # type: ignore[union-attr]
         self._reaper = asyncio.get_running_loop().create_task(self._reap_quiet_streams())
+
+    def _admit(self, data: bytes, addr: Any) -> bool:
+        return self.cache is None or self.cache.admit(data, addr)
+
+    def peers_held(self) -> set[str]:
+        """Peers with an open connection."""
+        return {c.peer for c in self.connections if c.peer}
+
+    def close_peer(self, peer: str, reason: str) -> None:
+        for connection in [c for c in self.connections if c.peer == peer]:
+            connection.close_quietly(reason)
 
     async def _reap_quiet_streams(self) -> None:
         while True:
@@ -188,6 +205,8 @@ class H3Server:
             self._reaper.cancel()
         if self._quic_server is not None:
             self._quic_server.close()
+        if self.cache is not None:
+            self.cache.close()
 
     @property
     def port(self) -> int:
@@ -204,13 +223,25 @@ class H3Protocol(QuicConnectionProtocol):
         self._handshake_done = False
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
-        self._closed = False
+        self.peer = ""
+        self._terminated = False
         if server.client_certificates is not None:
             server.client_certificates.require(self._quic)
         if len(server.connections) >= server.config.max_connections:
             self._quic.close(error_code=0x2, reason_phrase="too many connections")  # CONNECTION_REFUSED
         else:
             server.connections.add(self)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if not self.peer:
+            self.peer = peer_name(addr)
+        super().datagram_received(data, addr)
+
+    def close_quietly(self, reason: str) -> None:
+        """Close a connection whose peer went silent: no one is listening for the reply."""
+        self._quic.close(error_code=0x0, reason_phrase=reason)
+        self.transmit()
+        self.server.connections.discard(self)
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
@@ -221,7 +252,7 @@ class H3Protocol(QuicConnectionProtocol):
             for stream_id, request in waiting:
                 self._dispatch(stream_id, request)
         elif isinstance(event, ConnectionTerminated):
-            self._closed = True
+            self._terminated = True
             self.server.connections.discard(self)
         if self._http is None:
             return
@@ -288,7 +319,7 @@ class H3Protocol(QuicConnectionProtocol):
         incoming = self._incoming.pop(stream_id)
         if incoming.rejected:
             return
-        request = Request(incoming.method, incoming.path, incoming.headers, b"".join(incoming.body))
+        request = Request(incoming.method, incoming.path, incoming.headers, b"".join(incoming.body), self.peer)
         if not self._handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
             self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
         else:
@@ -304,7 +335,7 @@ class H3Protocol(QuicConnectionProtocol):
             if self._respond(stream_id, response) and response.stream is not None:
                 async with contextlib.aclosing(response.stream) as pieces:
                     async for piece in pieces:  # each piece goes out as produced
-                        if self._closed or not self._send_data(stream_id, piece, end_stream=False):
+                        if self._terminated or not self._send_data(stream_id, piece, end_stream=False):
                             return
                 self._send_data(stream_id, b"", end_stream=True)
         finally:

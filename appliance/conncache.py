@@ -1,0 +1,252 @@
+"""The per-peer connection cache of the QUIC listener: kernel (eBPF via bcc) or user space.
+
+The kernel backend loads bpf/conncache.c, attaches it to the listener's UDP socket with
+SO_ATTACH_BPF and pins its map under `pin_dir`, so `bpftool map dump pinned PIN_DIR/peers`
+shows live peers; datagrams over a peer's budget are dropped before they reach Python. Where
+it cannot load (no privileges, no kernel headers, no bcc) the user-space backend keeps the same
+table with the same limits, fed datagram by datagram by the QUIC layer (`admit`).
+
+Both answer the daemon the same way: `peers()` for /status and /metrics, and `sweep()`, which
+forgets peers idle past `idle_timeout_s` and reports them, and those the LRU evicted, so the
+daemon can release what they held.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.config import ConnCacheConfig
+from appliance.errors import ApplianceError
+
+log = logging.getLogger("appliance.conncache")
+
+BPF_SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "conncache.c"
+SO_ATTACH_BPF = 50
+HOST_CID_LENGTH = 8  # aioquic's server connection IDs
+
+
+def peer_name(addr: tuple[Any, ...]) -> str:
+    """'1.2.3.4:5' or '[::1]:5' for a socket address; IPv4-mapped IPv6 reads as IPv4."""
+    ip = ipaddress.ip_address(addr[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"{ip}:{addr[1]}" if ip.version == 4 else f"[{ip}]:{addr[1]}"
+
+
+@dataclass(slots=True)
+class Peer:
+    address: str
+    first_seen: float  # time.monotonic() seconds
+    last_seen: float
+    packets: int = 0
+    bytes: int = 0
+    drops: int = 0
+    dcid: str = ""  # hex
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"peer": self.address, "age_s": round(now - self.first_seen, 3), "idle_s": round(now - self.last_seen, 3),
+                "packets": self.packets, "bytes": self.bytes, "drops": self.drops, "dcid": self.dcid}
+
+
+@dataclass(slots=True)
+class Totals:
+    packets: int = 0
+    bytes: int = 0
+    drops: int = 0
+    peers_seen: int = 0
+
+
+class ConnectionCache:
+    """What both backends share: the idle and eviction sweep."""
+
+    backend = ""
+    reason = ""  # why this backend (set when the kernel one could not load)
+
+    def __init__(self, config: ConnCacheConfig) -> None:
+        self.config = config
+
+    def admit(self, data: bytes, addr: tuple[Any, ...]) -> bool:
+        """Count one datagram; False: over the peer's budget, drop it."""
+        return True
+
+    def peers(self) -> dict[str, Peer]:
+        raise NotImplementedError
+
+    def totals(self) -> Totals:
+        raise NotImplementedError
+
+    def forget(self, address: str) -> None:
+        raise NotImplementedError
+
+    def sweep(self, holding: set[str], now: float | None = None) -> set[str]:
+        """Forget peers idle past the timeout; return those of `holding` (peers with state in the
+        daemon) that are gone: idle, or evicted from the table meanwhile."""
+        now = time.monotonic() if now is None else now
+        present = self.peers()
+        idle = {a for a, p in present.items() if now - p.last_seen > self.config.idle_timeout_s}
+        for address in idle:
+            self.forget(address)
+        return {a for a in holding if a in idle or a not in present}
+
+    def close(self) -> None:
+        pass
+
+
+class _Bucket:
+    __slots__ = ("tokens", "refilled")
+
+    def __init__(self, burst: float, now: float) -> None:
+        self.tokens, self.refilled = burst, now
+
+
+class UserSpaceCache(ConnectionCache):
+    """The same table in Python: an LRU of at most max_entries peers, each with a token bucket."""
+
+    backend = "user"
+
+    def __init__(self, config: ConnCacheConfig, reason: str = "") -> None:
+        super().__init__(config)
+        self.reason = reason
+        self._peers: OrderedDict[str, Peer] = OrderedDict()
+        self._buckets: dict[str, _Bucket] = {}
+        self._totals = Totals()
+
+    def admit(self, data: bytes, addr: tuple[Any, ...]) -> bool:
+        now = time.monotonic()
+        address = peer_name(addr)
+        peer = self._peers.get(address)
+        if peer is None:
+            if len(self._peers) >= self.config.max_entries:
+                evicted, _ = self._peers.popitem(last=False)
+                del self._buckets[evicted]
+            peer = self._peers[address] = Peer(address, now, now)
+            self._buckets[address] = _Bucket(self.config.peer_burst, now)
+            self._totals.peers_seen += 1
+        else:
+            self._peers.move_to_end(address)
+        peer.last_seen = now
+        bucket = self._buckets[address]
+        bucket.tokens = min(self.config.peer_burst, bucket.tokens + (now - bucket.refilled) * self.config.peer_rate)
+        bucket.refilled = now
+        if bucket.tokens < 1:
+            peer.drops += 1
+            self._totals.drops += 1
+            return False
+        bucket.tokens -= 1
+        peer.packets += 1
+        peer.bytes += len(data)
+        self._totals.packets += 1
+        self._totals.bytes += len(data)
+        if data:
+            peer.dcid = _dcid(data)
+        return True
+
+    def peers(self) -> dict[str, Peer]:
+        return dict(self._peers)
+
+    def totals(self) -> Totals:
+        return self._totals
+
+    def forget(self, address: str) -> None:
+        self._peers.pop(address, None)
+        self._buckets.pop(address, None)
+
+
+def _dcid(data: bytes) -> str:
+    if data[0] & 0x80:
+        length = data[5] if len(data) > 5 else 0
+        return data[6:6 + length].hex() if length <= 20 else ""
+    return data[1:1 + HOST_CID_LENGTH].hex()
+
+
+class KernelCache(ConnectionCache):
+    """bpf/conncache.c loaded by bcc, attached to the listener's socket, its map pinned."""
+
+    backend = "ebpf"
+
+    def __init__(self, config: ConnCacheConfig, sock: socket.socket) -> None:
+        super().__init__(config)
+        from bcc import BPF, libbcc  # Debian's python3-bpfcc, through the venv's system site packages
+
+        cflags = [f"-DMAX_ENTRIES={config.max_entries}", f"-DRATE_PER_S={max(1, int(config.peer_rate))}",
+                  f"-DBURST={max(1, int(config.peer_burst))}", f"-DHOST_CID_LENGTH={HOST_CID_LENGTH}"]
+        self._bpf = BPF(src_file=str(BPF_SOURCE).encode(), cflags=cflags)
+        program = self._bpf.load_func(b"conncache_filter", BPF.SOCKET_FILTER)
+        self._table = self._bpf[b"peers"]
+        self._totals = self._bpf[b"totals"]
+        self._pin(libbcc)
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_BPF, program.fd)
+        self._keys: dict[str, Any] = {}  # peer name -> map key, as last read
+
+    def _pin(self, libbcc: Any) -> None:
+        pin_dir = self.config.pin_dir
+        try:
+            pin_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"cannot create {pin_dir}: {exc} (is bpffs mounted on /sys/fs/bpf?)") from None
+        for name, table in (("peers", self._table), ("totals", self._totals)):
+            path = pin_dir / name
+            path.unlink(missing_ok=True)  # a previous daemon's map: its connections died with it
+            if libbcc.lib.bpf_obj_pin(table.map_fd, str(path).encode()) != 0:
+                raise OSError(f"cannot pin the map at {path} (is bpffs mounted on /sys/fs/bpf?)")
+
+    def peers(self) -> dict[str, Peer]:
+        """Read the whole map. Its times are bpf_ktime_get_ns: CLOCK_MONOTONIC, as time.monotonic()."""
+        out, keys = {}, {}
+        for key, value in self._table.items():
+            packed = bytes(key.addr)[:4] if key.family == 4 else bytes(key.addr)
+            name = peer_name((str(ipaddress.ip_address(packed)), socket.ntohs(key.port)))
+            keys[name] = key
+            out[name] = Peer(name, value.first_seen_ns / 1e9, value.last_seen_ns / 1e9, value.packets, value.bytes,
+                             value.drops, bytes(value.dcid[:value.dcid_len]).hex())
+        self._keys = keys
+        return out
+
+    def totals(self) -> Totals:
+        return Totals(*(sum(self._totals[self._totals.Key(i)]) for i in range(4)))
+
+    def forget(self, address: str) -> None:
+        key = self._keys.pop(address, None)
+        if key is not None:
+            try:
+                del self._table[key]
+            except KeyError:  # evicted meanwhile
+                pass
+
+    def close(self) -> None:
+        for name in ("peers", "totals"):
+            (self.config.pin_dir / name).unlink(missing_ok=True)
+        self._bpf.cleanup()
+
+
+def open_cache(config: ConnCacheConfig, sock: socket.socket) -> ConnectionCache:
+    """The kernel backend where it loads; else the user-space one, with the reason (logged once).
+    `backend = "ebpf"` makes a failure to load a start-up error."""
+    if config.backend == "user":
+        return UserSpaceCache(config, "backend = \"user\" in config")
+    try:
+        return KernelCache(config, sock)
+    except Exception as exc:  # bcc raises plain Exceptions for compile and load failures
+        reason = _explain(exc)
+    if config.backend == "ebpf":
+        raise ApplianceError(f"conncache: backend = \"ebpf\" but the eBPF program cannot load: {reason}")
+    log.warning("conncache: eBPF program not loaded (%s); the user-space table serves with the same limits", reason)
+    return UserSpaceCache(config, reason)
+
+
+def _explain(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, ImportError):
+        return f"bcc is not installed ({text}); install python3-bpfcc"
+    if "Failed to compile" in text:
+        return "the BPF C did not compile (kernel headers missing for this kernel?)"
+    if "Failed to load" in text or "Operation not permitted" in text or isinstance(exc, PermissionError):
+        return f"the kernel refused the program: no CAP_BPF/CAP_SYS_ADMIN? ({text.splitlines()[0]})"
+    return text.splitlines()[0]
