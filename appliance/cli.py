@@ -83,6 +83,35 @@ def _call(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """The daemon's state and its QUIC peers, as `systemctl status` would want them."""
+    from appliance.client import Client
+
+    with Client(args.socket) as client:
+        status = client.status()
+    if args.json:
+        _print(status)
+        return 0
+    firmware = status["firmware"]
+    print(f"firmware {firmware['name']} {firmware['version']} (key {firmware['signing_key_id']}), "
+          f"{'ready' if status['ready'] else 'not ready'}")
+    for model in status["models"]:
+        print(f"model {model['name']} on {model['engine']}: {model['live_sequences']} live sequences")
+    cache = status["conncache"]
+    if cache is None:
+        print("quic: off")
+        return 0
+    totals = cache["totals"]
+    reason = f" ({cache['reason']})" if cache["reason"] else ""
+    print(f"conncache {cache['backend']}{reason}: {len(cache['peers'])} peers, {totals['packets']} packets, "
+          f"{totals['bytes']} bytes, {totals['drops']} dropped")
+    print(f"{'PEER':<46} {'PACKETS':>9} {'BYTES':>11} {'DROPS':>8} {'IDLE_S':>8}  DCID")
+    for peer in cache["peers"]:
+        print(f"{peer['peer']:<46} {peer['packets']:>9} {peer['bytes']:>11} {peer['drops']:>8} {peer['idle_s']:>8.1f}  "
+              f"{peer['dcid']}")
+    return 0
+
+
 def cmd_firmware(args: argparse.Namespace) -> int:
     from appliance import firmware
 
@@ -155,6 +184,11 @@ def parser() -> argparse.ArgumentParser:
     call.add_argument("--cert", help="client certificate for servers that require mutual TLS")
     call.add_argument("--key", help="the client certificate's private key")
     call.set_defaults(func=cmd_call)
+
+    status = sub.add_parser("status", help="the daemon's firmware, engines and QUIC peers (connection cache)")
+    status.add_argument("--socket", default=default_socket())
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
 
     fw = sub.add_parser("firmware", help="build, verify or inspect a firmware bundle")
     fw_sub = fw.add_subparsers(dest="action", required=True)

@@ -218,14 +218,14 @@ class QuicTransport:
     """HTTP/3 to HOST:PORT on a private event loop thread, so blocking callers can use it."""
 
     def __init__(self, address: str, cafile: str | None, timeout: float,
-                 certificate: tuple[str, str] | None = None) -> None:
+                 certificate: tuple[str, str] | None = None, local_host: str = "") -> None:
         from appliance.quic_client import QuicSession  # aioquic is only needed by QUIC callers
 
         self.timeout = timeout
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="quic-client", daemon=True)
         self._thread.start()
-        self._session = QuicSession(address, cafile, certificate)
+        self._session = QuicSession(address, cafile, certificate, local_host)
 
     def send(self, call: Call) -> HttpResponse:
         future = asyncio.run_coroutine_threadsafe(self._session.send(call), self._loop)
@@ -259,10 +259,10 @@ class Client:
 
     def __init__(self, socket_path: str | None = None, timeout: float = 120.0, busy_poll_s: float = 0.0,
                  quic: str | None = None, cafile: str | None = None,
-                 certificate: tuple[str, str] | None = None) -> None:
+                 certificate: tuple[str, str] | None = None, local_host: str = "") -> None:
         self.transport: UnixTransport | QuicTransport
         if quic is not None:
-            self.transport = QuicTransport(quic, cafile, timeout, certificate)
+            self.transport = QuicTransport(quic, cafile, timeout, certificate, local_host)
         elif socket_path is not None:
             self.transport = UnixTransport(socket_path, timeout, busy_poll_s)
         else:
@@ -299,6 +299,9 @@ class Client:
 
     def metrics(self) -> str:
         return checked(self.send(Call("GET", "/metrics"))).body.decode()
+
+    def status(self) -> Any:
+        return self.get("/status")
 
     def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
         return infer_result(checked(self.send(infer_call(model, audio, **kwargs))))

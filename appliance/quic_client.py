@@ -7,14 +7,15 @@ Session tickets are kept, so a reconnect resumes and can send GET requests as 0-
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import socket
 import ssl
 from typing import Any, AsyncIterator
 
-from aioquic.asyncio import QuicConnectionProtocol, connect
+from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 from aioquic.tls import SessionTicket
 
@@ -74,13 +75,15 @@ class _H3Client(QuicConnectionProtocol):
 class QuicSession:
     """A reconnecting HTTP/3 session to HOST:PORT."""
 
-    def __init__(self, address: str, cafile: str | None, certificate: tuple[str, str] | None = None) -> None:
+    def __init__(self, address: str, cafile: str | None, certificate: tuple[str, str] | None = None,
+                 local_host: str = "") -> None:
         host, _, port = address.rpartition(":")
         self.certificate = certificate  # (certfile, keyfile) for servers that require mutual TLS
         self.host, self.port = host.strip("[]"), int(port)
         self.cafile = cafile
+        self.local_host = local_host  # the source address to send from; any when empty
         self.ticket: SessionTicket | None = None
-        self._context: contextlib.AbstractAsyncContextManager[Any] | None = None
+        self._transport: asyncio.DatagramTransport | None = None
         self._protocol: _H3Client | None = None
 
     def _configuration(self) -> QuicConfiguration:
@@ -98,15 +101,25 @@ class QuicSession:
         self.ticket = ticket
 
     async def open(self, wait_connected: bool = True) -> None:
-        self._context = connect(self.host, self.port, configuration=self._configuration(),
-                                create_protocol=_H3Client, session_ticket_handler=self._keep_ticket,
-                                wait_connected=wait_connected)
+        """Connect (aioquic's connect, with a choice of source address)."""
+        loop = asyncio.get_running_loop()
+        family, _, _, _, address = (await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_DGRAM))[0]
+        sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
-            self._protocol = await self._context.__aenter__()
-        except ConnectionError as exc:
-            self._context = None
-            raise ConnectionError(f"QUIC handshake with {self.host}:{self.port} failed ({exc or 'refused'}); "
-                                  "is the server's certificate in --cafile?") from None
+            sock.bind((self.local_host, 0))
+        except OSError:
+            sock.close()
+            raise
+        connection = QuicConnection(configuration=self._configuration(), session_ticket_handler=self._keep_ticket)
+        self._transport, self._protocol = await loop.create_datagram_endpoint(lambda: _H3Client(connection), sock=sock)
+        self._protocol.connect(address, transmit=wait_connected)
+        if wait_connected:
+            try:
+                await self._protocol.wait_connected()
+            except ConnectionError as exc:
+                await self.close()
+                raise ConnectionError(f"QUIC handshake with {self.host}:{self.port} failed ({exc or 'refused'}); "
+                                      "is the server's certificate in --cafile?") from None
 
     @property
     def handshake(self) -> HandshakeCompleted | None:
@@ -128,6 +141,8 @@ class QuicSession:
             yield part
 
     async def close(self) -> None:
-        if self._context is not None:
-            context, self._context, self._protocol = self._context, None, None
-            await context.__aexit__(None, None, None)
+        if self._protocol is not None and self._transport is not None:
+            protocol, transport, self._protocol, self._transport = self._protocol, self._transport, None, None
+            protocol.close()
+            await protocol.wait_closed()
+            transport.close()
