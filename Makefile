@@ -5,15 +5,16 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 APPLIANCE := $(VENV)/bin/appliance
-APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap
+APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap \
+	python3-bpfcc bpftool linux-headers-amd64 util-linux
 DEV_KEY := keys/dev.key
 TRUSTED := keys/trusted
 BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
-.PHONY: run test bench deps venv firmware clean
+.PHONY: run test bench deps bpf-host venv firmware clean
 
-run: firmware run/tls/cert.pem
+run: firmware run/tls/cert.pem bpf-host
 	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
 	@echo "  $(APPLIANCE) call health"
 	@echo "  $(APPLIANCE) call models"
@@ -22,7 +23,7 @@ run: firmware run/tls/cert.pem
 	@echo "  $(APPLIANCE) call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models"
 	$(APPLIANCE) run --config $(CONFIG)
 
-test: firmware
+test: firmware bpf-host
 	bash tests/run.sh
 
 bench: firmware
@@ -35,6 +36,10 @@ deps:
 		echo "apt-get install $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+
+# Kernel headers findable and bpffs mounted, for the eBPF connection cache (cheap; every run).
+bpf-host: | deps
+	@if [ "$$(id -u)" = 0 ]; then bpf/setup-host.sh; else echo "not root: the eBPF connection cache falls back to user space"; fi
 
 $(VENV)/.installed: pyproject.toml | deps
 	/usr/bin/python3 -m venv --system-site-packages $(VENV)

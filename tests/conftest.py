@@ -82,19 +82,22 @@ class Daemon:
     """`appliance run` as a child process with its own config, Unix socket and (with tls) QUIC port."""
 
     def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "",
-                 tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None) -> None:
+                 tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None,
+                 prefix: tuple[str, ...] = (), extra_conncache: str = "") -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
+        self.pin_dir = Path("/sys/fs/bpf") / f"appliance-test-{workdir.parent.name}-{workdir.name}"
         quic = (f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
-                f'private_key = "{tls[1]}"\n{extra_quic}') if tls else ""
+                f'private_key = "{tls[1]}"\n{extra_quic}'
+                f'[conncache]\npin_dir = "{self.pin_dir}"\n{extra_conncache}') if tls else ""
         self.cafile = str(tls[0]) if tls else None
         self.config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"
-        self.proc = subprocess.Popen([*APPLIANCE, "run", "--config", str(self.config)], cwd=ROOT,
+        self.proc = subprocess.Popen([*prefix, *APPLIANCE, "run", "--config", str(self.config)], cwd=ROOT,
                                      stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 60.0) -> "Daemon":
@@ -120,6 +123,11 @@ class Daemon:
     def stop(self) -> int:
         return terminate(self.proc)
 
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time the daemon has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -132,10 +140,11 @@ def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
     started: list[Daemon] = []
 
     def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True,
-              tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None) -> Daemon:
+              tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None,
+              prefix: tuple[str, ...] = (), extra_conncache: str = "") -> Daemon:
         workdir = tmp_path / f"d{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env)
+        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env, prefix, extra_conncache)
         started.append(daemon)
         return daemon.wait_ready() if wait else daemon
 

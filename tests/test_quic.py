@@ -97,17 +97,20 @@ def mutated_datagrams(count: int, seed: int = 7) -> list[bytes]:
 class Bystander:
     """Another LAN client calling inference in a loop while a test attacks the listener."""
 
-    def __init__(self, daemon) -> None:
+    def __init__(self, daemon, local_host: str = "", pause_s: float = 0.0) -> None:
         self.daemon, self.answered, self.errors = daemon, 0, []
+        self.local_host, self.pause_s = local_host, pause_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
 
     def _run(self) -> None:
         try:
-            with self.daemon.client("quic") as client:
+            with Client(quic=f"127.0.0.1:{self.daemon.quic_port}", cafile=self.daemon.cafile, timeout=30,
+                        local_host=self.local_host) as client:
                 while not self._stop.is_set():
                     assert client.infer(np.zeros(512, np.float32)).shape == (1,)
                     self.answered += 1
+                    self._stop.wait(self.pause_s)
         except BaseException as exc:  # noqa: BLE001 - asserted by the test
             self.errors.append(exc)
 

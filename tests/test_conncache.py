@@ -1,0 +1,195 @@
+"""The connection cache on the QUIC socket: the eBPF program (as root, where CI runs) and the
+user-space fallback pass the same tests, with real QUIC clients from 127.0.0.2 and 127.0.0.3."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from appliance.client import Call, infer_call
+from appliance.quic_client import QuicSession
+from test_quic import Bystander
+
+BACKENDS = [
+    pytest.param("ebpf", marks=pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")),
+    "user",
+]
+
+
+class CountingTransport:
+    """Wraps a client's datagram transport and counts what it sends."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport, self.packets, self.bytes = transport, 0, 0
+
+    def sendto(self, data: bytes, addr: Any = None) -> None:
+        self.packets += 1
+        self.bytes += len(data)
+        self.transport.sendto(data, addr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+async def open_counted(daemon, local_host: str) -> tuple[QuicSession, CountingTransport, str]:
+    session = QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile, local_host=local_host)
+    await session.open(wait_connected=False)  # nothing sent yet: the count starts at the first Initial
+    counter = session._protocol._transport = CountingTransport(session._protocol._transport)
+    host, port = counter.get_extra_info("sockname")[:2]
+    return session, counter, f"{host}:{port}"
+
+
+def peers(daemon) -> dict[str, dict[str, Any]]:
+    with daemon.client() as client:
+        return {p["peer"]: p for p in client.status()["conncache"]["peers"]}
+
+
+def live_sequences(daemon) -> int:
+    with daemon.client() as client:
+        return sum(m["live_sequences"] for m in client.status()["models"])
+
+
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def start(start_daemon, tls, backend: str, settings: str = ""):
+    daemon = start_daemon(tls=tls, extra_conncache=f'backend = "{backend}"\n{settings}')
+    with daemon.client() as client:
+        assert client.status()["conncache"]["backend"] == backend
+    return daemon
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_counts_match_what_two_clients_sent(start_daemon, tls, backend: str) -> None:
+    daemon = start(start_daemon, tls, backend)
+
+    async def clients() -> list[tuple[str, CountingTransport]]:
+        out = []
+        for local_host, calls in (("127.0.0.2", 3), ("127.0.0.3", 7)):
+            session, counter, name = await open_counted(daemon, local_host)
+            for _ in range(calls):
+                assert (await session.send(infer_call("silero_vad", np.zeros(1024, np.float32)))).status == 200
+            await session.close()
+            out.append((name, counter))
+        return out
+
+    sent = asyncio.run(clients())
+    time.sleep(0.3)  # the closing datagrams land
+    table = peers(daemon)
+    for name, counter in sent:
+        assert name in table, (name, table)
+        assert (table[name]["packets"], table[name]["bytes"]) == (counter.packets, counter.bytes), (name, table[name])
+        assert table[name]["drops"] == 0 and len(table[name]["dcid"]) == 16  # 8-byte connection ids
+    if backend == "ebpf" and shutil.which("bpftool"):
+        dump = subprocess.run(["bpftool", "map", "dump", "pinned", str(daemon.pin_dir / "peers")],
+                              capture_output=True, text=True, check=True).stdout
+        assert dump.count('"packets"') == len(table) >= 2
+    with daemon.client() as client:
+        metrics = client.metrics()
+    total = sum(c.packets for _, c in sent)
+    assert f'appliance_quic_packets_total{{backend="{backend}"}} {total}' in metrics
+
+
+async def open_sequence(daemon, local_host: str) -> QuicSession:
+    session = QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile, local_host=local_host)
+    call = infer_call("silero_vad", np.zeros(512, np.float32), sequence_id=f"seq-{local_host}", start=True)
+    assert (await session.send(call)).status == 200
+    return session
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eviction_at_max_entries_releases_the_evicted_peers_sequences(start_daemon, tls, backend: str) -> None:
+    daemon = start(start_daemon, tls, backend, "max_entries = 8\n")
+
+    async def scenario() -> None:
+        await open_sequence(daemon, "127.0.0.2")  # left open, never closed: its peer goes quiet
+        assert live_sequences(daemon) == 1
+        senders = []
+        for _ in range(24):  # 24 new peers push the quiet one out of an 8-entry table
+            sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sender.bind(("127.0.0.3", 0))
+            sender.sendto(b"\x40" + os.urandom(1199), ("127.0.0.1", daemon.quic_port))
+            senders.append(sender)
+            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(wait_until, lambda: live_sequences(daemon) == 0)
+        for sender in senders:
+            sender.close()
+
+    asyncio.run(scenario())
+    table = peers(daemon)
+    assert len(table) <= 8 and not any(p.startswith("127.0.0.2:") for p in table), table
+    assert "sequences released" in daemon.log.read_text()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_vanished_client_is_forgotten_and_its_sequences_released(start_daemon, tls, backend: str) -> None:
+    daemon = start(start_daemon, tls, backend, "idle_timeout_s = 2.0\n")  # sequences.idle_timeout_s stays 60 s
+
+    async def vanish() -> None:
+        session = await open_sequence(daemon, "127.0.0.2")
+        session._protocol._transport.close()  # gone without a CONNECTION_CLOSE, as a client that lost power
+
+    asyncio.run(vanish())
+    assert live_sequences(daemon) == 1
+    assert wait_until(lambda: live_sequences(daemon) == 0)
+    assert not any(p.startswith("127.0.0.2:") for p in peers(daemon))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_flood_from_one_peer_is_dropped_while_another_is_served(start_daemon, tls, backend: str) -> None:
+    rate, burst = 500, 1000
+    daemon = start(start_daemon, tls, backend, f"peer_rate = {rate}.0\npeer_burst = {burst}.0\n")
+    cpu_before = daemon.cpu_seconds()
+    with Bystander(daemon, local_host="127.0.0.3", pause_s=0.01) as bystander, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as flooder:
+        flooder.bind(("127.0.0.2", 0))
+        flood_peer = f"127.0.0.2:{flooder.getsockname()[1]}"
+        datagram = b"\x40" + os.urandom(1199)
+        started, sent = time.monotonic(), 0
+        while sent < 300_000 and time.monotonic() - started < 3.0:
+            flooder.sendto(datagram, ("127.0.0.1", daemon.quic_port))
+            sent += 1
+        elapsed = time.monotonic() - started
+    cpu = daemon.cpu_seconds() - cpu_before
+    flood = peers(daemon)[flood_peer]
+    allowed = burst + rate * (elapsed + 1.0)
+    assert flood["packets"] <= allowed, (flood, allowed)
+    assert flood["drops"] > 20 * flood["packets"], (flood, sent)  # user space: some also overflowed the socket buffer
+    assert not bystander.errors, bystander.errors
+    # the kernel drops the flood before it queues; in user space every datagram still costs the
+    # daemon a wake-up and shares the socket buffer, so the other peer is slowed, not refused
+    assert bystander.answered >= (20 if backend == "ebpf" else 3), bystander.answered
+    with daemon.client() as client:
+        assert f'appliance_quic_peer_dropped_total{{backend="{backend}",peer="127.0.0.2:' in client.metrics()
+    if backend == "ebpf":  # every datagram met the filter, and the daemon barely noticed the flood
+        assert flood["packets"] + flood["drops"] == sent
+        assert cpu < 0.5 * elapsed, f"daemon used {cpu:.2f} s of CPU during a {elapsed:.2f} s flood of {sent}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to drop capabilities")
+def test_without_privileges_auto_falls_back_and_ebpf_refuses_to_start(start_daemon, tls) -> None:
+    unprivileged = ("setpriv", "--bounding-set", "-all", "--inh-caps", "-all", "--")
+    refused = start_daemon(tls=tls, extra_conncache='backend = "ebpf"\n', wait=False, prefix=unprivileged)
+    assert refused.proc.wait(60) == 3
+    assert 'conncache: backend = "ebpf" but the eBPF program cannot load' in refused.log.read_text()
+    fallback = start_daemon(tls=tls, prefix=unprivileged)
+    with fallback.client() as client:
+        cache = client.status()["conncache"]
+    assert cache["backend"] == "user" and cache["reason"]
+    with fallback.client("quic") as client:
+        assert client.health()["ready"]
+    assert fallback.log.read_text().count("eBPF program not loaded") == 1
