@@ -98,7 +98,8 @@ def free_udp_port() -> int:
 
 
 class DaemonProcess:
-    def __init__(self, bundle: Path, trusted: Path, workdir: Path) -> None:
+    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "") -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "api.sock"
         self.cert, key = workdir / "cert.pem", workdir / "key.pem"
         init_self_signed(self.cert, key, [])
@@ -108,7 +109,7 @@ class DaemonProcess:
                           f'[quic]\nenabled = true\nport = {self.quic.split(":")[1]}\n'
                           f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
                           f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
-                          '[log]\nlevel = "warning"\n')
+                          f'[log]\nlevel = "warning"\n[conncache]\n{conncache}')
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -117,6 +118,8 @@ class DaemonProcess:
                     if c.health()["ready"]:
                         return
             except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited {self.proc.returncode}") from None
                 time.sleep(0.05)
         raise RuntimeError("daemon did not become ready")
 
@@ -249,6 +252,57 @@ def hypercorn_peer(model: Path, daemon: "DaemonProcess", frame: np.ndarray, seco
         proc.wait(10)
 
 
+FLOODER = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("127.0.0.2", 0))
+print(s.getsockname()[1], flush=True)
+datagram, sent, end = b"\\x40" + bytes(1199), 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    s.sendto(datagram, ("127.0.0.1", int(sys.argv[1])))
+    sent += 1
+print(sent, flush=True)
+"""
+
+
+def connection_cache(bundle: Path, trusted: Path, workdir: Path, frame: np.ndarray, seconds: float) -> dict[str, Any]:
+    """The eBPF connection cache against the user-space one: QUIC throughput with each, and a
+    flood from 127.0.0.2 while a client on 127.0.0.3 keeps calling (p99 with and without it)."""
+    out: dict[str, Any] = {}
+    call = infer_call("silero_vad", frame)
+    for backend in ("ebpf", "user"):
+        settings = (f'backend = "{backend}"\npeer_rate = 10000.0\npeer_burst = 20000.0\n'
+                    f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}"\n')
+        try:
+            daemon = DaemonProcess(bundle, trusted, workdir / backend, settings)
+        except RuntimeError as exc:
+            out[backend] = f"cannot start ({exc}; the eBPF backend needs root)"
+            continue
+        try:
+            async def measure() -> dict[str, Any]:
+                session = QuicSession(daemon.quic, str(daemon.cert), local_host="127.0.0.3")
+                await session.send(Call("GET", "/v2/health/ready"))
+                result = {"quic_16": await load(session.send, call, 16, seconds / 2),
+                          "quiet_1": await load(session.send, call, 1, seconds / 2)}
+                flooder = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", FLOODER, daemon.quic.split(":")[1], str(seconds / 2),
+                    stdout=asyncio.subprocess.PIPE)
+                assert flooder.stdout is not None
+                port = int(await flooder.stdout.readline())
+                result["flooded_1"] = await load(session.send, call, 1, seconds / 2)
+                sent = int(await flooder.stdout.readline())
+                await flooder.wait()
+                await session.close()
+                peer = next(p for p in Client(str(daemon.socket)).status()["conncache"]["peers"]
+                            if p["peer"] == f"127.0.0.2:{port}")
+                result["flood"] = {"sent": sent, "admitted": peer["packets"], "dropped": peer["drops"]}
+                return result
+            out[backend] = asyncio.run(measure())
+        finally:
+            daemon.stop()
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     bundle = firmware.verify(args.bundle, args.trusted_keys)
     spec = bundle.manifest.models[0]
@@ -308,6 +362,8 @@ def main(args: argparse.Namespace) -> int:
             results["hypercorn"] = hypercorn_peer(bundle.artifact(spec.file), daemon, frame, args.seconds, Path(tmp))
         finally:
             daemon.stop()
+        results["conncache"] = connection_cache(args.bundle, args.trusted_keys, Path(tmp) / "conncache", frame,
+                                                args.seconds)
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -347,3 +403,16 @@ def report(r: dict[str, Any]) -> None:
             ours, peer = r["transports"][f"quic_{n}"], r["hypercorn"][f"quic_{n}"]
             print(f"  QUIC vs Hypercorn at {n:2} streams: {ours['rps'] / peer['rps']:.2f}x throughput, "
                   f"p99 {ours['p99_us']:.0f} vs {peer['p99_us']:.0f} us")
+    print("  connection cache (QUIC, 16 streams; then 1 stream on 127.0.0.3 without and with a flood from 127.0.0.2):")
+    for backend, c in r["conncache"].items():
+        if isinstance(c, str):
+            print(f"    {backend}: {c}")
+            continue
+        f = c["flood"]
+        print(f"    {backend:5} {c['quic_16']['rps']:6} req/s; p99 {c['quiet_1']['p99_us']:.0f} us quiet, "
+              f"{c['flooded_1']['p99_us']:.0f} us flooded ({c['flooded_1']['rps']} req/s); flood {f['sent']} sent, "
+              f"{f['admitted']} admitted, {f['dropped']} dropped")
+    both = r["conncache"]
+    if all(isinstance(both.get(b), dict) for b in ("ebpf", "user")):
+        print(f"  eBPF filter vs user-space table: {both['ebpf']['quic_16']['rps'] / both['user']['quic_16']['rps']:.2f}x "
+              "QUIC throughput")
