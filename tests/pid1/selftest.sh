@@ -19,7 +19,7 @@ put infer "$(call infer)"
 quic_call() { PYTHONPATH=/opt/appliance /opt/appliance/.venv/bin/python -m appliance call "$@" \
     --quic 127.0.0.1:4433 --cafile /var/lib/appliance/tls/cert.pem; }
 put quic_health "$(quic_call health | python3 -c 'import json,sys; print("ready" if json.load(sys.stdin)["ready"] else "not")')"
-put quic_from_systemd "$(journalctl -u appliance.service --no-pager | grep -c 'HTTP/3 on UDP port 4433 (socket from systemd)')"
+put quic_from_systemd "$(journalctl -b -u appliance.service --no-pager | grep -c 'HTTP/3 on UDP port 4433 (socket from systemd)')"
 put tls_key_mode "$(stat -c %a:%U /var/lib/appliance/tls/key.pem)"
 put status_text "$(prop StatusText)"
 pid=$(prop MainPID)
