@@ -29,6 +29,7 @@ from appliance.errors import ApplianceError
 FORMAT_VERSION = 1
 BAKED_PARAMETERS = ("max_tokens_per_shard", "split_algorithm", "fallback_cpu_threshold", "max_batch")
 SPLIT_ALGORITHMS = ("semantic", "fixed")
+TARGETS = ("cpu", "cuda")
 DATATYPES = {"FP32": "float32", "FP16": "float16", "INT64": "int64", "INT32": "int32", "INT16": "int16",
              "INT8": "int8", "UINT8": "uint8", "BOOL": "bool", "FP64": "float64"}
 MANIFEST = "manifest.json"
@@ -326,6 +327,25 @@ def _check_against_graph(model_path: Path, model: ModelSpec, where: str) -> None
             raise ApplianceError(f"{where}: state pair {pair.input}->{pair.output} is not in the graph")
 
 
+def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> dict[str, str]:
+    """The `cuda` target: the model's weights in the kernels' layouts, and the kernels compiled
+    with the baked values; returns their artifact hashes."""
+    import numpy as np
+
+    from appliance import kernels
+
+    try:
+        weights = kernels.cuda_weights(staging / model.file)
+    except ValueError as exc:
+        raise ApplianceError(f"{where}: target cuda: {exc}") from None
+    relative = f"models/{model.name}.cuda.npz"
+    with open(staging / relative, "wb") as f:
+        np.savez(f, **weights)
+    binaries = kernels.compile_vad_kernels(baked, model.audio, staging / "kernels")
+    files = [relative, *(str(p.relative_to(staging)) for p in binaries)]
+    return {name: sha256_file(staging / name) for name in files}
+
+
 def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
     """Build and sign a bundle from a firmware spec; the output directory is replaced atomically."""
     try:
@@ -336,6 +356,9 @@ def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
     r = _Reader(spec, str(spec_path))
     name, version = r.get("name", str), r.get("version", str)
     targets = tuple(r.get("targets", list, ["cpu"]))
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or "cpu" not in targets:
+        raise ApplianceError(f"{spec_path}: targets: {targets} must include \"cpu\" (the fallback) and only {', '.join(TARGETS)}")
     baked = _read_baked(r.table("baked"))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir.parent))
@@ -354,6 +377,8 @@ def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
             _check_against_graph(staging / relative, model, m.where)
             models.append(model)
             artifacts[relative] = sha256_file(staging / relative)
+            if "cuda" in targets:
+                artifacts.update(_build_cuda(staging, model, baked, m.where))
         r.done()
         if not models:
             raise ApplianceError(f"{spec_path}: no [[models]]")
