@@ -293,8 +293,9 @@ def connection_cache(bundle: Path, trusted: Path, workdir: Path, frame: np.ndarr
                 sent = int(await flooder.stdout.readline())
                 await flooder.wait()
                 await session.close()
-                peer = next(p for p in Client(str(daemon.socket)).status()["conncache"]["peers"]
-                            if p["peer"] == f"127.0.0.2:{port}")
+                with Client(str(daemon.socket)) as local:
+                    peers = local.status()["conncache"]["peers"]
+                peer = next(p for p in peers if p["peer"] == f"127.0.0.2:{port}")
                 result["flood"] = {"sent": sent, "admitted": peer["packets"], "dropped": peer["drops"]}
                 return result
             out[backend] = asyncio.run(measure())

@@ -167,17 +167,12 @@ class UnixTransport:
                 if reader.status and reader.status < 400 and reader.arrived:
                     pieces, reader.arrived = reader.arrived, []
                     yield from pieces
-                data = sock.recv(1 << 20)
-                if not data:
-                    raise ConnectionError("the daemon closed the connection")
-                reader.feed(data)
+                self._read(sock, reader)
         except BaseException:
             self.close()
             raise
-        response = checked(reader.done.pop(0))
+        checked(self._take(reader))
         yield from reader.arrived
-        if response.headers.get("connection") == "close":
-            self.close()
 
     def send(self, call: Call) -> HttpResponse:
         sock, reader = self._connect(), self._reader
@@ -186,13 +181,21 @@ class UnixTransport:
             if self.busy_poll_s:
                 self._busy_poll(sock, reader)
             while not reader.done:
-                data = sock.recv(1 << 20)
-                if not data:
-                    raise ConnectionError("the daemon closed the connection")
-                reader.feed(data)
+                self._read(sock, reader)
         except BaseException:
             self.close()
             raise
+        return self._take(reader)
+
+    @staticmethod
+    def _read(sock: socket.socket, reader: ResponseReader) -> None:
+        data = sock.recv(1 << 20)
+        if not data:
+            raise ConnectionError("the daemon closed the connection")
+        reader.feed(data)
+
+    def _take(self, reader: ResponseReader) -> HttpResponse:
+        """The completed response; the connection closes if the daemon said so."""
         response = reader.done.pop(0)
         if response.headers.get("connection") == "close":
             self.close()
@@ -204,12 +207,9 @@ class UnixTransport:
         try:
             while not reader.done and time.perf_counter() < deadline:
                 try:
-                    data = sock.recv(1 << 20)
+                    self._read(sock, reader)
                 except BlockingIOError:
                     continue
-                if not data:
-                    raise ConnectionError("the daemon closed the connection")
-                reader.feed(data)
         finally:
             sock.settimeout(self.timeout)
 

@@ -18,9 +18,9 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from appliance.config import ConnCacheConfig
 from appliance.errors import ApplianceError
@@ -99,11 +99,23 @@ class ConnectionCache:
         pass
 
 
-class _Bucket:
-    __slots__ = ("tokens", "refilled")
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved; `take` spends one if there is one."""
 
-    def __init__(self, burst: float, now: float) -> None:
-        self.tokens, self.refilled = burst, now
+    __slots__ = ("rate", "burst", "clock", "tokens", "updated")
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.updated = burst, clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 class UserSpaceCache(ConnectionCache):
@@ -114,32 +126,27 @@ class UserSpaceCache(ConnectionCache):
     def __init__(self, config: ConnCacheConfig, reason: str = "") -> None:
         super().__init__(config)
         self.reason = reason
-        self._peers: OrderedDict[str, Peer] = OrderedDict()
-        self._buckets: dict[str, _Bucket] = {}
+        self._entries: OrderedDict[str, tuple[Peer, TokenBucket]] = OrderedDict()
         self._totals = Totals()
 
     def admit(self, data: bytes, addr: tuple[Any, ...]) -> bool:
         now = time.monotonic()
         address = peer_name(addr)
-        peer = self._peers.get(address)
-        if peer is None:
-            if len(self._peers) >= self.config.max_entries:
-                evicted, _ = self._peers.popitem(last=False)
-                del self._buckets[evicted]
-            peer = self._peers[address] = Peer(address, now, now)
-            self._buckets[address] = _Bucket(self.config.peer_burst, now)
+        entry = self._entries.get(address)
+        if entry is None:
+            if len(self._entries) >= self.config.max_entries:
+                self._entries.popitem(last=False)
+            entry = self._entries[address] = (Peer(address, now, now),
+                                              TokenBucket(self.config.peer_rate, self.config.peer_burst))
             self._totals.peers_seen += 1
         else:
-            self._peers.move_to_end(address)
+            self._entries.move_to_end(address)
+        peer, bucket = entry
         peer.last_seen = now
-        bucket = self._buckets[address]
-        bucket.tokens = min(self.config.peer_burst, bucket.tokens + (now - bucket.refilled) * self.config.peer_rate)
-        bucket.refilled = now
-        if bucket.tokens < 1:
+        if not bucket.take():
             peer.drops += 1
             self._totals.drops += 1
             return False
-        bucket.tokens -= 1
         peer.packets += 1
         peer.bytes += len(data)
         self._totals.packets += 1
@@ -149,14 +156,13 @@ class UserSpaceCache(ConnectionCache):
         return True
 
     def peers(self) -> dict[str, Peer]:
-        return dict(self._peers)
+        return {address: peer for address, (peer, _) in self._entries.items()}
 
     def totals(self) -> Totals:
         return self._totals
 
     def forget(self, address: str) -> None:
-        self._peers.pop(address, None)
-        self._buckets.pop(address, None)
+        self._entries.pop(address, None)
 
 
 def _dcid(data: bytes) -> str:

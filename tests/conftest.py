@@ -6,10 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from appliance.bench import free_udp_port
@@ -133,6 +135,36 @@ class Daemon:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
         raise AssertionError("no VmRSS")
+
+
+class Bystander:
+    """Another LAN client calling inference in a loop while a test attacks the listener."""
+
+    def __init__(self, daemon, local_host: str = "", pause_s: float = 0.0) -> None:
+        self.daemon, self.answered, self.errors = daemon, 0, []
+        self.local_host, self.pause_s = local_host, pause_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        try:
+            with Client(quic=f"127.0.0.1:{self.daemon.quic_port}", cafile=self.daemon.cafile, timeout=30,
+                        local_host=self.local_host) as client:
+                while not self._stop.is_set():
+                    assert client.infer(np.zeros(512, np.float32)).shape == (1,)
+                    self.answered += 1
+                    self._stop.wait(self.pause_s)
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            self.errors.append(exc)
+
+    def __enter__(self) -> "Bystander":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.5)
+        self._stop.set()
+        self._thread.join(30)
 
 
 @pytest.fixture

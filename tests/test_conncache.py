@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from appliance.client import Call, infer_call
+from appliance.client import infer_call
 from appliance.quic_client import QuicSession
-from test_quic import Bystander
+from conftest import Bystander
 
 BACKENDS = [
     pytest.param("ebpf", marks=pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import numpy as np
@@ -20,7 +19,7 @@ from aioquic.quic.rangeset import RangeSet
 
 from appliance.client import Call, Client, infer_call
 from appliance.quic_client import QuicSession
-from conftest import cli
+from conftest import Bystander, cli
 
 
 def test_quic_client_refuses_a_server_it_cannot_verify(daemon) -> None:
@@ -92,36 +91,6 @@ def mutated_datagrams(count: int, seed: int = 7) -> list[bytes]:
         else:  # short header
             out.append(bytes([0x40 | int(rng.integers(0, 64))]) + body[:40])
     return out
-
-
-class Bystander:
-    """Another LAN client calling inference in a loop while a test attacks the listener."""
-
-    def __init__(self, daemon, local_host: str = "", pause_s: float = 0.0) -> None:
-        self.daemon, self.answered, self.errors = daemon, 0, []
-        self.local_host, self.pause_s = local_host, pause_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        try:
-            with Client(quic=f"127.0.0.1:{self.daemon.quic_port}", cafile=self.daemon.cafile, timeout=30,
-                        local_host=self.local_host) as client:
-                while not self._stop.is_set():
-                    assert client.infer(np.zeros(512, np.float32)).shape == (1,)
-                    self.answered += 1
-                    self._stop.wait(self.pause_s)
-        except BaseException as exc:  # noqa: BLE001 - asserted by the test
-            self.errors.append(exc)
-
-    def __enter__(self) -> "Bystander":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        time.sleep(0.5)
-        self._stop.set()
-        self._thread.join(30)
 
 
 def test_garbage_datagrams_do_not_disturb_other_clients(daemon) -> None:

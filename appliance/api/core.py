@@ -259,12 +259,12 @@ class Api:
         if stream:
             return Response(200, content_type="application/x-ndjson",
                             stream=self._segment_lines(model.segments(samples, segment_params, STREAM_CHUNK_FRAMES),
-                                                       seconds, summary, request, params))
+                                                       seconds, summary, self._log_fields(request, params)))
         segments = [s async for s in model.segments(samples, segment_params)]
         return json_response(200, {**summary, "segments": [{"start": seconds(s), "end": seconds(e)} for s, e in segments]})
 
     async def _segment_lines(self, segments: AsyncIterator[tuple[int, int]], seconds: Callable[[int], float],
-                             summary: dict[str, Any], request: Request, params: dict[str, str]) -> AsyncIterator[bytes]:
+                             summary: dict[str, Any], log_fields: dict[str, str]) -> AsyncIterator[bytes]:
         """NDJSON: a line per segment as soon as it is final, then the summary (or an error) line."""
         count = 0
         try:
@@ -275,7 +275,7 @@ class Api:
             yield _json_line({"error": exc.message})
             return
         except Exception:
-            log.exception("streamed segments crashed", extra=self._log_fields(request, params))
+            log.exception("streamed segments crashed", extra=log_fields)
             yield _json_line({"error": "internal error (logged)"})
             return
         yield _json_line({**summary, "segments": count, "done": True})

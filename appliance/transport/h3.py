@@ -31,7 +31,7 @@ from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, Protoc
 
 from appliance.api.core import Api, Request, Response, error_response
 from appliance.config import ConnCacheConfig, QuicConfig
-from appliance.conncache import ConnectionCache, open_cache, peer_name
+from appliance.conncache import ConnectionCache, TokenBucket, open_cache, peer_name
 from appliance.transport.http1 import Limits
 
 log = logging.getLogger("appliance.h3")
@@ -66,21 +66,6 @@ class TicketStore:
         return self._tickets.pop(label, None)
 
 
-class TokenBucket:
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.tokens, self.updated = burst, clock()
-
-    def take(self) -> bool:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
 class GuardedQuicServer(QuicServer):
     """aioquic's server with a budget on Version Negotiation replies.
 
@@ -89,9 +74,10 @@ class GuardedQuicServer(QuicServer):
     rare; a small global budget serves them and starves the reflection.
     """
 
-    def __init__(self, *args: Any, admit: Callable[[bytes, Any], bool], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.admit = admit  # the connection cache: counts each datagram, False when over the peer's budget
+        # the connection cache's: counts each datagram, False when over the peer's budget
+        self.admit: Callable[[bytes, Any], bool] = lambda data, addr: True
         self.version_negotiation = TokenBucket(rate=20.0, burst=40.0)
         self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
         self.dropped = 0
@@ -174,17 +160,15 @@ class H3Server:
         configuration.load_cert_chain(self.config.certificate, self.config.private_key)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: GuardedQuicServer(
-                admit=self._admit, configuration=configuration, create_protocol=partial(H3Protocol, server=self),
+                configuration=configuration, create_protocol=partial(H3Protocol, server=self),
                 session_ticket_fetcher=self.tickets.pop, session_ticket_handler=self.tickets.add,
                 retry=self.config.retry,
             ),
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
         self.cache = open_cache(cache_config, self._quic_server._transport.get_extra_info("socket"))  # type: ignore[union-attr]
+        self._quic_server.admit = self.cache.admit
         self._reaper = asyncio.get_running_loop().create_task(self._reap_quiet_streams())
-
-    def _admit(self, data: bytes, addr: Any) -> bool:
-        return self.cache is None or self.cache.admit(data, addr)
 
     def peers_held(self) -> set[str]:
         """Peers with an open connection."""
