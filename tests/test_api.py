@@ -146,6 +146,8 @@ def infer_body(doc: dict) -> Call:
     (Call("POST", "/v2/models/silero_vad/segments", b"RIFF0000WAVEjunk"), 400, "not a PCM WAV file"),
     (Call("POST", "/v2/models/silero_vad/segments", encode_wav(np.zeros(800, np.float32), 8000)), 400, "8000 Hz (need 16000 Hz)"),
     (Call("POST", "/v2/models/silero_vad/segments?threshold=2", encode_wav(np.zeros(800, np.float32), 16000)), 400, "threshold"),
+    (Call("POST", "/v2/models/silero_vad/segments?stream=maybe", encode_wav(np.zeros(800, np.float32), 16000)), 400,
+     "query parameter stream: 'maybe' is not true or false"),
 ])
 def test_bad_requests_get_a_clear_4xx_and_the_daemon_keeps_serving(client: Client, call: Call, status: int, message: str) -> None:
     response = client.send(call)

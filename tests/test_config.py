@@ -34,6 +34,9 @@ def test_merged_in_order_and_relative_paths_resolved(tmp_path: Path) -> None:
     ('[engine]\ndevice = "tpu"\n', "engine.device: 'tpu' is not one of"),
     ('[server]\nsocket_mode = "rw"\n', "server.socket_mode"),
     ('[server\n', "not valid TOML"),
+    ('[conncache]\nbackend = "xdp"\n', "conncache.backend: 'xdp' is not one of auto, ebpf, user"),
+    ('[conncache]\npeer_rate = 0\n', "conncache.peer_rate: must be positive"),
+    ('[quic]\nretry = "yes"\n', "quic.retry: expected bool"),
 ])
 def test_bad_config_names_file_key_and_reason(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "bad.toml"
