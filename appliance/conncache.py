@@ -13,6 +13,7 @@ daemon can release what they held.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -229,6 +230,8 @@ class KernelCache(ConnectionCache):
     def close(self) -> None:
         for name in ("peers", "totals"):
             (self.config.pin_dir / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # left in place if someone else pinned there too
+            self.config.pin_dir.rmdir()
         self._bpf.cleanup()
 
 
