@@ -12,7 +12,7 @@ TRUSTED := keys/trusted
 BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
-.PHONY: run test bench deps bpf-host venv firmware clean
+.PHONY: run test bench deps bpf-host venv firmware gpu-test gpu-wheelhouse clean
 
 run: firmware run/tls/cert.pem bpf-host
 	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
@@ -47,6 +47,8 @@ $(VENV)/.installed: pyproject.toml | deps
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	# silero-vad only carries the model file for the firmware build; --no-deps keeps torch out.
 	$(VENV)/bin/pip install -q --no-deps 'silero-vad>=5'
+	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
+	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@
 
 venv: $(VENV)/.installed
@@ -61,6 +63,21 @@ firmware: $(BUNDLE)/manifest.json
 
 run/tls/cert.pem: | venv
 	$(APPLIANCE) tls init --cert run/tls/cert.pem --key run/tls/key.pem
+
+# On a machine with an NVIDIA GPU: build the cuda firmware, check the engine, time it.
+gpu-test:
+	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || echo python3 ) tests/gpu/run.sh
+
+# For a GPU machine without network (python 3.12): pycuda's source and every wheel the checks need.
+GPU_PLATFORMS := $(foreach p,manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
+gpu-wheelhouse: | venv
+	mkdir -p .gpu/wheels
+	$(PY) -m pip download -q --no-deps --no-binary=pycuda -d .gpu/wheels pycuda
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
+		-d .gpu/wheels pytools platformdirs mako siphash24 httptools cryptography cffi pycparser aioquic pylsqpack \
+		pyopenssl service-identity pyasn1 pyasn1-modules silero-vad
+	$(PY) -c "import sys; sys.path.insert(0, 'tests'); import numpy as np; from speech import recording, SENTENCES; \
+		np.save('.gpu/speech.npy', recording(SENTENCES)[0])"
 
 clean:
 	rm -rf build run

@@ -109,7 +109,7 @@ class Config:
     sources: tuple[Path, ...] = ()
 
 
-CHOICES = {("engine", "device"): ("cpu",), ("conncache", "backend"): ("auto", "ebpf", "user"), ("log", "level"): ("debug", "info", "warning", "error")}
+CHOICES = {("engine", "device"): ("cpu", "cuda", "auto"), ("conncache", "backend"): ("auto", "ebpf", "user"), ("log", "level"): ("debug", "info", "warning", "error")}
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "sources"}
 _SECTION_TYPES = typing.get_type_hints(Config)
 

@@ -44,7 +44,7 @@ CONNCACHE_SWEEP_S = 1.0
 def load_models(config: Config, bundle: firmware.Bundle) -> dict[str, VadModel]:
     models = {}
     for spec in bundle.manifest.models:
-        engine = load_engine(config.engine.device, bundle.artifact(spec.file), config.engine.threads)
+        engine = load_engine(config.engine.device, bundle, spec, config.engine.threads)
         models[spec.name] = VadModel(
             spec, bundle.manifest.baked, engine,
             max_live=config.sequences.max_live, idle_timeout_s=config.sequences.idle_timeout_s,

@@ -69,6 +69,8 @@ def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "Connectio
         "appliance_engine_frames_total": ["# HELP appliance_engine_frames_total Frames run by the engine.", "# TYPE appliance_engine_frames_total counter"],
         "appliance_queue_depth": ["# HELP appliance_queue_depth Works waiting or running in the engine.", "# TYPE appliance_queue_depth gauge"],
         "appliance_live_sequences": ["# HELP appliance_live_sequences Open stateful sequences.", "# TYPE appliance_live_sequences gauge"],
+        "appliance_engine_fallbacks_total": ["# HELP appliance_engine_fallbacks_total Batches the GPU engine handed to the CPU engine, by reason.",
+                                             "# TYPE appliance_engine_fallbacks_total counter"],
     }
     for model in models:
         label = f'model="{model.name}",engine="{model.engine_name}"'
@@ -80,6 +82,9 @@ def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "Connectio
         sections["appliance_engine_frames_total"].append(f"appliance_engine_frames_total{{{label}}} {stats.frames}")
         sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.batcher.queue_depth}")
         sections["appliance_live_sequences"].append(f"appliance_live_sequences{{{label}}} {len(model.sequences)}")
+        fallbacks = getattr(model.frames.engine, "fallbacks", {})
+        sections["appliance_engine_fallbacks_total"] += [f'appliance_engine_fallbacks_total{{{label},reason="{reason}"}} {count}'
+                                                         for reason, count in sorted(fallbacks.items())]
     for lines in sections.values():
         out += lines
     if conncache is not None:

@@ -1,15 +1,21 @@
-"""The one small interface every engine implements (ONNX Runtime now, CUDA and TensorRT later)."""
+"""The one small interface every engine implements, and the choice of engine for a model:
+ONNX Runtime on the CPU, or the CUDA engine with the CPU engine as its fallback."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
 from appliance.errors import ApplianceError
+from appliance.firmware import Bundle, ModelSpec
+
+log = logging.getLogger("appliance")
 
 
 class Engine(Protocol):
@@ -31,6 +37,10 @@ class _StallWhenFilePresent:
         self.engine, self.trigger, self.name = engine, trigger, engine.name
         self.calls_while_armed = 0
 
+    @property
+    def fallbacks(self) -> Counter[str]:
+        return getattr(self.engine, "fallbacks", Counter())
+
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
         if self.trigger.exists():
             self.calls_while_armed += 1
@@ -48,12 +58,53 @@ class _StallWhenFilePresent:
             return 0
 
 
-def load_engine(device: str, model_path: Path, threads: int) -> Engine:
-    if device != "cpu":
-        raise ApplianceError(f"engine.device: no engine for {device!r}")
+class GpuOutOfMemory(Exception):
+    """A GPU engine ran out of device memory on a batch; the batch can run elsewhere."""
+
+
+class CpuFallback:
+    """The GPU engine first; the CPU engine for a batch that arrives while GPU memory is above the
+    baked threshold, or that ran out of GPU memory. State travels in the feeds, so a stream's
+    next frame continues where the other engine left it."""
+
+    def __init__(self, gpu: Engine, cpu: Engine, threshold: float, memory_used: Callable[[], float]) -> None:
+        self.gpu, self.cpu, self.threshold, self.memory_used = gpu, cpu, threshold, memory_used
+        self.name = gpu.name
+        self.fallbacks: Counter[str] = Counter()
+
+    def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+        if self.memory_used() > self.threshold:
+            self.fallbacks["memory_pressure"] += 1
+            return self.cpu.run(feeds, batch)
+        try:
+            return self.gpu.run(feeds, batch)
+        except GpuOutOfMemory as exc:
+            self.fallbacks["out_of_memory"] += 1
+            log.warning("engine %s: out of GPU memory on a batch of %d, ran it on %s: %s", self.name, batch, self.cpu.name, exc)
+            return self.cpu.run(feeds, batch)
+
+
+def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int) -> Engine:
+    """`cpu`: ONNX Runtime. `cuda`: the CUDA engine (a start-up error where it cannot run).
+    `auto`: the CUDA engine where CUDA and the firmware's binaries for this model exist, else
+    ONNX Runtime, with the reason logged. The CPU engine backs the GPU one under memory pressure."""
     from appliance.engine.onnx_cpu import OnnxCpuEngine
 
-    engine: Engine = OnnxCpuEngine(model_path, threads)
+    cpu = OnnxCpuEngine(bundle.artifact(model.file), threads)
+    engine: Engine = cpu
+    if device in ("cuda", "auto"):
+        from appliance.engine import cuda
+
+        reason = cuda.unavailable_reason(bundle, model)
+        if reason is None:
+            gpu = cuda.CudaVadEngine(bundle, model)
+            engine = CpuFallback(gpu, cpu, bundle.manifest.baked.fallback_cpu_threshold, gpu.memory_used)
+        elif device == "cuda":
+            raise ApplianceError(f"engine.device = \"cuda\": model {model.name}: {reason}")
+        else:
+            log.info("model %s: engine.device = auto runs it on the CPU: %s", model.name, reason)
+    elif device != "cpu":
+        raise ApplianceError(f"engine.device: no engine for {device!r}")
     if trigger := os.environ.get(HANG_FAILPOINT):
         engine = _StallWhenFilePresent(engine, Path(trigger))
     return engine
