@@ -29,7 +29,7 @@ from appliance.errors import ApplianceError
 FORMAT_VERSION = 1
 BAKED_PARAMETERS = ("max_tokens_per_shard", "split_algorithm", "fallback_cpu_threshold", "max_batch")
 SPLIT_ALGORITHMS = ("semantic", "fixed")
-TARGETS = ("cpu", "cuda")
+TARGETS = ("cpu", "cuda", "tensorrt")
 DATATYPES = {"FP32": "float32", "FP16": "float16", "INT64": "int64", "INT32": "int32", "INT16": "int16",
              "INT8": "int8", "UINT8": "uint8", "BOOL": "bool", "FP64": "float64"}
 MANIFEST = "manifest.json"
@@ -84,6 +84,18 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanSpec:
+    """A TensorRT plan for one model, built on the target GPU; it runs only where both match."""
+
+    model: str
+    file: str
+    tensorrt_version: str
+    compute_capability: str  # "9.0" for the H100
+    precision: str  # "fp16" or "fp32"
+    fp16_max_abs_error: float  # FP16 against FP32 on the same inputs, measured at build time
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     format: int
     name: str
@@ -94,6 +106,7 @@ class Manifest:
     models: tuple[ModelSpec, ...]
     artifacts: dict[str, str]
     signing_key_id: str
+    plans: tuple[PlanSpec, ...] = ()
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -202,6 +215,16 @@ def _read_audio(r: _Reader) -> AudioSpec:
     )
 
 
+def _read_plan(r: _Reader) -> PlanSpec:
+    plan = PlanSpec(
+        model=r.get("model", str), file=r.get("file", str), tensorrt_version=r.get("tensorrt_version", str),
+        compute_capability=r.get("compute_capability", str), precision=r.get("precision", str),
+        fp16_max_abs_error=float(r.get("fp16_max_abs_error", (int, float))),
+    )
+    r.done()
+    return plan
+
+
 def _manifest_from_data(data: Any, where: str) -> Manifest:
     r = _Reader(data, where)
     models = []
@@ -220,8 +243,12 @@ def _manifest_from_data(data: Any, where: str) -> Manifest:
         models=tuple(models),
         artifacts=dict(r.get("artifacts", dict)),
         signing_key_id=r.get("signing_key_id", str),
+        plans=tuple(_read_plan(_Reader(p, f"{where}.plans[{i}]")) for i, p in enumerate(r.get("plans", list, []))),
     )
     r.done()
+    for plan in manifest.plans:
+        if manifest.model(plan.model) is None or plan.file not in manifest.artifacts:
+            raise ApplianceError(f"{where}: plan {plan.file} names no model or file of this bundle")
     if manifest.format != FORMAT_VERSION:
         raise ApplianceError(f"{where}: format {manifest.format} is not supported (this runtime reads {FORMAT_VERSION})")
     return manifest
@@ -365,7 +392,7 @@ def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
     staging.chmod(0o755)
     try:
         (staging / "models").mkdir()
-        models, artifacts = [], {}
+        models, artifacts, plans = [], {}, []
         for m in r.tables("models"):
             fields = _read_model_fields(m)
             source = _resolve_source(m.get("source", dict), spec_path, f"{m.where}.source")
@@ -379,6 +406,12 @@ def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
             artifacts[relative] = sha256_file(staging / relative)
             if "cuda" in targets:
                 artifacts.update(_build_cuda(staging, model, baked, m.where))
+            if "tensorrt" in targets:
+                from appliance.engine import tensorrt
+
+                plan = tensorrt.build_plan(staging, model, baked, out_dir.parent / "tensorrt-timing.cache")
+                artifacts[plan.file] = sha256_file(staging / plan.file)
+                plans.append(plan)
         r.done()
         if not models:
             raise ApplianceError(f"{spec_path}: no [[models]]")
@@ -386,7 +419,7 @@ def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
             format=FORMAT_VERSION, name=name, version=version,
             built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             targets=targets, baked=baked, models=tuple(models), artifacts=artifacts,
-            signing_key_id=keys.key_id(private.public_key()),
+            signing_key_id=keys.key_id(private.public_key()), plans=tuple(plans),
         )
         manifest_bytes = encode_manifest(manifest)
         (staging / MANIFEST).write_bytes(manifest_bytes)

@@ -1,16 +1,25 @@
 """Choosing the engine and falling back to the CPU, where no GPU is: the fallback logic with a
-GPU memory reading the test controls, and `engine.device` through the daemon."""
+GPU memory reading the test controls, `engine.device` through the daemon, and TensorRT plans
+refused where the TensorRT version or the GPU differs from the build machine's."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from appliance import firmware
 from appliance.engine.base import CpuFallback, GpuOutOfMemory
 from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.reference import ReferenceVad
+from appliance.engine.tensorrt import found_gpu, plan_mismatch
+from appliance.firmware import PlanSpec
+from appliance.keys import load_private_key
+from conftest import DEFAULT_SPEC, cli
 from speech import RATE, SENTENCES, recording
 
 
@@ -80,7 +89,8 @@ def test_device_cuda_without_a_usable_gpu_is_a_start_up_error(start_daemon) -> N
     daemon = start_daemon('[engine]\ndevice = "cuda"\n', wait=False)
     assert daemon.proc.wait(60) == 3
     log = daemon.log.read_text()
-    assert 'engine.device = "cuda": model silero_vad: pycuda is not installed' in log, log
+    assert 'engine.device = "cuda": model silero_vad: cuda engine: pycuda is not installed' in log, log
+    assert "no TensorRT plan for it in the firmware" in log
 
 
 def test_device_auto_serves_on_the_cpu_and_says_why(start_daemon) -> None:
@@ -93,4 +103,79 @@ def test_device_auto_serves_on_the_cpu_and_says_why(start_daemon) -> None:
         assert client.infer(np.zeros(1024, np.float32)).shape == (2,)
         metrics = client.metrics()
     assert 'appliance_engine_frames_total{model="silero_vad",engine="onnxruntime-cpu"} ' in metrics
-    assert "model silero_vad: engine.device = auto runs it on the CPU: pycuda is not installed" in daemon.log.read_text()
+    assert "model silero_vad: engine.device = auto runs it on the CPU: cuda engine: pycuda is not installed" in daemon.log.read_text()
+
+
+# --- TensorRT plans: built on the target GPU, refused anywhere else ---------------------------------
+
+H100_PLAN = PlanSpec(model="silero_vad", file="models/silero_vad.plan", tensorrt_version="10.13.3.9",
+                     compute_capability="9.0", precision="fp16", fp16_max_abs_error=2e-4)
+
+
+@pytest.mark.parametrize("found, expected", [
+    (("10.13.3.9", "9.0"), None),
+    (("10.14.1.48", "9.0"), "this box has TensorRT 10.14.1.48; a plan only loads in the version that built it"),
+    (("10.13.3.9", "8.9"), "this box's GPU has compute capability 8.9"),
+    ((None, "9.0"), "TensorRT is not installed here"),
+    (("10.13.3.9", None), "no CUDA GPU here"),
+])
+def test_a_plan_runs_only_with_the_tensorrt_and_gpu_it_was_built_for(found, expected) -> None:
+    message = plan_mismatch(H100_PLAN, *found)
+    if expected is None:
+        assert message is None
+    else:
+        assert message.startswith("TensorRT plan models/silero_vad.plan (built with TensorRT 10.13.3.9 for "
+                                  "compute capability 9.0): ") and message.endswith(expected), message
+
+
+def test_tensorrt_target_without_tensorrt_is_a_clear_build_error(keys, tmp_path: Path) -> None:
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    spec = tmp_path / "trt.toml"
+    spec.write_text(DEFAULT_SPEC.read_text().replace('targets = ["cpu"]', 'targets = ["cpu", "tensorrt"]'))
+    result = cli("firmware", "build", spec, "--key", keys.private, "--out", tmp_path / "out", check=False)
+    assert result.returncode != 0 and "target 'tensorrt' needs TensorRT" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def with_plan(bundle: Path, keys, out: Path, plan: PlanSpec) -> Path:
+    """The bundle as a build machine with TensorRT would have made it: a plan file, recorded and signed."""
+    shutil.copytree(bundle, out)
+    (out / plan.file).write_bytes(os.urandom(4096))  # a serialized plan is opaque to everything but TensorRT
+    manifest = firmware.verify(bundle, keys.trusted).manifest
+    manifest = dataclasses.replace(manifest, targets=(*manifest.targets, "tensorrt"), plans=(plan,),
+                                   artifacts={**manifest.artifacts, plan.file: firmware.sha256_file(out / plan.file)})
+    data = firmware.encode_manifest(manifest)
+    (out / firmware.MANIFEST).write_bytes(data)
+    (out / firmware.SIGNATURE).write_bytes(load_private_key(keys.private).sign(data))
+    return out
+
+
+def test_a_plan_for_another_gpu_is_refused_and_the_model_served_on_the_cpu(start_daemon, bundle, keys, tmp_path) -> None:
+    from appliance.engine import cuda
+
+    if cuda.cuda is not None:
+        pytest.skip("pycuda is installed here: the cuda engine would take the model first")
+    planned = with_plan(bundle, keys, tmp_path / "planned", H100_PLAN)
+    assert firmware.verify(planned, keys.trusted).manifest.plans == (H100_PLAN,)  # round trip through the manifest
+    daemon = start_daemon('[engine]\ndevice = "auto"\n', bundle_dir=planned)
+    with daemon.client() as client:
+        assert client.infer(np.zeros(512, np.float32)).shape == (1,)
+        assert 'engine="onnxruntime-cpu"' in client.metrics()
+    refusal = plan_mismatch(H100_PLAN, *found_gpu())
+    assert "runs it on the CPU: cuda engine: pycuda is not installed" in daemon.log.read_text()
+    assert refusal in daemon.log.read_text()
+
+
+def test_a_plan_naming_a_file_outside_the_bundle_fails_verification(bundle, keys, tmp_path) -> None:
+    planned = with_plan(bundle, keys, tmp_path / "planned", H100_PLAN)
+    manifest = firmware.verify(planned, keys.trusted).manifest
+    stray = dataclasses.replace(H100_PLAN, file="models/elsewhere.plan")
+    data = firmware.encode_manifest(dataclasses.replace(manifest, plans=(stray,)))
+    (planned / firmware.MANIFEST).write_bytes(data)
+    (planned / firmware.SIGNATURE).write_bytes(load_private_key(keys.private).sign(data))
+    result = cli("firmware", "verify", planned, "--trusted-keys", keys.trusted, check=False)
+    assert result.returncode != 0 and "plan models/elsewhere.plan names no model or file of this bundle" in result.stderr

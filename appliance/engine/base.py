@@ -58,6 +58,23 @@ class _StallWhenFilePresent:
             return 0
 
 
+def _gpu_engine(bundle: Bundle, model: ModelSpec) -> tuple[Engine | None, list[str]]:
+    """The first GPU engine that can run `model` here, or None and why each could not."""
+    from appliance.engine import cuda, tensorrt
+
+    reason = cuda.unavailable_reason(bundle, model)
+    if reason is None:
+        return cuda.CudaVadEngine(bundle, model), []
+    reasons = [f"cuda engine: {reason}"]
+    plan = next((p for p in bundle.manifest.plans if p.model == model.name), None)
+    if plan is None:
+        return None, reasons + ["no TensorRT plan for it in the firmware"]
+    mismatch = tensorrt.plan_mismatch(plan, *tensorrt.found_gpu())
+    if mismatch is not None:
+        return None, reasons + [mismatch]
+    return tensorrt.TensorrtEngine.from_bundle(bundle, plan), reasons
+
+
 class GpuOutOfMemory(Exception):
     """A GPU engine ran out of device memory on a batch; the batch can run elsewhere."""
 
@@ -85,26 +102,26 @@ class CpuFallback:
 
 
 def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int) -> Engine:
-    """`cpu`: ONNX Runtime. `cuda`: the CUDA engine (a start-up error where it cannot run).
-    `auto`: the CUDA engine where CUDA and the firmware's binaries for this model exist, else
-    ONNX Runtime, with the reason logged. The CPU engine backs the GPU one under memory pressure."""
+    """`cpu`: ONNX Runtime. `cuda`: a GPU engine, a start-up error where none can run. `auto`: a
+    GPU engine where one can run, else ONNX Runtime with the reason logged. The GPU engines, in
+    order: the CUDA kernels (the default VAD model), then the firmware's TensorRT plan for the
+    model. The CPU engine backs either under memory pressure."""
     from appliance.engine.onnx_cpu import OnnxCpuEngine
 
+    if device not in ("cpu", "cuda", "auto"):
+        raise ApplianceError(f"engine.device: no engine for {device!r}")
     cpu = OnnxCpuEngine(bundle.artifact(model.file), threads)
     engine: Engine = cpu
-    if device in ("cuda", "auto"):
-        from appliance.engine import cuda
+    if device != "cpu":
+        gpu, reasons = _gpu_engine(bundle, model)
+        if gpu is not None:
+            from appliance.engine.cuda import memory_used
 
-        reason = cuda.unavailable_reason(bundle, model)
-        if reason is None:
-            gpu = cuda.CudaVadEngine(bundle, model)
-            engine = CpuFallback(gpu, cpu, bundle.manifest.baked.fallback_cpu_threshold, gpu.memory_used)
+            engine = CpuFallback(gpu, cpu, bundle.manifest.baked.fallback_cpu_threshold, memory_used)
         elif device == "cuda":
-            raise ApplianceError(f"engine.device = \"cuda\": model {model.name}: {reason}")
+            raise ApplianceError(f"engine.device = \"cuda\": model {model.name}: {'; '.join(reasons)}")
         else:
-            log.info("model %s: engine.device = auto runs it on the CPU: %s", model.name, reason)
-    elif device != "cpu":
-        raise ApplianceError(f"engine.device: no engine for {device!r}")
+            log.info("model %s: engine.device = auto runs it on the CPU: %s", model.name, "; ".join(reasons))
     if trigger := os.environ.get(HANG_FAILPOINT):
         engine = _StallWhenFilePresent(engine, Path(trigger))
     return engine

@@ -61,6 +61,13 @@ def unavailable_reason(bundle: Bundle, model: ModelSpec) -> str | None:
     return None
 
 
+def memory_used(device: int = 0) -> float:
+    """The fraction of the device's memory in use (by anyone), read from the driver."""
+    with _PushedContext(cuda.Device(device).retain_primary_context()):
+        free, total = cuda.mem_get_info()
+    return 1.0 - free / total
+
+
 def _out_of_memory(exc: Exception) -> bool:
     return isinstance(exc, cuda.MemoryError) or "out of memory" in str(exc).lower()
 
@@ -127,12 +134,6 @@ class CudaVadEngine:
         if tuple(int(v) for v in out) != expected:
             raise ApplianceError(f"cuda kernels were built with (max_batch, shard_frames, frame_samples, context_samples) = "
                                  f"{tuple(int(v) for v in out)}, the manifest says {expected}: rebuild the firmware")
-
-    def memory_used(self) -> float:
-        """The fraction of the device's memory in use (by anyone), read from the driver."""
-        with self._current():
-            free, total = cuda.mem_get_info()
-        return 1.0 - free / total
 
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
         x = np.ascontiguousarray(feeds[self.audio.audio_input], np.float32)

@@ -109,13 +109,13 @@ def compare_with_reference(bundle: firmware.Bundle, audio: np.ndarray) -> None:
 def check_fallback(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     import pycuda.driver as cuda
 
-    from appliance.engine.cuda import CudaVadEngine
+    from appliance.engine.cuda import CudaVadEngine, memory_used
 
     model = bundle.manifest.models[0]
     gpu = CudaVadEngine(bundle, model)
     cpu = OnnxCpuEngine(bundle.artifact(model.file), 4)
     threshold = bundle.manifest.baked.fallback_cpu_threshold
-    engine = CpuFallback(gpu, cpu, threshold, gpu.memory_used)
+    engine = CpuFallback(gpu, cpu, threshold, memory_used)
     frames = streams_of(audio, 8, 120)
     truth = run_frames(ReferenceVad.from_onnx(bundle.artifact(model.file)), frames)
 
@@ -126,9 +126,9 @@ def check_fallback(bundle: firmware.Bundle, audio: np.ndarray) -> None:
         if t == 40:
             gpu.context.push()
             try:
-                while gpu.memory_used() <= threshold:
+                while memory_used() <= threshold:
                     filler.append(cuda.mem_alloc(1 << 30))
-                used_during = gpu.memory_used()
+                used_during = memory_used()
             finally:
                 cuda.Context.pop()
         if t == 80:
