@@ -1,10 +1,12 @@
 """The per-peer connection cache of the QUIC listener: kernel (eBPF via bcc) or user space.
 
-The kernel backend loads bpf/conncache.c, attaches it to the listener's UDP socket with
-SO_ATTACH_BPF and pins its map under `pin_dir`, so `bpftool map dump pinned PIN_DIR/peers`
-shows live peers; datagrams over a peer's budget are dropped before they reach Python. Where
-it cannot load (no privileges, no kernel headers, no bcc) the user-space backend keeps the same
-table with the same limits, fed datagram by datagram by the QUIC layer (`admit`).
+The kernel backend has bpf/conncache.c compiled by bcc and attached to the listener's UDP socket
+with SO_ATTACH_BPF by a loader child (appliance/conncache_loader.py), which pins its maps under
+`pin_dir` and exits; the daemon reads them with bare bpf() calls (appliance/bpfmaps.py), and
+`bpftool map dump pinned PIN_DIR/peers` shows live peers. Datagrams over a peer's budget are
+dropped in the kernel, before they reach Python. Where it cannot load (no privileges, no kernel
+headers, no bcc) the user-space backend keeps the same table with the same limits, fed datagram
+by datagram by the QUIC layer (`admit`).
 
 Both answer the daemon the same way: `peers()` for /status and /metrics, and `sweep()`, which
 forgets peers idle past `idle_timeout_s` and reports them, and those the LRU evicted, so the
@@ -17,19 +19,21 @@ import contextlib
 import ipaddress
 import logging
 import socket
+import struct
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
+from appliance.bpfmaps import PinnedMap, possible_cpus
 from appliance.config import ConnCacheConfig
+from appliance.conncache_loader import MAPS
 from appliance.errors import ApplianceError
 
 log = logging.getLogger("appliance.conncache")
 
-BPF_SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "conncache.c"
-SO_ATTACH_BPF = 50
 HOST_CID_LENGTH = 8  # aioquic's server connection IDs
 
 
@@ -174,65 +178,63 @@ def _dcid(data: bytes) -> str:
 
 
 class KernelCache(ConnectionCache):
-    """bpf/conncache.c loaded by bcc, attached to the listener's socket, its map pinned."""
+    """bpf/conncache.c attached to the listener's socket by a loader child (bcc stays out of the
+    daemon); the daemon reads and trims the pinned maps with plain bpf() calls."""
 
     backend = "ebpf"
+    KEY = struct.Struct("<BBH16s")  # struct peer_key: family, pad, port (network order), addr
+    STATS = struct.Struct("<7QB20s")  # struct peer_stats, up to its tail padding (80 bytes)
+    STATS_SIZE = 80
 
     def __init__(self, config: ConnCacheConfig, sock: socket.socket) -> None:
         super().__init__(config)
-        from bcc import BPF, libbcc  # Debian's python3-bpfcc, through the venv's system site packages
-
-        cflags = [f"-DMAX_ENTRIES={config.max_entries}", f"-DRATE_PER_S={max(1, int(config.peer_rate))}",
-                  f"-DBURST={max(1, int(config.peer_burst))}", f"-DHOST_CID_LENGTH={HOST_CID_LENGTH}"]
-        self._bpf = BPF(src_file=str(BPF_SOURCE).encode(), cflags=cflags)
-        program = self._bpf.load_func(b"conncache_filter", BPF.SOCKET_FILTER)
-        self._table = self._bpf[b"peers"]
-        self._totals = self._bpf[b"totals"]
-        self._pin(libbcc)
-        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_BPF, program.fd)
-        self._keys: dict[str, Any] = {}  # peer name -> map key, as last read
-
-    def _pin(self, libbcc: Any) -> None:
-        pin_dir = self.config.pin_dir
-        try:
-            pin_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OSError(f"cannot create {pin_dir}: {exc} (is bpffs mounted on /sys/fs/bpf?)") from None
-        for name, table in (("peers", self._table), ("totals", self._totals)):
-            path = pin_dir / name
-            path.unlink(missing_ok=True)  # a previous daemon's map: its connections died with it
-            if libbcc.lib.bpf_obj_pin(table.map_fd, str(path).encode()) != 0:
-                raise OSError(f"cannot pin the map at {path} (is bpffs mounted on /sys/fs/bpf?)")
+        defines = [f"MAX_ENTRIES={config.max_entries}", f"RATE_PER_S={max(1, int(config.peer_rate))}",
+                   f"BURST={max(1, int(config.peer_burst))}", f"HOST_CID_LENGTH={HOST_CID_LENGTH}"]
+        loader = subprocess.run(
+            [sys.executable, "-m", "appliance.conncache_loader", "--fd", str(sock.fileno()),
+             "--pin-dir", str(config.pin_dir), *(f"--define={d}" for d in defines)],
+            pass_fds=(sock.fileno(),), capture_output=True, text=True, timeout=120,
+        )
+        if loader.returncode != 0:
+            raise OSError(loader.stderr.strip().splitlines()[-1] if loader.stderr.strip() else f"loader exited {loader.returncode}")
+        self._table = PinnedMap(config.pin_dir / "peers", self.KEY.size, self.STATS_SIZE)
+        self._totals = PinnedMap(config.pin_dir / "totals", 4, 8 * possible_cpus())
+        self._keys: dict[str, bytes] = {}  # peer name -> map key, as last read
 
     def peers(self) -> dict[str, Peer]:
         """Read the whole map. Its times are bpf_ktime_get_ns: CLOCK_MONOTONIC, as time.monotonic()."""
         out, keys = {}, {}
-        for key, value in self._table.items():
-            packed = bytes(key.addr)[:4] if key.family == 4 else bytes(key.addr)
-            name = peer_name((str(ipaddress.ip_address(packed)), socket.ntohs(key.port)))
+        for key in self._table.keys(limit=2 * self.config.max_entries):
+            value = self._table.lookup(key)
+            if value is None:  # evicted while we walked
+                continue
+            family, _, port, addr = self.KEY.unpack(key)
+            name = peer_name((str(ipaddress.ip_address(addr[:4] if family == 4 else addr)), socket.ntohs(port)))
+            first, last, packets, size, drops, _, _, dcid_len, dcid = self.STATS.unpack_from(value)
             keys[name] = key
-            out[name] = Peer(name, value.first_seen_ns / 1e9, value.last_seen_ns / 1e9, value.packets, value.bytes,
-                             value.drops, bytes(value.dcid[:value.dcid_len]).hex())
+            out[name] = Peer(name, first / 1e9, last / 1e9, packets, size, drops, dcid[:dcid_len].hex())
         self._keys = keys
         return out
 
     def totals(self) -> Totals:
-        return Totals(*(sum(self._totals[self._totals.Key(i)]) for i in range(4)))
+        counts = []
+        for index in range(4):
+            value = self._totals.lookup(index.to_bytes(4, "little")) or b""
+            counts.append(sum(v for (v,) in struct.iter_unpack("<Q", value)))
+        return Totals(*counts)
 
     def forget(self, address: str) -> None:
         key = self._keys.pop(address, None)
         if key is not None:
-            try:
-                del self._table[key]
-            except KeyError:  # evicted meanwhile
-                pass
+            self._table.delete(key)  # False if it was evicted meanwhile
 
     def close(self) -> None:
-        for name in ("peers", "totals"):
+        self._table.close()
+        self._totals.close()
+        for name in MAPS:
             (self.config.pin_dir / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # left in place if someone else pinned there too
             self.config.pin_dir.rmdir()
-        self._bpf.cleanup()
 
 
 def open_cache(config: ConnCacheConfig, sock: socket.socket) -> ConnectionCache:
@@ -242,20 +244,9 @@ def open_cache(config: ConnCacheConfig, sock: socket.socket) -> ConnectionCache:
         return UserSpaceCache(config, "backend = \"user\" in config")
     try:
         return KernelCache(config, sock)
-    except Exception as exc:  # bcc raises plain Exceptions for compile and load failures
-        reason = _explain(exc)
+    except (OSError, subprocess.SubprocessError) as exc:  # the loader's reason, or the maps' pins
+        reason = str(exc)
     if config.backend == "ebpf":
         raise ApplianceError(f"conncache: backend = \"ebpf\" but the eBPF program cannot load: {reason}")
     log.warning("conncache: eBPF program not loaded (%s); the user-space table serves with the same limits", reason)
     return UserSpaceCache(config, reason)
-
-
-def _explain(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    if isinstance(exc, ImportError):
-        return f"bcc is not installed ({text}); install python3-bpfcc"
-    if "Failed to compile" in text:
-        return "the BPF C did not compile (kernel headers missing for this kernel?)"
-    if "Failed to load" in text or "Operation not permitted" in text or isinstance(exc, PermissionError):
-        return f"the kernel refused the program: no CAP_BPF/CAP_SYS_ADMIN? ({text.splitlines()[0]})"
-    return text.splitlines()[0]
