@@ -7,12 +7,16 @@ PY := $(VENV)/bin/python
 APPLIANCE := $(VENV)/bin/appliance
 APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap \
 	python3-bpfcc bpftool linux-headers-amd64 util-linux
+# The disk image: file systems without mounts, GPT, and the qemu + OVMF boot tests.
+IMAGE_PACKAGES := debootstrap e2fsprogs dosfstools mtools fdisk systemd-boot-efi qemu-system-x86 ovmf
+IMAGE := build/image/out
+IMAGE_VERSION ?= $(shell date -u +%Y%m%d%H%M%S)
 DEV_KEY := keys/dev.key
 TRUSTED := keys/trusted
 BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
-.PHONY: run test bench deps bpf-host venv firmware gpu-test gpu-wheelhouse clean
+.PHONY: run test bench deps image image-deps image-test bpf-host venv firmware gpu-test gpu-wheelhouse clean
 
 run: firmware run/tls/cert.pem bpf-host
 	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
@@ -60,6 +64,17 @@ $(BUNDLE)/manifest.json: firmware/default.toml $(DEV_KEY) | venv
 	$(APPLIANCE) firmware build firmware/default.toml --key $(DEV_KEY) --out $(BUNDLE)
 
 firmware: $(BUNDLE)/manifest.json
+
+image-deps:
+	@$(MAKE) --no-print-directory deps APT_PACKAGES="$(IMAGE_PACKAGES)"
+
+# The UEFI disk image (ESP, root A, root B, data) with its signed manifest, in $(IMAGE).
+image: firmware | image-deps
+	time image/build.sh $(IMAGE) $(BUNDLE) $(DEV_KEY) $(TRUSTED) $(IMAGE_VERSION)
+
+# Boots copies flashed by `appliance flash` in qemu + OVMF: updates, rollback, power loss, tampering.
+image-test: image
+	bash tests/run.sh -m image tests/test_image.py
 
 run/tls/cert.pem: | venv
 	$(APPLIANCE) tls init --cert run/tls/cert.pem --key run/tls/key.pem

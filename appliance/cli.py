@@ -159,6 +159,44 @@ def cmd_tls(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_image(args: argparse.Namespace) -> int:
+    from appliance import image
+
+    if args.action == "assemble":
+        image.assemble(args.out, args.root, args.data, args.boot_efi, args.kernel, args.initrd)
+        print(f"assembled {args.out / image.DISK} ({image.DISK_SIZE} bytes)")
+    elif args.action == "sign":
+        manifest = image.sign(args.image, args.key, args.name, args.version)
+        print(f"signed {args.image} {manifest.name} {manifest.version} (key {manifest.signing_key_id})")
+    elif args.action == "verify":
+        manifest = image.verify(args.image, args.trusted_keys)
+        print(f"{args.image}: {manifest.name} {manifest.version} verified (key {manifest.signing_key_id})")
+    elif args.action == "selftest":
+        print(image.selftest(args.socket, args.timeout), flush=True)
+    return 0
+
+
+def cmd_flash(args: argparse.Namespace) -> int:
+    from appliance import image
+
+    manifest = image.flash(args.image, args.target, args.trusted_keys)
+    print(f"flashed {manifest.name} {manifest.version} to {args.target}")
+    return 0
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from appliance import image
+
+    trial = image.update(args.image, args.trusted_keys)
+    if args.reboot:
+        subprocess.run(["systemctl", "reboot"], check=True)
+    else:
+        print(f"reboot to try slot {trial}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from appliance.bench import main as bench
 
@@ -223,6 +261,37 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("--name", action="append", default=[], help="extra DNS name or IP address (repeatable)")
     init.add_argument("--force", action="store_true")
     tls.set_defaults(func=cmd_tls)
+
+    img = sub.add_parser("image", help="build, sign, verify the disk image; the box's boot self-test")
+    img_sub = img.add_subparsers(dest="action", required=True)
+    assemble = img_sub.add_parser("assemble", help="GPT disk.raw from root and data file systems (make image)")
+    assemble.add_argument("--out", type=Path, required=True)
+    for name in ("root", "data", "boot-efi", "kernel", "initrd"):
+        assemble.add_argument(f"--{name}", type=Path, required=True)
+    sign = img_sub.add_parser("sign", help="hash every region of IMAGE/disk.raw and sign the manifest")
+    sign.add_argument("image", type=Path)
+    sign.add_argument("--key", type=Path, required=True)
+    sign.add_argument("--name", default="appliance")
+    sign.add_argument("--version", required=True)
+    verify = img_sub.add_parser("verify")
+    verify.add_argument("image", type=Path)
+    verify.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
+    selftest = img_sub.add_parser("selftest", help="wait for the daemon and run one inference (boot assessment)")
+    selftest.add_argument("--socket", default=str(INSTALLED_SOCKET))
+    selftest.add_argument("--timeout", type=float, default=180.0)
+    img.set_defaults(func=cmd_image)
+
+    flash = sub.add_parser("flash", help="verify a signed image, write it to a disk or file, read it back")
+    flash.add_argument("image", type=Path)
+    flash.add_argument("--target", type=Path, required=True, help="block device or existing file")
+    flash.add_argument("--trusted-keys", type=Path, default=Path("keys/trusted"))
+    flash.set_defaults(func=cmd_flash)
+
+    upd = sub.add_parser("update", help="on the box: write a signed image to the inactive slot, boot it on trial")
+    upd.add_argument("image", type=Path)
+    upd.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
+    upd.add_argument("--reboot", action="store_true", help="reboot into the trial slot when written")
+    upd.set_defaults(func=cmd_update)
 
     bench = sub.add_parser("bench", help="benchmark the daemon against raw ONNX Runtime, side by side")
     bench.add_argument("--bundle", type=Path, default=Path("build/firmware/default"))

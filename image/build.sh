@@ -1,0 +1,65 @@
+#!/bin/bash
+# `make image`: the appliance's UEFI disk image (ESP, root A, root B, data) from Debian 12 packages.
+# No loop mounts: the root is a debootstrap tree (cached, keyed by image/packages.txt) turned into
+# ext4 with `mkfs.ext4 -d`; the ESP is made with mtools; `appliance image assemble` writes the GPT.
+# Usage: image/build.sh OUT_DIR BUNDLE_DIR SIGNING_KEY TRUSTED_KEYS_DIR VERSION
+set -euo pipefail
+out=${1:?usage: build.sh OUT BUNDLE KEY TRUSTED VERSION}; bundle=$2; key=$3; trusted=$4; version=$5
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+work=$repo/build/image
+appliance=$repo/.venv/bin/appliance
+
+packages=$(grep -v '^#' "$here/packages.txt" | paste -sd, -)
+cache=$work/rootfs-$(sha256sum "$here/packages.txt" | cut -c1-12)
+[ -d "$cache" ] || "$here/debootstrap-root.sh" "$cache" "$packages"
+
+stage=$work/root
+rm -rf "$stage" "$work/data"
+cp -a "$cache" "$stage"
+rm -rf "$stage"/var/cache/apt/* "$stage"/var/lib/apt/lists/* "$stage"/usr/share/doc/* "$stage"/usr/share/man/* \
+    "$stage"/usr/share/locale/*
+
+# The appliance, offline: wheels built here, installed in a chroot into a venv that sees python3-bpfcc
+# and python3-systemd.
+rm -rf "$work/wheels"
+"$repo/.venv/bin/pip" wheel -q "$repo" -w "$work/wheels"
+cp -r "$work/wheels" "$stage/tmp/wheels"
+chroot "$stage" python3 -m venv --system-site-packages /opt/appliance/.venv
+chroot "$stage" /opt/appliance/.venv/bin/pip install -q --no-index --no-cache-dir --find-links /tmp/wheels appliance
+rm -rf "$stage/tmp/wheels"
+cp "$repo/README.md" "$stage/opt/appliance/README.md"
+
+# Units, user, config, trusted keys. The config overrides live on the data partition.
+install -m 0644 "$repo"/image/{appliance.service,appliance.socket,appliance-selftest.service,appliance-rollback.service} \
+    "$stage/etc/systemd/system/"
+install -m 0644 "$repo/image/appliance.sysusers.conf" "$stage/usr/lib/sysusers.d/appliance.conf"
+systemd-sysusers --root="$stage"
+install -d "$stage/etc/appliance/trusted-keys" "$stage/data" "$stage/var/lib/appliance" "$stage/boot/efi"
+install -m 0644 "$repo/image/appliance.toml" "$stage/etc/appliance/appliance.toml"
+install -m 0644 "$trusted"/*.pub "$stage/etc/appliance/trusted-keys/"
+ln -sfn /data/conf.d "$stage/etc/appliance/conf.d"
+install -m 0644 "$repo/image/fstab" "$stage/etc/fstab"
+echo appliance > "$stage/etc/hostname"
+: > "$stage/etc/machine-id"   # made at first boot
+systemctl --root="$stage" enable appliance.socket appliance.service appliance-selftest.service
+# Stable kernel and initrd names for `appliance update`, which copies them to the ESP.
+ln -f "$stage"/boot/vmlinuz-* "$stage/boot/vmlinuz"
+ln -f "$stage"/boot/initrd.img-* "$stage/boot/initrd.img"
+
+# The data partition: firmware store (current bundle), config overrides, the appliance's state.
+data=$work/data
+install -d "$data/conf.d" "$data/appliance/firmware"
+cp -r "$bundle" "$data/appliance/firmware/current"
+chroot "$stage" id -u appliance >/dev/null
+owner=$(chroot "$stage" id -u appliance):$(chroot "$stage" id -g appliance)
+chown -R "$owner" "$data/appliance"
+
+rm -f "$work/root.img" "$work/data.img"
+mkfs.ext4 -q -L root -d "$stage" "$work/root.img" 2048M
+mkfs.ext4 -q -L data -d "$data" "$work/data.img" 256M
+"$appliance" image assemble --out "$out" --root "$work/root.img" --data "$work/data.img" \
+    --boot-efi "$stage/usr/lib/systemd/boot/efi/systemd-bootx64.efi" \
+    --kernel "$stage/boot/vmlinuz" --initrd "$stage/boot/initrd.img"
+"$appliance" image sign "$out" --key "$key" --version "$version"
+rm -f "$work/root.img" "$work/data.img"
