@@ -1,0 +1,29 @@
+#!/bin/sh
+# Test harness, injected into test copies of the image only (never into `make image`'s output):
+# reports the boot on the console and drives `appliance update` from a disk the host attaches
+# (serial update-good, update-kill or update-power), since the box has no remote shell.
+entries=$(ls /boot/efi/loader/entries | tr '\n' ' ')
+echo "test-driver: booted entries: $entries"
+dev=$(ls /dev/disk/by-id/virtio-update-* 2>/dev/null | head -1)
+if [ -z "$dev" ]; then
+    echo "test-driver: idle, powering off"
+    systemctl poweroff
+    exit 0
+fi
+mode=${dev##*-}
+mkdir -p /run/update-media
+mount -o ro "$dev" /run/update-media
+updater="/opt/appliance/.venv/bin/appliance update /run/update-media/image"
+case "$mode" in
+good|power)
+    $updater
+    echo "test-driver: update exit $?"
+    systemctl reboot ;;
+kill)
+    $updater > /run/update.log 2>&1 &
+    pid=$!
+    until grep -q "write slot .: [4-9][0-9]%" /run/update.log; do sleep 0.2; done
+    kill -9 "$pid"
+    echo "test-driver: killed the update at $(tail -1 /run/update.log)"
+    systemctl reboot ;;
+esac

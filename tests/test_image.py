@@ -1,0 +1,300 @@
+"""The disk image, booted: qemu + OVMF on a copy written by `appliance flash`.
+
+One disk goes through the scenarios in order, as a box would in the field: first boot, a good
+update (new slot blessed), an update whose appliance fails its self-test (rolled back), an update
+killed with -9 halfway, and a power cut during the write. The box has no remote shell, so the test
+copy of the image carries a small driver unit (tests/image/) that reports on the serial console and
+runs `appliance update` from a disk the host attaches. Tampered images are refused on the host.
+Needs `make image` (build/image/out); takes minutes (KVM) to a quarter of an hour (TCG).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cli
+
+from appliance import image
+from appliance.errors import ApplianceError
+
+BUILT = ROOT / "build" / "image" / "out"
+DEV_KEY = ROOT / "keys" / "dev.key"
+TRUSTED = ROOT / "keys" / "trusted"
+OVMF = Path("/usr/share/OVMF")
+BOOT_TIMEOUT_S = 600.0
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="debugfs on partitions and qemu need root"),
+    pytest.mark.skipif(not (BUILT / image.MANIFEST).exists(), reason="no image: run make image"),
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"),
+]
+
+
+def run(*argv: str | Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(a) for a in argv], check=True, capture_output=True, text=True, **kwargs)
+
+
+def copy_image(source: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    run("cp", "--sparse=always", source / image.DISK, dest / image.DISK)
+    for name in (image.MANIFEST, image.SIGNATURE):
+        shutil.copy(source / name, dest / name)
+    return dest
+
+
+def edit_root(image_dir: Path, commands: list[str], scratch: Path) -> None:
+    """Apply debugfs commands to the image's root (slot A) file system, then re-sign the image."""
+    root = image.partition("root-a")
+    part = scratch / "root.img"
+    run("dd", f"if={image_dir / image.DISK}", f"of={part}", "bs=4M", f"skip={root.offset}", f"count={root.size}",
+        "iflag=skip_bytes,count_bytes", "conv=sparse")
+    script = scratch / "debugfs.cmd"
+    script.write_text("\n".join(commands) + "\n")
+    result = run("debugfs", "-w", "-f", script, part)
+    assert "Could not" not in result.stderr and "not found" not in result.stderr, result.stderr
+    run("dd", f"if={part}", f"of={image_dir / image.DISK}", "bs=4M", f"seek={root.offset}",
+        "oflag=seek_bytes", "conv=sparse,notrunc")
+    part.unlink()
+    cli("image", "sign", image_dir, "--key", DEV_KEY, "--version", image_dir.name)
+
+
+def install_driver(image_dir: Path, scratch: Path) -> None:
+    here = ROOT / "tests" / "image"
+    edit_root(image_dir, [
+        f"write {here / 'test-driver.sh'} /usr/local/sbin/appliance-test-driver",
+        "sif /usr/local/sbin/appliance-test-driver mode 0100755",
+        f"write {here / 'appliance-test-driver.service'} /etc/systemd/system/appliance-test-driver.service",
+        "symlink /etc/systemd/system/multi-user.target.wants/appliance-test-driver.service "
+        "/etc/systemd/system/appliance-test-driver.service",
+    ], scratch)
+
+
+@dataclass
+class Boot:
+    serial: str
+    seconds: float
+    ready_s: float | None
+
+    def slot(self) -> str:
+        found = re.findall(r"Command line: .*?root=PARTUUID=(\S+)", self.serial)
+        assert found, self.tail()
+        return next(s for s in image.SLOTS if image.slot_partition(s).uuid.lower() == found[-1].lower())
+
+    def entries(self) -> list[str]:
+        found = re.findall(r"test-driver: booted entries: (.*)", self.serial)
+        assert found, self.tail()
+        return found[-1].split()
+
+    def selftest_ok(self) -> bool:
+        return "appliance-selftest: ok" in self.serial
+
+    def tail(self) -> str:
+        return self.serial[-4000:]
+
+
+class Box:
+    """A qemu + OVMF machine on a disk file, with its own EFI variable store."""
+
+    def __init__(self, disk: Path, workdir: Path) -> None:
+        self.disk, self.workdir = disk, workdir
+        self.vars = workdir / "OVMF_VARS.fd"
+        shutil.copy(OVMF / "OVMF_VARS_4M.fd", self.vars)
+        self.accel = run(ROOT / "image" / "qemu-accel.sh").stdout.strip()
+        self.boots = 0
+
+    def boot(self, update_media: tuple[str, Path] | None = None, cut_power_at: str | None = None) -> Boot:
+        """Boot until the machine powers off or reboots (-no-reboot ends qemu either way)."""
+        self.boots += 1
+        serial = self.workdir / f"serial-{self.boots}.log"
+        argv = ["qemu-system-x86_64", "-machine", "q35", "-m", "2048", "-smp", "2", "-display", "none",
+                "-monitor", "none", "-nic", "none", "-no-reboot", "-serial", f"file:{serial}",
+                "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF / 'OVMF_CODE_4M.fd'}",
+                "-drive", f"if=pflash,format=raw,file={self.vars}",
+                "-drive", f"if=virtio,format=raw,file={self.disk}"]
+        argv += ["-accel", "kvm"] if self.accel == "kvm" else ["-accel", "tcg,thread=multi", "-cpu", "max"]
+        if update_media is not None:
+            mode, media = update_media
+            argv += ["-drive", f"if=virtio,format=raw,readonly=on,file={media},serial=update-{mode}"]
+        started = time.monotonic()
+        ready_s = None
+        qemu = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            while qemu.poll() is None:
+                text = serial.read_text(errors="replace") if serial.exists() else ""
+                if ready_s is None and "appliance-selftest: ok" in text:
+                    ready_s = time.monotonic() - started
+                if cut_power_at is not None and re.search(cut_power_at, text):
+                    qemu.kill()  # the power cut: no sync, no shutdown
+                    break
+                assert time.monotonic() - started < BOOT_TIMEOUT_S, f"boot timed out:\n{text[-4000:]}"
+                time.sleep(0.5)
+        finally:
+            if qemu.poll() is None:
+                qemu.kill()
+            qemu.wait()
+        return Boot(serial.read_text(errors="replace"), time.monotonic() - started, ready_s)
+
+
+@pytest.fixture(scope="module")
+def test_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The built image plus the test driver ("good"), and the same with a config that cannot start ("bad")."""
+    work = tmp_path_factory.mktemp("images")
+    good = copy_image(BUILT, work / "good")
+    install_driver(good, work)
+    bad = copy_image(good, work / "bad")
+    broken = work / "broken.toml"
+    broken.write_text('[firmware]\nbundle = "/nonexistent/firmware"\ntrusted_keys = "/etc/appliance/trusted-keys"\n')
+    edit_root(bad, ["rm /etc/appliance/appliance.toml", f"write {broken} /etc/appliance/appliance.toml"], work)
+    return {"good": good, "bad": bad}
+
+
+def update_media(image_dir: Path, out: Path) -> Path:
+    """An ext4 disk holding the image directory, as a USB stick would."""
+    tree = out.with_suffix(".d")
+    (tree / "image").mkdir(parents=True)
+    for name in (image.DISK, image.MANIFEST, image.SIGNATURE):
+        os.link(image_dir / name, tree / "image" / name)
+    run("mkfs.ext4", "-q", "-d", tree, out, "6G")
+    shutil.rmtree(tree)
+    return out
+
+
+@pytest.fixture(scope="module")
+def box(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Box:
+    work = tmp_path_factory.mktemp("box")
+    disk = work / "disk.raw"
+    with disk.open("wb") as f:
+        f.truncate(image.DISK_SIZE)
+    started = time.monotonic()
+    result = cli("flash", test_images["good"], "--target", disk, "--trusted-keys", TRUSTED)
+    print(f"flash: {time.monotonic() - started:.1f} s")
+    assert "verified" in result.stdout
+    return Box(disk, work)
+
+
+# --- refused before anything is written (host side) ---------------------------------------------
+
+def test_flash_refuses_tampered_wrong_key_and_small_target(tmp_path: Path) -> None:
+    target = tmp_path / "target.raw"
+    with target.open("wb") as f:
+        f.truncate(image.DISK_SIZE)
+    disk = BUILT / image.DISK
+    root = image.partition("root-a")
+    flip_at = root.offset + 4096 * 300
+    with disk.open("r+b") as f:  # one flipped byte inside root A, flipped back afterwards
+        f.seek(flip_at)
+        original = f.read(1)
+        f.seek(flip_at)
+        f.write(bytes([original[0] ^ 0xFF]))
+    try:
+        result = cli("flash", BUILT, "--target", target, "--trusted-keys", TRUSTED, check=False)
+    finally:
+        with disk.open("r+b") as f:
+            f.seek(flip_at)
+            f.write(original)
+    assert result.returncode == 2 and "region root-a" in result.stderr and "does not match" in result.stderr
+    assert target.stat().st_blocks == 0, "the target was written before verification"
+
+    other = tmp_path / "other"
+    cli("keys", "new", "--out", other / "other.key", "--trust-dir", other / "trusted")
+    result = cli("flash", BUILT, "--target", target, "--trusted-keys", other / "trusted", check=False)
+    assert result.returncode == 2 and "is not trusted" in result.stderr
+    assert target.stat().st_blocks == 0
+
+    small = tmp_path / "small.raw"
+    with small.open("wb") as f:
+        f.truncate(image.DISK_SIZE - image.MIB)
+    result = cli("flash", BUILT, "--target", small, "--trusted-keys", TRUSTED, check=False)
+    assert result.returncode == 2 and "too small" in result.stderr
+
+
+def test_update_refuses_tampered_manifest_and_wrong_key(tmp_path: Path) -> None:
+    """`appliance update`'s checks, against a box laid out in files: nothing is touched."""
+    esp = tmp_path / "esp"
+    (esp / "loader/entries").mkdir(parents=True)
+    (esp / "loader/entries/slot-a.conf").write_text(image.loader_entry("a", 1))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for slot in image.SLOTS:
+        with (parts / f"root-{slot}").open("wb") as f:
+            f.truncate(image.slot_partition(slot).size)
+    cmdline = tmp_path / "cmdline"
+    cmdline.write_text(f"root=PARTUUID={image.slot_partition('a').uuid.lower()} rw\n")
+    target = image.Box(esp, parts, cmdline)
+
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    os.symlink(BUILT / image.DISK, tampered / image.DISK)
+    shutil.copy(BUILT / image.SIGNATURE, tampered / image.SIGNATURE)
+    manifest = bytearray((BUILT / image.MANIFEST).read_bytes())
+    manifest[manifest.index(b'"version"') + 13] ^= 0x01
+    (tampered / image.MANIFEST).write_bytes(bytes(manifest))
+    with pytest.raises(ApplianceError, match="signature does not verify"):
+        image.update(tampered, TRUSTED, target)
+    other = tmp_path / "other"
+    cli("keys", "new", "--out", other / "other.key", "--trust-dir", other / "trusted")
+    with pytest.raises(ApplianceError, match="is not trusted"):
+        image.update(BUILT, other / "trusted", target)
+    assert (parts / "root-b").stat().st_blocks == 0
+    assert sorted(p.name for p in (esp / "loader/entries").iterdir()) == ["slot-a.conf"]
+
+
+# --- booted -------------------------------------------------------------------------------------
+
+def test_first_boot_serves_from_slot_a(box: Box) -> None:
+    boot = box.boot()
+    assert boot.selftest_ok(), boot.tail()
+    assert boot.slot() == "a"
+    assert "Started appliance.service" in boot.serial or "Started \x1b[0;1;39mappliance.service" in boot.serial
+    assert boot.entries() == ["slot-a.conf"]
+    print(f"first boot: ready {boot.ready_s:.1f} s after power-on ({box.accel}), powered off after {boot.seconds:.1f} s")
+
+
+def test_good_update_boots_new_slot_and_commits(box: Box, test_images: dict[str, Path]) -> None:
+    media = update_media(test_images["good"], box.workdir / "good-media.raw")
+    boot = box.boot(update_media=("good", media))
+    assert "test-driver: update exit 0" in boot.serial, boot.tail()
+    assert "slot b" in boot.serial and "is the next boot, on trial" in boot.serial
+    trial = box.boot()
+    assert trial.slot() == "b" and trial.selftest_ok(), trial.tail()
+    assert "slot-b.conf" in trial.entries(), trial.entries()  # blessed: the counter is gone
+    again = box.boot()
+    assert again.slot() == "b" and again.selftest_ok(), again.tail()
+
+
+def test_failing_update_rolls_back_after_its_tries(box: Box, test_images: dict[str, Path]) -> None:
+    media = update_media(test_images["bad"], box.workdir / "bad-media.raw")
+    boot = box.boot(update_media=("good", media))
+    assert boot.slot() == "b" and "test-driver: update exit 0" in boot.serial, boot.tail()
+    trial = box.boot()
+    assert trial.slot() == "a" and not trial.selftest_ok(), trial.tail()
+    assert "appliance-rollback: trial boot failed" in trial.serial, trial.tail()
+    back = box.boot()
+    assert back.slot() == "b" and back.selftest_ok(), back.tail()
+    assert "slot-a+0-1.conf" in back.entries() and "slot-b.conf" in back.entries(), back.entries()
+
+
+def test_update_killed_halfway_leaves_a_good_slot(box: Box, test_images: dict[str, Path]) -> None:
+    media = update_media(test_images["good"], box.workdir / "kill-media.raw")
+    boot = box.boot(update_media=("kill", media))
+    assert "test-driver: killed the update" in boot.serial, boot.tail()
+    after = box.boot()
+    assert after.slot() == "b" and after.selftest_ok(), after.tail()
+    assert not any(e.startswith("slot-a") for e in after.entries()), after.entries()
+
+
+def test_power_cut_during_the_write_leaves_a_good_slot(box: Box, test_images: dict[str, Path]) -> None:
+    media = update_media(test_images["good"], box.workdir / "power-media.raw")
+    boot = box.boot(update_media=("power", media), cut_power_at=r"write slot a: [3-9]\d%")
+    assert "test-driver: update exit" not in boot.serial
+    after = box.boot()
+    assert after.slot() == "b" and after.selftest_ok(), after.tail()
