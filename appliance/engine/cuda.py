@@ -121,7 +121,6 @@ class CudaVadEngine:
                 "pcm16_to_float", "frame_with_context", "gather_rows", "scatter_rows", "conv1d_tile",
                 "magnitude", "lstm_decoder")}
             self.buffers = _Buffers()
-        self.capability = capability
 
     def _current(self) -> "_PushedContext":
         return _PushedContext(self.context)
