@@ -36,6 +36,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="debugfs on partitions and qemu need root"),
     pytest.mark.skipif(not (BUILT / image.MANIFEST).exists(), reason="no image: run make image"),
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"),
+    pytest.mark.timeout(1800),  # several boots each; under TCG a boot with an update takes minutes
 ]
 
 
@@ -104,11 +105,10 @@ class Boot:
 class Box:
     """A qemu + OVMF machine on a disk file, with its own EFI variable store."""
 
-    def __init__(self, disk: Path, workdir: Path) -> None:
-        self.disk, self.workdir = disk, workdir
+    def __init__(self, disk: Path, workdir: Path, accel: str) -> None:
+        self.disk, self.workdir, self.accel = disk, workdir, accel
         self.vars = workdir / "OVMF_VARS.fd"
         shutil.copy(OVMF / "OVMF_VARS_4M.fd", self.vars)
-        self.accel = run(ROOT / "image" / "qemu-accel.sh").stdout.strip()
         self.boots = 0
 
     def boot(self, update_media: tuple[str, Path] | None = None, cut_power_at: str | None = None) -> Boot:
@@ -171,6 +171,9 @@ def update_media(image_dir: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def box(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Box:
     work = tmp_path_factory.mktemp("box")
+    accel = run(ROOT / "image" / "qemu-accel.sh").stdout.strip()
+    if accel != "kvm" and not os.environ.get("APPLIANCE_IMAGE_TCG"):
+        pytest.skip("KVM cannot run OVMF here: make image-test boots the image under TCG (slower)")
     disk = work / "disk.raw"
     with disk.open("wb") as f:
         f.truncate(image.DISK_SIZE)
@@ -178,7 +181,7 @@ def box(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     result = cli("flash", test_images["good"], "--target", disk, "--trusted-keys", TRUSTED)
     print(f"flash: {time.monotonic() - started:.1f} s")
     assert "verified" in result.stdout
-    return Box(disk, work)
+    return Box(disk, work, accel)
 
 
 # --- refused before anything is written (host side) ---------------------------------------------
@@ -254,7 +257,7 @@ def test_first_boot_serves_from_slot_a(box: Box) -> None:
     boot = box.boot()
     assert boot.selftest_ok(), boot.tail()
     assert boot.slot() == "a"
-    assert "Started appliance.service" in boot.serial or "Started \x1b[0;1;39mappliance.service" in boot.serial
+    assert "test-driver: appliance.service active" in boot.serial, boot.tail()
     assert boot.entries() == ["slot-a.conf"]
     print(f"first boot: ready {boot.ready_s:.1f} s after power-on ({box.accel}), powered off after {boot.seconds:.1f} s")
 

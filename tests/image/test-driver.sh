@@ -3,6 +3,7 @@
 # reports the boot on the console and drives `appliance update` from a disk the host attaches
 # (serial update-good, update-kill or update-power), since the box has no remote shell.
 entries=$(ls /boot/efi/loader/entries | tr '\n' ' ')
+echo "test-driver: appliance.service $(systemctl is-active appliance.service)"
 echo "test-driver: booted entries: $entries"
 dev=$(ls /dev/disk/by-id/virtio-update-* 2>/dev/null | head -1)
 if [ -z "$dev" ]; then
