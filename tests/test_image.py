@@ -123,7 +123,8 @@ class Box:
         argv += ["-accel", "kvm"] if self.accel == "kvm" else ["-accel", "tcg,thread=multi", "-cpu", "max"]
         if update_media is not None:
             mode, media = update_media
-            argv += ["-drive", f"if=virtio,format=raw,readonly=on,file={media},serial=update-{mode}"]
+            argv += ["-drive", f"if=none,id=media,format=raw,readonly=on,file={media}",
+                     "-device", f"virtio-blk-pci,drive=media,serial=update-{mode}"]
         started = time.monotonic()
         ready_s = None
         qemu = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -141,6 +142,7 @@ class Box:
             if qemu.poll() is None:
                 qemu.kill()
             qemu.wait()
+        assert serial.exists(), f"qemu did not start: {qemu.stderr.read().decode() if qemu.stderr else ''}"
         return Boot(serial.read_text(errors="replace"), time.monotonic() - started, ready_s)
 
 
