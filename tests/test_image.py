@@ -119,12 +119,13 @@ class Box:
                 "-monitor", "none", "-nic", "none", "-no-reboot", "-serial", f"file:{serial}",
                 "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF / 'OVMF_CODE_4M.fd'}",
                 "-drive", f"if=pflash,format=raw,file={self.vars}",
-                "-drive", f"if=virtio,format=raw,file={self.disk}"]
+                "-drive", f"if=none,id=system,format=raw,file={self.disk}",
+                "-device", "virtio-blk-pci,drive=system,addr=0x4,bootindex=0"]
         argv += ["-accel", "kvm"] if self.accel == "kvm" else ["-accel", "tcg,thread=multi", "-cpu", "max"]
         if update_media is not None:
             mode, media = update_media
             argv += ["-drive", f"if=none,id=media,format=raw,readonly=on,file={media}",
-                     "-device", f"virtio-blk-pci,drive=media,serial=update-{mode}"]
+                     "-device", f"virtio-blk-pci,drive=media,addr=0x5,serial=update-{mode}"]
         started = time.monotonic()
         ready_s = None
         qemu = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
