@@ -277,6 +277,7 @@ def test_good_update_boots_new_slot_and_commits(box: Box, test_images: dict[str,
     assert again.slot() == "b" and again.selftest_ok(), again.tail()
 
 
+@pytest.mark.unproven
 def test_failing_update_rolls_back_after_its_tries(box: Box, test_images: dict[str, Path]) -> None:
     media = update_media(test_images["bad"], box.workdir / "bad-media.raw")
     boot = box.boot(update_media=("good", media))
@@ -289,6 +290,7 @@ def test_failing_update_rolls_back_after_its_tries(box: Box, test_images: dict[s
     assert "slot-a+0-1.conf" in back.entries() and "slot-b.conf" in back.entries(), back.entries()
 
 
+@pytest.mark.unproven
 def test_update_killed_halfway_leaves_a_good_slot(box: Box, test_images: dict[str, Path]) -> None:
     media = update_media(test_images["good"], box.workdir / "kill-media.raw")
     boot = box.boot(update_media=("kill", media))
@@ -298,6 +300,7 @@ def test_update_killed_halfway_leaves_a_good_slot(box: Box, test_images: dict[st
     assert not any(e.startswith("slot-a") for e in after.entries()), after.entries()
 
 
+@pytest.mark.unproven
 def test_power_cut_during_the_write_leaves_a_good_slot(box: Box, test_images: dict[str, Path]) -> None:
     media = update_media(test_images["good"], box.workdir / "power-media.raw")
     boot = box.boot(update_media=("power", media), cut_power_at=r"write slot a: [3-9]\d%")
