@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from appliance import keys
 from appliance.errors import ApplianceError
 
@@ -32,8 +34,7 @@ SPLIT_ALGORITHMS = ("semantic", "fixed")
 TARGETS = ("cpu", "cuda", "tensorrt")
 DATATYPES = {"FP32": "float32", "FP16": "float16", "INT64": "int64", "INT32": "int32", "INT16": "int16",
              "INT8": "int8", "UINT8": "uint8", "BOOL": "bool", "FP64": "float64"}
-MANIFEST = "manifest.json"
-SIGNATURE = "manifest.sig"
+MANIFEST = keys.MANIFEST
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,8 +255,9 @@ def _manifest_from_data(data: Any, where: str) -> Manifest:
     return manifest
 
 
-def encode_manifest(manifest: Manifest) -> bytes:
-    return (json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n").encode()
+def sign(directory: Path, manifest: Manifest, private: Ed25519PrivateKey) -> None:
+    """Write the manifest and its signature into a bundle directory."""
+    keys.write_signed(directory, asdict(manifest), private)
 
 
 def sha256_file(path: Path) -> str:
@@ -273,23 +275,8 @@ def verify(bundle_dir: Path, trust_dir: Path) -> Bundle:
 
     Every failure is one ApplianceError naming the file and the reason.
     """
-    manifest_path, signature_path = bundle_dir / MANIFEST, bundle_dir / SIGNATURE
-    try:
-        manifest_bytes = manifest_path.read_bytes()
-        signature = signature_path.read_bytes()
-    except OSError as exc:
-        raise ApplianceError(f"{exc.filename}: cannot read: {exc.strerror}") from None
-    try:
-        data = json.loads(manifest_bytes)
-        kid = data["signing_key_id"]
-    except (ValueError, KeyError, TypeError):
-        raise ApplianceError(f"{manifest_path}: not a firmware manifest (no signing_key_id)") from None
-    public = keys.trusted_key(trust_dir, str(kid))
-    if len(signature) != 64 or not keys.signature_valid(public, signature, manifest_bytes):
-        raise ApplianceError(
-            f"{signature_path}: signature does not verify manifest.json with trusted key {kid} "
-            "(manifest or signature altered)"
-        )
+    manifest_path = bundle_dir / MANIFEST
+    data = keys.read_signed(bundle_dir, trust_dir, "a firmware")
     manifest = _manifest_from_data(data, str(manifest_path))
     for relative, expected in sorted(manifest.artifacts.items()):
         path = bundle_dir / relative
@@ -421,9 +408,7 @@ def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
             targets=targets, baked=baked, models=tuple(models), artifacts=artifacts,
             signing_key_id=keys.key_id(private.public_key()), plans=tuple(plans),
         )
-        manifest_bytes = encode_manifest(manifest)
-        (staging / MANIFEST).write_bytes(manifest_bytes)
-        (staging / SIGNATURE).write_bytes(private.sign(manifest_bytes))
+        sign(staging, manifest, private)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)

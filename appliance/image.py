@@ -16,10 +16,8 @@ below every other, so the next boot takes the previous slot again. Entries sort 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import shutil
 import stat
 import subprocess
 import tempfile
@@ -33,8 +31,7 @@ from appliance.errors import ApplianceError
 
 FORMAT_VERSION = 1
 DISK = "disk.raw"
-MANIFEST = "manifest.json"
-SIGNATURE = "manifest.sig"
+MANIFEST, SIGNATURE = keys.MANIFEST, keys.SIGNATURE
 MIB = 1 << 20
 BLOCK = 4 * MIB
 ESP_TYPE = "C12A7328-F81F-11D2-BA4B-00A0C93EC93B"
@@ -141,10 +138,6 @@ def sha256_range(path: Path, offset: int, size: int) -> str:
     return digest.hexdigest()
 
 
-def encode_manifest(manifest: ImageManifest) -> bytes:
-    return (json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n").encode()
-
-
 def sign(image_dir: Path, key_path: Path, name: str, version: str) -> ImageManifest:
     """Hash every region of image_dir/disk.raw and write the signed manifest next to it."""
     disk = image_dir / DISK
@@ -154,29 +147,14 @@ def sign(image_dir: Path, key_path: Path, name: str, version: str) -> ImageManif
     regions = tuple(Region(n, o, s, sha256_range(disk, o, s)) for n, o, s in _regions())
     manifest = ImageManifest(FORMAT_VERSION, name, version, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                              keys.key_id(private.public_key()), DISK_SIZE, regions)
-    data = encode_manifest(manifest)
-    (image_dir / MANIFEST).write_bytes(data)
-    (image_dir / SIGNATURE).write_bytes(private.sign(data))
+    keys.write_signed(image_dir, asdict(manifest), private)
     return manifest
 
 
 def verify_signature(image_dir: Path, trust_dir: Path) -> ImageManifest:
     """The manifest, if its signature verifies against a trusted key; hashes are checked separately."""
-    manifest_path, signature_path = image_dir / MANIFEST, image_dir / SIGNATURE
-    try:
-        data = manifest_path.read_bytes()
-        signature = signature_path.read_bytes()
-    except OSError as exc:
-        raise ApplianceError(f"{exc.filename}: cannot read: {exc.strerror}") from None
-    try:
-        doc = json.loads(data)
-        kid = str(doc["signing_key_id"])
-    except (ValueError, KeyError, TypeError):
-        raise ApplianceError(f"{manifest_path}: not an image manifest (no signing_key_id)") from None
-    public = keys.trusted_key(trust_dir, kid)
-    if len(signature) != 64 or not keys.signature_valid(public, signature, data):
-        raise ApplianceError(f"{signature_path}: signature does not verify manifest.json with trusted key {kid} "
-                             "(manifest or signature altered)")
+    manifest_path = image_dir / MANIFEST
+    doc = keys.read_signed(image_dir, trust_dir, "an image")
     try:
         manifest = ImageManifest(**{**doc, "regions": tuple(Region(**r) for r in doc["regions"])})
     except (TypeError, KeyError) as exc:

@@ -1,21 +1,29 @@
-"""Ed25519 signing keys for firmware bundles.
+"""Ed25519 signing keys, and the signed manifests of firmware bundles and disk images.
 
 A private key is a PEM file; a trusted public key is a `<key id>.pub` file holding the raw
 32 bytes in hex. The key id is the first 16 hex digits of sha256(raw public key), so a
 manifest can name the key that signed it and the verifier need not try every key.
+
+A signed manifest is a directory's manifest.json (sorted, indented JSON with a
+`signing_key_id`) and manifest.sig (Ed25519 over the exact bytes of manifest.json).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from appliance.errors import ApplianceError
+
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
 
 
 def key_id(public: Ed25519PublicKey) -> str:
@@ -77,3 +85,34 @@ def signature_valid(public: Ed25519PublicKey, signature: bytes, data: bytes) -> 
     except InvalidSignature:
         return False
     return True
+
+
+def encode_manifest(document: dict[str, Any]) -> bytes:
+    return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_signed(directory: Path, document: dict[str, Any], private: Ed25519PrivateKey) -> None:
+    data = encode_manifest(document)
+    (directory / MANIFEST).write_bytes(data)
+    (directory / SIGNATURE).write_bytes(private.sign(data))
+
+
+def read_signed(directory: Path, trust_dir: Path, what: str) -> Any:
+    """The directory's manifest (parsed JSON), if its signature verifies against the trusted key
+    it names; else an ApplianceError naming the file and the reason. `what`: "firmware", "image"."""
+    manifest_path, signature_path = directory / MANIFEST, directory / SIGNATURE
+    try:
+        data = manifest_path.read_bytes()
+        signature = signature_path.read_bytes()
+    except OSError as exc:
+        raise ApplianceError(f"{exc.filename}: cannot read: {exc.strerror}") from None
+    try:
+        document = json.loads(data)
+        kid = str(document["signing_key_id"])
+    except (ValueError, KeyError, TypeError):
+        raise ApplianceError(f"{manifest_path}: not {what} manifest (no signing_key_id)") from None
+    public = trusted_key(trust_dir, kid)
+    if len(signature) != 64 or not signature_valid(public, signature, data):
+        raise ApplianceError(f"{signature_path}: signature does not verify manifest.json with trusted key {kid} "
+                             "(manifest or signature altered)")
+    return document

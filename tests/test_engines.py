@@ -20,7 +20,8 @@ from appliance.engine.tensorrt import found_gpu, plan_mismatch
 from appliance.firmware import PlanSpec
 from appliance.keys import load_private_key
 from conftest import DEFAULT_SPEC, cli
-from speech import RATE, SENTENCES, recording
+from speech import SENTENCES, recording
+from streams import run_streams
 
 
 class FlakyGpu(ReferenceVad):
@@ -33,19 +34,6 @@ class FlakyGpu(ReferenceVad):
         if self.oom:
             raise GpuOutOfMemory("cuMemAlloc failed: out of memory")
         return super().run(feeds, batch)
-
-
-def run_stream(engine, frames: np.ndarray, before_each=lambda t: None) -> np.ndarray:
-    """Frames [T, S, 512] of S streams, state and context carried from batch to batch."""
-    steps, count = frames.shape[:2]
-    state, context, probs = np.zeros((2, count, 128), np.float32), np.zeros((count, 64), np.float32), []
-    for t in range(steps):
-        before_each(t)
-        out = engine.run({"input": np.concatenate([context, frames[t]], axis=1), "state": state,
-                          "sr": np.array(RATE, np.int64)}, count)
-        probs.append(out["output"][:, 0])
-        state, context = out["stateN"], frames[t][:, -64:]
-    return np.stack(probs)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +54,9 @@ def test_batches_move_to_the_cpu_above_the_threshold_and_back_keeping_state(bund
         reading["used"] = 0.92 if steps // 3 <= t < 2 * steps // 3 else 0.10
         gpu.oom = t == steps - 5  # and one late batch runs out of memory on the GPU
 
-    mixed = run_stream(engine, speech_frames, memory)
+    mixed = run_streams(engine, speech_frames, memory)
     assert engine.fallbacks == {"memory_pressure": 2 * steps // 3 - steps // 3, "out_of_memory": 1}
-    all_cpu = run_stream(cpu, speech_frames)
+    all_cpu = run_streams(cpu, speech_frames)
     assert all_cpu.max() > 0.9  # speech was heard
     # Every frame matches a run that never switched: each stream's state crossed both switches.
     np.testing.assert_allclose(mixed, all_cpu, atol=1e-4, rtol=0)
@@ -77,7 +65,7 @@ def test_batches_move_to_the_cpu_above_the_threshold_and_back_keeping_state(bund
 def test_at_the_threshold_batches_stay_on_the_gpu(bundle: Path, speech_frames) -> None:
     model = bundle / "models" / "silero_vad.onnx"
     engine = CpuFallback(FlakyGpu.from_onnx(model), OnnxCpuEngine(model, 1), 0.85, lambda: 0.85)
-    run_stream(engine, speech_frames[:10])
+    run_streams(engine, speech_frames[:10])
     assert not engine.fallbacks
 
 
@@ -148,9 +136,7 @@ def with_plan(bundle: Path, keys, out: Path, plan: PlanSpec) -> Path:
     manifest = firmware.verify(bundle, keys.trusted).manifest
     manifest = dataclasses.replace(manifest, targets=(*manifest.targets, "tensorrt"), plans=(plan,),
                                    artifacts={**manifest.artifacts, plan.file: firmware.sha256_file(out / plan.file)})
-    data = firmware.encode_manifest(manifest)
-    (out / firmware.MANIFEST).write_bytes(data)
-    (out / firmware.SIGNATURE).write_bytes(load_private_key(keys.private).sign(data))
+    firmware.sign(out, manifest, load_private_key(keys.private))
     return out
 
 
@@ -174,8 +160,6 @@ def test_a_plan_naming_a_file_outside_the_bundle_fails_verification(bundle, keys
     planned = with_plan(bundle, keys, tmp_path / "planned", H100_PLAN)
     manifest = firmware.verify(planned, keys.trusted).manifest
     stray = dataclasses.replace(H100_PLAN, file="models/elsewhere.plan")
-    data = firmware.encode_manifest(dataclasses.replace(manifest, plans=(stray,)))
-    (planned / firmware.MANIFEST).write_bytes(data)
-    (planned / firmware.SIGNATURE).write_bytes(load_private_key(keys.private).sign(data))
+    firmware.sign(planned, dataclasses.replace(manifest, plans=(stray,)), load_private_key(keys.private))
     result = cli("firmware", "verify", planned, "--trusted-keys", keys.trusted, check=False)
     assert result.returncode != 0 and "plan models/elsewhere.plan names no model or file of this bundle" in result.stderr

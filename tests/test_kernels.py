@@ -17,29 +17,18 @@ from appliance.engine.reference import ReferenceVad
 from appliance.firmware import AudioSpec, Baked
 from conftest import DEFAULT_SPEC, ROOT, build_bundle, cli
 from speech import RATE, SENTENCES, recording
+from streams import one_stream
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not installed")
 AUDIO = AudioSpec(16000, 512, 64, "input", "output", "sr")
-
-
-def run_sequence(engine, audio: np.ndarray) -> np.ndarray:
-    """One stream, frame by frame, carrying state and context the way the runtime does."""
-    frames = np.concatenate([audio, np.zeros(-len(audio) % 512, np.float32)]).reshape(-1, 512)
-    state, context, probs = np.zeros((2, 1, 128), np.float32), np.zeros(64, np.float32), []
-    for frame in frames:
-        x = np.concatenate([context, frame])[None, :]
-        out = engine.run({"input": x, "state": state, "sr": np.array(16000, np.int64)}, 1)
-        probs.append(out["output"][0, 0])
-        state, context = out["stateN"], frame[-64:]
-    return np.array(probs)
 
 
 def test_reference_matches_onnx_runtime_on_speech_and_silence(bundle: Path) -> None:
     model = bundle / "models" / "silero_vad.onnx"
     speech, _ = recording(SENTENCES[:2])
     audio = np.concatenate([speech, np.zeros(3 * RATE, np.float32)])
-    reference = run_sequence(ReferenceVad.from_onnx(model), audio)
-    onnx_runtime = run_sequence(OnnxCpuEngine(model, 1), audio)
+    reference = one_stream(ReferenceVad.from_onnx(model), audio)
+    onnx_runtime = one_stream(OnnxCpuEngine(model, 1), audio)
     assert reference.max() > 0.9 and reference[-50:].max() < 0.1  # speech was heard, silence was not
     np.testing.assert_allclose(reference, onnx_runtime, atol=1e-4, rtol=0)
 

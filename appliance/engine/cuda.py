@@ -16,6 +16,7 @@ manifest.
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from typing import Mapping
@@ -61,9 +62,15 @@ def unavailable_reason(bundle: Bundle, model: ModelSpec) -> str | None:
     return None
 
 
+@functools.cache
+def _primary_context(device: int):
+    cuda.init()
+    return cuda.Device(device).retain_primary_context()
+
+
 def memory_used(device: int = 0) -> float:
-    """The fraction of the device's memory in use (by anyone), read from the driver."""
-    with _PushedContext(cuda.Device(device).retain_primary_context()):
+    """The fraction of the device's memory in use (by anyone), read from the driver before each batch."""
+    with _PushedContext(_primary_context(device)):
         free, total = cuda.mem_get_info()
     return 1.0 - free / total
 
@@ -102,9 +109,8 @@ class CudaVadEngine:
     def __init__(self, bundle: Bundle, model: ModelSpec, device: int = 0) -> None:
         if cuda is None:
             raise ApplianceError(f"engine cuda: pycuda is not installed: {IMPORT_ERROR}")
-        cuda.init()
+        self.context = _primary_context(device)  # initialises the driver
         self.device = cuda.Device(device)
-        self.context = self.device.retain_primary_context()
         self.baked, self.audio = bundle.manifest.baked, model.audio
         weights_file, cubin, ptx = (bundle.artifact(a) for a in artifacts(model))
         self._lock = threading.Lock()  # one batch at a time: the buffers are shared

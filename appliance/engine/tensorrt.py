@@ -176,6 +176,7 @@ class TensorrtEngine:
             self.names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
             self.outputs = [n for n in self.names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
             self.dtypes = {n: np.dtype(trt.nptype(self.engine.get_tensor_dtype(n))) for n in self.names}
+            self._buffers: dict[str, tuple[Any, int]] = {}  # tensor -> (device allocation, bytes)
         finally:
             cuda.Context.pop()
 
@@ -185,31 +186,33 @@ class TensorrtEngine:
         assert model is not None  # verify() checked that every plan names a model
         return cls(bundle.artifact(plan.file).read_bytes(), model)
 
+    def _device(self, name: str, nbytes: int) -> Any:
+        """The tensor's device buffer, grown when a batch needs more; bound to the context."""
+        held = self._buffers.get(name)
+        if held is None or held[1] < nbytes:
+            held = self._buffers[name] = (self.cuda.mem_alloc(max(nbytes, 1)), nbytes)
+            self.context.set_tensor_address(name, int(held[0]))
+        return held[0]
+
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
         cuda = self.cuda
         self.gpu_context.push()
         try:
-            inputs = []  # device and host copies live until the stream is done with them
             for name in self.names:
                 if name not in self.outputs:
                     host = np.ascontiguousarray(feeds[name], self.dtypes[name])
                     self.context.set_input_shape(name, host.shape)
-                    device = cuda.mem_alloc(max(host.nbytes, 1))
-                    cuda.memcpy_htod_async(device, host, self.stream)
-                    self.context.set_tensor_address(name, int(device))
-                    inputs.append((device, host))
+                    cuda.memcpy_htod_async(self._device(name, host.nbytes), host, self.stream)
             outputs = {}
             for name in self.outputs:
-                host = np.empty(tuple(self.context.get_tensor_shape(name)), self.dtypes[name])
-                device = cuda.mem_alloc(max(host.nbytes, 1))
-                self.context.set_tensor_address(name, int(device))
-                outputs[name] = (device, host)
+                outputs[name] = np.empty(tuple(self.context.get_tensor_shape(name)), self.dtypes[name])
+                self._device(name, outputs[name].nbytes)
             if not self.context.execute_async_v3(self.stream.handle):
                 raise ApplianceError(f"TensorRT failed to run {self.model.name} on a batch of {batch}")
-            for device, host in outputs.values():
-                cuda.memcpy_dtoh_async(host, device, self.stream)
+            for name, host in outputs.items():
+                cuda.memcpy_dtoh_async(host, self._buffers[name][0], self.stream)
             self.stream.synchronize()
-            return {name: host for name, (_, host) in outputs.items()}
+            return outputs
         except cuda.MemoryError as exc:
             raise GpuOutOfMemory(str(exc)) from exc
         finally:

@@ -34,8 +34,8 @@ from appliance.engine.base import CpuFallback, GpuOutOfMemory  # noqa: E402
 from appliance.engine.onnx_cpu import OnnxCpuEngine  # noqa: E402
 from appliance.engine.reference import ReferenceVad  # noqa: E402
 from appliance.segments import SegmentParams, speech_segments  # noqa: E402
+from streams import CONTEXT, FRAME, RATE, run_streams  # noqa: E402
 
-FRAME, CONTEXT, RATE = 512, 64, 16000
 REALTIME_FPS = 10_000 * 1000 / 32  # 10,000 streams of one 32 ms frame each
 results: list[tuple[str, bool, str]] = []
 
@@ -69,18 +69,6 @@ def streams_of(audio: np.ndarray, count: int, frames: int) -> np.ndarray:
     return np.stack([np.roll(whole, -(i * total // count), axis=0)[:frames] for i in range(count)], axis=1)  # [T, S, FRAME]
 
 
-def run_frames(engine, frames: np.ndarray) -> np.ndarray:
-    """Frames [T, S, FRAME] of S streams through engine.run, state and context carried on the host."""
-    steps, count = frames.shape[:2]
-    state, context = np.zeros((2, count, 128), np.float32), np.zeros((count, CONTEXT), np.float32)
-    probs = np.empty((steps, count), np.float32)
-    for t in range(steps):
-        x = np.concatenate([context, frames[t]], axis=1)
-        out = engine.run({"input": x, "state": state, "sr": np.array(RATE, np.int64)}, count)
-        probs[t], state, context = out["output"][:, 0], out["stateN"], frames[t][:, -CONTEXT:]
-    return probs
-
-
 def compare_with_reference(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     from appliance.engine.cuda import CudaVadEngine, LiveStreams
 
@@ -89,7 +77,7 @@ def compare_with_reference(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     reference = ReferenceVad.from_onnx(bundle.artifact(model.file))
     pcm = np.clip(np.round(audio * 32768), -32768, 32767).astype(np.int16)
     frames = streams_of(pcm.astype(np.float32) / 32768, 64, len(audio) // FRAME)
-    ours, truth = run_frames(gpu, frames), run_frames(reference, frames)
+    ours, truth = run_streams(gpu, frames), run_streams(reference, frames)
     diff = float(np.abs(ours - truth).max())
     check("cuda engine vs reference (host feeds, 64 streams)", diff < 1e-3, f"max |p_gpu - p_ref| = {diff:.2e} over {ours.size} frames")
     params = SegmentParams()
@@ -117,7 +105,7 @@ def check_fallback(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     threshold = bundle.manifest.baked.fallback_cpu_threshold
     engine = CpuFallback(gpu, cpu, threshold, memory_used)
     frames = streams_of(audio, 8, 120)
-    truth = run_frames(ReferenceVad.from_onnx(bundle.artifact(model.file)), frames)
+    truth = run_streams(ReferenceVad.from_onnx(bundle.artifact(model.file)), frames)
 
     # One run over all frames; GPU memory is filled past the threshold for the middle third.
     state, context = np.zeros((2, 8, 128), np.float32), np.zeros((8, CONTEXT), np.float32)
@@ -155,7 +143,7 @@ def check_fallback(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     finally:
         cuda.Context.pop()
     try:
-        first = run_frames(oom_engine, streams_of(audio, 64, 3))
+        first = run_streams(oom_engine, streams_of(audio, 64, 3))
         raised = oom_engine.fallbacks["out_of_memory"]
     except GpuOutOfMemory as exc:
         first, raised = None, f"escaped: {exc}"
