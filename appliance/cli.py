@@ -11,6 +11,7 @@ from typing import Any
 
 from appliance.config import QuicConfig
 from appliance.errors import ApplianceError
+from appliance.firmware_store import STORE
 
 DEV_SOCKET = Path("run/api.sock")
 INSTALLED_SOCKET = Path("/run/appliance/api.sock")
@@ -129,6 +130,26 @@ def cmd_firmware(args: argparse.Namespace) -> int:
             print(f"# verified against {args.trusted_keys}")
         except ApplianceError as exc:
             print(f"# NOT VERIFIED: {exc}")
+    else:
+        return _firmware_store_action(args)
+    return 0
+
+
+def _firmware_store_action(args: argparse.Namespace) -> int:
+    from appliance import firmware_store
+
+    store = firmware_store.Store(args.store)
+    if args.action == "install":
+        release = firmware_store.install(store, args.bundle, args.trusted_keys)
+        firmware_store.switch(store, release)
+        print(f"installed {release.name} in {store.root}, current on trial: the next self-test commits it")
+    elif args.action == "store":
+        print(f"current  {firmware_store.describe(store.current)}{' (on trial)' if store.on_trial else ''}")
+        print(f"previous {firmware_store.describe(store.previous)}")
+    elif args.action == "rollback":
+        back = firmware_store.revert(store)
+        print(f"back on {back.name}; restarting {UNIT}", flush=True)
+        print(_try_firmware(args, store))
     return 0
 
 
@@ -160,7 +181,7 @@ def cmd_tls(args: argparse.Namespace) -> int:
 
 
 def cmd_image(args: argparse.Namespace) -> int:
-    from appliance import image
+    from appliance import firmware_store, image
 
     if args.action == "assemble":
         image.assemble(args.out, args.root, args.data, args.boot_efi, args.kernel, args.initrd)
@@ -173,6 +194,10 @@ def cmd_image(args: argparse.Namespace) -> int:
         print(f"{args.image}: {manifest.name} {manifest.version} verified (key {manifest.signing_key_id})")
     elif args.action == "selftest":
         print(image.selftest(args.socket, args.timeout), flush=True)
+        store = firmware_store.Store(args.store)
+        if store.on_trial:
+            firmware_store.commit(store)
+            print(f"appliance-selftest: firmware {firmware_store.describe(store.current)} committed", flush=True)
     return 0
 
 
@@ -184,23 +209,85 @@ def cmd_flash(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_update(args: argparse.Namespace) -> int:
+UNIT = "appliance.service"
+
+
+def _restart_daemon() -> None:
+    """Restart the unit; systemctl waits for READY=1 (Type=notify) or reports the failed start."""
     import subprocess
 
-    from appliance import image
+    result = subprocess.run(["systemctl", "restart", UNIT], capture_output=True, text=True)
+    if result.returncode != 0:
+        status = subprocess.run(["systemctl", "show", "-p", "StatusText", "--value", UNIT],
+                                capture_output=True, text=True).stdout.strip()
+        raise ApplianceError(f"{UNIT} did not start: {status or result.stderr.strip()}")
 
-    trial = image.update(args.image, args.trusted_keys)
-    if args.reboot:
-        subprocess.run(["systemctl", "reboot"], check=True)
-    else:
-        print(f"reboot to try slot {trial}")
+
+def _try_firmware(args: argparse.Namespace, store: Any) -> str:
+    from appliance import firmware_store, image
+
+    return firmware_store.try_current(store, _restart_daemon, lambda: image.selftest(args.socket, args.timeout))
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    """An image (disk.raw) goes to the inactive slot; a firmware bundle goes to the data partition."""
+    import subprocess
+
+    from appliance import firmware, firmware_store, image
+
+    if (args.source / image.DISK).exists():
+        trial = image.update(args.source, args.trusted_keys)
+        if args.reboot:
+            subprocess.run(["systemctl", "reboot"], check=True)
+        else:
+            print(f"reboot to try slot {trial}")
+        return 0
+    if not (args.source / firmware.MANIFEST).exists():
+        raise ApplianceError(f"{args.source}: neither a disk image ({image.DISK}) nor a firmware bundle "
+                             f"({firmware.MANIFEST})")
+    store = firmware_store.Store(args.store)
+    release = firmware_store.install(store, args.source, args.trusted_keys)
+    if release == store.current:
+        print(f"firmware {release.name} is already current")
+        return 0
+    firmware_store.switch(store, release)
+    print(f"installed {release.name}; restarting {UNIT} on it, on trial", flush=True)
+    print(_try_firmware(args, store))
+    print(f"firmware {release.name} committed; previous {firmware_store.describe(store.previous)} kept for rollback")
     return 0
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    """After a failed boot self-test: firmware on trial goes back to the previous one; a trial slot reboots."""
+    import subprocess
+
+    from appliance import firmware_store, image
+
+    store = firmware_store.Store(args.store)
+    if store.on_trial:
+        failed = firmware_store.describe(store.current)
+        back = firmware_store.revert(store)
+        print(f"appliance-rollback: firmware {failed} failed its self-test; back on {back.name}", flush=True)
+        if not image.booted_on_trial():
+            subprocess.run(["systemctl", "restart", "--no-block", UNIT, "appliance-selftest.service"], check=True)
+            return 0
+    if image.booted_on_trial():
+        print("appliance-rollback: trial boot failed its self-test, rebooting into the previous slot", flush=True)
+        subprocess.run(["systemctl", "reboot"], check=True)
+        return 0
+    print("appliance-rollback: the self-test failed on a committed slot and firmware: nothing to return to")
+    return 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from appliance.bench import main as bench
 
     return bench(args)
+
+
+def _add_selftest_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", default=str(INSTALLED_SOCKET), help="the daemon's socket, for the self-test")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds the self-test waits for the daemon")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -238,6 +325,17 @@ def parser() -> argparse.ArgumentParser:
         action = fw_sub.add_parser(name)
         action.add_argument("bundle", type=Path)
         action.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
+    install = fw_sub.add_parser("install", help="verify a bundle and make it the store's current, on trial "
+                                                "(the daemon loads it at its next start)")
+    install.add_argument("bundle", type=Path)
+    install.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
+    store_help = {"store": "the store's current and previous firmware",
+                  "rollback": "on the box: back to the previous firmware, restart and self-test"}
+    for name in ("install", *store_help):
+        action = install if name == "install" else fw_sub.add_parser(name, help=store_help[name])
+        action.add_argument("--store", type=Path, default=STORE)
+        if name == "rollback":
+            _add_selftest_arguments(action)
     fw.set_defaults(func=cmd_firmware)
 
     keys = sub.add_parser("keys", help="make a signing key pair")
@@ -276,9 +374,10 @@ def parser() -> argparse.ArgumentParser:
     verify = img_sub.add_parser("verify")
     verify.add_argument("image", type=Path)
     verify.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
-    selftest = img_sub.add_parser("selftest", help="wait for the daemon and run one inference (boot assessment)")
-    selftest.add_argument("--socket", default=str(INSTALLED_SOCKET))
-    selftest.add_argument("--timeout", type=float, default=180.0)
+    selftest = img_sub.add_parser("selftest", help="wait for the daemon and run one inference (boot assessment); "
+                                                   "commits firmware on trial when it passes")
+    _add_selftest_arguments(selftest)
+    selftest.add_argument("--store", type=Path, default=STORE)
     img.set_defaults(func=cmd_image)
 
     flash = sub.add_parser("flash", help="verify a signed image, write it to a disk or file, read it back")
@@ -287,11 +386,18 @@ def parser() -> argparse.ArgumentParser:
     flash.add_argument("--trusted-keys", type=Path, default=Path("keys/trusted"))
     flash.set_defaults(func=cmd_flash)
 
-    upd = sub.add_parser("update", help="on the box: write a signed image to the inactive slot, boot it on trial")
-    upd.add_argument("image", type=Path)
+    upd = sub.add_parser("update", help="on the box: a signed image to the inactive slot (booted on trial), or a "
+                                        "signed firmware bundle to the data partition (restarted on trial)")
+    upd.add_argument("source", type=Path, metavar="IMAGE_OR_BUNDLE")
     upd.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
-    upd.add_argument("--reboot", action="store_true", help="reboot into the trial slot when written")
+    upd.add_argument("--reboot", action="store_true", help="image: reboot into the trial slot when written")
+    upd.add_argument("--store", type=Path, default=STORE, help="firmware: the store on the data partition")
+    _add_selftest_arguments(upd)
     upd.set_defaults(func=cmd_update)
+
+    recover = sub.add_parser("recover", help="on the box, after a failed boot self-test (appliance-rollback.service)")
+    recover.add_argument("--store", type=Path, default=STORE)
+    recover.set_defaults(func=cmd_recover)
 
     bench = sub.add_parser("bench", help="benchmark the daemon against raw ONNX Runtime, side by side")
     bench.add_argument("--bundle", type=Path, default=Path("build/firmware/default"))

@@ -373,6 +373,14 @@ class Box:
         raise ApplianceError(f"{self.esp}/loader/entries: no entry with a version for slot {slot}")
 
 
+# systemd-boot sets this EFI variable when the booted entry has a boot counter, i.e. a trial boot.
+BOOT_COUNT_VARIABLE = Path("/sys/firmware/efi/efivars/LoaderBootCountPath-4a67b082-0a4c-41cf-b6c7-440b29bb8c4f")
+
+
+def booted_on_trial() -> bool:
+    return BOOT_COUNT_VARIABLE.exists()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -430,6 +438,14 @@ def update(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Progres
     return trial
 
 
+def _slot_name(box: Box) -> str:
+    """"slot a, " on the appliance's disk; empty where the daemon runs elsewhere (a firmware-only test)."""
+    try:
+        return f"slot {box.running_slot()}, "
+    except ApplianceError:
+        return ""
+
+
 def selftest(socket_path: str, timeout_s: float = 180.0, box: Box = Box()) -> str:
     """Wait for the daemon to be ready, then run a real inference; the line to log, or an error."""
     import numpy as np
@@ -448,9 +464,9 @@ def selftest(socket_path: str, timeout_s: float = 180.0, box: Box = Box()) -> st
                     if probs.size != frames or not np.all((probs >= 0) & (probs <= 1)):
                         raise ApplianceError(f"self-test inference returned {probs.size} values, "
                                              f"not {frames} in [0, 1]")
-                    server = client.server()
-                    return (f"appliance-selftest: ok slot {box.running_slot()}, {probs.size} probabilities, "
-                            f"server {server.get('name', '?')} {server.get('version', '?')}")
+                    firmware = client.status()["firmware"]
+                    return (f"appliance-selftest: ok {_slot_name(box)}{probs.size} probabilities, "
+                            f"firmware {firmware['name']} {firmware['version']}")
         except (OSError, ClientError) as exc:
             last_error = str(exc)
         time.sleep(1.0)

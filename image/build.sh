@@ -47,10 +47,11 @@ systemctl --root="$stage" enable appliance.socket appliance.service appliance-se
 ln -f "$stage"/boot/vmlinuz-* "$stage/boot/vmlinuz"
 ln -f "$stage"/boot/initrd.img-* "$stage/boot/initrd.img"
 
-# The data partition: firmware store (current bundle), config overrides, the appliance's state.
+# The data partition: firmware store (releases/, current, previous), config overrides, the appliance's
+# state. The bundle is installed on trial: the first boot's self-test commits it.
 data=$work/data
-install -d "$data/conf.d" "$data/appliance/firmware"
-cp -r "$bundle" "$data/appliance/firmware/current"
+install -d "$data/conf.d" "$data/appliance"
+"$appliance" firmware install "$bundle" --store "$data/appliance/firmware" --trusted-keys "$trusted"
 chroot "$stage" id -u appliance >/dev/null
 owner=$(chroot "$stage" id -u appliance):$(chroot "$stage" id -g appliance)
 chown -R "$owner" "$data/appliance"

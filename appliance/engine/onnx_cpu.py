@@ -8,6 +8,8 @@ from typing import Mapping
 import numpy as np
 import onnxruntime as ort
 
+from appliance.errors import ApplianceError
+
 # A batch this large has enough work to split across intra-op threads (measured on 2 cores:
 # batch 19 took 1126 us on one thread, 877 us on two); a small one only pays the fork-join.
 PARALLEL_MIN_BATCH = 16
@@ -19,7 +21,10 @@ def _session(model_path: Path, threads: int) -> ort.InferenceSession:
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types, one per failure kind
+        raise ApplianceError(f"{model_path}: ONNX Runtime cannot load the model: {exc}") from None
 
 
 class OnnxCpuEngine:
