@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Keys
+from conftest import ROOT, Keys, build_bundle, cli
 
 NSPAWN_ROOT = ROOT / "build" / "nspawn-root"
 
@@ -33,7 +33,7 @@ def rootfs() -> Path:
     return NSPAWN_ROOT
 
 
-def install(rootfs: Path, bundle: Path, keys: Keys) -> None:
+def install(rootfs: Path, bundle: Path, keys: Keys, driver: str) -> None:
     units = rootfs / "etc/systemd/system"
     for name in ("appliance.service", "appliance.socket"):
         shutil.copy(ROOT / "image" / name, units / name)
@@ -53,32 +53,38 @@ def install(rootfs: Path, bundle: Path, keys: Keys) -> None:
     (rootfs / "etc/appliance").mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "image" / "appliance.toml", rootfs / "etc/appliance/appliance.toml")
     shutil.rmtree(rootfs / "var/lib/appliance/tls", ignore_errors=True)
-    firmware_dir = rootfs / "var/lib/appliance/firmware/current"
-    shutil.rmtree(firmware_dir, ignore_errors=True)
-    shutil.copytree(bundle, firmware_dir)
+    store = rootfs / "var/lib/appliance/firmware"
+    shutil.rmtree(store, ignore_errors=True)
+    cli("firmware", "install", bundle, "--store", store, "--trusted-keys", keys.trusted)
     trusted = rootfs / "etc/appliance/trusted-keys"
     shutil.rmtree(trusted, ignore_errors=True)
     shutil.copytree(keys.trusted, trusted)
-    (units / "appliance-selftest.service").write_text(
-        "[Unit]\nAfter=multi-user.target\n[Service]\nType=oneshot\nExecStart=/selftest/selftest.sh\n"
+    (units / "appliance-selftest.service").unlink(missing_ok=True)
+    (units / "appliance-test-driver.service").write_text(
+        f"[Unit]\nAfter=multi-user.target\n[Service]\nType=oneshot\nExecStart=/selftest/{driver}\n"
         "[Install]\nWantedBy=multi-user.target\n")
-    wants = units / "multi-user.target.wants" / "appliance-selftest.service"
-    wants.unlink(missing_ok=True)
-    wants.symlink_to("/etc/systemd/system/appliance-selftest.service")
+    for wants in (units / "multi-user.target.wants").glob("appliance-*"):
+        wants.unlink()
+    (units / "multi-user.target.wants" / "appliance-test-driver.service").symlink_to(
+        "/etc/systemd/system/appliance-test-driver.service")
 
 
-def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_path: Path) -> None:
-    install(rootfs, bundle, keys)
-    out = tmp_path / "out"
+def boot(rootfs: Path, out: Path, *extra: str) -> tuple[dict[str, str], str]:
+    """Boot the container until the driver powers it off; the driver's key=value lines and nspawn's output."""
     out.mkdir()
-    boot = subprocess.run(
+    run = subprocess.run(
         ["systemd-nspawn", "-q", "-D", str(rootfs), "--boot", "--register=no", "--keep-unit", "--pipe",
          f"--bind-ro={ROOT}:/opt/appliance", f"--bind-ro={ROOT / 'tests' / 'pid1'}:/selftest", f"--bind={out}:/out",
-         "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN", "--private-network"],
+         "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN", "--private-network", *extra],
         capture_output=True, text=True, timeout=600)
     text = (out / "result.txt").read_text() if (out / "result.txt").exists() else ""
     result = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    context = f"result: {result}\nnspawn: {boot.stdout[-3000:]}{boot.stderr[-2000:]}"
+    return result, f"result: {result}\nnspawn: {run.stdout[-3000:]}{run.stderr[-2000:]}"
+
+
+def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_path: Path) -> None:
+    install(rootfs, bundle, keys, "selftest.sh")
+    result, context = boot(rootfs, tmp_path / "out")
     assert result.get("done") == "yes", context
     assert result["start_rc"] == "0" and result["active"] == "active", context
     assert result["health"] == "200" and result["infer"] == "200 [2]", context
@@ -92,3 +98,38 @@ def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_pat
     assert result["active_after_hang"] == "active" and result["health_after_hang"] == "200", context
     assert result["new_pid"] == "yes", context
     assert result["stop_result"] == "success" and result["stop_status"] == "0", context
+
+
+def test_firmware_update_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_path: Path) -> None:
+    """`appliance update BUNDLE` restarts the unit on the new firmware and commits it; a signed bundle whose
+    model cannot load is rolled back to the one before; `appliance firmware rollback` returns further."""
+    from test_firmware_store import signed_but_broken
+
+    media = tmp_path / "media"
+    media.mkdir()
+    build_bundle(keys, media / "newer", version="1.1.0")
+    signed_but_broken(media / "newer", media / "broken", keys.private)
+    install(rootfs, bundle, keys, "firmware-update.sh")
+    # The boot self-test and its OnFailure recovery, as the image has them.
+    units = rootfs / "etc/systemd/system"
+    for name in ("appliance-selftest.service", "appliance-rollback.service"):
+        shutil.copy(ROOT / "image" / name, units / name)
+        command = "image selftest --timeout 60" if "selftest" in name else "recover"
+        (units / f"{name}.d").mkdir(exist_ok=True)
+        (units / f"{name}.d" / "test.conf").write_text(
+            f"[Service]\nExecStartPre=\nExecStart=\nExecStart=/opt/appliance/.venv/bin/python -m appliance {command}\n"
+            "Environment=PYTHONPATH=/opt/appliance\n")
+    result, context = boot(rootfs, tmp_path / "out", f"--bind-ro={media}:/media")
+    assert result.get("done") == "yes", context
+    assert result["boot_selftest"] == "0" and result["boot_committed"] == "1", context
+    assert result["update_rc"] == "0" and result["after_update"] == "1.1.0", context
+    assert result["store_after_update"].startswith("current  voice-vad-1.1.0-"), context
+    assert result["broken_rc"] == "2" and int(result["broken_rolled_back"]) == 1, context
+    assert result["after_broken"] == "1.1.0" and result["active_after_broken"] == "active", context
+    assert result["rollback_rc"] == "0" and result["after_rollback"] == "1.0.0", context
+    assert result["releases"] == "2", context
+    # Power lost with a bad bundle on trial: the boot self-test fails, recovery returns to the previous one.
+    assert result["boot_trial_start"] != "0" and result["recovered"] == "0", context
+    assert result["after_recovery"] == "1.0.0" and result["store_after_recovery"].startswith("current  voice-vad-1.0.0-"), context
+    assert "trial" not in result["store_after_recovery"], context
+    assert int(result["recover_logged"]) == 1, context
