@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli
+from conftest import ROOT, Keys, build_bundle, cli
 
 from appliance import image
 from appliance.errors import ApplianceError
@@ -167,14 +167,13 @@ def test_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"good": good, "bad": bad}
 
 
-def update_media(image_dir: Path, out: Path) -> Path:
-    """An ext4 disk holding the image directory, as a USB stick would."""
+def update_media(source: Path, out: Path) -> Path:
+    """An ext4 disk holding an image directory (image/) or a firmware bundle (bundle/), as a USB stick would."""
     if out.exists():
         return out
     tree = out.with_suffix(".d")
-    (tree / "image").mkdir(parents=True)
-    for name in (image.DISK, image.MANIFEST, image.SIGNATURE):
-        os.link(image_dir / name, tree / "image" / name)
+    inside = "image" if (source / image.DISK).exists() else "bundle"
+    shutil.copytree(source, tree / inside, copy_function=os.link)
     run("mkfs.ext4", "-q", "-d", tree, out, "6G")
     shutil.rmtree(tree)
     return out
@@ -205,8 +204,14 @@ def machine(flashed: tuple[Path, str], request: pytest.FixtureRequest,
 
 @pytest.fixture(scope="module")
 def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """media("good"), media("bad"): test images; media("firmware"): firmware 1.1.0 signed with the dev key."""
     work = tmp_path_factory.mktemp("media")
-    return lambda kind: update_media(test_images[kind], work / f"{kind}.raw")
+
+    def make(kind: str) -> Path:
+        if kind == "firmware" and "firmware" not in test_images:
+            test_images["firmware"] = build_bundle(Keys(DEV_KEY, TRUSTED), work / "firmware-1.1.0", version="1.1.0")
+        return update_media(test_images[kind], work / f"{kind}.raw")
+    return make
 
 
 # --- refused before anything is written (host side) ---------------------------------------------
@@ -284,6 +289,8 @@ def test_first_boot_serves_from_slot_a(machine: Machine) -> None:
     assert boot.slot() == "a"
     assert "test-driver: appliance.service active" in boot.serial, boot.tail()
     assert boot.entries() == ["slot-a.conf"]
+    assert re.search(r"appliance-selftest: firmware voice-vad-1\.0\.0-\S+ committed", boot.serial), boot.tail()
+    assert "test-driver: status firmware voice-vad 1.0.0" in boot.serial, boot.tail()
 
 
 def test_good_update_boots_new_slot_and_commits(machine: Machine, media) -> None:
@@ -323,3 +330,14 @@ def test_power_cut_during_the_write_leaves_a_good_slot(machine: Machine, media) 
     after = machine.boot()
     assert after.slot() == "a" and after.selftest_ok(), after.tail()
     assert after.entries() == ["slot-a.conf"], after.entries()
+
+
+def test_firmware_update_to_the_data_partition_keeps_the_previous(machine: Machine, media) -> None:
+    boot = machine.boot(update_media=("firmware", media("firmware")))
+    assert boot.slot() == "a" and boot.selftest_ok(), boot.tail()
+    assert "test-driver: firmware update exit 0" in boot.serial, boot.tail()
+    assert re.search(r"test-driver: store current  voice-vad-1\.1\.0-", boot.serial), boot.tail()
+    assert re.search(r"test-driver: store previous voice-vad-1\.0\.0-", boot.serial), boot.tail()
+    after = machine.boot()  # the same slot, the new firmware, kept across the reboot
+    assert after.slot() == "a" and after.selftest_ok(), after.tail()
+    assert "test-driver: status firmware voice-vad 1.1.0" in after.serial, after.tail()

@@ -1,10 +1,12 @@
 #!/bin/sh
 # Test harness, injected into test copies of the image only (never into `make image`'s output):
 # reports the boot on the console and drives `appliance update` from a disk the host attaches
-# (serial update-good, update-kill or update-power), since the box has no remote shell.
+# (serial update-good, update-kill, update-power: an image; update-firmware: a firmware bundle),
+# since the box has no remote shell.
 entries=$(ls /boot/efi/loader/entries | tr '\n' ' ')
 echo "test-driver: appliance.service $(systemctl is-active appliance.service)"
 echo "test-driver: booted entries: $entries"
+/opt/appliance/.venv/bin/appliance status | head -1 | sed 's/^/test-driver: status /'
 dev=$(ls /dev/disk/by-id/virtio-update-* 2>/dev/null | head -1)
 if [ -z "$dev" ]; then
     echo "test-driver: idle, powering off"
@@ -19,6 +21,11 @@ case "$mode" in
 good|power)
     $updater
     echo "test-driver: update exit $?"
+    systemctl reboot ;;
+firmware)
+    /opt/appliance/.venv/bin/appliance update /run/update-media/bundle
+    echo "test-driver: firmware update exit $?"
+    /opt/appliance/.venv/bin/appliance firmware store | sed 's/^/test-driver: store /'
     systemctl reboot ;;
 kill)
     $updater > /run/update.log 2>&1 &
