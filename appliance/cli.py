@@ -11,7 +11,7 @@ from typing import Any
 
 from appliance.config import QuicConfig
 from appliance.errors import ApplianceError
-from appliance.firmware_store import STORE
+from appliance import firmware_store
 
 DEV_SOCKET = Path("run/api.sock")
 INSTALLED_SOCKET = Path("/run/appliance/api.sock")
@@ -136,8 +136,6 @@ def cmd_firmware(args: argparse.Namespace) -> int:
 
 
 def _firmware_store_action(args: argparse.Namespace) -> int:
-    from appliance import firmware_store
-
     store = firmware_store.Store(args.store)
     if args.action == "install":
         release = firmware_store.install(store, args.bundle, args.trusted_keys)
@@ -181,7 +179,7 @@ def cmd_tls(args: argparse.Namespace) -> int:
 
 
 def cmd_image(args: argparse.Namespace) -> int:
-    from appliance import firmware_store, image
+    from appliance import image
 
     if args.action == "assemble":
         image.assemble(args.out, args.root, args.data, args.boot_efi, args.kernel, args.initrd)
@@ -223,8 +221,8 @@ def _restart_daemon() -> None:
         raise ApplianceError(f"{UNIT} did not start: {status or result.stderr.strip()}")
 
 
-def _try_firmware(args: argparse.Namespace, store: Any) -> str:
-    from appliance import firmware_store, image
+def _try_firmware(args: argparse.Namespace, store: firmware_store.Store) -> str:
+    from appliance import image
 
     return firmware_store.try_current(store, _restart_daemon, lambda: image.selftest(args.socket, args.timeout))
 
@@ -233,7 +231,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     """An image (disk.raw) goes to the inactive slot; a firmware bundle goes to the data partition."""
     import subprocess
 
-    from appliance import firmware, firmware_store, image
+    from appliance import firmware, image
 
     if (args.source / image.DISK).exists():
         trial = image.update(args.source, args.trusted_keys)
@@ -261,7 +259,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     """After a failed boot self-test: firmware on trial goes back to the previous one; a trial slot reboots."""
     import subprocess
 
-    from appliance import firmware_store, image
+    from appliance import image
 
     store = firmware_store.Store(args.store)
     if store.on_trial:
@@ -333,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
                   "rollback": "on the box: back to the previous firmware, restart and self-test"}
     for name in ("install", *store_help):
         action = install if name == "install" else fw_sub.add_parser(name, help=store_help[name])
-        action.add_argument("--store", type=Path, default=STORE)
+        action.add_argument("--store", type=Path, default=firmware_store.STORE)
         if name == "rollback":
             _add_selftest_arguments(action)
     fw.set_defaults(func=cmd_firmware)
@@ -377,7 +375,7 @@ def parser() -> argparse.ArgumentParser:
     selftest = img_sub.add_parser("selftest", help="wait for the daemon and run one inference (boot assessment); "
                                                    "commits firmware on trial when it passes")
     _add_selftest_arguments(selftest)
-    selftest.add_argument("--store", type=Path, default=STORE)
+    selftest.add_argument("--store", type=Path, default=firmware_store.STORE)
     img.set_defaults(func=cmd_image)
 
     flash = sub.add_parser("flash", help="verify a signed image, write it to a disk or file, read it back")
@@ -391,12 +389,12 @@ def parser() -> argparse.ArgumentParser:
     upd.add_argument("source", type=Path, metavar="IMAGE_OR_BUNDLE")
     upd.add_argument("--trusted-keys", type=Path, default=Path("/etc/appliance/trusted-keys"))
     upd.add_argument("--reboot", action="store_true", help="image: reboot into the trial slot when written")
-    upd.add_argument("--store", type=Path, default=STORE, help="firmware: the store on the data partition")
+    upd.add_argument("--store", type=Path, default=firmware_store.STORE, help="firmware: the store on the data partition")
     _add_selftest_arguments(upd)
     upd.set_defaults(func=cmd_update)
 
     recover = sub.add_parser("recover", help="on the box, after a failed boot self-test (appliance-rollback.service)")
-    recover.add_argument("--store", type=Path, default=STORE)
+    recover.add_argument("--store", type=Path, default=firmware_store.STORE)
     recover.set_defaults(func=cmd_recover)
 
     bench = sub.add_parser("bench", help="benchmark the daemon against raw ONNX Runtime, side by side")

@@ -11,6 +11,7 @@ Needs `make image` (build/image/out); takes minutes (KVM) to a quarter of an hou
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,12 +19,16 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from conftest import ROOT, Keys, build_bundle, cli
+from speech import SENTENCES, recording
 
 from appliance import image
+from appliance.audio import encode_wav
+from appliance.bench import free_udp_port
 from appliance.errors import ApplianceError
 
 BUILT = ROOT / "build" / "image" / "out"
@@ -77,6 +82,11 @@ def install_driver(image_dir: Path, scratch: Path) -> None:
         f"write {here / 'appliance-test-driver.service'} /etc/systemd/system/appliance-test-driver.service",
         "symlink /etc/systemd/system/multi-user.target.wants/appliance-test-driver.service "
         "/etc/systemd/system/appliance-test-driver.service",
+        f"write {here / '10-test-lan.network'} /etc/systemd/network/10-test-lan.network",
+        "symlink /etc/systemd/system/multi-user.target.wants/systemd-networkd.service "
+        "/lib/systemd/system/systemd-networkd.service",
+        "symlink /etc/systemd/system/sockets.target.wants/systemd-networkd.socket "
+        "/lib/systemd/system/systemd-networkd.socket",
     ], scratch)
 
 
@@ -114,13 +124,20 @@ class Machine:
         self.vars = workdir / "OVMF_VARS.fd"
         shutil.copy(OVMF / "OVMF_VARS_4M.fd", self.vars)
         self.boots = 0
+        self.quic_port = free_udp_port()
 
-    def boot(self, update_media: tuple[str, Path] | None = None, cut_power_at: str | None = None) -> Boot:
-        """Boot until the machine powers off or reboots (-no-reboot ends qemu either way)."""
+    def boot(self, update_media: tuple[str, Path] | None = None, cut_power_at: str | None = None,
+             while_serving: Callable[[str], None] | None = None) -> Boot:
+        """Boot until the machine powers off or reboots (-no-reboot ends qemu either way).
+
+        while_serving(certificate_pem) runs once the driver is serving (media "serve"); then qemu stops.
+        The guest's UDP 4433 is forwarded to self.quic_port on the host's loopback, nothing else.
+        """
         self.boots += 1
         serial = self.workdir / f"serial-{self.boots}.log"
+        nic = f"user,model=virtio-net-pci,restrict=on,hostfwd=udp:127.0.0.1:{self.quic_port}-10.0.2.15:4433"
         argv = ["qemu-system-x86_64", "-machine", "q35", "-m", "2048", "-smp", "2", "-display", "none",
-                "-monitor", "none", "-nic", "none", "-no-reboot", "-serial", f"file:{serial}",
+                "-monitor", "none", "-nic", nic, "-no-reboot", "-serial", f"file:{serial}",
                 "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF / 'OVMF_CODE_4M.fd'}",
                 "-drive", f"if=pflash,format=raw,file={self.vars}",
                 "-drive", f"if=none,id=system,format=qcow2,file={self.disk}",
@@ -140,6 +157,9 @@ class Machine:
                     ready_s = time.monotonic() - started
                 if cut_power_at is not None and re.search(cut_power_at, text):
                     qemu.kill()  # the power cut: no sync, no shutdown
+                    break
+                if while_serving is not None and "test-driver: serving" in text:
+                    while_serving(text.split("test-driver: certificate", 1)[1].split("test-driver: serving")[0])
                     break
                 assert time.monotonic() - started < BOOT_TIMEOUT_S, f"boot timed out:\n{text[-4000:]}"
                 time.sleep(0.5)
@@ -165,6 +185,13 @@ def test_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     broken.write_text('[firmware]\nbundle = "/nonexistent/firmware"\ntrusted_keys = "/etc/appliance/trusted-keys"\n')
     edit_root(bad, ["rm /etc/appliance/appliance.toml", f"write {broken} /etc/appliance/appliance.toml"], work)
     return {"good": good, "bad": bad}
+
+
+def speech_wav(directory: Path) -> Path:
+    """Three spoken sentences (espeak-ng) as a 16 kHz WAV file."""
+    path = directory / "speech.wav"
+    path.write_bytes(encode_wav(recording(SENTENCES)[0], 16000))
+    return path
 
 
 def update_media(source: Path, out: Path) -> Path:
@@ -208,6 +235,9 @@ def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     work = tmp_path_factory.mktemp("media")
 
     def make(kind: str) -> Path:
+        if kind == "serve":  # no content: its serial number is the request
+            (work / "serve.raw").write_bytes(bytes(image.MIB))
+            return work / "serve.raw"
         if kind == "firmware" and "firmware" not in test_images:
             test_images["firmware"] = build_bundle(Keys(DEV_KEY, TRUSTED), work / "firmware-1.1.0", version="1.1.0")
         return update_media(test_images[kind], work / f"{kind}.raw")
@@ -283,8 +313,21 @@ def test_update_refuses_tampered_manifest_and_wrong_key(tmp_path: Path) -> None:
 
 # --- booted: each scenario starts from a box freshly flashed, running slot A -----------------------
 
-def test_first_boot_serves_from_slot_a(machine: Machine) -> None:
-    boot = machine.boot()
+def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine, media, tmp_path: Path) -> None:
+    calls: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def call_over_quic(certificate: str) -> None:
+        cafile = tmp_path / "box-cert.pem"
+        cafile.write_text(certificate.strip().replace("\r", "") + "\n")
+        quic = ("--quic", f"127.0.0.1:{machine.quic_port}", "--cafile", cafile)
+        calls["health"] = cli("call", "health", *quic, check=False)
+        calls["vad"] = cli("call", "vad", speech_wav(tmp_path), *quic, check=False)
+
+    boot = machine.boot(update_media=("serve", media("serve")), while_serving=call_over_quic)
+    assert calls, boot.tail()
+    assert calls["health"].returncode == 0 and '"ready": true' in calls["health"].stdout, calls["health"]
+    segments = json.loads(calls["vad"].stdout)["segments"]
+    assert len(segments) == len(SENTENCES), calls["vad"]
     assert boot.selftest_ok(), boot.tail()
     assert boot.slot() == "a"
     assert "test-driver: appliance.service active" in boot.serial, boot.tail()

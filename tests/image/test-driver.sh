@@ -1,8 +1,8 @@
 #!/bin/sh
 # Test harness, injected into test copies of the image only (never into `make image`'s output):
 # reports the boot on the console and drives `appliance update` from a disk the host attaches
-# (serial update-good, update-kill, update-power: an image; update-firmware: a firmware bundle),
-# since the box has no remote shell.
+# (serial update-good, update-kill, update-power: an image; update-firmware: a firmware bundle;
+# update-serve: stay up for the host's QUIC calls), since the box has no remote shell.
 entries=$(ls /boot/efi/loader/entries | tr '\n' ' ')
 echo "test-driver: appliance.service $(systemctl is-active appliance.service)"
 echo "test-driver: booted entries: $entries"
@@ -14,6 +14,12 @@ if [ -z "$dev" ]; then
     exit 0
 fi
 mode=${dev##*-}
+if [ "$mode" = serve ]; then  # the host calls the API over QUIC, pinning the certificate made at first boot
+    echo "test-driver: certificate"
+    cat /var/lib/appliance/tls/cert.pem
+    echo "test-driver: serving"
+    exec sleep infinity
+fi
 mkdir -p /run/update-media
 mount -o ro "$dev" /run/update-media
 updater="/opt/appliance/.venv/bin/appliance update /run/update-media/image"
