@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from appliance import firmware, keys
+from appliance.durable import fsync_path, replace_file
 from appliance.errors import ApplianceError
 
 STORE = Path("/var/lib/appliance/firmware")
@@ -62,14 +63,6 @@ def describe(release: Path | None) -> str:
     return "none" if release is None else release.name
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _point(store: Store, name: str, release: Path | None) -> None:
     """Make store/name point at release (relative, so the store can be mounted anywhere), atomically."""
     link = store.root / name
@@ -80,7 +73,7 @@ def _point(store: Store, name: str, release: Path | None) -> None:
         partial.unlink(missing_ok=True)
         partial.symlink_to(os.path.relpath(release, store.root))
         partial.rename(link)
-    _fsync(store.root)
+    fsync_path(store.root)
 
 
 def install(store: Store, source: Path, trust_dir: Path) -> Path:
@@ -98,12 +91,12 @@ def install(store: Store, source: Path, trust_dir: Path) -> Path:
     for relative in (keys.MANIFEST, keys.SIGNATURE, *manifest.artifacts):
         (partial / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source / relative, partial / relative)
-        _fsync(partial / relative)
+        fsync_path(partial / relative)
     for directory in sorted({(partial / r).parent for r in manifest.artifacts} | {partial}, reverse=True):
-        _fsync(directory)
+        fsync_path(directory)
     firmware.verify(partial, trust_dir)  # the copy as written
     partial.rename(release)
-    _fsync(store.releases)
+    fsync_path(store.releases)
     return release
 
 
@@ -112,10 +105,7 @@ def switch(store: Store, release: Path) -> None:
     old_current, old_previous = store.current, store.previous
     if release == old_current:
         return
-    trial = store.root / "trial"
-    partial = trial.with_name("trial" + PARTIAL)
-    partial.write_text(f"{old_previous.name if old_previous else ''}\n")
-    os.replace(partial, trial)
+    replace_file(store.root / "trial", f"{old_previous.name if old_previous else ''}\n".encode())
     _point(store, "previous", old_current)
     _point(store, "current", release)
 
@@ -123,7 +113,7 @@ def switch(store: Store, release: Path) -> None:
 def commit(store: Store) -> None:
     """The current release passed its self-test: end the trial, delete releases nothing points at."""
     (store.root / "trial").unlink(missing_ok=True)
-    _fsync(store.root)
+    fsync_path(store.root)
     keep = {store.current, store.previous}
     for release in store.releases.iterdir() if store.releases.is_dir() else ():
         if release not in keep:
@@ -141,7 +131,7 @@ def revert(store: Store) -> Path:
         _point(store, "current", previous)
         _point(store, "previous", store.releases / before if before else None)
         trial.unlink()
-        _fsync(store.root)
+        fsync_path(store.root)
         if failed is not None and failed not in (store.current, store.previous):
             shutil.rmtree(failed, ignore_errors=True)
     else:

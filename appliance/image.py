@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from appliance import keys
+from appliance.durable import fsync_path, replace_file
 from appliance.errors import ApplianceError
 
 FORMAT_VERSION = 1
@@ -381,25 +382,6 @@ def booted_on_trial() -> bool:
     return BOOT_COUNT_VARIABLE.exists()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Write, sync, then rename into place: a reader sees the old file or the whole new one."""
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.rename(path)
-    _fsync_dir(path.parent)
-
-
 def _dump_from_ext4(device: Path, inside: str) -> bytes:
     """A file out of an unmounted ext4 file system (debugfs reads it; nothing is mounted)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -426,14 +408,14 @@ def update(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Progres
     version = box.entry_version(running) + 1
     for entry in box.entries(trial):
         entry.unlink()
-    _fsync_dir(box.esp / "loader/entries")
+    fsync_path(box.esp / "loader/entries")
     _write_region(image_dir / DISK, region.offset, region.size, device, 0, f"write slot {trial}", progress)
     check_regions(device, -region.offset, (region,), f"{device} (read back)")
     kernel_dir = box.esp / "appliance" / f"slot-{trial}"
     kernel_dir.mkdir(parents=True, exist_ok=True)
-    _write_file(kernel_dir / "vmlinuz", _dump_from_ext4(device, KERNEL_IN_ROOT))
-    _write_file(kernel_dir / "initrd.img", _dump_from_ext4(device, INITRD_IN_ROOT))
-    _write_file(box.esp / "loader/entries" / f"slot-{trial}+{TRIAL_TRIES}.conf", loader_entry(trial, version).encode())
+    replace_file(kernel_dir / "vmlinuz", _dump_from_ext4(device, KERNEL_IN_ROOT))
+    replace_file(kernel_dir / "initrd.img", _dump_from_ext4(device, INITRD_IN_ROOT))
+    replace_file(box.esp / "loader/entries" / f"slot-{trial}+{TRIAL_TRIES}.conf", loader_entry(trial, version).encode())
     progress(f"slot {trial} ({manifest.name} {manifest.version}) is the next boot, on trial", 100)
     return trial
 
