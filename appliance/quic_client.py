@@ -118,7 +118,7 @@ class QuicSession:
                 await self._protocol.wait_connected()
             except ConnectionError as exc:
                 await self.close()
-                raise ConnectionError(f"QUIC handshake with {self.host}:{self.port} failed ({exc or 'refused'}); "
+                raise ConnectionError(f"QUIC handshake with {self.host}:{self.port} failed ({str(exc) or 'no answer'}); "
                                       "is the server's certificate in --cafile?") from None
 
     @property
