@@ -233,8 +233,11 @@ def machine(flashed: tuple[Path, str], request: pytest.FixtureRequest,
     return Machine(disk, tmp_path_factory.mktemp("machines") / request.node.name[:40], accel)
 
 
+Media = Callable[[str], Path]
+
+
 @pytest.fixture(scope="module")
-def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Media:
     """media("good"), media("bad"): test images; media("firmware"): firmware 1.1.0 signed with the dev key."""
     work = tmp_path_factory.mktemp("media")
 
@@ -317,7 +320,8 @@ def test_update_refuses_tampered_manifest_and_wrong_key(tmp_path: Path) -> None:
 
 # --- booted: each scenario starts from a box freshly flashed, running slot A -----------------------
 
-def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine, media, tmp_path: Path) -> None:
+def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine, media: Media,
+                                                                 tmp_path: Path) -> None:
     calls: dict[str, subprocess.CompletedProcess[str]] = {}
 
     def call_over_quic(certificate: str) -> None:
@@ -340,7 +344,7 @@ def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine
     assert "test-driver: status firmware voice-vad 1.0.0" in boot.serial, boot.tail()
 
 
-def test_good_update_boots_new_slot_and_commits(machine: Machine, media) -> None:
+def test_good_update_boots_new_slot_and_commits(machine: Machine, media: Media) -> None:
     boot = machine.boot(update_media=("good", media("good")))
     assert boot.slot() == "a" and boot.selftest_ok(), boot.tail()
     assert "test-driver: update exit 0" in boot.serial, boot.tail()
@@ -352,7 +356,7 @@ def test_good_update_boots_new_slot_and_commits(machine: Machine, media) -> None
     assert again.slot() == "b" and again.selftest_ok(), again.tail()
 
 
-def test_failing_update_rolls_back_after_its_tries(machine: Machine, media) -> None:
+def test_failing_update_rolls_back_after_its_tries(machine: Machine, media: Media) -> None:
     boot = machine.boot(update_media=("good", media("bad")))
     assert boot.slot() == "a" and "test-driver: update exit 0" in boot.serial, boot.tail()
     trial = machine.boot()
@@ -363,7 +367,7 @@ def test_failing_update_rolls_back_after_its_tries(machine: Machine, media) -> N
     assert "slot-b+0-1.conf" in back.entries() and "slot-a.conf" in back.entries(), back.entries()
 
 
-def test_update_killed_halfway_leaves_a_good_slot(machine: Machine, media) -> None:
+def test_update_killed_halfway_leaves_a_good_slot(machine: Machine, media: Media) -> None:
     boot = machine.boot(update_media=("kill", media("good")))
     assert "test-driver: killed the update" in boot.serial, boot.tail()
     after = machine.boot()
@@ -371,7 +375,7 @@ def test_update_killed_halfway_leaves_a_good_slot(machine: Machine, media) -> No
     assert after.entries() == ["slot-a.conf"], after.entries()
 
 
-def test_power_cut_during_the_write_leaves_a_good_slot(machine: Machine, media) -> None:
+def test_power_cut_during_the_write_leaves_a_good_slot(machine: Machine, media: Media) -> None:
     boot = machine.boot(update_media=("power", media("good")), cut_power_at=r"write slot b: [3-9]\d%")
     assert "write slot b: " in boot.serial and "test-driver: update exit" not in boot.serial, boot.tail()
     after = machine.boot()
@@ -379,7 +383,7 @@ def test_power_cut_during_the_write_leaves_a_good_slot(machine: Machine, media) 
     assert after.entries() == ["slot-a.conf"], after.entries()
 
 
-def test_firmware_update_to_the_data_partition_keeps_the_previous(machine: Machine, media) -> None:
+def test_firmware_update_to_the_data_partition_keeps_the_previous(machine: Machine, media: Media) -> None:
     boot = machine.boot(update_media=("firmware", media("firmware")))
     assert boot.slot() == "a" and boot.selftest_ok(), boot.tail()
     assert "test-driver: firmware update exit 0" in boot.serial, boot.tail()
