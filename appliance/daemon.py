@@ -273,8 +273,10 @@ class Daemon:
         logging.getLogger().setLevel(config.log.level.upper())
         self.api.vad_defaults = config.vad
         self.http.limits = self._limits(config)
-        if self.h3 is not None and self.h3.cache is not None:
-            self.h3.cache.config = config.conncache
+        if self.h3 is not None:
+            self.h3.limits = self.http.limits
+            if self.h3.cache is not None:
+                self.h3.cache.config = config.conncache
         for model in self.models.values():
             model.sequences.max_live = config.sequences.max_live
             model.sequences.idle_timeout_s = config.sequences.idle_timeout_s

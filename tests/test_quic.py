@@ -6,6 +6,7 @@ The API itself runs over QUIC in test_api.py and test_vad.py (the `client` fixtu
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 
@@ -61,6 +62,21 @@ def test_body_over_the_limit_gets_413_over_quic(daemon) -> None:
         response = client.send(Call("POST", "/v2/models/silero_vad/infer", body))
         assert response.status == 413 and "exceeds the limit" in response.json()["error"]
         assert client.health()["ready"]
+
+
+def test_sighup_applies_a_lower_body_limit_to_quic_too(start_daemon, tls) -> None:
+    daemon = start_daemon(tls=tls)
+    body = b"\0" * (4 << 20)
+    with daemon.client("quic") as client:
+        assert client.send(Call("POST", "/v2/models/silero_vad/infer", body)).status == 400  # not a tensor
+        daemon.config.write_text(daemon.config.read_text().replace(f"max_body_bytes = {8 << 20}",
+                                                                   f"max_body_bytes = {1 << 20}"))
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while "reload: applied" not in daemon.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        response = client.send(Call("POST", "/v2/models/silero_vad/infer", body))
+        assert response.status == 413 and f"limit of {1 << 20} bytes" in response.json()["error"]
 
 
 def test_connection_limit(start_daemon, tls) -> None:
