@@ -8,7 +8,7 @@ APPLIANCE := $(VENV)/bin/appliance
 APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap \
 	python3-bpfcc bpftool linux-headers-amd64 util-linux
 # The disk image: file systems without mounts, GPT, and the qemu + OVMF boot tests.
-IMAGE_PACKAGES := debootstrap e2fsprogs dosfstools mtools fdisk systemd-boot-efi qemu-system-x86 qemu-utils ovmf
+IMAGE_PACKAGES := e2fsprogs dosfstools mtools fdisk qemu-system-x86 qemu-utils ovmf
 IMAGE := build/image/out
 IMAGE_VERSION ?= $(shell date -u +%Y%m%d%H%M%S)
 DEV_KEY := keys/dev.key

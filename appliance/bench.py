@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import onnxruntime as ort
 
 from appliance import firmware
+from appliance.audio import to_frames
 from appliance.client import AsyncClient, Call, Client, infer_call
+from appliance.engine.onnx_cpu import session
 from appliance.quic_client import QuicSession
 from appliance.tls import init_self_signed
 
@@ -37,10 +38,7 @@ class RawVad:
     """The model called the way its own wrapper calls it: one stream, one frame, context and state carried."""
 
     def __init__(self, model_path: Path, spec: firmware.ModelSpec) -> None:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        self.session = session(model_path, threads=1)
         self.audio = spec.audio
         self.reset()
 
@@ -344,8 +342,7 @@ def main(args: argparse.Namespace) -> int:
 
             # 3. a ten-minute recording in one call, against the same audio as one sequence in-process
             audio = test_audio(600, rate)
-            frames_all = np.zeros((-(-len(audio) // frame_samples), frame_samples), np.float32)
-            frames_all.reshape(-1)[: len(audio)] = audio
+            frames_all = to_frames(audio, frame_samples)
             raw.reset()
             t = time.perf_counter()
             for f in frames_all:

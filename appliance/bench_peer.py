@@ -8,17 +8,15 @@ with APPLIANCE_BENCH_MODEL naming the verified bundle's model file.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from appliance.api.tensors import HEADER_LENGTH, decode_infer, encode_infer
+from appliance.engine.onnx_cpu import session
 
-_options = ort.SessionOptions()
-_options.intra_op_num_threads = _options.inter_op_num_threads = 1
-_options.log_severity_level = 3
-_session = ort.InferenceSession(os.environ["APPLIANCE_BENCH_MODEL"], _options, providers=["CPUExecutionProvider"])
+_session = session(Path(os.environ["APPLIANCE_BENCH_MODEL"]), threads=1)
 _SR = np.array(16000, np.int64)
 
 

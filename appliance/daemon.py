@@ -126,13 +126,12 @@ class Daemon:
         self.h3: H3Server | None = None
         self.models: dict[str, VadModel] = {}
         self.owns_socket = True
-        self.manifest: firmware.Manifest | None = None
 
     # --- start ---
     async def start(self) -> asyncio.base_events.Server:
         config = self.config
         bundle = firmware.verify(config.firmware.bundle, config.firmware.trusted_keys)
-        self.manifest = manifest = bundle.manifest
+        manifest = bundle.manifest
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
         self.models = load_models(config, bundle)
@@ -175,9 +174,10 @@ class Daemon:
         return Limits(config.server.max_body_bytes, config.server.max_header_bytes, config.server.max_connections)
 
     def status_text(self, rate: float | None = None) -> str:
-        assert self.manifest is not None
+        assert self.api is not None
+        manifest = self.api.manifest
         engines = ", ".join(sorted({m.engine_name for m in self.models.values()}))
-        text = f"firmware {self.manifest.name} {self.manifest.version}, engine {engines}"
+        text = f"firmware {manifest.name} {manifest.version}, engine {engines}"
         if self.h3 is not None and self.h3.cache is not None:
             cache = self.h3.cache
             text += f", conncache {cache.backend}" + (f" ({cache.reason})" if cache.reason else "")

@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Callable
 
 from appliance import firmware, keys
-from appliance.durable import fsync_path, replace_file
+from appliance.durable import PARTIAL, fsync_path, replace_file
 from appliance.errors import ApplianceError
 
 STORE = Path("/var/lib/appliance/firmware")
 RELEASES = "releases"
-PARTIAL = ".partial"
 
 
 @dataclass(frozen=True, slots=True)

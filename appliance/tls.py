@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import socket
 from pathlib import Path
 
@@ -12,6 +11,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from appliance.durable import replace_file
 
 
 def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 3650) -> str:
@@ -36,11 +37,9 @@ def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: in
     )
     key_path.parent.mkdir(parents=True, exist_ok=True)
     cert_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    replace_file(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption()), mode=0o600)
+    replace_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert.fingerprint(hashes.SHA256()).hex()
 
 

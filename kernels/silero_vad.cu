@@ -28,7 +28,6 @@
 #endif
 
 #define INPUT_SAMPLES (CONTEXT_SAMPLES + FRAME_SAMPLES)   // 576
-#define PADDED_SAMPLES (INPUT_SAMPLES + 64)                // reflect padding on the right
 #define TILE 8
 #define HIDDEN 128
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from appliance import firmware, keys as signing
 from appliance.bench import free_udp_port
 from appliance.client import Client
 
@@ -59,6 +62,27 @@ def build_bundle(keys: Keys, out: Path, spec: Path = DEFAULT_SPEC, **baked: obje
 @pytest.fixture(scope="session")
 def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_bundle(keys, tmp_path_factory.mktemp("fw") / "default")
+
+
+@pytest.fixture(scope="session")
+def bundles(keys: Keys, bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """1.0.0 (the default), 1.1.0, and 1.2.0 signed by the vendor's key but with a model that cannot load."""
+    work = tmp_path_factory.mktemp("bundles")
+    newer = build_bundle(keys, work / "newer", version="1.1.0")
+    broken = signed_but_broken(newer, work / "broken", keys.private)
+    return {"1.0.0": bundle, "1.1.0": newer, "broken": broken}
+
+
+def signed_but_broken(source: Path, out: Path, private_key: Path) -> Path:
+    """A bundle that verifies (properly signed) but whose model ONNX Runtime cannot load: a build gone wrong."""
+    shutil.copytree(source, out)
+    doc = json.loads((out / firmware.MANIFEST).read_text())
+    model_file = doc["models"][0]["file"]
+    (out / model_file).write_bytes((out / model_file).read_bytes()[:4096])
+    doc["artifacts"][model_file] = firmware.sha256_file(out / model_file)
+    doc["version"] = "1.2.0"
+    signing.write_signed(out, doc, signing.load_private_key(private_key))
+    return out
 
 
 def terminate(proc: subprocess.Popen[bytes]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import numpy as np
 RATE = 16000
 
 
+@functools.cache  # one espeak-ng run per sentence per session; callers do not modify the result
 def say(text: str) -> np.ndarray:
     """espeak-ng speech at 16 kHz, trimmed to where the voice is."""
     if shutil.which("espeak-ng") is None:

@@ -13,31 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, Keys, build_bundle, cli
+from conftest import Daemon, Keys, cli
 
-from appliance import firmware, firmware_store, image, keys as signing
+from appliance import firmware, firmware_store, image
 from appliance.errors import ApplianceError
-
-
-@pytest.fixture(scope="module")
-def bundles(keys: Keys, bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """1.0.0 (the default), 1.1.0, and 1.2.0 signed by the vendor's key but with a model that cannot load."""
-    work = tmp_path_factory.mktemp("bundles")
-    newer = build_bundle(keys, work / "newer", version="1.1.0")
-    broken = signed_but_broken(newer, work / "broken", keys.private)
-    return {"1.0.0": bundle, "1.1.0": newer, "broken": broken}
-
-
-def signed_but_broken(source: Path, out: Path, private_key: Path) -> Path:
-    """A bundle that verifies (properly signed) but whose model ONNX Runtime cannot load: a build gone wrong."""
-    shutil.copytree(source, out)
-    doc = json.loads((out / firmware.MANIFEST).read_text())
-    model_file = doc["models"][0]["file"]
-    (out / model_file).write_bytes((out / model_file).read_bytes()[:4096])
-    doc["artifacts"][model_file] = firmware.sha256_file(out / model_file)
-    doc["version"] = "1.2.0"
-    signing.write_signed(out, doc, signing.load_private_key(private_key))
-    return out
 
 
 class Box:

@@ -179,7 +179,16 @@ class Machine:
 
 
 @pytest.fixture(scope="module")
-def test_images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def accel() -> str:
+    """kvm, or tcg where allowed; decided before any test image is made (they cost minutes)."""
+    found = run(ROOT / "image" / "qemu-accel.sh").stdout.strip()
+    if found != "kvm" and not os.environ.get("APPLIANCE_IMAGE_TCG"):
+        pytest.skip("KVM cannot run OVMF here: make image-test boots the image under TCG (slower)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def test_images(accel: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The built image plus the test driver ("good"), and the same with a config that cannot start ("bad")."""
     work = tmp_path_factory.mktemp("images")
     good = copy_image(BUILT, work / "good")
@@ -211,11 +220,8 @@ def update_media(source: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def flashed(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def flashed(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A disk written by `appliance flash` once; every scenario boots its own copy-on-write copy of it."""
-    accel = run(ROOT / "image" / "qemu-accel.sh").stdout.strip()
-    if accel != "kvm" and not os.environ.get("APPLIANCE_IMAGE_TCG"):
-        pytest.skip("KVM cannot run OVMF here: make image-test boots the image under TCG (slower)")
     disk = tmp_path_factory.mktemp("flashed") / "disk.raw"
     with disk.open("wb") as f:
         f.truncate(image.DISK_SIZE)
@@ -223,14 +229,13 @@ def flashed(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     result = cli("flash", test_images["good"], "--target", disk, "--trusted-keys", TRUSTED)
     print(f"flash: {time.monotonic() - started:.1f} s")
     assert "verified" in result.stdout
-    return disk, accel
+    return disk
 
 
 @pytest.fixture
-def machine(flashed: tuple[Path, str], request: pytest.FixtureRequest,
+def machine(accel: str, flashed: Path, request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> Machine:
-    disk, accel = flashed
-    return Machine(disk, tmp_path_factory.mktemp("machines") / request.node.name[:40], accel)
+    return Machine(flashed, tmp_path_factory.mktemp("machines") / request.node.name[:40], accel)
 
 
 Media = Callable[[str], Path]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Keys, build_bundle, cli
+from conftest import ROOT, Keys, cli
 
 NSPAWN_ROOT = ROOT / "build" / "nspawn-root"
 
@@ -100,16 +100,11 @@ def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_pat
     assert result["stop_result"] == "success" and result["stop_status"] == "0", context
 
 
-def test_firmware_update_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_path: Path) -> None:
+def test_firmware_update_under_systemd_pid1(rootfs: Path, bundles: dict[str, Path], keys: Keys,
+                                           tmp_path: Path) -> None:
     """`appliance update BUNDLE` restarts the unit on the new firmware and commits it; a signed bundle whose
     model cannot load is rolled back to the one before; `appliance firmware rollback` returns further."""
-    from test_firmware_store import signed_but_broken
-
-    media = tmp_path / "media"
-    media.mkdir()
-    build_bundle(keys, media / "newer", version="1.1.0")
-    signed_but_broken(media / "newer", media / "broken", keys.private)
-    install(rootfs, bundle, keys, "firmware-update.sh")
+    install(rootfs, bundles["1.0.0"], keys, "firmware-update.sh")
     # The boot self-test and its OnFailure recovery, as the image has them.
     units = rootfs / "etc/systemd/system"
     for name in ("appliance-selftest.service", "appliance-rollback.service"):
@@ -119,7 +114,8 @@ def test_firmware_update_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Ke
         (units / f"{name}.d" / "test.conf").write_text(
             f"[Service]\nExecStartPre=\nExecStart=\nExecStart=/opt/appliance/.venv/bin/python -m appliance {command}\n"
             "Environment=PYTHONPATH=/opt/appliance\n")
-    result, context = boot(rootfs, tmp_path / "out", f"--bind-ro={media}:/media")
+    result, context = boot(rootfs, tmp_path / "out", f"--bind-ro={bundles['1.1.0']}:/media/newer",
+                           f"--bind-ro={bundles['broken']}:/media/broken")
     assert result.get("done") == "yes", context
     assert result["boot_selftest"] == "0" and result["boot_committed"] == "1", context
     assert result["update_rc"] == "0" and result["after_update"] == "1.1.0", context

@@ -72,7 +72,7 @@ def _gpu_engine(bundle: Bundle, model: ModelSpec) -> tuple[Engine | None, list[s
     mismatch = tensorrt.plan_mismatch(plan, *tensorrt.found_gpu())
     if mismatch is not None:
         return None, reasons + [mismatch]
-    return tensorrt.TensorrtEngine.from_bundle(bundle, plan), reasons
+    return tensorrt.TensorrtEngine(bundle.artifact(plan.file).read_bytes(), model), reasons
 
 
 class GpuOutOfMemory(Exception):

@@ -15,7 +15,7 @@ from appliance.errors import ApplianceError
 PARALLEL_MIN_BATCH = 16
 
 
-def _session(model_path: Path, threads: int) -> ort.InferenceSession:
+def session(model_path: Path, threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -31,10 +31,10 @@ class OnnxCpuEngine:
     name = "onnxruntime-cpu"
 
     def __init__(self, model_path: Path, threads: int) -> None:
-        self._single = _session(model_path, 1)
-        self._parallel = _session(model_path, threads) if threads > 1 else self._single
+        self._single = session(model_path, 1)
+        self._parallel = session(model_path, threads) if threads > 1 else self._single
         self._outputs = [o.name for o in self._single.get_outputs()]
 
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
-        session = self._parallel if batch >= PARALLEL_MIN_BATCH else self._single
-        return dict(zip(self._outputs, session.run(self._outputs, dict(feeds))))
+        chosen = self._parallel if batch >= PARALLEL_MIN_BATCH else self._single
+        return dict(zip(self._outputs, chosen.run(self._outputs, dict(feeds))))

@@ -20,7 +20,7 @@ import numpy as np
 
 from appliance.engine.base import GpuOutOfMemory
 from appliance.errors import ApplianceError
-from appliance.firmware import DATATYPES, Baked, Bundle, ModelSpec, PlanSpec
+from appliance.firmware import DATATYPES, Baked, ModelSpec, PlanSpec
 
 FP16_TOLERANCE = 1e-3
 WORKSPACE_BYTES = 1 << 30
@@ -128,12 +128,10 @@ def _sample_feeds(model: ModelSpec, batch: int) -> dict[str, np.ndarray]:
 def build_plan(staging: Path, model: ModelSpec, baked: Baked, timing_cache: Path) -> PlanSpec:
     """Build the plan for `model` (its ONNX file in `staging`) on this machine's GPU, into
     models/<name>.plan; FP16 where it stays within tolerance of FP32."""
-    try:
-        trt = _tensorrt()
-    except ImportError:
-        raise ApplianceError("firmware target 'tensorrt' needs TensorRT (the gpu extra) and the target GPU "
-                             "on the build machine") from None
     version, capability = found_gpu()
+    if version is None:
+        raise ApplianceError("firmware target 'tensorrt' needs TensorRT (the gpu extra) and the target GPU "
+                             "on the build machine")
     if capability is None:
         raise ApplianceError("firmware target 'tensorrt' needs the target GPU on the build machine: no CUDA device found")
     onnx_path = staging / model.file
@@ -147,7 +145,7 @@ def build_plan(staging: Path, model: ModelSpec, baked: Baked, timing_cache: Path
     chosen, precision = (fp16, "fp16") if error <= FP16_TOLERANCE else (fp32, "fp32")
     relative = f"models/{model.name}.plan"
     (staging / relative).write_bytes(chosen)
-    return PlanSpec(model=model.name, file=relative, tensorrt_version=trt.__version__, compute_capability=capability,
+    return PlanSpec(model=model.name, file=relative, tensorrt_version=version, compute_capability=capability,
                     precision=precision, fp16_max_abs_error=error)
 
 
@@ -175,16 +173,11 @@ class TensorrtEngine:
             self.stream = cuda.Stream()
             self.names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
             self.outputs = [n for n in self.names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+            self.inputs = [n for n in self.names if n not in self.outputs]
             self.dtypes = {n: np.dtype(trt.nptype(self.engine.get_tensor_dtype(n))) for n in self.names}
             self._buffers: dict[str, tuple[Any, int]] = {}  # tensor -> (device allocation, bytes)
         finally:
             cuda.Context.pop()
-
-    @classmethod
-    def from_bundle(cls, bundle: Bundle, plan: PlanSpec) -> "TensorrtEngine":
-        model = bundle.manifest.model(plan.model)
-        assert model is not None  # verify() checked that every plan names a model
-        return cls(bundle.artifact(plan.file).read_bytes(), model)
 
     def _device(self, name: str, nbytes: int) -> Any:
         """The tensor's device buffer, grown when a batch needs more; bound to the context."""
@@ -198,11 +191,10 @@ class TensorrtEngine:
         cuda = self.cuda
         self.gpu_context.push()
         try:
-            for name in self.names:
-                if name not in self.outputs:
-                    host = np.ascontiguousarray(feeds[name], self.dtypes[name])
-                    self.context.set_input_shape(name, host.shape)
-                    cuda.memcpy_htod_async(self._device(name, host.nbytes), host, self.stream)
+            for name in self.inputs:
+                host = np.ascontiguousarray(feeds[name], self.dtypes[name])
+                self.context.set_input_shape(name, host.shape)
+                cuda.memcpy_htod_async(self._device(name, host.nbytes), host, self.stream)
             outputs = {}
             for name in self.outputs:
                 outputs[name] = np.empty(tuple(self.context.get_tensor_shape(name)), self.dtypes[name])

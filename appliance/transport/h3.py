@@ -80,14 +80,12 @@ class GuardedQuicServer(QuicServer):
         self.admit: Callable[[bytes, Any], bool] = lambda data, addr: True
         self.version_negotiation = TokenBucket(rate=20.0, burst=40.0)
         self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
-        self.dropped = 0
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         if not self.admit(data, addr):  # type: ignore[arg-type]
             return
         if (isinstance(data, bytes) and len(data) >= 5 and data[0] & 0x80 and data[1:5] not in self.supported
                 and data[1:5] != b"\0\0\0\0" and not self.version_negotiation.take()):
-            self.dropped += 1
             return
         super().datagram_received(data, addr)
 

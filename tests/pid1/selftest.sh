@@ -45,6 +45,5 @@ put new_pid "$([ "$(prop MainPID)" != "$pid" ] && echo yes || echo no)"
 systemctl stop appliance.service
 put stop_result "$(prop Result)"
 put stop_status "$(prop ExecMainStatus)"
-put stopped_logged "$(journalctl -u appliance.service --no-pager | grep -c 'appliance: stopped\|stopped$')"
 put done yes
 systemctl poweroff
