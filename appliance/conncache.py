@@ -16,8 +16,10 @@ daemon can release what they held.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import logging
+import os
 import socket
 import struct
 import subprocess
@@ -25,6 +27,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from appliance.bpfmaps import PinnedMap, possible_cpus
@@ -188,6 +191,16 @@ class KernelCache(ConnectionCache):
 
     def __init__(self, config: ConnCacheConfig, sock: socket.socket) -> None:
         super().__init__(config)
+        self._owner = own_pin_dir(config.pin_dir)
+        try:
+            self._load(config, sock)
+        except BaseException:
+            with contextlib.suppress(OSError):  # empty unless the loader got as far as pinning
+                config.pin_dir.rmdir()
+            os.close(self._owner)
+            raise
+
+    def _load(self, config: ConnCacheConfig, sock: socket.socket) -> None:
         defines = [f"MAX_ENTRIES={config.max_entries}", f"RATE_PER_S={max(1, int(config.peer_rate))}",
                    f"BURST={max(1, int(config.peer_burst))}", f"HOST_CID_LENGTH={HOST_CID_LENGTH}"]
         loader = subprocess.run(
@@ -235,6 +248,25 @@ class KernelCache(ConnectionCache):
             (self.config.pin_dir / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # left in place if someone else pinned there too
             self.config.pin_dir.rmdir()
+        os.close(self._owner)  # only now may another daemon take the directory
+
+
+def own_pin_dir(pin_dir: Path) -> int:
+    """Lock pin_dir for this daemon's lifetime (flock on the directory: bpffs holds no plain files, and
+    the kernel drops the lock when the process dies). A second daemon on the same pins is a start error,
+    never a fallback: it would replace the live daemon's maps. OSError: bpffs is not usable there."""
+    try:
+        pin_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"cannot create {pin_dir}: {exc} (is bpffs mounted on /sys/fs/bpf?)") from None
+    fd = os.open(pin_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ApplianceError(f"conncache.pin_dir {pin_dir} belongs to another running daemon; "
+                             "give each daemon its own pin_dir") from None
+    return fd
 
 
 def open_cache(config: ConnCacheConfig, sock: socket.socket) -> ConnectionCache:

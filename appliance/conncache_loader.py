@@ -34,13 +34,9 @@ def load(fd: int, pin_dir: Path, defines: list[str]) -> None:
 
     bpf = BPF(src_file=str(BPF_SOURCE).encode(), cflags=[f"-D{d}" for d in defines])
     program = bpf.load_func(b"conncache_filter", BPF.SOCKET_FILTER)
-    try:
-        pin_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"cannot create {pin_dir}: {exc} (is bpffs mounted on /sys/fs/bpf?)") from None
     for name in MAPS:
         path = pin_dir / name
-        path.unlink(missing_ok=True)  # a previous daemon's map: its connections died with it
+        path.unlink(missing_ok=True)  # a dead daemon's map (the parent holds the pin_dir lock)
         if libbcc.lib.bpf_obj_pin(bpf[name.encode()].map_fd, str(path).encode()) != 0:
             raise OSError(f"cannot pin the map at {path} (is bpffs mounted on /sys/fs/bpf?)")
     sock = socket.socket(fileno=fd)

@@ -125,7 +125,7 @@ class Daemon:
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
         self.models: dict[str, VadModel] = {}
-        self.owns_socket = True
+        self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
 
     # --- start ---
     async def start(self) -> asyncio.base_events.Server:
@@ -142,9 +142,9 @@ class Daemon:
         self.api = Api(manifest, self.models, config.vad)
         self.http = Http1Server(self.api, self._limits(config))
         sock, quic_sock = systemd.listen_sockets()
-        self.owns_socket = sock is None
         if sock is None:
             sock = bind_unix_socket(config.server)
+            self.bound_socket = config.server.socket
         server = await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock)
         if config.quic.enabled:
             from appliance.transport.h3 import H3Server  # aioquic is loaded only where QUIC serves
@@ -165,7 +165,7 @@ class Daemon:
         self.api.ready = True
         where = sock.getsockname() or config.server.socket
         log.info("ready: serving %s on %s%s", ", ".join(self.models), where,
-                 "" if self.owns_socket else " (socket from systemd)")
+                 "" if self.bound_socket else " (socket from systemd)")
         systemd.ready(self.status_text())
         return server
 
@@ -193,6 +193,7 @@ class Daemon:
             server = await self.start()
         except BaseException:
             await self._stop_models()
+            self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
             raise
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
         tasks = [loop.create_task(self._expire_idle_sequences()), loop.create_task(self._report_status())]
@@ -303,10 +304,13 @@ class Daemon:
         if self.h3 is not None:
             self.h3.close()
         await self._stop_models()
-        if self.owns_socket:
-            with contextlib.suppress(FileNotFoundError):
-                Path(self.config.server.socket).unlink()
+        self._remove_socket()
         log.info("stopped")
+
+    def _remove_socket(self) -> None:
+        if self.bound_socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.bound_socket.unlink()
 
     async def _stop_models(self) -> None:
         for model in self.models.values():

@@ -109,11 +109,11 @@ class Daemon:
 
     def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "",
                  tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None,
-                 prefix: tuple[str, ...] = (), extra_conncache: str = "") -> None:
+                 prefix: tuple[str, ...] = (), extra_conncache: str = "", pin_dir: Path | None = None) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
-        self.pin_dir = Path("/sys/fs/bpf") / f"appliance-test-{workdir.parent.name}-{workdir.name}"
+        self.pin_dir = pin_dir or Path("/sys/fs/bpf") / f"appliance-test-{workdir.parent.name}-{workdir.name}"
         quic = (f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
                 f'private_key = "{tls[1]}"\n{extra_quic}'
                 f'[conncache]\npin_dir = "{self.pin_dir}"\n{extra_conncache}') if tls else ""
@@ -197,10 +197,11 @@ def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
 
     def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True,
               tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None,
-              prefix: tuple[str, ...] = (), extra_conncache: str = "") -> Daemon:
+              prefix: tuple[str, ...] = (), extra_conncache: str = "", pin_dir: Path | None = None) -> Daemon:
         workdir = tmp_path / f"d{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env, prefix, extra_conncache)
+        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env, prefix,
+                        extra_conncache, pin_dir)
         started.append(daemon)
         return daemon.wait_ready() if wait else daemon
 

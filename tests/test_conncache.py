@@ -202,3 +202,23 @@ def test_without_privileges_auto_falls_back_and_ebpf_refuses_to_start(start_daem
     with fallback.client("quic") as client:
         assert client.health()["ready"]
     assert fallback.log.read_text().count("eBPF program not loaded") == 1
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")
+def test_one_daemon_owns_a_pin_dir(start_daemon, tls) -> None:
+    first = start(start_daemon, tls, "ebpf")
+    pins = {path.name: path.stat().st_ino for path in first.pin_dir.iterdir()}
+    second = start_daemon(tls=tls, pin_dir=first.pin_dir, wait=False)
+    assert second.proc.wait(60) == 3
+    assert (f"conncache.pin_dir {first.pin_dir} belongs to another running daemon; give each daemon its own "
+            "pin_dir") in second.log.read_text()
+    assert not second.socket.exists(), "a failed start left its socket behind"
+    assert {path.name: path.stat().st_ino for path in first.pin_dir.iterdir()} == pins  # the same maps, not replaced
+    with first.client("quic") as client:
+        assert client.health()["ready"]
+    assert len(peers(first)) == 1  # the first daemon's filter still counts into its maps
+    assert first.stop() == 0 and not first.pin_dir.exists()
+    third = start_daemon(tls=tls, pin_dir=first.pin_dir, extra_conncache='backend = "ebpf"\n')
+    with third.client() as client:  # the dead owner's directory is free again
+        assert client.status()["conncache"]["backend"] == "ebpf"
