@@ -95,7 +95,7 @@ gpu-wheelhouse: | venv
 	$(PY) -m pip download -q --no-deps --no-binary=pycuda -d .gpu/wheels pycuda
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(GPU_PLATFORMS) \
 		-d .gpu/wheels pytools platformdirs mako siphash24 httptools cryptography cffi pycparser aioquic pylsqpack \
-		pyopenssl service-identity pyasn1 pyasn1-modules silero-vad
+		pyopenssl service-identity pyasn1 pyasn1-modules silero-vad soundfile soxr
 	$(PY) -c "import sys; sys.path.insert(0, 'tests'); import numpy as np; from speech import recording, SENTENCES; \
 		np.save('.gpu/speech.npy', recording(SENTENCES)[0])"
 

@@ -1,39 +1,110 @@
-"""Audio in: WAV decoding and framing (pure functions)."""
+"""Audio in: any accepted recording -> float32 mono at the model's rate; framing (pure functions).
+
+One decoder serves every route that takes audio. libsndfile (the `soundfile` wheel) decodes and
+sniffs the container from the bytes, whatever the content type says; soxr resamples. Both run block by
+block, so memory stays near the size of the result, and a result too long is refused from the header.
+"""
 
 from __future__ import annotations
 
 import io
+import struct
 import wave
 
 import numpy as np
+import soundfile as sf
+import soxr
 
-from appliance.errors import BadRequest
+from appliance.errors import ApiError, BadRequest
+
+ACCEPTED = "send WAV (PCM 8/16/24/32-bit or float, 8 to 384 kHz, 1 to 8 channels), FLAC or Ogg (Vorbis, Opus)"
+CONTAINERS = frozenset({"WAV", "WAVEX", "FLAC", "OGG"})  # libsndfile's names; WAVEX is WAVE_FORMAT_EXTENSIBLE
+MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 384000, 8
+BLOCK_FRAMES = 1 << 16  # per read: at most 8 channels x 64 Ki frames x 4 bytes = 2 MiB in flight
+UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's count for a stream whose header gives no length
+# A RIFF or data size this large is a writer's "length unknown" (sox, espeak-ng --stdout, ffmpeg to a
+# pipe): the chunk runs to the end of the file. No body the daemon accepts comes near 2 GiB.
+STREAMED_SIZE = 0x7FFFF000
 
 
-def decode_wav(data: bytes, sample_rate: int) -> np.ndarray:
-    """PCM16 mono WAV at the model's rate -> float32 samples in [-1, 1); anything else is a clear 400."""
+def unsupported(reason: str) -> BadRequest:
+    """The one-line 400 for audio we cannot use: what is wrong, then what is accepted."""
+    return BadRequest(f"audio not supported: {' '.join(reason.split()).rstrip('.')}; {ACCEPTED}")
+
+
+def decode_audio(data: bytes, sample_rate: int, max_seconds: float | None = None) -> np.ndarray:
+    """An accepted recording -> float32 mono samples in [-1, 1] at `sample_rate`.
+
+    Channels are averaged; other rates are resampled (soxr, high quality). Input that is not accepted
+    audio, or is broken, is a 400 naming the problem; a header declaring more than `max_seconds` is a
+    413 before anything is decoded."""
+    if not data:
+        raise unsupported("the body is empty")
     try:
-        with wave.open(io.BytesIO(data)) as w:
-            channels, width, rate, count = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
-            pcm = w.readframes(count)
-    except (wave.Error, EOFError) as exc:
-        raise BadRequest(f"not a PCM WAV file: {exc}") from None
-    problems = []
-    if channels != 1:
-        problems.append(f"{channels} channels (need mono)")
-    if width != 2:
-        problems.append(f"{8 * width}-bit samples (need 16-bit PCM)")
-    if rate != sample_rate:
-        problems.append(f"{rate} Hz (need {sample_rate} Hz)")
-    if problems:
-        raise BadRequest(f"WAV format not supported: {', '.join(problems)}")
-    if len(pcm) < count * 2:
-        raise BadRequest(f"WAV is truncated: header says {count} samples, data holds {len(pcm) // 2}")
-    return np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            _check_header(f, data, max_seconds)
+            return _read_mono(f, sample_rate)
+    except sf.LibsndfileError as exc:
+        raise unsupported(exc.error_string.removeprefix("Error : ")) from None
+
+
+def _check_header(f: sf.SoundFile, data: bytes, max_seconds: float | None) -> None:
+    if f.format not in CONTAINERS:
+        raise unsupported(f"{f.format_info} is not an accepted container")
+    if not MIN_RATE <= f.samplerate <= MAX_RATE:
+        raise unsupported(f"{f.samplerate} Hz is outside {MIN_RATE} to {MAX_RATE} Hz")
+    if not 1 <= f.channels <= MAX_CHANNELS:
+        raise unsupported(f"{f.channels} channels (1 to {MAX_CHANNELS} are accepted)")
+    if f.frames == UNKNOWN_FRAMES:
+        raise unsupported(f"the {f.format} header does not declare the length")
+    if f.format in ("WAV", "WAVEX"):
+        _check_riff(data)  # libsndfile quietly reads what is there; a cut or overrun file is an error here
+    seconds = f.frames / f.samplerate
+    if max_seconds is not None and seconds > max_seconds:
+        raise ApiError(f"audio too long: {seconds:.1f} s declared; at most {max_seconds:.1f} s is accepted", 413)
+
+
+def _check_riff(data: bytes) -> None:
+    """Every chunk of a WAV lies inside both the RIFF size and the body (libsndfile clips and goes on)."""
+    order = ">" if data[:4] == b"RIFX" else "<"  # RIFX: the big-endian WAV
+    (riff_size,) = struct.unpack(order + "I", data[4:8])
+    riff_end = len(data) if riff_size >= STREAMED_SIZE else 8 + riff_size
+    position = 12
+    while position + 8 <= min(riff_end, len(data)):
+        name = data[position:position + 4].decode("latin-1")
+        (size,) = struct.unpack(order + "I", data[position + 4:position + 8])
+        end = position + 8 + size
+        if name == "data" and size >= STREAMED_SIZE:
+            end = min(riff_end, len(data))
+        if end > riff_end:
+            raise unsupported(f"the '{name}' chunk ({size} bytes at byte {position}) runs past the RIFF size "
+                              f"of {riff_size} bytes")
+        if end > len(data):
+            raise unsupported(f"truncated WAV: the '{name}' chunk declares {size} bytes, "
+                              f"the body holds {len(data) - position - 8}")
+        position = end + (size & 1)  # chunks are padded to an even size
+
+
+def _read_mono(f: sf.SoundFile, sample_rate: int) -> np.ndarray:
+    resampler = None if f.samplerate == sample_rate else soxr.ResampleStream(f.samplerate, sample_rate, 1)
+    pieces, count = [], 0
+    while count < f.frames:
+        block = f.read(min(BLOCK_FRAMES, f.frames - count), dtype="float32", always_2d=True)
+        if not len(block):
+            raise unsupported(f"truncated {f.format}: it declares {f.frames} frames, holds {count}")
+        count += len(block)
+        if not np.isfinite(block).all():
+            raise unsupported("samples that are not finite numbers")
+        mono = block[:, 0] if f.channels == 1 else block.mean(axis=1, dtype=np.float32)
+        np.clip(mono, -1.0, 1.0, out=mono)  # float files may hold louder than full scale
+        pieces.append(mono if resampler is None else resampler.resample_chunk(mono))
+    if resampler is not None:
+        pieces.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
 
 def encode_wav(samples: np.ndarray, sample_rate: int) -> bytes:
-    """float32 samples -> PCM16 mono WAV bytes (used by the client and the tests)."""
+    """float32 samples -> PCM16 mono WAV bytes (the tests and the GPU checks send these)."""
     pcm = np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as w:

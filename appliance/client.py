@@ -7,8 +7,12 @@ Both build requests and read responses with the same functions below.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
+import select
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,14 +25,125 @@ import numpy as np
 from appliance.api.tensors import decode_response, encode_request
 
 DEFAULT_MODEL = "silero_vad"
+DEFAULT_CONNECT_TIMEOUT_S = 5.0  # connecting, and the QUIC handshake: an unreachable daemon fails this fast
 
 
 class ClientError(Exception):
+    """Anything a call could not do; `ServerError` and `ConnectError` below say which.
+
+    `status` is the HTTP status the daemon answered with, 0 when it did not answer.
+    """
+
+    status: int = 0
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class ServerError(ClientError):
     """The daemon answered with an error status; `message` is its {"error": ...} text."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
-        self.status, self.message = status, message
+        self.status = status
+        self._message = message
+
+    @property
+    def message(self) -> str:
+        return self._message
+
+
+class ConnectError(ClientError, ConnectionError):
+    """The daemon could not be reached, or the connection to it broke: nothing was answered.
+
+    Also a ConnectionError (an OSError), as it was before this type existed.
+    """
+
+
+class SocketUnreachable(ConnectError):
+    """Connecting to the Unix socket failed; the message names `path` and what is there."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class NoAnswer(ConnectError, TimeoutError):
+    """Nobody answered in time: no QUIC handshake, or no response before the timeout."""
+
+
+class CertificateRejected(ConnectError):
+    """QUIC: the server's certificate does not verify against the client's CA file (or the reverse:
+    the server refused the client's certificate, `by_server`)."""
+
+    def __init__(self, message: str, by_server: bool = False) -> None:
+        super().__init__(message)
+        self.by_server = by_server
+
+
+def parse_quic_address(address: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[IPv6]:PORT' -> (host, port); ValueError saying what is wrong otherwise."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise ValueError(f"{address!r} is not HOST:PORT (an IPv6 address goes in brackets: [::1]:4433)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r}: {port!r} is not a UDP port (1-65535)")
+    return host.strip("[]"), int(port)
+
+
+def describe_path(path: str) -> str:
+    """What is at `path`, in words: 'no such file', 'a regular file (12 bytes)', 'a socket', ..."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+        parent = os.path.dirname(os.path.abspath(path))
+        return "no such file" if os.path.isdir(parent) else f"no such file, nor its directory {parent}"
+    except OSError as exc:
+        return f"cannot look ({(exc.strerror or str(exc)).lower()})"
+    kinds = {stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    for test, kind in kinds.items():
+        if test(st.st_mode):
+            return kind
+    return f"a regular file ({st.st_size} bytes)"
+
+
+def _owner(st: os.stat_result) -> str:
+    import grp
+    import pwd
+
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"{user}:{group}"
+
+
+def unix_connect_error(path: str, exc: OSError, timeout: float) -> SocketUnreachable:
+    """Why connecting to the daemon's Unix socket failed, naming the path and what is there."""
+    there = describe_path(path)
+    if isinstance(exc, (TimeoutError, BlockingIOError)):
+        reason = f"{there} is there but did not accept the connection within {timeout:g} s (the daemon is overloaded?)"
+    elif there == "a socket" and exc.errno == errno.ECONNREFUSED:
+        reason = "a socket file is there but nothing listens on it (stale: the daemon is not running)"
+    elif there == "a socket" and exc.errno in (errno.EACCES, errno.EPERM):
+        st = os.stat(path)
+        reason = (f"a socket is there but this user may not connect to it (permission denied: owner {_owner(st)}, "
+                  f"mode {stat.S_IMODE(st.st_mode):04o}; the daemon's socket_group may)")
+    elif there.startswith("no such file") or there.endswith("which does not exist"):
+        reason = f"{there} (is the daemon running, and is this its socket?)"
+    elif there.startswith("a ") and there != "a socket":
+        reason = f"{there} is there, not a socket"
+    else:
+        reason = f"{there}: {(exc.strerror or str(exc)).lower()}"
+    return SocketUnreachable(f"cannot reach the daemon at {path}: {reason}", path)
 
 
 @dataclass(slots=True)
@@ -91,7 +206,7 @@ def checked(response: HttpResponse) -> HttpResponse:
             message = response.json()["error"]
         except (ValueError, KeyError, TypeError):
             message = response.body.decode("utf-8", "replace")
-        raise ClientError(response.status, message)
+        raise ServerError(response.status, message)
     return response
 
 
@@ -123,13 +238,19 @@ def json_lines(pieces: Iterator[bytes]) -> Iterator[Any]:
         for line in lines:
             doc = json.loads(line)
             if "error" in doc:
-                raise ClientError(200, doc["error"])
+                raise ServerError(200, doc["error"])
             yield doc
 
 
-def segments_call(model: str, wav: bytes, **params: float) -> Call:
+# The daemon finds the format in the bytes and ignores the content type; this only labels the body.
+AUDIO_TYPES = {b"RIFF": "audio/wav", b"RIFX": "audio/wav", b"fLaC": "audio/flac", b"OggS": "audio/ogg"}
+
+
+def segments_call(model: str, audio: bytes, **params: float) -> Call:
+    """A recording (WAV, FLAC or Ogg, as the file holds it) -> the segments route."""
     query = f"?{urlencode(params)}" if params else ""
-    return Call("POST", f"/v2/models/{model}/segments{query}", wav, (("content-type", "audio/wav"),))
+    content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
+    return Call("POST", f"/v2/models/{model}/segments{query}", audio, (("content-type", content_type),))
 
 
 class UnixTransport:
@@ -137,12 +258,17 @@ class UnixTransport:
 
     `busy_poll_s`: spin on the socket this long before sleeping in recv. A latency-critical
     on-box app trades a core for the wake-up of a sleeping CPU (tens of microseconds in a VM).
+    `connect_timeout`: how long connecting may take; `timeout`: how long the daemon may be silent.
+    Connection failures raise `ConnectError` (naming the path and what is there), silence `NoAnswer`.
     """
 
-    def __init__(self, socket_path: str, timeout: float, busy_poll_s: float = 0.0) -> None:
+    def __init__(self, socket_path: str, timeout: float, busy_poll_s: float = 0.0,
+                 connect_timeout: float | None = None) -> None:
         self.socket_path, self.timeout, self.busy_poll_s = socket_path, timeout, busy_poll_s
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self._sock: socket.socket | None = None
         self._reader = ResponseReader()
+        self._cut_short = False  # the daemon answered before it had the whole request
 
     def close(self) -> None:
         if self._sock is not None:
@@ -151,10 +277,15 @@ class UnixTransport:
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.settimeout(self.timeout)
-            self._sock.connect(self.socket_path)
-            self._reader = ResponseReader()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.connect_timeout)
+            try:
+                sock.connect(self.socket_path)
+            except OSError as exc:
+                sock.close()
+                raise unix_connect_error(self.socket_path, exc, self.connect_timeout) from None
+            sock.settimeout(self.timeout)
+            self._sock, self._reader, self._cut_short = sock, ResponseReader(), False
         return self._sock
 
     def stream(self, call: Call) -> Iterator[bytes]:
@@ -162,14 +293,15 @@ class UnixTransport:
         sock, reader = self._connect(), self._reader
         reader.status, reader.arrived = 0, []  # what is left of the previous response is not ours
         try:
-            sock.sendall(call.encode())
+            self._write(sock, reader, call.encode())
             while not reader.done:
                 if reader.status and reader.status < 400 and reader.arrived:
                     pieces, reader.arrived = reader.arrived, []
                     yield from pieces
                 self._read(sock, reader)
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            self._raise_as_client_error(exc)
             raise
         checked(self._take(reader))
         yield from reader.arrived
@@ -177,27 +309,64 @@ class UnixTransport:
     def send(self, call: Call) -> HttpResponse:
         sock, reader = self._connect(), self._reader
         try:
-            sock.sendall(call.encode())
+            self._write(sock, reader, call.encode())
             if self.busy_poll_s:
                 self._busy_poll(sock, reader)
             while not reader.done:
                 self._read(sock, reader)
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            self._raise_as_client_error(exc)
             raise
         return self._take(reader)
 
-    @staticmethod
-    def _read(sock: socket.socket, reader: ResponseReader) -> None:
+    def _raise_as_client_error(self, exc: BaseException) -> None:
+        """An OSError on an open connection, said as what it means for the call."""
+        if isinstance(exc, ClientError) or not isinstance(exc, OSError):
+            return
+        if isinstance(exc, TimeoutError):
+            raise NoAnswer(f"the daemon at {self.socket_path} did not answer within {self.timeout:g} s") from None
+        raise ConnectError(f"the connection to the daemon at {self.socket_path} broke before it answered "
+                           f"({exc.strerror or exc})") from None
+
+    def _write(self, sock: socket.socket, reader: ResponseReader, data: bytes) -> None:
+        """Send the request, reading while it goes out: the daemon may answer before it has the whole
+        body (413 for one over its limit) and stop reading or close; that answer is the call's answer,
+        not a broken pipe."""
+        try:
+            view = memoryview(data)[sock.send(data):]
+            if not view:
+                return
+            poller = select.poll()  # not select(): that fails for descriptors past 1023
+            poller.register(sock, select.POLLIN | select.POLLOUT)
+            deadline = time.monotonic() + self.timeout
+            while view:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                for _, events in poller.poll(remaining * 1000):
+                    if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                        self._read(sock, reader)
+                        if reader.done:
+                            self._cut_short = True
+                            return
+                    elif events & select.POLLOUT:
+                        view = view[sock.send(view):]
+                        deadline = time.monotonic() + self.timeout
+        except (BrokenPipeError, ConnectionResetError):
+            self._cut_short = True  # the daemon stopped reading; its answer, if it sent one, is read next
+
+    def _read(self, sock: socket.socket, reader: ResponseReader) -> None:
         data = sock.recv(1 << 20)
         if not data:
-            raise ConnectionError("the daemon closed the connection")
+            what = "before it answered" if not reader.status else "in the middle of its answer"
+            raise ConnectError(f"the daemon at {self.socket_path} closed the connection {what}")
         reader.feed(data)
 
     def _take(self, reader: ResponseReader) -> HttpResponse:
-        """The completed response; the connection closes if the daemon said so."""
+        """The completed response; the connection closes if the daemon said so, or answered early."""
         response = reader.done.pop(0)
-        if response.headers.get("connection") == "close":
+        if response.headers.get("connection") == "close" or self._cut_short:
             self.close()
         return response
 
@@ -218,18 +387,32 @@ class QuicTransport:
     """HTTP/3 to HOST:PORT on a private event loop thread, so blocking callers can use it."""
 
     def __init__(self, address: str, cafile: str | None, timeout: float,
-                 certificate: tuple[str, str] | None = None, local_host: str = "") -> None:
+                 certificate: tuple[str, str] | None = None, local_host: str = "",
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         from appliance.quic_client import QuicSession  # aioquic is only needed by QUIC callers
 
-        self.timeout = timeout
+        self.address, self.timeout = address, timeout
+        self._session = QuicSession(address, cafile, certificate, local_host, connect_timeout)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="quic-client", daemon=True)
         self._thread.start()
-        self._session = QuicSession(address, cafile, certificate, local_host)
+
+    def _run(self, coroutine: Any) -> Any:
+        """Run on the client's loop; silence past the timeout is `NoAnswer`, a broken connection `ConnectError`."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(self.timeout)
+        except ClientError:
+            raise
+        except TimeoutError:
+            future.cancel()
+            raise NoAnswer(f"no answer from {self.address} over QUIC within {self.timeout:g} s") from None
+        except ConnectionError as exc:
+            raise ConnectError(f"the QUIC connection to {self.address} broke before it answered "
+                               f"({str(exc) or type(exc).__name__})") from None
 
     def send(self, call: Call) -> HttpResponse:
-        future = asyncio.run_coroutine_threadsafe(self._session.send(call), self._loop)
-        return future.result(self.timeout)
+        return self._run(self._session.send(call))
 
     def stream(self, call: Call) -> Iterator[bytes]:
         """Send one call; yield its body in pieces as they arrive (an error status raises first)."""
@@ -239,7 +422,7 @@ class QuicTransport:
             return await anext(parts, None)
 
         def step() -> Any:
-            return asyncio.run_coroutine_threadsafe(next_part(), self._loop).result(self.timeout)
+            return self._run(next_part())
 
         headers = dict(step())
         status = int(headers.pop(":status", "0"))
@@ -259,12 +442,19 @@ class Client:
 
     def __init__(self, socket_path: str | None = None, timeout: float = 120.0, busy_poll_s: float = 0.0,
                  quic: str | None = None, cafile: str | None = None,
-                 certificate: tuple[str, str] | None = None, local_host: str = "") -> None:
+                 certificate: tuple[str, str] | None = None, local_host: str = "",
+                 connect_timeout: float | None = None) -> None:
+        """`timeout`: how long the daemon may be silent; `connect_timeout`: how long connecting may take
+        (default: the QUIC handshake DEFAULT_CONNECT_TIMEOUT_S, a Unix socket `timeout`, where only a
+        full backlog makes it wait). Errors: `ServerError` (it answered 4xx/5xx), `ConnectError` (not
+        reached, or the connection broke; `SocketUnreachable`, `NoAnswer`, `CertificateRejected` are
+        kinds of it), both `ClientError`."""
         self.transport: UnixTransport | QuicTransport
         if quic is not None:
-            self.transport = QuicTransport(quic, cafile, timeout, certificate, local_host)
+            self.transport = QuicTransport(quic, cafile, timeout, certificate, local_host,
+                                           DEFAULT_CONNECT_TIMEOUT_S if connect_timeout is None else connect_timeout)
         elif socket_path is not None:
-            self.transport = UnixTransport(socket_path, timeout, busy_poll_s)
+            self.transport = UnixTransport(socket_path, timeout, busy_poll_s, connect_timeout)
         else:
             raise ValueError("Client needs a socket path or quic='host:port'")
 
@@ -324,7 +514,10 @@ class AsyncClient:
 
     async def send(self, call: Call) -> HttpResponse:
         if self._streams is None:
-            self._streams = await asyncio.open_unix_connection(self.socket_path, limit=1 << 22)
+            try:
+                self._streams = await asyncio.open_unix_connection(self.socket_path, limit=1 << 22)
+            except OSError as exc:
+                raise unix_connect_error(self.socket_path, exc, 0.0) from None
             self._reader = ResponseReader()
         stream_in, stream_out = self._streams
         stream_out.write(call.encode())
@@ -332,7 +525,7 @@ class AsyncClient:
             data = await stream_in.read(1 << 20)
             if not data:
                 await self.close()
-                raise ConnectionError("the daemon closed the connection")
+                raise ConnectError(f"the daemon at {self.socket_path} closed the connection before it answered")
             self._reader.feed(data)
         return self._reader.done.pop(0)
 

@@ -42,7 +42,7 @@ class QuicConfig:
     # the box's own identity, made at first start (`appliance tls init`) and kept with its state
     certificate: Path = Path("/var/lib/appliance/tls/cert.pem")
     private_key: Path = Path("/var/lib/appliance/tls/key.pem")
-    client_ca: Path = Path("")  # set: mutual TLS, clients need a certificate signed by a CA in this file
+    client_ca: Path = Path("")  # "" (unset): no client certificates; set: mutual TLS, clients need one this CA signed
     idle_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 10.0  # a request stream that goes quiet this long gets a 408
     max_connections: int = 256
@@ -106,7 +106,7 @@ class Config:
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
     vad: VadConfig = field(default_factory=VadConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    sources: tuple[Path, ...] = ()
+    sources: tuple[Path, ...] = field(default=(), compare=False)  # where it came from, not what it is
 
 
 CHOICES = {("engine", "device"): ("cpu", "cuda", "auto"), ("conncache", "backend"): ("auto", "ebpf", "user"), ("log", "level"): ("debug", "info", "warning", "error")}
@@ -158,15 +158,20 @@ def _read_file(path: Path) -> dict[str, dict[str, Any]]:
                 raise ApplianceError(_baked_message(path, f"{section}.{key}", data))
             if key not in hints:
                 raise ApplianceError(f"{path}: {section}.{key}: unknown key (known: {', '.join(hints)})")
-            values[key] = _coerce(path, f"{section}.{key}", hints[key], value)
+            default = getattr(_SECTION_TYPES[section](), key)
+            values[key] = _coerce(path, f"{section}.{key}", hints[key], value, optional=default == Path(""))
         out[section] = values
     return out
 
 
-def _coerce(path: Path, key: str, kind: type, value: Any) -> Any:
+def _coerce(path: Path, key: str, kind: type, value: Any, optional: bool = False) -> Any:
     if kind is Path:
         if not isinstance(value, str):
             raise ApplianceError(f"{path}: {key}: expected a path string, got {value!r}")
+        if value == "":  # unset, for the paths that may be (client_ca); never "the config file's directory"
+            if optional:
+                return Path("")
+            raise ApplianceError(f"{path}: {key}: must not be empty")
         p = Path(value)
         return p if p.is_absolute() else (path.parent / p).resolve()
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -245,13 +250,60 @@ def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
 
 
 def to_toml(config: Config) -> str:
-    """The merged config as TOML, for `appliance config check`."""
-    lines = [f"# merged from: {', '.join(str(p) for p in config.sources) or 'defaults only'}"]
+    """The merged config as TOML, for `appliance config check`; `load` reads it back to an equal Config."""
+    merged = ", ".join(str(p) for p in config.sources).replace("\n", "\\n").replace("\r", "\\r")
+    lines = [f"# merged from: {merged or 'defaults only'}"]
     for section in _SECTIONS:
         lines.append(f"\n[{section}]")
-        for key, value in dataclasses.asdict(getattr(config, section)).items():
-            if isinstance(value, (str, Path)):
-                lines.append(f'{key} = "{value}"')
+        for f in dataclasses.fields(getattr(config, section)):
+            value = getattr(getattr(config, section), f.name)
+            if value is None:  # TOML has no null: an unset optional value is left out, as in the files
+                lines.append(f"# {f.name} is not set")
             else:
-                lines.append(f"{key} = {str(value).lower() if isinstance(value, bool) else value}")
+                lines.append(f"{f.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # the shortest text that reads back as the same float ("30.0", "1e-07")
+    if isinstance(value, Path):
+        return _toml_string("" if value == Path("") else str(value))  # Path("") is unset, not "."
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+class Live:
+    """The running config, one holder for the whole daemon. SIGHUP replaces `config` as a whole (keys
+    that need a restart keep their running values, see apply_live); each component reads the setting
+    it needs when it uses it, so none keeps a stale copy."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config

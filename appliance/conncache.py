@@ -26,10 +26,10 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from appliance.api.peers import Peer, Totals
 from appliance.bpfmaps import PinnedMap, possible_cpus
 from appliance.config import ConnCacheConfig
 from appliance.conncache_loader import MAPS
@@ -48,37 +48,18 @@ def peer_name(addr: tuple[Any, ...]) -> str:
     return f"{ip}:{addr[1]}" if ip.version == 4 else f"[{ip}]:{addr[1]}"
 
 
-@dataclass(slots=True)
-class Peer:
-    address: str
-    first_seen: float  # time.monotonic() seconds
-    last_seen: float
-    packets: int = 0
-    bytes: int = 0
-    drops: int = 0
-    dcid: str = ""  # hex
-
-    def as_dict(self, now: float) -> dict[str, Any]:
-        return {"peer": self.address, "age_s": round(now - self.first_seen, 3), "idle_s": round(now - self.last_seen, 3),
-                "packets": self.packets, "bytes": self.bytes, "drops": self.drops, "dcid": self.dcid}
-
-
-@dataclass(slots=True)
-class Totals:
-    packets: int = 0
-    bytes: int = 0
-    drops: int = 0
-    peers_seen: int = 0
-
-
 class ConnectionCache:
     """What both backends share: the idle and eviction sweep."""
 
     backend = ""
     reason = ""  # why this backend (set when the kernel one could not load)
 
-    def __init__(self, config: ConnCacheConfig) -> None:
-        self.config = config
+    def __init__(self, settings: Callable[[], ConnCacheConfig]) -> None:
+        self._settings = settings  # the live config's section: a reload changes the idle timeout
+
+    @property
+    def config(self) -> ConnCacheConfig:
+        return self._settings()
 
     def admit(self, data: bytes, addr: tuple[Any, ...]) -> bool:
         """Count one datagram; False: over the peer's budget, drop it."""
@@ -131,8 +112,8 @@ class UserSpaceCache(ConnectionCache):
 
     backend = "user"
 
-    def __init__(self, config: ConnCacheConfig, reason: str = "") -> None:
-        super().__init__(config)
+    def __init__(self, settings: Callable[[], ConnCacheConfig], reason: str = "") -> None:
+        super().__init__(settings)
         self.reason = reason
         self._entries: OrderedDict[str, tuple[Peer, TokenBucket]] = OrderedDict()
         self._totals = Totals()
@@ -189,8 +170,9 @@ class KernelCache(ConnectionCache):
     STATS = struct.Struct("<7QB20s")  # struct peer_stats, up to its tail padding (80 bytes)
     STATS_SIZE = 80
 
-    def __init__(self, config: ConnCacheConfig, sock: socket.socket) -> None:
-        super().__init__(config)
+    def __init__(self, settings: Callable[[], ConnCacheConfig], sock: socket.socket) -> None:
+        super().__init__(settings)
+        config = self.config
         self._owner = own_pin_dir(config.pin_dir)
         try:
             self._load(config, sock)
@@ -269,16 +251,17 @@ def own_pin_dir(pin_dir: Path) -> int:
     return fd
 
 
-def open_cache(config: ConnCacheConfig, sock: socket.socket) -> ConnectionCache:
+def open_cache(settings: Callable[[], ConnCacheConfig], sock: socket.socket) -> ConnectionCache:
     """The kernel backend where it loads; else the user-space one, with the reason (logged once).
-    `backend = "ebpf"` makes a failure to load a start-up error."""
+    `backend = "ebpf"` makes a failure to load a start-up error. `settings`: the live config's section."""
+    config = settings()
     if config.backend == "user":
-        return UserSpaceCache(config, "backend = \"user\" in config")
+        return UserSpaceCache(settings, "backend = \"user\" in config")
     try:
-        return KernelCache(config, sock)
+        return KernelCache(settings, sock)
     except (OSError, subprocess.SubprocessError) as exc:  # the loader's reason, or the maps' pins
         reason = str(exc)
     if config.backend == "ebpf":
         raise ApplianceError(f"conncache: backend = \"ebpf\" but the eBPF program cannot load: {reason}")
     log.warning("conncache: eBPF program not loaded (%s); the user-space table serves with the same limits", reason)
-    return UserSpaceCache(config, reason)
+    return UserSpaceCache(settings, reason)

@@ -11,7 +11,6 @@ import contextlib
 import grp
 import logging
 import os
-import signal
 import socket
 import stat
 import sys
@@ -22,12 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from appliance import config as config_files
-from appliance import firmware, systemd
+from appliance import exitcodes, firmware, signals, systemd
 from appliance.api.core import Api
-from appliance.config import Config, ServerConfig
+from appliance.config import Config, Live, ServerConfig
 from appliance.engine import load_engine
 from appliance.errors import ApplianceError
-from appliance.transport.http1 import Http1Server, Limits
+from appliance.transport.http1 import Http1Server
 
 if TYPE_CHECKING:
     from appliance.transport.h3 import H3Server
@@ -35,22 +34,19 @@ from appliance.vad import VadModel
 
 log = logging.getLogger("appliance")
 
-EXIT_START_FAILED = 3
+EXIT_START_FAILED = exitcodes.START_FAILED
+EXIT_ABANDONED = 1  # stopped, but work was abandoned in a wedged engine
 EXPIRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
 CONNCACHE_SWEEP_S = 1.0
+ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to finish its batch
+STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process exits, blocked or not
 
 
-def load_models(config: Config, bundle: firmware.Bundle) -> dict[str, VadModel]:
-    models = {}
-    for spec in bundle.manifest.models:
-        engine = load_engine(config.engine.device, bundle, spec, config.engine.threads)
-        models[spec.name] = VadModel(
-            spec, bundle.manifest.baked, engine,
-            max_live=config.sequences.max_live, idle_timeout_s=config.sequences.idle_timeout_s,
-            queue_delay_s=config.engine.queue_delay_us / 1e6,
-        )
-    return models
+def load_models(live: Live, bundle: firmware.Bundle) -> dict[str, VadModel]:
+    engine = live.config.engine
+    return {spec.name: VadModel(spec, bundle.manifest.baked, load_engine(engine.device, bundle, spec, engine.threads), live)
+            for spec in bundle.manifest.models}
 
 
 async def probe(model: VadModel) -> None:
@@ -119,13 +115,18 @@ def configure_logging(level: str) -> None:
 
 class Daemon:
     def __init__(self, config: Config, config_paths: list[Path] | None) -> None:
-        self.config, self.config_paths = config, config_paths
+        self.live, self.config_paths = Live(config), config_paths
         self.stopping = asyncio.Event()
         self.api: Api | None = None
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
         self.models: dict[str, VadModel] = {}
+        self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
+
+    @property
+    def config(self) -> Config:
+        return self.live.config
 
     # --- start ---
     async def start(self) -> asyncio.base_events.Server:
@@ -134,13 +135,13 @@ class Daemon:
         manifest = bundle.manifest
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
-        self.models = load_models(config, bundle)
+        self.models = load_models(self.live, bundle)
         for model in self.models.values():
             model.start()
             await probe(model)
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
-        self.api = Api(manifest, self.models, config.vad)
-        self.http = Http1Server(self.api, self._limits(config))
+        self.api = Api(manifest, self.models, self.live)
+        self.http = Http1Server(self.api, self.live)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -150,13 +151,13 @@ class Daemon:
             from appliance.transport.h3 import H3Server  # aioquic is loaded only where QUIC serves
 
             try:
-                self.h3 = H3Server(self.api, self.http.limits, config.quic)
-                await self.h3.start(config.conncache, quic_sock)
+                self.h3 = H3Server(self.api, self.live)
+                await self.h3.start(quic_sock)
             except (OSError, ValueError) as exc:
                 where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"
                 raise ApplianceError(f"quic: cannot listen on {where} with {config.quic.certificate}: {exc}") from None
             log.info("quic: HTTP/3 on UDP port %d%s", self.h3.port, " (socket from systemd)" if quic_sock else "")
-            self.api.conncache = self.h3.cache
+            self.api.peer_table = self.h3.cache
             log.info("conncache: %s backend, up to %d peers, %g packets/s per peer (burst %g)",
                      self.h3.cache.backend, config.conncache.max_entries, config.conncache.peer_rate,
                      config.conncache.peer_burst)
@@ -168,10 +169,6 @@ class Daemon:
                  "" if self.bound_socket else " (socket from systemd)")
         systemd.ready(self.status_text())
         return server
-
-    @staticmethod
-    def _limits(config: Config) -> Limits:
-        return Limits(config.server.max_body_bytes, config.server.max_header_bytes, config.server.max_connections)
 
     def status_text(self, rate: float | None = None) -> str:
         assert self.api is not None
@@ -186,9 +183,7 @@ class Daemon:
     # --- run ---
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, self._overdue)
         try:
             server = await self.start()
         except BaseException:
@@ -260,28 +255,14 @@ class Daemon:
             systemd.ready(f"{self.status_text()}; last reload failed: {exc}")
             return
         applied, live, restart = config_files.apply_live(self.config, new)
-        self.apply(applied)
+        self.live.config = applied  # every component reads its settings from here at its next use
+        logging.getLogger().setLevel(applied.log.level.upper())
         if live:
             log.info("reload: applied %s", ", ".join(live))
         if restart:
             log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
         note = f"; needs restart for {', '.join(restart)}" if restart else ""
         systemd.ready(self.status_text() + note)
-
-    def apply(self, config: Config) -> None:
-        assert self.api is not None and self.http is not None
-        self.config = config
-        logging.getLogger().setLevel(config.log.level.upper())
-        self.api.vad_defaults = config.vad
-        self.http.limits = self._limits(config)
-        if self.h3 is not None:
-            self.h3.limits = self.http.limits
-            if self.h3.cache is not None:
-                self.h3.cache.config = config.conncache
-        for model in self.models.values():
-            model.sequences.max_live = config.sequences.max_live
-            model.sequences.idle_timeout_s = config.sequences.idle_timeout_s
-            model.engine_loop.queue_delay_s = config.engine.queue_delay_us / 1e6
 
     # --- stop ---
     async def shutdown(self, server: asyncio.base_events.Server) -> None:
@@ -312,16 +293,38 @@ class Daemon:
             with contextlib.suppress(FileNotFoundError):
                 self.bound_socket.unlink()
 
+    def _stop_deadline_s(self) -> float:
+        return self.config.server.shutdown_grace_s + STOP_MARGIN_S
+
+    def _overdue(self) -> None:
+        """From the signal thread: the stop did not end in time, so the event loop itself is blocked
+        (an engine call that never returns, run on the loop). Say what is lost and exit."""
+        in_flight = (self.http.in_flight if self.http else 0) + (self.h3.in_flight if self.h3 else 0)
+        sequences = sum(len(m.sequences) for m in self.models.values())
+        log.error("stopping: still running %.0f s after the stop signal (the event loop is blocked, an engine "
+                  "call is wedged); abandoned %d requests in flight and %d open sequences, exiting",
+                  self._stop_deadline_s(), in_flight, sequences)
+        logging.shutdown()
+        os._exit(EXIT_ABANDONED)
+
     async def _stop_models(self) -> None:
         for model in self.models.values():
-            await model.stop()
+            if not await model.stop(ENGINE_STOP_S):
+                self.abandoned.append(model.name)
+                log.error("stopping: the engine of model %s did not finish its batch within %.0f s (wedged); "
+                          "abandoned it", model.name, ENGINE_STOP_S)
 
 
 def run(config: Config, config_paths: list[Path] | None) -> int:
     configure_logging(config.log.level)
+    daemon = Daemon(config, config_paths)
     try:
-        return asyncio.run(Daemon(config, config_paths).run())
+        code = asyncio.run(daemon.run())
     except ApplianceError as exc:
         log.error("start failed: %s", exc)
         systemd.status(f"start failed: {exc}")
-        return EXIT_START_FAILED
+        code = EXIT_START_FAILED
+    if daemon.abandoned:  # the interpreter's exit would join the wedged engine thread forever
+        logging.shutdown()
+        os._exit(EXIT_ABANDONED)
+    return code

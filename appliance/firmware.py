@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance import keys
 from appliance.errors import ApplianceError
+from appliance.progress import QUIET, Advance, Progress, ignore
 
 FORMAT_VERSION = 1
 BAKED_PARAMETERS = ("max_tokens_per_shard", "split_algorithm", "fallback_cpu_threshold", "max_batch")
@@ -260,17 +261,33 @@ def sign(directory: Path, manifest: Manifest, private: Ed25519PrivateKey) -> Non
     keys.write_signed(directory, asdict(manifest), private)
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, advance: Advance = ignore) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
+            advance(len(block))
     return digest.hexdigest()
+
+
+def copy_file(source: Path, dest: Path, advance: Advance = ignore) -> None:
+    """shutil.copyfile, block by block, so that a progress bar can follow it."""
+    with source.open("rb") as src, dest.open("wb") as dst:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            dst.write(block)
+            advance(len(block))
+
+
+def hash_files(directory: Path, relatives: list[str], progress: Progress, desc: str) -> dict[str, str]:
+    """The sha256 of each file under directory, as one progress phase."""
+    total = sum((directory / r).stat().st_size for r in relatives)
+    with progress.phase(desc, total) as advance:
+        return {r: sha256_file(directory / r, advance) for r in relatives}
 
 
 # --- verify ------------------------------------------------------------------------------------------
 
-def verify(bundle_dir: Path, trust_dir: Path) -> Bundle:
+def verify(bundle_dir: Path, trust_dir: Path, progress: Progress = QUIET) -> Bundle:
     """Return the bundle if its signature verifies against a trusted key and every hash matches.
 
     Every failure is one ApplianceError naming the file and the reason.
@@ -278,14 +295,17 @@ def verify(bundle_dir: Path, trust_dir: Path) -> Bundle:
     manifest_path = bundle_dir / MANIFEST
     data = keys.read_signed(bundle_dir, trust_dir, "a firmware")
     manifest = _manifest_from_data(data, str(manifest_path))
-    for relative, expected in sorted(manifest.artifacts.items()):
-        path = bundle_dir / relative
+    artifacts = sorted(manifest.artifacts.items())
+    for relative, _ in artifacts:
         if Path(relative).is_absolute() or ".." in Path(relative).parts:
             raise ApplianceError(f"{manifest_path}: artifact path {relative!r} leaves the bundle")
-        if not path.is_file():
-            raise ApplianceError(f"{path}: artifact listed in the manifest is missing")
-        if sha256_file(path) != expected:
-            raise ApplianceError(f"{path}: sha256 does not match the manifest (file altered)")
+        if not (bundle_dir / relative).is_file():
+            raise ApplianceError(f"{bundle_dir / relative}: artifact listed in the manifest is missing")
+    total = sum((bundle_dir / relative).stat().st_size for relative, _ in artifacts)
+    with progress.phase(f"verify {bundle_dir}", total) as advance:
+        for relative, expected in artifacts:
+            if sha256_file(bundle_dir / relative, advance) != expected:
+                raise ApplianceError(f"{bundle_dir / relative}: sha256 does not match the manifest (file altered)")
     for model in manifest.models:
         if model.file not in manifest.artifacts:
             raise ApplianceError(f"{manifest_path}: model {model.name} file {model.file} is not a hashed artifact")
@@ -341,9 +361,9 @@ def _check_against_graph(model_path: Path, model: ModelSpec, where: str) -> None
             raise ApplianceError(f"{where}: state pair {pair.input}->{pair.output} is not in the graph")
 
 
-def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> dict[str, str]:
+def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> list[str]:
     """The `cuda` target: the model's weights in the kernels' layouts, and the kernels compiled
-    with the baked values; returns their artifact hashes."""
+    with the baked values; returns their artifact paths (relative to the bundle)."""
     import numpy as np
 
     from appliance import kernels
@@ -356,11 +376,10 @@ def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> di
     with open(staging / relative, "wb") as f:
         np.savez(f, **weights)
     binaries = kernels.compile_vad_kernels(baked, model.audio, staging / "kernels")
-    files = [relative, *(str(p.relative_to(staging)) for p in binaries)]
-    return {name: sha256_file(staging / name) for name in files}
+    return [relative, *(str(p.relative_to(staging)) for p in binaries)]
 
 
-def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
+def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = QUIET) -> Manifest:
     """Build and sign a bundle from a firmware spec; the output directory is replaced atomically."""
     try:
         spec = tomllib.loads(spec_path.read_text())
@@ -379,29 +398,31 @@ def build(spec_path: Path, key_path: Path, out_dir: Path) -> Manifest:
     staging.chmod(0o755)
     try:
         (staging / "models").mkdir()
-        models, artifacts, plans = [], {}, []
+        models, files, plans = [], [], []
         for m in r.tables("models"):
             fields = _read_model_fields(m)
             source = _resolve_source(m.get("source", dict), spec_path, f"{m.where}.source")
             audio = _read_audio(m)
             m.done()
             relative = f"models/{fields['name']}.onnx"
-            shutil.copyfile(source, staging / relative)
+            with progress.phase(f"copy {relative}", source.stat().st_size) as advance:
+                copy_file(source, staging / relative, advance)
             model = ModelSpec(file=relative, audio=audio, **fields)
             _check_against_graph(staging / relative, model, m.where)
             models.append(model)
-            artifacts[relative] = sha256_file(staging / relative)
+            files.append(relative)
             if "cuda" in targets:
-                artifacts.update(_build_cuda(staging, model, baked, m.where))
+                files += _build_cuda(staging, model, baked, m.where)
             if "tensorrt" in targets:
                 from appliance.engine import tensorrt
 
                 plan = tensorrt.build_plan(staging, model, baked, out_dir.parent / "tensorrt-timing.cache")
-                artifacts[plan.file] = sha256_file(staging / plan.file)
+                files.append(plan.file)
                 plans.append(plan)
         r.done()
         if not models:
             raise ApplianceError(f"{spec_path}: no [[models]]")
+        artifacts = hash_files(staging, files, progress, "hash artifacts")
         manifest = Manifest(
             format=FORMAT_VERSION, name=name, version=version,
             built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -24,6 +24,7 @@ from typing import Callable
 from appliance import firmware, keys
 from appliance.durable import PARTIAL, fsync_path, replace_file
 from appliance.errors import ApplianceError
+from appliance.progress import QUIET, Progress
 
 STORE = Path("/var/lib/appliance/firmware")
 RELEASES = "releases"
@@ -75,25 +76,27 @@ def _point(store: Store, name: str, release: Path | None) -> None:
     fsync_path(store.root)
 
 
-def install(store: Store, source: Path, trust_dir: Path) -> Path:
+def install(store: Store, source: Path, trust_dir: Path, progress: Progress = QUIET) -> Path:
     """Copy a verified bundle into the store and verify the copy; returns its release directory."""
-    manifest = firmware.verify(source, trust_dir).manifest
+    manifest = firmware.verify(source, trust_dir, progress).manifest
     release = store.releases / f"{manifest.name}-{manifest.version}-{manifest.signing_key_id[:8]}-" \
                                f"{firmware.sha256_file(source / firmware.MANIFEST)[:12]}"
     if release.is_dir():
-        firmware.verify(release, trust_dir)  # installed before: still intact
+        firmware.verify(release, trust_dir, progress)  # installed before: still intact
         return release
     store.releases.mkdir(parents=True, exist_ok=True)
     partial = release.with_name(release.name + PARTIAL)
     shutil.rmtree(partial, ignore_errors=True)
     # Only what the signature covers is copied: the manifest, its signature and the listed artifacts.
-    for relative in (keys.MANIFEST, keys.SIGNATURE, *manifest.artifacts):
-        (partial / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source / relative, partial / relative)
-        fsync_path(partial / relative)
+    covered = (keys.MANIFEST, keys.SIGNATURE, *manifest.artifacts)
+    with progress.phase(f"copy {source} to {partial}", sum((source / r).stat().st_size for r in covered)) as advance:
+        for relative in covered:
+            (partial / relative).parent.mkdir(parents=True, exist_ok=True)
+            firmware.copy_file(source / relative, partial / relative, advance)
+            fsync_path(partial / relative)
     for directory in sorted({(partial / r).parent for r in manifest.artifacts} | {partial}, reverse=True):
         fsync_path(directory)
-    firmware.verify(partial, trust_dir)  # the copy as written
+    firmware.verify(partial, trust_dir, progress)  # the copy as written
     partial.rename(release)
     fsync_path(store.releases)
     return release

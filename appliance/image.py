@@ -24,11 +24,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from appliance import keys
 from appliance.durable import fsync_path, replace_file
 from appliance.errors import ApplianceError
+from appliance.progress import QUIET, Advance, Progress, ignore
 
 FORMAT_VERSION = 1
 DISK = "disk.raw"
@@ -132,20 +133,22 @@ def _read_range(path: Path, offset: int, size: int) -> Iterator[bytes]:
             yield block
 
 
-def sha256_range(path: Path, offset: int, size: int) -> str:
+def sha256_range(path: Path, offset: int, size: int, advance: Advance = ignore) -> str:
     digest = hashlib.sha256()
     for block in _read_range(path, offset, size):
         digest.update(block)
+        advance(len(block))
     return digest.hexdigest()
 
 
-def sign(image_dir: Path, key_path: Path, name: str, version: str) -> ImageManifest:
+def sign(image_dir: Path, key_path: Path, name: str, version: str, progress: Progress = QUIET) -> ImageManifest:
     """Hash every region of image_dir/disk.raw and write the signed manifest next to it."""
     disk = image_dir / DISK
     if disk.stat().st_size != DISK_SIZE:
         raise ApplianceError(f"{disk}: {disk.stat().st_size} bytes, the layout needs {DISK_SIZE}")
     private = keys.load_private_key(key_path)
-    regions = tuple(Region(n, o, s, sha256_range(disk, o, s)) for n, o, s in _regions())
+    with progress.phase(f"hash {disk}", DISK_SIZE) as advance:
+        regions = tuple(Region(n, o, s, sha256_range(disk, o, s, advance)) for n, o, s in _regions())
     manifest = ImageManifest(FORMAT_VERSION, name, version, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                              keys.key_id(private.public_key()), DISK_SIZE, regions)
     keys.write_signed(image_dir, asdict(manifest), private)
@@ -166,22 +169,25 @@ def verify_signature(image_dir: Path, trust_dir: Path) -> ImageManifest:
     return manifest
 
 
-def check_regions(path: Path, base: int, regions: tuple[Region, ...], what: str) -> None:
+def check_regions(path: Path, base: int, regions: tuple[Region, ...], what: str, progress: Progress = QUIET,
+                  phase: str | None = None) -> None:
     """Every region's bytes, read from `path` at base + region offset, hash as the manifest says."""
-    for region in regions:
-        if sha256_range(path, base + region.offset, region.size) != region.sha256:
-            raise ApplianceError(f"{what}: region {region.name} (bytes {region.offset}..{region.offset + region.size})"
-                                 " does not match the signed manifest (altered or badly written)")
+    with progress.phase(phase or f"verify {what}", sum(r.size for r in regions)) as advance:
+        for region in regions:
+            if sha256_range(path, base + region.offset, region.size, advance) != region.sha256:
+                raise ApplianceError(f"{what}: region {region.name} (bytes {region.offset}..{region.offset + region.size})"
+                                     " does not match the signed manifest (altered or badly written)")
 
 
-def verify(image_dir: Path, trust_dir: Path, names: tuple[str, ...] | None = None) -> ImageManifest:
+def verify(image_dir: Path, trust_dir: Path, names: tuple[str, ...] | None = None,
+           progress: Progress = QUIET) -> ImageManifest:
     """Signature, then the hash of every region (or of the named ones) of disk.raw."""
     manifest = verify_signature(image_dir, trust_dir)
     disk = image_dir / DISK
     if not disk.is_file() or disk.stat().st_size != manifest.disk_size:
         raise ApplianceError(f"{disk}: missing or not {manifest.disk_size} bytes")
     regions = manifest.regions if names is None else tuple(manifest.region(n) for n in names)
-    check_regions(disk, 0, regions, str(disk))
+    check_regions(disk, 0, regions, str(disk), progress)
     return manifest
 
 
@@ -219,7 +225,8 @@ def _make_esp(path: Path, boot_efi: Path, kernel: Path, initrd: Path) -> None:
             _run("mcopy", "-i", str(path), str(source), dest)
 
 
-def assemble(out_dir: Path, root_img: Path, data_img: Path, boot_efi: Path, kernel: Path, initrd: Path) -> None:
+def assemble(out_dir: Path, root_img: Path, data_img: Path, boot_efi: Path, kernel: Path, initrd: Path,
+             progress: Progress = QUIET) -> None:
     """disk.raw from the root and data file systems: the ESP made here, slot A filled, slot B empty."""
     for img, label in ((root_img, "root-a"), (data_img, "data")):
         if img.stat().st_size > partition(label).size:
@@ -241,16 +248,18 @@ def assemble(out_dir: Path, root_img: Path, data_img: Path, boot_efi: Path, kern
         esp_img = Path(tmp) / "esp.img"
         _make_esp(esp_img, boot_efi, kernel, initrd)
         for img, label in ((esp_img, "esp"), (root_img, "root-a"), (data_img, "data")):
-            _copy_into(img, disk, partition(label).offset)
+            with progress.phase(f"copy {img.name} into {label}", img.stat().st_size) as advance:
+                _copy_into(img, disk, partition(label).offset, advance)
 
 
-def _copy_into(source: Path, disk: Path, offset: int) -> None:
+def _copy_into(source: Path, disk: Path, offset: int, advance: Advance = ignore) -> None:
     """Copy a file into disk at offset, leaving holes where the source is all zeros (sparse output)."""
     fd = os.open(disk, os.O_WRONLY)
     try:
         for block_offset, block in enumerate_blocks(source):
             if block.count(0) != len(block):
                 os.pwrite(fd, block, offset + block_offset)
+            advance(len(block))
     finally:
         os.close(fd)
 
@@ -264,25 +273,17 @@ def enumerate_blocks(path: Path) -> Iterator[tuple[int, bytes]]:
 
 # --- writing to a target (flash and update share this) -------------------------------------------
 
-Progress = Callable[[str, int], None]
-
-
-def print_progress(what: str, percent: int) -> None:
-    print(f"{what}: {percent}%", flush=True)
-
-
 def _write_region(source: Path, source_offset: int, size: int, target: Path, target_offset: int,
                   what: str, progress: Progress) -> None:
     fd = os.open(target, os.O_WRONLY)
     try:
-        written, shown = 0, -1
-        for block in _read_range(source, source_offset, size):
-            os.pwrite(fd, block, target_offset + written)
-            written += len(block)
-            percent = written * 100 // size
-            if percent // 5 != shown // 5:
-                progress(what, percent)
-                shown = percent
+        written = 0
+        with progress.phase(what, size) as advance:
+            for block in _read_range(source, source_offset, size):
+                os.pwrite(fd, block, target_offset + written)
+                written += len(block)
+                advance(len(block))
+        progress.note(f"sync {target}")
         os.fsync(fd)
         # Drop the cached pages so that the read-back below reads the medium.
         os.posix_fadvise(fd, target_offset, size, os.POSIX_FADV_DONTNEED)
@@ -323,7 +324,7 @@ def _in_use(target: Path) -> str | None:
     return None
 
 
-def flash(image_dir: Path, target: Path, trust_dir: Path, progress: Progress = print_progress) -> ImageManifest:
+def flash(image_dir: Path, target: Path, trust_dir: Path, progress: Progress = QUIET) -> ImageManifest:
     """Verify the image, then write it to a block device or an existing file, sync, read back, check."""
     if not target.exists():
         raise ApplianceError(f"{target}: no such device or file (for a file target: truncate -s {DISK_SIZE} {target})")
@@ -335,11 +336,10 @@ def flash(image_dir: Path, target: Path, trust_dir: Path, progress: Progress = p
     size = _size_of(target)
     if size < DISK_SIZE:
         raise ApplianceError(f"{target}: {size} bytes, too small for the image ({DISK_SIZE} bytes)")
-    manifest = verify(image_dir, trust_dir)
+    manifest = verify(image_dir, trust_dir, progress=progress)
     _write_region(image_dir / DISK, 0, DISK_SIZE, target, 0, f"write {target}", progress)
     # On a larger target the backup GPT stays where the image has it; the kernel reads the primary one.
-    check_regions(target, 0, manifest.regions, f"{target} (read back)")
-    progress(f"verified {target}", 100)
+    check_regions(target, 0, manifest.regions, f"{target} (read back)", progress, f"read back {target}")
     return manifest
 
 
@@ -392,7 +392,7 @@ def _dump_from_ext4(device: Path, inside: str) -> bytes:
         return out.read_bytes()
 
 
-def update(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Progress = print_progress) -> str:
+def update(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Progress = QUIET) -> str:
     """Write a verified image's root to the inactive slot and make it the next boot, on trial.
 
     Order matters for power loss and kill -9: the inactive slot's entry goes first, the new entry
@@ -400,7 +400,7 @@ def update(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Progres
     """
     running = box.running_slot()
     trial = next(s for s in SLOTS if s != running)
-    manifest = verify(image_dir, trust_dir, names=("root-a",))
+    manifest = verify(image_dir, trust_dir, names=("root-a",), progress=progress)
     region = manifest.region("root-a")
     device = box.slot_device(trial)
     if _size_of(device) < region.size:
@@ -410,13 +410,13 @@ def update(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Progres
         entry.unlink()
     fsync_path(box.esp / "loader/entries")
     _write_region(image_dir / DISK, region.offset, region.size, device, 0, f"write slot {trial}", progress)
-    check_regions(device, -region.offset, (region,), f"{device} (read back)")
+    check_regions(device, -region.offset, (region,), f"{device} (read back)", progress, f"read back slot {trial}")
     kernel_dir = box.esp / "appliance" / f"slot-{trial}"
     kernel_dir.mkdir(parents=True, exist_ok=True)
     replace_file(kernel_dir / "vmlinuz", _dump_from_ext4(device, KERNEL_IN_ROOT))
     replace_file(kernel_dir / "initrd.img", _dump_from_ext4(device, INITRD_IN_ROOT))
     replace_file(box.esp / "loader/entries" / f"slot-{trial}+{TRIAL_TRIES}.conf", loader_entry(trial, version).encode())
-    progress(f"slot {trial} ({manifest.name} {manifest.version}) is the next boot, on trial", 100)
+    progress.note(f"slot {trial} ({manifest.name} {manifest.version}) is the next boot, on trial")
     return trial
 
 

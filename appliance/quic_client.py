@@ -7,9 +7,10 @@ Session tickets are kept, so a reconnect resumes and can send GET requests as 0-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
@@ -19,7 +20,26 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 from aioquic.tls import SessionTicket
 
-from appliance.client import Call, HttpResponse
+from appliance.client import (DEFAULT_CONNECT_TIMEOUT_S, Call, CertificateRejected, ConnectError, HttpResponse,
+                              NoAnswer, parse_quic_address)
+
+CRYPTO_ERRORS = range(0x100, 0x200)  # QUIC's CRYPTO_ERROR + the TLS alert (RFC 9001 section 4.8)
+
+
+class _Connection(QuicConnection):
+    """aioquic's connection, saying as soon as a close begins (not 3 PTO later) and who began it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.closing: tuple[ConnectionTerminated, bool] | None = None  # (why, whether the peer closed it)
+        self.on_closing: Callable[[], object] | None = None
+
+    def _close_begin(self, is_initiator: bool, now: float) -> None:
+        super()._close_begin(is_initiator, now)
+        if self.closing is None and self._close_event is not None:
+            self.closing = (self._close_event, not is_initiator)
+            if self.on_closing is not None:
+                self.on_closing()
 
 
 class _H3Client(QuicConnectionProtocol):
@@ -27,6 +47,10 @@ class _H3Client(QuicConnectionProtocol):
         super().__init__(*args, **kwargs)
         self.http = H3Connection(self._quic)
         self.handshake: HandshakeCompleted | None = None
+        self.terminated: ConnectionTerminated | None = None
+        self.error_for: Callable[[ConnectionTerminated], Exception] = (  # what a request learns of the end
+            lambda event: ConnectionError(f"QUIC connection closed: {event.reason_phrase}"))
+        self.connected: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the handshake or the end
         self._streams: dict[int, asyncio.Queue[dict[str, str] | bytes | Exception | None]] = {}
 
     async def exchange(self, call: Call, authority: str) -> AsyncIterator[dict[str, str] | bytes]:
@@ -57,9 +81,12 @@ class _H3Client(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
             self.handshake = event
+        if isinstance(event, (HandshakeCompleted, ConnectionTerminated)) and not self.connected.done():
+            self.connected.set_result(None)
         if isinstance(event, ConnectionTerminated):
+            self.terminated = event
             for parts in self._streams.values():
-                parts.put_nowait(ConnectionError(f"QUIC connection closed: {event.reason_phrase}"))
+                parts.put_nowait(self.error_for(event))
         for h3_event in self.http.handle_event(event):
             parts = self._streams.get(getattr(h3_event, "stream_id", -1))
             if parts is None:
@@ -73,18 +100,26 @@ class _H3Client(QuicConnectionProtocol):
 
 
 class QuicSession:
-    """A reconnecting HTTP/3 session to HOST:PORT."""
+    """A reconnecting HTTP/3 session to HOST:PORT.
+
+    Connecting fails within `connect_timeout` seconds: `NoAnswer` when nothing answered,
+    `CertificateRejected` when either side refused the other's certificate, `ConnectError` otherwise.
+    """
 
     def __init__(self, address: str, cafile: str | None, certificate: tuple[str, str] | None = None,
-                 local_host: str = "") -> None:
-        host, _, port = address.rpartition(":")
+                 local_host: str = "", connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        self.host, self.port = parse_quic_address(address)
         self.certificate = certificate  # (certfile, keyfile) for servers that require mutual TLS
-        self.host, self.port = host.strip("[]"), int(port)
         self.cafile = cafile
         self.local_host = local_host  # the source address to send from; any when empty
+        self.connect_timeout = connect_timeout
         self.ticket: SessionTicket | None = None
         self._transport: asyncio.DatagramTransport | None = None
         self._protocol: _H3Client | None = None
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def _configuration(self) -> QuicConfiguration:
         configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name=self.host)
@@ -101,7 +136,7 @@ class QuicSession:
         self.ticket = ticket
 
     async def open(self, wait_connected: bool = True) -> None:
-        """Connect (aioquic's connect, with a choice of source address)."""
+        """Connect (aioquic's connect, with a choice of source address and a handshake timeout)."""
         loop = asyncio.get_running_loop()
         family, _, _, _, address = (await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_DGRAM))[0]
         sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -110,16 +145,59 @@ class QuicSession:
         except OSError:
             sock.close()
             raise
-        connection = QuicConnection(configuration=self._configuration(), session_ticket_handler=self._keep_ticket)
+        connection = _Connection(configuration=self._configuration(), session_ticket_handler=self._keep_ticket)
+        closing = loop.create_future()
+        connection.on_closing = lambda: closing.done() or closing.set_result(None)
         self._transport, self._protocol = await loop.create_datagram_endpoint(lambda: _H3Client(connection), sock=sock)
+        self._protocol.error_for = lambda event: self._closed_error(connection, event, "")
         self._protocol.connect(address, transmit=wait_connected)
-        if wait_connected:
-            try:
-                await self._protocol.wait_connected()
-            except ConnectionError as exc:
-                await self.close()
-                raise ConnectionError(f"QUIC handshake with {self.host}:{self.port} failed ({str(exc) or 'no answer'}); "
-                                      "is the server's certificate in --cafile?") from None
+        if not wait_connected:
+            return
+        done, _ = await asyncio.wait({self._protocol.connected, closing}, timeout=self.connect_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self._protocol.handshake is not None and connection.closing is None:
+            return
+        error = self._handshake_error(connection, timed_out=not done)
+        await self._abort()
+        raise error
+
+    def _handshake_error(self, connection: _Connection, timed_out: bool) -> ConnectError:
+        if timed_out:
+            return NoAnswer(f"no answer from {self.address} over QUIC within {self.connect_timeout:g} s "
+                            "(is the daemon running with QUIC on that address and UDP port?)")
+        event = self._protocol.terminated if self._protocol is not None else None
+        if connection.closing is None and event is None:
+            return ConnectError(f"the QUIC handshake with {self.address} failed")
+        return self._closed_error(connection, event, " during the QUIC handshake")
+
+    def _closed_error(self, connection: _Connection, event: ConnectionTerminated | None, when: str) -> ConnectError:
+        """Why the connection ended, for the caller: a certificate refused (either way) or a close."""
+        if connection.closing is not None:
+            event, by_peer = connection.closing
+        else:  # ended without a close (idle timeout, stateless reset): nobody said why
+            assert event is not None
+            by_peer = None
+        reason = event.reason_phrase or f"error 0x{event.error_code:x}"
+        if event.error_code in CRYPTO_ERRORS and by_peer is False:
+            trusted = f"the CA file {self.cafile} does" if self.cafile else "the system's CA certificates do"
+            return CertificateRejected(f"the server at {self.address} presented a certificate that {trusted} "
+                                       f"not accept ({reason})")
+        if event.error_code in CRYPTO_ERRORS:
+            mine = "this client's certificate" if self.certificate else "a client without a certificate"
+            return CertificateRejected(f"the server at {self.address} refused {mine} in the TLS handshake "
+                                       f"({reason})", by_server=True)
+        if by_peer:
+            return ConnectError(f"the server at {self.address} closed the QUIC connection{when} ({reason})")
+        return ConnectError(f"the QUIC connection to {self.address} ended{when} ({reason})")
+
+    async def _abort(self) -> None:
+        """Drop a connection whose handshake failed: say so once, do not wait out the closing period."""
+        if self._protocol is not None and self._transport is not None:
+            protocol, transport, self._protocol, self._transport = self._protocol, self._transport, None, None
+            protocol.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(protocol.wait_closed(), 0.2)
+            transport.close()
 
     @property
     def handshake(self) -> HandshakeCompleted | None:

@@ -1,86 +1,36 @@
 """A served VAD model: streaming sequences, whole recordings cut into shards, speech segments.
 
-Everything runs on the event loop. EngineLoop runs one batched engine call per loop iteration,
-so the socket is read between calls and requests that arrive meanwhile join the next batch.
+Everything runs on the event loop; its batches run through an EngineLoop (appliance/engine/loop.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from typing import AsyncIterator, Callable
 
 import numpy as np
 
 from appliance.audio import to_frames
-from appliance.engine.base import Engine
+from appliance.engine.interface import Engine
+from appliance.engine.loop import EngineLoop
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, SequenceTable, Work
+from appliance.config import Live
 from appliance.errors import BadRequest
 from appliance.firmware import Baked, ModelSpec
 from appliance.segments import SegmentParams, SegmentTracker
 from appliance.shards import frame_energy, plan_shards
 
 
-class EngineLoop:
-    """Drives a Batcher on the event loop.
-
-    A small batch runs right on the loop: handing it to another thread would cost more than
-    its compute (measured here: ~60 us per wake-up each way against ~110 us for one frame).
-    A batch of OFFLOAD_MIN_BATCH or more runs on the engine thread for up to STEP_BUDGET_S, so
-    the loop keeps reading sockets and answering while the engine computes.
-    """
-
-    OFFLOAD_MIN_BATCH = 4
-    STEP_BUDGET_S = 0.004
-
-    def __init__(self, batcher: Batcher, queue_delay_s: float) -> None:
-        self.batcher, self.queue_delay_s = batcher, queue_delay_s
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
-
-    async def stop(self) -> None:
-        while self.batcher.busy:
-            await asyncio.sleep(0.001)
-        if self._task is not None:
-            self._task.cancel()
-        self._thread.shutdown(wait=True)
-
-    def submit(self, work: Work) -> None:
-        self.batcher.submit(work)
-        self._wake.set()
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        batcher = self.batcher
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self.queue_delay_s > 0 and batcher.waiting < batcher.max_batch:
-                await asyncio.sleep(self.queue_delay_s)  # Triton's max queue delay: let others join
-            while batcher.busy:
-                if batcher.fill() >= self.OFFLOAD_MIN_BATCH:
-                    finished = await loop.run_in_executor(self._thread, batcher.run_steps, self.STEP_BUDGET_S)
-                else:
-                    finished = batcher.run_steps()
-                    await asyncio.sleep(0)  # read sockets between engine calls
-                batcher.finish(finished)
-
-
 class VadModel:
     def __init__(
-        self, spec: ModelSpec, baked: Baked, engine: Engine, *, max_live: int, idle_timeout_s: float,
-        queue_delay_s: float, clock: Callable[[], float] = time.monotonic,
+        self, spec: ModelSpec, baked: Baked, engine: Engine, live: Live, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec, self.baked, self.clock = spec, baked, clock
         self.frames = FrameModel(spec, engine)
         self.batcher = Batcher(self.frames, baked.max_batch)
-        self.engine_loop = EngineLoop(self.batcher, queue_delay_s)
-        self.sequences = SequenceTable(self.frames, max_live, idle_timeout_s)
+        self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
+        self.sequences = SequenceTable(self.frames, lambda: live.config.sequences)
 
     @property
     def name(self) -> str:
@@ -93,8 +43,9 @@ class VadModel:
     def start(self) -> None:
         self.engine_loop.start()
 
-    async def stop(self) -> None:
-        await self.engine_loop.stop()
+    async def stop(self, timeout_s: float) -> bool:
+        """False when the engine did not finish its batch in time (see EngineLoop.stop)."""
+        return await self.engine_loop.stop(timeout_s)
 
     def _submit(self, sequence: Sequence, frames: np.ndarray) -> asyncio.Future[np.ndarray]:
         """Queue frames of a sequence for the engine; the future gets their probabilities.

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from appliance import firmware
-from appliance.engine.base import CpuFallback, GpuOutOfMemory
+from appliance.engine.choice import CpuFallback
+from appliance.engine.interface import GpuOutOfMemory
 from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.reference import ReferenceVad
 from appliance.engine.tensorrt import found_gpu, plan_mismatch

@@ -39,7 +39,9 @@ def test_build_records_baked_parameters_models_and_hashes(bundle: Path, keys: Ke
 
 def test_inspect_shows_manifest_and_verification(bundle: Path, keys: Keys) -> None:
     result = cli("firmware", "inspect", bundle, "--trusted-keys", keys.trusted)
-    assert '"max_batch": 64' in result.stdout and "# verified against" in result.stdout
+    doc = json.loads(result.stdout)
+    assert doc["manifest"]["baked"]["max_batch"] == 64 and doc["verified"] is True
+    assert doc["trusted_keys"] == str(keys.trusted)
 
 
 def test_two_builds_with_other_baked_values_differ(keys: Keys, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from appliance.config import SequenceConfig
 from appliance.engine.scheduler import Batcher, FrameModel, SequenceTable, Work
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
@@ -108,7 +109,7 @@ def test_batcher_fails_the_batch_when_the_engine_raises() -> None:
 
 
 def test_sequence_table_limits_and_expiry_follow_the_clock() -> None:
-    table = SequenceTable(frame_model(CountingEngine()), max_live=2, idle_timeout_s=10)
+    table = SequenceTable(frame_model(CountingEngine()), lambda: SequenceConfig(idle_timeout_s=10, max_live=2))
     table.start("a", now=0)
     table.start("b", now=5)
     with pytest.raises(TooManyRequests):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ from appliance.client import AsyncClient, Client
 from appliance.segments import SegmentParams, speech_segments
 from appliance.shards import frame_energy, plan_shards
 from appliance.audio import to_frames
-from appliance.engine.base import HANG_FAILPOINT
+from appliance.engine.choice import HANG_FAILPOINT
 from conftest import build_bundle
 from speech import RATE, SENTENCES, recording
 
@@ -144,3 +147,26 @@ def test_long_results_stream_as_they_are_produced(start_daemon, tls, tmp_path, s
     assert [first, *rest[:-1]] == expected["segments"]
     assert rest[-1] == {"model_name": "silero_vad", "duration": expected["duration"],
                         "segments": len(expected["segments"]), "done": True}
+
+
+def test_sigterm_with_a_wedged_engine_exits_within_the_grace_time(start_daemon, tmp_path) -> None:
+    hold = tmp_path / "hold-engine"
+    daemon = start_daemon(env={HANG_FAILPOINT: str(hold)})
+    hold.touch()  # the next engine call stalls, as a wedged driver call would
+
+    def stuck_call() -> None:
+        with pytest.raises(OSError), Client(str(daemon.socket), timeout=60) as client:
+            client.infer(np.zeros(64 * FRAME, np.float32))
+
+    caller = threading.Thread(target=stuck_call)
+    caller.start()
+    time.sleep(0.5)  # the call reaches the engine and stalls there
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    code = daemon.proc.wait(30)
+    took = time.monotonic() - started
+    caller.join(10)
+    log = daemon.log.read_text()
+    assert code == 1 and took < 5.0 + 6, (code, took, log)  # shutdown_grace_s = 5 in the test config
+    assert ("stopping: still running 9 s after the stop signal (the event loop is blocked, an engine call is "
+            "wedged); abandoned 1 requests in flight and 0 open sequences, exiting") in log

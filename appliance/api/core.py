@@ -8,7 +8,7 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     GET  /v2/models/{name}[/versions/{v}] model metadata, baked parameters included
     GET  /v2/models/{name}[/versions/{v}]/ready
     POST /v2/models/{name}[/versions/{v}]/infer      JSON or binary tensors; Triton sequence parameters
-    POST /v2/models/{name}[/versions/{v}]/segments   a WAV in, speech segments out
+    POST /v2/models/{name}[/versions/{v}]/segments   a recording in (WAV, FLAC, Ogg), speech segments out
                                           (?stream=true: one JSON line per segment as soon as it is final)
     GET  /metrics
     GET  /status                          firmware, engines, QUIC peers from the connection cache
@@ -16,6 +16,7 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -30,9 +31,9 @@ import numpy as np
 from appliance import __version__
 from appliance.api import metrics as prometheus
 from appliance.api.tensors import HEADER_LENGTH, InferRequest, decode_infer, encode_infer
-from appliance.audio import decode_wav
-from appliance.config import VadConfig
-from appliance.conncache import ConnectionCache
+from appliance.audio import decode_audio
+from appliance.config import Live, VadConfig
+from appliance.api.peers import PeerTable
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.segments import SegmentParams
@@ -75,12 +76,12 @@ Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
 
 
 class Api:
-    def __init__(self, manifest: Manifest, models: dict[str, VadModel], vad_defaults: VadConfig) -> None:
-        self.manifest, self.models, self.vad_defaults = manifest, models, vad_defaults
+    def __init__(self, manifest: Manifest, models: dict[str, VadModel], live: Live) -> None:
+        self.manifest, self.models, self.live = manifest, models, live
         self.metrics = prometheus.Metrics()
         self.ready = False
         self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
-        self.conncache: ConnectionCache | None = None  # the QUIC listener's peer table, where QUIC serves
+        self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self._routes: list[tuple[str, re.Pattern[str], str, Handler]] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
@@ -208,12 +209,12 @@ class Api:
         return json_response(200, {"name": model.name, "ready": True})
 
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
-        text = prometheus.render(self.metrics, self.models.values(), self.conncache)
+        text = prometheus.render(self.metrics, self.models.values(), self.peer_table)
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:
         """What `appliance status` shows: firmware, engines, sequences, and the QUIC peers."""
-        cache = self.conncache
+        cache = self.peer_table
         now = time.monotonic()
         return json_response(200, {
             "firmware": self.firmware_info(),
@@ -251,9 +252,12 @@ class Api:
     async def _segments(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
         stream = _flag(params.pop("query:stream", "false"), "stream")
-        samples = decode_wav(request.body, model.frames.sample_rate)
-        segment_params = _segment_params(params, self.vad_defaults)
+        segment_params = _segment_params(params, self.live.config.vad)
         rate = model.frames.sample_rate
+        # At most what the body limit holds in the model's own format (mono PCM16): a small compressed
+        # body cannot make the daemon decode hours. Decoding runs off the event loop.
+        max_seconds = self.live.config.server.max_body_bytes / (2 * rate)
+        samples = await asyncio.to_thread(decode_audio, request.body, rate, max_seconds)
         seconds = lambda s: round(s / rate, 3)  # noqa: E731
         summary = {"model_name": model.name, "duration": seconds(len(samples))}
         if stream:

@@ -6,7 +6,7 @@ import bisect
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from appliance.conncache import ConnectionCache
+    from appliance.api.peers import PeerTable
     from appliance.vad import VadModel
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -55,7 +55,7 @@ class Metrics:
         return sum(self.requests.values())
 
 
-def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "ConnectionCache | None" = None) -> str:
+def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "PeerTable | None" = None) -> str:
     """Text format 0.0.4."""
     out = ["# HELP appliance_requests_total API requests by endpoint and HTTP status.",
            "# TYPE appliance_requests_total counter"]
@@ -92,7 +92,7 @@ def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "Connectio
     return "\n".join(out) + "\n"
 
 
-def _conncache_lines(cache: "ConnectionCache") -> list[str]:
+def _conncache_lines(cache: "PeerTable") -> list[str]:
     totals, peers = cache.totals(), cache.peers()
     label = f'backend="{cache.backend}"'
     out = []

@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-from appliance.engine.base import GpuOutOfMemory
+from appliance.engine.interface import GpuOutOfMemory
 from appliance.errors import ApplianceError
 from appliance.firmware import Bundle, ModelSpec
 

@@ -21,7 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from appliance.engine.base import Engine
+from appliance.config import SequenceConfig
+from appliance.engine.interface import Engine
 from appliance.errors import ApiError, ApplianceError, BadRequest, TooManyRequests, Unavailable
 from appliance.firmware import ModelSpec
 
@@ -95,11 +96,20 @@ class Work:
 
 
 class SequenceTable:
-    """Live sequences by id, bounded in count, expired after an idle time. The caller passes `now`."""
+    """Live sequences by id, bounded in count, expired after an idle time. The caller passes `now`;
+    `settings` gives the bounds as the live config holds them now."""
 
-    def __init__(self, model: FrameModel, max_live: int, idle_timeout_s: float) -> None:
-        self.model, self.max_live, self.idle_timeout_s = model, max_live, idle_timeout_s
+    def __init__(self, model: FrameModel, settings: Callable[[], SequenceConfig]) -> None:
+        self.model, self._settings = model, settings
         self._live: dict[object, Sequence] = {}
+
+    @property
+    def max_live(self) -> int:
+        return self._settings().max_live
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return self._settings().idle_timeout_s
 
     def __len__(self) -> int:
         return len(self._live)

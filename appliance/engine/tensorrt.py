@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from appliance.engine.base import GpuOutOfMemory
+from appliance.engine.interface import GpuOutOfMemory
 from appliance.errors import ApplianceError
 from appliance.firmware import DATATYPES, Baked, ModelSpec, PlanSpec
 

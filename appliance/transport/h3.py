@@ -14,7 +14,6 @@ import contextlib
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -23,31 +22,19 @@ from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic.h3.exceptions import H3Error
 from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
 
 from appliance.api.core import Api, Request, Response, error_response
-from appliance.config import ConnCacheConfig, QuicConfig
+from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.conncache import ConnectionCache, TokenBucket, open_cache, peer_name
-from appliance.transport.http1 import Limits
+from appliance.transport.assembler import Rejection, RequestAssembler
 
 log = logging.getLogger("appliance.h3")
 
 SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
-
-
-@dataclass(slots=True)
-class _Incoming:
-    headers: dict[str, str]
-    method: str = ""
-    path: str = ""
-    body: list[bytes] = field(default_factory=list)
-    size: int = 0
-    rejected: bool = False
-    last_heard: float = field(default_factory=time.monotonic)
 
 
 class TicketStore:
@@ -137,13 +124,14 @@ class ClientCertificates:
 
 
 class H3Server:
-    """Shared state of all QUIC connections: the API, limits, and who is connected."""
+    """Shared state of all QUIC connections: the API, the live settings, and who is connected."""
 
-    def __init__(self, api: Api, limits: Limits, config: QuicConfig) -> None:
-        self.api, self.limits, self.config = api, limits, config
+    def __init__(self, api: Api, live: Live) -> None:
+        self.api, self.live = api, live
+        self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
         self.tickets = TicketStore()
-        self.client_certificates = ClientCertificates(config.client_ca) if config.client_ca.name else None
+        self.client_certificates = ClientCertificates(self.config.client_ca) if self.config.client_ca.name else None
         self.cache: ConnectionCache | None = None
         self._quic_server: GuardedQuicServer | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -152,7 +140,11 @@ class H3Server:
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.connections)
 
-    async def start(self, cache_config: ConnCacheConfig, sock: socket.socket | None = None) -> None:
+    @property
+    def limits(self) -> ServerConfig:
+        return self.live.config.server
+
+    async def start(self, sock: socket.socket | None = None) -> None:
         """Listen on `sock` (from systemd) or on the configured host and port; attach the connection cache."""
         configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s)
         configuration.load_cert_chain(self.config.certificate, self.config.private_key)
@@ -164,7 +156,8 @@ class H3Server:
             ),
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
-        self.cache = open_cache(cache_config, self._quic_server._transport.get_extra_info("socket"))  # type: ignore[union-attr]
+        self.cache = open_cache(lambda: self.live.config.conncache,
+                                self._quic_server._transport.get_extra_info("socket"))  # type: ignore[union-attr]
         self._quic_server.admit = self.cache.admit
         self._reaper = asyncio.get_running_loop().create_task(self._reap_quiet_streams())
 
@@ -201,7 +194,7 @@ class H3Protocol(QuicConnectionProtocol):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.server = server
         self._http: H3Connection | None = None
-        self._incoming: dict[int, _Incoming] = {}
+        self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self._handshake_done = False
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
@@ -238,70 +231,59 @@ class H3Protocol(QuicConnectionProtocol):
             self.server.connections.discard(self)
         if self._http is None:
             return
-        try:
-            for h3_event in self._http.handle_event(event):
-                self._h3_event_received(h3_event)
-        except H3Error as exc:  # a peer that breaks HTTP/3 loses its connection, nobody else's
-            self._quic.close(error_code=exc.error_code, reason_phrase=str(exc))
-            self.transmit()
+        # A peer that breaks HTTP/3 is handled inside aioquic: handle_event closes its connection with
+        # the protocol error's code and returns no events; nobody else's connection is touched.
+        for h3_event in self._http.handle_event(event):
+            self._h3_event_received(h3_event)
 
     def _h3_event_received(self, event: H3Event) -> None:
-        if isinstance(event, HeadersReceived):
-            incoming = self._incoming.get(event.stream_id)
-            if incoming is None:
-                incoming = self._incoming[event.stream_id] = self._start(event)
-            incoming.last_heard = time.monotonic()
-            if event.stream_ended:
-                self._complete(event.stream_id)
-        elif isinstance(event, DataReceived) and event.stream_id in self._incoming:
-            incoming = self._incoming[event.stream_id]
-            incoming.last_heard = time.monotonic()
-            incoming.size += len(event.data)
-            if incoming.size > self.server.limits.max_body_bytes and not incoming.rejected:
-                incoming.rejected = True
-                self._respond(event.stream_id, error_response(
-                    413, f"body exceeds the limit of {self.server.limits.max_body_bytes} bytes"))
-            elif not incoming.rejected:
-                incoming.body.append(event.data)
-            if event.stream_ended:
-                self._complete(event.stream_id)
+        if not isinstance(event, (HeadersReceived, DataReceived)):
+            return
+        stream_id = event.stream_id
+        if isinstance(event, DataReceived) and stream_id not in self._incoming:
+            return
+        try:
+            if isinstance(event, HeadersReceived):
+                if stream_id not in self._incoming:
+                    self._incoming[stream_id] = self._start(event)
+            elif (assembler := self._incoming[stream_id]) is not None:
+                assembler.add_body(event.data)
+        except Rejection as rejection:
+            self._incoming[stream_id] = None
+            self._respond(stream_id, rejection.response)
+        if event.stream_ended:
+            self._complete(stream_id)
 
-    def _start(self, event: HeadersReceived) -> _Incoming:
-        headers: dict[str, str] = {}
-        size = 0
+    def _start(self, event: HeadersReceived) -> RequestAssembler:
+        if len(self._incoming) + self.in_flight >= self.server.config.max_streams_per_connection:
+            raise Rejection(429, "too many open streams on this connection "
+                                 f"(limit {self.server.config.max_streams_per_connection})")
+        assembler = RequestAssembler(self.server.limits, peer=self.peer)
+        method = ""
         for name, value in event.headers:
-            size += len(name) + len(value)
-            headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-        incoming = _Incoming(headers, headers.pop(":method", ""), headers.pop(":path", ""))
-        headers.pop(":scheme", None)
-        headers.pop(":authority", None)
-        open_streams = len(self._incoming) + self.in_flight
-        if open_streams >= self.server.config.max_streams_per_connection:
-            incoming.rejected = True
-            self._respond(event.stream_id, error_response(
-                429, f"too many open streams on this connection (limit {self.server.config.max_streams_per_connection})"))
-        elif size > self.server.limits.max_header_bytes:
-            incoming.rejected = True
-            self._respond(event.stream_id, error_response(
-                431, f"headers exceed {self.server.limits.max_header_bytes} bytes"))
-        elif not incoming.method or not incoming.path.startswith("/"):
-            incoming.rejected = True
-            self._respond(event.stream_id, error_response(400, "request needs :method and a :path starting with /"))
-        return incoming
+            if name == b":method":
+                method = value.decode("latin-1")
+            elif name == b":path":
+                assembler.add_target(value)
+            elif name not in (b":scheme", b":authority"):
+                assembler.add_header(name, value)
+        assembler.headers_complete(method)
+        return assembler
 
     def reap_quiet_streams(self, heard_before: float) -> None:
         """Answer 408 on request streams that went quiet, and forget what they sent."""
-        for stream_id, incoming in list(self._incoming.items()):
-            if incoming.last_heard < heard_before:
+        for stream_id, assembler in list(self._incoming.items()):
+            if assembler is None:  # rejected and answered: nothing more is read from it
                 del self._incoming[stream_id]
-                if not incoming.rejected:
-                    self._respond(stream_id, error_response(408, "request stream went quiet before its end"))
+            elif assembler.quiet_since(heard_before):
+                del self._incoming[stream_id]
+                self._respond(stream_id, error_response(408, "request stream went quiet before its end"))
 
     def _complete(self, stream_id: int) -> None:
-        incoming = self._incoming.pop(stream_id)
-        if incoming.rejected:
+        assembler = self._incoming.pop(stream_id)
+        if assembler is None:
             return
-        request = Request(incoming.method, incoming.path, incoming.headers, b"".join(incoming.body), self.peer)
+        request = assembler.request()
         if not self._handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
             self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
         else:

@@ -11,22 +11,16 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass
 from http import HTTPStatus
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httptools
 
 from appliance.api.core import Api, Request, Response, error_response
+from appliance.config import Live, ServerConfig
+from appliance.transport.assembler import Rejection, RequestAssembler
 
 log = logging.getLogger("appliance.http")
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_body_bytes: int
-    max_header_bytes: int
-    max_connections: int
 
 
 def encode_response(response: Response, keep_alive: bool) -> bytes:
@@ -41,11 +35,15 @@ def encode_response(response: Response, keep_alive: bool) -> bytes:
 
 
 class Http1Server:
-    """Shared state of all connections: the API, the limits, and who is connected."""
+    """Shared state of all connections: the API, the live settings, and who is connected."""
 
-    def __init__(self, api: Api, limits: Limits) -> None:
-        self.api, self.limits = api, limits
+    def __init__(self, api: Api, live: Live) -> None:
+        self.api, self.live = api, live
         self.connections: set[HttpConnection] = set()
+
+    @property
+    def limits(self) -> ServerConfig:
+        return self.live.config.server
 
     def protocol(self) -> "HttpConnection":
         return HttpConnection(self)
@@ -66,11 +64,7 @@ class HttpConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[tuple[Request, bool]] = deque()
         self.busy = False
-        self._url = b""
-        self._headers: dict[str, str] = {}
-        self._header_bytes = 0
-        self._body: list[bytes] = []
-        self._body_size = 0
+        self._assembler = RequestAssembler(server.limits)
         self._rejected = False
 
     @property
@@ -81,7 +75,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         if len(self.server.connections) >= self.server.limits.max_connections:
-            self._fail(503, f"too many connections (limit {self.server.limits.max_connections})")
+            self._fail(error_response(503, f"too many connections (limit {self.server.limits.max_connections})"))
             return
         self.server.connections.add(self)
 
@@ -94,39 +88,33 @@ class HttpConnection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            if not self._rejected:  # not a Rejection (answered where it was raised): a bug of ours
+                log.exception("HTTP/1.1 request assembly crashed")
+                self._fail(error_response(500, "internal error (logged)"))
         except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrade is not supported")
+            self._fail(error_response(400, "protocol upgrade is not supported"))
         except httptools.HttpParserError as exc:
-            if not self._rejected:
-                self._fail(400, f"malformed HTTP request: {exc}")
+            self._fail(error_response(400, f"malformed HTTP request: {exc}"))
 
-    # --- httptools callbacks ---
+    # --- httptools callbacks: each feeds the assembler; a Rejection answers and stops the parser ---
     def on_message_begin(self) -> None:
-        self._url, self._headers, self._header_bytes, self._body, self._body_size = b"", {}, 0, [], 0
+        self._assembler = RequestAssembler(self.server.limits)
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
-        self._count_header_bytes(len(url))
+        self._assemble(self._assembler.add_target, url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value))
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._assemble(self._assembler.add_header, name, value)
 
     def on_headers_complete(self) -> None:
-        length = self._headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.server.limits.max_body_bytes:
-            self._reject(413, f"body of {length} bytes exceeds the limit of {self.server.limits.max_body_bytes}")
+        self._assemble(self._assembler.headers_complete, self.parser.get_method().decode("latin-1"))
 
     def on_body(self, body: bytes) -> None:
-        self._body_size += len(body)
-        if self._body_size > self.server.limits.max_body_bytes:
-            self._reject(413, f"body exceeds the limit of {self.server.limits.max_body_bytes} bytes")
-        self._body.append(body)
+        self._assemble(self._assembler.add_body, body)
 
     def on_message_complete(self) -> None:
-        request = Request(self.parser.get_method().decode("latin-1"), self._url.decode("latin-1"), self._headers,
-                          b"".join(self._body))
-        self.queue.append((request, self.parser.should_keep_alive()))
+        self.queue.append((self._assembler.request(), self.parser.should_keep_alive()))
         if not self.busy:
             self.busy = True
             asyncio.get_running_loop().create_task(self._serve())
@@ -161,19 +149,17 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(b"0\r\n\r\n")
         return True
 
-    def _count_header_bytes(self, n: int) -> None:
-        self._header_bytes += n
-        if self._header_bytes > self.server.limits.max_header_bytes:
-            self._reject(431, f"request line and headers exceed {self.server.limits.max_header_bytes} bytes")
+    def _assemble(self, step: Callable[..., None], *args: object) -> None:
+        try:
+            step(*args)
+        except Rejection as rejection:
+            self._fail(rejection.response)
+            raise  # httptools stops feeding this connection
 
-    def _reject(self, status: int, message: str) -> None:
-        self._fail(status, message)
-        raise httptools.HttpParserError(message)  # stop the parser feeding this connection
-
-    def _fail(self, status: int, message: str) -> None:
+    def _fail(self, response: Response) -> None:
         self._rejected = True
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_response(error_response(status, message), keep_alive=False))
+            self.transport.write(encode_response(response, keep_alive=False))
             self.transport.close()
 
     def close(self) -> None:

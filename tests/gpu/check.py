@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from appliance import firmware  # noqa: E402
 from appliance.audio import encode_wav  # noqa: E402
-from appliance.engine.base import CpuFallback, GpuOutOfMemory  # noqa: E402
+from appliance.engine.choice import CpuFallback
+from appliance.engine.interface import GpuOutOfMemory  # noqa: E402
 from appliance.engine.onnx_cpu import OnnxCpuEngine  # noqa: E402
 from appliance.engine.reference import ReferenceVad  # noqa: E402
 from appliance.segments import SegmentParams, speech_segments  # noqa: E402

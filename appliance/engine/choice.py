@@ -1,5 +1,5 @@
-"""The one small interface every engine implements, and the choice of engine for a model:
-ONNX Runtime on the CPU, or the CUDA engine with the CPU engine as its fallback."""
+"""The choice of engine for a model: ONNX Runtime on the CPU, or a GPU engine (the CUDA kernels,
+a TensorRT plan) with the CPU engine as its fallback under memory pressure."""
 
 from __future__ import annotations
 
@@ -8,22 +8,17 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping
 
 import numpy as np
 
+from appliance.engine import cuda, tensorrt
+from appliance.engine.interface import Engine, GpuOutOfMemory
+from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.errors import ApplianceError
 from appliance.firmware import Bundle, ModelSpec
 
 log = logging.getLogger("appliance")
-
-
-class Engine(Protocol):
-    name: str
-
-    def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
-        """Run the graph once on a batch of `batch` sequences; feeds and results keyed by tensor name."""
-        ...
 
 
 # Failpoint for tests: while this file exists, engine calls stall the way a wedged driver call
@@ -60,8 +55,6 @@ class _StallWhenFilePresent:
 
 def _gpu_engine(bundle: Bundle, model: ModelSpec) -> tuple[Engine | None, list[str]]:
     """The first GPU engine that can run `model` here, or None and why each could not."""
-    from appliance.engine import cuda, tensorrt
-
     reason = cuda.unavailable_reason(bundle, model)
     if reason is None:
         return cuda.CudaVadEngine(bundle, model), []
@@ -73,10 +66,6 @@ def _gpu_engine(bundle: Bundle, model: ModelSpec) -> tuple[Engine | None, list[s
     if mismatch is not None:
         return None, reasons + [mismatch]
     return tensorrt.TensorrtEngine(bundle.artifact(plan.file).read_bytes(), model), reasons
-
-
-class GpuOutOfMemory(Exception):
-    """A GPU engine ran out of device memory on a batch; the batch can run elsewhere."""
 
 
 class CpuFallback:
@@ -106,8 +95,6 @@ def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int) -> 
     GPU engine where one can run, else ONNX Runtime with the reason logged. The GPU engines, in
     order: the CUDA kernels (the default VAD model), then the firmware's TensorRT plan for the
     model. The CPU engine backs either under memory pressure."""
-    from appliance.engine.onnx_cpu import OnnxCpuEngine
-
     if device not in ("cpu", "cuda", "auto"):
         raise ApplianceError(f"engine.device: no engine for {device!r}")
     cpu = OnnxCpuEngine(bundle.artifact(model.file), threads)
@@ -115,9 +102,7 @@ def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int) -> 
     if device != "cpu":
         gpu, reasons = _gpu_engine(bundle, model)
         if gpu is not None:
-            from appliance.engine.cuda import memory_used
-
-            engine = CpuFallback(gpu, cpu, bundle.manifest.baked.fallback_cpu_threshold, memory_used)
+            engine = CpuFallback(gpu, cpu, bundle.manifest.baked.fallback_cpu_threshold, cuda.memory_used)
         elif device == "cuda":
             raise ApplianceError(f"engine.device = \"cuda\": model {model.name}: {'; '.join(reasons)}")
         else:

@@ -1,0 +1,41 @@
+"""What the API shows of the QUIC listener's peers (/status, /metrics), as plain data, and the small
+interface of whatever provides it: the connection cache does, and the API never imports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class Peer:
+    address: str
+    first_seen: float  # time.monotonic() seconds
+    last_seen: float
+    packets: int = 0
+    bytes: int = 0
+    drops: int = 0
+    dcid: str = ""  # hex
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"peer": self.address, "age_s": round(now - self.first_seen, 3), "idle_s": round(now - self.last_seen, 3),
+                "packets": self.packets, "bytes": self.bytes, "drops": self.drops, "dcid": self.dcid}
+
+
+@dataclass(slots=True)
+class Totals:
+    packets: int = 0
+    bytes: int = 0
+    drops: int = 0
+    peers_seen: int = 0
+
+
+class PeerTable(Protocol):
+    backend: str  # "ebpf" or "user"
+    reason: str  # why this backend, where the kernel one could not load
+
+    def peers(self) -> dict[str, Peer]:
+        ...
+
+    def totals(self) -> Totals:
+        ...

@@ -1,0 +1,44 @@
+"""The daemon's signals, read by a thread of their own rather than by the event loop: a loop blocked
+by a wedged engine call still learns of SIGTERM, and the stop gets a hard deadline after which the
+process exits whatever it was doing.
+
+Python's C-level handler writes each signal's number to the wakeup fd from whichever thread the
+kernel picked, so the watcher thread sees it even while the main thread never returns to Python."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+STOP = (signal.SIGTERM, signal.SIGINT)
+RELOAD = signal.SIGHUP
+
+
+def watch(loop: asyncio.AbstractEventLoop, on_stop: Callable[[], None], on_reload: Callable[[], None],
+          deadline_s: Callable[[], float], on_overdue: Callable[[], None]) -> None:
+    """Call on_reload for SIGHUP and on_stop for SIGTERM/SIGINT, on the loop; on_overdue from the
+    watcher thread when the process still runs `deadline_s()` seconds after the first stop signal.
+    Main thread only (set_wakeup_fd)."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # the C handler must never block
+    for sig in (*STOP, RELOAD):
+        signal.signal(sig, lambda *_: None)  # caught, not fatal: the wakeup fd carries it
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def call(callback: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the process is exiting
+            loop.call_soon_threadsafe(callback)
+
+    def wait() -> None:
+        while os.read(read_fd, 1)[0] == RELOAD:  # one byte per signal, its number
+            call(on_reload)
+        call(on_stop)
+        time.sleep(deadline_s())
+        on_overdue()
+
+    threading.Thread(target=wait, name="signals", daemon=True).start()
