@@ -146,8 +146,13 @@ class QuicSession:
             sock.close()
             raise
         connection = _Connection(configuration=self._configuration(), session_ticket_handler=self._keep_ticket)
-        closing = loop.create_future()
-        connection.on_closing = lambda: closing.done() or closing.set_result(None)
+        closing: asyncio.Future[None] = loop.create_future()
+
+        def close_begun() -> None:
+            if not closing.done():
+                closing.set_result(None)
+
+        connection.on_closing = close_begun
         self._transport, self._protocol = await loop.create_datagram_endpoint(lambda: _H3Client(connection), sock=sock)
         self._protocol.error_for = lambda event: self._closed_error(connection, event, "")
         self._protocol.connect(address, transmit=wait_connected)

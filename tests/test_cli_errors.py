@@ -1,5 +1,6 @@
 """The `appliance` command's failures: one line on stderr that says what to do, the documented exit
-code (appliance/exitcodes.py), never a traceback. Every case runs the real CLI as a subprocess."""
+code (appliance/exitcodes.py), never a traceback. Each case runs the real CLI as a subprocess; the last
+checks the Python client's error types that the CLI maps to those codes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from appliance import exitcodes
 from appliance.bench import free_udp_port
+from appliance.client import Call
 from conftest import APPLIANCE, ROOT, Daemon, cli
 
 HINT = "point at the daemon's socket with --socket PATH or APPLIANCE_SOCKET=PATH"
@@ -22,7 +24,7 @@ HINT = "point at the daemon's socket with --socket PATH or APPLIANCE_SOCKET=PATH
 def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "APPLIANCE_SOCKET"}
     return subprocess.run([*APPLIANCE, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**environ, **(env or {})}, timeout=60)
+                          env={**environ, **(env or {})}, timeout=60, check=False)
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -93,12 +95,13 @@ def test_early_413_is_shown_not_a_broken_pipe(tmp_path: Path, daemon: Daemon) ->
         w.setsampwidth(2)
         w.setframerate(16000)
         w.writeframes(bytes(limit))
-    size = big.stat().st_size
+    with daemon.client() as client:  # the Python client reads the early answer too: the daemon's own words
+        response = client.send(Call("POST", "/v2/models/silero_vad/segments", big.read_bytes()))
+    assert response.status == 413 and str(big.stat().st_size) in response.json()["error"]
     for stream in ((), ("--stream",)):
         result = run("call", "vad", big, *stream, "--socket", daemon.socket)
         assert result.returncode == exitcodes.DAEMON_ERROR == 1
-        assert one_line(result) == (f"appliance: error: the daemon answered HTTP 413: body of {size} bytes "
-                                    f"exceeds the limit of {limit}")
+        assert one_line(result) == f"appliance: error: the daemon answered HTTP 413: {response.json()['error']}"
 
 
 # --- QUIC: no answer, a certificate refused, an address without a port --------------------------------------------
@@ -175,8 +178,14 @@ def test_broken_pipe_on_stdout(daemon: Daemon) -> None:
 # --- the Python client: the types the CLI maps -----------------------------------------------------------------------
 
 def test_python_client_raises_distinct_types(tmp_path: Path, daemon: Daemon) -> None:
-    from appliance.client import (Call, Client, ClientError, ConnectError, NoAnswer, ServerError,
-                                  SocketUnreachable)
+    from appliance.client import (
+        Client,
+        ClientError,
+        ConnectError,
+        NoAnswer,
+        ServerError,
+        SocketUnreachable,
+    )
 
     with pytest.raises(SocketUnreachable) as unreachable_error:
         Client(str(tmp_path / "none.sock")).health()
@@ -186,7 +195,7 @@ def test_python_client_raises_distinct_types(tmp_path: Path, daemon: Daemon) -> 
         client.model("nope")
     assert server_error.value.status == 404 and "unknown model 'nope'" in server_error.value.message
     assert isinstance(server_error.value, ClientError) and not isinstance(server_error.value, OSError)
-    with Client(quic=f"127.0.0.1:{free_udp_port()}", cafile=daemon.cafile, connect_timeout=0.5) as quiet:
-        with pytest.raises(NoAnswer) as no_answer:
-            quiet.send(Call("GET", "/v2/health/ready"))
+    quiet = Client(quic=f"127.0.0.1:{free_udp_port()}", cafile=daemon.cafile, connect_timeout=0.5)
+    with quiet, pytest.raises(NoAnswer) as no_answer:
+        quiet.send(Call("GET", "/v2/health/ready"))
     assert isinstance(no_answer.value, (ConnectError, TimeoutError)) and "within 0.5 s" in str(no_answer.value)
