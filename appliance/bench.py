@@ -28,7 +28,7 @@ from appliance import firmware
 from appliance.audio import to_frames
 from appliance.client import AsyncClient, Call, Client, infer_call
 from appliance.engine.onnx_cpu import session
-from appliance.quic_client import QuicSession
+from appliance.client.quic import QuicSession
 from appliance.tls import init_self_signed
 
 TARGETS = {"overhead_us": 200.0, "streams16_ratio": 1.5, "recording_ratio": 1.5, "rss_mib": 250.0}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from appliance.client import infer_call
-from appliance.quic_client import QuicSession
+from appliance.client.quic import QuicSession
 from conftest import Bystander
 
 BACKENDS = [

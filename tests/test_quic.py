@@ -19,7 +19,7 @@ from aioquic.quic.packet import push_ack_frame
 from aioquic.quic.rangeset import RangeSet
 
 from appliance.client import Call, Client, infer_call
-from appliance.quic_client import QuicSession
+from appliance.client.quic import QuicSession
 from conftest import Bystander, cli
 
 

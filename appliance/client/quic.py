@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from typing import Any, AsyncIterator, Callable
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
@@ -20,8 +21,14 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 from aioquic.tls import SessionTicket
 
-from appliance.client import (DEFAULT_CONNECT_TIMEOUT_S, Call, CertificateRejected, ConnectError, HttpResponse,
-                              NoAnswer, parse_quic_address)
+from appliance.client.errors import (
+    CertificateRejected,
+    ClientError,
+    ConnectError,
+    NoAnswer,
+    parse_quic_address,
+)
+from appliance.client.http import DEFAULT_CONNECT_TIMEOUT_S, Call, HttpResponse, checked
 
 CRYPTO_ERRORS = range(0x100, 0x200)  # QUIC's CRYPTO_ERROR + the TLS alert (RFC 9001 section 4.8)
 
@@ -229,3 +236,55 @@ class QuicSession:
             protocol.close()
             await protocol.wait_closed()
             transport.close()
+
+
+class QuicTransport:
+    """HTTP/3 to HOST:PORT on a private event loop thread, so blocking callers can use it."""
+
+    def __init__(self, address: str, cafile: str | None, timeout: float,
+                 certificate: tuple[str, str] | None = None, local_host: str = "",
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        self.address, self.timeout = address, timeout
+        self._session = QuicSession(address, cafile, certificate, local_host, connect_timeout)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="quic-client", daemon=True)
+        self._thread.start()
+
+    def _run(self, coroutine: Any) -> Any:
+        """Run on the client's loop; silence past the timeout is `NoAnswer`, a broken connection `ConnectError`."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(self.timeout)
+        except ClientError:
+            raise
+        except TimeoutError:
+            future.cancel()
+            raise NoAnswer(f"no answer from {self.address} over QUIC within {self.timeout:g} s") from None
+        except ConnectionError as exc:
+            raise ConnectError(f"the QUIC connection to {self.address} broke before it answered "
+                               f"({str(exc) or type(exc).__name__})") from None
+
+    def send(self, call: Call) -> HttpResponse:
+        return self._run(self._session.send(call))
+
+    def stream(self, call: Call) -> Iterator[bytes]:
+        """Send one call; yield its body in pieces as they arrive (an error status raises first)."""
+        parts = self._session.exchange(call)
+
+        async def next_part() -> Any:
+            return await anext(parts, None)
+
+        def step() -> Any:
+            return self._run(next_part())
+
+        headers = dict(step())
+        status = int(headers.pop(":status", "0"))
+        if status >= 400:
+            body = b"".join(iter(step, None))
+            checked(HttpResponse(status, headers, body))
+        yield from iter(step, None)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(self.timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()

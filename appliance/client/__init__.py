@@ -1,0 +1,152 @@
+"""Python client for the appliance API: the Unix socket (HTTP/1.1, keep-alive) or QUIC (HTTP/3).
+
+`Client` is blocking, for scripts and on-box apps; `AsyncClient` is the same over asyncio on the Unix
+socket. The HTTP codec (`http`), the transports (`unix`, `quic`) and the errors (`errors`) are modules
+of their own; aioquic is imported only when a QUIC client is made."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from appliance.client.errors import (
+    CertificateRejected,
+    ClientError,
+    ConnectError,
+    NoAnswer,
+    ServerError,
+    SocketUnreachable,
+    describe_path,
+    parse_quic_address,
+    unix_connect_error,
+)
+from appliance.client.http import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_MODEL,
+    Call,
+    HttpResponse,
+    ResponseReader,
+    checked,
+    infer_call,
+    infer_result,
+    json_lines,
+    segments_call,
+)
+from appliance.client.unix import UnixTransport
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_MODEL", "AsyncClient", "Call", "CertificateRejected", "Client", "ClientError",
+    "ConnectError", "HttpResponse", "NoAnswer", "ServerError", "SocketUnreachable", "describe_path", "infer_call",
+    "parse_quic_address",
+]
+
+if TYPE_CHECKING:
+    from appliance.client.quic import QuicTransport
+
+
+class Client:
+    """Blocking client over the Unix socket (`Client(path)`) or QUIC (`Client(quic="host:port")`)."""
+
+    def __init__(self, socket_path: str | None = None, timeout: float = 120.0, busy_poll_s: float = 0.0,
+                 quic: str | None = None, cafile: str | None = None,
+                 certificate: tuple[str, str] | None = None, local_host: str = "",
+                 connect_timeout: float | None = None) -> None:
+        """`timeout`: how long the daemon may be silent; `connect_timeout`: how long connecting may take
+        (default: the QUIC handshake DEFAULT_CONNECT_TIMEOUT_S, a Unix socket `timeout`, where only a
+        full backlog makes it wait). Errors: `ServerError` (it answered 4xx/5xx), `ConnectError` (not
+        reached, or the connection broke; `SocketUnreachable`, `NoAnswer`, `CertificateRejected` are
+        kinds of it), both `ClientError`."""
+        self.transport: UnixTransport | QuicTransport
+        if quic is not None:
+            from appliance.client.quic import (
+                QuicTransport,  # aioquic is only needed by QUIC callers
+            )
+
+            self.transport = QuicTransport(quic, cafile, timeout, certificate, local_host,
+                                           DEFAULT_CONNECT_TIMEOUT_S if connect_timeout is None else connect_timeout)
+        elif socket_path is not None:
+            self.transport = UnixTransport(socket_path, timeout, busy_poll_s, connect_timeout)
+        else:
+            raise ValueError("Client needs a socket path or quic='host:port'")
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, call: Call) -> HttpResponse:
+        """Send one call and return the raw response, whatever its status."""
+        return self.transport.send(call)
+
+    def get(self, path: str) -> Any:
+        return checked(self.send(Call("GET", path))).json()
+
+    def health(self) -> dict[str, Any]:
+        return {"live": self.send(Call("GET", "/v2/health/live")).status == 200,
+                "ready": self.send(Call("GET", "/v2/health/ready")).status == 200}
+
+    def server(self) -> Any:
+        return self.get("/v2")
+
+    def models(self) -> Any:
+        return self.get("/v2/models")
+
+    def model(self, name: str = DEFAULT_MODEL) -> Any:
+        return self.get(f"/v2/models/{name}")
+
+    def metrics(self) -> str:
+        return checked(self.send(Call("GET", "/metrics"))).body.decode()
+
+    def status(self) -> Any:
+        return self.get("/status")
+
+    def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+        return infer_result(checked(self.send(infer_call(model, audio, **kwargs))))
+
+    def segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Any:
+        return checked(self.send(segments_call(model, wav, **params))).json()
+
+    def stream_segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Iterator[Any]:
+        """Each speech segment as soon as the daemon finds it final, then a summary with "done"."""
+        return json_lines(self.transport.stream(segments_call(model, wav, stream="true", **params)))
+
+
+@dataclass
+class AsyncClient:
+    """The same over asyncio, for apps that stream many sequences at once."""
+
+    socket_path: str
+    _reader: ResponseReader = field(default_factory=ResponseReader)
+    _streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def send(self, call: Call) -> HttpResponse:
+        if self._streams is None:
+            try:
+                self._streams = await asyncio.open_unix_connection(self.socket_path, limit=1 << 22)
+            except OSError as exc:
+                raise unix_connect_error(self.socket_path, exc, 0.0) from None
+            self._reader = ResponseReader()
+        stream_in, stream_out = self._streams
+        stream_out.write(call.encode())
+        while not self._reader.done:
+            data = await stream_in.read(1 << 20)
+            if not data:
+                await self.close()
+                raise ConnectError(f"the daemon at {self.socket_path} closed the connection before it answered")
+            self._reader.feed(data)
+        return self._reader.done.pop(0)
+
+    async def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+        return infer_result(checked(await self.send(infer_call(model, audio, **kwargs))))
+
+    async def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None

@@ -1,0 +1,125 @@
+"""HTTP/1.1 as the client speaks it, without I/O: calls encoded, responses parsed (httptools), and
+the API's calls and results (infer, segments) built and read. Both transports share it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+from urllib.parse import urlencode
+
+import httptools
+import numpy as np
+
+from appliance.api.tensors import decode_response, encode_request
+from appliance.client.errors import ServerError
+
+DEFAULT_MODEL = "silero_vad"
+DEFAULT_CONNECT_TIMEOUT_S = 5.0  # connecting, and the QUIC handshake: an unreachable daemon fails this fast
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    method: str
+    target: str
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def encode(self) -> bytes:
+        lines = [f"{self.method} {self.target} HTTP/1.1", "host: localhost", f"content-length: {len(self.body)}"]
+        lines += [f"{k}: {v}" for k, v in self.headers]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.body
+
+
+class ResponseReader:
+    """Bytes in, complete responses out (httptools' response parser)."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.done: list[HttpResponse] = []
+        self.status = 0  # of the response being read, once its headers are in
+        self.arrived: list[bytes] = []  # body pieces not yet taken by a streaming reader
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+
+    def feed(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_message_begin(self) -> None:
+        self._headers, self._body, self.arrived, self.status = {}, [], [], 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self.arrived.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done.append(HttpResponse(self._parser.get_status_code(), self._headers, b"".join(self._body)))
+
+
+def checked(response: HttpResponse) -> HttpResponse:
+    if response.status >= 400:
+        try:
+            message = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            message = response.body.decode("utf-8", "replace")
+        raise ServerError(response.status, message)
+    return response
+
+
+# --- calls: how each API operation is asked and read --------------------------------------------
+
+def infer_call(model: str, audio: np.ndarray, sequence_id: int | str | None = None, start: bool = False,
+               end: bool = False, binary: bool = True) -> Call:
+    parameters: dict[str, Any] = {}
+    if sequence_id is not None:
+        parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+    body, header_length = encode_request({"audio": np.asarray(audio)}, parameters, binary)
+    headers = [("content-type", "application/octet-stream" if binary else "application/json")]
+    if header_length is not None:
+        headers.append(("inference-header-content-length", str(header_length)))
+    return Call("POST", f"/v2/models/{model}/infer", body, tuple(headers))
+
+
+def infer_result(response: HttpResponse) -> np.ndarray:
+    length = response.headers.get("inference-header-content-length")
+    return decode_response(response.body, int(length) if length else None)["speech_prob"]
+
+
+def json_lines(pieces: Iterator[bytes]) -> Iterator[Any]:
+    """A streamed NDJSON body, one document per line as each arrives; an error line raises."""
+    buffered = b""
+    for piece in pieces:
+        buffered += piece
+        *lines, buffered = buffered.split(b"\n")
+        for line in lines:
+            doc = json.loads(line)
+            if "error" in doc:
+                raise ServerError(200, doc["error"])
+            yield doc
+
+
+# The daemon finds the format in the bytes and ignores the content type; this only labels the body.
+AUDIO_TYPES = {b"RIFF": "audio/wav", b"RIFX": "audio/wav", b"fLaC": "audio/flac", b"OggS": "audio/ogg"}
+
+
+def segments_call(model: str, audio: bytes, **params: float) -> Call:
+    """A recording (WAV, FLAC or Ogg, as the file holds it) -> the segments route."""
+    query = f"?{urlencode(params)}" if params else ""
+    content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
+    return Call("POST", f"/v2/models/{model}/segments{query}", audio, (("content-type", content_type),))
