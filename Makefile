@@ -16,7 +16,7 @@ TRUSTED := keys/trusted
 BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
-.PHONY: run test bench deps image image-deps image-test bpf-host venv firmware gpu-test gpu-wheelhouse clean
+.PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware gpu-test gpu-wheelhouse clean
 
 run: firmware run/tls/cert.pem bpf-host
 	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
@@ -28,9 +28,15 @@ run: firmware run/tls/cert.pem bpf-host
 	$(APPLIANCE) run --config $(CONFIG)
 
 # Where /dev/kvm exists the image is built too, and its boot tests run if KVM really runs OVMF.
-test: firmware bpf-host
+test: lint firmware bpf-host
 	@if [ -w /dev/kvm ]; then $(MAKE) --no-print-directory image; fi
 	bash tests/run.sh
+
+# Lint, format and types (configured in pyproject.toml); make test runs it first, so CI fails on them.
+lint: venv
+	$(VENV)/bin/ruff check appliance tests
+	$(VENV)/bin/ruff format --check appliance tests
+	$(VENV)/bin/mypy
 
 bench: firmware
 	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED)

@@ -71,17 +71,19 @@ def _check_riff(data: bytes) -> None:
     riff_end = len(data) if riff_size >= STREAMED_SIZE else 8 + riff_size
     position = 12
     while position + 8 <= min(riff_end, len(data)):
-        name = data[position:position + 4].decode("latin-1")
-        (size,) = struct.unpack(order + "I", data[position + 4:position + 8])
+        name = data[position : position + 4].decode("latin-1")
+        (size,) = struct.unpack(order + "I", data[position + 4 : position + 8])
         end = position + 8 + size
         if name == "data" and size >= STREAMED_SIZE:
             end = min(riff_end, len(data))
         if end > riff_end:
-            raise unsupported(f"the '{name}' chunk ({size} bytes at byte {position}) runs past the RIFF size "
-                              f"of {riff_size} bytes")
+            raise unsupported(
+                f"the '{name}' chunk ({size} bytes at byte {position}) runs past the RIFF size of {riff_size} bytes"
+            )
         if end > len(data):
-            raise unsupported(f"truncated WAV: the '{name}' chunk declares {size} bytes, "
-                              f"the body holds {len(data) - position - 8}")
+            raise unsupported(
+                f"truncated WAV: the '{name}' chunk declares {size} bytes, the body holds {len(data) - position - 8}"
+            )
         position = end + (size & 1)  # chunks are padded to an even size
 
 

@@ -19,16 +19,17 @@ import sys
 import tempfile
 import time
 import wave
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from appliance import firmware
 from appliance.audio import to_frames
 from appliance.client import AsyncClient, Call, Client, infer_call
-from appliance.engine.onnx_cpu import session
 from appliance.client.quic import QuicSession
+from appliance.engine.onnx_cpu import session
 from appliance.tls import init_self_signed
 
 TARGETS = {"overhead_us": 200.0, "streams16_ratio": 1.5, "recording_ratio": 1.5, "rss_mib": 250.0}
@@ -50,7 +51,7 @@ class RawVad:
     def __call__(self, frame: np.ndarray) -> float:
         x = np.concatenate([self.context, frame[None, :]], axis=1)
         out, self.state = self.session.run(None, {"input": x, "state": self.state, "sr": self.sr})
-        self.context = x[:, -self.audio.context_samples:]
+        self.context = x[:, -self.audio.context_samples :]
         return float(out[0, 0])
 
 
@@ -65,16 +66,22 @@ def timed(fn: Callable[[], Any], seconds: float) -> list[float]:
 
 def stats_us(samples: list[float]) -> dict[str, float]:
     arr = np.asarray(samples) * 1e6
-    return {"median_us": round(float(np.median(arr)), 1), "p99_us": round(float(np.percentile(arr, 99)), 1),
-            "count": len(arr)}
+    return {
+        "median_us": round(float(np.median(arr)), 1),
+        "p99_us": round(float(np.percentile(arr, 99)), 1),
+        "count": len(arr),
+    }
 
 
 def test_audio(seconds: float, rate: int) -> np.ndarray:
     """Speech-like audio without a network: espeak-ng where installed, else noise bursts; random pauses."""
     rng = np.random.default_rng(0)
     try:
-        raw = subprocess.run(["espeak-ng", "--stdout", "The appliance measures its own speed on real speech."],
-                             capture_output=True, check=True).stdout
+        raw = subprocess.run(
+            ["espeak-ng", "--stdout", "The appliance measures its own speed on real speech."],
+            capture_output=True,
+            check=True,
+        ).stdout
         with wave.open(io.BytesIO(raw)) as w:
             src_rate, pcm = w.getframerate(), w.readframes(w.getnframes())
         voice = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
@@ -103,11 +110,13 @@ class DaemonProcess:
         init_self_signed(self.cert, key, [])
         self.quic = f"127.0.0.1:{free_udp_port()}"
         config = workdir / "bench.toml"
-        config.write_text(f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\n'
-                          f'[quic]\nenabled = true\nport = {self.quic.split(":")[1]}\n'
-                          f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
-                          f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
-                          f'[log]\nlevel = "warning"\n[conncache]\n{conncache}')
+        config.write_text(
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\n'
+            f"[quic]\nenabled = true\nport = {self.quic.split(':')[1]}\n"
+            f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
+            f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
+            f'[log]\nlevel = "warning"\n[conncache]\n{conncache}'
+        )
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -174,7 +183,7 @@ async def load(send: Callable[[Call], Any], call: Call, streams: int, seconds: f
     return {**stats_us(latencies), "rps": round(len(latencies) / elapsed)}
 
 
-async def compare_transports(daemon: "DaemonProcess", frame: np.ndarray, seconds: float) -> dict[str, Any]:
+async def compare_transports(daemon: DaemonProcess, frame: np.ndarray, seconds: float) -> dict[str, Any]:
     """The same one-frame binary infer over the Unix socket and over QUIC, at 1 and 16 streams."""
     call = infer_call("silero_vad", frame)
     out: dict[str, Any] = {}
@@ -182,9 +191,11 @@ async def compare_transports(daemon: "DaemonProcess", frame: np.ndarray, seconds
         # one connection per stream on the socket (HTTP/1.1); one QUIC connection carrying all streams
         unix = [AsyncClient(str(daemon.socket)) for _ in range(streams)]
         results = await asyncio.gather(*(load(c.send, call, 1, seconds / 2) for c in unix))
-        out[f"unix_{streams}"] = {"median_us": round(float(np.median([r["median_us"] for r in results])), 1),
-                                  "p99_us": max(r["p99_us"] for r in results),
-                                  "rps": sum(r["rps"] for r in results)}
+        out[f"unix_{streams}"] = {
+            "median_us": round(float(np.median([r["median_us"] for r in results])), 1),
+            "p99_us": max(r["p99_us"] for r in results),
+            "rps": sum(r["rps"] for r in results),
+        }
         for c in unix:
             await c.close()
         session = QuicSession(daemon.quic, str(daemon.cert))
@@ -218,8 +229,9 @@ async def handshakes(address: str, cafile: str, rounds: int = 20) -> dict[str, f
     return {"full_median_us": stats_us(full)["median_us"], "resumed_0rtt_median_us": stats_us(resumed)["median_us"]}
 
 
-def hypercorn_peer(model: Path, daemon: "DaemonProcess", frame: np.ndarray, seconds: float,
-                   workdir: Path) -> dict[str, Any] | str:
+def hypercorn_peer(
+    model: Path, daemon: DaemonProcess, frame: np.ndarray, seconds: float, workdir: Path
+) -> dict[str, Any] | str:
     """Hypercorn serving the same endpoint over HTTP/3, measured with the same client and calls."""
     try:
         import hypercorn  # noqa: F401
@@ -228,10 +240,27 @@ def hypercorn_peer(model: Path, daemon: "DaemonProcess", frame: np.ndarray, seco
     address = f"127.0.0.1:{free_udp_port()}"
     key = workdir / "key.pem"
     env = {**os.environ, "APPLIANCE_BENCH_MODEL": str(model)}
-    proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "--quic-bind", address, "--bind", "127.0.0.1:0",
-                             "--certfile", str(daemon.cert), "--keyfile", str(key), "--log-level", "warning",
-                             "appliance.bench_peer:app"], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hypercorn",
+            "--quic-bind",
+            address,
+            "--bind",
+            "127.0.0.1:0",
+            "--certfile",
+            str(daemon.cert),
+            "--keyfile",
+            str(key),
+            "--log-level",
+            "warning",
+            "appliance.bench_peer:app",
+        ],
+        env=env,
+    )
     try:
+
         async def run() -> dict[str, Any]:
             session = QuicSession(address, str(daemon.cert))
             for _ in range(200):
@@ -244,6 +273,7 @@ def hypercorn_peer(model: Path, daemon: "DaemonProcess", frame: np.ndarray, seco
             out = {f"quic_{n}": await load(session.send, call, n, seconds / 2) for n in (1, 16)}
             await session.close()
             return out
+
         return asyncio.run(run())
     finally:
         proc.terminate()
@@ -269,22 +299,32 @@ def connection_cache(bundle: Path, trusted: Path, workdir: Path, frame: np.ndarr
     out: dict[str, Any] = {}
     call = infer_call("silero_vad", frame)
     for backend in ("ebpf", "user"):
-        settings = (f'backend = "{backend}"\npeer_rate = 10000.0\npeer_burst = 20000.0\n'
-                    f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}"\n')
+        settings = (
+            f'backend = "{backend}"\npeer_rate = 10000.0\npeer_burst = 20000.0\n'
+            f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}"\n'
+        )
         try:
             daemon = DaemonProcess(bundle, trusted, workdir / backend, settings)
         except RuntimeError as exc:
             out[backend] = f"cannot start ({exc}; the eBPF backend needs root)"
             continue
         try:
+
             async def measure() -> dict[str, Any]:
                 session = QuicSession(daemon.quic, str(daemon.cert), local_host="127.0.0.3")
                 await session.send(Call("GET", "/v2/health/ready"))
-                result = {"quic_16": await load(session.send, call, 16, seconds / 2),
-                          "quiet_1": await load(session.send, call, 1, seconds / 2)}
+                result = {
+                    "quic_16": await load(session.send, call, 16, seconds / 2),
+                    "quiet_1": await load(session.send, call, 1, seconds / 2),
+                }
                 flooder = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", FLOODER, daemon.quic.split(":")[1], str(seconds / 2),
-                    stdout=asyncio.subprocess.PIPE)
+                    sys.executable,
+                    "-c",
+                    FLOODER,
+                    daemon.quic.split(":")[1],
+                    str(seconds / 2),
+                    stdout=asyncio.subprocess.PIPE,
+                )
                 assert flooder.stdout is not None
                 port = int(await flooder.stdout.readline())
                 result["flooded_1"] = await load(session.send, call, 1, seconds / 2)
@@ -296,6 +336,7 @@ def connection_cache(bundle: Path, trusted: Path, workdir: Path, frame: np.ndarr
                 peer = next(p for p in peers if p["peer"] == f"127.0.0.2:{port}")
                 result["flood"] = {"sent": sent, "admitted": peer["packets"], "dropped": peer["drops"]}
                 return result
+
             out[backend] = asyncio.run(measure())
         finally:
             daemon.stop()
@@ -309,8 +350,10 @@ def main(args: argparse.Namespace) -> int:
     frame_samples, rate = spec.audio.frame_samples, spec.audio.sample_rate
     rng = np.random.default_rng(1)
     frame = (rng.standard_normal(frame_samples) * 0.1).astype(np.float32)
-    results: dict[str, Any] = {"firmware": f"{bundle.manifest.name} {bundle.manifest.version}",
-                               "cpu_count": os.cpu_count()}
+    results: dict[str, Any] = {
+        "firmware": f"{bundle.manifest.name} {bundle.manifest.version}",
+        "cpu_count": os.cpu_count(),
+    }
     with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
         daemon = DaemonProcess(args.bundle, args.trusted_keys, Path(tmp))
         try:
@@ -328,9 +371,12 @@ def main(args: argparse.Namespace) -> int:
             results["raw_one_frame"] = stats_us(raw_times)
             results["daemon_one_frame"] = stats_us(daemon_times)
             results["daemon_one_frame_busy_poll"] = stats_us(polled_times)
-            results["overhead_us"] = round(results["daemon_one_frame"]["median_us"] - results["raw_one_frame"]["median_us"], 1)
+            results["overhead_us"] = round(
+                results["daemon_one_frame"]["median_us"] - results["raw_one_frame"]["median_us"], 1
+            )
             results["overhead_busy_poll_us"] = round(
-                results["daemon_one_frame_busy_poll"]["median_us"] - results["raw_one_frame"]["median_us"], 1)
+                results["daemon_one_frame_busy_poll"]["median_us"] - results["raw_one_frame"]["median_us"], 1
+            )
             raw_rate = len(raw_times) / sum(raw_times)
             results["raw_frames_per_s"] = round(raw_rate)
 
@@ -360,8 +406,9 @@ def main(args: argparse.Namespace) -> int:
             results["hypercorn"] = hypercorn_peer(bundle.artifact(spec.file), daemon, frame, args.seconds, Path(tmp))
         finally:
             daemon.stop()
-        results["conncache"] = connection_cache(args.bundle, args.trusted_keys, Path(tmp) / "conncache", frame,
-                                                args.seconds)
+        results["conncache"] = connection_cache(
+            args.bundle, args.trusted_keys, Path(tmp) / "conncache", frame, args.seconds
+        )
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -377,14 +424,26 @@ def report(r: dict[str, Any]) -> None:
     }
     mark = {True: "ok", False: "MISSED"}
     print(f"appliance bench: {r['firmware']} on {r['cpu_count']} CPUs")
-    print(f"  raw ONNX Runtime, 1 frame/call     median {r['raw_one_frame']['median_us']:8.1f} us  p99 {r['raw_one_frame']['p99_us']:8.1f} us  ({r['raw_frames_per_s']} frames/s)")
-    print(f"  daemon, 1 frame/request, binary    median {r['daemon_one_frame']['median_us']:8.1f} us  p99 {r['daemon_one_frame']['p99_us']:8.1f} us")
-    print(f"  overhead (median)                  {r['overhead_us']:8.1f} us   target <= {TARGETS['overhead_us']:.0f} us   {mark[ok['overhead_us']]}")
+    print(
+        f"  raw ONNX Runtime, 1 frame/call     median {r['raw_one_frame']['median_us']:8.1f} us  p99 {r['raw_one_frame']['p99_us']:8.1f} us  ({r['raw_frames_per_s']} frames/s)"
+    )
+    print(
+        f"  daemon, 1 frame/request, binary    median {r['daemon_one_frame']['median_us']:8.1f} us  p99 {r['daemon_one_frame']['p99_us']:8.1f} us"
+    )
+    print(
+        f"  overhead (median)                  {r['overhead_us']:8.1f} us   target <= {TARGETS['overhead_us']:.0f} us   {mark[ok['overhead_us']]}"
+    )
     polled = r["daemon_one_frame_busy_poll"]
-    print(f"  same, client busy-polling 5 ms     median {polled['median_us']:8.1f} us  p99 {polled['p99_us']:8.1f} us  overhead {r['overhead_busy_poll_us']:.1f} us")
-    print(f"  16 streams x 256 ms chunks         {r['streams16_frames_per_s']} frames/s = {r['streams16_ratio']}x raw   target >= 1.5x   {mark[ok['streams16_ratio']]}")
+    print(
+        f"  same, client busy-polling 5 ms     median {polled['median_us']:8.1f} us  p99 {polled['p99_us']:8.1f} us  overhead {r['overhead_busy_poll_us']:.1f} us"
+    )
+    print(
+        f"  16 streams x 256 ms chunks         {r['streams16_frames_per_s']} frames/s = {r['streams16_ratio']}x raw   target >= 1.5x   {mark[ok['streams16_ratio']]}"
+    )
     rec = r["recording_600s"]
-    print(f"  10 min recording, one call         {rec['daemon_sharded_s']} s vs one sequence {rec['one_sequence_s']} s = {r['recording_ratio']}x   target >= 1.5x   {mark[ok['recording_ratio']]}")
+    print(
+        f"  10 min recording, one call         {rec['daemon_sharded_s']} s vs one sequence {rec['one_sequence_s']} s = {r['recording_ratio']}x   target >= 1.5x   {mark[ok['recording_ratio']]}"
+    )
     print(f"  daemon resident memory             {r['rss_mib']} MiB   target < 250 MiB   {mark[ok['rss_mib']]}")
     print("  one-frame binary infer, by transport (median / p99 latency, requests per second):")
     rows = [(f"daemon {name.replace('_', ', ')} streams", v) for name, v in r["transports"].items()]
@@ -395,22 +454,30 @@ def report(r: dict[str, Any]) -> None:
     for label, v in rows:
         print(f"    {label:30} {v['median_us']:8.1f} us  {v['p99_us']:8.1f} us  {v['rps']:6} req/s")
     hs = r["quic_handshake"]
-    print(f"  QUIC full handshake + GET {hs['full_median_us']:.0f} us; resumed, GET in 0-RTT {hs['resumed_0rtt_median_us']:.0f} us")
+    print(
+        f"  QUIC full handshake + GET {hs['full_median_us']:.0f} us; resumed, GET in 0-RTT {hs['resumed_0rtt_median_us']:.0f} us"
+    )
     if isinstance(r["hypercorn"], dict):
         for n in (1, 16):
             ours, peer = r["transports"][f"quic_{n}"], r["hypercorn"][f"quic_{n}"]
-            print(f"  QUIC vs Hypercorn at {n:2} streams: {ours['rps'] / peer['rps']:.2f}x throughput, "
-                  f"p99 {ours['p99_us']:.0f} vs {peer['p99_us']:.0f} us")
+            print(
+                f"  QUIC vs Hypercorn at {n:2} streams: {ours['rps'] / peer['rps']:.2f}x throughput, "
+                f"p99 {ours['p99_us']:.0f} vs {peer['p99_us']:.0f} us"
+            )
     print("  connection cache (QUIC, 16 streams; then 1 stream on 127.0.0.3 without and with a flood from 127.0.0.2):")
     for backend, c in r["conncache"].items():
         if isinstance(c, str):
             print(f"    {backend}: {c}")
             continue
         f = c["flood"]
-        print(f"    {backend:5} {c['quic_16']['rps']:6} req/s; p99 {c['quiet_1']['p99_us']:.0f} us quiet, "
-              f"{c['flooded_1']['p99_us']:.0f} us flooded ({c['flooded_1']['rps']} req/s); flood {f['sent']} sent, "
-              f"{f['admitted']} admitted, {f['dropped']} dropped")
+        print(
+            f"    {backend:5} {c['quic_16']['rps']:6} req/s; p99 {c['quiet_1']['p99_us']:.0f} us quiet, "
+            f"{c['flooded_1']['p99_us']:.0f} us flooded ({c['flooded_1']['rps']} req/s); flood {f['sent']} sent, "
+            f"{f['admitted']} admitted, {f['dropped']} dropped"
+        )
     both = r["conncache"]
     if all(isinstance(both.get(b), dict) for b in ("ebpf", "user")):
-        print(f"  eBPF filter vs user-space table: {both['ebpf']['quic_16']['rps'] / both['user']['quic_16']['rps']:.2f}x "
-              "QUIC throughput")
+        print(
+            f"  eBPF filter vs user-space table: {both['ebpf']['quic_16']['rps'] / both['user']['quic_16']['rps']:.2f}x "
+            "QUIC throughput"
+        )

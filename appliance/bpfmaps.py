@@ -8,8 +8,8 @@ import ctypes
 import errno
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280}[platform.machine()]
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY, BPF_OBJ_GET = 1, 3, 4, 7
@@ -19,8 +19,13 @@ _libc.syscall.restype = ctypes.c_long
 
 
 class _ElemAttr(ctypes.Structure):  # union bpf_attr, the map element commands
-    _fields_ = [("map_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
-                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+    _fields_ = [
+        ("map_fd", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("key", ctypes.c_uint64),
+        ("value", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
+    ]
 
 
 class _ObjAttr(ctypes.Structure):  # union bpf_attr, BPF_OBJ_GET
@@ -56,8 +61,9 @@ class PinnedMap:
         """Every key, at most `limit` of them (a key deleted meanwhile restarts the kernel's walk)."""
         current, following = None, ctypes.create_string_buffer(self.key_size)
         for _ in range(limit):
-            attr = _ElemAttr(self.fd, 0, ctypes.addressof(current) if current is not None else 0,
-                             ctypes.addressof(following), 0)
+            attr = _ElemAttr(
+                self.fd, 0, ctypes.addressof(current) if current is not None else 0, ctypes.addressof(following), 0
+            )
             try:
                 _bpf(BPF_MAP_GET_NEXT_KEY, attr)
             except OSError as exc:
@@ -68,7 +74,10 @@ class PinnedMap:
             yield current.raw
 
     def lookup(self, key: bytes) -> bytes | None:
-        key_buffer, value = ctypes.create_string_buffer(key, self.key_size), ctypes.create_string_buffer(self.value_size)
+        key_buffer, value = (
+            ctypes.create_string_buffer(key, self.key_size),
+            ctypes.create_string_buffer(self.value_size),
+        )
         try:
             _bpf(BPF_MAP_LOOKUP_ELEM, _ElemAttr(self.fd, 0, ctypes.addressof(key_buffer), ctypes.addressof(value), 0))
         except OSError as exc:

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from appliance import exitcodes, firmware_store
 from appliance.config import QuicConfig
 from appliance.errors import ApplianceError
-from appliance import exitcodes, firmware_store
 
 DEV_SOCKET = Path("run/api.sock")
 INSTALLED_SOCKET = Path("/run/appliance/api.sock")
@@ -91,8 +91,11 @@ def _call(args: argparse.Namespace) -> int:
 
     certificate = (args.cert, args.key) if args.cert else None
     timeout = getattr(args, "timeout", DEFAULT_CONNECT_TIMEOUT_S)
-    client = (Client(quic=args.quic, cafile=args.cafile, certificate=certificate, connect_timeout=timeout)
-              if args.quic else Client(args.socket, connect_timeout=timeout))
+    client = (
+        Client(quic=args.quic, cafile=args.cafile, certificate=certificate, connect_timeout=timeout)
+        if args.quic
+        else Client(args.socket, connect_timeout=timeout)
+    )
     with client:
         if args.what == "health":
             health = client.health()
@@ -137,8 +140,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         _print(status)
         return 0
     firmware = status["firmware"]
-    print(f"firmware {firmware['name']} {firmware['version']} (key {firmware['signing_key_id']}), "
-          f"{'ready' if status['ready'] else 'not ready'}")
+    print(
+        f"firmware {firmware['name']} {firmware['version']} (key {firmware['signing_key_id']}), "
+        f"{'ready' if status['ready'] else 'not ready'}"
+    )
     for model in status["models"]:
         print(f"model {model['name']} on {model['engine']}: {model['live_sequences']} live sequences")
     cache = status["conncache"]
@@ -147,12 +152,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     totals = cache["totals"]
     reason = f" ({cache['reason']})" if cache["reason"] else ""
-    print(f"conncache {cache['backend']}{reason}: {len(cache['peers'])} peers, {totals['packets']} packets, "
-          f"{totals['bytes']} bytes, {totals['drops']} dropped")
+    print(
+        f"conncache {cache['backend']}{reason}: {len(cache['peers'])} peers, {totals['packets']} packets, "
+        f"{totals['bytes']} bytes, {totals['drops']} dropped"
+    )
     print(f"{'PEER':<46} {'PACKETS':>9} {'BYTES':>11} {'DROPS':>8} {'IDLE_S':>8}  DCID")
     for peer in cache["peers"]:
-        print(f"{peer['peer']:<46} {peer['packets']:>9} {peer['bytes']:>11} {peer['drops']:>8} {peer['idle_s']:>8.1f}  "
-              f"{peer['dcid']}")
+        print(
+            f"{peer['peer']:<46} {peer['packets']:>9} {peer['bytes']:>11} {peer['drops']:>8} {peer['idle_s']:>8.1f}  "
+            f"{peer['dcid']}"
+        )
     return 0
 
 
@@ -165,8 +174,10 @@ def cmd_firmware(args: argparse.Namespace) -> int:
         print(f"built {manifest.name} {manifest.version} in {args.out} (signed by {manifest.signing_key_id})")
     elif args.action == "verify":
         bundle = firmware.verify(args.bundle, args.trusted_keys, Progress())
-        print(f"ok: {bundle.manifest.name} {bundle.manifest.version}, signed by {bundle.manifest.signing_key_id}, "
-              f"{len(bundle.manifest.artifacts)} artifacts match")
+        print(
+            f"ok: {bundle.manifest.name} {bundle.manifest.version}, signed by {bundle.manifest.signing_key_id}, "
+            f"{len(bundle.manifest.artifacts)} artifacts match"
+        )
     elif args.action == "inspect":
         return _inspect(args.bundle, args.trusted_keys)
     else:
@@ -179,8 +190,13 @@ def _inspect(bundle: Path, trusted_keys: Path) -> int:
     from appliance import firmware
 
     manifest_path = bundle / firmware.MANIFEST
-    doc: dict[str, Any] = {"bundle": str(bundle), "trusted_keys": str(trusted_keys), "verified": False,
-                           "error": None, "manifest": None}
+    doc: dict[str, Any] = {
+        "bundle": str(bundle),
+        "trusted_keys": str(trusted_keys),
+        "verified": False,
+        "error": None,
+        "manifest": None,
+    }
     try:
         doc["manifest"] = json.loads(manifest_path.read_bytes())
     except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
@@ -221,8 +237,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from appliance import keys
 
     kid = keys.new_key_pair(args.out, args.trust_dir)
-    print(f"key {kid}: private {args.out}, public {args.out.with_suffix('.pub')}"
-          + (f", trusted in {args.trust_dir}" if args.trust_dir else ""))
+    print(
+        f"key {kid}: private {args.out}, public {args.out.with_suffix('.pub')}"
+        + (f", trusted in {args.trust_dir}" if args.trust_dir else "")
+    )
     return 0
 
 
@@ -284,8 +302,9 @@ def _restart_daemon() -> None:
 
     result = subprocess.run(["systemctl", "restart", UNIT], capture_output=True, text=True)
     if result.returncode != 0:
-        status = subprocess.run(["systemctl", "show", "-p", "StatusText", "--value", UNIT],
-                                capture_output=True, text=True).stdout.strip()
+        status = subprocess.run(
+            ["systemctl", "show", "-p", "StatusText", "--value", UNIT], capture_output=True, text=True
+        ).stdout.strip()
         raise ApplianceError(f"{UNIT} did not start: {status or result.stderr.strip()}")
 
 
@@ -311,8 +330,9 @@ def cmd_update(args: argparse.Namespace) -> int:
             print(f"slot {trial} written and verified; reboot to try slot {trial} (on trial: one boot)")
         return 0
     if not (args.source / firmware.MANIFEST).exists():
-        raise ApplianceError(f"{args.source}: neither a disk image ({image.DISK}) nor a firmware bundle "
-                             f"({firmware.MANIFEST})")
+        raise ApplianceError(
+            f"{args.source}: neither a disk image ({image.DISK}) nor a firmware bundle ({firmware.MANIFEST})"
+        )
     store = firmware_store.Store(args.store)
     release = firmware_store.install(store, args.source, args.trusted_keys, Progress())
     if release == store.current:
@@ -383,10 +403,10 @@ CALL_ACTIONS = {
     "server": "server metadata: name, version, extensions and the firmware served (GET /v2)",
     "models": "the models served, with their versions and state (GET /v2/models)",
     "model": "one model's metadata: tensors, baked parameters, signing key id (GET /v2/models/NAME; "
-             "NAME defaults to silero_vad)",
+    "NAME defaults to silero_vad)",
     "metrics": "the Prometheus metrics text (GET /metrics)",
     "vad": "speech segments of an audio FILE (WAV, FLAC or Ogg) as JSON (POST /v2/models/MODEL/segments); "
-           "with --stream one line per segment as soon as it is final",
+    "with --stream one line per segment as soon as it is final",
     "probs": "the speech probability of every 512-sample frame of an audio FILE (POST /v2/models/MODEL/infer)",
 }
 
@@ -399,10 +419,20 @@ def _call_epilog() -> str:
     columns = max(min(shutil.get_terminal_size().columns - 2, 100), width + 30)
     lines = ["actions:"]
     for name, text in CALL_ACTIONS.items():
-        lines += textwrap.wrap(text, columns, initial_indent=f"  {name:<{width - 2}}", subsequent_indent=" " * width,
-                               break_on_hyphens=False)
-    lines += ["", "examples:", "  appliance call health", "  appliance call vad speech.wav --stream",
-              "  appliance call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models"]
+        lines += textwrap.wrap(
+            text,
+            columns,
+            initial_indent=f"  {name:<{width - 2}}",
+            subsequent_indent=" " * width,
+            break_on_hyphens=False,
+        )
+    lines += [
+        "",
+        "examples:",
+        "  appliance call health",
+        "  appliance call vad speech.wav --stream",
+        "  appliance call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models",
+    ]
     return "\n".join(lines)
 
 
@@ -417,37 +447,66 @@ def _add_selftest_arguments(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance", description=__doc__, formatter_class=_HelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
-                   help="print the installed package's version and exit")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_version()}",
+        help="print the installed package's version and exit",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = _command(sub, "run", "run the daemon in the foreground")
-    run.add_argument("--config", type=Path, action="append",
-                     help="config file (repeatable, merged in order; without it /etc/appliance/appliance.toml, "
-                          "then /etc/appliance/conf.d/*.toml)")
+    run.add_argument(
+        "--config",
+        type=Path,
+        action="append",
+        help="config file (repeatable, merged in order; without it /etc/appliance/appliance.toml, "
+        "then /etc/appliance/conf.d/*.toml)",
+    )
     run.set_defaults(func=cmd_run)
 
-    call = _command(sub, "call", "call the daemon over its Unix socket (or QUIC with --quic)",
-                    description="Call the daemon's API and print the answer (JSON, or the metrics text).",
-                    epilog=_call_epilog())
-    call.add_argument("what", choices=list(CALL_ACTIONS), metavar="ACTION", help=f"what to ask: {', '.join(CALL_ACTIONS)} (see actions below)")
+    call = _command(
+        sub,
+        "call",
+        "call the daemon over its Unix socket (or QUIC with --quic)",
+        description="Call the daemon's API and print the answer (JSON, or the metrics text).",
+        epilog=_call_epilog(),
+    )
+    call.add_argument(
+        "what",
+        choices=list(CALL_ACTIONS),
+        metavar="ACTION",
+        help=f"what to ask: {', '.join(CALL_ACTIONS)} (see actions below)",
+    )
     call.add_argument("args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE")
-    call.add_argument("--socket", default=default_socket(),
-                      help="the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)")
+    call.add_argument(
+        "--socket",
+        default=default_socket(),
+        help="the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)",
+    )
     call.add_argument("--model", default="silero_vad", help="vad, probs: the model to run")
     call.add_argument("--stream", action="store_true", help="vad: print each segment as soon as it is final")
-    call.add_argument("--quic", metavar="HOST:PORT", type=quic_address,
-                      help="call over QUIC/HTTP3 instead of the Unix socket")
-    call.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
-                      help="how long connecting (the QUIC handshake) may take before the call fails (exit 4)")
+    call.add_argument(
+        "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"
+    )
+    call.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long connecting (the QUIC handshake) may take before the call fails (exit 4)",
+    )
     call.add_argument("--cafile", help="pinned server certificate or CA file for --quic")
     call.add_argument("--cert", help="client certificate for servers that require mutual TLS")
     call.add_argument("--key", help="the client certificate's private key")
     call.set_defaults(func=cmd_call)
 
     status = _command(sub, "status", "the daemon's firmware, engines and QUIC peers (connection cache)")
-    status.add_argument("--socket", default=default_socket(),
-                        help="the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)")
+    status.add_argument(
+        "--socket",
+        default=default_socket(),
+        help="the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)",
+    )
     status.add_argument("--json", action="store_true", help="print the daemon's status document as JSON")
     status.set_defaults(func=cmd_status)
 
@@ -457,22 +516,32 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("spec", type=Path, help="the firmware spec, e.g. firmware/default.toml")
     build.add_argument("--key", type=Path, required=True, help="the Ed25519 signing key (appliance keys new)")
     build.add_argument("--out", type=Path, required=True, help="the bundle directory to write (replaced whole)")
-    for name, text in (("verify", "check a bundle's signature and every artifact's sha256"),
-                       ("inspect", "print a bundle's manifest as JSON, with whether and against what it verified "
-                                   "(exit 2 when it does not)")):
+    for name, text in (
+        ("verify", "check a bundle's signature and every artifact's sha256"),
+        (
+            "inspect",
+            "print a bundle's manifest as JSON, with whether and against what it verified (exit 2 when it does not)",
+        ),
+    ):
         action = _command(fw_sub, name, text)
         action.add_argument("bundle", type=Path, help="the bundle directory")
         action.add_argument("--trusted-keys", type=Path, default=TRUSTED_KEYS, metavar="DIR", help=TRUSTED_KEYS_HELP)
-    install = _command(fw_sub, "install", "verify a bundle and make it the store's current, on trial "
-                                          "(the daemon loads it at its next start)")
+    install = _command(
+        fw_sub,
+        "install",
+        "verify a bundle and make it the store's current, on trial (the daemon loads it at its next start)",
+    )
     install.add_argument("bundle", type=Path, help="the bundle directory")
     install.add_argument("--trusted-keys", type=Path, default=TRUSTED_KEYS, metavar="DIR", help=TRUSTED_KEYS_HELP)
-    store_help = {"store": "the store's current and previous firmware",
-                  "rollback": "on the box: back to the previous firmware, restart and self-test"}
+    store_help = {
+        "store": "the store's current and previous firmware",
+        "rollback": "on the box: back to the previous firmware, restart and self-test",
+    }
     for name in ("install", *store_help):
         action = install if name == "install" else _command(fw_sub, name, store_help[name])
-        action.add_argument("--store", type=Path, default=firmware_store.STORE,
-                            help="the firmware store (on the box's data partition)")
+        action.add_argument(
+            "--store", type=Path, default=firmware_store.STORE, help="the firmware store (on the box's data partition)"
+        )
         if name == "rollback":
             _add_selftest_arguments(action)
     fw.set_defaults(func=cmd_firmware)
@@ -486,11 +555,18 @@ def parser() -> argparse.ArgumentParser:
 
     cfg = _command(sub, "config", "check config files")
     cfg_sub = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
-    check = _command(cfg_sub, "check", "load the config strictly and print the merged result as TOML "
-                                       "(which loads again to the same config)")
-    check.add_argument("--config", type=Path, action="append",
-                       help="config file (repeatable, merged in order; without it /etc/appliance/appliance.toml, "
-                            "then /etc/appliance/conf.d/*.toml)")
+    check = _command(
+        cfg_sub,
+        "check",
+        "load the config strictly and print the merged result as TOML (which loads again to the same config)",
+    )
+    check.add_argument(
+        "--config",
+        type=Path,
+        action="append",
+        help="config file (repeatable, merged in order; without it /etc/appliance/appliance.toml, "
+        "then /etc/appliance/conf.d/*.toml)",
+    )
     cfg.set_defaults(func=cmd_config)
 
     tls = _command(sub, "tls", "TLS material for the QUIC listener, made offline")
@@ -506,11 +582,13 @@ def parser() -> argparse.ArgumentParser:
     img_sub = img.add_subparsers(dest="action", required=True, metavar="ACTION")
     assemble = _command(img_sub, "assemble", "GPT disk.raw from root and data file systems (make image)")
     assemble.add_argument("--out", type=Path, required=True, help="the image directory; disk.raw is written there")
-    for name, text in (("root", "the root file system image (ext4), written to root-a"),
-                       ("data", "the data file system image (ext4), written to data"),
-                       ("boot-efi", "systemd-boot's EFI binary, for the ESP"),
-                       ("kernel", "the kernel slot A boots, for the ESP"),
-                       ("initrd", "the initrd slot A boots, for the ESP")):
+    for name, text in (
+        ("root", "the root file system image (ext4), written to root-a"),
+        ("data", "the data file system image (ext4), written to data"),
+        ("boot-efi", "systemd-boot's EFI binary, for the ESP"),
+        ("kernel", "the kernel slot A boots, for the ESP"),
+        ("initrd", "the initrd slot A boots, for the ESP"),
+    ):
         assemble.add_argument(f"--{name}", type=Path, required=True, help=text)
     sign = _command(img_sub, "sign", "hash every region of IMAGE/disk.raw and sign the manifest")
     sign.add_argument("image", type=Path, help="the image directory (holding disk.raw)")
@@ -520,11 +598,15 @@ def parser() -> argparse.ArgumentParser:
     verify = _command(img_sub, "verify", "check an image's signature and the sha256 of every region of disk.raw")
     verify.add_argument("image", type=Path, help="the image directory (disk.raw, manifest.json, manifest.sig)")
     verify.add_argument("--trusted-keys", type=Path, default=TRUSTED_KEYS, metavar="DIR", help=TRUSTED_KEYS_HELP)
-    selftest = _command(img_sub, "selftest", "wait for the daemon and run one inference (boot assessment); "
-                                             "commits firmware on trial when it passes")
+    selftest = _command(
+        img_sub,
+        "selftest",
+        "wait for the daemon and run one inference (boot assessment); commits firmware on trial when it passes",
+    )
     _add_selftest_arguments(selftest)
-    selftest.add_argument("--store", type=Path, default=firmware_store.STORE,
-                          help="the firmware store whose trial a pass commits")
+    selftest.add_argument(
+        "--store", type=Path, default=firmware_store.STORE, help="the firmware store whose trial a pass commits"
+    )
     img.set_defaults(func=cmd_image)
 
     flash = _command(sub, "flash", "verify a signed image, write it to a disk or file, read it back")
@@ -533,23 +615,36 @@ def parser() -> argparse.ArgumentParser:
     flash.add_argument("--trusted-keys", type=Path, default=Path("keys/trusted"), metavar="DIR", help=TRUSTED_KEYS_HELP)
     flash.set_defaults(func=cmd_flash)
 
-    upd = _command(sub, "update", "on the box: a signed image to the inactive slot (booted on trial), or a "
-                                  "signed firmware bundle to the data partition (restarted on trial)")
-    upd.add_argument("source", type=Path, metavar="IMAGE_OR_BUNDLE",
-                     help="an image directory (with disk.raw) or a firmware bundle directory")
+    upd = _command(
+        sub,
+        "update",
+        "on the box: a signed image to the inactive slot (booted on trial), or a "
+        "signed firmware bundle to the data partition (restarted on trial)",
+    )
+    upd.add_argument(
+        "source",
+        type=Path,
+        metavar="IMAGE_OR_BUNDLE",
+        help="an image directory (with disk.raw) or a firmware bundle directory",
+    )
     upd.add_argument("--trusted-keys", type=Path, default=TRUSTED_KEYS, metavar="DIR", help=TRUSTED_KEYS_HELP)
     upd.add_argument("--reboot", action="store_true", help="image: reboot into the trial slot when written")
-    upd.add_argument("--store", type=Path, default=firmware_store.STORE, help="firmware: the store on the data partition")
+    upd.add_argument(
+        "--store", type=Path, default=firmware_store.STORE, help="firmware: the store on the data partition"
+    )
     _add_selftest_arguments(upd)
     upd.set_defaults(func=cmd_update)
 
     recover = _command(sub, "recover", "on the box, after a failed boot self-test (appliance-rollback.service)")
-    recover.add_argument("--store", type=Path, default=firmware_store.STORE,
-                         help="the firmware store whose trial is undone")
+    recover.add_argument(
+        "--store", type=Path, default=firmware_store.STORE, help="the firmware store whose trial is undone"
+    )
     recover.set_defaults(func=cmd_recover)
 
     bench = _command(sub, "bench", "benchmark the daemon against raw ONNX Runtime, side by side")
-    bench.add_argument("--bundle", type=Path, default=Path("build/firmware/default"), help="the firmware bundle to serve")
+    bench.add_argument(
+        "--bundle", type=Path, default=Path("build/firmware/default"), help="the firmware bundle to serve"
+    )
     bench.add_argument("--trusted-keys", type=Path, default=Path("keys/trusted"), metavar="DIR", help=TRUSTED_KEYS_HELP)
     bench.add_argument("--seconds", type=float, default=5.0, help="time per measurement")
     bench.add_argument("--json", type=Path, help="also write the figures here")
@@ -595,8 +690,11 @@ def _client_failure(exc: BaseException, args: argparse.Namespace) -> tuple[str, 
     if isinstance(exc, client.SocketUnreachable):
         message += "; point at the daemon's socket with --socket PATH or APPLIANCE_SOCKET=PATH"
     elif isinstance(exc, client.CertificateRejected):
-        message += ("; give a client certificate it trusts with --cert FILE --key FILE" if exc.by_server
-                    else "; pass the server's certificate (or its CA) with --cafile FILE")
+        message += (
+            "; give a client certificate it trusts with --cert FILE --key FILE"
+            if exc.by_server
+            else "; pass the server's certificate (or its CA) with --cafile FILE"
+        )
     elif isinstance(exc, client.NoAnswer) and getattr(args, "quic", None):
         message += "; --timeout SECONDS waits longer"
     return message, exitcodes.UNREACHABLE

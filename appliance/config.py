@@ -109,7 +109,11 @@ class Config:
     sources: tuple[Path, ...] = field(default=(), compare=False)  # where it came from, not what it is
 
 
-CHOICES = {("engine", "device"): ("cpu", "cuda", "auto"), ("conncache", "backend"): ("auto", "ebpf", "user"), ("log", "level"): ("debug", "info", "warning", "error")}
+CHOICES = {
+    ("engine", "device"): ("cpu", "cuda", "auto"),
+    ("conncache", "backend"): ("auto", "ebpf", "user"),
+    ("log", "level"): ("debug", "info", "warning", "error"),
+}
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "sources"}
 _SECTION_TYPES = typing.get_type_hints(Config)
 
@@ -183,10 +187,12 @@ def _coerce(path: Path, key: str, kind: type, value: Any, optional: bool = False
 
 def _baked_message(path: Path, key: str, data: dict[str, Any]) -> str:
     bundle = data.get("firmware", {}).get("bundle") if isinstance(data.get("firmware"), dict) else None
-    name = read_unverified_name((path.parent / bundle)) if isinstance(bundle, str) else None
+    name = read_unverified_name(path.parent / bundle) if isinstance(bundle, str) else None
     which = f"firmware {name!r}" if name else "the firmware"
-    return (f"{path}: {key}: '{key.split('.')[-1]}' is baked into {which} at build time and cannot be set "
-            "in config; build a new firmware to change it")
+    return (
+        f"{path}: {key}: '{key.split('.')[-1]}' is baked into {which} at build time and cannot be set "
+        "in config; build a new firmware to change it"
+    )
 
 
 def _check_values(config: Config) -> None:
@@ -200,17 +206,26 @@ def _check_values(config: Config) -> None:
     except ValueError:
         mode = -1
     if not 0 <= mode <= 0o777:
-        raise ApplianceError(f"{source}: server.socket_mode: {config.server.socket_mode!r} is not an octal mode like '0660'")
-    positive = {"server.max_body_bytes": config.server.max_body_bytes, "server.max_header_bytes": config.server.max_header_bytes,
-                "server.max_connections": config.server.max_connections,
-                "server.shutdown_grace_s": config.server.shutdown_grace_s, "quic.idle_timeout_s": config.quic.idle_timeout_s,
-                "quic.max_connections": config.quic.max_connections,
-                "quic.stream_idle_timeout_s": config.quic.stream_idle_timeout_s,
-                "quic.max_streams_per_connection": config.quic.max_streams_per_connection, "engine.threads": config.engine.threads,
-                "sequences.max_live": config.sequences.max_live,
-                "conncache.max_entries": config.conncache.max_entries, "conncache.peer_rate": config.conncache.peer_rate,
-                "conncache.peer_burst": config.conncache.peer_burst,
-                "conncache.idle_timeout_s": config.conncache.idle_timeout_s, "sequences.idle_timeout_s": config.sequences.idle_timeout_s}
+        raise ApplianceError(
+            f"{source}: server.socket_mode: {config.server.socket_mode!r} is not an octal mode like '0660'"
+        )
+    positive = {
+        "server.max_body_bytes": config.server.max_body_bytes,
+        "server.max_header_bytes": config.server.max_header_bytes,
+        "server.max_connections": config.server.max_connections,
+        "server.shutdown_grace_s": config.server.shutdown_grace_s,
+        "quic.idle_timeout_s": config.quic.idle_timeout_s,
+        "quic.max_connections": config.quic.max_connections,
+        "quic.stream_idle_timeout_s": config.quic.stream_idle_timeout_s,
+        "quic.max_streams_per_connection": config.quic.max_streams_per_connection,
+        "engine.threads": config.engine.threads,
+        "sequences.max_live": config.sequences.max_live,
+        "conncache.max_entries": config.conncache.max_entries,
+        "conncache.peer_rate": config.conncache.peer_rate,
+        "conncache.peer_burst": config.conncache.peer_burst,
+        "conncache.idle_timeout_s": config.conncache.idle_timeout_s,
+        "sequences.idle_timeout_s": config.sequences.idle_timeout_s,
+    }
     for key, value in positive.items():
         if value <= 0:
             raise ApplianceError(f"{source}: {key}: must be positive, got {value}")
@@ -223,11 +238,23 @@ def _check_values(config: Config) -> None:
 
 
 # What SIGHUP can change in a running daemon; every other key needs a restart.
-LIVE_KEYS = frozenset({
-    "server.max_body_bytes", "server.max_header_bytes", "server.max_connections", "server.shutdown_grace_s",
-    "engine.queue_delay_us", "sequences.idle_timeout_s", "sequences.max_live", "conncache.idle_timeout_s",
-    "vad.threshold", "vad.min_speech_ms", "vad.min_silence_ms", "vad.speech_pad_ms", "log.level",
-})
+LIVE_KEYS = frozenset(
+    {
+        "server.max_body_bytes",
+        "server.max_header_bytes",
+        "server.max_connections",
+        "server.shutdown_grace_s",
+        "engine.queue_delay_us",
+        "sequences.idle_timeout_s",
+        "sequences.max_live",
+        "conncache.idle_timeout_s",
+        "vad.threshold",
+        "vad.min_speech_ms",
+        "vad.min_silence_ms",
+        "vad.speech_pad_ms",
+        "log.level",
+    }
+)
 
 
 def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:

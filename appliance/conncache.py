@@ -26,8 +26,9 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from appliance.api.peers import Peer, Totals
 from appliance.bpfmaps import PinnedMap, possible_cpus
@@ -125,8 +126,10 @@ class UserSpaceCache(ConnectionCache):
         if entry is None:
             if len(self._entries) >= self.config.max_entries:
                 self._entries.popitem(last=False)
-            entry = self._entries[address] = (Peer(address, now, now),
-                                              TokenBucket(self.config.peer_rate, self.config.peer_burst))
+            entry = self._entries[address] = (
+                Peer(address, now, now),
+                TokenBucket(self.config.peer_rate, self.config.peer_burst),
+            )
             self._totals.peers_seen += 1
         else:
             self._entries.move_to_end(address)
@@ -157,8 +160,8 @@ class UserSpaceCache(ConnectionCache):
 def _dcid(data: bytes) -> str:
     if data[0] & 0x80:
         length = data[5] if len(data) > 5 else 0
-        return data[6:6 + length].hex() if length <= 20 else ""
-    return data[1:1 + HOST_CID_LENGTH].hex()
+        return data[6 : 6 + length].hex() if length <= 20 else ""
+    return data[1 : 1 + HOST_CID_LENGTH].hex()
 
 
 class KernelCache(ConnectionCache):
@@ -183,15 +186,34 @@ class KernelCache(ConnectionCache):
             raise
 
     def _load(self, config: ConnCacheConfig, sock: socket.socket) -> None:
-        defines = [f"MAX_ENTRIES={config.max_entries}", f"RATE_PER_S={max(1, int(config.peer_rate))}",
-                   f"BURST={max(1, int(config.peer_burst))}", f"HOST_CID_LENGTH={HOST_CID_LENGTH}"]
+        defines = [
+            f"MAX_ENTRIES={config.max_entries}",
+            f"RATE_PER_S={max(1, int(config.peer_rate))}",
+            f"BURST={max(1, int(config.peer_burst))}",
+            f"HOST_CID_LENGTH={HOST_CID_LENGTH}",
+        ]
         loader = subprocess.run(
-            [sys.executable, "-m", "appliance.conncache_loader", "--fd", str(sock.fileno()),
-             "--pin-dir", str(config.pin_dir), *(f"--define={d}" for d in defines)],
-            pass_fds=(sock.fileno(),), capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "appliance.conncache_loader",
+                "--fd",
+                str(sock.fileno()),
+                "--pin-dir",
+                str(config.pin_dir),
+                *(f"--define={d}" for d in defines),
+            ],
+            pass_fds=(sock.fileno(),),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if loader.returncode != 0:
-            raise OSError(loader.stderr.strip().splitlines()[-1] if loader.stderr.strip() else f"loader exited {loader.returncode}")
+            raise OSError(
+                loader.stderr.strip().splitlines()[-1]
+                if loader.stderr.strip()
+                else f"loader exited {loader.returncode}"
+            )
         self._table = PinnedMap(config.pin_dir / "peers", self.KEY.size, self.STATS_SIZE)
         self._totals = PinnedMap(config.pin_dir / "totals", 4, 8 * possible_cpus())
         self._keys: dict[str, bytes] = {}  # peer name -> map key, as last read
@@ -246,8 +268,9 @@ def own_pin_dir(pin_dir: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ApplianceError(f"conncache.pin_dir {pin_dir} belongs to another running daemon; "
-                             "give each daemon its own pin_dir") from None
+        raise ApplianceError(
+            f"conncache.pin_dir {pin_dir} belongs to another running daemon; give each daemon its own pin_dir"
+        ) from None
     return fd
 
 
@@ -256,12 +279,12 @@ def open_cache(settings: Callable[[], ConnCacheConfig], sock: socket.socket) -> 
     `backend = "ebpf"` makes a failure to load a start-up error. `settings`: the live config's section."""
     config = settings()
     if config.backend == "user":
-        return UserSpaceCache(settings, "backend = \"user\" in config")
+        return UserSpaceCache(settings, 'backend = "user" in config')
     try:
         return KernelCache(settings, sock)
     except (OSError, subprocess.SubprocessError) as exc:  # the loader's reason, or the maps' pins
         reason = str(exc)
     if config.backend == "ebpf":
-        raise ApplianceError(f"conncache: backend = \"ebpf\" but the eBPF program cannot load: {reason}")
+        raise ApplianceError(f'conncache: backend = "ebpf" but the eBPF program cannot load: {reason}')
     log.warning("conncache: eBPF program not loaded (%s); the user-space table serves with the same limits", reason)
     return UserSpaceCache(settings, reason)

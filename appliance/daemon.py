@@ -45,8 +45,10 @@ STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process ex
 
 def load_models(live: Live, bundle: firmware.Bundle) -> dict[str, VadModel]:
     engine = live.config.engine
-    return {spec.name: VadModel(spec, bundle.manifest.baked, load_engine(engine.device, bundle, spec, engine.threads), live)
-            for spec in bundle.manifest.models}
+    return {
+        spec.name: VadModel(spec, bundle.manifest.baked, load_engine(engine.device, bundle, spec, engine.threads), live)
+        for spec in bundle.manifest.models
+    }
 
 
 async def probe(model: VadModel) -> None:
@@ -157,16 +159,25 @@ class Daemon:
                 where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"
                 raise ApplianceError(f"quic: cannot listen on {where} with {config.quic.certificate}: {exc}") from None
             log.info("quic: HTTP/3 on UDP port %d%s", self.h3.port, " (socket from systemd)" if quic_sock else "")
-            self.api.peer_table = self.h3.cache
-            log.info("conncache: %s backend, up to %d peers, %g packets/s per peer (burst %g)",
-                     self.h3.cache.backend, config.conncache.max_entries, config.conncache.peer_rate,
-                     config.conncache.peer_burst)
+            self.api.peer_table = cache = self.h3.cache
+            assert cache is not None
+            log.info(
+                "conncache: %s backend, up to %d peers, %g packets/s per peer (burst %g)",
+                cache.backend,
+                config.conncache.max_entries,
+                config.conncache.peer_rate,
+                config.conncache.peer_burst,
+            )
         elif quic_sock is not None:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
         self.api.ready = True
-        where = sock.getsockname() or config.server.socket
-        log.info("ready: serving %s on %s%s", ", ".join(self.models), where,
-                 "" if self.bound_socket else " (socket from systemd)")
+        where = str(sock.getsockname() or config.server.socket)
+        log.info(
+            "ready: serving %s on %s%s",
+            ", ".join(self.models),
+            where,
+            "" if self.bound_socket else " (socket from systemd)",
+        )
         systemd.ready(self.status_text())
         return server
 
@@ -209,7 +220,7 @@ class Daemon:
                 if count := model.expire_idle():
                     log.info("model %s: %d idle sequences expired", model.name, count, extra={"MODEL": model.name})
 
-    async def _sweep_connection_cache(self, h3: "H3Server") -> None:
+    async def _sweep_connection_cache(self, h3: H3Server) -> None:
         """Release what vanished QUIC peers held: peers idle past the timeout, or evicted."""
         assert self.api is not None and h3.cache is not None
         while True:
@@ -235,7 +246,7 @@ class Daemon:
             started = time.monotonic()
             try:
                 await asyncio.wait_for(asyncio.gather(*(probe(m) for m in self.models.values())), interval)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 log.error("watchdog: an engine did not complete a probe within %.2f s; withholding the ping", interval)
                 continue  # the probes stay queued: a recovering engine answers them and pings resume
             except ApplianceError as exc:
@@ -301,9 +312,13 @@ class Daemon:
         (an engine call that never returns, run on the loop). Say what is lost and exit."""
         in_flight = (self.http.in_flight if self.http else 0) + (self.h3.in_flight if self.h3 else 0)
         sequences = sum(len(m.sequences) for m in self.models.values())
-        log.error("stopping: still running %.0f s after the stop signal (the event loop is blocked, an engine "
-                  "call is wedged); abandoned %d requests in flight and %d open sequences, exiting",
-                  self._stop_deadline_s(), in_flight, sequences)
+        log.error(
+            "stopping: still running %.0f s after the stop signal (the event loop is blocked, an engine "
+            "call is wedged); abandoned %d requests in flight and %d open sequences, exiting",
+            self._stop_deadline_s(),
+            in_flight,
+            sequences,
+        )
         logging.shutdown()
         os._exit(EXIT_ABANDONED)
 
@@ -311,8 +326,11 @@ class Daemon:
         for model in self.models.values():
             if not await model.stop(ENGINE_STOP_S):
                 self.abandoned.append(model.name)
-                log.error("stopping: the engine of model %s did not finish its batch within %.0f s (wedged); "
-                          "abandoned it", model.name, ENGINE_STOP_S)
+                log.error(
+                    "stopping: the engine of model %s did not finish its batch within %.0f s (wedged); abandoned it",
+                    model.name,
+                    ENGINE_STOP_S,
+                )
 
 
 def run(config: Config, config_paths: list[Path] | None) -> int:

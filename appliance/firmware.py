@@ -33,8 +33,17 @@ FORMAT_VERSION = 1
 BAKED_PARAMETERS = ("max_tokens_per_shard", "split_algorithm", "fallback_cpu_threshold", "max_batch")
 SPLIT_ALGORITHMS = ("semantic", "fixed")
 TARGETS = ("cpu", "cuda", "tensorrt")
-DATATYPES = {"FP32": "float32", "FP16": "float16", "INT64": "int64", "INT32": "int32", "INT16": "int16",
-             "INT8": "int8", "UINT8": "uint8", "BOOL": "bool", "FP64": "float64"}
+DATATYPES = {
+    "FP32": "float32",
+    "FP16": "float16",
+    "INT64": "int64",
+    "INT32": "int32",
+    "INT16": "int16",
+    "INT8": "int8",
+    "UINT8": "uint8",
+    "BOOL": "bool",
+    "FP64": "float64",
+}
 MANIFEST = keys.MANIFEST
 
 
@@ -125,13 +134,15 @@ class Bundle:
 
 # --- strict reading of plain data (spec TOML and manifest JSON share it) ---------------------------
 
+
 class _Reader:
     """Reads one table strictly: every key must be known and of the right type."""
 
     def __init__(self, data: Any, where: str) -> None:
         if not isinstance(data, dict):
             raise ApplianceError(f"{where}: expected a table, got {type(data).__name__}")
-        self.data, self.where, self.used = data, where, set()
+        self.data, self.where = data, where
+        self.used: set[str] = set()
 
     def get(self, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
         self.used.add(key)
@@ -144,10 +155,10 @@ class _Reader:
             raise ApplianceError(f"{self.where}.{key}: expected {_kind_name(kind)}, got {value!r}")
         return value
 
-    def table(self, key: str) -> "_Reader":
+    def table(self, key: str) -> _Reader:
         return _Reader(self.get(key, dict), f"{self.where}.{key}")
 
-    def tables(self, key: str) -> list["_Reader"]:
+    def tables(self, key: str) -> list[_Reader]:
         return [_Reader(item, f"{self.where}.{key}[{i}]") for i, item in enumerate(self.get(key, list))]
 
     def done(self) -> None:
@@ -219,8 +230,11 @@ def _read_audio(r: _Reader) -> AudioSpec:
 
 def _read_plan(r: _Reader) -> PlanSpec:
     plan = PlanSpec(
-        model=r.get("model", str), file=r.get("file", str), tensorrt_version=r.get("tensorrt_version", str),
-        compute_capability=r.get("compute_capability", str), precision=r.get("precision", str),
+        model=r.get("model", str),
+        file=r.get("file", str),
+        tensorrt_version=r.get("tensorrt_version", str),
+        compute_capability=r.get("compute_capability", str),
+        precision=r.get("precision", str),
         fp16_max_abs_error=float(r.get("fp16_max_abs_error", (int, float))),
     )
     r.done()
@@ -252,7 +266,9 @@ def _manifest_from_data(data: Any, where: str) -> Manifest:
         if manifest.model(plan.model) is None or plan.file not in manifest.artifacts:
             raise ApplianceError(f"{where}: plan {plan.file} names no model or file of this bundle")
     if manifest.format != FORMAT_VERSION:
-        raise ApplianceError(f"{where}: format {manifest.format} is not supported (this runtime reads {FORMAT_VERSION})")
+        raise ApplianceError(
+            f"{where}: format {manifest.format} is not supported (this runtime reads {FORMAT_VERSION})"
+        )
     return manifest
 
 
@@ -286,6 +302,7 @@ def hash_files(directory: Path, relatives: list[str], progress: Progress, desc: 
 
 
 # --- verify ------------------------------------------------------------------------------------------
+
 
 def verify(bundle_dir: Path, trust_dir: Path, progress: Progress = QUIET) -> Bundle:
     """Return the bundle if its signature verifies against a trusted key and every hash matches.
@@ -322,6 +339,7 @@ def read_unverified_name(bundle_dir: Path) -> str | None:
 
 # --- build -------------------------------------------------------------------------------------------
 
+
 def _resolve_source(source: dict[str, Any], spec_path: Path, where: str) -> Path:
     r = _Reader(source, where)
     if "path" in source:
@@ -331,7 +349,9 @@ def _resolve_source(source: dict[str, Any], spec_path: Path, where: str) -> Path
         # find_spec on a top-level package locates it without importing it (silero_vad imports torch).
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
-            raise ApplianceError(f"{where}: package {package!r} is not installed (pip install {package.replace('_', '-')})")
+            raise ApplianceError(
+                f"{where}: package {package!r} is not installed (pip install {package.replace('_', '-')})"
+            )
         path = Path(list(found.submodule_search_locations)[0]) / resource
     r.done()
     if not path.is_file():
@@ -355,7 +375,9 @@ def _check_against_graph(model_path: Path, model: ModelSpec, where: str) -> None
             elem = actual[tensor.name].type.tensor_type.elem_type
             numpy_type = onnx.helper.tensor_dtype_to_np_dtype(elem).name
             if DATATYPES[tensor.datatype] != numpy_type:
-                raise ApplianceError(f"{where}: {kind} {tensor.name} is {numpy_type} in the graph, not {tensor.datatype}")
+                raise ApplianceError(
+                    f"{where}: {kind} {tensor.name} is {numpy_type} in the graph, not {tensor.datatype}"
+                )
     for pair in model.state:
         if pair.input not in graph_inputs or pair.output not in graph_outputs:
             raise ApplianceError(f"{where}: state pair {pair.input}->{pair.output} is not in the graph")
@@ -374,7 +396,7 @@ def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> li
         raise ApplianceError(f"{where}: target cuda: {exc}") from None
     relative = f"models/{model.name}.cuda.npz"
     with open(staging / relative, "wb") as f:
-        np.savez(f, **weights)
+        np.savez(f, **weights)  # type: ignore[arg-type]  # numpy's stub puts allow_pickle before **kwds
     binaries = kernels.compile_vad_kernels(baked, model.audio, staging / "kernels")
     return [relative, *(str(p.relative_to(staging)) for p in binaries)]
 
@@ -391,7 +413,9 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
     targets = tuple(r.get("targets", list, ["cpu"]))
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or "cpu" not in targets:
-        raise ApplianceError(f"{spec_path}: targets: {targets} must include \"cpu\" (the fallback) and only {', '.join(TARGETS)}")
+        raise ApplianceError(
+            f'{spec_path}: targets: {targets} must include "cpu" (the fallback) and only {", ".join(TARGETS)}'
+        )
     baked = _read_baked(r.table("baked"))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir.parent))
@@ -424,10 +448,16 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
             raise ApplianceError(f"{spec_path}: no [[models]]")
         artifacts = hash_files(staging, files, progress, "hash artifacts")
         manifest = Manifest(
-            format=FORMAT_VERSION, name=name, version=version,
+            format=FORMAT_VERSION,
+            name=name,
+            version=version,
             built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            targets=targets, baked=baked, models=tuple(models), artifacts=artifacts,
-            signing_key_id=keys.key_id(private.public_key()), plans=tuple(plans),
+            targets=targets,
+            baked=baked,
+            models=tuple(models),
+            artifacts=artifacts,
+            signing_key_id=keys.key_id(private.public_key()),
+            plans=tuple(plans),
         )
         sign(staging, manifest, private)
         if out_dir.exists():

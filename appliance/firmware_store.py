@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from appliance import firmware, keys
 from appliance.durable import PARTIAL, fsync_path, replace_file
@@ -79,8 +79,10 @@ def _point(store: Store, name: str, release: Path | None) -> None:
 def install(store: Store, source: Path, trust_dir: Path, progress: Progress = QUIET) -> Path:
     """Copy a verified bundle into the store and verify the copy; returns its release directory."""
     manifest = firmware.verify(source, trust_dir, progress).manifest
-    release = store.releases / f"{manifest.name}-{manifest.version}-{manifest.signing_key_id[:8]}-" \
-                               f"{firmware.sha256_file(source / firmware.MANIFEST)[:12]}"
+    release = (
+        store.releases / f"{manifest.name}-{manifest.version}-{manifest.signing_key_id[:8]}-"
+        f"{firmware.sha256_file(source / firmware.MANIFEST)[:12]}"
+    )
     if release.is_dir():
         firmware.verify(release, trust_dir, progress)  # installed before: still intact
         return release
@@ -152,12 +154,14 @@ def try_current(store: Store, restart: Callable[[], None], selftest: Callable[[]
     except ApplianceError as exc:
         failed = describe(store.current)
         if store.previous is None:
-            raise ApplianceError(f"firmware {failed} failed its self-test ({exc}); there is no previous firmware "
-                                 "to return to") from None
+            raise ApplianceError(
+                f"firmware {failed} failed its self-test ({exc}); there is no previous firmware to return to"
+            ) from None
         back = revert(store)
         restart()
         selftest()
-        raise ApplianceError(f"firmware {failed} failed its self-test ({exc}); rolled back: {describe(back)} "
-                             "serves again") from None
+        raise ApplianceError(
+            f"firmware {failed} failed its self-test ({exc}); rolled back: {describe(back)} serves again"
+        ) from None
     commit(store)
     return line

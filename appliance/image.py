@@ -22,9 +22,9 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 from appliance import keys
 from appliance.durable import fsync_path, replace_file
@@ -65,8 +65,12 @@ class Partition:
 
 
 def _layout(root_mib: int) -> tuple[Partition, ...]:
-    sizes = (("esp", ESP_TYPE, 256), ("root-a", ROOT_TYPE, root_mib), ("root-b", ROOT_TYPE, root_mib),
-             ("data", DATA_TYPE, 256))
+    sizes = (
+        ("esp", ESP_TYPE, 256),
+        ("root-a", ROOT_TYPE, root_mib),
+        ("root-b", ROOT_TYPE, root_mib),
+        ("data", DATA_TYPE, 256),
+    )
     parts, start = [], 1
     for n, (label, kind, size) in enumerate(sizes, 1):
         parts.append(Partition(label, kind, f"6A1C3E80-3F5B-4E4C-9A55-1D2B2C0A{n:04X}", start, size))
@@ -149,8 +153,15 @@ def sign(image_dir: Path, key_path: Path, name: str, version: str, progress: Pro
     private = keys.load_private_key(key_path)
     with progress.phase(f"hash {disk}", DISK_SIZE) as advance:
         regions = tuple(Region(n, o, s, sha256_range(disk, o, s, advance)) for n, o, s in _regions())
-    manifest = ImageManifest(FORMAT_VERSION, name, version, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                             keys.key_id(private.public_key()), DISK_SIZE, regions)
+    manifest = ImageManifest(
+        FORMAT_VERSION,
+        name,
+        version,
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        keys.key_id(private.public_key()),
+        DISK_SIZE,
+        regions,
+    )
     keys.write_signed(image_dir, asdict(manifest), private)
     return manifest
 
@@ -164,23 +175,29 @@ def verify_signature(image_dir: Path, trust_dir: Path) -> ImageManifest:
     except (TypeError, KeyError) as exc:
         raise ApplianceError(f"{manifest_path}: malformed image manifest: {exc}") from None
     if manifest.format != FORMAT_VERSION or manifest.disk_size != DISK_SIZE:
-        raise ApplianceError(f"{manifest_path}: format {manifest.format}, disk size {manifest.disk_size}: "
-                             f"this appliance reads format {FORMAT_VERSION} with disk size {DISK_SIZE}")
+        raise ApplianceError(
+            f"{manifest_path}: format {manifest.format}, disk size {manifest.disk_size}: "
+            f"this appliance reads format {FORMAT_VERSION} with disk size {DISK_SIZE}"
+        )
     return manifest
 
 
-def check_regions(path: Path, base: int, regions: tuple[Region, ...], what: str, progress: Progress = QUIET,
-                  phase: str | None = None) -> None:
+def check_regions(
+    path: Path, base: int, regions: tuple[Region, ...], what: str, progress: Progress = QUIET, phase: str | None = None
+) -> None:
     """Every region's bytes, read from `path` at base + region offset, hash as the manifest says."""
     with progress.phase(phase or f"verify {what}", sum(r.size for r in regions)) as advance:
         for region in regions:
             if sha256_range(path, base + region.offset, region.size, advance) != region.sha256:
-                raise ApplianceError(f"{what}: region {region.name} (bytes {region.offset}..{region.offset + region.size})"
-                                     " does not match the signed manifest (altered or badly written)")
+                raise ApplianceError(
+                    f"{what}: region {region.name} (bytes {region.offset}..{region.offset + region.size})"
+                    " does not match the signed manifest (altered or badly written)"
+                )
 
 
-def verify(image_dir: Path, trust_dir: Path, names: tuple[str, ...] | None = None,
-           progress: Progress = QUIET) -> ImageManifest:
+def verify(
+    image_dir: Path, trust_dir: Path, names: tuple[str, ...] | None = None, progress: Progress = QUIET
+) -> ImageManifest:
     """Signature, then the hash of every region (or of the named ones) of disk.raw."""
     manifest = verify_signature(image_dir, trust_dir)
     disk = image_dir / DISK
@@ -193,10 +210,13 @@ def verify(image_dir: Path, trust_dir: Path, names: tuple[str, ...] | None = Non
 
 # --- assemble (build host) ------------------------------------------------------------------------
 
+
 def loader_entry(slot: str, version: int) -> str:
-    return (f"title Appliance (slot {slot.upper()})\nsort-key appliance\nversion {version}\n"
-            f"linux /appliance/slot-{slot}/vmlinuz\ninitrd /appliance/slot-{slot}/initrd.img\n"
-            f"options root=PARTUUID={slot_partition(slot).uuid.lower()} {KERNEL_OPTIONS}\n")
+    return (
+        f"title Appliance (slot {slot.upper()})\nsort-key appliance\nversion {version}\n"
+        f"linux /appliance/slot-{slot}/vmlinuz\ninitrd /appliance/slot-{slot}/initrd.img\n"
+        f"options root=PARTUUID={slot_partition(slot).uuid.lower()} {KERNEL_OPTIONS}\n"
+    )
 
 
 LOADER_CONF = "timeout 0\nauto-entries no\nauto-firmware no\nconsole-mode keep\n"
@@ -214,24 +234,44 @@ def _make_esp(path: Path, boot_efi: Path, kernel: Path, initrd: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "loader.conf").write_text(LOADER_CONF)
         (Path(tmp) / "slot-a.conf").write_text(loader_entry("a", 1))
-        for d in ("::/EFI", "::/EFI/BOOT", "::/EFI/systemd", "::/loader", "::/loader/entries", "::/appliance",
-                  "::/appliance/slot-a", "::/appliance/slot-b"):
+        for d in (
+            "::/EFI",
+            "::/EFI/BOOT",
+            "::/EFI/systemd",
+            "::/loader",
+            "::/loader/entries",
+            "::/appliance",
+            "::/appliance/slot-a",
+            "::/appliance/slot-b",
+        ):
             _run("mmd", "-i", str(path), d)
-        copies = [(boot_efi, "::/EFI/BOOT/BOOTX64.EFI"), (boot_efi, "::/EFI/systemd/systemd-bootx64.efi"),
-                  (Path(tmp) / "loader.conf", "::/loader/loader.conf"),
-                  (Path(tmp) / "slot-a.conf", "::/loader/entries/slot-a.conf"),
-                  (kernel, "::/appliance/slot-a/vmlinuz"), (initrd, "::/appliance/slot-a/initrd.img")]
+        copies = [
+            (boot_efi, "::/EFI/BOOT/BOOTX64.EFI"),
+            (boot_efi, "::/EFI/systemd/systemd-bootx64.efi"),
+            (Path(tmp) / "loader.conf", "::/loader/loader.conf"),
+            (Path(tmp) / "slot-a.conf", "::/loader/entries/slot-a.conf"),
+            (kernel, "::/appliance/slot-a/vmlinuz"),
+            (initrd, "::/appliance/slot-a/initrd.img"),
+        ]
         for source, dest in copies:
             _run("mcopy", "-i", str(path), str(source), dest)
 
 
-def assemble(out_dir: Path, root_img: Path, data_img: Path, boot_efi: Path, kernel: Path, initrd: Path,
-             progress: Progress = QUIET) -> None:
+def assemble(
+    out_dir: Path,
+    root_img: Path,
+    data_img: Path,
+    boot_efi: Path,
+    kernel: Path,
+    initrd: Path,
+    progress: Progress = QUIET,
+) -> None:
     """disk.raw from the root and data file systems: the ESP made here, slot A filled, slot B empty."""
     for img, label in ((root_img, "root-a"), (data_img, "data")):
         if img.stat().st_size > partition(label).size:
-            raise ApplianceError(f"{img}: {img.stat().st_size} bytes do not fit partition {label} "
-                                 f"({partition(label).size} bytes)")
+            raise ApplianceError(
+                f"{img}: {img.stat().st_size} bytes do not fit partition {label} ({partition(label).size} bytes)"
+            )
     out_dir.mkdir(parents=True, exist_ok=True)
     disk = out_dir / DISK
     disk.unlink(missing_ok=True)
@@ -240,8 +280,12 @@ def assemble(out_dir: Path, root_img: Path, data_img: Path, boot_efi: Path, kern
     script = [f"label: gpt\nlabel-id: {DISK_GUID}\nunit: sectors\nfirst-lba: 2048\n"]
     for p in LAYOUT:
         script.append(f"start={p.offset // 512}, size={p.size // 512}, type={p.type}, uuid={p.uuid}, name={p.label}\n")
-    result = subprocess.run(["sfdisk", "--no-reread", "--no-tell-kernel", "-q", str(disk)], input="".join(script),
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["sfdisk", "--no-reread", "--no-tell-kernel", "-q", str(disk)],
+        input="".join(script),
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         raise ApplianceError(f"sfdisk: {result.stderr.strip()}")
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
@@ -273,8 +317,10 @@ def enumerate_blocks(path: Path) -> Iterator[tuple[int, bytes]]:
 
 # --- writing to a target (flash and update share this) -------------------------------------------
 
-def _write_region(source: Path, source_offset: int, size: int, target: Path, target_offset: int,
-                  what: str, progress: Progress) -> None:
+
+def _write_region(
+    source: Path, source_offset: int, size: int, target: Path, target_offset: int, what: str, progress: Progress
+) -> None:
     fd = os.open(target, os.O_WRONLY)
     try:
         written = 0
@@ -344,6 +390,7 @@ def flash(image_dir: Path, target: Path, trust_dir: Path, progress: Progress = Q
 
 
 # --- the running box: self-test and update -------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Box:
@@ -421,7 +468,7 @@ def update(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Progres
 
 
 def _slot_name(box: Box) -> str:
-    """"slot a, " on the appliance's disk; empty where the daemon runs elsewhere (a firmware-only test)."""
+    """ "slot a, " on the appliance's disk; empty where the daemon runs elsewhere (a firmware-only test)."""
     try:
         return f"slot {box.running_slot()}, "
     except ApplianceError:
@@ -444,13 +491,17 @@ def selftest(socket_path: str, timeout_s: float = 180.0, box: Box = Box()) -> st
                     probs = client.infer((0.3 * np.sin(2 * np.pi * 220 * seconds)).astype(np.float32))
                     frames = -(-16000 // 512)  # the last frame is padded
                     if probs.size != frames or not np.all((probs >= 0) & (probs <= 1)):
-                        raise ApplianceError(f"self-test inference returned {probs.size} values, "
-                                             f"not {frames} in [0, 1]")
+                        raise ApplianceError(
+                            f"self-test inference returned {probs.size} values, not {frames} in [0, 1]"
+                        )
                     firmware = client.status()["firmware"]
-                    return (f"appliance-selftest: ok {_slot_name(box)}{probs.size} probabilities, "
-                            f"firmware {firmware['name']} {firmware['version']}")
+                    return (
+                        f"appliance-selftest: ok {_slot_name(box)}{probs.size} probabilities, "
+                        f"firmware {firmware['name']} {firmware['version']}"
+                    )
         except (OSError, ClientError) as exc:
             last_error = str(exc)
         time.sleep(1.0)
-    raise ApplianceError(f"self-test: the daemon on {socket_path} did not serve an inference within "
-                         f"{timeout_s:.0f} s ({last_error})")
+    raise ApplianceError(
+        f"self-test: the daemon on {socket_path} did not serve an inference within {timeout_s:.0f} s ({last_error})"
+    )

@@ -30,14 +30,20 @@ def find_nvcc() -> str:
     else:
         nvcc = shutil.which("nvcc") or (str(NVCC_FALLBACK) if NVCC_FALLBACK.exists() else None)
     if nvcc is None:
-        raise ApplianceError("firmware target 'cuda' needs nvcc (the CUDA toolkit) on the build machine: "
-                             "install it, or build with targets = [\"cpu\"]")
+        raise ApplianceError(
+            "firmware target 'cuda' needs nvcc (the CUDA toolkit) on the build machine: "
+            'install it, or build with targets = ["cpu"]'
+        )
     return nvcc
 
 
 def baked_defines(baked: Baked, audio: AudioSpec) -> list[str]:
-    return [f"-DMAX_BATCH={baked.max_batch}", f"-DSHARD_FRAMES={baked.max_tokens_per_shard}",
-            f"-DFRAME_SAMPLES={audio.frame_samples}", f"-DCONTEXT_SAMPLES={audio.context_samples}"]
+    return [
+        f"-DMAX_BATCH={baked.max_batch}",
+        f"-DSHARD_FRAMES={baked.max_tokens_per_shard}",
+        f"-DFRAME_SAMPLES={audio.frame_samples}",
+        f"-DCONTEXT_SAMPLES={audio.context_samples}",
+    ]
 
 
 def compile_vad_kernels(baked: Baked, audio: AudioSpec, out_dir: Path, arch: str = ARCH) -> list[Path]:
@@ -47,8 +53,9 @@ def compile_vad_kernels(baked: Baked, audio: AudioSpec, out_dir: Path, arch: str
     cubin, ptx = out_dir / f"silero_vad.{arch}.cubin", out_dir / "silero_vad.ptx"
     defines = baked_defines(baked, audio)
     for output, kind in ((cubin, ["-cubin", f"-arch={arch}"]), (ptx, ["-ptx", f"-arch=compute_{arch[3:]}"])):
-        result = subprocess.run([nvcc, *kind, "-O3", *defines, "-o", str(output), str(SOURCE)],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [nvcc, *kind, "-O3", *defines, "-o", str(output), str(SOURCE)], capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise ApplianceError(f"nvcc failed on {SOURCE.name} for {arch}: {result.stderr.strip()[-2000:]}")
     return [cubin, ptx]

@@ -113,6 +113,8 @@ def read_signed(directory: Path, trust_dir: Path, what: str) -> Any:
         raise ApplianceError(f"{manifest_path}: not {what} manifest (no signing_key_id)") from None
     public = trusted_key(trust_dir, kid)
     if len(signature) != 64 or not signature_valid(public, signature, data):
-        raise ApplianceError(f"{signature_path}: signature does not verify manifest.json with trusted key {kid} "
-                             "(manifest or signature altered)")
+        raise ApplianceError(
+            f"{signature_path}: signature does not verify manifest.json with trusted key {kid} "
+            "(manifest or signature altered)"
+        )
     return document

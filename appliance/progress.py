@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, TextIO
+from typing import TextIO
 
 Advance = Callable[[int], None]  # called with the number of bytes just done
 LINES_FROM = 64 << 20  # phases at least this large get a line every 10% in plain mode
@@ -50,8 +51,16 @@ class Progress:
             # A terminal that reports no size (a serial console, a fresh pty) would get an empty bar.
             columns, lines = _size(self.stream)
             size = {"dynamic_ncols": True} if columns and lines else {"ncols": columns or 80, "nrows": lines or 24}
-            with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
-                      leave=True, **size) as bar:
+            with tqdm(
+                total=total,
+                desc=desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self.stream,
+                leave=True,
+                **size,
+            ) as bar:
                 yield bar.update
         else:
             with self._lines(desc, total) as advance:

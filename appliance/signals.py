@@ -13,14 +13,19 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 STOP = (signal.SIGTERM, signal.SIGINT)
 RELOAD = signal.SIGHUP
 
 
-def watch(loop: asyncio.AbstractEventLoop, on_stop: Callable[[], None], on_reload: Callable[[], None],
-          deadline_s: Callable[[], float], on_overdue: Callable[[], None]) -> None:
+def watch(
+    loop: asyncio.AbstractEventLoop,
+    on_stop: Callable[[], None],
+    on_reload: Callable[[], None],
+    deadline_s: Callable[[], float],
+    on_overdue: Callable[[], None],
+) -> None:
     """Call on_reload for SIGHUP and on_stop for SIGTERM/SIGINT, on the loop; on_overdue from the
     watcher thread when the process still runs `deadline_s()` seconds after the first stop signal.
     Main thread only (set_wakeup_fd)."""

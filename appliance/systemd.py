@@ -36,8 +36,11 @@ def stopping(text: str) -> None:
 
 
 def reloading() -> None:
-    notify("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
-           "STATUS=reloading config")
+    notify(
+        "RELOADING=1",
+        f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+        "STATUS=reloading config",
+    )
 
 
 def watchdog_ping() -> None:

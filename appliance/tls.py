@@ -22,23 +22,31 @@ def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: in
     dns = sorted({hostname, "localhost", *[n for n in names if not _is_ip(n)]})
     ips = sorted({"127.0.0.1", "::1", *[n for n in names if _is_ip(n)]})
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(subject).issuer_name(subject)
+        .subject_name(subject)
+        .issuer_name(subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName(n) for n in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName(n) for n in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+            ),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(key, hashes.SHA256())
     )
     key_path.parent.mkdir(parents=True, exist_ok=True)
     cert_path.parent.mkdir(parents=True, exist_ok=True)
-    replace_file(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption()), mode=0o600)
+    replace_file(
+        key_path,
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        mode=0o600,
+    )
     replace_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert.fingerprint(hashes.SHA256()).hex()
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
 from appliance.audio import to_frames
+from appliance.config import Live
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, SequenceTable, Work
-from appliance.config import Live
 from appliance.errors import BadRequest
 from appliance.firmware import Baked, ModelSpec
 from appliance.segments import SegmentParams, SegmentTracker
@@ -24,7 +24,12 @@ from appliance.shards import frame_energy, plan_shards
 
 class VadModel:
     def __init__(
-        self, spec: ModelSpec, baked: Baked, engine: Engine, live: Live, clock: Callable[[], float] = time.monotonic,
+        self,
+        spec: ModelSpec,
+        baked: Baked,
+        engine: Engine,
+        live: Live,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec, self.baked, self.clock = spec, baked, clock
         self.frames = FrameModel(spec, engine)
@@ -67,13 +72,16 @@ class VadModel:
         self.engine_loop.submit(work)
         return future
 
-    async def infer_stream(self, samples: np.ndarray, sequence_id: object, start: bool, end: bool,
-                           owner: str = "") -> np.ndarray:
+    async def infer_stream(
+        self, samples: np.ndarray, sequence_id: object, start: bool, end: bool, owner: str = ""
+    ) -> np.ndarray:
         """Frames of a live stream; the runtime keeps its state and audio context between calls.
         `owner`: the QUIC peer opening it, whose departure releases it."""
         frame = self.frames.frame_samples
         if len(samples) % frame:
-            raise BadRequest(f"a sequence request carries whole frames: {len(samples)} samples is not a multiple of {frame}")
+            raise BadRequest(
+                f"a sequence request carries whole frames: {len(samples)} samples is not a multiple of {frame}"
+            )
         now = self.clock()
         sequence = self.sequences.start(sequence_id, now, owner) if start else self.sequences.get(sequence_id, now)
         try:
@@ -94,9 +102,9 @@ class VadModel:
         for start, end in plan:
             sequence = self.frames.new_sequence()
             if start:  # the audio just before the cut is the shard's context, as it would be in one sequence
-                sequence.context = frames[start - 1, -self.frames.context_samples:].copy()
+                sequence.context = frames[start - 1, -self.frames.context_samples :].copy()
             step = chunk_frames or max(end - start, 1)
-            pieces += [self._submit(sequence, frames[i:min(i + step, end)]) for i in range(start, end, step)]
+            pieces += [self._submit(sequence, frames[i : min(i + step, end)]) for i in range(start, end, step)]
         try:
             for piece in pieces:
                 yield await piece
@@ -108,8 +116,9 @@ class VadModel:
         pieces = [p async for p in self.recording_chunks(samples)]
         return np.concatenate(pieces) if pieces else np.empty(0, np.float32)
 
-    async def segments(self, samples: np.ndarray, params: SegmentParams,
-                       chunk_frames: int | None = None) -> AsyncIterator[tuple[int, int]]:
+    async def segments(
+        self, samples: np.ndarray, params: SegmentParams, chunk_frames: int | None = None
+    ) -> AsyncIterator[tuple[int, int]]:
         """Speech segments (sample positions), each yielded as soon as it is final."""
         tracker = SegmentTracker(self.frames.frame_samples, self.frames.sample_rate, params)
         async for probs in self.recording_chunks(samples, chunk_frames):

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance import firmware, keys as signing
+from appliance import firmware
+from appliance import keys as signing
 from appliance.bench import free_udp_port
 from appliance.client import Client
 
@@ -107,26 +108,47 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 class Daemon:
     """`appliance run` as a child process with its own config, Unix socket and (with tls) QUIC port."""
 
-    def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "",
-                 tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None,
-                 prefix: tuple[str, ...] = (), extra_conncache: str = "", pin_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        bundle: Path,
+        trusted: Path,
+        extra: str = "",
+        tls: tuple[Path, Path] | None = None,
+        extra_quic: str = "",
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+        extra_conncache: str = "",
+        pin_dir: Path | None = None,
+    ) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
         self.pin_dir = pin_dir or Path("/sys/fs/bpf") / f"appliance-test-{workdir.parent.name}-{workdir.name}"
-        quic = (f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
+        quic = (
+            (
+                f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
                 f'private_key = "{tls[1]}"\n{extra_quic}'
-                f'[conncache]\npin_dir = "{self.pin_dir}"\n{extra_conncache}') if tls else ""
+                f'[conncache]\npin_dir = "{self.pin_dir}"\n{extra_conncache}'
+            )
+            if tls
+            else ""
+        )
         self.cafile = str(tls[0]) if tls else None
         self.config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"
-        self.proc = subprocess.Popen([*prefix, *APPLIANCE, "run", "--config", str(self.config)], cwd=ROOT,
-                                     stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [*prefix, *APPLIANCE, "run", "--config", str(self.config)],
+            cwd=ROOT,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
 
-    def wait_ready(self, timeout: float = 60.0) -> "Daemon":
+    def wait_ready(self, timeout: float = 60.0) -> Daemon:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -172,8 +194,12 @@ class Bystander:
 
     def _run(self) -> None:
         try:
-            with Client(quic=f"127.0.0.1:{self.daemon.quic_port}", cafile=self.daemon.cafile, timeout=30,
-                        local_host=self.local_host) as client:
+            with Client(
+                quic=f"127.0.0.1:{self.daemon.quic_port}",
+                cafile=self.daemon.cafile,
+                timeout=30,
+                local_host=self.local_host,
+            ) as client:
                 while not self._stop.is_set():
                     assert client.infer(np.zeros(512, np.float32)).shape == (1,)
                     self.answered += 1
@@ -181,7 +207,7 @@ class Bystander:
         except BaseException as exc:  # noqa: BLE001 - asserted by the test
             self.errors.append(exc)
 
-    def __enter__(self) -> "Bystander":
+    def __enter__(self) -> Bystander:
         self._thread.start()
         return self
 
@@ -195,13 +221,22 @@ class Bystander:
 def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
     started: list[Daemon] = []
 
-    def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True,
-              tls: tuple[Path, Path] | None = None, extra_quic: str = "", env: dict[str, str] | None = None,
-              prefix: tuple[str, ...] = (), extra_conncache: str = "", pin_dir: Path | None = None) -> Daemon:
+    def start(
+        extra: str = "",
+        bundle_dir: Path | None = None,
+        wait: bool = True,
+        tls: tuple[Path, Path] | None = None,
+        extra_quic: str = "",
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+        extra_conncache: str = "",
+        pin_dir: Path | None = None,
+    ) -> Daemon:
         workdir = tmp_path / f"d{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env, prefix,
-                        extra_conncache, pin_dir)
+        daemon = Daemon(
+            workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env, prefix, extra_conncache, pin_dir
+        )
         started.append(daemon)
         return daemon.wait_ready() if wait else daemon
 

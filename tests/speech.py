@@ -25,10 +25,12 @@ def say(text: str) -> np.ndarray:
     count = int(len(x) * RATE / rate)
     x = np.interp(np.arange(count) * rate / RATE, np.arange(len(x)), x).astype(np.float32)
     loud = np.flatnonzero(np.abs(x) > 0.01)
-    return x[loud[0]: loud[-1] + 1]
+    return x[loud[0] : loud[-1] + 1]
 
 
-def recording(sentences: list[str], gap_s: float = 1.5, lead_s: float = 1.0) -> tuple[np.ndarray, list[tuple[float, float]]]:
+def recording(
+    sentences: list[str], gap_s: float = 1.5, lead_s: float = 1.0
+) -> tuple[np.ndarray, list[tuple[float, float]]]:
     """Sentences separated by silence; returns the samples and each sentence's (start, end) in seconds."""
     parts, spans, position = [np.zeros(int(lead_s * RATE), np.float32)], [], int(lead_s * RATE)
     for text in sentences:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cli
 
 from appliance.audio import encode_wav
 from appliance.client import Call, Client, ClientError, infer_call
-from conftest import cli
 
 FRAME = 512
 
@@ -29,7 +29,7 @@ def raw_exchange(path: Path, data: bytes) -> bytes:
         while True:
             try:
                 chunk = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not chunk:
                 break
@@ -51,8 +51,12 @@ def test_health_server_and_model_metadata(client: Client, keys) -> None:
     model = client.model("silero_vad")
     assert model["inputs"][0]["name"] == "audio" and model["outputs"][0]["name"] == "speech_prob"
     params = model["parameters"]
-    assert params["baked"] == {"max_tokens_per_shard": 1024, "split_algorithm": "semantic",
-                               "fallback_cpu_threshold": 0.85, "max_batch": 64}
+    assert params["baked"] == {
+        "max_tokens_per_shard": 1024,
+        "split_algorithm": "semantic",
+        "fallback_cpu_threshold": 0.85,
+        "max_batch": 64,
+    }
     kid = next(keys.trusted.glob("*.pub")).stem
     assert params["firmware"]["signing_key_id"] == kid and params["firmware"]["version"] == "1.0.0"
     assert client.get("/v2/models/silero_vad/ready") == {"name": "silero_vad", "ready": True}
@@ -61,8 +65,12 @@ def test_health_server_and_model_metadata(client: Client, keys) -> None:
 
 
 def test_curl_over_the_socket(daemon) -> None:
-    out = subprocess.run(["curl", "-s", "--unix-socket", str(daemon.socket), "http://localhost/v2/health/ready"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["curl", "-s", "--unix-socket", str(daemon.socket), "http://localhost/v2/health/ready"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(out) == {"ready": True}
 
 
@@ -80,9 +88,20 @@ def test_cli_call_commands(daemon, tmp_path: Path) -> None:
 def test_curl_reads_streamed_segments_as_chunked_http(daemon, tmp_path: Path) -> None:
     wav = tmp_path / "silence.wav"
     wav.write_bytes(encode_wav(np.zeros(16000, np.float32), 16000))
-    out = subprocess.run(["curl", "-si", "--unix-socket", str(daemon.socket), "--data-binary", f"@{wav}",
-                          "http://localhost/v2/models/silero_vad/segments?stream=true"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "curl",
+            "-si",
+            "--unix-socket",
+            str(daemon.socket),
+            "--data-binary",
+            f"@{wav}",
+            "http://localhost/v2/models/silero_vad/segments?stream=true",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     head, _, body = out.partition("\n\n")  # text mode reads \r\n as \n
     assert "transfer-encoding: chunked" in head.lower() and "application/x-ndjson" in head
     assert json.loads(body)["done"] is True
@@ -105,9 +124,11 @@ def test_json_and_binary_tensors_give_the_same_result(client: Client) -> None:
 def test_sequence_keeps_state_across_requests(client: Client) -> None:
     audio = noise(12, seed=3)
     whole = client.infer(audio)  # one-off: one shard, the same frames in one sequence
-    parts = [client.infer(audio[:4 * FRAME], sequence_id=77, start=True),
-             client.infer(audio[4 * FRAME:8 * FRAME], sequence_id=77),
-             client.infer(audio[8 * FRAME:], sequence_id=77, end=True)]
+    parts = [
+        client.infer(audio[: 4 * FRAME], sequence_id=77, start=True),
+        client.infer(audio[4 * FRAME : 8 * FRAME], sequence_id=77),
+        client.infer(audio[8 * FRAME :], sequence_id=77, end=True),
+    ]
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-5)
     with pytest.raises(ClientError) as err:  # ended: no longer usable
         client.infer(audio[:FRAME], sequence_id=77)
@@ -116,40 +137,106 @@ def test_sequence_keeps_state_across_requests(client: Client) -> None:
 
 def test_sequence_response_echoes_parameters(client: Client) -> None:
     response = client.send(infer_call("silero_vad", noise(1), sequence_id="abc", start=True, end=True, binary=False))
-    assert json.loads(response.body)["parameters"] == {"sequence_id": "abc", "sequence_start": True, "sequence_end": True}
+    assert json.loads(response.body)["parameters"] == {
+        "sequence_id": "abc",
+        "sequence_start": True,
+        "sequence_end": True,
+    }
 
 
 BINARY_HEADER = b'{"inputs":[{"name":"audio","shape":[512],"datatype":"FP32","parameters":{"binary_data_size":2048}}]}'
 
 
 def infer_body(doc: dict) -> Call:
-    return Call("POST", "/v2/models/silero_vad/infer", json.dumps(doc).encode(), (("content-type", "application/json"),))
+    return Call(
+        "POST", "/v2/models/silero_vad/infer", json.dumps(doc).encode(), (("content-type", "application/json"),)
+    )
 
 
-@pytest.mark.parametrize("call, status, message", [
-    (infer_body({"inputs": [{"name": "audio", "shape": [3], "datatype": "FP32", "data": [1, 2]}]}), 400, "holds 2 values but shape [3] needs 3"),
-    (infer_body({"inputs": [{"name": "audio", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]}), 400, "datatype 'BYTES' is not supported"),
-    (infer_body({"inputs": [{"name": "pcm", "shape": [1], "datatype": "FP32", "data": [0]}]}), 400, "takes one input named 'audio'"),
-    (infer_body({"inputs": [{"name": "audio", "shape": [2, 2, 2], "datatype": "FP32", "data": [0] * 8}]}), 400, "shape must be [samples]"),
-    (infer_body({"inputs": [{"name": "audio", "shape": [2], "datatype": "INT64", "data": [0, 0]}]}), 400, "must be FP32 or INT16"),
-    (infer_body({"inputs": []}), 400, "'inputs' must be a non-empty list"),
-    (infer_body({"inputs": [{"name": "audio", "shape": [512], "datatype": "FP32", "data": [0] * 512}],
-                 "parameters": {"sequence_id": 5}}), 400, "sequence 5 is not open"),
-    (infer_body({"inputs": [{"name": "audio", "shape": [100], "datatype": "FP32", "data": [0] * 100}],
-                 "parameters": {"sequence_id": 6, "sequence_start": True}}), 400, "not a multiple of 512"),
-    (Call("POST", "/v2/models/silero_vad/infer", b"{not json"), 400, "not valid JSON"),
-    (Call("POST", "/v2/models/nope/infer", b"{}"), 404, "unknown model 'nope'"),
-    (Call("GET", "/v2/models/silero_vad/infer"), 405, "GET is not allowed"),
-    (Call("GET", "/v3/whatever"), 404, "no route for /v3/whatever"),
-    (Call("POST", "/v2/models/silero_vad/infer", BINARY_HEADER + b"\0" * 100,
-          (("inference-header-content-length", str(len(BINARY_HEADER))),)), 400, "truncated"),
-    (Call("POST", "/v2/models/silero_vad/segments", b"RIFF0000WAVEjunk"), 400, "audio not supported"),
-    (Call("POST", "/v2/models/silero_vad/segments", encode_wav(np.zeros(800, np.float32), 4000)), 400, "4000 Hz is outside 8000 to 384000 Hz"),
-    (Call("POST", "/v2/models/silero_vad/segments?threshold=2", encode_wav(np.zeros(800, np.float32), 16000)), 400, "threshold"),
-    (Call("POST", "/v2/models/silero_vad/segments?stream=maybe", encode_wav(np.zeros(800, np.float32), 16000)), 400,
-     "query parameter stream: 'maybe' is not true or false"),
-])
-def test_bad_requests_get_a_clear_4xx_and_the_daemon_keeps_serving(client: Client, call: Call, status: int, message: str) -> None:
+@pytest.mark.parametrize(
+    "call, status, message",
+    [
+        (
+            infer_body({"inputs": [{"name": "audio", "shape": [3], "datatype": "FP32", "data": [1, 2]}]}),
+            400,
+            "holds 2 values but shape [3] needs 3",
+        ),
+        (
+            infer_body({"inputs": [{"name": "audio", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]}),
+            400,
+            "datatype 'BYTES' is not supported",
+        ),
+        (
+            infer_body({"inputs": [{"name": "pcm", "shape": [1], "datatype": "FP32", "data": [0]}]}),
+            400,
+            "takes one input named 'audio'",
+        ),
+        (
+            infer_body({"inputs": [{"name": "audio", "shape": [2, 2, 2], "datatype": "FP32", "data": [0] * 8}]}),
+            400,
+            "shape must be [samples]",
+        ),
+        (
+            infer_body({"inputs": [{"name": "audio", "shape": [2], "datatype": "INT64", "data": [0, 0]}]}),
+            400,
+            "must be FP32 or INT16",
+        ),
+        (infer_body({"inputs": []}), 400, "'inputs' must be a non-empty list"),
+        (
+            infer_body(
+                {
+                    "inputs": [{"name": "audio", "shape": [512], "datatype": "FP32", "data": [0] * 512}],
+                    "parameters": {"sequence_id": 5},
+                }
+            ),
+            400,
+            "sequence 5 is not open",
+        ),
+        (
+            infer_body(
+                {
+                    "inputs": [{"name": "audio", "shape": [100], "datatype": "FP32", "data": [0] * 100}],
+                    "parameters": {"sequence_id": 6, "sequence_start": True},
+                }
+            ),
+            400,
+            "not a multiple of 512",
+        ),
+        (Call("POST", "/v2/models/silero_vad/infer", b"{not json"), 400, "not valid JSON"),
+        (Call("POST", "/v2/models/nope/infer", b"{}"), 404, "unknown model 'nope'"),
+        (Call("GET", "/v2/models/silero_vad/infer"), 405, "GET is not allowed"),
+        (Call("GET", "/v3/whatever"), 404, "no route for /v3/whatever"),
+        (
+            Call(
+                "POST",
+                "/v2/models/silero_vad/infer",
+                BINARY_HEADER + b"\0" * 100,
+                (("inference-header-content-length", str(len(BINARY_HEADER))),),
+            ),
+            400,
+            "truncated",
+        ),
+        (Call("POST", "/v2/models/silero_vad/segments", b"RIFF0000WAVEjunk"), 400, "audio not supported"),
+        (
+            Call("POST", "/v2/models/silero_vad/segments", encode_wav(np.zeros(800, np.float32), 4000)),
+            400,
+            "4000 Hz is outside 8000 to 384000 Hz",
+        ),
+        (
+            Call("POST", "/v2/models/silero_vad/segments?threshold=2", encode_wav(np.zeros(800, np.float32), 16000)),
+            400,
+            "threshold",
+        ),
+        (
+            Call("POST", "/v2/models/silero_vad/segments?stream=maybe", encode_wav(np.zeros(800, np.float32), 16000)),
+            400,
+            "query parameter stream: 'maybe' is not true or false",
+        ),
+    ],
+)
+def test_bad_requests_get_a_clear_4xx_and_the_daemon_keeps_serving(
+    client: Client, call: Call, status: int, message: str
+) -> None:
     response = client.send(call)
     assert response.status == status, response.body
     assert message in response.json()["error"]
@@ -157,15 +244,23 @@ def test_bad_requests_get_a_clear_4xx_and_the_daemon_keeps_serving(client: Clien
 
 
 def test_binary_header_length_must_match(client: Client) -> None:
-    response = client.send(Call("POST", "/v2/models/silero_vad/infer", BINARY_HEADER + b"\0" * 2048,
-                                (("inference-header-content-length", str(len(BINARY_HEADER) + 5000)),)))
+    response = client.send(
+        Call(
+            "POST",
+            "/v2/models/silero_vad/infer",
+            BINARY_HEADER + b"\0" * 2048,
+            (("inference-header-content-length", str(len(BINARY_HEADER) + 5000)),),
+        )
+    )
     assert response.status == 400 and "exceeds the body" in response.json()["error"]
 
 
 def test_malformed_http_and_oversized_body(daemon, client: Client) -> None:
     reply = raw_exchange(daemon.socket, b"GARBAGE / HTTP/9.9\r\n\x00\x01\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 400") and b"malformed HTTP request" in reply
-    reply = raw_exchange(daemon.socket, b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 999999999\r\n\r\n")
+    reply = raw_exchange(
+        daemon.socket, b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 999999999\r\n\r\n"
+    )
     assert reply.startswith(b"HTTP/1.1 413") and b"exceeds the limit" in reply
     reply = raw_exchange(daemon.socket, b"GET /v2 HTTP/1.1\r\nx-big: " + b"a" * 40000 + b"\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 431")
@@ -178,7 +273,7 @@ def test_metrics_count_requests_batches_and_sequences(client: Client) -> None:
     assert 'appliance_requests_total{endpoint="infer",code="200"}' in text
     assert 'appliance_request_duration_seconds_bucket{endpoint="infer",le="+Inf"}' in text
     assert 'appliance_batch_size_bucket{model="silero_vad",engine="onnxruntime-cpu",le="1"}' in text
-    live = [l for l in text.splitlines() if l.startswith("appliance_live_sequences")]
+    live = [line for line in text.splitlines() if line.startswith("appliance_live_sequences")]
     assert live and int(live[0].split()[-1]) >= 1
     client.infer(noise(1), sequence_id=901, end=True)
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 import soxr
+from conftest import cli
+from speech import RATE, SENTENCES, recording
 
 from appliance.audio import decode_audio, encode_wav
 from appliance.client import Call, Client
 from appliance.errors import ApiError
-from conftest import cli
-from speech import RATE, SENTENCES, recording
 
 QUERY = {"min_silence_ms": 400}  # as in test_vad: pauses inside a sentence are speech
 TOLERANCE_S = 0.05
@@ -56,7 +56,7 @@ def encode(audio: np.ndarray, container: str, subtype: str, rate: int, channels:
 def streamed_sizes(wav: bytes) -> bytes:
     """The header espeak-ng --stdout and sox write to a pipe: RIFF and data sizes 'unknown' (0x7ffff000)."""
     data = wav.index(b"data")
-    return wav[:4] + struct.pack("<I", 0x7FFFF024) + wav[8:data + 4] + struct.pack("<I", 0x7FFFF000) + wav[data + 8:]
+    return wav[:4] + struct.pack("<I", 0x7FFFF024) + wav[8 : data + 4] + struct.pack("<I", 0x7FFFF000) + wav[data + 8 :]
 
 
 def spans(result: dict) -> list[tuple[float, float]]:
@@ -105,7 +105,7 @@ def test_wav_with_streamed_sizes_is_read_to_its_end(unix: Client, speech, refere
 
 
 def _wav_with(wav: bytes, offset: int, fmt: str, value: int) -> bytes:
-    return wav[:offset] + struct.pack(fmt, value) + wav[offset + struct.calcsize(fmt):]
+    return wav[:offset] + struct.pack(fmt, value) + wav[offset + struct.calcsize(fmt) :]
 
 
 def broken_inputs() -> list[tuple[str, bytes, str]]:
@@ -114,21 +114,31 @@ def broken_inputs() -> list[tuple[str, bytes, str]]:
     return [
         ("garbage", b"this is not audio at all\x00\x01\x02" * 64, "Format not recognised"),
         ("empty", b"", "the body is empty"),
-        ("truncated-wav", wav[:len(wav) // 2],
-         "truncated WAV: the 'data' chunk declares 32000 bytes, the body holds 15978"),
-        ("chunk-past-riff-size", _wav_with(wav, 4, "<I", 100),
-         "the 'data' chunk (32000 bytes at byte 36) runs past the RIFF size of 100 bytes"),
+        (
+            "truncated-wav",
+            wav[: len(wav) // 2],
+            "truncated WAV: the 'data' chunk declares 32000 bytes, the body holds 15978",
+        ),
+        (
+            "chunk-past-riff-size",
+            _wav_with(wav, 4, "<I", 100),
+            "the 'data' chunk (32000 bytes at byte 36) runs past the RIFF size of 100 bytes",
+        ),
         ("zero-channels", _wav_with(wav, 22, "<H", 0), "Channel count is zero"),
         ("absurd-rate", _wav_with(wav, 24, "<I", 1_000_000), "1000000 Hz is outside 8000 to 384000 Hz"),
         ("absurd-channels", _wav_with(wav, 22, "<H", 1000), "1000 channels (1 to 8 are accepted)"),
-        ("unknown-container", encode(np.zeros(RATE, np.float32), "AIFF", "PCM_16", RATE, 1),
-         "AIFF (Apple/SGI) is not an accepted container"),
+        (
+            "unknown-container",
+            encode(np.zeros(RATE, np.float32), "AIFF", "PCM_16", RATE, 1),
+            "AIFF (Apple/SGI) is not an accepted container",
+        ),
     ]
 
 
 @pytest.mark.parametrize("name,body,reason", broken_inputs(), ids=[case[0] for case in broken_inputs()])
-def test_broken_audio_is_a_one_line_400_and_the_daemon_keeps_serving(daemon, unix: Client, speech, reference,
-                                                                    name: str, body: bytes, reason: str) -> None:
+def test_broken_audio_is_a_one_line_400_and_the_daemon_keeps_serving(
+    daemon, unix: Client, speech, reference, name: str, body: bytes, reason: str
+) -> None:
     response = unix.send(Call("POST", "/v2/models/silero_vad/segments", body, (("content-type", "audio/wav"),)))
     assert response.status == 400, response.body
     error = response.json()["error"]
@@ -151,9 +161,16 @@ def test_audio_longer_than_the_body_limit_could_hold_is_a_413_before_decoding(da
 def test_decoder_mutated_files_only_ever_raise_api_errors(speech) -> None:
     """Corrupt headers and bodies of every container: a 4xx or finite samples, never another exception."""
     short = speech[:RATE]
-    bases = [encode(short, *spec) for spec in (("WAV", "PCM_16", RATE, 1), ("WAVEX", "FLOAT", 44100, 2),
-                                                ("FLAC", "PCM_16", RATE, 1), ("OGG", "VORBIS", RATE, 1),
-                                                ("OGG", "OPUS", 48000, 1))]
+    bases = [
+        encode(short, *spec)
+        for spec in (
+            ("WAV", "PCM_16", RATE, 1),
+            ("WAVEX", "FLOAT", 44100, 2),
+            ("FLAC", "PCM_16", RATE, 1),
+            ("OGG", "VORBIS", RATE, 1),
+            ("OGG", "OPUS", 48000, 1),
+        )
+    ]
     rng = np.random.default_rng(0)
     for i in range(1500):
         data = bytearray(bases[i % len(bases)])
@@ -161,7 +178,7 @@ def test_decoder_mutated_files_only_ever_raise_api_errors(speech) -> None:
             position = int(rng.integers(0, min(len(data), 64) if rng.random() < 0.6 else len(data)))
             data[position] = int(rng.integers(0, 256))
         if rng.random() < 0.2:
-            data = data[:int(rng.integers(0, len(data)))]
+            data = data[: int(rng.integers(0, len(data)))]
         try:
             samples = decode_audio(bytes(data), RATE, max_seconds=10)
         except ApiError as exc:

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import APPLIANCE, ROOT, Keys, cli
 
-from appliance import cli as appliance_cli, config
+from appliance import cli as appliance_cli
+from appliance import config
 from appliance.progress import Progress
 
 SOCKET = "/run/test-cli/api.sock"  # APPLIANCE_SOCKET for the help tests, so both sides see the same default
@@ -40,11 +40,13 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*APPLIANCE, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*APPLIANCE, *map(str, args)], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}
+    )
 
 
 # --- --version and --help ------------------------------------------------------------------------------
+
 
 def test_version_is_the_package_metadata() -> None:
     result = cli("--version")
@@ -63,9 +65,20 @@ PATHS = [path for path, _ in _walk(appliance_cli.parser())]
 
 
 def test_the_walk_finds_every_sub_action() -> None:
-    assert {("firmware", "build"), ("firmware", "inspect"), ("keys", "new"), ("config", "check"), ("tls", "init"),
-            ("image", "assemble"), ("image", "sign"), ("image", "verify"), ("image", "selftest"), ("flash",),
-            ("update",), ("call",)} <= set(PATHS)
+    assert {
+        ("firmware", "build"),
+        ("firmware", "inspect"),
+        ("keys", "new"),
+        ("config", "check"),
+        ("tls", "init"),
+        ("image", "assemble"),
+        ("image", "sign"),
+        ("image", "verify"),
+        ("image", "selftest"),
+        ("flash",),
+        ("update",),
+        ("call",),
+    } <= set(PATHS)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda path: " ".join(path) or "appliance")
@@ -97,8 +110,10 @@ def test_help_has_a_line_and_default_for_every_option(path: tuple[str, ...], mon
                 line_for(f"{choice.dest} ", choice.help)
             continue
         assert action.help and action.help != argparse.SUPPRESS, f"{' '.join(path)} {action.dest}: no help"
-        line = line_for(action.option_strings[0] if action.option_strings else action.metavar or action.dest,
-                        action.help % {"prog": parsers[path].prog})
+        line = line_for(
+            action.option_strings[0] if action.option_strings else action.metavar or action.dest,
+            action.help % {"prog": parsers[path].prog},
+        )
         if not action.required and action.default not in NO_DEFAULT:
             assert f"(default: {action.default})" in line, line
 
@@ -117,6 +132,7 @@ def test_an_unknown_call_action_is_a_usage_error() -> None:
 
 # --- firmware inspect ------------------------------------------------------------------------------------
 
+
 def test_inspect_prints_json_that_says_verified(bundle: Path, keys: Keys) -> None:
     result = cli("firmware", "inspect", bundle, "--trusted-keys", keys.trusted)
     doc = json.loads(result.stdout)
@@ -125,13 +141,17 @@ def test_inspect_prints_json_that_says_verified(bundle: Path, keys: Keys) -> Non
     assert doc["manifest"] == json.loads((bundle / "manifest.json").read_text())
 
 
-@pytest.mark.parametrize("target, offset, reason", [
-    ("models/silero_vad.onnx", 1000, "sha256 does not match"),
-    ("manifest.json", 40, "signature does not verify"),
-    ("manifest.sig", 5, "signature does not verify"),
-])
-def test_inspect_of_a_tampered_bundle_is_json_exit_2_and_one_warning(bundle: Path, keys: Keys, tmp_path: Path,
-                                                                      target: str, offset: int, reason: str) -> None:
+@pytest.mark.parametrize(
+    "target, offset, reason",
+    [
+        ("models/silero_vad.onnx", 1000, "sha256 does not match"),
+        ("manifest.json", 40, "signature does not verify"),
+        ("manifest.sig", 5, "signature does not verify"),
+    ],
+)
+def test_inspect_of_a_tampered_bundle_is_json_exit_2_and_one_warning(
+    bundle: Path, keys: Keys, tmp_path: Path, target: str, offset: int, reason: str
+) -> None:
     tampered = copy_bundle(bundle, tmp_path)
     flip_byte(tampered / target, offset)
     result = run("firmware", "inspect", tampered, "--trusted-keys", keys.trusted)
@@ -156,13 +176,36 @@ def test_inspect_of_a_manifest_that_is_not_json_is_still_json(bundle: Path, keys
 # --- config check round trip -----------------------------------------------------------------------------
 
 EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""` is the unset one
-    "server": {"socket": "run/x.sock", "socket_mode": "0600", "socket_group": 'odd "group" \\ name',
-               "max_body_bytes": 1 << 20, "max_header_bytes": 4096, "max_connections": 7, "shutdown_grace_s": 0.1},
-    "quic": {"enabled": True, "host": "::", "port": 4443, "certificate": "tls/c.pem", "private_key": "/k/ey.pem",
-             "client_ca": "", "idle_timeout_s": 12.5, "stream_idle_timeout_s": 1e-07, "max_connections": 3,
-             "max_streams_per_connection": 9, "retry": True},
-    "conncache": {"backend": "user", "max_entries": 10, "peer_rate": 1e20, "peer_burst": 3, "idle_timeout_s": 2.0,
-                  "pin_dir": "bpf/pins"},
+    "server": {
+        "socket": "run/x.sock",
+        "socket_mode": "0600",
+        "socket_group": 'odd "group" \\ name',
+        "max_body_bytes": 1 << 20,
+        "max_header_bytes": 4096,
+        "max_connections": 7,
+        "shutdown_grace_s": 0.1,
+    },
+    "quic": {
+        "enabled": True,
+        "host": "::",
+        "port": 4443,
+        "certificate": "tls/c.pem",
+        "private_key": "/k/ey.pem",
+        "client_ca": "",
+        "idle_timeout_s": 12.5,
+        "stream_idle_timeout_s": 1e-07,
+        "max_connections": 3,
+        "max_streams_per_connection": 9,
+        "retry": True,
+    },
+    "conncache": {
+        "backend": "user",
+        "max_entries": 10,
+        "peer_rate": 1e20,
+        "peer_burst": 3,
+        "idle_timeout_s": 2.0,
+        "pin_dir": "bpf/pins",
+    },
     "firmware": {"bundle": "../fw/current", "trusted_keys": "keys dir/trusted"},
     "engine": {"device": "auto", "threads": 8, "queue_delay_us": 250},
     "sequences": {"idle_timeout_s": 0.3333333333333333, "max_live": 5},
@@ -175,8 +218,10 @@ def _toml(doc: dict[str, dict[str, object]]) -> str:
     out = []
     for section, values in doc.items():
         out.append(f"[{section}]")
-        out += [f"{key} = {json.dumps(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else value}"
-                for key, value in values.items()]
+        out += [
+            f"{key} = {json.dumps(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in values.items()
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -189,8 +234,7 @@ def _round_trip(source: Path, tmp_path: Path) -> tuple[config.Config, config.Con
     return config.load([source]), config.load([printed])
 
 
-@pytest.mark.parametrize("source", [ROOT / "etc" / "dev.toml", ROOT / "image" / "appliance.toml"],
-                         ids=["dev", "image"])
+@pytest.mark.parametrize("source", [ROOT / "etc" / "dev.toml", ROOT / "image" / "appliance.toml"], ids=["dev", "image"])
 def test_config_check_output_loads_again_as_it_is(source: Path, tmp_path: Path) -> None:
     before, after = _round_trip(source, tmp_path)
     assert after == before and after.quic.client_ca == Path("")
@@ -223,11 +267,13 @@ def test_an_empty_path_is_unset_where_it_may_be_and_an_error_elsewhere(tmp_path:
 
 # --- progress --------------------------------------------------------------------------------------------
 
+
 def _under_a_terminal(*args: object, timeout: float = 120.0) -> tuple[int, str, str]:
     """Run the CLI with stderr on a pseudo-terminal; (exit status, what the terminal showed, stdout)."""
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([*APPLIANCE, *map(str, args)], cwd=ROOT, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=secondary)
+    proc = subprocess.Popen(
+        [*APPLIANCE, *map(str, args)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=secondary
+    )
     os.close(secondary)
     shown, deadline = b"", time.monotonic() + timeout
     try:
@@ -252,8 +298,9 @@ def _under_a_terminal(*args: object, timeout: float = 120.0) -> tuple[int, str, 
 
 
 def test_firmware_build_on_a_terminal_shows_a_bar_with_rate_and_time_left(keys: Keys, tmp_path: Path) -> None:
-    rc, shown, stdout = _under_a_terminal("firmware", "build", ROOT / "firmware" / "default.toml",
-                                          "--key", keys.private, "--out", tmp_path / "fw")
+    rc, shown, stdout = _under_a_terminal(
+        "firmware", "build", ROOT / "firmware" / "default.toml", "--key", keys.private, "--out", tmp_path / "fw"
+    )
     assert rc == 0 and stdout.startswith("built voice-vad"), shown
     bars = [part for part in shown.replace("\n", "\r").split("\r") if "hash artifacts" in part]
     final = bars[-1]
@@ -261,9 +308,12 @@ def test_firmware_build_on_a_terminal_shows_a_bar_with_rate_and_time_left(keys: 
     assert any("copy models/silero_vad.onnx" in part and "B/s" in part for part in shown.split("\r")), shown
 
 
-def test_firmware_build_and_install_without_a_terminal_print_one_line_per_phase(keys: Keys, tmp_path: Path,
-                                                                                bundle: Path) -> None:
-    result = cli("firmware", "build", ROOT / "firmware" / "default.toml", "--key", keys.private, "--out", tmp_path / "fw")
+def test_firmware_build_and_install_without_a_terminal_print_one_line_per_phase(
+    keys: Keys, tmp_path: Path, bundle: Path
+) -> None:
+    result = cli(
+        "firmware", "build", ROOT / "firmware" / "default.toml", "--key", keys.private, "--out", tmp_path / "fw"
+    )
     lines = result.stderr.splitlines()
     assert "\r" not in result.stderr and len(lines) == 2, result.stderr
     assert lines[0].startswith("copy models/silero_vad.onnx: 100%, ") and "MiB" in lines[0] and lines[0].endswith("/s)")
@@ -272,8 +322,11 @@ def test_firmware_build_and_install_without_a_terminal_print_one_line_per_phase(
     result = cli("firmware", "install", bundle, "--store", store, "--trusted-keys", keys.trusted)
     phases = [line.split(": 100%")[0] for line in result.stderr.splitlines()]
     partial = next((store / "releases").iterdir()).name + ".partial"
-    assert phases == [f"verify {bundle}", f"copy {bundle} to {store / 'releases' / partial}",
-                      f"verify {store / 'releases' / partial}"], result.stderr
+    assert phases == [
+        f"verify {bundle}",
+        f"copy {bundle} to {store / 'releases' / partial}",
+        f"verify {store / 'releases' / partial}",
+    ], result.stderr
     assert result.stdout.startswith("installed voice-vad-1.0.0-")
 
 

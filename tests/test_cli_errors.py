@@ -12,19 +12,26 @@ import wave
 from pathlib import Path
 
 import pytest
+from conftest import APPLIANCE, ROOT, Daemon, cli
 
 from appliance import exitcodes
 from appliance.bench import free_udp_port
 from appliance.client import Call
-from conftest import APPLIANCE, ROOT, Daemon, cli
 
 HINT = "point at the daemon's socket with --socket PATH or APPLIANCE_SOCKET=PATH"
 
 
 def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "APPLIANCE_SOCKET"}
-    return subprocess.run([*APPLIANCE, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**environ, **(env or {})}, timeout=60, check=False)
+    return subprocess.run(
+        [*APPLIANCE, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**environ, **(env or {})},
+        timeout=60,
+        check=False,
+    )
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -40,11 +47,13 @@ def unreachable(path: Path, what: str) -> str:
 
 # --- the Unix socket: nothing there, a stale socket, something else there ------------------------------------------
 
+
 def test_no_file_at_the_socket_path(tmp_path: Path) -> None:
     result = run("call", "health", "--socket", tmp_path / "api.sock")
     assert result.returncode == exitcodes.UNREACHABLE == 4
-    assert one_line(result) == unreachable(tmp_path / "api.sock",
-                                           "no such file (is the daemon running, and is this its socket?)")
+    assert one_line(result) == unreachable(
+        tmp_path / "api.sock", "no such file (is the daemon running, and is this its socket?)"
+    )
 
 
 @pytest.mark.parametrize("listened", [False, True], ids=["bound", "listened"])
@@ -58,7 +67,8 @@ def test_stale_socket(tmp_path: Path, listened: bool) -> None:
     result = run("call", "health", "--socket", path)
     assert result.returncode == exitcodes.UNREACHABLE
     assert one_line(result) == unreachable(
-        path, "a socket file is there but nothing listens on it (stale: the daemon is not running)")
+        path, "a socket file is there but nothing listens on it (stale: the daemon is not running)"
+    )
 
 
 @pytest.mark.parametrize("kind", ["file", "directory"])
@@ -85,6 +95,7 @@ def test_appliance_socket_environment_variable_is_honoured(tmp_path: Path, daemo
 
 # --- the daemon answers with an error -----------------------------------------------------------------------------
 
+
 def test_early_413_is_shown_not_a_broken_pipe(tmp_path: Path, daemon: Daemon) -> None:
     """The daemon (max_body_bytes = 8 MiB in conftest) answers 413 from the headers and closes while the
     client is still sending the body; the client reads and shows that answer."""
@@ -106,14 +117,17 @@ def test_early_413_is_shown_not_a_broken_pipe(tmp_path: Path, daemon: Daemon) ->
 
 # --- QUIC: no answer, a certificate refused, an address without a port --------------------------------------------
 
+
 def test_quic_no_answer_fails_within_seconds() -> None:
     port = free_udp_port()  # nothing listens there
     started = time.monotonic()
     result = run("call", "--quic", f"127.0.0.1:{port}", "--cafile", ROOT / "run/tls/cert.pem", "health")
     assert time.monotonic() - started < 10
     assert result.returncode == exitcodes.UNREACHABLE
-    assert one_line(result) == (f"appliance: error: no answer from 127.0.0.1:{port} over QUIC within 5 s (is the "
-                                "daemon running with QUIC on that address and UDP port?); --timeout SECONDS waits longer")
+    assert one_line(result) == (
+        f"appliance: error: no answer from 127.0.0.1:{port} over QUIC within 5 s (is the "
+        "daemon running with QUIC on that address and UDP port?); --timeout SECONDS waits longer"
+    )
 
 
 def test_quic_wrong_cafile_is_told_apart_from_no_answer(tmp_path: Path, daemon: Daemon) -> None:
@@ -121,9 +135,11 @@ def test_quic_wrong_cafile_is_told_apart_from_no_answer(tmp_path: Path, daemon: 
     cli("tls", "init", "--cert", other, "--key", tmp_path / "other.key")  # a certificate the daemon does not use
     result = run("call", "--quic", f"127.0.0.1:{daemon.quic_port}", "--cafile", other, "health")
     assert result.returncode == exitcodes.UNREACHABLE
-    assert one_line(result) == (f"appliance: error: the server at 127.0.0.1:{daemon.quic_port} presented a certificate "
-                                f"that the CA file {other} does not accept (self-signed certificate); pass the "
-                                "server's certificate (or its CA) with --cafile FILE")
+    assert one_line(result) == (
+        f"appliance: error: the server at 127.0.0.1:{daemon.quic_port} presented a certificate "
+        f"that the CA file {other} does not accept (self-signed certificate); pass the "
+        "server's certificate (or its CA) with --cafile FILE"
+    )
 
 
 def test_quic_address_without_port_is_a_usage_error() -> None:
@@ -132,17 +148,21 @@ def test_quic_address_without_port_is_a_usage_error() -> None:
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith("usage: appliance call ")  # argparse's usage, then its one error line
-    assert lines[-1] == ("appliance call: error: argument --quic: '127.0.0.1' is not HOST:PORT "
-                         "(an IPv6 address goes in brackets: [::1]:4433)")
+    assert lines[-1] == (
+        "appliance call: error: argument --quic: '127.0.0.1' is not HOST:PORT "
+        "(an IPv6 address goes in brackets: [::1]:4433)"
+    )
 
 
 # --- local input: the file argument ----------------------------------------------------------------------------------
 
+
 def test_vad_without_a_file(tmp_path: Path) -> None:
     result = run("call", "vad", "--socket", tmp_path / "unused.sock")
     assert result.returncode == exitcodes.USAGE
-    assert one_line(result) == ("appliance: error: usage: appliance call vad FILE [--model NAME] [--stream] "
-                                "(WAV, FLAC or Ogg)")
+    assert one_line(result) == (
+        "appliance: error: usage: appliance call vad FILE [--model NAME] [--stream] (WAV, FLAC or Ogg)"
+    )
 
 
 def test_vad_with_a_missing_file(tmp_path: Path) -> None:
@@ -162,11 +182,17 @@ def test_vad_with_an_unreadable_file(tmp_path: Path) -> None:
 
 # --- stdout closed -------------------------------------------------------------------------------------------------
 
+
 def test_broken_pipe_on_stdout(daemon: Daemon) -> None:
     """`appliance call metrics | head -0`: the reader is gone before the first write."""
     read_end, write_end = os.pipe()
-    proc = subprocess.Popen([*APPLIANCE, "call", "metrics", "--socket", str(daemon.socket)], cwd=ROOT,
-                            stdout=write_end, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*APPLIANCE, "call", "metrics", "--socket", str(daemon.socket)],
+        cwd=ROOT,
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     os.close(write_end)
     os.close(read_end)
     _, stderr = proc.communicate(timeout=60)
@@ -176,6 +202,7 @@ def test_broken_pipe_on_stdout(daemon: Daemon) -> None:
 
 
 # --- the Python client: the types the CLI maps -----------------------------------------------------------------------
+
 
 def test_python_client_raises_distinct_types(tmp_path: Path, daemon: Daemon) -> None:
     from appliance.client import (

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import cli
 
 
@@ -17,27 +16,32 @@ def check(*files: Path):
 
 
 def test_merged_in_order_and_relative_paths_resolved(tmp_path: Path) -> None:
-    (tmp_path / "a.toml").write_text('[server]\nsocket = "run/a.sock"\nmax_connections = 10\n[engine]\nqueue_delay_us = 200\n')
-    (tmp_path / "b.toml").write_text('[server]\nmax_connections = 20\n')
+    (tmp_path / "a.toml").write_text(
+        '[server]\nsocket = "run/a.sock"\nmax_connections = 10\n[engine]\nqueue_delay_us = 200\n'
+    )
+    (tmp_path / "b.toml").write_text("[server]\nmax_connections = 20\n")
     result = check(tmp_path / "a.toml", tmp_path / "b.toml")
     assert result.returncode == 0, result.stderr
     assert f'socket = "{tmp_path}/run/a.sock"' in result.stdout
     assert "max_connections = 20" in result.stdout and "queue_delay_us = 200" in result.stdout
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('[server]\nsockett = "x"\n', "server.sockett: unknown key"),
-    ('[server]\nmax_connections = "ten"\n', "server.max_connections: expected int, got 'ten'"),
-    ('[nonsense]\na = 1\n', "[nonsense]: unknown section"),
-    ('[engine]\nmax_batch = 8\n', "engine.max_batch: 'max_batch' is baked into"),
-    ('max_tokens_per_shard = 99\n', "max_tokens_per_shard: 'max_tokens_per_shard' is baked into"),
-    ('[engine]\ndevice = "tpu"\n', "engine.device: 'tpu' is not one of"),
-    ('[server]\nsocket_mode = "rw"\n', "server.socket_mode"),
-    ('[server\n', "not valid TOML"),
-    ('[conncache]\nbackend = "xdp"\n', "conncache.backend: 'xdp' is not one of auto, ebpf, user"),
-    ('[conncache]\npeer_rate = 0\n', "conncache.peer_rate: must be positive"),
-    ('[quic]\nretry = "yes"\n', "quic.retry: expected bool"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('[server]\nsockett = "x"\n', "server.sockett: unknown key"),
+        ('[server]\nmax_connections = "ten"\n', "server.max_connections: expected int, got 'ten'"),
+        ("[nonsense]\na = 1\n", "[nonsense]: unknown section"),
+        ("[engine]\nmax_batch = 8\n", "engine.max_batch: 'max_batch' is baked into"),
+        ("max_tokens_per_shard = 99\n", "max_tokens_per_shard: 'max_tokens_per_shard' is baked into"),
+        ('[engine]\ndevice = "tpu"\n', "engine.device: 'tpu' is not one of"),
+        ('[server]\nsocket_mode = "rw"\n', "server.socket_mode"),
+        ("[server\n", "not valid TOML"),
+        ('[conncache]\nbackend = "xdp"\n', "conncache.backend: 'xdp' is not one of auto, ebpf, user"),
+        ("[conncache]\npeer_rate = 0\n", "conncache.peer_rate: must be positive"),
+        ('[quic]\nretry = "yes"\n', "quic.retry: expected bool"),
+    ],
+)
 def test_bad_config_names_file_key_and_reason(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -60,7 +64,7 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
 
 def test_daemon_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text('[sequences]\nmax_live = -1\n')
+    path.write_text("[sequences]\nmax_live = -1\n")
     result = cli("run", "--config", path, check=False)
     assert result.returncode == 3
     assert result.stderr.strip().count("\n") == 0 and "sequences.max_live: must be positive" in result.stderr

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import Bystander
 
 from appliance.client import infer_call
 from appliance.client.quic import QuicSession
-from conftest import Bystander
 
 BACKENDS = [
     pytest.param("ebpf", marks=pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")),
@@ -95,8 +95,12 @@ def test_counts_match_what_two_clients_sent(start_daemon, tls, backend: str) -> 
         assert (table[name]["packets"], table[name]["bytes"]) == (counter.packets, counter.bytes), (name, table[name])
         assert table[name]["drops"] == 0 and len(table[name]["dcid"]) == 16  # 8-byte connection ids
     if backend == "ebpf":
-        dump = subprocess.run(["bpftool", "map", "dump", "pinned", str(daemon.pin_dir / "peers")],
-                              capture_output=True, text=True, check=True).stdout
+        dump = subprocess.run(
+            ["bpftool", "map", "dump", "pinned", str(daemon.pin_dir / "peers")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert dump.count('"packets"') == len(table) >= 2
     with daemon.client() as client:
         metrics = client.metrics()
@@ -162,8 +166,10 @@ def test_a_flood_from_one_peer_is_dropped_while_another_is_served(start_daemon, 
     rate, burst = 500, 1000
     daemon = start(start_daemon, tls, backend, f"peer_rate = {rate}.0\npeer_burst = {burst}.0\n")
     cpu_before = daemon.cpu_seconds()
-    with Bystander(daemon, local_host="127.0.0.3", pause_s=0.01) as bystander, \
-            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as flooder:
+    with (
+        Bystander(daemon, local_host="127.0.0.3", pause_s=0.01) as bystander,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as flooder,
+    ):
         flooder.bind(("127.0.0.2", 0))
         flood_peer = f"127.0.0.2:{flooder.getsockname()[1]}"
         datagram = b"\x40" + os.urandom(1199)
@@ -204,15 +210,15 @@ def test_without_privileges_auto_falls_back_and_ebpf_refuses_to_start(start_daem
     assert fallback.log.read_text().count("eBPF program not loaded") == 1
 
 
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")
 def test_one_daemon_owns_a_pin_dir(start_daemon, tls) -> None:
     first = start(start_daemon, tls, "ebpf")
     pins = {path.name: path.stat().st_ino for path in first.pin_dir.iterdir()}
     second = start_daemon(tls=tls, pin_dir=first.pin_dir, wait=False)
     assert second.proc.wait(60) == 3
-    assert (f"conncache.pin_dir {first.pin_dir} belongs to another running daemon; give each daemon its own "
-            "pin_dir") in second.log.read_text()
+    assert (
+        f"conncache.pin_dir {first.pin_dir} belongs to another running daemon; give each daemon its own pin_dir"
+    ) in second.log.read_text()
     assert not second.socket.exists(), "a failed start left its socket behind"
     assert {path.name: path.stat().st_ino for path in first.pin_dir.iterdir()} == pins  # the same maps, not replaced
     with first.client("quic") as client:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DEFAULT_SPEC, cli
+from speech import SENTENCES, recording
+from streams import run_streams
 
 from appliance import firmware
 from appliance.engine.choice import CpuFallback
@@ -20,9 +23,6 @@ from appliance.engine.reference import ReferenceVad
 from appliance.engine.tensorrt import found_gpu, plan_mismatch
 from appliance.firmware import PlanSpec
 from appliance.keys import load_private_key
-from conftest import DEFAULT_SPEC, cli
-from speech import SENTENCES, recording
-from streams import run_streams
 
 
 class FlakyGpu(ReferenceVad):
@@ -92,34 +92,48 @@ def test_device_auto_serves_on_the_cpu_and_says_why(start_daemon) -> None:
         assert client.infer(np.zeros(1024, np.float32)).shape == (2,)
         metrics = client.metrics()
     assert 'appliance_engine_frames_total{model="silero_vad",engine="onnxruntime-cpu"} ' in metrics
-    assert "model silero_vad: engine.device = auto runs it on the CPU: cuda engine: pycuda is not installed" in daemon.log.read_text()
+    assert (
+        "model silero_vad: engine.device = auto runs it on the CPU: cuda engine: pycuda is not installed"
+        in daemon.log.read_text()
+    )
 
 
 # --- TensorRT plans: built on the target GPU, refused anywhere else ---------------------------------
 
-H100_PLAN = PlanSpec(model="silero_vad", file="models/silero_vad.plan", tensorrt_version="10.13.3.9",
-                     compute_capability="9.0", precision="fp16", fp16_max_abs_error=2e-4)
+H100_PLAN = PlanSpec(
+    model="silero_vad",
+    file="models/silero_vad.plan",
+    tensorrt_version="10.13.3.9",
+    compute_capability="9.0",
+    precision="fp16",
+    fp16_max_abs_error=2e-4,
+)
 
 
-@pytest.mark.parametrize("found, expected", [
-    (("10.13.3.9", "9.0"), None),
-    (("10.14.1.48", "9.0"), "this box has TensorRT 10.14.1.48; a plan only loads in the version that built it"),
-    (("10.13.3.9", "8.9"), "this box's GPU has compute capability 8.9"),
-    ((None, "9.0"), "TensorRT is not installed here"),
-    (("10.13.3.9", None), "no CUDA GPU here"),
-])
+@pytest.mark.parametrize(
+    "found, expected",
+    [
+        (("10.13.3.9", "9.0"), None),
+        (("10.14.1.48", "9.0"), "this box has TensorRT 10.14.1.48; a plan only loads in the version that built it"),
+        (("10.13.3.9", "8.9"), "this box's GPU has compute capability 8.9"),
+        ((None, "9.0"), "TensorRT is not installed here"),
+        (("10.13.3.9", None), "no CUDA GPU here"),
+    ],
+)
 def test_a_plan_runs_only_with_the_tensorrt_and_gpu_it_was_built_for(found, expected) -> None:
     message = plan_mismatch(H100_PLAN, *found)
     if expected is None:
         assert message is None
     else:
-        assert message.startswith("TensorRT plan models/silero_vad.plan (built with TensorRT 10.13.3.9 for "
-                                  "compute capability 9.0): ") and message.endswith(expected), message
+        assert message.startswith(
+            "TensorRT plan models/silero_vad.plan (built with TensorRT 10.13.3.9 for compute capability 9.0): "
+        ) and message.endswith(expected), message
 
 
 def test_tensorrt_target_without_tensorrt_is_a_clear_build_error(keys, tmp_path: Path) -> None:
     try:
         import tensorrt  # noqa: F401
+
         pytest.skip("TensorRT is installed here")
     except ImportError:
         pass
@@ -135,13 +149,19 @@ def with_plan(bundle: Path, keys, out: Path, plan: PlanSpec) -> Path:
     shutil.copytree(bundle, out)
     (out / plan.file).write_bytes(os.urandom(4096))  # a serialized plan is opaque to everything but TensorRT
     manifest = firmware.verify(bundle, keys.trusted).manifest
-    manifest = dataclasses.replace(manifest, targets=(*manifest.targets, "tensorrt"), plans=(plan,),
-                                   artifacts={**manifest.artifacts, plan.file: firmware.sha256_file(out / plan.file)})
+    manifest = dataclasses.replace(
+        manifest,
+        targets=(*manifest.targets, "tensorrt"),
+        plans=(plan,),
+        artifacts={**manifest.artifacts, plan.file: firmware.sha256_file(out / plan.file)},
+    )
     firmware.sign(out, manifest, load_private_key(keys.private))
     return out
 
 
-def test_a_plan_for_another_gpu_is_refused_and_the_model_served_on_the_cpu(start_daemon, bundle, keys, tmp_path) -> None:
+def test_a_plan_for_another_gpu_is_refused_and_the_model_served_on_the_cpu(
+    start_daemon, bundle, keys, tmp_path
+) -> None:
     from appliance.engine import cuda
 
     if cuda.cuda is not None:
@@ -163,4 +183,6 @@ def test_a_plan_naming_a_file_outside_the_bundle_fails_verification(bundle, keys
     stray = dataclasses.replace(H100_PLAN, file="models/elsewhere.plan")
     firmware.sign(planned, dataclasses.replace(manifest, plans=(stray,)), load_private_key(keys.private))
     result = cli("firmware", "verify", planned, "--trusted-keys", keys.trusted, check=False)
-    assert result.returncode != 0 and "plan models/elsewhere.plan names no model or file of this bundle" in result.stderr
+    assert (
+        result.returncode != 0 and "plan models/elsewhere.plan names no model or file of this bundle" in result.stderr
+    )

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import Keys, build_bundle, cli
 
 
@@ -25,8 +24,12 @@ def flip_byte(path: Path, offset: int) -> None:
 
 def test_build_records_baked_parameters_models_and_hashes(bundle: Path, keys: Keys) -> None:
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert manifest["baked"] == {"max_tokens_per_shard": 1024, "split_algorithm": "semantic",
-                                 "fallback_cpu_threshold": 0.85, "max_batch": 64}
+    assert manifest["baked"] == {
+        "max_tokens_per_shard": 1024,
+        "split_algorithm": "semantic",
+        "fallback_cpu_threshold": 0.85,
+        "max_batch": 64,
+    }
     model = manifest["models"][0]
     assert model["name"] == "silero_vad" and model["kind"] == "vad"
     assert {t["name"] for t in model["inputs"]} == {"input", "state", "sr"}
@@ -50,13 +53,17 @@ def test_two_builds_with_other_baked_values_differ(keys: Keys, tmp_path: Path) -
     assert manifest["baked"]["max_batch"] == 8 and manifest["baked"]["split_algorithm"] == "fixed"
 
 
-@pytest.mark.parametrize("target, offset, reason", [
-    ("models/silero_vad.onnx", 1000, "sha256 does not match"),
-    ("manifest.json", 40, "signature does not verify"),
-    ("manifest.sig", 5, "signature does not verify"),
-])
-def test_tampered_bundle_is_refused_by_verify_and_daemon(bundle: Path, keys: Keys, tmp_path: Path, start_daemon,
-                                                          target: str, offset: int, reason: str) -> None:
+@pytest.mark.parametrize(
+    "target, offset, reason",
+    [
+        ("models/silero_vad.onnx", 1000, "sha256 does not match"),
+        ("manifest.json", 40, "signature does not verify"),
+        ("manifest.sig", 5, "signature does not verify"),
+    ],
+)
+def test_tampered_bundle_is_refused_by_verify_and_daemon(
+    bundle: Path, keys: Keys, tmp_path: Path, start_daemon, target: str, offset: int, reason: str
+) -> None:
     tampered = copy_bundle(bundle, tmp_path)
     flip_byte(tampered / target, offset)
     result = cli("firmware", "verify", tampered, "--trusted-keys", keys.trusted, check=False)
@@ -79,8 +86,11 @@ def test_bundle_signed_by_untrusted_key_is_refused(keys: Keys, tmp_path: Path, s
 
 def test_spec_that_does_not_match_the_graph_fails_the_build(keys: Keys, tmp_path: Path) -> None:
     spec = tmp_path / "bad.toml"
-    spec.write_text((Path(__file__).parent.parent / "firmware/default.toml").read_text().replace(
-        '{ name = "sr", datatype = "INT64"', '{ name = "sr", datatype = "FP32"'))
+    spec.write_text(
+        (Path(__file__).parent.parent / "firmware/default.toml")
+        .read_text()
+        .replace('{ name = "sr", datatype = "INT64"', '{ name = "sr", datatype = "FP32"')
+    )
     result = cli("firmware", "build", spec, "--key", keys.private, "--out", tmp_path / "out", check=False)
     assert result.returncode == 2 and "input sr is int64 in the graph, not FP32" in result.stderr
     assert not (tmp_path / "out").exists()

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import Daemon, Keys, cli
 
 from appliance import firmware, firmware_store, image
@@ -81,7 +80,9 @@ def test_update_commits_keeps_previous_and_rollback_returns(box: Box, bundles: d
     firmware_store.try_current(store, box.restart, box.selftest)
     assert box.serving() == "1.0.0" and "-1.1.0-" in store.previous.name and not store.on_trial
     assert cli("firmware", "store", "--store", store.root).stdout.splitlines() == [
-        f"current  {store.current.name}", f"previous {store.previous.name}"]
+        f"current  {store.current.name}",
+        f"previous {store.previous.name}",
+    ]
 
 
 def test_firmware_failing_its_selftest_is_rolled_back(box: Box, bundles: dict[str, Path], keys: Keys) -> None:
@@ -90,8 +91,11 @@ def test_firmware_failing_its_selftest_is_rolled_back(box: Box, bundles: dict[st
         firmware_store.switch(store, firmware_store.install(store, bundles[version], keys.trusted))
         if version == "1.1.0":
             firmware_store.try_current(store, box.restart, box.selftest)
-    with pytest.raises(ApplianceError, match=r"(?s)firmware voice-vad-1\.2\.0-\S+ failed its self-test \(the daemon "
-                                             r"did not start.*rolled back: voice-vad-1\.1\.0-\S+ serves again"):
+    with pytest.raises(
+        ApplianceError,
+        match=r"(?s)firmware voice-vad-1\.2\.0-\S+ failed its self-test \(the daemon "
+        r"did not start.*rolled back: voice-vad-1\.1\.0-\S+ serves again",
+    ):
         firmware_store.try_current(store, box.restart, box.selftest)
     assert box.serving() == "1.1.0" and not store.on_trial
     assert releases(store) == ["1.0.0", "1.1.0"], "the failed release is deleted, the one before kept"
@@ -101,7 +105,8 @@ def test_firmware_failing_its_selftest_is_rolled_back(box: Box, bundles: dict[st
 
 
 def test_tampered_or_untrusted_bundle_is_refused_before_anything_is_written(
-        box: Box, bundles: dict[str, Path], keys: Keys, tmp_path: Path) -> None:
+    box: Box, bundles: dict[str, Path], keys: Keys, tmp_path: Path
+) -> None:
     store = box.store
     before = sorted(os.listdir(store.releases)), store.current, store.previous
     tampered = tmp_path / "tampered"
@@ -120,15 +125,14 @@ def test_tampered_or_untrusted_bundle_is_refused_before_anything_is_written(
     assert box.serving() == "1.0.0"
 
 
-def test_interrupted_install_leaves_current_whole_and_is_redone(box: Box, bundles: dict[str, Path],
-                                                                keys: Keys) -> None:
+def test_interrupted_install_leaves_current_whole_and_is_redone(box: Box, bundles: dict[str, Path], keys: Keys) -> None:
     """kill -9 or a power cut mid-copy leaves a .partial directory that nothing points at."""
     store = box.store
     release = firmware_store.install(store, bundles["1.1.0"], keys.trusted)
     shutil.rmtree(release)
     partial = release.with_name(release.name + firmware_store.PARTIAL)
     partial.mkdir()
-    (partial / firmware.MANIFEST).write_text("{\"half\": ")
+    (partial / firmware.MANIFEST).write_text('{"half": ')
     firmware.verify(store.current, keys.trusted)  # what the daemon would load at a restart now
     assert firmware_store.install(store, bundles["1.1.0"], keys.trusted) == release
     assert not partial.exists()

@@ -18,12 +18,11 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from conftest import ROOT, Keys, build_bundle, cli
 from speech import SENTENCES, recording
 
@@ -63,32 +62,51 @@ def edit_root(image_dir: Path, commands: list[str], scratch: Path) -> None:
     """Apply debugfs commands to the image's root (slot A) file system, then re-sign the image."""
     root = image.partition("root-a")
     part = scratch / "root.img"
-    run("dd", f"if={image_dir / image.DISK}", f"of={part}", "bs=4M", f"skip={root.offset}", f"count={root.size}",
-        "iflag=skip_bytes,count_bytes", "conv=sparse")
+    run(
+        "dd",
+        f"if={image_dir / image.DISK}",
+        f"of={part}",
+        "bs=4M",
+        f"skip={root.offset}",
+        f"count={root.size}",
+        "iflag=skip_bytes,count_bytes",
+        "conv=sparse",
+    )
     script = scratch / "debugfs.cmd"
     script.write_text("\n".join(commands) + "\n")
     result = run("debugfs", "-w", "-f", script, part)
     assert "Could not" not in result.stderr and "not found" not in result.stderr, result.stderr
-    run("dd", f"if={part}", f"of={image_dir / image.DISK}", "bs=4M", f"seek={root.offset}",
-        "oflag=seek_bytes", "conv=sparse,notrunc")
+    run(
+        "dd",
+        f"if={part}",
+        f"of={image_dir / image.DISK}",
+        "bs=4M",
+        f"seek={root.offset}",
+        "oflag=seek_bytes",
+        "conv=sparse,notrunc",
+    )
     part.unlink()
     cli("image", "sign", image_dir, "--key", DEV_KEY, "--version", image_dir.name)
 
 
 def install_driver(image_dir: Path, scratch: Path) -> None:
     here = ROOT / "tests" / "image"
-    edit_root(image_dir, [
-        f"write {here / 'test-driver.sh'} /usr/local/sbin/appliance-test-driver",
-        "sif /usr/local/sbin/appliance-test-driver mode 0100755",
-        f"write {here / 'appliance-test-driver.service'} /etc/systemd/system/appliance-test-driver.service",
-        "symlink /etc/systemd/system/multi-user.target.wants/appliance-test-driver.service "
-        "/etc/systemd/system/appliance-test-driver.service",
-        f"write {here / '10-test-lan.network'} /etc/systemd/network/10-test-lan.network",
-        "symlink /etc/systemd/system/multi-user.target.wants/systemd-networkd.service "
-        "/lib/systemd/system/systemd-networkd.service",
-        "symlink /etc/systemd/system/sockets.target.wants/systemd-networkd.socket "
-        "/lib/systemd/system/systemd-networkd.socket",
-    ], scratch)
+    edit_root(
+        image_dir,
+        [
+            f"write {here / 'test-driver.sh'} /usr/local/sbin/appliance-test-driver",
+            "sif /usr/local/sbin/appliance-test-driver mode 0100755",
+            f"write {here / 'appliance-test-driver.service'} /etc/systemd/system/appliance-test-driver.service",
+            "symlink /etc/systemd/system/multi-user.target.wants/appliance-test-driver.service "
+            "/etc/systemd/system/appliance-test-driver.service",
+            f"write {here / '10-test-lan.network'} /etc/systemd/network/10-test-lan.network",
+            "symlink /etc/systemd/system/multi-user.target.wants/systemd-networkd.service "
+            "/lib/systemd/system/systemd-networkd.service",
+            "symlink /etc/systemd/system/sockets.target.wants/systemd-networkd.socket "
+            "/lib/systemd/system/systemd-networkd.socket",
+        ],
+        scratch,
+    )
 
 
 @dataclass
@@ -127,8 +145,12 @@ class Machine:
         self.boots = 0
         self.quic_port = free_udp_port()
 
-    def boot(self, update_media: tuple[str, Path] | None = None, cut_power_at: str | None = None,
-             while_serving: Callable[[str], None] | None = None) -> Boot:
+    def boot(
+        self,
+        update_media: tuple[str, Path] | None = None,
+        cut_power_at: str | None = None,
+        while_serving: Callable[[str], None] | None = None,
+    ) -> Boot:
         """Boot until the machine powers off or reboots (-no-reboot ends qemu either way).
 
         while_serving(certificate_pem) runs once the driver is serving (media "serve"); then qemu stops.
@@ -138,17 +160,41 @@ class Machine:
         self.boots += 1
         serial = self.workdir / f"serial-{self.boots}.log"
         nic = f"user,model=virtio-net-pci,hostfwd=udp:127.0.0.1:{self.quic_port}-10.0.2.15:4433"
-        argv = ["qemu-system-x86_64", "-machine", "q35", "-m", "2048", "-smp", "2", "-display", "none",
-                "-monitor", "none", "-nic", nic, "-no-reboot", "-serial", f"file:{serial}",
-                "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF / 'OVMF_CODE_4M.fd'}",
-                "-drive", f"if=pflash,format=raw,file={self.vars}",
-                "-drive", f"if=none,id=system,format=qcow2,file={self.disk}",
-                "-device", "virtio-blk-pci,drive=system,addr=0x4,bootindex=0"]
+        argv = [
+            "qemu-system-x86_64",
+            "-machine",
+            "q35",
+            "-m",
+            "2048",
+            "-smp",
+            "2",
+            "-display",
+            "none",
+            "-monitor",
+            "none",
+            "-nic",
+            nic,
+            "-no-reboot",
+            "-serial",
+            f"file:{serial}",
+            "-drive",
+            f"if=pflash,format=raw,readonly=on,file={OVMF / 'OVMF_CODE_4M.fd'}",
+            "-drive",
+            f"if=pflash,format=raw,file={self.vars}",
+            "-drive",
+            f"if=none,id=system,format=qcow2,file={self.disk}",
+            "-device",
+            "virtio-blk-pci,drive=system,addr=0x4,bootindex=0",
+        ]
         argv += ["-accel", "kvm"] if self.accel == "kvm" else ["-accel", "tcg,thread=multi", "-cpu", "max"]
         if update_media is not None:
             mode, media = update_media
-            argv += ["-drive", f"if=none,id=media,format=raw,readonly=on,file={media}",
-                     "-device", f"virtio-blk-pci,drive=media,addr=0x5,serial=update-{mode}"]
+            argv += [
+                "-drive",
+                f"if=none,id=media,format=raw,readonly=on,file={media}",
+                "-device",
+                f"virtio-blk-pci,drive=media,addr=0x5,serial=update-{mode}",
+            ]
         started = time.monotonic()
         ready_s = None
         qemu = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -233,8 +279,9 @@ def flashed(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture
-def machine(accel: str, flashed: Path, request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Machine:
+def machine(
+    accel: str, flashed: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Machine:
     return Machine(flashed, tmp_path_factory.mktemp("machines") / request.node.name[:40], accel)
 
 
@@ -253,10 +300,12 @@ def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         if kind == "firmware" and "firmware" not in test_images:
             test_images["firmware"] = build_bundle(Keys(DEV_KEY, TRUSTED), work / "firmware-1.1.0", version="1.1.0")
         return update_media(test_images[kind], work / f"{kind}.raw")
+
     return make
 
 
 # --- refused before anything is written (host side) ---------------------------------------------
+
 
 def test_flash_refuses_tampered_wrong_key_and_small_target(tmp_path: Path) -> None:
     target = tmp_path / "target.raw"
@@ -325,8 +374,8 @@ def test_update_refuses_tampered_manifest_and_wrong_key(tmp_path: Path) -> None:
 
 # --- booted: each scenario starts from a box freshly flashed, running slot A -----------------------
 
-def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine, media: Media,
-                                                                 tmp_path: Path) -> None:
+
+def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine, media: Media, tmp_path: Path) -> None:
     calls: dict[str, subprocess.CompletedProcess[str]] = {}
 
     def call_over_quic(certificate: str) -> None:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DEFAULT_SPEC, ROOT, build_bundle, cli
+from speech import RATE, SENTENCES, recording
+from streams import one_stream
 
 from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.reference import ReferenceVad
 from appliance.firmware import AudioSpec, Baked
-from conftest import DEFAULT_SPEC, ROOT, build_bundle, cli
-from speech import RATE, SENTENCES, recording
-from streams import one_stream
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not installed")
 AUDIO = AudioSpec(16000, 512, 64, "input", "output", "sr")
@@ -36,8 +36,11 @@ def test_reference_matches_onnx_runtime_on_speech_and_silence(bundle: Path) -> N
 def test_reference_matches_onnx_runtime_on_a_batch_with_state(bundle: Path) -> None:
     model = bundle / "models" / "silero_vad.onnx"
     rng = np.random.default_rng(3)
-    feeds = {"input": (rng.standard_normal((64, 576)) * 0.2).astype(np.float32),
-             "state": (rng.standard_normal((2, 64, 128)) * 0.5).astype(np.float32), "sr": np.array(16000, np.int64)}
+    feeds = {
+        "input": (rng.standard_normal((64, 576)) * 0.2).astype(np.float32),
+        "state": (rng.standard_normal((2, 64, 128)) * 0.5).astype(np.float32),
+        "sr": np.array(16000, np.int64),
+    }
     ours, theirs = ReferenceVad.from_onnx(model).run(feeds, 64), OnnxCpuEngine(model, 1).run(feeds, 64)
     np.testing.assert_allclose(ours["output"], theirs["output"], atol=1e-4, rtol=0)
     np.testing.assert_allclose(ours["stateN"], theirs["stateN"], atol=1e-4, rtol=0)
@@ -55,8 +58,16 @@ def test_kernels_compile_for_sm_90_with_the_baked_values_in_the_binary(tmp_path:
     assert ".const .align 4 .u32 baked_max_batch = 8192;" in ptx_large
     assert ".const .align 4 .u32 baked_shard_frames = 256;" in ptx_large
     assert small[0].read_bytes() != large[0].read_bytes()  # the cubins differ too
-    entries = {"appliance_baked", "pcm16_to_float", "frame_with_context", "gather_rows", "scatter_rows",
-               "conv1d_tile", "magnitude", "lstm_decoder"}
+    entries = {
+        "appliance_baked",
+        "pcm16_to_float",
+        "frame_with_context",
+        "gather_rows",
+        "scatter_rows",
+        "conv1d_tile",
+        "magnitude",
+        "lstm_decoder",
+    }
     assert entries <= {line.split()[-1].rstrip("(") for line in ptx_small.splitlines() if ".entry" in line}
     if shutil.which("cuobjdump"):
         listing = subprocess.run(["cuobjdump", "-elf", str(small[0])], capture_output=True, text=True).stdout
@@ -82,8 +93,23 @@ def test_cuda_target_without_nvcc_is_a_clear_build_error(keys, tmp_path: Path) -
     spec = tmp_path / "gpu.toml"
     spec.write_text(DEFAULT_SPEC.read_text().replace('targets = ["cpu"]', 'targets = ["cpu", "cuda"]'))
     env = {**os.environ, "NVCC": str(tmp_path / "no-such-nvcc")}  # a build machine without the toolkit
-    result = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "appliance", "firmware", "build", str(spec),
-                             "--key", str(keys.private), "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True, env=env, cwd=ROOT)
+    result = subprocess.run(
+        [
+            str(ROOT / ".venv/bin/python"),
+            "-m",
+            "appliance",
+            "firmware",
+            "build",
+            str(spec),
+            "--key",
+            str(keys.private),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert result.returncode != 0 and "needs nvcc" in result.stderr
     assert not (tmp_path / "out").exists()

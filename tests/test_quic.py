@@ -12,15 +12,14 @@ import time
 
 import numpy as np
 import pytest
-
 from aioquic import tls
 from aioquic.quic import connection as quic_connection
 from aioquic.quic.packet import push_ack_frame
 from aioquic.quic.rangeset import RangeSet
+from conftest import Bystander, cli
 
 from appliance.client import Call, Client, infer_call
 from appliance.client.quic import QuicSession
-from conftest import Bystander, cli
 
 
 def test_quic_client_refuses_a_server_it_cannot_verify(daemon) -> None:
@@ -69,8 +68,9 @@ def test_sighup_applies_a_lower_body_limit_to_quic_too(start_daemon, tls) -> Non
     body = b"\0" * (4 << 20)
     with daemon.client("quic") as client:
         assert client.send(Call("POST", "/v2/models/silero_vad/infer", body)).status == 400  # not a tensor
-        daemon.config.write_text(daemon.config.read_text().replace(f"max_body_bytes = {8 << 20}",
-                                                                   f"max_body_bytes = {1 << 20}"))
+        daemon.config.write_text(
+            daemon.config.read_text().replace(f"max_body_bytes = {8 << 20}", f"max_body_bytes = {1 << 20}")
+        )
         daemon.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
         while "reload: applied" not in daemon.log.read_text() and time.monotonic() < deadline:
@@ -103,7 +103,9 @@ def mutated_datagrams(count: int, seed: int = 7) -> list[bytes]:
         elif kind == 1:  # long header, version 1, random connection id lengths
             out.append(bytes([0xC0 | int(rng.integers(0, 64))]) + b"\x00\x00\x00\x01" + body)
         elif kind == 2:  # unknown version: must not become a reflection amplifier
-            out.append(bytes([0xC0]) + b"\x1a\x2a\x3a\x4a" + bytes([8]) + body[:8] + bytes([8]) + body[8:16] + b"\0" * 1180)
+            out.append(
+                bytes([0xC0]) + b"\x1a\x2a\x3a\x4a" + bytes([8]) + body[:8] + bytes([8]) + body[8:16] + b"\0" * 1180
+            )
         else:  # short header
             out.append(bytes([0x40 | int(rng.integers(0, 64))]) + body[:40])
     return out
@@ -184,34 +186,46 @@ def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, 
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
-        builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
-                                  critical=False))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+        )
         if ca:
-            builder = builder.add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+            builder = builder.add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )
         else:
-            builder = (builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                       .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{subject}.local")]), critical=False))
+            builder = builder.add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+            ).add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{subject}.local")]), critical=False)
         return builder.sign(issuer_key, hashes.SHA256())
 
     ca_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca = cert(f"{name}-ca", ca_key, f"{name}-ca", ca_key, True)
-    client = cert(f"{name}-client", client_key, f"{name}-ca", ca_key, False) if signed else \
-        cert(f"{name}-client", client_key, f"{name}-client", client_key, False)
+    client = (
+        cert(f"{name}-client", client_key, f"{name}-ca", ca_key, False)
+        if signed
+        else cert(f"{name}-client", client_key, f"{name}-client", client_key, False)
+    )
     paths = [base / f"{name}-ca.pem", base / f"{name}-client.pem", base / f"{name}-client.key"]
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(client.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(client_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
+    paths[2].write_bytes(
+        client_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return tuple(str(p) for p in paths)  # type: ignore[return-value]
 
 
@@ -242,8 +256,15 @@ def test_quiet_streams_get_408_and_open_streams_are_bounded(start_daemon, tls) -
         for _ in range(5):  # open request streams that never finish their body
             stream_id = protocol._quic.get_next_available_stream_id()
             parts = protocol._streams[stream_id] = asyncio.Queue()
-            protocol.http.send_headers(stream_id, [(b":method", b"POST"), (b":scheme", b"https"),
-                                                   (b":authority", b"x"), (b":path", b"/v2/models/silero_vad/infer")])
+            protocol.http.send_headers(
+                stream_id,
+                [
+                    (b":method", b"POST"),
+                    (b":scheme", b"https"),
+                    (b":authority", b"x"),
+                    (b":path", b"/v2/models/silero_vad/infer"),
+                ],
+            )
             protocol.transmit()
             quiet.append(parts)
 

@@ -11,22 +11,35 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from appliance.bench import free_udp_port
-from conftest import ROOT
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                       reason="hiding /lib/modules and bpffs needs root and a mount namespace"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("unshare") is None,
+        reason="hiding /lib/modules and bpffs needs root and a mount namespace",
+    ),
 ]
 
 
 def test_make_run_from_nothing_serves_with_the_ebpf_cache(tmp_path: Path) -> None:
     result = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "bash", str(ROOT / "tests" / "setup_from_nothing.sh"),
-         str(ROOT), str(tmp_path), str(free_udp_port())],
-        capture_output=True, text=True, timeout=900,
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "bash",
+            str(ROOT / "tests" / "setup_from_nothing.sh"),
+            str(ROOT),
+            str(tmp_path),
+            str(free_udp_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     make_log = (tmp_path / "make.log").read_text() if (tmp_path / "make.log").exists() else ""
     assert result.returncode == 0, f"{result.stdout}{result.stderr}\n--- make run:\n{make_log}"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT, Keys, terminate
 
 from appliance.client import Client, ClientError
-from conftest import ROOT, Keys, terminate
 
 pytestmark = pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd is not installed")
 
@@ -39,7 +39,7 @@ class NotifyListener:
         while not self._stop:
             try:
                 data = self.sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -58,7 +58,7 @@ class NotifyListener:
         return [t for t, m in list(self.messages) if line in m.split("\n")]
 
     def statuses(self) -> list[str]:
-        return [l[7:] for _, m in list(self.messages) for l in m.split("\n") if l.startswith("STATUS=")]
+        return [line[7:] for _, m in list(self.messages) for line in m.split("\n") if line.startswith("STATUS=")]
 
     def close(self) -> None:
         self._stop = True
@@ -71,14 +71,25 @@ class Activated:
     def __init__(self, workdir: Path, bundle: Path, trusted: Path, extra: str = "", watchdog_usec: int = 0) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
-        self.config.write_text(f'[server]\nsocket = "{workdir}/unused.sock"\nshutdown_grace_s = 20.0\n'
-                               f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + extra)
+        self.config.write_text(
+            f'[server]\nsocket = "{workdir}/unused.sock"\nshutdown_grace_s = 20.0\n'
+            f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + extra
+        )
         self.notify = NotifyListener(workdir / "notify.sock")
         self.hang_trigger = workdir / "hang"
         self.log = workdir / "daemon.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        args = ["systemd-socket-activate", "-l", str(self.socket), "-E", f"NOTIFY_SOCKET={self.notify.path}",
-                "-E", f"APPLIANCE_FAILPOINT_ENGINE_HANG={self.hang_trigger}", "-E", f"PYTHONPATH={ROOT}"]
+        args = [
+            "systemd-socket-activate",
+            "-l",
+            str(self.socket),
+            "-E",
+            f"NOTIFY_SOCKET={self.notify.path}",
+            "-E",
+            f"APPLIANCE_FAILPOINT_ENGINE_HANG={self.hang_trigger}",
+            "-E",
+            f"PYTHONPATH={ROOT}",
+        ]
         if watchdog_usec:
             args += ["-E", f"WATCHDOG_USEC={watchdog_usec}"]
         args += [sys.executable, "-m", "appliance", "run", "--config", str(self.config)]
@@ -188,8 +199,11 @@ def test_sighup_applies_a_changed_setting_on_open_connections(activate) -> None:
     client.infer(noise(1), sequence_id=1, start=True)
     client.infer(noise(1), sequence_id=2, start=True)
     connection = client.transport._sock
-    d.config.write_text(d.config.read_text().replace("max_live = 2", "max_live = 1")
-                        .replace("shutdown_grace_s = 20.0", "shutdown_grace_s = 20.0\nsocket_mode = \"0600\""))
+    d.config.write_text(
+        d.config.read_text()
+        .replace("max_live = 2", "max_live = 1")
+        .replace("shutdown_grace_s = 20.0", 'shutdown_grace_s = 20.0\nsocket_mode = "0600"')
+    )
     hup_at = time.monotonic()
     d.proc.send_signal(signal.SIGHUP)
     d.notify.wait_for("RELOADING=1", after=hup_at)
@@ -221,12 +235,25 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     for name in ("appliance.service", "appliance.socket"):
         text = (ROOT / "image" / name).read_text()
         # installed units run the venv under /opt/appliance; here, the checkout's
-        (tmp_path / name).write_text(text.replace("/opt/appliance/.venv/bin/appliance", shutil.which("appliance")
-                                                  or str(Path(sys.executable).parent / "appliance")))
-    result = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "appliance.socket"),
-                             str(tmp_path / "appliance.service")], capture_output=True, text=True)
+        (tmp_path / name).write_text(
+            text.replace(
+                "/opt/appliance/.venv/bin/appliance",
+                shutil.which("appliance") or str(Path(sys.executable).parent / "appliance"),
+            )
+        )
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(tmp_path / "appliance.socket"), str(tmp_path / "appliance.service")],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     service = (ROOT / "image" / "appliance.service").read_text()
-    for line in ("Type=notify", "WatchdogSec=", "ProtectSystem=strict", "NoNewPrivileges=yes",
-                 "CapabilityBoundingSet=CAP_BPF CAP_PERFMON CAP_NET_ADMIN", "DeviceAllow=/dev/nvidiactl rw"):
+    for line in (
+        "Type=notify",
+        "WatchdogSec=",
+        "ProtectSystem=strict",
+        "NoNewPrivileges=yes",
+        "CapabilityBoundingSet=CAP_BPF CAP_PERFMON CAP_NET_ADMIN",
+        "DeviceAllow=/dev/nvidiactl rw",
+    ):
         assert line in service

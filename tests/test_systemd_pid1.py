@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Keys, cli
 
 NSPAWN_ROOT = ROOT / "build" / "nspawn-root"
@@ -21,8 +20,10 @@ NSPAWN_ROOT = ROOT / "build" / "nspawn-root"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="systemd-nspawn needs root"),
-    pytest.mark.skipif(shutil.which("systemd-nspawn") is None or shutil.which("debootstrap") is None,
-                       reason="systemd-container and debootstrap are not installed (make deps)"),
+    pytest.mark.skipif(
+        shutil.which("systemd-nspawn") is None or shutil.which("debootstrap") is None,
+        reason="systemd-container and debootstrap are not installed (make deps)",
+    ),
 ]
 
 
@@ -62,21 +63,39 @@ def install(rootfs: Path, bundle: Path, keys: Keys, driver: str) -> None:
     (units / "appliance-selftest.service").unlink(missing_ok=True)
     (units / "appliance-test-driver.service").write_text(
         f"[Unit]\nAfter=multi-user.target\n[Service]\nType=oneshot\nExecStart=/selftest/{driver}\n"
-        "[Install]\nWantedBy=multi-user.target\n")
+        "[Install]\nWantedBy=multi-user.target\n"
+    )
     for wants in (units / "multi-user.target.wants").glob("appliance-*"):
         wants.unlink()
     (units / "multi-user.target.wants" / "appliance-test-driver.service").symlink_to(
-        "/etc/systemd/system/appliance-test-driver.service")
+        "/etc/systemd/system/appliance-test-driver.service"
+    )
 
 
 def boot(rootfs: Path, out: Path, *extra: str) -> tuple[dict[str, str], str]:
     """Boot the container until the driver powers it off; the driver's key=value lines and nspawn's output."""
     out.mkdir()
     run = subprocess.run(
-        ["systemd-nspawn", "-q", "-D", str(rootfs), "--boot", "--register=no", "--keep-unit", "--pipe",
-         f"--bind-ro={ROOT}:/opt/appliance", f"--bind-ro={ROOT / 'tests' / 'pid1'}:/selftest", f"--bind={out}:/out",
-         "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN", "--private-network", *extra],
-        capture_output=True, text=True, timeout=600)
+        [
+            "systemd-nspawn",
+            "-q",
+            "-D",
+            str(rootfs),
+            "--boot",
+            "--register=no",
+            "--keep-unit",
+            "--pipe",
+            f"--bind-ro={ROOT}:/opt/appliance",
+            f"--bind-ro={ROOT / 'tests' / 'pid1'}:/selftest",
+            f"--bind={out}:/out",
+            "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN",
+            "--private-network",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     text = (out / "result.txt").read_text() if (out / "result.txt").exists() else ""
     result = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
     return result, f"result: {result}\nnspawn: {run.stdout[-3000:]}{run.stderr[-2000:]}"
@@ -100,8 +119,7 @@ def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_pat
     assert result["stop_result"] == "success" and result["stop_status"] == "0", context
 
 
-def test_firmware_update_under_systemd_pid1(rootfs: Path, bundles: dict[str, Path], keys: Keys,
-                                           tmp_path: Path) -> None:
+def test_firmware_update_under_systemd_pid1(rootfs: Path, bundles: dict[str, Path], keys: Keys, tmp_path: Path) -> None:
     """`appliance update BUNDLE` restarts the unit on the new firmware and commits it; a signed bundle whose
     model cannot load is rolled back to the one before; `appliance firmware rollback` returns further."""
     install(rootfs, bundles["1.0.0"], keys, "firmware-update.sh")
@@ -113,9 +131,14 @@ def test_firmware_update_under_systemd_pid1(rootfs: Path, bundles: dict[str, Pat
         (units / f"{name}.d").mkdir(exist_ok=True)
         (units / f"{name}.d" / "test.conf").write_text(
             f"[Service]\nExecStartPre=\nExecStart=\nExecStart=/opt/appliance/.venv/bin/python -m appliance {command}\n"
-            "Environment=PYTHONPATH=/opt/appliance\n")
-    result, context = boot(rootfs, tmp_path / "out", f"--bind-ro={bundles['1.1.0']}:/media/newer",
-                           f"--bind-ro={bundles['broken']}:/media/broken")
+            "Environment=PYTHONPATH=/opt/appliance\n"
+        )
+    result, context = boot(
+        rootfs,
+        tmp_path / "out",
+        f"--bind-ro={bundles['1.1.0']}:/media/newer",
+        f"--bind-ro={bundles['broken']}:/media/broken",
+    )
     assert result.get("done") == "yes", context
     assert result["boot_selftest"] == "0" and result["boot_committed"] == "1", context
     assert result["update_rc"] == "0" and result["after_update"] == "1.1.0", context
@@ -126,6 +149,8 @@ def test_firmware_update_under_systemd_pid1(rootfs: Path, bundles: dict[str, Pat
     assert result["releases"] == "2", context
     # Power lost with a bad bundle on trial: the boot self-test fails, recovery returns to the previous one.
     assert result["boot_trial_start"] != "0" and result["recovered"] == "0", context
-    assert result["after_recovery"] == "1.0.0" and result["store_after_recovery"].startswith("current  voice-vad-1.0.0-"), context
+    assert result["after_recovery"] == "1.0.0" and result["store_after_recovery"].startswith(
+        "current  voice-vad-1.0.0-"
+    ), context
     assert "trial" not in result["store_after_recovery"], context
     assert int(result["recover_logged"]) == 1, context

@@ -31,10 +31,10 @@ def test_semantic_shards_cut_at_the_quietest_frame_of_the_window() -> None:
 def test_segment_rules_hysteresis_min_speech_and_padding() -> None:
     frame, rate = 512, 16000
     probs = np.zeros(100, np.float32)
-    probs[10:40] = 0.9          # ~1 s of speech
-    probs[42:44] = 0.2          # a dip above the off threshold (0.35)? no: below it, but shorter than min silence
+    probs[10:40] = 0.9  # ~1 s of speech
+    probs[42:44] = 0.2  # a dip above the off threshold (0.35)? no: below it, but shorter than min silence
     probs[44:60] = 0.9
-    probs[80:82] = 0.9          # 64 ms: shorter than min_speech, dropped
+    probs[80:82] = 0.9  # 64 ms: shorter than min_speech, dropped
     segments = speech_segments(probs, frame, rate, 100 * frame, SegmentParams())
     pad = int(0.03 * rate)
     assert segments == [(10 * frame - pad, 60 * frame + pad)]
@@ -57,8 +57,14 @@ class CountingEngine:
 
 def frame_model(engine) -> FrameModel:
     spec = ModelSpec(
-        name="fake", kind="vad", file="x.onnx",
-        inputs=(TensorSpec("input", "FP32", (-1, -1)), TensorSpec("state", "FP32", (2, -1, 128)), TensorSpec("sr", "INT64", ())),
+        name="fake",
+        kind="vad",
+        file="x.onnx",
+        inputs=(
+            TensorSpec("input", "FP32", (-1, -1)),
+            TensorSpec("state", "FP32", (2, -1, 128)),
+            TensorSpec("sr", "INT64", ()),
+        ),
         outputs=(TensorSpec("output", "FP32", (-1, 1)), TensorSpec("stateN", "FP32", (2, -1, 128))),
         state=(StatePair("state", "stateN", 1),),
         audio=AudioSpec(16000, 512, 64, "input", "output", "sr"),
@@ -114,8 +120,8 @@ def test_sequence_table_limits_and_expiry_follow_the_clock() -> None:
     table.start("b", now=5)
     with pytest.raises(TooManyRequests):
         table.start("c", now=6)
-    table.get("a", now=9)                  # touching keeps it alive
-    assert table.expire(now=15.5) == 1     # b idle 10.5 s
+    table.get("a", now=9)  # touching keeps it alive
+    assert table.expire(now=15.5) == 1  # b idle 10.5 s
     table.start("c", now=16)
     with pytest.raises(BadRequest, match="not open"):
         table.get("b", now=16)

@@ -9,15 +9,14 @@ import time
 
 import numpy as np
 import pytest
-
-from appliance.audio import encode_wav
-from appliance.client import AsyncClient, Client
-from appliance.segments import SegmentParams, speech_segments
-from appliance.shards import frame_energy, plan_shards
-from appliance.audio import to_frames
-from appliance.engine.choice import HANG_FAILPOINT
 from conftest import build_bundle
 from speech import RATE, SENTENCES, recording
+
+from appliance.audio import encode_wav, to_frames
+from appliance.client import AsyncClient, Client
+from appliance.engine.choice import HANG_FAILPOINT
+from appliance.segments import SegmentParams, speech_segments
+from appliance.shards import frame_energy, plan_shards
 
 FRAME = 512
 CHUNK = 8 * FRAME  # 256 ms
@@ -32,11 +31,13 @@ def speech() -> tuple[np.ndarray, list[tuple[float, float]]]:
 
 def stream(client: Client, audio: np.ndarray, sequence_id: int) -> np.ndarray:
     audio = np.concatenate([audio, np.zeros(-len(audio) % CHUNK, np.float32)])
-    chunks = [audio[i:i + CHUNK] for i in range(0, len(audio), CHUNK)]
-    return np.concatenate([
-        client.infer(chunk, sequence_id=sequence_id, start=i == 0, end=i == len(chunks) - 1)
-        for i, chunk in enumerate(chunks)
-    ])
+    chunks = [audio[i : i + CHUNK] for i in range(0, len(audio), CHUNK)]
+    return np.concatenate(
+        [
+            client.infer(chunk, sequence_id=sequence_id, start=i == 0, end=i == len(chunks) - 1)
+            for i, chunk in enumerate(chunks)
+        ]
+    )
 
 
 def test_segments_match_the_spoken_sentences(client: Client, speech) -> None:
@@ -71,8 +72,9 @@ def test_sixteen_concurrent_streams_get_what_each_gets_alone(daemon, client: Cli
         padded = np.concatenate([inputs[i], np.zeros(-len(inputs[i]) % CHUNK, np.float32)])
         out = []
         for k in range(0, len(padded), CHUNK):
-            out.append(await c.infer(padded[k:k + CHUNK], sequence_id=6000 + i, start=k == 0,
-                                     end=k + CHUNK >= len(padded)))
+            out.append(
+                await c.infer(padded[k : k + CHUNK], sequence_id=6000 + i, start=k == 0, end=k + CHUNK >= len(padded))
+            )
         await c.close()
         return np.concatenate(out)
 
@@ -136,8 +138,11 @@ def test_long_results_stream_as_they_are_produced(start_daemon, tls, tmp_path, s
         hold.write_text("300")  # the engine runs 300 more batched steps, then stalls
         lines = client.stream_segments(wav, **QUERY)
         first = next(lines)
-        frames_run = sum(float(line.split()[-1]) for line in observer.metrics().splitlines()
-                         if line.startswith("appliance_engine_frames_total"))
+        frames_run = sum(
+            float(line.split()[-1])
+            for line in observer.metrics().splitlines()
+            if line.startswith("appliance_engine_frames_total")
+        )
         hold.unlink()
         rest = list(lines)
     assert (first["start"], first["end"]) == (expected["segments"][0]["start"], expected["segments"][0]["end"])
@@ -145,8 +150,12 @@ def test_long_results_stream_as_they_are_produced(start_daemon, tls, tmp_path, s
     # what had run when the first segment arrived: the first call's frames, plus at most 300 steps of 6
     assert frames_run < 2 * len(audio) / FRAME, frames_run
     assert [first, *rest[:-1]] == expected["segments"]
-    assert rest[-1] == {"model_name": "silero_vad", "duration": expected["duration"],
-                        "segments": len(expected["segments"]), "done": True}
+    assert rest[-1] == {
+        "model_name": "silero_vad",
+        "duration": expected["duration"],
+        "segments": len(expected["segments"]),
+        "done": True,
+    }
 
 
 def test_sigterm_with_a_wedged_engine_exits_within_the_grace_time(start_daemon, tmp_path) -> None:
@@ -168,5 +177,7 @@ def test_sigterm_with_a_wedged_engine_exits_within_the_grace_time(start_daemon, 
     caller.join(10)
     log = daemon.log.read_text()
     assert code == 1 and took < 5.0 + 6, (code, took, log)  # shutdown_grace_s = 5 in the test config
-    assert ("stopping: still running 9 s after the stop signal (the event loop is blocked, an engine call is "
-            "wedged); abandoned 1 requests in flight and 0 open sequences, exiting") in log
+    assert (
+        "stopping: still running 9 s after the stop signal (the event loop is blocked, an engine call is "
+        "wedged); abandoned 1 requests in flight and 0 open sequences, exiting"
+    ) in log

@@ -22,18 +22,19 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
 from appliance import __version__
 from appliance.api import metrics as prometheus
+from appliance.api.peers import PeerTable
 from appliance.api.tensors import HEADER_LENGTH, InferRequest, decode_infer, encode_infer
 from appliance.audio import decode_audio
 from appliance.config import Live, VadConfig
-from appliance.api.peers import PeerTable
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.segments import SegmentParams
@@ -61,7 +62,7 @@ class Response:
     body: bytes = b""
     content_type: str = "application/json"
     headers: list[tuple[str, str]] = field(default_factory=list)
-    stream: AsyncIterator[bytes] | None = None  # set: the body is sent piece by piece as produced, `body` unused
+    stream: AsyncGenerator[bytes, None] | None = None  # set: the body is sent piece by piece as produced, `body` unused
 
 
 def json_response(status: int, doc: Any) -> Response:
@@ -121,9 +122,15 @@ class Api:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
             response = error_response(500, "internal error (logged)")
         if response.status >= 400:  # the client's mistakes at debug level; ours are errors
-            log.log(logging.ERROR if response.status >= 500 else logging.DEBUG, "%s %s: %d %s", request.method,
-                    url.path, response.status, response.body[:200].decode("utf-8", "replace"),
-                    extra=self._log_fields(request, params))
+            log.log(
+                logging.ERROR if response.status >= 500 else logging.DEBUG,
+                "%s %s: %d %s",
+                request.method,
+                url.path,
+                response.status,
+                response.body[:200].decode("utf-8", "replace"),
+                extra=self._log_fields(request, params),
+            )
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
         return response
 
@@ -150,8 +157,10 @@ class Api:
         return {"name": m.name, "version": m.version, "built_at": m.built_at, "signing_key_id": m.signing_key_id}
 
     async def _server(self, request: Request, params: dict[str, str]) -> Response:
-        return json_response(200, {"name": "appliance", "version": __version__, "extensions": EXTENSIONS,
-                                   "firmware": self.firmware_info()})
+        return json_response(
+            200,
+            {"name": "appliance", "version": __version__, "extensions": EXTENSIONS, "firmware": self.firmware_info()},
+        )
 
     async def _live(self, request: Request, params: dict[str, str]) -> Response:
         return json_response(200, {"live": True})
@@ -162,9 +171,21 @@ class Api:
         return json_response(200, {"ready": True})
 
     async def _list_models(self, request: Request, params: dict[str, str]) -> Response:
-        return json_response(200, {"models": [
-            {"name": m.name, "version": self.manifest.version, "state": "READY" if self.ready else "UNAVAILABLE",
-             "engine": m.engine_name, "kind": m.spec.kind} for m in self.models.values()]})
+        return json_response(
+            200,
+            {
+                "models": [
+                    {
+                        "name": m.name,
+                        "version": self.manifest.version,
+                        "state": "READY" if self.ready else "UNAVAILABLE",
+                        "engine": m.engine_name,
+                        "kind": m.spec.kind,
+                    }
+                    for m in self.models.values()
+                ]
+            },
+        )
 
     def _model(self, params: dict[str, str]) -> VadModel:
         model = self.models.get(params["model"])
@@ -178,29 +199,43 @@ class Api:
     async def _model_metadata(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
         spec, audio = model.spec, model.spec.audio
-        return json_response(200, {
-            "name": model.name,
-            "versions": [self.manifest.version],
-            "platform": "onnx",
-            "inputs": [{"name": AUDIO_INPUT, "datatype": "FP32", "shape": [-1],
-                        "parameters": {"accepts": ["FP32", "INT16"], "sample_rate": audio.sample_rate}}],
-            "outputs": [{"name": PROB_OUTPUT, "datatype": "FP32", "shape": [-1]}],
-            "parameters": {
-                "kind": spec.kind,
-                "engine": model.engine_name,
-                "sample_rate": audio.sample_rate,
-                "frame_samples": audio.frame_samples,
-                "context_samples": audio.context_samples,
-                "stateful": True,
-                "baked": {"max_tokens_per_shard": model.baked.max_tokens_per_shard,
-                          "split_algorithm": model.baked.split_algorithm,
-                          "fallback_cpu_threshold": model.baked.fallback_cpu_threshold,
-                          "max_batch": model.baked.max_batch},
-                "firmware": self.firmware_info(),
-                "graph": {"inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs],
-                          "state": [{"input": p.input, "output": p.output} for p in spec.state]},
+        return json_response(
+            200,
+            {
+                "name": model.name,
+                "versions": [self.manifest.version],
+                "platform": "onnx",
+                "inputs": [
+                    {
+                        "name": AUDIO_INPUT,
+                        "datatype": "FP32",
+                        "shape": [-1],
+                        "parameters": {"accepts": ["FP32", "INT16"], "sample_rate": audio.sample_rate},
+                    }
+                ],
+                "outputs": [{"name": PROB_OUTPUT, "datatype": "FP32", "shape": [-1]}],
+                "parameters": {
+                    "kind": spec.kind,
+                    "engine": model.engine_name,
+                    "sample_rate": audio.sample_rate,
+                    "frame_samples": audio.frame_samples,
+                    "context_samples": audio.context_samples,
+                    "stateful": True,
+                    "baked": {
+                        "max_tokens_per_shard": model.baked.max_tokens_per_shard,
+                        "split_algorithm": model.baked.split_algorithm,
+                        "fallback_cpu_threshold": model.baked.fallback_cpu_threshold,
+                        "max_batch": model.baked.max_batch,
+                    },
+                    "firmware": self.firmware_info(),
+                    "graph": {
+                        "inputs": [t.name for t in spec.inputs],
+                        "outputs": [t.name for t in spec.outputs],
+                        "state": [{"input": p.input, "output": p.output} for p in spec.state],
+                    },
+                },
             },
-        })
+        )
 
     async def _model_ready(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
@@ -216,17 +251,25 @@ class Api:
         """What `appliance status` shows: firmware, engines, sequences, and the QUIC peers."""
         cache = self.peer_table
         now = time.monotonic()
-        return json_response(200, {
-            "firmware": self.firmware_info(),
-            "ready": self.ready,
-            "models": [{"name": m.name, "engine": m.engine_name, "live_sequences": len(m.sequences)}
-                       for m in self.models.values()],
-            "conncache": None if cache is None else {
-                "backend": cache.backend, "reason": cache.reason,
-                "totals": dataclasses.asdict(cache.totals()),
-                "peers": sorted((p.as_dict(now) for p in cache.peers().values()), key=lambda p: p["peer"]),
+        return json_response(
+            200,
+            {
+                "firmware": self.firmware_info(),
+                "ready": self.ready,
+                "models": [
+                    {"name": m.name, "engine": m.engine_name, "live_sequences": len(m.sequences)}
+                    for m in self.models.values()
+                ],
+                "conncache": None
+                if cache is None
+                else {
+                    "backend": cache.backend,
+                    "reason": cache.reason,
+                    "totals": dataclasses.asdict(cache.totals()),
+                    "peers": sorted((p.as_dict(now) for p in cache.peers().values()), key=lambda p: p["peer"]),
+                },
             },
-        })
+        )
 
     # --- inference ----------------------------------------------------------------------------------
 
@@ -247,7 +290,9 @@ class Api:
         body, header_length = encode_infer(model.name, self.manifest.version, infer, {PROB_OUTPUT: probs}, out_params)
         if header_length is None:
             return Response(200, body)
-        return Response(200, body, "application/octet-stream", [("Inference-Header-Content-Length", str(header_length))])
+        return Response(
+            200, body, "application/octet-stream", [("Inference-Header-Content-Length", str(header_length))]
+        )
 
     async def _segments(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
@@ -261,14 +306,28 @@ class Api:
         seconds = lambda s: round(s / rate, 3)  # noqa: E731
         summary = {"model_name": model.name, "duration": seconds(len(samples))}
         if stream:
-            return Response(200, content_type="application/x-ndjson",
-                            stream=self._segment_lines(model.segments(samples, segment_params, STREAM_CHUNK_FRAMES),
-                                                       seconds, summary, self._log_fields(request, params)))
+            return Response(
+                200,
+                content_type="application/x-ndjson",
+                stream=self._segment_lines(
+                    model.segments(samples, segment_params, STREAM_CHUNK_FRAMES),
+                    seconds,
+                    summary,
+                    self._log_fields(request, params),
+                ),
+            )
         segments = [s async for s in model.segments(samples, segment_params)]
-        return json_response(200, {**summary, "segments": [{"start": seconds(s), "end": seconds(e)} for s, e in segments]})
+        return json_response(
+            200, {**summary, "segments": [{"start": seconds(s), "end": seconds(e)} for s, e in segments]}
+        )
 
-    async def _segment_lines(self, segments: AsyncIterator[tuple[int, int]], seconds: Callable[[int], float],
-                             summary: dict[str, Any], log_fields: dict[str, str]) -> AsyncIterator[bytes]:
+    async def _segment_lines(
+        self,
+        segments: AsyncIterator[tuple[int, int]],
+        seconds: Callable[[int], float],
+        summary: dict[str, Any],
+        log_fields: dict[str, str],
+    ) -> AsyncGenerator[bytes, None]:
         """NDJSON: a line per segment as soon as it is final, then the summary (or an error) line."""
         count = 0
         try:

@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from appliance.api.peers import PeerTable
     from appliance.vad import VadModel
 
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -55,22 +73,42 @@ class Metrics:
         return sum(self.requests.values())
 
 
-def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "PeerTable | None" = None) -> str:
+def render(metrics: Metrics, models: Iterable[VadModel], conncache: PeerTable | None = None) -> str:
     """Text format 0.0.4."""
-    out = ["# HELP appliance_requests_total API requests by endpoint and HTTP status.",
-           "# TYPE appliance_requests_total counter"]
-    out += [f'appliance_requests_total{{endpoint="{e}",code="{s}"}} {n}' for (e, s), n in sorted(metrics.requests.items())]
-    out += ["# HELP appliance_request_duration_seconds Time from a request's last byte to its response.",
-            "# TYPE appliance_request_duration_seconds histogram"]
+    out = [
+        "# HELP appliance_requests_total API requests by endpoint and HTTP status.",
+        "# TYPE appliance_requests_total counter",
+    ]
+    out += [
+        f'appliance_requests_total{{endpoint="{e}",code="{s}"}} {n}' for (e, s), n in sorted(metrics.requests.items())
+    ]
+    out += [
+        "# HELP appliance_request_duration_seconds Time from a request's last byte to its response.",
+        "# TYPE appliance_request_duration_seconds histogram",
+    ]
     for endpoint, histogram in sorted(metrics.latency.items()):
         out += histogram.lines("appliance_request_duration_seconds", f'endpoint="{endpoint}"')
     sections: dict[str, list[str]] = {
-        "appliance_batch_size": ["# HELP appliance_batch_size Sequences per engine call.", "# TYPE appliance_batch_size histogram"],
-        "appliance_engine_frames_total": ["# HELP appliance_engine_frames_total Frames run by the engine.", "# TYPE appliance_engine_frames_total counter"],
-        "appliance_queue_depth": ["# HELP appliance_queue_depth Works waiting or running in the engine.", "# TYPE appliance_queue_depth gauge"],
-        "appliance_live_sequences": ["# HELP appliance_live_sequences Open stateful sequences.", "# TYPE appliance_live_sequences gauge"],
-        "appliance_engine_fallbacks_total": ["# HELP appliance_engine_fallbacks_total Batches the GPU engine handed to the CPU engine, by reason.",
-                                             "# TYPE appliance_engine_fallbacks_total counter"],
+        "appliance_batch_size": [
+            "# HELP appliance_batch_size Sequences per engine call.",
+            "# TYPE appliance_batch_size histogram",
+        ],
+        "appliance_engine_frames_total": [
+            "# HELP appliance_engine_frames_total Frames run by the engine.",
+            "# TYPE appliance_engine_frames_total counter",
+        ],
+        "appliance_queue_depth": [
+            "# HELP appliance_queue_depth Works waiting or running in the engine.",
+            "# TYPE appliance_queue_depth gauge",
+        ],
+        "appliance_live_sequences": [
+            "# HELP appliance_live_sequences Open stateful sequences.",
+            "# TYPE appliance_live_sequences gauge",
+        ],
+        "appliance_engine_fallbacks_total": [
+            "# HELP appliance_engine_fallbacks_total Batches the GPU engine handed to the CPU engine, by reason.",
+            "# TYPE appliance_engine_fallbacks_total counter",
+        ],
     }
     for model in models:
         label = f'model="{model.name}",engine="{model.engine_name}"'
@@ -83,8 +121,10 @@ def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "PeerTable
         sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.batcher.queue_depth}")
         sections["appliance_live_sequences"].append(f"appliance_live_sequences{{{label}}} {len(model.sequences)}")
         fallbacks = getattr(model.frames.engine, "fallbacks", {})
-        sections["appliance_engine_fallbacks_total"] += [f'appliance_engine_fallbacks_total{{{label},reason="{reason}"}} {count}'
-                                                         for reason, count in sorted(fallbacks.items())]
+        sections["appliance_engine_fallbacks_total"] += [
+            f'appliance_engine_fallbacks_total{{{label},reason="{reason}"}} {count}'
+            for reason, count in sorted(fallbacks.items())
+        ]
     for lines in sections.values():
         out += lines
     if conncache is not None:
@@ -92,7 +132,7 @@ def render(metrics: Metrics, models: Iterable["VadModel"], conncache: "PeerTable
     return "\n".join(out) + "\n"
 
 
-def _conncache_lines(cache: "PeerTable") -> list[str]:
+def _conncache_lines(cache: PeerTable) -> list[str]:
     totals, peers = cache.totals(), cache.peers()
     label = f'backend="{cache.backend}"'
     out = []
@@ -103,8 +143,13 @@ def _conncache_lines(cache: "PeerTable") -> list[str]:
         ("appliance_quic_dropped_total", "counter", "Datagrams dropped over a peer's budget.", totals.drops),
     ):
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {value}"]
-    out += ["# HELP appliance_quic_peer_dropped_total Datagrams dropped over budget, by peer (peers with drops).",
-            "# TYPE appliance_quic_peer_dropped_total counter"]
-    out += [f'appliance_quic_peer_dropped_total{{{label},peer="{p.address}"}} {p.drops}'
-            for p in sorted(peers.values(), key=lambda p: -p.drops) if p.drops]
+    out += [
+        "# HELP appliance_quic_peer_dropped_total Datagrams dropped over budget, by peer (peers with drops).",
+        "# TYPE appliance_quic_peer_dropped_total counter",
+    ]
+    out += [
+        f'appliance_quic_peer_dropped_total{{{label},peer="{p.address}"}} {p.drops}'
+        for p in sorted(peers.values(), key=lambda p: -p.drops)
+        if p.drops
+    ]
     return out

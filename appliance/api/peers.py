@@ -18,8 +18,15 @@ class Peer:
     dcid: str = ""  # hex
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        return {"peer": self.address, "age_s": round(now - self.first_seen, 3), "idle_s": round(now - self.last_seen, 3),
-                "packets": self.packets, "bytes": self.bytes, "drops": self.drops, "dcid": self.dcid}
+        return {
+            "peer": self.address,
+            "age_s": round(now - self.first_seen, 3),
+            "idle_s": round(now - self.last_seen, 3),
+            "packets": self.packets,
+            "bytes": self.bytes,
+            "drops": self.drops,
+            "dcid": self.dcid,
+        }
 
 
 @dataclass(slots=True)
@@ -34,8 +41,6 @@ class PeerTable(Protocol):
     backend: str  # "ebpf" or "user"
     reason: str  # why this backend, where the kernel one could not load
 
-    def peers(self) -> dict[str, Peer]:
-        ...
+    def peers(self) -> dict[str, Peer]: ...
 
-    def totals(self) -> Totals:
-        ...
+    def totals(self) -> Totals: ...

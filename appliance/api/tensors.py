@@ -15,8 +15,20 @@ import numpy as np
 
 from appliance.errors import BadRequest
 
-NUMPY_TYPES = {"FP32": "<f4", "FP16": "<f2", "FP64": "<f8", "INT64": "<i8", "INT32": "<i4", "INT16": "<i2",
-               "INT8": "i1", "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "BOOL": "?"}
+NUMPY_TYPES = {
+    "FP32": "<f4",
+    "FP16": "<f2",
+    "FP64": "<f8",
+    "INT64": "<i8",
+    "INT32": "<i4",
+    "INT16": "<i2",
+    "INT8": "i1",
+    "UINT8": "u1",
+    "UINT16": "<u2",
+    "UINT32": "<u4",
+    "UINT64": "<u8",
+    "BOOL": "?",
+}
 DATATYPES = {np.dtype(v).str: k for k, v in NUMPY_TYPES.items()}
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -31,6 +43,7 @@ class InferRequest:
 
 
 def decode_infer(body: bytes, header_length: str | None) -> InferRequest:
+    binary: bytes | memoryview
     if header_length is None:
         json_part, binary = body, b""
     else:
@@ -93,9 +106,13 @@ def _decode_input(item: Any, index: int, binary: bytes | memoryview) -> tuple[np
         if not isinstance(size, int) or size < 0:
             raise BadRequest(f"input {name}: binary_data_size must be a non-negative integer")
         if size > len(binary):
-            raise BadRequest(f"input {name}: binary_data_size {size} but only {len(binary)} bytes of binary data remain (truncated)")
+            raise BadRequest(
+                f"input {name}: binary_data_size {size} but only {len(binary)} bytes of binary data remain (truncated)"
+            )
         if size != count * dtype.itemsize:
-            raise BadRequest(f"input {name}: binary_data_size {size} does not match shape {shape} of {datatype} ({count * dtype.itemsize} bytes)")
+            raise BadRequest(
+                f"input {name}: binary_data_size {size} does not match shape {shape} of {datatype} ({count * dtype.itemsize} bytes)"
+            )
         return np.frombuffer(binary[:size], dtype=dtype).reshape(shape), size
     if "data" not in item:
         raise BadRequest(f"input {name}: needs 'data' or parameters.binary_data_size")
@@ -134,7 +151,9 @@ def encode_infer(
 
 
 def encode_request(
-    inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = None, binary: bool = True,
+    inputs: dict[str, np.ndarray],
+    parameters: dict[str, Any] | None = None,
+    binary: bool = True,
     request_id: str | None = None,
 ) -> tuple[bytes, int | None]:
     """Client side: an infer request body (binary tensors by default) and its JSON header length."""

@@ -7,8 +7,9 @@ of their own; aioquic is imported only when a QUIC client is made."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,8 +39,20 @@ from appliance.client.http import (
 from appliance.client.unix import UnixTransport
 
 __all__ = [
-    "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_MODEL", "AsyncClient", "Call", "CertificateRejected", "Client", "ClientError",
-    "ConnectError", "HttpResponse", "NoAnswer", "ServerError", "SocketUnreachable", "describe_path", "infer_call",
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_MODEL",
+    "AsyncClient",
+    "Call",
+    "CertificateRejected",
+    "Client",
+    "ClientError",
+    "ConnectError",
+    "HttpResponse",
+    "NoAnswer",
+    "ServerError",
+    "SocketUnreachable",
+    "describe_path",
+    "infer_call",
     "parse_quic_address",
 ]
 
@@ -50,10 +63,17 @@ if TYPE_CHECKING:
 class Client:
     """Blocking client over the Unix socket (`Client(path)`) or QUIC (`Client(quic="host:port")`)."""
 
-    def __init__(self, socket_path: str | None = None, timeout: float = 120.0, busy_poll_s: float = 0.0,
-                 quic: str | None = None, cafile: str | None = None,
-                 certificate: tuple[str, str] | None = None, local_host: str = "",
-                 connect_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        timeout: float = 120.0,
+        busy_poll_s: float = 0.0,
+        quic: str | None = None,
+        cafile: str | None = None,
+        certificate: tuple[str, str] | None = None,
+        local_host: str = "",
+        connect_timeout: float | None = None,
+    ) -> None:
         """`timeout`: how long the daemon may be silent; `connect_timeout`: how long connecting may take
         (default: the QUIC handshake DEFAULT_CONNECT_TIMEOUT_S, a Unix socket `timeout`, where only a
         full backlog makes it wait). Errors: `ServerError` (it answered 4xx/5xx), `ConnectError` (not
@@ -65,8 +85,14 @@ class Client:
                 QuicTransport,  # aioquic is only needed by QUIC callers
             )
 
-            self.transport = QuicTransport(quic, cafile, timeout, certificate, local_host,
-                                           DEFAULT_CONNECT_TIMEOUT_S if connect_timeout is None else connect_timeout)
+            self.transport = QuicTransport(
+                quic,
+                cafile,
+                timeout,
+                certificate,
+                local_host,
+                DEFAULT_CONNECT_TIMEOUT_S if connect_timeout is None else connect_timeout,
+            )
         elif socket_path is not None:
             self.transport = UnixTransport(socket_path, timeout, busy_poll_s, connect_timeout)
         else:
@@ -75,7 +101,7 @@ class Client:
     def close(self) -> None:
         self.transport.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -89,8 +115,10 @@ class Client:
         return checked(self.send(Call("GET", path))).json()
 
     def health(self) -> dict[str, Any]:
-        return {"live": self.send(Call("GET", "/v2/health/live")).status == 200,
-                "ready": self.send(Call("GET", "/v2/health/ready")).status == 200}
+        return {
+            "live": self.send(Call("GET", "/v2/health/live")).status == 200,
+            "ready": self.send(Call("GET", "/v2/health/ready")).status == 200,
+        }
 
     def server(self) -> Any:
         return self.get("/v2")

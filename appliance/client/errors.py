@@ -83,8 +83,13 @@ def describe_path(path: str) -> str:
         return "no such file" if os.path.isdir(parent) else f"no such file, nor its directory {parent}"
     except OSError as exc:
         return f"cannot look ({(exc.strerror or str(exc)).lower()})"
-    kinds = {stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
-             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    kinds = {
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
     for test, kind in kinds.items():
         if test(st.st_mode):
             return kind
@@ -115,8 +120,10 @@ def unix_connect_error(path: str, exc: OSError, timeout: float) -> SocketUnreach
         reason = "a socket file is there but nothing listens on it (stale: the daemon is not running)"
     elif there == "a socket" and exc.errno in (errno.EACCES, errno.EPERM):
         st = os.stat(path)
-        reason = (f"a socket is there but this user may not connect to it (permission denied: owner {_owner(st)}, "
-                  f"mode {stat.S_IMODE(st.st_mode):04o}; the daemon's socket_group may)")
+        reason = (
+            f"a socket is there but this user may not connect to it (permission denied: owner {_owner(st)}, "
+            f"mode {stat.S_IMODE(st.st_mode):04o}; the daemon's socket_group may)"
+        )
     elif there.startswith("no such file") or there.endswith("which does not exist"):
         reason = f"{there} (is the daemon running, and is this its socket?)"
     elif there.startswith("a ") and there != "a socket":

@@ -4,8 +4,9 @@ the API's calls and results (infer, segments) built and read. Both transports sh
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlencode
 
 import httptools
@@ -84,8 +85,15 @@ def checked(response: HttpResponse) -> HttpResponse:
 
 # --- calls: how each API operation is asked and read --------------------------------------------
 
-def infer_call(model: str, audio: np.ndarray, sequence_id: int | str | None = None, start: bool = False,
-               end: bool = False, binary: bool = True) -> Call:
+
+def infer_call(
+    model: str,
+    audio: np.ndarray,
+    sequence_id: int | str | None = None,
+    start: bool = False,
+    end: bool = False,
+    binary: bool = True,
+) -> Call:
     parameters: dict[str, Any] = {}
     if sequence_id is not None:
         parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
@@ -118,7 +126,7 @@ def json_lines(pieces: Iterator[bytes]) -> Iterator[Any]:
 AUDIO_TYPES = {b"RIFF": "audio/wav", b"RIFX": "audio/wav", b"fLaC": "audio/flac", b"OggS": "audio/ogg"}
 
 
-def segments_call(model: str, audio: bytes, **params: float) -> Call:
+def segments_call(model: str, audio: bytes, **params: float | str) -> Call:
     """A recording (WAV, FLAC or Ogg, as the file holds it) -> the segments route."""
     query = f"?{urlencode(params)}" if params else ""
     content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")

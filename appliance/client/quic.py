@@ -11,7 +11,8 @@ import contextlib
 import socket
 import ssl
 import threading
-from typing import Any, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
@@ -56,15 +57,21 @@ class _H3Client(QuicConnectionProtocol):
         self.handshake: HandshakeCompleted | None = None
         self.terminated: ConnectionTerminated | None = None
         self.error_for: Callable[[ConnectionTerminated], Exception] = (  # what a request learns of the end
-            lambda event: ConnectionError(f"QUIC connection closed: {event.reason_phrase}"))
+            lambda event: ConnectionError(f"QUIC connection closed: {event.reason_phrase}")
+        )
         self.connected: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the handshake or the end
         self._streams: dict[int, asyncio.Queue[dict[str, str] | bytes | Exception | None]] = {}
 
     async def exchange(self, call: Call, authority: str) -> AsyncIterator[dict[str, str] | bytes]:
         """Send a request; yield the response headers, then each body piece as it arrives."""
         stream_id = self._quic.get_next_available_stream_id()
-        headers = [(b":method", call.method.encode()), (b":scheme", b"https"), (b":authority", authority.encode()),
-                   (b":path", call.target.encode()), (b"content-length", str(len(call.body)).encode())]
+        headers = [
+            (b":method", call.method.encode()),
+            (b":scheme", b"https"),
+            (b":authority", authority.encode()),
+            (b":path", call.target.encode()),
+            (b"content-length", str(len(call.body)).encode()),
+        ]
         headers += [(k.lower().encode(), v.encode()) for k, v in call.headers]
         parts = self._streams[stream_id] = asyncio.Queue()
         self.http.send_headers(stream_id, headers, end_stream=not call.body)
@@ -95,15 +102,15 @@ class _H3Client(QuicConnectionProtocol):
             for parts in self._streams.values():
                 parts.put_nowait(self.error_for(event))
         for h3_event in self.http.handle_event(event):
-            parts = self._streams.get(getattr(h3_event, "stream_id", -1))
-            if parts is None:
+            waiting = self._streams.get(getattr(h3_event, "stream_id", -1))
+            if waiting is None:
                 continue
             if isinstance(h3_event, HeadersReceived):
-                parts.put_nowait({k.decode().lower(): v.decode() for k, v in h3_event.headers})
+                waiting.put_nowait({k.decode().lower(): v.decode() for k, v in h3_event.headers})
             elif isinstance(h3_event, DataReceived) and h3_event.data:
-                parts.put_nowait(h3_event.data)
+                waiting.put_nowait(h3_event.data)
             if getattr(h3_event, "stream_ended", False):
-                parts.put_nowait(None)
+                waiting.put_nowait(None)
 
 
 class QuicSession:
@@ -113,8 +120,14 @@ class QuicSession:
     `CertificateRejected` when either side refused the other's certificate, `ConnectError` otherwise.
     """
 
-    def __init__(self, address: str, cafile: str | None, certificate: tuple[str, str] | None = None,
-                 local_host: str = "", connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        cafile: str | None,
+        certificate: tuple[str, str] | None = None,
+        local_host: str = "",
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
         self.host, self.port = parse_quic_address(address)
         self.certificate = certificate  # (certfile, keyfile) for servers that require mutual TLS
         self.cafile = cafile
@@ -165,8 +178,9 @@ class QuicSession:
         self._protocol.connect(address, transmit=wait_connected)
         if not wait_connected:
             return
-        done, _ = await asyncio.wait({self._protocol.connected, closing}, timeout=self.connect_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {self._protocol.connected, closing}, timeout=self.connect_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
         if self._protocol.handshake is not None and connection.closing is None:
             return
         error = self._handshake_error(connection, timed_out=not done)
@@ -175,8 +189,10 @@ class QuicSession:
 
     def _handshake_error(self, connection: _Connection, timed_out: bool) -> ConnectError:
         if timed_out:
-            return NoAnswer(f"no answer from {self.address} over QUIC within {self.connect_timeout:g} s "
-                            "(is the daemon running with QUIC on that address and UDP port?)")
+            return NoAnswer(
+                f"no answer from {self.address} over QUIC within {self.connect_timeout:g} s "
+                "(is the daemon running with QUIC on that address and UDP port?)"
+            )
         event = self._protocol.terminated if self._protocol is not None else None
         if connection.closing is None and event is None:
             return ConnectError(f"the QUIC handshake with {self.address} failed")
@@ -192,12 +208,14 @@ class QuicSession:
         reason = event.reason_phrase or f"error 0x{event.error_code:x}"
         if event.error_code in CRYPTO_ERRORS and by_peer is False:
             trusted = f"the CA file {self.cafile} does" if self.cafile else "the system's CA certificates do"
-            return CertificateRejected(f"the server at {self.address} presented a certificate that {trusted} "
-                                       f"not accept ({reason})")
+            return CertificateRejected(
+                f"the server at {self.address} presented a certificate that {trusted} not accept ({reason})"
+            )
         if event.error_code in CRYPTO_ERRORS:
             mine = "this client's certificate" if self.certificate else "a client without a certificate"
-            return CertificateRejected(f"the server at {self.address} refused {mine} in the TLS handshake "
-                                       f"({reason})", by_server=True)
+            return CertificateRejected(
+                f"the server at {self.address} refused {mine} in the TLS handshake ({reason})", by_server=True
+            )
         if by_peer:
             return ConnectError(f"the server at {self.address} closed the QUIC connection{when} ({reason})")
         return ConnectError(f"the QUIC connection to {self.address} ended{when} ({reason})")
@@ -241,9 +259,15 @@ class QuicSession:
 class QuicTransport:
     """HTTP/3 to HOST:PORT on a private event loop thread, so blocking callers can use it."""
 
-    def __init__(self, address: str, cafile: str | None, timeout: float,
-                 certificate: tuple[str, str] | None = None, local_host: str = "",
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        cafile: str | None,
+        timeout: float,
+        certificate: tuple[str, str] | None = None,
+        local_host: str = "",
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
         self.address, self.timeout = address, timeout
         self._session = QuicSession(address, cafile, certificate, local_host, connect_timeout)
         self._loop = asyncio.new_event_loop()
@@ -261,8 +285,9 @@ class QuicTransport:
             future.cancel()
             raise NoAnswer(f"no answer from {self.address} over QUIC within {self.timeout:g} s") from None
         except ConnectionError as exc:
-            raise ConnectError(f"the QUIC connection to {self.address} broke before it answered "
-                               f"({str(exc) or type(exc).__name__})") from None
+            raise ConnectError(
+                f"the QUIC connection to {self.address} broke before it answered ({str(exc) or type(exc).__name__})"
+            ) from None
 
     def send(self, call: Call) -> HttpResponse:
         return self._run(self._session.send(call))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import select
 import socket
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from appliance.client.errors import (
     ClientError,
@@ -26,8 +26,9 @@ class UnixTransport:
     Connection failures raise `ConnectError` (naming the path and what is there), silence `NoAnswer`.
     """
 
-    def __init__(self, socket_path: str, timeout: float, busy_poll_s: float = 0.0,
-                 connect_timeout: float | None = None) -> None:
+    def __init__(
+        self, socket_path: str, timeout: float, busy_poll_s: float = 0.0, connect_timeout: float | None = None
+    ) -> None:
         self.socket_path, self.timeout, self.busy_poll_s = socket_path, timeout, busy_poll_s
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self._sock: socket.socket | None = None
@@ -90,15 +91,16 @@ class UnixTransport:
             return
         if isinstance(exc, TimeoutError):
             raise NoAnswer(f"the daemon at {self.socket_path} did not answer within {self.timeout:g} s") from None
-        raise ConnectError(f"the connection to the daemon at {self.socket_path} broke before it answered "
-                           f"({exc.strerror or exc})") from None
+        raise ConnectError(
+            f"the connection to the daemon at {self.socket_path} broke before it answered ({exc.strerror or exc})"
+        ) from None
 
     def _write(self, sock: socket.socket, reader: ResponseReader, data: bytes) -> None:
         """Send the request, reading while it goes out: the daemon may answer before it has the whole
         body (413 for one over its limit) and stop reading or close; that answer is the call's answer,
         not a broken pipe."""
         try:
-            view = memoryview(data)[sock.send(data):]
+            view = memoryview(data)[sock.send(data) :]
             if not view:
                 return
             poller = select.poll()  # not select(): that fails for descriptors past 1023
@@ -115,7 +117,7 @@ class UnixTransport:
                             self._cut_short = True
                             return
                     elif events & select.POLLOUT:
-                        view = view[sock.send(view):]
+                        view = view[sock.send(view) :]
                         deadline = time.monotonic() + self.timeout
         except (BrokenPipeError, ConnectionResetError):
             self._cut_short = True  # the daemon stopped reading; its answer, if it sent one, is read next

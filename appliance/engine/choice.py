@@ -7,8 +7,9 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import cast
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class _StallWhenFilePresent:
 
     @property
     def fallbacks(self) -> Counter[str]:
-        return getattr(self.engine, "fallbacks", Counter())
+        return cast(Counter[str], getattr(self.engine, "fallbacks", Counter()))
 
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
         if self.trigger.exists():
@@ -86,7 +87,9 @@ class CpuFallback:
             return self.gpu.run(feeds, batch)
         except GpuOutOfMemory as exc:
             self.fallbacks["out_of_memory"] += 1
-            log.warning("engine %s: out of GPU memory on a batch of %d, ran it on %s: %s", self.name, batch, self.cpu.name, exc)
+            log.warning(
+                "engine %s: out of GPU memory on a batch of %d, ran it on %s: %s", self.name, batch, self.cpu.name, exc
+            )
             return self.cpu.run(feeds, batch)
 
 
@@ -104,7 +107,7 @@ def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int) -> 
         if gpu is not None:
             engine = CpuFallback(gpu, cpu, bundle.manifest.baked.fallback_cpu_threshold, cuda.memory_used)
         elif device == "cuda":
-            raise ApplianceError(f"engine.device = \"cuda\": model {model.name}: {'; '.join(reasons)}")
+            raise ApplianceError(f'engine.device = "cuda": model {model.name}: {"; ".join(reasons)}')
         else:
             log.info("model %s: engine.device = auto runs it on the CPU: %s", model.name, "; ".join(reasons))
     if trigger := os.environ.get(HANG_FAILPOINT):

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
@@ -92,9 +92,19 @@ class _Buffers:
             return self.arrays
         capacity = max(batch, 2 * self.capacity)
         sizes = {  # float32 elements per stream
-            "x": audio_samples, "spectrum": STFT_FILTERS * 4, "magnitude": (STFT_FILTERS // 2) * 4,
-            "enc0": 128 * 4, "enc1": 64 * 2, "enc2": 64, "features": HIDDEN, "state": 2 * HIDDEN, "probs": 1,
-            "frames": audio_samples, "context": audio_samples, "slots": 1, "pcm": audio_samples,
+            "x": audio_samples,
+            "spectrum": STFT_FILTERS * 4,
+            "magnitude": (STFT_FILTERS // 2) * 4,
+            "enc0": 128 * 4,
+            "enc1": 64 * 2,
+            "enc2": 64,
+            "features": HIDDEN,
+            "state": 2 * HIDDEN,
+            "probs": 1,
+            "frames": audio_samples,
+            "context": audio_samples,
+            "slots": 1,
+            "pcm": audio_samples,
         }
         fresh = {name: cuda.mem_alloc(max(capacity * n * 4, 4)) for name, n in sizes.items()}
         self.arrays, self.capacity = fresh, capacity  # the old ones are freed with their last reference
@@ -123,22 +133,37 @@ class CudaVadEngine:
             self._check_baked()
             with np.load(weights_file) as stored:
                 self.weights = {name: cuda.to_device(np.ascontiguousarray(stored[name])) for name in stored.files}
-            self.kernels = {name: self.module.get_function(name) for name in (
-                "pcm16_to_float", "frame_with_context", "gather_rows", "scatter_rows", "conv1d_tile",
-                "magnitude", "lstm_decoder")}
+            self.kernels = {
+                name: self.module.get_function(name)
+                for name in (
+                    "pcm16_to_float",
+                    "frame_with_context",
+                    "gather_rows",
+                    "scatter_rows",
+                    "conv1d_tile",
+                    "magnitude",
+                    "lstm_decoder",
+                )
+            }
             self.buffers = _Buffers()
 
-    def _current(self) -> "_PushedContext":
+    def _current(self) -> _PushedContext:
         return _PushedContext(self.context)
 
     def _check_baked(self) -> None:
         out = np.zeros(4, np.int32)
         self.module.get_function("appliance_baked")(cuda.Out(out), block=(1, 1, 1), grid=(1, 1))
-        expected = (self.baked.max_batch, self.baked.max_tokens_per_shard,
-                    self.audio.frame_samples, self.audio.context_samples)
+        expected = (
+            self.baked.max_batch,
+            self.baked.max_tokens_per_shard,
+            self.audio.frame_samples,
+            self.audio.context_samples,
+        )
         if tuple(int(v) for v in out) != expected:
-            raise ApplianceError(f"cuda kernels were built with (max_batch, shard_frames, frame_samples, context_samples) = "
-                                 f"{tuple(int(v) for v in out)}, the manifest says {expected}: rebuild the firmware")
+            raise ApplianceError(
+                f"cuda kernels were built with (max_batch, shard_frames, frame_samples, context_samples) = "
+                f"{tuple(int(v) for v in out)}, the manifest says {expected}: rebuild the firmware"
+            )
 
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
         x = np.ascontiguousarray(feeds[self.audio.audio_input], np.float32)
@@ -172,25 +197,70 @@ class CudaVadEngine:
 
         def conv(src, weight, bias, dst, c_in, t_in, c_out, t_out, kernel, stride, padding, relu, reflect):
             shared = TILE * c_in * (t_in + reflect) * 4
-            k["conv1d_tile"](src, weight, bias, dst, np.int32(batch), np.int32(c_in), np.int32(t_in),
-                             np.int32(c_out), np.int32(t_out), np.int32(kernel), np.int32(stride),
-                             np.int32(padding), np.int32(relu), np.int32(reflect),
-                             block=(THREADS, 1, 1), grid=blocks, shared=shared)
+            k["conv1d_tile"](
+                src,
+                weight,
+                bias,
+                dst,
+                np.int32(batch),
+                np.int32(c_in),
+                np.int32(t_in),
+                np.int32(c_out),
+                np.int32(t_out),
+                np.int32(kernel),
+                np.int32(stride),
+                np.int32(padding),
+                np.int32(relu),
+                np.int32(reflect),
+                block=(THREADS, 1, 1),
+                grid=blocks,
+                shared=shared,
+            )
 
-        conv(b["x"], w["stft_basis"], np.intp(0), b["spectrum"], 1, samples, STFT_FILTERS, stft_frames,
-             STFT_TAPS, HOP, 0, 0, REFLECT)
+        conv(
+            b["x"],
+            w["stft_basis"],
+            np.intp(0),
+            b["spectrum"],
+            1,
+            samples,
+            STFT_FILTERS,
+            stft_frames,
+            STFT_TAPS,
+            HOP,
+            0,
+            0,
+            REFLECT,
+        )
         bins = STFT_FILTERS // 2
-        k["magnitude"](b["spectrum"], b["magnitude"], np.int32(batch), np.int32(bins), np.int32(stft_frames),
-                       block=(THREADS, 1, 1), grid=((batch * bins * stft_frames + THREADS - 1) // THREADS, 1))
+        k["magnitude"](
+            b["spectrum"],
+            b["magnitude"],
+            np.int32(batch),
+            np.int32(bins),
+            np.int32(stft_frames),
+            block=(THREADS, 1, 1),
+            grid=((batch * bins * stft_frames + THREADS - 1) // THREADS, 1),
+        )
         src, t = b["magnitude"], stft_frames
         for i, (c_in, c_out, stride) in enumerate(ENCODER):
             t_out = (t + 2 - 3) // stride + 1
             dst = b["features"] if i == len(ENCODER) - 1 else b[f"enc{i}"]
             conv(src, w[f"encoder{i}_weight"], w[f"encoder{i}_bias"], dst, c_in, t, c_out, t_out, 3, stride, 1, 1, 0)
             src, t = dst, t_out
-        k["lstm_decoder"](b["features"], b["state"], w["lstm_weight_ih_t"], w["lstm_weight_hh_t"], w["lstm_bias"],
-                          w["decoder_weight"], w["decoder_bias"], b["probs"], np.int32(batch),
-                          block=(HIDDEN, 1, 1), grid=blocks)
+        k["lstm_decoder"](
+            b["features"],
+            b["state"],
+            w["lstm_weight_ih_t"],
+            w["lstm_weight_hh_t"],
+            w["lstm_bias"],
+            w["decoder_weight"],
+            w["decoder_bias"],
+            b["probs"],
+            np.int32(batch),
+            block=(HIDDEN, 1, 1),
+            grid=blocks,
+        )
 
 
 class _PushedContext:
@@ -233,12 +303,19 @@ class LiveStreams:
             cuda.memcpy_htod(b["slots"], np.ascontiguousarray(slots, np.int32))
             cuda.memcpy_htod(b["pcm"], np.ascontiguousarray(pcm, np.int16))
             count = batch * self.frame
-            k["pcm16_to_float"](b["pcm"], b["frames"], np.int32(count), block=(THREADS, 1, 1),
-                                grid=((count + THREADS - 1) // THREADS, 1))
+            k["pcm16_to_float"](
+                b["pcm"],
+                b["frames"],
+                np.int32(count),
+                block=(THREADS, 1, 1),
+                grid=((count + THREADS - 1) // THREADS, 1),
+            )
             self._rows("gather_rows", self.contexts, b["context"], b["slots"], batch, self.context_samples)
-            k["frame_with_context"](b["frames"], b["context"], b["x"], np.int32(batch), block=(THREADS, 1, 1), grid=rows)
+            k["frame_with_context"](
+                b["frames"], b["context"], b["x"], np.int32(batch), block=(THREADS, 1, 1), grid=rows
+            )
             self._rows("scatter_rows", self.contexts, b["context"], b["slots"], batch, self.context_samples)
-            cell = int(b["state"]) + batch * HIDDEN * 4  # state rows are [2][B][128]: h, then c
+            cell = int(b["state"]) + batch  # type: ignore[call-overload]  # a DeviceAllocation: its address * HIDDEN * 4  # state rows are [2][B][128]: h, then c
             self._rows("gather_rows", self.state_h, b["state"], b["slots"], batch, HIDDEN)
             self._rows("gather_rows", self.state_c, np.intp(cell), b["slots"], batch, HIDDEN)
             engine._forward(b, batch)

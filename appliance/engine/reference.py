@@ -14,17 +14,24 @@ the graph of silero_vad_16k_op15.onnx, the variant without control flow:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 BASIS = "model.stft.forward_basis_buffer"
-ENCODER = [(f"model.encoder.{i}.reparam_conv.weight", f"model.encoder.{i}.reparam_conv.bias", stride)
-           for i, stride in enumerate((1, 2, 2, 1))]
-LSTM = ("model.decoder.rnn.weight_ih", "model.decoder.rnn.weight_hh", "model.decoder.rnn.bias_ih", "model.decoder.rnn.bias_hh")
+ENCODER = [
+    (f"model.encoder.{i}.reparam_conv.weight", f"model.encoder.{i}.reparam_conv.bias", stride)
+    for i, stride in enumerate((1, 2, 2, 1))
+]
+LSTM = (
+    "model.decoder.rnn.weight_ih",
+    "model.decoder.rnn.weight_hh",
+    "model.decoder.rnn.bias_ih",
+    "model.decoder.rnn.bias_hh",
+)
 DECODER = ("model.decoder.decoder.2.weight", "model.decoder.decoder.2.bias")
 WEIGHT_NAMES = (BASIS, *[n for w, b, _ in ENCODER for n in (w, b)], *LSTM, *DECODER)
 HOP, PAD = 128, 64
@@ -67,7 +74,7 @@ class ReferenceVad:
         self.w = dict(weights)
 
     @classmethod
-    def from_onnx(cls, model_path: Path) -> "ReferenceVad":
+    def from_onnx(cls, model_path: Path) -> ReferenceVad:
         return cls(load_weights(model_path))
 
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
@@ -82,8 +89,8 @@ class ReferenceVad:
         spectrum = np.einsum("btk,ck->bct", frames, w[BASIS][:, 0, :], optimize=True)  # [B, 258, 4]
         half = spectrum.shape[1] // 2
         h = np.sqrt(spectrum[:, :half] ** 2 + spectrum[:, half:] ** 2)
-        for weight, bias, stride in ENCODER:
-            h = np.maximum(conv1d(h, w[weight], w[bias], stride, 1), 0.0)
+        for weight_name, bias_name, stride in ENCODER:
+            h = np.maximum(conv1d(h, w[weight_name], w[bias_name], stride, 1), 0.0)
         features = h[:, :, 0]  # [B, 128]
         hidden, cell = state[0], state[1]
         w_ih, w_hh, b_ih, b_hh = (w[n] for n in LSTM)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -42,17 +42,19 @@ class FrameModel:
             shape = list(declared[pair.input].shape)
             del shape[pair.batch_axis]
             if any(d < 0 for d in shape):
-                raise ApplianceError(f"model {spec.name}: state {pair.input} needs a fixed shape besides its batch axis")
+                raise ApplianceError(
+                    f"model {spec.name}: state {pair.input} needs a fixed shape besides its batch axis"
+                )
             self._row_shapes.append(tuple(shape))
 
-    def new_sequence(self, key: object = None) -> "Sequence":
+    def new_sequence(self, key: object = None) -> Sequence:
         return Sequence(
             key=key,
             state=[np.zeros(shape, np.float32) for shape in self._row_shapes],
             context=np.zeros(self.context_samples, np.float32),
         )
 
-    def step(self, sequences: list["Sequence"], frames: np.ndarray) -> np.ndarray:
+    def step(self, sequences: list[Sequence], frames: np.ndarray) -> np.ndarray:
         """Run one frame of each sequence (frames: [batch, frame_samples]); update their state; return probabilities."""
         audio, batch = self.spec.audio, len(sequences)
         x = np.concatenate([np.stack([s.context for s in sequences]), frames], axis=1)
@@ -64,7 +66,7 @@ class FrameModel:
             rows = np.moveaxis(out[pair.output], pair.batch_axis, 0)
             for sequence, row in zip(sequences, rows):
                 sequence.state[i] = row
-        contexts = x[:, -self.context_samples:]
+        contexts = x[:, -self.context_samples :]
         for sequence, context in zip(sequences, contexts):
             sequence.context = context
         return out[audio.prob_output].reshape(batch, -1)[:, 0]
@@ -86,7 +88,7 @@ class Work:
 
     sequence: Sequence
     frames: np.ndarray
-    on_done: Callable[["Work", BaseException | None], None]
+    on_done: Callable[[Work, BaseException | None], None]
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
     cancelled: bool = False  # its caller went away before it started: never run it
@@ -231,7 +233,7 @@ class Batcher:
                 probs = self.model.step([w.sequence for w in active], frames)
             except Exception as exc:  # an engine failure fails this batch, not the daemon
                 error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
-                failed = [(w, error) for w in active]
+                failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()
                 return failed
             self.stats.record(len(active))

@@ -13,8 +13,9 @@ same inputs, else FP32; a timing cache kept next to the bundle so rebuilds are f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,8 @@ def found_gpu() -> tuple[str | None, str | None]:
         import pycuda.driver as cuda
 
         cuda.init()
-        capability = "%d.%d" % cuda.Device(0).compute_capability()
+        major, minor = cuda.Device(0).compute_capability()
+        capability = f"{major}.{minor}"
     except Exception:  # noqa: BLE001 - no pycuda, no driver or no device: no GPU to match
         capability = None
     return version, capability
@@ -64,11 +66,14 @@ def plan_mismatch(plan: PlanSpec, tensorrt_version: str | None, compute_capabili
 
 # --- build ----------------------------------------------------------------------------------------
 
+
 def _profile_bounds(model: ModelSpec, name: str, shape: tuple[int, ...], baked: Baked) -> tuple[tuple[int, ...], ...]:
     """(min, opt, max) for one input: the batch axis up to max_batch, other free axes up to the shard size."""
     batch_axis = next((p.batch_axis for p in model.state if p.input == name), 0)
     frame = model.audio.context_samples + model.audio.frame_samples
-    low, opt, high = [], [], []
+    low: list[int] = []
+    opt: list[int] = []
+    high: list[int] = []
     for axis, dim in enumerate(shape):
         if dim >= 0:
             bounds = (dim, dim, dim)
@@ -130,10 +135,13 @@ def build_plan(staging: Path, model: ModelSpec, baked: Baked, timing_cache: Path
     models/<name>.plan; FP16 where it stays within tolerance of FP32."""
     version, capability = found_gpu()
     if version is None:
-        raise ApplianceError("firmware target 'tensorrt' needs TensorRT (the gpu extra) and the target GPU "
-                             "on the build machine")
+        raise ApplianceError(
+            "firmware target 'tensorrt' needs TensorRT (the gpu extra) and the target GPU on the build machine"
+        )
     if capability is None:
-        raise ApplianceError("firmware target 'tensorrt' needs the target GPU on the build machine: no CUDA device found")
+        raise ApplianceError(
+            "firmware target 'tensorrt' needs the target GPU on the build machine: no CUDA device found"
+        )
     onnx_path = staging / model.file
     fp32 = _build_serialized(onnx_path, model, baked, False, timing_cache)
     fp16 = _build_serialized(onnx_path, model, baked, True, timing_cache)
@@ -145,11 +153,18 @@ def build_plan(staging: Path, model: ModelSpec, baked: Baked, timing_cache: Path
     chosen, precision = (fp16, "fp16") if error <= FP16_TOLERANCE else (fp32, "fp32")
     relative = f"models/{model.name}.plan"
     (staging / relative).write_bytes(chosen)
-    return PlanSpec(model=model.name, file=relative, tensorrt_version=version, compute_capability=capability,
-                    precision=precision, fp16_max_abs_error=error)
+    return PlanSpec(
+        model=model.name,
+        file=relative,
+        tensorrt_version=version,
+        compute_capability=capability,
+        precision=precision,
+        fp16_max_abs_error=error,
+    )
 
 
 # --- run ------------------------------------------------------------------------------------------
+
 
 class TensorrtEngine:
     """A firmware's plan on the GPU: host feeds in, host results out (the Engine interface)."""

@@ -63,4 +63,3 @@ class RequestAssembler:
         self._header_bytes += count
         if self._header_bytes > self.limits.max_header_bytes:
             raise Rejection(431, f"request line and headers exceed {self.limits.max_header_bytes} bytes")
-

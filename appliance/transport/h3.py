@@ -14,15 +14,16 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from aioquic import tls
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic import tls
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
@@ -71,8 +72,14 @@ class GuardedQuicServer(QuicServer):
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         if not self.admit(data, addr):  # type: ignore[arg-type]
             return
-        if (isinstance(data, bytes) and len(data) >= 5 and data[0] & 0x80 and data[1:5] not in self.supported
-                and data[1:5] != b"\0\0\0\0" and not self.version_negotiation.take()):
+        if (
+            isinstance(data, bytes)
+            and len(data) >= 5
+            and data[0] & 0x80
+            and data[1:5] not in self.supported
+            and data[1:5] != b"\0\0\0\0"
+            and not self.version_negotiation.take()
+        ):
             return
         super().datagram_received(data, addr)
 
@@ -110,9 +117,9 @@ class ClientCertificates:
                     raise tls.AlertHandshakeFailure("a client certificate is required")
                 self.verify(context._peer_certificate, context._peer_certificate_chain)
 
-            context._server_handle_certificate = handle_and_verify
+            context._server_handle_certificate = handle_and_verify  # type: ignore[method-assign]
 
-        quic._initialize = initialize_with_client_auth
+        quic._initialize = initialize_with_client_auth  # type: ignore[method-assign]
 
     def verify(self, leaf: Any, chain: list[Any]) -> None:
         from cryptography.x509.verification import VerificationError
@@ -146,18 +153,22 @@ class H3Server:
 
     async def start(self, sock: socket.socket | None = None) -> None:
         """Listen on `sock` (from systemd) or on the configured host and port; attach the connection cache."""
-        configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s)
+        configuration = QuicConfiguration(
+            is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s
+        )
         configuration.load_cert_chain(self.config.certificate, self.config.private_key)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: GuardedQuicServer(
-                configuration=configuration, create_protocol=partial(H3Protocol, server=self),
-                session_ticket_fetcher=self.tickets.pop, session_ticket_handler=self.tickets.add,
+                configuration=configuration,
+                create_protocol=partial(H3Protocol, server=self),
+                session_ticket_fetcher=self.tickets.pop,
+                session_ticket_handler=self.tickets.add,
                 retry=self.config.retry,
             ),
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
-        self.cache = open_cache(lambda: self.live.config.conncache,
-                                self._quic_server._transport.get_extra_info("socket"))  # type: ignore[union-attr]
+        udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
+        self.cache = open_cache(lambda: self.live.config.conncache, udp_socket)
         self._quic_server.admit = self.cache.admit
         self._reaper = asyncio.get_running_loop().create_task(self._reap_quiet_streams())
 
@@ -256,8 +267,9 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _start(self, event: HeadersReceived) -> RequestAssembler:
         if len(self._incoming) + self.in_flight >= self.server.config.max_streams_per_connection:
-            raise Rejection(429, "too many open streams on this connection "
-                                 f"(limit {self.server.config.max_streams_per_connection})")
+            raise Rejection(
+                429, f"too many open streams on this connection (limit {self.server.config.max_streams_per_connection})"
+            )
         assembler = RequestAssembler(self.server.limits, peer=self.peer)
         method = ""
         for name, value in event.headers:

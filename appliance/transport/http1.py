@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
-from typing import AsyncIterator, Callable
 
 import httptools
 
@@ -45,7 +45,7 @@ class Http1Server:
     def limits(self) -> ServerConfig:
         return self.live.config.server
 
-    def protocol(self) -> "HttpConnection":
+    def protocol(self) -> HttpConnection:
         return HttpConnection(self)
 
     @property
@@ -137,7 +137,7 @@ class HttpConnection(asyncio.Protocol):
         finally:
             self.busy = False
 
-    async def _write_chunks(self, stream: AsyncIterator[bytes]) -> bool:
+    async def _write_chunks(self, stream: AsyncGenerator[bytes, None]) -> bool:
         """Send each piece as it is produced; False if the client went away meanwhile."""
         async with contextlib.aclosing(stream) as pieces:
             async for piece in pieces:

@@ -28,14 +28,15 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "tests"))
 
+from streams import CONTEXT, FRAME, RATE, run_streams  # noqa: E402
+
 from appliance import firmware  # noqa: E402
 from appliance.audio import encode_wav  # noqa: E402
-from appliance.engine.choice import CpuFallback
+from appliance.engine.choice import CpuFallback  # noqa: E402
 from appliance.engine.interface import GpuOutOfMemory  # noqa: E402
 from appliance.engine.onnx_cpu import OnnxCpuEngine  # noqa: E402
 from appliance.engine.reference import ReferenceVad  # noqa: E402
 from appliance.segments import SegmentParams, speech_segments  # noqa: E402
-from streams import CONTEXT, FRAME, RATE, run_streams  # noqa: E402
 
 REALTIME_FPS = 10_000 * 1000 / 32  # 10,000 streams of one 32 ms frame each
 results: list[tuple[str, bool, str]] = []
@@ -53,8 +54,10 @@ def cli(*args: object) -> None:
 def build_firmware(work: Path, key: Path, name: str, **baked: int) -> firmware.Bundle:
     spec_text = (ROOT / "firmware" / "gpu.toml").read_text()
     for k, v in baked.items():
-        spec_text = "\n".join(f"{k} = {v}" if line.split("=")[0].strip() == k else line
-                              for line in spec_text.splitlines()) + "\n"
+        spec_text = (
+            "\n".join(f"{k} = {v}" if line.split("=")[0].strip() == k else line for line in spec_text.splitlines())
+            + "\n"
+        )
     spec = work / f"{name}.toml"
     spec.write_text(spec_text)
     started = time.monotonic()
@@ -67,7 +70,9 @@ def streams_of(audio: np.ndarray, count: int, frames: int) -> np.ndarray:
     """`count` streams of `frames` frames: the recording from `count` different starting points."""
     total = len(audio) // FRAME
     whole = audio[: total * FRAME].reshape(total, FRAME)
-    return np.stack([np.roll(whole, -(i * total // count), axis=0)[:frames] for i in range(count)], axis=1)  # [T, S, FRAME]
+    return np.stack(
+        [np.roll(whole, -(i * total // count), axis=0)[:frames] for i in range(count)], axis=1
+    )  # [T, S, FRAME]
 
 
 def compare_with_reference(bundle: firmware.Bundle, audio: np.ndarray) -> None:
@@ -80,12 +85,21 @@ def compare_with_reference(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     frames = streams_of(pcm.astype(np.float32) / 32768, 64, len(audio) // FRAME)
     ours, truth = run_streams(gpu, frames), run_streams(reference, frames)
     diff = float(np.abs(ours - truth).max())
-    check("cuda engine vs reference (host feeds, 64 streams)", diff < 1e-3, f"max |p_gpu - p_ref| = {diff:.2e} over {ours.size} frames")
+    check(
+        "cuda engine vs reference (host feeds, 64 streams)",
+        diff < 1e-3,
+        f"max |p_gpu - p_ref| = {diff:.2e} over {ours.size} frames",
+    )
     params = SegmentParams()
-    same = all(speech_segments(ours[:, s], FRAME, RATE, frames.shape[0] * FRAME, params)
-               == speech_segments(truth[:, s], FRAME, RATE, frames.shape[0] * FRAME, params) for s in range(64))
+    same = all(
+        speech_segments(ours[:, s], FRAME, RATE, frames.shape[0] * FRAME, params)
+        == speech_segments(truth[:, s], FRAME, RATE, frames.shape[0] * FRAME, params)
+        for s in range(64)
+    )
     segments = speech_segments(truth[:, 0], FRAME, RATE, frames.shape[0] * FRAME, params)
-    check("segments identical", same and len(segments) > 0, f"stream 0: {len(segments)} segments, all 64 streams compared")
+    check(
+        "segments identical", same and len(segments) > 0, f"stream 0: {len(segments)} segments, all 64 streams compared"
+    )
 
     live = LiveStreams(gpu, capacity=256)
     slots = np.random.default_rng(1).permutation(256)[:64].astype(np.int32)  # scattered rows
@@ -127,9 +141,12 @@ def check_fallback(bundle: firmware.Bundle, audio: np.ndarray) -> None:
         probs.append(out["output"][:, 0])
         state, context = out["stateN"], frames[t][:, -CONTEXT:]
     diff = float(np.abs(np.stack(probs) - truth).max())
-    check("fallback under memory pressure", engine.fallbacks["memory_pressure"] == 40 and diff < 1e-3,
-          f"GPU memory {used_during:.1%} used > threshold {threshold:.0%}: {engine.fallbacks['memory_pressure']} of 120 "
-          f"batches ran on the CPU, then back on the GPU; state kept: max diff vs reference {diff:.2e}")
+    check(
+        "fallback under memory pressure",
+        engine.fallbacks["memory_pressure"] == 40 and diff < 1e-3,
+        f"GPU memory {used_during:.1%} used > threshold {threshold:.0%}: {engine.fallbacks['memory_pressure']} of 120 "
+        f"batches ran on the CPU, then back on the GPU; state kept: max diff vs reference {diff:.2e}",
+    )
 
     # Out of memory: nearly all memory taken, a batch larger than the engine's work space needs more.
     oom_engine = CpuFallback(CudaVadEngine(bundle, model), cpu, 1.0, lambda: 0.0)
@@ -149,8 +166,11 @@ def check_fallback(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     except GpuOutOfMemory as exc:
         first, raised = None, f"escaped: {exc}"
     filler.clear()
-    check("out-of-memory batch retried on the CPU", raised == 3 and first is not None,
-          f"out_of_memory fallbacks: {raised}")
+    check(
+        "out-of-memory batch retried on the CPU",
+        raised == 3 and first is not None,
+        f"out_of_memory fallbacks: {raised}",
+    )
 
 
 def check_tensorrt() -> None:
@@ -167,11 +187,17 @@ def check_daemon(bundle_dir: Path, trusted: Path, work: Path, audio: np.ndarray)
 
     sock = work / "api.sock"
     config = work / "appliance.toml"
-    config.write_text(f'[server]\nsocket = "{sock}"\n[firmware]\nbundle = "{bundle_dir}"\ntrusted_keys = "{trusted}"\n'
-                      '[engine]\ndevice = "auto"\n')
+    config.write_text(
+        f'[server]\nsocket = "{sock}"\n[firmware]\nbundle = "{bundle_dir}"\ntrusted_keys = "{trusted}"\n'
+        '[engine]\ndevice = "auto"\n'
+    )
     log = work / "daemon.log"
-    proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)], cwd=ROOT,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "appliance", "run", "--config", str(config)],
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while not sock.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -180,9 +206,14 @@ def check_daemon(bundle_dir: Path, trusted: Path, work: Path, audio: np.ndarray)
         with Client(str(sock), timeout=60) as client:
             segments = client.segments(encode_wav(audio, RATE))
             metrics = client.metrics()
-        engine_line = next((line for line in metrics.splitlines() if line.startswith("appliance_engine_frames_total")), "")
-        check("daemon with engine.device = auto", 'engine="cuda-sm_90"' in engine_line,
-              f"{engine_line}; POST segments: {segments}")
+        engine_line = next(
+            (line for line in metrics.splitlines() if line.startswith("appliance_engine_frames_total")), ""
+        )
+        check(
+            "daemon with engine.device = auto",
+            'engine="cuda-sm_90"' in engine_line,
+            f"{engine_line}; POST segments: {segments}",
+        )
     except Exception as exc:  # noqa: BLE001 - reported, with the daemon's log
         check("daemon with engine.device = auto", False, f"{exc!r}\n{log.read_text()[-3000:]}")
     finally:
@@ -215,8 +246,11 @@ def benchmark(bundle: firmware.Bundle) -> list[tuple[int, float, float]]:
         pcm = [rng.integers(-8000, 8000, (batch, FRAME), dtype=np.int16) for _ in range(4)]  # rotate inputs
         turn = iter(range(1 << 30))
         gpu_s = timed(lambda: live.step(slots, pcm[next(turn) % 4]), 200, 5.0)
-        feeds = {"input": rng.standard_normal((batch, FRAME + CONTEXT)).astype(np.float32) * 0.1,
-                 "state": np.zeros((2, batch, 128), np.float32), "sr": np.array(RATE, np.int64)}
+        feeds = {
+            "input": rng.standard_normal((batch, FRAME + CONTEXT)).astype(np.float32) * 0.1,
+            "state": np.zeros((2, batch, 128), np.float32),
+            "sr": np.array(RATE, np.int64),
+        }
         cpu_s = timed(lambda: cpu.run(feeds, batch), 20, 3.0)
         rows.append((batch, batch / gpu_s, batch / cpu_s))
     return rows
@@ -252,12 +286,18 @@ def main() -> int:
     try:
         big = build_firmware(work, key, "gpu-bench", max_batch=8192)
         rows = benchmark(big)
-        print("\n| batch | CUDA engine frames/s | ONNX Runtime CPU frames/s | ratio | live streams in real time (GPU) |")
+        print(
+            "\n| batch | CUDA engine frames/s | ONNX Runtime CPU frames/s | ratio | live streams in real time (GPU) |"
+        )
         print("| --- | --- | --- | --- | --- |")
         for batch, gpu_fps, cpu_fps in rows:
             print(f"| {batch} | {gpu_fps:,.0f} | {cpu_fps:,.0f} | {gpu_fps / cpu_fps:.1f}x | {gpu_fps / 31.25:,.0f} |")
         best = max(r[1] for r in rows)
-        check("10,000 live streams in real time", best >= REALTIME_FPS, f"best {best:,.0f} frames/s, target {REALTIME_FPS:,.0f}")
+        check(
+            "10,000 live streams in real time",
+            best >= REALTIME_FPS,
+            f"best {best:,.0f} frames/s, target {REALTIME_FPS:,.0f}",
+        )
     except Exception as exc:  # noqa: BLE001
         import traceback
 

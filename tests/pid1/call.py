@@ -1,4 +1,5 @@
 """A tiny HTTP/1.1 client for the container, which has python3 but not the appliance venv on PATH."""
+
 import json
 import socket
 import sys
@@ -11,7 +12,10 @@ def request(method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
     s.connect(SOCK)
-    s.sendall(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     data = b""
     while chunk := s.recv(65536):
         data += chunk
