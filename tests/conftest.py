@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -221,22 +222,11 @@ class Bystander:
 def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
     started: list[Daemon] = []
 
-    def start(
-        extra: str = "",
-        bundle_dir: Path | None = None,
-        wait: bool = True,
-        tls: tuple[Path, Path] | None = None,
-        extra_quic: str = "",
-        env: dict[str, str] | None = None,
-        prefix: tuple[str, ...] = (),
-        extra_conncache: str = "",
-        pin_dir: Path | None = None,
-    ) -> Daemon:
+    def start(extra: str = "", bundle_dir: Path | None = None, wait: bool = True, **options: Any) -> Daemon:
+        """A daemon of its own; `options` as Daemon takes them (tls, extra_quic, env, prefix, ...)."""
         workdir = tmp_path / f"d{len(started)}"
         workdir.mkdir()
-        daemon = Daemon(
-            workdir, bundle_dir or bundle, keys.trusted, extra, tls, extra_quic, env, prefix, extra_conncache, pin_dir
-        )
+        daemon = Daemon(workdir, bundle_dir or bundle, keys.trusted, extra, **options)
         started.append(daemon)
         return daemon.wait_ready() if wait else daemon
 
