@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from appliance import exitcodes, firmware_store
+from appliance import exitcodes
 from appliance.config import QuicConfig
 from appliance.errors import ApplianceError
+from appliance.firmware import store as firmware_store
 
 DEV_SOCKET = Path("run/api.sock")
 INSTALLED_SOCKET = Path("/run/appliance/api.sock")
@@ -167,10 +168,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_firmware(args: argparse.Namespace) -> int:
     from appliance import firmware
+    from appliance.firmware.build import build
     from appliance.progress import Progress
 
     if args.action == "build":
-        manifest = firmware.build(args.spec, args.key, args.out, Progress())
+        manifest = build(args.spec, args.key, args.out, Progress())
         print(f"built {manifest.name} {manifest.version} in {args.out} (signed by {manifest.signing_key_id})")
     elif args.action == "verify":
         bundle = firmware.verify(args.bundle, args.trusted_keys, Progress())

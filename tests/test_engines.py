@@ -22,6 +22,7 @@ from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.reference import ReferenceVad
 from appliance.engine.tensorrt import found_gpu, plan_mismatch
 from appliance.firmware import PlanSpec
+from appliance.firmware.build import sign
 from appliance.keys import load_private_key
 
 
@@ -155,7 +156,7 @@ def with_plan(bundle: Path, keys, out: Path, plan: PlanSpec) -> Path:
         plans=(plan,),
         artifacts={**manifest.artifacts, plan.file: firmware.sha256_file(out / plan.file)},
     )
-    firmware.sign(out, manifest, load_private_key(keys.private))
+    sign(out, manifest, load_private_key(keys.private))
     return out
 
 
@@ -181,7 +182,7 @@ def test_a_plan_naming_a_file_outside_the_bundle_fails_verification(bundle, keys
     planned = with_plan(bundle, keys, tmp_path / "planned", H100_PLAN)
     manifest = firmware.verify(planned, keys.trusted).manifest
     stray = dataclasses.replace(H100_PLAN, file="models/elsewhere.plan")
-    firmware.sign(planned, dataclasses.replace(manifest, plans=(stray,)), load_private_key(keys.private))
+    sign(planned, dataclasses.replace(manifest, plans=(stray,)), load_private_key(keys.private))
     result = cli("firmware", "verify", planned, "--trusted-keys", keys.trusted, check=False)
     assert (
         result.returncode != 0 and "plan models/elsewhere.plan names no model or file of this bundle" in result.stderr

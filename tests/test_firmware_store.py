@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import Daemon, Keys, cli
 
-from appliance import firmware, firmware_store, image
+from appliance import firmware, image
 from appliance.errors import ApplianceError
+from appliance.firmware import store as firmware_store
 
 
 class Box:

@@ -21,9 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import firmware, keys
+from appliance import keys
 from appliance.durable import PARTIAL, fsync_path, replace_file
 from appliance.errors import ApplianceError
+from appliance.firmware.files import copy_file, sha256_file
+from appliance.firmware.manifest import MANIFEST
+from appliance.firmware.verify import verify
 from appliance.progress import QUIET, Progress
 
 STORE = Path("/var/lib/appliance/firmware")
@@ -78,13 +81,13 @@ def _point(store: Store, name: str, release: Path | None) -> None:
 
 def install(store: Store, source: Path, trust_dir: Path, progress: Progress = QUIET) -> Path:
     """Copy a verified bundle into the store and verify the copy; returns its release directory."""
-    manifest = firmware.verify(source, trust_dir, progress).manifest
+    manifest = verify(source, trust_dir, progress).manifest
     release = (
         store.releases / f"{manifest.name}-{manifest.version}-{manifest.signing_key_id[:8]}-"
-        f"{firmware.sha256_file(source / firmware.MANIFEST)[:12]}"
+        f"{sha256_file(source / MANIFEST)[:12]}"
     )
     if release.is_dir():
-        firmware.verify(release, trust_dir, progress)  # installed before: still intact
+        verify(release, trust_dir, progress)  # installed before: still intact
         return release
     store.releases.mkdir(parents=True, exist_ok=True)
     partial = release.with_name(release.name + PARTIAL)
@@ -94,11 +97,11 @@ def install(store: Store, source: Path, trust_dir: Path, progress: Progress = QU
     with progress.phase(f"copy {source} to {partial}", sum((source / r).stat().st_size for r in covered)) as advance:
         for relative in covered:
             (partial / relative).parent.mkdir(parents=True, exist_ok=True)
-            firmware.copy_file(source / relative, partial / relative, advance)
+            copy_file(source / relative, partial / relative, advance)
             fsync_path(partial / relative)
     for directory in sorted({(partial / r).parent for r in manifest.artifacts} | {partial}, reverse=True):
         fsync_path(directory)
-    firmware.verify(partial, trust_dir, progress)  # the copy as written
+    verify(partial, trust_dir, progress)  # the copy as written
     partial.rename(release)
     fsync_path(store.releases)
     return release

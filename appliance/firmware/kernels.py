@@ -16,9 +16,9 @@ import numpy as np
 
 from appliance.engine import reference
 from appliance.errors import ApplianceError
-from appliance.firmware import AudioSpec, Baked
+from appliance.firmware.manifest import AudioSpec, Baked
 
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "silero_vad.cu"
+SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "silero_vad.cu"
 ARCH = "sm_90"
 NVCC_FALLBACK = Path("/usr/local/cuda/bin/nvcc")
 
