@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from appliance import config as config_files
 from appliance import exitcodes, firmware, signals, systemd
 from appliance.api.core import Api
@@ -30,7 +28,7 @@ from appliance.transport.http1 import Http1Server
 
 if TYPE_CHECKING:
     from appliance.transport.h3 import H3Server
-from appliance.vad import VadModel
+from appliance.kinds import ServedModel, load_model
 
 log = logging.getLogger("appliance")
 
@@ -43,19 +41,14 @@ ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to fini
 STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process exits, blocked or not
 
 
-def load_models(live: Live, bundle: firmware.Bundle) -> dict[str, VadModel]:
+def load_models(live: Live, bundle: firmware.Bundle) -> dict[str, ServedModel]:
     engine = live.config.engine
     return {
-        spec.name: VadModel(spec, bundle.manifest.baked, load_engine(engine.device, bundle, spec, engine.threads), live)
+        spec.name: load_model(
+            spec, bundle.manifest.baked, load_engine(engine.device, bundle, spec, engine.threads), live
+        )
         for spec in bundle.manifest.models
     }
-
-
-async def probe(model: VadModel) -> None:
-    """One real inference: the warm-up before ready, and the watchdog's proof that the engine works."""
-    probs = await model.infer_recording(np.zeros(model.frames.frame_samples * 2, np.float32))
-    if not np.all(np.isfinite(probs)):
-        raise ApplianceError(f"model {model.name}: probe inference returned non-finite values")
 
 
 def bind_unix_socket(server: ServerConfig) -> socket.socket:
@@ -122,7 +115,7 @@ class Daemon:
         self.api: Api | None = None
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
-        self.models: dict[str, VadModel] = {}
+        self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
 
@@ -140,7 +133,7 @@ class Daemon:
         self.models = load_models(self.live, bundle)
         for model in self.models.values():
             model.start()
-            await probe(model)
+            await model.probe()
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, self.live)
         self.http = Http1Server(self.api, self.live)
@@ -225,9 +218,9 @@ class Daemon:
         assert self.api is not None and h3.cache is not None
         while True:
             await asyncio.sleep(CONNCACHE_SWEEP_S)
-            for peer in h3.cache.sweep(h3.peers_held() | self.api.sequence_owners()):
-                released = self.api.release_peer(peer)
-                h3.close_peer(peer, "peer idle or evicted from the connection cache")
+            h3.owners.forget_ended(self.api.still_open)
+            for peer in h3.cache.sweep(h3.peers_held() | h3.owners.peers()):
+                released = self.api.end_opened(h3.close_peer(peer, "peer idle or evicted from the connection cache"))
                 log.info("conncache: peer %s idle or evicted: connection closed, %d sequences released", peer, released)
 
     async def _report_status(self) -> None:
@@ -245,7 +238,7 @@ class Daemon:
         while True:
             started = time.monotonic()
             try:
-                await asyncio.wait_for(asyncio.gather(*(probe(m) for m in self.models.values())), interval)
+                await asyncio.wait_for(asyncio.gather(*(m.probe() for m in self.models.values())), interval)
             except TimeoutError:
                 log.error("watchdog: an engine did not complete a probe within %.2f s; withholding the ping", interval)
                 continue  # the probes stay queued: a recovering engine answers them and pings resume

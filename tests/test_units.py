@@ -5,12 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from appliance.api.messages import Opened
 from appliance.config import SequenceConfig
 from appliance.engine.scheduler import Batcher, FrameModel, SequenceTable, Work
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
-from appliance.segments import SegmentParams, speech_segments
-from appliance.shards import plan_shards
+from appliance.kinds.segments import SegmentParams, speech_segments
+from appliance.kinds.shards import plan_shards
+from appliance.transport.owners import SequenceOwners
 
 
 def test_fixed_shards_cut_at_the_limit() -> None:
@@ -128,3 +130,23 @@ def test_sequence_table_limits_and_expiry_follow_the_clock() -> None:
     busy = table.get("a", now=16)
     busy.in_flight = 1
     assert table.expire(now=100) == 1 and len(table) == 1  # a request in flight keeps its sequence
+
+
+def test_sequence_owners_release_what_a_peer_opened_and_still_owns() -> None:
+    owners = SequenceOwners()
+    owners.record("a", Opened("vad", 1, serial=1))
+    owners.record("a", Opened("vad", 2, serial=2))
+    owners.record("b", Opened("vad", 2, serial=3))  # b reopened id 2: it is b's now
+    owners.record("c", Opened("vad", 9, serial=4))
+    owners.forget_ended(lambda opened: opened.id != 9)  # c's ended by sequence_end or idle expiry
+    assert owners.peers() == {"a", "b"}
+    assert owners.release("a") == [Opened("vad", 1, serial=1)]
+    assert owners.release("b") == [Opened("vad", 2, serial=3)] and owners.peers() == set()
+
+
+def test_ending_an_opened_sequence_spares_a_reopened_one() -> None:
+    table = SequenceTable(frame_model(CountingEngine()), lambda: SequenceConfig(idle_timeout_s=10, max_live=4))
+    first = table.start("x", now=0).serial
+    second = table.start("x", now=1).serial  # the client reconnected and started it again
+    assert not table.end_opened("x", first) and table.holds("x", second)
+    assert table.end_opened("x", second) and len(table) == 0

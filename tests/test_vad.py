@@ -15,8 +15,8 @@ from speech import RATE, SENTENCES, recording
 from appliance.audio import encode_wav, to_frames
 from appliance.client import AsyncClient, Client
 from appliance.engine.choice import HANG_FAILPOINT
-from appliance.segments import SegmentParams, speech_segments
-from appliance.shards import frame_energy, plan_shards
+from appliance.kinds.segments import SegmentParams, speech_segments
+from appliance.kinds.shards import frame_energy, plan_shards
 
 FRAME = 512
 CHUNK = 8 * FRAME  # 256 ms

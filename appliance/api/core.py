@@ -8,76 +8,42 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     GET  /v2/models/{name}[/versions/{v}] model metadata, baked parameters included
     GET  /v2/models/{name}[/versions/{v}]/ready
     POST /v2/models/{name}[/versions/{v}]/infer      JSON or binary tensors; Triton sequence parameters
-    POST /v2/models/{name}[/versions/{v}]/segments   a recording in (WAV, FLAC, Ogg), speech segments out
-                                          (?stream=true: one JSON line per segment as soon as it is final)
+    POST /v2/models/{name}[/versions/{v}]/{task}     a route of the model's kind (the VAD's `segments`:
+                                          a recording in, speech segments out; see kinds/vad_api.py)
     GET  /metrics
     GET  /status                          firmware, engines, QUIC peers from the connection cache
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-import numpy as np
-
 from appliance import __version__
 from appliance.api import metrics as prometheus
+from appliance.api.messages import Opened, Request, Response, error_response, json_response
 from appliance.api.peers import PeerTable
-from appliance.api.tensors import HEADER_LENGTH, InferRequest, decode_infer, encode_infer
-from appliance.audio import decode_audio
-from appliance.config import Live, VadConfig
+from appliance.api.tensors import HEADER_LENGTH, decode_infer, encode_infer
+from appliance.config import Live
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
-from appliance.segments import SegmentParams
-from appliance.vad import VadModel
+from appliance.kinds.base import SequenceCall, ServedModel
 
 log = logging.getLogger("appliance.api")
 
-AUDIO_INPUT, PROB_OUTPUT = "audio", "speech_prob"
-STREAM_CHUNK_FRAMES = 64  # streamed results: the engine reports each shard in pieces of ~2 s of audio
 EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository_index", "segments", "metrics"]
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    method: str
-    target: str
-    headers: dict[str, str]  # lower-case names
-    body: bytes = b""
-    peer: str = ""  # the LAN client's address and port (QUIC); empty on the Unix socket
-
-
-@dataclass(slots=True)
-class Response:
-    status: int
-    body: bytes = b""
-    content_type: str = "application/json"
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    stream: AsyncGenerator[bytes, None] | None = None  # set: the body is sent piece by piece as produced, `body` unused
-
-
-def json_response(status: int, doc: Any) -> Response:
-    return Response(status, json.dumps(doc, separators=(",", ":")).encode())
-
-
-def error_response(status: int, message: str) -> Response:
-    return json_response(status, {"error": message})
 
 
 Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
 
 
 class Api:
-    def __init__(self, manifest: Manifest, models: dict[str, VadModel], live: Live) -> None:
+    def __init__(self, manifest: Manifest, models: dict[str, ServedModel], live: Live) -> None:
         self.manifest, self.models, self.live = manifest, models, live
         self.metrics = prometheus.Metrics()
         self.ready = False
@@ -92,7 +58,7 @@ class Api:
             ("GET", re.compile(model), "model", self._model_metadata),
             ("GET", re.compile(model + "/ready"), "model_ready", self._model_ready),
             ("POST", re.compile(model + "/infer"), "infer", self._infer),
-            ("POST", re.compile(model + "/segments"), "segments", self._segments),
+            ("POST", re.compile(model + r"/(?P<task>[a-z_]+)"), "task", self._task),
             ("GET", re.compile(r"/metrics"), "metrics", self._metrics),
             ("GET", re.compile(r"/status"), "status", self._status),
         ]
@@ -106,7 +72,7 @@ class Api:
             for method, pattern, name, handler in self._routes:
                 match = pattern.fullmatch(url.path)
                 if match:
-                    endpoint = name
+                    endpoint = name if name != "task" else self._task_label(match["task"])
                     if request.method != method:
                         raise ApiError(f"{request.method} is not allowed on {url.path} (use {method})", 405)
                     params = {k: v for k, v in match.groupdict().items() if v is not None}
@@ -139,12 +105,16 @@ class Api:
         """Structured journal fields: which model, which request (the caller's x-request-id)."""
         return {"MODEL": params.get("model", "-"), "REQUEST_ID": request.headers.get("x-request-id", "-")}
 
-    def sequence_owners(self) -> set[str]:
-        return set().union(*(m.sequences.owners() for m in self.models.values()))
+    def end_opened(self, opened: Iterable[Opened]) -> int:
+        """End sequences a transport's vanished client opened, where still the same; how many ended."""
+        return sum(self.models[o.model].sequences.end_opened(o.id, o.serial) for o in opened)
 
-    def release_peer(self, peer: str) -> int:
-        """A QUIC peer is gone (idle or evicted from the connection cache): end its sequences."""
-        return sum(m.sequences.release_owner(peer) for m in self.models.values())
+    def still_open(self, opened: Opened) -> bool:
+        return self.models[opened.model].sequences.holds(opened.id, opened.serial)
+
+    def _task_label(self, task: str) -> str:
+        """The metrics label of a model's own route: its name where some model has it (bounded)."""
+        return task if any(task in m.tasks for m in self.models.values()) else "unknown"
 
     def keep_connections(self) -> bool:
         """While draining, a connection stays open only as long as some sequence may still stream on it."""
@@ -187,7 +157,7 @@ class Api:
             },
         )
 
-    def _model(self, params: dict[str, str]) -> VadModel:
+    def _model(self, params: dict[str, str]) -> ServedModel:
         model = self.models.get(params["model"])
         if model is None:
             raise NotFound(f"unknown model {params['model']!r} (this firmware serves: {', '.join(self.models)})")
@@ -198,44 +168,9 @@ class Api:
 
     async def _model_metadata(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
-        spec, audio = model.spec, model.spec.audio
-        return json_response(
-            200,
-            {
-                "name": model.name,
-                "versions": [self.manifest.version],
-                "platform": "onnx",
-                "inputs": [
-                    {
-                        "name": AUDIO_INPUT,
-                        "datatype": "FP32",
-                        "shape": [-1],
-                        "parameters": {"accepts": ["FP32", "INT16"], "sample_rate": audio.sample_rate},
-                    }
-                ],
-                "outputs": [{"name": PROB_OUTPUT, "datatype": "FP32", "shape": [-1]}],
-                "parameters": {
-                    "kind": spec.kind,
-                    "engine": model.engine_name,
-                    "sample_rate": audio.sample_rate,
-                    "frame_samples": audio.frame_samples,
-                    "context_samples": audio.context_samples,
-                    "stateful": True,
-                    "baked": {
-                        "max_tokens_per_shard": model.baked.max_tokens_per_shard,
-                        "split_algorithm": model.baked.split_algorithm,
-                        "fallback_cpu_threshold": model.baked.fallback_cpu_threshold,
-                        "max_batch": model.baked.max_batch,
-                    },
-                    "firmware": self.firmware_info(),
-                    "graph": {
-                        "inputs": [t.name for t in spec.inputs],
-                        "outputs": [t.name for t in spec.outputs],
-                        "state": [{"input": p.input, "output": p.output} for p in spec.state],
-                    },
-                },
-            },
-        )
+        doc = {"name": model.name, "versions": [self.manifest.version], **model.metadata()}
+        doc["parameters"] = {**doc.get("parameters", {}), "firmware": self.firmware_info()}
+        return json_response(200, doc)
 
     async def _model_ready(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
@@ -276,103 +211,31 @@ class Api:
     async def _infer(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
         infer = decode_infer(request.body, request.headers.get(HEADER_LENGTH))
-        samples = _audio_input(infer, model)
-        sequence = _sequence_parameters(infer.parameters)
-        if self.draining and sequence is not None and sequence[1]:
+        sequence = _sequence_call(infer.parameters)
+        if self.draining and sequence is not None and sequence.start:
             raise Unavailable("shutting down: no new sequences; open ones may finish")
-        if sequence is None:
-            probs = await model.infer_recording(samples)
-            out_params: dict[str, Any] = {}
-        else:
-            sequence_id, start, end = sequence
-            probs = await model.infer_stream(samples, sequence_id, start, end, owner=request.peer)
-            out_params = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
-        body, header_length = encode_infer(model.name, self.manifest.version, infer, {PROB_OUTPUT: probs}, out_params)
-        if header_length is None:
-            return Response(200, body)
-        return Response(
-            200, body, "application/octet-stream", [("Inference-Header-Content-Length", str(header_length))]
-        )
+        outputs, opened = await model.infer(infer, sequence)
+        out_params: dict[str, Any] = {}
+        if sequence is not None:
+            out_params = {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}
+        body, header_length = encode_infer(model.name, self.manifest.version, infer, outputs, out_params)
+        headers = [] if header_length is None else [("Inference-Header-Content-Length", str(header_length))]
+        content_type = "application/json" if header_length is None else "application/octet-stream"
+        return Response(200, body, content_type, headers, opened=opened)
 
-    async def _segments(self, request: Request, params: dict[str, str]) -> Response:
+    async def _task(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
-        stream = _flag(params.pop("query:stream", "false"), "stream")
-        segment_params = _segment_params(params, self.live.config.vad)
-        rate = model.frames.sample_rate
-        # At most what the body limit holds in the model's own format (mono PCM16): a small compressed
-        # body cannot make the daemon decode hours. Decoding runs off the event loop.
-        max_seconds = self.live.config.server.max_body_bytes / (2 * rate)
-        samples = await asyncio.to_thread(decode_audio, request.body, rate, max_seconds)
-        seconds = lambda s: round(s / rate, 3)  # noqa: E731
-        summary = {"model_name": model.name, "duration": seconds(len(samples))}
-        if stream:
-            return Response(
-                200,
-                content_type="application/x-ndjson",
-                stream=self._segment_lines(
-                    model.segments(samples, segment_params, STREAM_CHUNK_FRAMES),
-                    seconds,
-                    summary,
-                    self._log_fields(request, params),
-                ),
+        task = model.tasks.get(params["task"])
+        if task is None:
+            raise NotFound(
+                f"model {model.name} has no route {params['task']!r} (it has: infer"
+                f"{''.join(', ' + t for t in model.tasks)})"
             )
-        segments = [s async for s in model.segments(samples, segment_params)]
-        return json_response(
-            200, {**summary, "segments": [{"start": seconds(s), "end": seconds(e)} for s, e in segments]}
-        )
-
-    async def _segment_lines(
-        self,
-        segments: AsyncIterator[tuple[int, int]],
-        seconds: Callable[[int], float],
-        summary: dict[str, Any],
-        log_fields: dict[str, str],
-    ) -> AsyncGenerator[bytes, None]:
-        """NDJSON: a line per segment as soon as it is final, then the summary (or an error) line."""
-        count = 0
-        try:
-            async for start, end in segments:
-                count += 1
-                yield _json_line({"start": seconds(start), "end": seconds(end)})
-        except ApiError as exc:
-            yield _json_line({"error": exc.message})
-            return
-        except Exception:
-            log.exception("streamed segments crashed", extra=log_fields)
-            yield _json_line({"error": "internal error (logged)"})
-            return
-        yield _json_line({**summary, "segments": count, "done": True})
+        return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
 
 
-def _json_line(doc: Any) -> bytes:
-    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
-
-
-def _flag(raw: str, name: str) -> bool:
-    if raw.lower() in ("1", "true", "yes"):
-        return True
-    if raw.lower() in ("0", "false", "no"):
-        return False
-    raise BadRequest(f"query parameter {name}: {raw!r} is not true or false")
-
-
-def _audio_input(infer: InferRequest, model: VadModel) -> np.ndarray:
-    if set(infer.inputs) != {AUDIO_INPUT}:
-        raise BadRequest(f"model {model.name} takes one input named {AUDIO_INPUT!r}, got {sorted(infer.inputs)}")
-    array = infer.inputs[AUDIO_INPUT]
-    if array.ndim == 2 and array.shape[0] == 1:
-        array = array[0]
-    if array.ndim != 1:
-        raise BadRequest(f"input {AUDIO_INPUT}: shape must be [samples] or [1, samples], got {list(array.shape)}")
-    if array.dtype == np.float32:
-        return array
-    if array.dtype == np.int16:
-        return array.astype(np.float32) / 32768.0
-    raise BadRequest(f"input {AUDIO_INPUT}: datatype must be FP32 or INT16")
-
-
-def _sequence_parameters(parameters: dict[str, Any]) -> tuple[object, bool, bool] | None:
-    """Triton's sequence parameters: (id, start, end), or None for a one-off request."""
+def _sequence_call(parameters: dict[str, Any]) -> SequenceCall | None:
+    """Triton's sequence parameters, or None for a one-off request."""
     sequence_id = parameters.get("sequence_id")
     start, end = parameters.get("sequence_start", False), parameters.get("sequence_end", False)
     if not isinstance(start, bool) or not isinstance(end, bool):
@@ -383,20 +246,4 @@ def _sequence_parameters(parameters: dict[str, Any]) -> tuple[object, bool, bool
         return None
     if isinstance(sequence_id, bool) or not isinstance(sequence_id, (int, str)):
         raise BadRequest("sequence_id must be an integer or a string")
-    return sequence_id, start, end
-
-
-def _segment_params(params: dict[str, str], defaults: VadConfig) -> SegmentParams:
-    values: dict[str, Any] = {}
-    for name, kind in (("threshold", float), ("min_speech_ms", int), ("min_silence_ms", int), ("speech_pad_ms", int)):
-        raw = params.get(f"query:{name}")
-        try:
-            values[name] = kind(raw) if raw is not None else getattr(defaults, name)
-        except ValueError:
-            raise BadRequest(f"query parameter {name}: {raw!r} is not a {kind.__name__}") from None
-    if not 0.0 < values["threshold"] < 1.0:
-        raise BadRequest("query parameter threshold: must be between 0 and 1")
-    unknown = sorted(k[6:] for k in params if k.startswith("query:") and k[6:] not in values)
-    if unknown:
-        raise BadRequest(f"unknown query parameter {unknown[0]!r}")
-    return SegmentParams(**values)
+    return SequenceCall(sequence_id, start, end)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from appliance.api.peers import PeerTable
-    from appliance.vad import VadModel
+from appliance.api.peers import PeerTable
+from appliance.kinds.base import ServedModel
 
 LATENCY_BUCKETS = (
     0.0001,
@@ -73,7 +71,7 @@ class Metrics:
         return sum(self.requests.values())
 
 
-def render(metrics: Metrics, models: Iterable[VadModel], conncache: PeerTable | None = None) -> str:
+def render(metrics: Metrics, models: Iterable[ServedModel], conncache: PeerTable | None = None) -> str:
     """Text format 0.0.4."""
     out = [
         "# HELP appliance_requests_total API requests by endpoint and HTTP status.",
@@ -120,7 +118,7 @@ def render(metrics: Metrics, models: Iterable[VadModel], conncache: PeerTable | 
         sections["appliance_engine_frames_total"].append(f"appliance_engine_frames_total{{{label}}} {stats.frames}")
         sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.batcher.queue_depth}")
         sections["appliance_live_sequences"].append(f"appliance_live_sequences{{{label}}} {len(model.sequences)}")
-        fallbacks = getattr(model.frames.engine, "fallbacks", {})
+        fallbacks = model.fallbacks
         sections["appliance_engine_fallbacks_total"] += [
             f'appliance_engine_fallbacks_total{{{label},reason="{reason}"}} {count}'
             for reason, count in sorted(fallbacks.items())

@@ -79,7 +79,7 @@ class Sequence:
     context: np.ndarray
     last_used: float = 0.0
     in_flight: int = 0
-    owner: str = ""  # the peer that opened it over QUIC: its state goes when that peer does
+    serial: int = 0  # tells this sequence apart from an earlier or later one under the same key
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +104,7 @@ class SequenceTable:
     def __init__(self, model: FrameModel, settings: Callable[[], SequenceConfig]) -> None:
         self.model, self._settings = model, settings
         self._live: dict[object, Sequence] = {}
+        self._serials = 0
 
     @property
     def max_live(self) -> int:
@@ -116,7 +117,7 @@ class SequenceTable:
     def __len__(self) -> int:
         return len(self._live)
 
-    def start(self, key: object, now: float, owner: str = "") -> Sequence:
+    def start(self, key: object, now: float) -> Sequence:
         """Open a sequence; a start on a live id restarts it (a client that reconnected)."""
         old = self._live.pop(key, None)
         if old is not None and old.in_flight:
@@ -129,7 +130,8 @@ class SequenceTable:
                     f"sequence table full ({self.max_live} live sequences): end a sequence or retry later"
                 )
         sequence = self.model.new_sequence(key)
-        sequence.last_used, sequence.owner = now, owner
+        self._serials += 1
+        sequence.last_used, sequence.serial = now, self._serials
         self._live[key] = sequence
         return sequence
 
@@ -146,15 +148,17 @@ class SequenceTable:
     def end(self, key: object) -> None:
         self._live.pop(key, None)
 
-    def owners(self) -> set[str]:
-        return {s.owner for s in self._live.values() if s.owner}
+    def holds(self, key: object, serial: int) -> bool:
+        sequence = self._live.get(key)
+        return sequence is not None and sequence.serial == serial
 
-    def release_owner(self, owner: str) -> int:
-        """End every sequence `owner` opened (its peer vanished); return how many."""
-        keys = [k for k, s in self._live.items() if s.owner == owner]
-        for key in keys:
-            del self._live[key]
-        return len(keys)
+    def end_opened(self, key: object, serial: int) -> bool:
+        """End the sequence under `key` if it is still the one opened with `serial` (a transport
+        releasing what its vanished client opened); False if it ended or was reopened meanwhile."""
+        if not self.holds(key, serial):
+            return False
+        del self._live[key]
+        return True
 
     def expire(self, now: float) -> int:
         idle = [k for k, s in self._live.items() if not s.in_flight and now - s.last_used > self.idle_timeout_s]

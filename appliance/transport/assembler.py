@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from appliance.api.core import Request, error_response
+from appliance.api.messages import Request, error_response
 from appliance.config import ServerConfig
 
 

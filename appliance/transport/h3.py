@@ -28,10 +28,12 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
 
-from appliance.api.core import Api, Request, Response, error_response
+from appliance.api.core import Api
+from appliance.api.messages import Opened, Request, Response, error_response
 from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.conncache import ConnectionCache, TokenBucket, open_cache, peer_name
 from appliance.transport.assembler import Rejection, RequestAssembler
+from appliance.transport.owners import SequenceOwners
 
 log = logging.getLogger("appliance.h3")
 
@@ -140,6 +142,7 @@ class H3Server:
         self.tickets = TicketStore()
         self.client_certificates = ClientCertificates(self.config.client_ca) if self.config.client_ca.name else None
         self.cache: ConnectionCache | None = None
+        self.owners = SequenceOwners()  # the sequences each peer opened
         self._quic_server: GuardedQuicServer | None = None
         self._reaper: asyncio.Task[None] | None = None
 
@@ -176,9 +179,11 @@ class H3Server:
         """Peers with an open connection."""
         return {c.peer for c in self.connections if c.peer}
 
-    def close_peer(self, peer: str, reason: str) -> None:
+    def close_peer(self, peer: str, reason: str) -> list[Opened]:
+        """Close a vanished peer's connections; the sequences it opened, for the API to end."""
         for connection in [c for c in self.connections if c.peer == peer]:
             connection.close_quietly(reason)
+        return self.owners.release(peer)
 
     async def _reap_quiet_streams(self) -> None:
         while True:
@@ -308,6 +313,8 @@ class H3Protocol(QuicConnectionProtocol):
     async def _serve(self, stream_id: int, request: Request) -> None:
         try:
             response = await self.server.api.handle(request)
+            if response.opened is not None and self.peer:
+                self.server.owners.record(self.peer, response.opened)
             if self._respond(stream_id, response) and response.stream is not None:
                 async with contextlib.aclosing(response.stream) as pieces:
                     async for piece in pieces:  # each piece goes out as produced

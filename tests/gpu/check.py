@@ -36,7 +36,7 @@ from appliance.engine.choice import CpuFallback  # noqa: E402
 from appliance.engine.interface import GpuOutOfMemory  # noqa: E402
 from appliance.engine.onnx_cpu import OnnxCpuEngine  # noqa: E402
 from appliance.engine.reference import ReferenceVad  # noqa: E402
-from appliance.segments import SegmentParams, speech_segments  # noqa: E402
+from appliance.kinds.segments import SegmentParams, speech_segments  # noqa: E402
 
 REALTIME_FPS = 10_000 * 1000 / 32  # 10,000 streams of one 32 ms frame each
 results: list[tuple[str, bool, str]] = []

@@ -1,25 +1,31 @@
-"""A served VAD model: streaming sequences, whole recordings cut into shards, speech segments.
+"""The VAD kind: streaming sequences, whole recordings cut into shards, speech segments.
 
 Everything runs on the event loop; its batches run through an EngineLoop (appliance/engine/loop.py).
+Its tensors and its `segments` route are in vad_api.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
+from appliance.api.messages import Opened, Request, Response
+from appliance.api.tensors import InferRequest
 from appliance.audio import to_frames
 from appliance.config import Live
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, SequenceTable, Work
-from appliance.errors import BadRequest
+from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Baked, ModelSpec
-from appliance.segments import SegmentParams, SegmentTracker
-from appliance.shards import frame_energy, plan_shards
+from appliance.kinds import vad_api
+from appliance.kinds.base import SequenceCall, Task
+from appliance.kinds.segments import SegmentParams, SegmentTracker
+from appliance.kinds.shards import frame_energy, plan_shards
 
 
 class VadModel:
@@ -31,7 +37,8 @@ class VadModel:
         live: Live,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.spec, self.baked, self.clock = spec, baked, clock
+        self.spec, self.baked, self.live, self.clock = spec, baked, live, clock
+        self.tasks: Mapping[str, Task] = {"segments": self._segments_route}
         self.frames = FrameModel(spec, engine)
         self.batcher = Batcher(self.frames, baked.max_batch)
         self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
@@ -45,8 +52,33 @@ class VadModel:
     def engine_name(self) -> str:
         return self.frames.engine.name
 
+    @property
+    def fallbacks(self) -> Mapping[str, int]:
+        return getattr(self.frames.engine, "fallbacks", {})  # only the GPU engines fall back
+
     def start(self) -> None:
         self.engine_loop.start()
+
+    async def probe(self) -> None:
+        probs = await self.infer_recording(np.zeros(self.frames.frame_samples * 2, np.float32))
+        if not np.all(np.isfinite(probs)):
+            raise ApplianceError(f"model {self.name}: probe inference returned non-finite values")
+
+    def metadata(self) -> dict[str, Any]:
+        return vad_api.metadata(self)
+
+    async def infer(
+        self, request: InferRequest, sequence: SequenceCall | None
+    ) -> tuple[dict[str, np.ndarray], Opened | None]:
+        samples = vad_api.audio_input(request, self.name)
+        if sequence is None:
+            return {vad_api.PROB_OUTPUT: await self.infer_recording(samples)}, None
+        probs, serial = await self.infer_stream(samples, sequence.id, sequence.start, sequence.end)
+        opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
+        return {vad_api.PROB_OUTPUT: probs}, opened
+
+    async def _segments_route(self, request: Request, query: dict[str, str]) -> Response:
+        return await vad_api.segments_route(self, request, query)
 
     async def stop(self, timeout_s: float) -> bool:
         """False when the engine did not finish its batch in time (see EngineLoop.stop)."""
@@ -73,21 +105,22 @@ class VadModel:
         return future
 
     async def infer_stream(
-        self, samples: np.ndarray, sequence_id: object, start: bool, end: bool, owner: str = ""
-    ) -> np.ndarray:
+        self, samples: np.ndarray, sequence_id: object, start: bool, end: bool
+    ) -> tuple[np.ndarray, int | None]:
         """Frames of a live stream; the runtime keeps its state and audio context between calls.
-        `owner`: the QUIC peer opening it, whose departure releases it."""
+        Also the serial of the sequence when this call opened it."""
         frame = self.frames.frame_samples
         if len(samples) % frame:
             raise BadRequest(
                 f"a sequence request carries whole frames: {len(samples)} samples is not a multiple of {frame}"
             )
         now = self.clock()
-        sequence = self.sequences.start(sequence_id, now, owner) if start else self.sequences.get(sequence_id, now)
+        sequence = self.sequences.start(sequence_id, now) if start else self.sequences.get(sequence_id, now)
+        serial = sequence.serial if start else None
         try:
             if not len(samples):
-                return np.empty(0, np.float32)
-            return await self._submit(sequence, samples.reshape(-1, frame))
+                return np.empty(0, np.float32), serial
+            return await self._submit(sequence, samples.reshape(-1, frame)), serial
         finally:
             if end:
                 self.sequences.end(sequence_id)

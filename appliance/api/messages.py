@@ -1,0 +1,50 @@
+"""A request as the API core receives it and the response it gives, whatever the transport."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A stateful sequence a request opened; `serial` tells it apart from a later one under the same id."""
+
+    model: str
+    id: object
+    serial: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: str
+    target: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes = b""
+    peer: str = ""  # the LAN client's address and port (QUIC); empty on the Unix socket
+
+
+@dataclass(slots=True)
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    stream: AsyncGenerator[bytes, None] | None = None  # set: the body is sent piece by piece as produced, `body` unused
+    # the stateful sequence this request opened: a transport whose client vanishes ends it (api.end_opened)
+    opened: Opened | None = None
+
+
+def json_response(status: int, doc: Any) -> Response:
+    return Response(status, json.dumps(doc, separators=(",", ":")).encode())
+
+
+def error_response(status: int, message: str) -> Response:
+    return json_response(status, {"error": message})
+
+
+def json_line(doc: Any) -> bytes:
+    """One line of NDJSON, for bodies streamed as they are produced."""
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"

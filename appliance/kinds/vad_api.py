@@ -1,0 +1,143 @@
+"""The VAD's face in the API: its KServe tensors (audio in, speech probabilities out) and its own
+route, `segments` (a recording in, speech segments out, streamed as NDJSON with ?stream=true)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from appliance.api.messages import Request, Response, json_line, json_response
+from appliance.api.tensors import InferRequest
+from appliance.audio import decode_audio
+from appliance.config import VadConfig
+from appliance.errors import ApiError, BadRequest
+from appliance.kinds.segments import SegmentParams
+
+if TYPE_CHECKING:
+    from appliance.kinds.vad import VadModel
+
+log = logging.getLogger("appliance.api")
+
+AUDIO_INPUT, PROB_OUTPUT = "audio", "speech_prob"
+STREAM_CHUNK_FRAMES = 64  # streamed results: the engine reports each shard in pieces of ~2 s of audio
+
+
+def metadata(model: VadModel) -> dict[str, Any]:
+    spec, audio, baked = model.spec, model.spec.audio, model.baked
+    return {
+        "platform": "onnx",
+        "inputs": [
+            {
+                "name": AUDIO_INPUT,
+                "datatype": "FP32",
+                "shape": [-1],
+                "parameters": {"accepts": ["FP32", "INT16"], "sample_rate": audio.sample_rate},
+            }
+        ],
+        "outputs": [{"name": PROB_OUTPUT, "datatype": "FP32", "shape": [-1]}],
+        "parameters": {
+            "kind": spec.kind,
+            "engine": model.engine_name,
+            "sample_rate": audio.sample_rate,
+            "frame_samples": audio.frame_samples,
+            "context_samples": audio.context_samples,
+            "stateful": True,
+            "baked": {
+                "max_tokens_per_shard": baked.max_tokens_per_shard,
+                "split_algorithm": baked.split_algorithm,
+                "fallback_cpu_threshold": baked.fallback_cpu_threshold,
+                "max_batch": baked.max_batch,
+            },
+            "graph": {
+                "inputs": [t.name for t in spec.inputs],
+                "outputs": [t.name for t in spec.outputs],
+                "state": [{"input": p.input, "output": p.output} for p in spec.state],
+            },
+        },
+    }
+
+
+def audio_input(infer: InferRequest, model_name: str) -> np.ndarray:
+    """The one audio tensor of an infer request, as float32 samples."""
+    if set(infer.inputs) != {AUDIO_INPUT}:
+        raise BadRequest(f"model {model_name} takes one input named {AUDIO_INPUT!r}, got {sorted(infer.inputs)}")
+    array = infer.inputs[AUDIO_INPUT]
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise BadRequest(f"input {AUDIO_INPUT}: shape must be [samples] or [1, samples], got {list(array.shape)}")
+    if array.dtype == np.float32:
+        return array
+    if array.dtype == np.int16:
+        return array.astype(np.float32) / 32768.0
+    raise BadRequest(f"input {AUDIO_INPUT}: datatype must be FP32 or INT16")
+
+
+async def segments_route(model: VadModel, request: Request, query: dict[str, str]) -> Response:
+    stream = _flag(query.pop("stream", "false"), "stream")
+    segment_params = _segment_params(query, model.live.config.vad)
+    rate = model.frames.sample_rate
+    # At most what the body limit holds in the model's own format (mono PCM16): a small compressed
+    # body cannot make the daemon decode hours. Decoding runs off the event loop.
+    max_seconds = model.live.config.server.max_body_bytes / (2 * rate)
+    samples = await asyncio.to_thread(decode_audio, request.body, rate, max_seconds)
+    seconds = lambda s: round(s / rate, 3)  # noqa: E731
+    summary = {"model_name": model.name, "duration": seconds(len(samples))}
+    if stream:
+        log_fields = {"MODEL": model.name, "REQUEST_ID": request.headers.get("x-request-id", "-")}
+        lines = _segment_lines(
+            model.segments(samples, segment_params, STREAM_CHUNK_FRAMES), seconds, summary, log_fields
+        )
+        return Response(200, content_type="application/x-ndjson", stream=lines)
+    found = [s async for s in model.segments(samples, segment_params)]
+    return json_response(200, {**summary, "segments": [{"start": seconds(s), "end": seconds(e)} for s, e in found]})
+
+
+async def _segment_lines(
+    segments: AsyncIterator[tuple[int, int]],
+    seconds: Callable[[int], float],
+    summary: dict[str, Any],
+    log_fields: dict[str, str],
+) -> AsyncGenerator[bytes, None]:
+    """NDJSON: a line per segment as soon as it is final, then the summary (or an error) line."""
+    count = 0
+    try:
+        async for start, end in segments:
+            count += 1
+            yield json_line({"start": seconds(start), "end": seconds(end)})
+    except ApiError as exc:
+        yield json_line({"error": exc.message})
+        return
+    except Exception:
+        log.exception("streamed segments crashed", extra=log_fields)
+        yield json_line({"error": "internal error (logged)"})
+        return
+    yield json_line({**summary, "segments": count, "done": True})
+
+
+def _flag(raw: str, name: str) -> bool:
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "no"):
+        return False
+    raise BadRequest(f"query parameter {name}: {raw!r} is not true or false")
+
+
+def _segment_params(query: dict[str, str], defaults: VadConfig) -> SegmentParams:
+    values: dict[str, Any] = {}
+    for name, kind in (("threshold", float), ("min_speech_ms", int), ("min_silence_ms", int), ("speech_pad_ms", int)):
+        raw = query.get(name)
+        try:
+            values[name] = kind(raw) if raw is not None else getattr(defaults, name)
+        except ValueError:
+            raise BadRequest(f"query parameter {name}: {raw!r} is not a {kind.__name__}") from None
+    if not 0.0 < values["threshold"] < 1.0:
+        raise BadRequest("query parameter threshold: must be between 0 and 1")
+    unknown = sorted(k for k in query if k not in values)
+    if unknown:
+        raise BadRequest(f"unknown query parameter {unknown[0]!r}")
+    return SegmentParams(**values)
