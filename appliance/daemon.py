@@ -16,7 +16,6 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from appliance import config as config_files
 from appliance import exitcodes, firmware, signals, systemd
@@ -24,11 +23,9 @@ from appliance.api.core import Api
 from appliance.config import Config, Live, ServerConfig
 from appliance.engine import load_engine
 from appliance.errors import ApplianceError
-from appliance.transport.http1 import Http1Server
-
-if TYPE_CHECKING:
-    from appliance.transport.h3 import H3Server
 from appliance.kinds import ServedModel, load_model
+from appliance.transport.h3 import H3Server
+from appliance.transport.http1 import Http1Server
 
 log = logging.getLogger("appliance")
 
@@ -143,8 +140,6 @@ class Daemon:
             self.bound_socket = config.server.socket
         server = await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock)
         if config.quic.enabled:
-            from appliance.transport.h3 import H3Server  # aioquic is loaded only where QUIC serves
-
             try:
                 self.h3 = H3Server(self.api, self.live)
                 await self.h3.start(quic_sock)
@@ -326,16 +321,26 @@ class Daemon:
                 )
 
 
-def run(config: Config, config_paths: list[Path] | None) -> int:
+def run(config_paths: list[Path] | None) -> int:
+    """`appliance run`: load the config, serve until stopped; the exit code for systemd."""
+    try:
+        config = config_files.load(config_paths)
+    except ApplianceError as exc:
+        configure_logging("info")
+        return _start_failed(exc)
     configure_logging(config.log.level)
     daemon = Daemon(config, config_paths)
     try:
         code = asyncio.run(daemon.run())
     except ApplianceError as exc:
-        log.error("start failed: %s", exc)
-        systemd.status(f"start failed: {exc}")
-        code = EXIT_START_FAILED
+        code = _start_failed(exc)
     if daemon.abandoned:  # the interpreter's exit would join the wedged engine thread forever
         logging.shutdown()
         os._exit(EXIT_ABANDONED)
     return code
+
+
+def _start_failed(exc: ApplianceError) -> int:
+    log.error("start failed: %s", exc)
+    systemd.status(f"start failed: {exc}")
+    return EXIT_START_FAILED

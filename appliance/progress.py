@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from tqdm import tqdm
+
 Advance = Callable[[int], None]  # called with the number of bytes just done
 LINES_FROM = 64 << 20  # phases at least this large get a line every 10% in plain mode
 
@@ -46,8 +48,6 @@ class Progress:
         if not self.enabled:
             yield ignore
         elif self.bar:
-            from tqdm import tqdm
-
             # A terminal that reports no size (a serial console, a fresh pty) would get an empty bar.
             columns, lines = _size(self.stream)
             size = {"dynamic_ncols": True} if columns and lines else {"ncols": columns or 80, "nrows": lines or 24}

@@ -23,6 +23,8 @@ rm -rf "$stage"/var/cache/apt/* "$stage"/var/lib/apt/lists/* "$stage"/usr/share/
 # The appliance, offline: wheels built here, installed in a chroot into a venv that sees python3-bpfcc
 # and python3-systemd.
 rm -rf "$work/wheels"
+# setuptools builds the wheel from build/lib and never deletes there: a moved module would ship twice.
+rm -rf "$repo/build/lib" "$repo"/build/bdist.*
 "$repo/.venv/bin/pip" wheel -q "$repo" -w "$work/wheels"
 cp -r "$work/wheels" "$stage/tmp/wheels"
 chroot "$stage" python3 -m venv --system-site-packages /opt/appliance/.venv

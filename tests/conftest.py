@@ -19,7 +19,7 @@ import pytest
 
 from appliance import firmware
 from appliance import keys as signing
-from appliance.bench import free_udp_port
+from appliance.bench.daemon import free_udp_port
 from appliance.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent

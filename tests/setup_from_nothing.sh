@@ -11,7 +11,10 @@ while mountpoint -q /sys/fs/bpf; do umount -l /sys/fs/bpf; done
 echo "before: /lib/modules holds [$(ls -A /lib/modules)], bpffs mounted: no"
 
 mkdir -p "$work/clone"
-(cd "$source_tree" && git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$work/clone")
+# what a clone of the working tree would hold: tracked and untracked-not-ignored files that exist
+(cd "$source_tree" && git ls-files -z --cached --others --exclude-standard \
+    | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
+    | xargs -0 cp --parents -t "$work/clone")
 cd "$work/clone"
 sed "s/^port = 4433/port = $port/" etc/dev.toml > etc/fresh.toml
 

@@ -22,6 +22,7 @@ from conftest import APPLIANCE, ROOT, Keys, cli
 
 from appliance import cli as appliance_cli
 from appliance import config
+from appliance.cli.call import CALL_ACTIONS
 from appliance.progress import Progress
 
 SOCKET = "/run/test-cli/api.sock"  # APPLIANCE_SOCKET for the help tests, so both sides see the same default
@@ -120,8 +121,8 @@ def test_help_has_a_line_and_default_for_every_option(path: tuple[str, ...], mon
 
 def test_call_help_lists_every_action_with_what_it_does() -> None:
     text = " ".join(run("call", "--help").stdout.split())
-    assert list(appliance_cli.CALL_ACTIONS) == ["health", "server", "models", "model", "metrics", "vad", "probs"]
-    for name, what in appliance_cli.CALL_ACTIONS.items():
+    assert list(CALL_ACTIONS) == ["health", "server", "models", "model", "metrics", "vad", "probs"]
+    for name, what in CALL_ACTIONS.items():
         assert f"{name} {what}" in text, name
 
 

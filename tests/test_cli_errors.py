@@ -15,7 +15,7 @@ import pytest
 from conftest import APPLIANCE, ROOT, Daemon, cli
 
 from appliance import exitcodes
-from appliance.bench import free_udp_port
+from appliance.bench.daemon import free_udp_port
 from appliance.client import Call
 
 HINT = "point at the daemon's socket with --socket PATH or APPLIANCE_SOCKET=PATH"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import Daemon, Keys, cli
 
-from appliance import firmware, image
+from appliance import firmware
+from appliance.box.selftest import selftest
 from appliance.errors import ApplianceError
 from appliance.firmware import store as firmware_store
 
@@ -40,7 +41,7 @@ class Box:
 
     def selftest(self) -> str:
         assert self.daemon is not None
-        return image.selftest(str(self.daemon.socket), timeout_s=30)
+        return selftest(str(self.daemon.socket), timeout_s=30)
 
     def serving(self) -> str:
         assert self.daemon is not None

@@ -26,9 +26,9 @@ import pytest
 from conftest import ROOT, Keys, build_bundle, cli
 from speech import SENTENCES, recording
 
-from appliance import image
 from appliance.audio import encode_wav
-from appliance.bench import free_udp_port
+from appliance.bench.daemon import free_udp_port
+from appliance.box import layout, slots
 from appliance.errors import ApplianceError
 
 BUILT = ROOT / "build" / "image" / "out"
@@ -40,7 +40,7 @@ BOOT_TIMEOUT_S = 600.0
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="debugfs on partitions and qemu need root"),
-    pytest.mark.skipif(not (BUILT / image.MANIFEST).exists(), reason="no image: run make image"),
+    pytest.mark.skipif(not (BUILT / layout.MANIFEST).exists(), reason="no image: run make image"),
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"),
     pytest.mark.timeout(1800),  # several boots each; under TCG a boot with an update takes minutes
 ]
@@ -52,19 +52,19 @@ def run(*argv: str | Path, **kwargs: object) -> subprocess.CompletedProcess[str]
 
 def copy_image(source: Path, dest: Path) -> Path:
     dest.mkdir(parents=True)
-    run("cp", "--sparse=always", source / image.DISK, dest / image.DISK)
-    for name in (image.MANIFEST, image.SIGNATURE):
+    run("cp", "--sparse=always", source / layout.DISK, dest / layout.DISK)
+    for name in (layout.MANIFEST, layout.SIGNATURE):
         shutil.copy(source / name, dest / name)
     return dest
 
 
 def edit_root(image_dir: Path, commands: list[str], scratch: Path) -> None:
     """Apply debugfs commands to the image's root (slot A) file system, then re-sign the image."""
-    root = image.partition("root-a")
+    root = layout.partition("root-a")
     part = scratch / "root.img"
     run(
         "dd",
-        f"if={image_dir / image.DISK}",
+        f"if={image_dir / layout.DISK}",
         f"of={part}",
         "bs=4M",
         f"skip={root.offset}",
@@ -79,7 +79,7 @@ def edit_root(image_dir: Path, commands: list[str], scratch: Path) -> None:
     run(
         "dd",
         f"if={part}",
-        f"of={image_dir / image.DISK}",
+        f"of={image_dir / layout.DISK}",
         "bs=4M",
         f"seek={root.offset}",
         "oflag=seek_bytes",
@@ -118,7 +118,7 @@ class Boot:
     def slot(self) -> str:
         found = re.findall(r"Command line: .*?root=PARTUUID=(\S+)", self.serial)
         assert found, self.tail()
-        return next(s for s in image.SLOTS if image.slot_partition(s).uuid.lower() == found[-1].lower())
+        return next(s for s in layout.SLOTS if layout.slot_partition(s).uuid.lower() == found[-1].lower())
 
     def entries(self) -> list[str]:
         found = re.findall(r"test-driver: booted entries: (.*)", self.serial)
@@ -258,7 +258,7 @@ def update_media(source: Path, out: Path) -> Path:
     if out.exists():
         return out
     tree = out.with_suffix(".d")
-    inside = "image" if (source / image.DISK).exists() else "bundle"
+    inside = "image" if (source / layout.DISK).exists() else "bundle"
     shutil.copytree(source, tree / inside, copy_function=os.link)
     run("mkfs.ext4", "-q", "-d", tree, out, "6G")
     shutil.rmtree(tree)
@@ -270,7 +270,7 @@ def flashed(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     """A disk written by `appliance flash` once; every scenario boots its own copy-on-write copy of it."""
     disk = tmp_path_factory.mktemp("flashed") / "disk.raw"
     with disk.open("wb") as f:
-        f.truncate(image.DISK_SIZE)
+        f.truncate(layout.DISK_SIZE)
     started = time.monotonic()
     result = cli("flash", test_images["good"], "--target", disk, "--trusted-keys", TRUSTED)
     print(f"flash: {time.monotonic() - started:.1f} s")
@@ -295,7 +295,7 @@ def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 
     def make(kind: str) -> Path:
         if kind == "serve":  # no content: its serial number is the request
-            (work / "serve.raw").write_bytes(bytes(image.MIB))
+            (work / "serve.raw").write_bytes(bytes(layout.MIB))
             return work / "serve.raw"
         if kind == "firmware" and "firmware" not in test_images:
             test_images["firmware"] = build_bundle(Keys(DEV_KEY, TRUSTED), work / "firmware-1.1.0", version="1.1.0")
@@ -310,9 +310,9 @@ def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 def test_flash_refuses_tampered_wrong_key_and_small_target(tmp_path: Path) -> None:
     target = tmp_path / "target.raw"
     with target.open("wb") as f:
-        f.truncate(image.DISK_SIZE)
-    disk = BUILT / image.DISK
-    root = image.partition("root-a")
+        f.truncate(layout.DISK_SIZE)
+    disk = BUILT / layout.DISK
+    root = layout.partition("root-a")
     flip_at = root.offset + 4096 * 300
     with disk.open("r+b") as f:  # one flipped byte inside root A, flipped back afterwards
         f.seek(flip_at)
@@ -336,7 +336,7 @@ def test_flash_refuses_tampered_wrong_key_and_small_target(tmp_path: Path) -> No
 
     small = tmp_path / "small.raw"
     with small.open("wb") as f:
-        f.truncate(image.DISK_SIZE - image.MIB)
+        f.truncate(layout.DISK_SIZE - layout.MIB)
     result = cli("flash", BUILT, "--target", small, "--trusted-keys", TRUSTED, check=False)
     assert result.returncode == 2 and "too small" in result.stderr
 
@@ -345,29 +345,29 @@ def test_update_refuses_tampered_manifest_and_wrong_key(tmp_path: Path) -> None:
     """`appliance update`'s checks, against a box laid out in files: nothing is touched."""
     esp = tmp_path / "esp"
     (esp / "loader/entries").mkdir(parents=True)
-    (esp / "loader/entries/slot-a.conf").write_text(image.loader_entry("a", 1))
+    (esp / "loader/entries/slot-a.conf").write_text(layout.loader_entry("a", 1))
     parts = tmp_path / "parts"
     parts.mkdir()
-    for slot in image.SLOTS:
+    for slot in layout.SLOTS:
         with (parts / f"root-{slot}").open("wb") as f:
-            f.truncate(image.slot_partition(slot).size)
+            f.truncate(layout.slot_partition(slot).size)
     cmdline = tmp_path / "cmdline"
-    cmdline.write_text(f"root=PARTUUID={image.slot_partition('a').uuid.lower()} rw\n")
-    target = image.Box(esp, parts, cmdline)
+    cmdline.write_text(f"root=PARTUUID={layout.slot_partition('a').uuid.lower()} rw\n")
+    target = slots.Box(esp, parts, cmdline)
 
     tampered = tmp_path / "tampered"
     tampered.mkdir()
-    os.symlink(BUILT / image.DISK, tampered / image.DISK)
-    shutil.copy(BUILT / image.SIGNATURE, tampered / image.SIGNATURE)
-    manifest = bytearray((BUILT / image.MANIFEST).read_bytes())
+    os.symlink(BUILT / layout.DISK, tampered / layout.DISK)
+    shutil.copy(BUILT / layout.SIGNATURE, tampered / layout.SIGNATURE)
+    manifest = bytearray((BUILT / layout.MANIFEST).read_bytes())
     manifest[manifest.index(b'"version"') + 13] ^= 0x01
-    (tampered / image.MANIFEST).write_bytes(bytes(manifest))
+    (tampered / layout.MANIFEST).write_bytes(bytes(manifest))
     with pytest.raises(ApplianceError, match="signature does not verify"):
-        image.update(tampered, TRUSTED, target)
+        slots.update_slot(tampered, TRUSTED, target)
     other = tmp_path / "other"
     cli("keys", "new", "--out", other / "other.key", "--trust-dir", other / "trusted")
     with pytest.raises(ApplianceError, match="is not trusted"):
-        image.update(BUILT, other / "trusted", target)
+        slots.update_slot(BUILT, other / "trusted", target)
     assert (parts / "root-b").stat().st_blocks == 0
     assert sorted(p.name for p in (esp / "loader/entries").iterdir()) == ["slot-a.conf"]
 

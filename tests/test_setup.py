@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from appliance.bench import free_udp_port
+from appliance.bench.daemon import free_udp_port
 
 pytestmark = [
     pytest.mark.slow,

@@ -2,14 +2,14 @@
 
 `Client` is blocking, for scripts and on-box apps; `AsyncClient` is the same over asyncio on the Unix
 socket. The HTTP codec (`http`), the transports (`unix`, `quic`) and the errors (`errors`) are modules
-of their own; aioquic is imported only when a QUIC client is made."""
+of their own."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from appliance.client.http import (
     json_lines,
     segments_call,
 )
+from appliance.client.quic import QuicTransport
 from appliance.client.unix import UnixTransport
 
 __all__ = [
@@ -55,9 +56,6 @@ __all__ = [
     "infer_call",
     "parse_quic_address",
 ]
-
-if TYPE_CHECKING:
-    from appliance.client.quic import QuicTransport
 
 
 class Client:
@@ -81,10 +79,6 @@ class Client:
         kinds of it), both `ClientError`."""
         self.transport: UnixTransport | QuicTransport
         if quic is not None:
-            from appliance.client.quic import (
-                QuicTransport,  # aioquic is only needed by QUIC callers
-            )
-
             self.transport = QuicTransport(
                 quic,
                 cafile,

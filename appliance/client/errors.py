@@ -4,7 +4,9 @@ Unix socket path leads, for the one-line error."""
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import stat
 
 
@@ -97,9 +99,6 @@ def describe_path(path: str) -> str:
 
 
 def _owner(st: os.stat_result) -> str:
-    import grp
-    import pwd
-
     try:
         user = pwd.getpwuid(st.st_uid).pw_name
     except KeyError:

@@ -27,9 +27,20 @@ FP16_TOLERANCE = 1e-3
 WORKSPACE_BYTES = 1 << 30
 
 
-def _tensorrt() -> Any:
+try:  # the `gpu` extra, installed only where an NVIDIA driver answers
     import tensorrt
+except ImportError as exc:
+    tensorrt, TENSORRT_MISSING = None, exc
+try:
+    import pycuda.driver as cuda
+except ImportError:
+    cuda = None
 
+
+def _tensorrt() -> Any:
+    """The tensorrt module; ImportError (its own) where it is not installed."""
+    if tensorrt is None:
+        raise ImportError(str(TENSORRT_MISSING))
     return tensorrt
 
 
@@ -40,8 +51,6 @@ def found_gpu() -> tuple[str | None, str | None]:
     except ImportError:
         version = None
     try:
-        import pycuda.driver as cuda
-
         cuda.init()
         major, minor = cuda.Device(0).compute_capability()
         capability = f"{major}.{minor}"
@@ -172,8 +181,6 @@ class TensorrtEngine:
     name = "tensorrt"
 
     def __init__(self, serialized: bytes, model: ModelSpec) -> None:
-        import pycuda.driver as cuda
-
         trt = _tensorrt()
         cuda.init()
         self.cuda, self.model = cuda, model

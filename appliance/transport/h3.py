@@ -27,12 +27,14 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
+from cryptography import x509
+from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from appliance.api.core import Api
 from appliance.api.messages import Opened, Request, Response, error_response
 from appliance.config import Live, QuicConfig, ServerConfig
-from appliance.conncache import ConnectionCache, TokenBucket, open_cache, peer_name
 from appliance.transport.assembler import Rejection, RequestAssembler
+from appliance.transport.conncache import ConnectionCache, TokenBucket, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
 
 log = logging.getLogger("appliance.h3")
@@ -95,9 +97,6 @@ class ClientCertificates:
     """
 
     def __init__(self, ca_file: Path) -> None:
-        from cryptography import x509
-        from cryptography.x509.verification import PolicyBuilder, Store
-
         try:
             cas = x509.load_pem_x509_certificates(ca_file.read_bytes())
         except (OSError, ValueError) as exc:
@@ -124,8 +123,6 @@ class ClientCertificates:
         quic._initialize = initialize_with_client_auth  # type: ignore[method-assign]
 
     def verify(self, leaf: Any, chain: list[Any]) -> None:
-        from cryptography.x509.verification import VerificationError
-
         try:
             self._verifier.verify(leaf, chain)
         except VerificationError as exc:

@@ -1,6 +1,6 @@
 """Pinned BPF maps read and written with the bpf() system call itself (ctypes), so the daemon
 can use the connection cache's maps without importing bcc (LLVM costs it over 100 MiB of RSS);
-bcc runs only in the short-lived loader (appliance.conncache_loader)."""
+bcc runs only in the short-lived loader (appliance.transport.conncache_loader)."""
 
 from __future__ import annotations
 

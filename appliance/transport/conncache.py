@@ -1,7 +1,7 @@
 """The per-peer connection cache of the QUIC listener: kernel (eBPF via bcc) or user space.
 
 The kernel backend has bpf/conncache.c compiled by bcc and attached to the listener's UDP socket
-with SO_ATTACH_BPF by a loader child (appliance/conncache_loader.py), which pins its maps under
+with SO_ATTACH_BPF by a loader child (appliance/transport/conncache_loader.py), which pins its maps under
 `pin_dir` and exits; the daemon reads them with bare bpf() calls (appliance/bpfmaps.py), and
 `bpftool map dump pinned PIN_DIR/peers` shows live peers. Datagrams over a peer's budget are
 dropped in the kernel, before they reach Python. Where it cannot load (no privileges, no kernel
@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from appliance.api.peers import Peer, Totals
-from appliance.bpfmaps import PinnedMap, possible_cpus
 from appliance.config import ConnCacheConfig
-from appliance.conncache_loader import MAPS
 from appliance.errors import ApplianceError
+from appliance.transport.bpfmaps import PinnedMap, possible_cpus
 
 log = logging.getLogger("appliance.conncache")
 
 HOST_CID_LENGTH = 8  # aioquic's server connection IDs
+MAPS = ("peers", "totals")  # what bpf/conncache.c pins: the peer table and the totals
 
 
 def peer_name(addr: tuple[Any, ...]) -> str:
@@ -196,7 +196,7 @@ class KernelCache(ConnectionCache):
             [
                 sys.executable,
                 "-m",
-                "appliance.conncache_loader",
+                "appliance.transport.conncache_loader",
                 "--fd",
                 str(sock.fileno()),
                 "--pin-dir",

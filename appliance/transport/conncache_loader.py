@@ -13,9 +13,12 @@ import socket
 import sys
 from pathlib import Path
 
-BPF_SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "conncache.c"
+from bcc import BPF, libbcc  # Debian's python3-bpfcc, through the venv's system site packages
+
+from appliance.transport.conncache import MAPS
+
+BPF_SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "conncache.c"
 SO_ATTACH_BPF = 50
-MAPS = ("peers", "totals")
 
 
 def explain(exc: BaseException) -> str:
@@ -30,8 +33,6 @@ def explain(exc: BaseException) -> str:
 
 
 def load(fd: int, pin_dir: Path, defines: list[str]) -> None:
-    from bcc import BPF, libbcc  # Debian's python3-bpfcc, through the venv's system site packages
-
     bpf = BPF(src_file=str(BPF_SOURCE).encode(), cflags=[f"-D{d}" for d in defines])
     program = bpf.load_func(b"conncache_filter", BPF.SOCKET_FILTER)
     for name in MAPS:

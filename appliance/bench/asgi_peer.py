@@ -1,7 +1,8 @@
 """The peer for `appliance bench`: the VAD's infer endpoint as an ASGI app, written the usual way,
 served by Hypercorn over HTTP/3 (Hypercorn also uses aioquic). One ORT call per request, no batching.
 
-Run by the bench as: hypercorn --quic-bind HOST:PORT --certfile ... --keyfile ... appliance.bench_peer:app
+Run by the bench (hypercorn_peer) as:
+hypercorn --quic-bind HOST:PORT --certfile ... --keyfile ... appliance.bench.asgi_peer:app
 with APPLIANCE_BENCH_MODEL naming the verified bundle's model file.
 """
 

@@ -1,0 +1,58 @@
+"""The daemon under test, in a process of its own with a config of its own; free UDP ports."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from appliance.client import Client
+from appliance.tls import init_self_signed
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "") -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.socket = workdir / "api.sock"
+        self.cert, key = workdir / "cert.pem", workdir / "key.pem"
+        init_self_signed(self.cert, key, [])
+        self.quic = f"127.0.0.1:{free_udp_port()}"
+        config = workdir / "bench.toml"
+        config.write_text(
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\n'
+            f"[quic]\nenabled = true\nport = {self.quic.split(':')[1]}\n"
+            f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
+            f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
+            f'[log]\nlevel = "warning"\n[conncache]\n{conncache}'
+        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with Client(str(self.socket), timeout=5) as c:
+                    if c.health()["ready"]:
+                        return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited {self.proc.returncode}") from None
+                time.sleep(0.05)
+        raise RuntimeError("daemon did not become ready")
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)

@@ -1,0 +1,203 @@
+"""`appliance call` and `appliance status`: the daemon's API over its Unix socket (or QUIC), printed.
+
+Errors are raised and told once in main(): ServerError exits 1, ConnectError 4, local input 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import textwrap
+from typing import Any
+
+from appliance import exitcodes
+from appliance.cli.options import command, default_socket, print_json
+from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, Client, describe_path, parse_quic_address
+from appliance.errors import ApiError, ApplianceError
+
+# `appliance call WHAT`: what each does (the choices and the help text come from here).
+CALL_ACTIONS = {
+    "health": "liveness and readiness (GET /v2/health/live, /v2/health/ready); exits 1 when not ready",
+    "server": "server metadata: name, version, extensions and the firmware served (GET /v2)",
+    "models": "the models served, with their versions and state (GET /v2/models)",
+    "model": "one model's metadata: tensors, baked parameters, signing key id (GET /v2/models/NAME; "
+    "NAME defaults to silero_vad)",
+    "metrics": "the Prometheus metrics text (GET /metrics)",
+    "vad": "speech segments of an audio FILE (WAV, FLAC or Ogg) as JSON (POST /v2/models/MODEL/segments); "
+    "with --stream one line per segment as soon as it is final",
+    "probs": "the speech probability of every 512-sample frame of an audio FILE (POST /v2/models/MODEL/infer)",
+}
+SOCKET_HELP = "the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)"
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    if args.quic:
+        logging.getLogger("quic").addHandler(logging.NullHandler())  # aioquic's own warning; main() tells it once
+    for option, path in (("--cafile", args.cafile), ("--cert", args.cert), ("--key", args.key)):
+        if path is not None:
+            _check_readable(path, option)
+    certificate = (args.cert, args.key) if args.cert else None
+    timeout = getattr(args, "timeout", DEFAULT_CONNECT_TIMEOUT_S)
+    client = (
+        Client(quic=args.quic, cafile=args.cafile, certificate=certificate, connect_timeout=timeout)
+        if args.quic
+        else Client(args.socket, connect_timeout=timeout)
+    )
+    with client:
+        if args.what == "health":
+            health = client.health()
+            print_json(health)
+            return exitcodes.OK if health["ready"] else exitcodes.DAEMON_ERROR
+        if args.what == "server":
+            print_json(client.server())
+        elif args.what == "models":
+            print_json(client.models())
+        elif args.what == "model":
+            print_json(client.model(args.args[0] if args.args else "silero_vad"))
+        elif args.what == "metrics":
+            print(client.metrics(), end="")
+        elif args.what == "vad":
+            if not args.args:
+                raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC or Ogg)")
+            audio = _read_input(args.args[0])
+            if args.stream:
+                for line in client.stream_segments(audio, model=args.model):
+                    print(json.dumps(line), flush=True)
+            else:
+                print_json(client.segments(audio, model=args.model))
+        elif args.what == "probs":
+            if not args.args:
+                raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC or Ogg)")
+            from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for `call probs`
+
+            rate = client.model(args.model)["parameters"]["sample_rate"]
+            try:  # decoded here, as the daemon decodes for segments, and sent as tensors
+                samples = decode_audio(_read_input(args.args[0]), rate)
+            except ApiError as exc:
+                raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
+            print_json([round(float(p), 4) for p in client.infer(samples, model=args.model)])
+    return 0
+
+
+def quic_address(text: str) -> str:
+    """argparse type of --quic: HOST:PORT, checked before anything is sent (a usage error, exit 2)."""
+    try:
+        parse_quic_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _check_readable(path: str, what: str = "") -> None:
+    """A file argument that cannot be read is a local input error (exit 2) naming it and why."""
+    _read_input(path, what, size=0)
+
+
+def _read_input(path: str, what: str = "", size: int = -1) -> bytes:
+    """A file argument's bytes; ApplianceError (exit 2) naming the file and why it cannot be read."""
+    name = f"{what} {path}" if what else path
+    try:
+        with open(path, "rb") as file:
+            return file.read(size)
+    except IsADirectoryError:
+        raise ApplianceError(f"cannot read {name}: it is a directory, not a file") from None
+    except FileNotFoundError:
+        raise ApplianceError(f"cannot read {name}: {describe_path(path)}") from None
+    except OSError as exc:
+        raise ApplianceError(f"cannot read {name}: {(exc.strerror or str(exc)).lower()}") from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """The daemon's state and its QUIC peers, as `systemctl status` would want them."""
+    with Client(args.socket) as client:
+        status = client.status()
+    if args.json:
+        print_json(status)
+        return 0
+    firmware = status["firmware"]
+    print(
+        f"firmware {firmware['name']} {firmware['version']} (key {firmware['signing_key_id']}), "
+        f"{'ready' if status['ready'] else 'not ready'}"
+    )
+    for model in status["models"]:
+        print(f"model {model['name']} on {model['engine']}: {model['live_sequences']} live sequences")
+    cache = status["conncache"]
+    if cache is None:
+        print("quic: off")
+        return 0
+    totals = cache["totals"]
+    reason = f" ({cache['reason']})" if cache["reason"] else ""
+    print(
+        f"conncache {cache['backend']}{reason}: {len(cache['peers'])} peers, {totals['packets']} packets, "
+        f"{totals['bytes']} bytes, {totals['drops']} dropped"
+    )
+    print(f"{'PEER':<46} {'PACKETS':>9} {'BYTES':>11} {'DROPS':>8} {'IDLE_S':>8}  DCID")
+    for peer in cache["peers"]:
+        print(
+            f"{peer['peer']:<46} {peer['packets']:>9} {peer['bytes']:>11} {peer['drops']:>8} {peer['idle_s']:>8.1f}  "
+            f"{peer['dcid']}"
+        )
+    return 0
+
+
+def _call_epilog() -> str:
+    width = max(map(len, CALL_ACTIONS)) + 4
+    columns = max(min(shutil.get_terminal_size().columns - 2, 100), width + 30)
+    lines = ["actions:"]
+    for name, text in CALL_ACTIONS.items():
+        lines += textwrap.wrap(
+            text,
+            columns,
+            initial_indent=f"  {name:<{width - 2}}",
+            subsequent_indent=" " * width,
+            break_on_hyphens=False,
+        )
+    lines += [
+        "",
+        "examples:",
+        "  appliance call health",
+        "  appliance call vad speech.wav --stream",
+        "  appliance call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models",
+    ]
+    return "\n".join(lines)
+
+
+def add_parsers(sub: Any) -> None:
+    call = command(
+        sub,
+        "call",
+        "call the daemon over its Unix socket (or QUIC with --quic)",
+        description="Call the daemon's API and print the answer (JSON, or the metrics text).",
+        epilog=_call_epilog(),
+    )
+    call.add_argument(
+        "what",
+        choices=list(CALL_ACTIONS),
+        metavar="ACTION",
+        help=f"what to ask: {', '.join(CALL_ACTIONS)} (see actions below)",
+    )
+    call.add_argument("args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE")
+    call.add_argument("--socket", default=default_socket(), help=SOCKET_HELP)
+    call.add_argument("--model", default="silero_vad", help="vad, probs: the model to run")
+    call.add_argument("--stream", action="store_true", help="vad: print each segment as soon as it is final")
+    call.add_argument(
+        "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"
+    )
+    call.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long connecting (the QUIC handshake) may take before the call fails (exit 4)",
+    )
+    call.add_argument("--cafile", help="pinned server certificate or CA file for --quic")
+    call.add_argument("--cert", help="client certificate for servers that require mutual TLS")
+    call.add_argument("--key", help="the client certificate's private key")
+    call.set_defaults(func=cmd_call)
+
+    status = command(sub, "status", "the daemon's firmware, engines and QUIC peers (connection cache)")
+    status.add_argument("--socket", default=default_socket(), help=SOCKET_HELP)
+    status.add_argument("--json", action="store_true", help="print the daemon's status document as JSON")
+    status.set_defaults(func=cmd_status)
