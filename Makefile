@@ -32,11 +32,13 @@ test: lint firmware bpf-host
 	@if [ -w /dev/kvm ]; then $(MAKE) --no-print-directory image; fi
 	bash tests/run.sh
 
-# Lint, format and types (configured in pyproject.toml); make test runs it first, so CI fails on them.
+# Lint, format, types and the layer rules (all configured in pyproject.toml); make test runs it first,
+# so CI fails on them.
 lint: venv
 	$(VENV)/bin/ruff check appliance tests
 	$(VENV)/bin/ruff format --check appliance tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: firmware
 	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from appliance.api.messages import Opened
 from appliance.config import SequenceConfig
 from appliance.engine.scheduler import Batcher, FrameModel, SequenceTable, Work
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
 from appliance.kinds.segments import SegmentParams, speech_segments
 from appliance.kinds.shards import plan_shards
+from appliance.protocol.messages import Opened
 from appliance.transport.owners import SequenceOwners
 
 

@@ -26,13 +26,13 @@ from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
 from appliance.api import metrics as prometheus
-from appliance.api.messages import Opened, Request, Response, error_response, json_response
-from appliance.api.peers import PeerTable
-from appliance.api.tensors import HEADER_LENGTH, decode_infer, encode_infer
 from appliance.config import Live
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.kinds.base import SequenceCall, ServedModel
+from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
+from appliance.protocol.peers import PeerTable
+from appliance.protocol.tensors import HEADER_LENGTH, decode_infer, encode_infer
 
 log = logging.getLogger("appliance.api")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-from appliance.api.peers import PeerTable
 from appliance.kinds.base import ServedModel
+from appliance.protocol.peers import PeerTable
 
 LATENCY_BUCKETS = (
     0.0001,

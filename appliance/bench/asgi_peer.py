@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from appliance.api.tensors import HEADER_LENGTH, decode_infer, encode_infer
 from appliance.engine.onnx_cpu import session
+from appliance.protocol.tensors import HEADER_LENGTH, decode_infer, encode_infer
 
 _session = session(Path(os.environ["APPLIANCE_BENCH_MODEL"]), threads=1)
 _SR = np.array(16000, np.int64)

@@ -12,8 +12,8 @@ from urllib.parse import urlencode
 import httptools
 import numpy as np
 
-from appliance.api.tensors import decode_response, encode_request
 from appliance.client.errors import ServerError
+from appliance.protocol.tensors import decode_response, encode_request
 
 DEFAULT_MODEL = "silero_vad"
 DEFAULT_CONNECT_TIMEOUT_S = 5.0  # connecting, and the QUIC handshake: an unreachable daemon fails this fast

@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from appliance.api.messages import Opened, Request, Response
-from appliance.api.tensors import InferRequest
 from appliance.engine.scheduler import Batcher, SequenceTable
 from appliance.firmware import ModelSpec
+from appliance.protocol.messages import Opened, Request, Response
+from appliance.protocol.tensors import InferRequest
 
 # A route of the model's own under /v2/models/{name}/{task}: the request and its query parameters.
 Task = Callable[[Request, dict[str, str]], Awaitable[Response]]

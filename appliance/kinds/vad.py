@@ -13,8 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from appliance.api.messages import Opened, Request, Response
-from appliance.api.tensors import InferRequest
 from appliance.audio import to_frames
 from appliance.config import Live
 from appliance.engine.interface import Engine
@@ -26,6 +24,8 @@ from appliance.kinds import vad_api
 from appliance.kinds.base import SequenceCall, Task
 from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import frame_energy, plan_shards
+from appliance.protocol.messages import Opened, Request, Response
+from appliance.protocol.tensors import InferRequest
 
 
 class VadModel:

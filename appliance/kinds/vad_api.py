@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from appliance.api.messages import Request, Response, json_line, json_response
-from appliance.api.tensors import InferRequest
 from appliance.audio import decode_audio
 from appliance.config import VadConfig
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.segments import SegmentParams
+from appliance.protocol.messages import Request, Response, json_line, json_response
+from appliance.protocol.tensors import InferRequest
 
 if TYPE_CHECKING:
     from appliance.kinds.vad import VadModel

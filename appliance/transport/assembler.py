@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from appliance.api.messages import Request, error_response
 from appliance.config import ServerConfig
+from appliance.protocol.messages import Request, error_response
 
 
 class Rejection(Exception):

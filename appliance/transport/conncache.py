@@ -30,9 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.api.peers import Peer, Totals
 from appliance.config import ConnCacheConfig
 from appliance.errors import ApplianceError
+from appliance.protocol.peers import Peer, Totals
 from appliance.transport.bpfmaps import PinnedMap, possible_cpus
 
 log = logging.getLogger("appliance.conncache")

@@ -31,8 +31,8 @@ from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from appliance.api.core import Api
-from appliance.api.messages import Opened, Request, Response, error_response
 from appliance.config import Live, QuicConfig, ServerConfig
+from appliance.protocol.messages import Opened, Request, Response, error_response
 from appliance.transport.assembler import Rejection, RequestAssembler
 from appliance.transport.conncache import ConnectionCache, TokenBucket, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners

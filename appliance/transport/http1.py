@@ -17,8 +17,8 @@ from http import HTTPStatus
 import httptools
 
 from appliance.api.core import Api
-from appliance.api.messages import Request, Response, error_response
 from appliance.config import Live, ServerConfig
+from appliance.protocol.messages import Request, Response, error_response
 from appliance.transport.assembler import Rejection, RequestAssembler
 
 log = logging.getLogger("appliance.http")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from appliance.api.messages import Opened
+from appliance.protocol.messages import Opened
 
 Key = tuple[str, object]  # model, sequence id
 
