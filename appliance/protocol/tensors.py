@@ -129,16 +129,9 @@ def encode_infer(
     model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray], parameters: dict[str, Any]
 ) -> tuple[bytes, int | None]:
     """Return (body, JSON header length when binary data follows, else None)."""
-    entries, chunks = [], []
-    for name, array in outputs.items():
-        entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[array.dtype.str], "shape": list(array.shape)}
-        if request.all_binary or name in request.binary_outputs:
-            raw = np.ascontiguousarray(array).tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
-            chunks.append(raw)
-        else:
-            entry["data"] = array.reshape(-1).tolist()
-        entries.append(entry)
+    chunks: list[bytes] = []
+    binary = lambda name: request.all_binary or name in request.binary_outputs  # noqa: E731
+    entries = [_entry(name, array, binary(name), chunks) for name, array in outputs.items()]
     doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if request.id is not None:
         doc["id"] = request.id
@@ -157,17 +150,8 @@ def encode_request(
     request_id: str | None = None,
 ) -> tuple[bytes, int | None]:
     """Client side: an infer request body (binary tensors by default) and its JSON header length."""
-    entries, chunks = [], []
-    for name, array in inputs.items():
-        array = np.asarray(array)
-        entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[array.dtype.str], "shape": list(array.shape)}
-        if binary:
-            raw = np.ascontiguousarray(array).tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
-            chunks.append(raw)
-        else:
-            entry["data"] = array.reshape(-1).tolist()
-        entries.append(entry)
+    chunks: list[bytes] = []
+    entries = [_entry(name, np.asarray(array), binary, chunks) for name, array in inputs.items()]
     doc: dict[str, Any] = {"inputs": entries}
     if request_id is not None:
         doc["id"] = request_id
@@ -195,3 +179,15 @@ def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndar
         else:
             outputs[entry["name"]] = np.asarray(entry["data"], dtype).reshape(entry["shape"])
     return outputs
+
+
+def _entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]) -> dict[str, Any]:
+    """One tensor's JSON entry; with `binary`, its raw bytes go to `chunks` (the binary extension)."""
+    entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[array.dtype.str], "shape": list(array.shape)}
+    if binary:
+        raw = np.ascontiguousarray(array).tobytes()
+        entry["parameters"] = {"binary_data_size": len(raw)}
+        chunks.append(raw)
+    else:
+        entry["data"] = array.reshape(-1).tolist()
+    return entry
