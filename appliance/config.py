@@ -29,6 +29,11 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20
     max_header_bytes: int = 16 << 10
     max_connections: int = 512
+    max_buffered_bytes: int = 256 << 20  # request bodies held by all clients of both transports together
+    header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
+    body_timeout_s: float = 30.0  # a request body may go quiet this long
+    keepalive_timeout_s: float = 75.0  # an idle HTTP/1.1 connection is closed after this
+    pipeline_depth: int = 32  # requests read ahead on one HTTP/1.1 connection; then reading pauses
     shutdown_grace_s: float = 30.0
 
 
@@ -214,6 +219,11 @@ def _check_values(config: Config) -> None:
         "server.max_header_bytes": config.server.max_header_bytes,
         "server.max_connections": config.server.max_connections,
         "server.shutdown_grace_s": config.server.shutdown_grace_s,
+        "server.max_buffered_bytes": config.server.max_buffered_bytes,
+        "server.header_timeout_s": config.server.header_timeout_s,
+        "server.body_timeout_s": config.server.body_timeout_s,
+        "server.keepalive_timeout_s": config.server.keepalive_timeout_s,
+        "server.pipeline_depth": config.server.pipeline_depth,
         "quic.idle_timeout_s": config.quic.idle_timeout_s,
         "quic.max_connections": config.quic.max_connections,
         "quic.stream_idle_timeout_s": config.quic.stream_idle_timeout_s,
@@ -244,6 +254,11 @@ LIVE_KEYS = frozenset(
         "server.max_header_bytes",
         "server.max_connections",
         "server.shutdown_grace_s",
+        "server.max_buffered_bytes",
+        "server.header_timeout_s",
+        "server.body_timeout_s",
+        "server.keepalive_timeout_s",
+        "server.pipeline_depth",
         "engine.queue_delay_us",
         "sequences.idle_timeout_s",
         "sequences.max_live",

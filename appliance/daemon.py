@@ -24,6 +24,7 @@ from appliance.config import Config, Live, ServerConfig
 from appliance.engine import load_engine
 from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_model
+from appliance.transport.assembler import BodyBudget
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
 
@@ -133,7 +134,8 @@ class Daemon:
             await model.probe()
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, self.live)
-        self.http = Http1Server(self.api, self.live)
+        budget = BodyBudget(lambda: self.live.config.server)  # one for both transports
+        self.http = Http1Server(self.api, self.live, budget)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -141,7 +143,7 @@ class Daemon:
         server = await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock)
         if config.quic.enabled:
             try:
-                self.h3 = H3Server(self.api, self.live)
+                self.h3 = H3Server(self.api, self.live, budget)
                 await self.h3.start(quic_sock)
             except (OSError, ValueError) as exc:
                 where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"

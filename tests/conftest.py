@@ -120,6 +120,7 @@ class Daemon:
         env: dict[str, str] | None = None,
         prefix: tuple[str, ...] = (),
         extra_conncache: str = "",
+        extra_server: str = "",
         pin_dir: Path | None = None,
     ) -> None:
         self.socket = workdir / "api.sock"
@@ -137,7 +138,7 @@ class Daemon:
         )
         self.cafile = str(tls[0]) if tls else None
         self.config.write_text(
-            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n'
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n{extra_server}'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"

@@ -1,13 +1,38 @@
 """One request, assembled from what a transport received, without I/O: headers and body pieces in,
-a Request or a Rejection with its status out. HTTP/1.1 and HTTP/3 both feed it, so the size limits
-(and what their errors say) are decided here and nowhere else."""
+a Request or a Rejection with its status out. HTTP/1.1 and HTTP/3 both feed it, so the size and
+time limits (and what their errors say) are decided here and nowhere else, and each limit that
+bites is logged (at most one line per limit every LOG_EVERY_S)."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 
 from appliance.config import ServerConfig
 from appliance.protocol.messages import Request, error_response
+
+log = logging.getLogger("appliance.limits")
+LOG_EVERY_S = 10.0
+
+
+class LimitLog:
+    """One log line per limit and interval, with how often it bit meanwhile: an attacker cannot
+    flood the journal, and an operator still sees which limit is biting and how hard."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, float] = {}
+        self._count: dict[int, int] = {}
+
+    def bit(self, status: int, message: str) -> None:
+        now = time.monotonic()
+        self._count[status] = self._count.get(status, 0) + 1
+        if now - self._last.get(status, -LOG_EVERY_S) >= LOG_EVERY_S:
+            log.warning("limit: %s (%d times in the last %.0f s)", message, self._count[status], LOG_EVERY_S)
+            self._last[status], self._count[status] = now, 0
+
+
+LIMITS_BITTEN = LimitLog()
 
 
 class Rejection(Exception):
@@ -18,16 +43,48 @@ class Rejection(Exception):
         self.response = error_response(status, message)
 
 
+def limit_bit(status: int, message: str) -> Rejection:
+    """A rejection because a limit bit (logged, rate-limited), not because the request was malformed."""
+    LIMITS_BITTEN.bit(status, message)
+    return Rejection(status, message)
+
+
+class BodyBudget:
+    """Bytes of request bodies held by all connections of both transports, bounded as a whole:
+    many slow or stalled uploads cannot together take the box's memory."""
+
+    def __init__(self, limits: Callable[[], ServerConfig]) -> None:
+        self._limits, self.held = limits, 0
+
+    @property
+    def limits(self) -> ServerConfig:
+        return self._limits()
+
+    def take(self, count: int) -> None:
+        if self.held + count > self.limits.max_buffered_bytes:
+            raise limit_bit(
+                503,
+                f"busy: request bodies held by all clients are at the limit of "
+                f"{self.limits.max_buffered_bytes} bytes; retry later",
+            )
+        self.held += count
+
+    def give(self, count: int) -> None:
+        self.held -= count
+
+
 class RequestAssembler:
-    def __init__(self, limits: ServerConfig, peer: str = "") -> None:
+    def __init__(self, limits: ServerConfig, peer: str = "", budget: BodyBudget | None = None) -> None:
         self.limits = limits  # the live ones at the request's start: a reload applies from the next request
         self.peer = peer  # the LAN client's address (QUIC); empty on the Unix socket
+        self.budget = budget  # body bytes are taken from it as they arrive; the transport gives them back
         self.method = self.target = ""
+        self.head_complete = False
         self._headers: dict[str, str] = {}
-        self._header_bytes = 0
+        self._header_bytes = self._raw_head_bytes = 0
         self._body: list[bytes] = []
-        self._body_bytes = 0
-        self.last_heard = time.monotonic()
+        self.body_bytes = 0
+        self.started = self.last_heard = time.monotonic()
 
     def add_target(self, piece: bytes) -> None:
         self.target += piece.decode("latin-1")
@@ -39,18 +96,20 @@ class RequestAssembler:
 
     def headers_complete(self, method: str) -> None:
         """The head is whole: check what it announces before any body is read."""
-        self.method = method
+        self.method, self.head_complete = method, True
         if not self.method or not self.target.startswith("/"):
             raise Rejection(400, "request needs a method and a path starting with /")
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
-            raise Rejection(413, f"body of {length} bytes exceeds the limit of {self.limits.max_body_bytes} bytes")
+            raise limit_bit(413, f"body of {length} bytes exceeds the limit of {self.limits.max_body_bytes} bytes")
 
     def add_body(self, piece: bytes) -> None:
         self.last_heard = time.monotonic()
-        self._body_bytes += len(piece)
-        if self._body_bytes > self.limits.max_body_bytes:
-            raise Rejection(413, f"body exceeds the limit of {self.limits.max_body_bytes} bytes")
+        if self.body_bytes + len(piece) > self.limits.max_body_bytes:
+            raise limit_bit(413, f"body exceeds the limit of {self.limits.max_body_bytes} bytes")
+        if self.budget is not None:
+            self.budget.take(len(piece))
+        self.body_bytes += len(piece)
         self._body.append(piece)
 
     def request(self) -> Request:
@@ -59,7 +118,25 @@ class RequestAssembler:
     def quiet_since(self, moment: float) -> bool:
         return self.last_heard < moment
 
+    def overdue(self, now: float) -> Rejection | None:
+        """A head not complete within header_timeout_s, or a body that went quiet for body_timeout_s."""
+        if not self.head_complete and now - self.started > self.limits.header_timeout_s:
+            return limit_bit(408, f"request head not complete within {self.limits.header_timeout_s:g} s")
+        if self.head_complete and now - self.last_heard > self.limits.body_timeout_s:
+            return limit_bit(408, f"request body stalled for {self.limits.body_timeout_s:g} s")
+        return None
+
+    def received_in_head(self, count: int) -> None:
+        """Raw bytes read while this head was incomplete: the parser buffers a partial line before any
+        callback sees it, so the head's limit holds for them too, and a huge line is refused as it arrives."""
+        self._raw_head_bytes += count
+        if self._raw_head_bytes > self.limits.max_header_bytes:
+            raise self._head_too_large()
+
     def _count_header_bytes(self, count: int) -> None:
         self._header_bytes += count
         if self._header_bytes > self.limits.max_header_bytes:
-            raise Rejection(431, f"request line and headers exceed {self.limits.max_header_bytes} bytes")
+            raise self._head_too_large()
+
+    def _head_too_large(self) -> Rejection:
+        return limit_bit(431, f"request line and headers exceed {self.limits.max_header_bytes} bytes")

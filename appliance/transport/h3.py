@@ -14,126 +14,33 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from aioquic import tls
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
-from cryptography import x509
-from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from appliance.api.core import Api
 from appliance.config import Live, QuicConfig, ServerConfig
-from appliance.protocol.messages import Opened, Request, Response, error_response
-from appliance.transport.assembler import Rejection, RequestAssembler
-from appliance.transport.conncache import ConnectionCache, TokenBucket, open_cache, peer_name
+from appliance.protocol.messages import Opened, Request, Response
+from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
+from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, TicketStore
 
 log = logging.getLogger("appliance.h3")
 
 SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
 
 
-class TicketStore:
-    """Session tickets for 0-RTT resumption, in memory, each usable once (replay protection)."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._tickets: dict[bytes, tls.SessionTicket] = {}
-
-    def add(self, ticket: tls.SessionTicket) -> None:
-        if len(self._tickets) >= self.capacity:
-            self._tickets.pop(next(iter(self._tickets)))
-        self._tickets[ticket.ticket] = ticket
-
-    def pop(self, label: bytes) -> tls.SessionTicket | None:
-        return self._tickets.pop(label, None)
-
-
-class GuardedQuicServer(QuicServer):
-    """aioquic's server with a budget on Version Negotiation replies.
-
-    Any datagram with a long header and an unknown version earns a reply, so spoofed floods
-    turn the box into a reflector (reported upstream). Real clients with another version are
-    rare; a small global budget serves them and starves the reflection.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # the connection cache's: counts each datagram, False when over the peer's budget
-        self.admit: Callable[[bytes, Any], bool] = lambda data, addr: True
-        self.version_negotiation = TokenBucket(rate=20.0, burst=40.0)
-        self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if not self.admit(data, addr):  # type: ignore[arg-type]
-            return
-        if (
-            isinstance(data, bytes)
-            and len(data) >= 5
-            and data[0] & 0x80
-            and data[1:5] not in self.supported
-            and data[1:5] != b"\0\0\0\0"
-            and not self.version_negotiation.take()
-        ):
-            return
-        super().datagram_received(data, addr)
-
-
-class ClientCertificates:
-    """Mutual TLS: the client's certificate must chain to a CA in the configured file.
-
-    aioquic's server side can ask for a client certificate but does not check it (upstream marks
-    it "for test purposes"), so each connection's TLS context is given the request and a check
-    that runs inside the handshake: no certificate, or one the CA did not sign, is a TLS alert.
-    """
-
-    def __init__(self, ca_file: Path) -> None:
-        try:
-            cas = x509.load_pem_x509_certificates(ca_file.read_bytes())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"client CA file {ca_file}: {exc}") from None
-        self._verifier = PolicyBuilder().store(Store(cas)).build_client_verifier()
-
-    def require(self, quic: QuicConnection) -> None:
-        initialize = quic._initialize
-
-        def initialize_with_client_auth(peer_cid: bytes) -> None:
-            initialize(peer_cid)
-            context = quic.tls
-            context._request_client_certificate = True
-            handle_certificate = context._server_handle_certificate
-
-            def handle_and_verify(input_buf: Any) -> None:
-                handle_certificate(input_buf)
-                if context._peer_certificate is None:
-                    raise tls.AlertHandshakeFailure("a client certificate is required")
-                self.verify(context._peer_certificate, context._peer_certificate_chain)
-
-            context._server_handle_certificate = handle_and_verify  # type: ignore[method-assign]
-
-        quic._initialize = initialize_with_client_auth  # type: ignore[method-assign]
-
-    def verify(self, leaf: Any, chain: list[Any]) -> None:
-        try:
-            self._verifier.verify(leaf, chain)
-        except VerificationError as exc:
-            raise tls.AlertBadCertificate(f"client certificate not signed by the configured CA: {exc}") from None
-
-
 class H3Server:
     """Shared state of all QUIC connections: the API, the live settings, and who is connected."""
 
-    def __init__(self, api: Api, live: Live) -> None:
-        self.api, self.live = api, live
+    def __init__(self, api: Api, live: Live, budget: BodyBudget) -> None:
+        self.api, self.live, self.budget = api, live, budget
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
         self.tickets = TicketStore()
@@ -242,6 +149,10 @@ class H3Protocol(QuicConnectionProtocol):
         elif isinstance(event, ConnectionTerminated):
             self._terminated = True
             self.server.connections.discard(self)
+            held = sum(a.body_bytes for a in self._incoming.values() if a is not None)
+            self.server.budget.give(held + sum(len(r.body) for _, r in self._waiting_for_handshake))
+            self._incoming.clear()
+            self._waiting_for_handshake.clear()
         if self._http is None:
             return
         # A peer that breaks HTTP/3 is handled inside aioquic: handle_event closes its connection with
@@ -262,6 +173,8 @@ class H3Protocol(QuicConnectionProtocol):
             elif (assembler := self._incoming[stream_id]) is not None:
                 assembler.add_body(event.data)
         except Rejection as rejection:
+            if (dropped := self._incoming.get(stream_id)) is not None:
+                self.server.budget.give(dropped.body_bytes)
             self._incoming[stream_id] = None
             self._respond(stream_id, rejection.response)
         if event.stream_ended:
@@ -269,10 +182,10 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _start(self, event: HeadersReceived) -> RequestAssembler:
         if len(self._incoming) + self.in_flight >= self.server.config.max_streams_per_connection:
-            raise Rejection(
+            raise limit_bit(
                 429, f"too many open streams on this connection (limit {self.server.config.max_streams_per_connection})"
             )
-        assembler = RequestAssembler(self.server.limits, peer=self.peer)
+        assembler = RequestAssembler(self.server.limits, peer=self.peer, budget=self.server.budget)
         method = ""
         for name, value in event.headers:
             if name == b":method":
@@ -291,7 +204,8 @@ class H3Protocol(QuicConnectionProtocol):
                 del self._incoming[stream_id]
             elif assembler.quiet_since(heard_before):
                 del self._incoming[stream_id]
-                self._respond(stream_id, error_response(408, "request stream went quiet before its end"))
+                self.server.budget.give(assembler.body_bytes)
+                self._respond(stream_id, limit_bit(408, "request stream went quiet before its end").response)
 
     def _complete(self, stream_id: int) -> None:
         assembler = self._incoming.pop(stream_id)
@@ -320,6 +234,7 @@ class H3Protocol(QuicConnectionProtocol):
                 self._send_data(stream_id, b"", end_stream=True)
         finally:
             self.in_flight -= 1
+            self.server.budget.give(len(request.body))
 
     def _respond(self, stream_id: int, response: Response) -> bool:
         """Send the headers, and the body unless it is streamed; False if the stream is gone."""

@@ -1,0 +1,103 @@
+"""What the QUIC listener adds to aioquic's server: single-use session tickets for 0-RTT, a budget
+on Version Negotiation replies (no reflector), and the client-certificate check of mutual TLS."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aioquic import tls
+from aioquic.asyncio.server import QuicServer
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
+
+from appliance.transport.conncache import TokenBucket
+
+
+class TicketStore:
+    """Session tickets for 0-RTT resumption, in memory, each usable once (replay protection)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._tickets: dict[bytes, tls.SessionTicket] = {}
+
+    def add(self, ticket: tls.SessionTicket) -> None:
+        if len(self._tickets) >= self.capacity:
+            self._tickets.pop(next(iter(self._tickets)))
+        self._tickets[ticket.ticket] = ticket
+
+    def pop(self, label: bytes) -> tls.SessionTicket | None:
+        return self._tickets.pop(label, None)
+
+
+class GuardedQuicServer(QuicServer):
+    """aioquic's server with a budget on Version Negotiation replies.
+
+    Any datagram with a long header and an unknown version earns a reply, so spoofed floods
+    turn the box into a reflector (reported upstream). Real clients with another version are
+    rare; a small global budget serves them and starves the reflection.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the connection cache's: counts each datagram, False when over the peer's budget
+        self.admit: Callable[[bytes, Any], bool] = lambda data, addr: True
+        self.version_negotiation = TokenBucket(rate=20.0, burst=40.0)
+        self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if not self.admit(data, addr):  # type: ignore[arg-type]
+            return
+        if (
+            isinstance(data, bytes)
+            and len(data) >= 5
+            and data[0] & 0x80
+            and data[1:5] not in self.supported
+            and data[1:5] != b"\0\0\0\0"
+            and not self.version_negotiation.take()
+        ):
+            return
+        super().datagram_received(data, addr)
+
+
+class ClientCertificates:
+    """Mutual TLS: the client's certificate must chain to a CA in the configured file.
+
+    aioquic's server side can ask for a client certificate but does not check it (upstream marks
+    it "for test purposes"), so each connection's TLS context is given the request and a check
+    that runs inside the handshake: no certificate, or one the CA did not sign, is a TLS alert.
+    """
+
+    def __init__(self, ca_file: Path) -> None:
+        try:
+            cas = x509.load_pem_x509_certificates(ca_file.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"client CA file {ca_file}: {exc}") from None
+        self._verifier = PolicyBuilder().store(Store(cas)).build_client_verifier()
+
+    def require(self, quic: QuicConnection) -> None:
+        initialize = quic._initialize
+
+        def initialize_with_client_auth(peer_cid: bytes) -> None:
+            initialize(peer_cid)
+            context = quic.tls
+            context._request_client_certificate = True
+            handle_certificate = context._server_handle_certificate
+
+            def handle_and_verify(input_buf: Any) -> None:
+                handle_certificate(input_buf)
+                if context._peer_certificate is None:
+                    raise tls.AlertHandshakeFailure("a client certificate is required")
+                self.verify(context._peer_certificate, context._peer_certificate_chain)
+
+            context._server_handle_certificate = handle_and_verify  # type: ignore[method-assign]
+
+        quic._initialize = initialize_with_client_auth  # type: ignore[method-assign]
+
+    def verify(self, leaf: Any, chain: list[Any]) -> None:
+        try:
+            self._verifier.verify(leaf, chain)
+        except VerificationError as exc:
+            raise tls.AlertBadCertificate(f"client certificate not signed by the configured CA: {exc}") from None

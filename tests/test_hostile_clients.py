@@ -1,0 +1,170 @@
+"""Hostile and careless HTTP/1.1 clients on the Unix socket: each attack runs against a real daemon
+with short limits, and afterwards (or throughout) a good client is still served."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from appliance.audio import encode_wav
+from appliance.client import Client
+
+LIMITS = (
+    "header_timeout_s = 1.0\nbody_timeout_s = 1.0\nkeepalive_timeout_s = 1.5\n"
+    f"max_header_bytes = {16 << 10}\nmax_buffered_bytes = {1 << 20}\npipeline_depth = 8\n"
+)
+HEALTH = b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, keys, bundle):
+    from conftest import Daemon
+
+    d = Daemon(tmp_path_factory.mktemp("hostile"), bundle, keys.trusted, extra_server=LIMITS).wait_ready()
+    yield d
+    d.stop()
+
+
+def connect(daemon) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(daemon.socket))
+    return sock
+
+
+def send(sock: socket.socket, data: bytes) -> None:
+    """Send what the daemon will take: it may refuse a request before the client has sent it all."""
+    try:
+        sock.sendall(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything until the daemon closes the connection."""
+    out = b""
+    while chunk := sock.recv(1 << 16):
+        out += chunk
+    return out
+
+
+def responses(raw: bytes) -> list[tuple[int, bytes]]:
+    """(status, body) of each response in a stream of them (content-length framed)."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(int(v) for k, _, v in (line.partition(b": ") for line in lines[1:]) if k == b"content-length")
+        out.append((int(lines[0].split()[1]), rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+def assert_served(daemon) -> None:
+    with Client(str(daemon.socket), timeout=10) as client:
+        assert client.health()["ready"]
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(daemon) -> None:
+    sock = connect(daemon)
+    started = time.monotonic()
+    assert read_all(sock) == b""
+    assert 0.9 < time.monotonic() - started < 5
+    assert_served(daemon)
+
+
+def test_a_head_that_never_ends_gets_408(daemon) -> None:
+    sock = connect(daemon)
+    sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n")
+    [(status, body)] = responses(read_all(sock))
+    assert status == 408 and json.loads(body) == {"error": "request head not complete within 1 s"}
+    assert "limit: request head not complete within 1 s" in daemon.log.read_text()
+    assert_served(daemon)
+
+
+def test_a_stalled_body_gets_408_and_its_bytes_go_back_to_the_budget(daemon) -> None:
+    for _ in range(3):  # more than the budget in total: each stalled body's bytes are given back
+        sock = connect(daemon)
+        sock.sendall(b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 700000\r\n\r\n" + b"x" * 600_000)
+        [(status, body)] = responses(read_all(sock))
+        assert status == 408 and json.loads(body) == {"error": "request body stalled for 1 s"}
+    assert_served(daemon)
+
+
+def test_stalled_uploads_together_meet_the_body_budget(daemon) -> None:
+    first = connect(daemon)
+    first.sendall(b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 900000\r\n\r\n" + b"x" * 700_000)
+    time.sleep(0.2)
+    second = connect(daemon)
+    send(second, b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 900000\r\n\r\n" + b"x" * 700_000)
+    [(status, body)] = responses(read_all(second))
+    assert status == 503 and "request bodies held by all clients are at the limit of 1048576 bytes" in body.decode()
+    assert responses(read_all(first))[0][0] == 408
+    assert_served(daemon)
+
+
+def test_an_endless_header_line_is_refused_as_it_arrives(daemon) -> None:
+    sock = connect(daemon)
+    send(sock, b"GET /" + b"a" * (4 << 20))  # 4 MiB of one line, never finished: refused as it arrives
+    [(status, body)] = responses(read_all(sock))
+    assert status == 431 and json.loads(body) == {"error": f"request line and headers exceed {16 << 10} bytes"}
+    assert_served(daemon)
+
+
+def test_a_good_request_then_garbage_are_answered_in_order(daemon) -> None:
+    sock = connect(daemon)
+    sock.sendall(HEALTH + b"\x00\x01 not http\r\n\r\n")
+    answers = responses(read_all(sock))
+    assert [status for status, _ in answers] == [200, 400]
+    assert json.loads(answers[0][1]) == {"ready": True}
+    assert json.loads(answers[1][1])["error"].startswith("malformed HTTP request")
+
+
+def test_a_client_that_half_closes_after_its_request_gets_the_answer(daemon) -> None:
+    sock = connect(daemon)
+    sock.sendall(HEALTH * 2)
+    sock.shutdown(socket.SHUT_WR)
+    assert [status for status, _ in responses(read_all(sock))] == [200, 200]
+
+
+def test_pipelined_requests_are_all_answered_in_order_with_reading_paused(daemon) -> None:
+    sock = connect(daemon)
+    count = 2000  # far more than pipeline_depth: the daemon stops reading until it has answered
+    sender = threading.Thread(target=sock.sendall, args=(HEALTH * count,))
+    sender.start()
+    raw = b""
+    while raw.count(b"HTTP/1.1 200") < count:
+        chunk = sock.recv(1 << 16)
+        assert chunk, "closed before every request was answered"
+        raw += chunk
+    sender.join(10)
+    assert [status for status, _ in responses(raw)] == [200] * count
+
+
+def test_an_idle_keep_alive_connection_is_closed(daemon) -> None:
+    sock = connect(daemon)
+    sock.sendall(HEALTH)
+    time.sleep(0.3)
+    started = time.monotonic()
+    raw = read_all(sock)
+    assert [status for status, _ in responses(raw)] == [200] and 1.0 < time.monotonic() - started < 5
+
+
+def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon) -> None:
+    daemon = start_daemon()
+    wav = encode_wav(np.zeros(16000 * 5, np.float32), 16000)
+    sock = connect(daemon)
+    sock.sendall(b"POST /v2/models/silero_vad/segments HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(wav) + wav[:1000])
+    time.sleep(0.3)
+    daemon.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    sock.sendall(wav[1000:])
+    [(status, body)] = responses(read_all(sock))
+    assert status == 200 and json.loads(body)["duration"] == 5.0
+    assert daemon.proc.wait(30) == 0
