@@ -150,3 +150,30 @@ def test_ending_an_opened_sequence_spares_a_reopened_one() -> None:
     second = table.start("x", now=1).serial  # the client reconnected and started it again
     assert not table.end_opened("x", first) and table.holds("x", second)
     assert table.end_opened("x", second) and len(table) == 0
+
+
+def test_a_live_frame_goes_before_a_recording_that_fills_the_batch() -> None:
+    engine = CountingEngine()
+    batcher = Batcher(frame_model(engine), max_batch=4)
+    done: list[str] = []
+    shards = [  # a long recording: four shards of 100 frames fill the batch
+        Work(batcher.model.new_sequence(), np.zeros((100, 512), np.float32), lambda w, e, i=i: done.append(f"shard{i}"))
+        for i in range(4)
+    ]
+    for shard in shards:
+        batcher.submit(shard)
+    batcher.fill()
+    batcher.run_steps()  # one engine call: the recording is under way
+    live = Work(
+        batcher.model.new_sequence(), np.zeros((1, 512), np.float32), lambda w, e: done.append("live"), live=True
+    )
+    batcher.submit(live)
+    assert batcher.run_steps(budget_s=10.0) == []  # returns at once: a live frame waits
+    while "live" not in done:
+        step(batcher)
+    assert done == ["live"] and engine.batches[-1] == 4  # one shard stepped out for it
+    while batcher.busy:
+        step(batcher)
+    assert sorted(done) == ["live", "shard0", "shard1", "shard2", "shard3"]
+    for shard in shards:  # the counting state went on where it was: the paused shard resumed intact
+        np.testing.assert_allclose(shard.probs, np.arange(100))

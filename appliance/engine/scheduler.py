@@ -92,6 +92,7 @@ class Work:
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
     cancelled: bool = False  # its caller went away before it started: never run it
+    live: bool = False  # a live stream's frames: they go before recordings, and may push one out of the batch
 
     def __post_init__(self) -> None:
         self.probs = np.empty(len(self.frames), np.float32)
@@ -180,50 +181,59 @@ class EngineStats:
 
 
 class Batcher:
-    """Continuous batching of works up to the baked max_batch.
+    """Continuous batching of works up to the baked max_batch, live streams first.
 
-    The caller drives it (vad.EngineLoop): `submit` works, `fill` the batch from the waiting
+    The caller drives it (engine/loop.py): `submit` works, `fill` the batch from the waiting
     ones, `run_steps` (engine calls; safe to run on another thread while `submit` goes on),
-    then hand the finished works their results with `finish`.
+    then hand the finished works their results with `finish`. A live stream's frames never wait
+    behind a recording: they are taken first, and when the batch is full a recording's shard steps
+    out between two engine calls (its sequence keeps its state) and resumes when there is room.
     """
 
     def __init__(self, model: FrameModel, max_batch: int) -> None:
         self.model, self.max_batch = model, max_batch
         self.stats = EngineStats()
-        self._pending: deque[Work] = deque()
+        self._live: deque[Work] = deque()
+        self._bulk: deque[Work] = deque()
         self._active: list[Work] = []
 
     @property
     def queue_depth(self) -> int:
-        return len(self._pending) + len(self._active)
+        return len(self._live) + len(self._bulk) + len(self._active)
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending or self._active)
+        return bool(self._live or self._bulk or self._active)
 
     @property
     def waiting(self) -> int:
-        return len(self._pending)
+        return len(self._live) + len(self._bulk)
 
     def submit(self, work: Work) -> None:
-        self._pending.append(work)
+        (self._live if work.live else self._bulk).append(work)
 
     def fill(self) -> int:
-        """Move waiting works into the batch (one per sequence, in order); return the batch size."""
+        """Move waiting works into the batch (one per sequence, in order, live ones first, pushing
+        recordings out for them); return the batch size."""
         active = self._active
+        if self._live and len(active) >= self.max_batch:
+            pushed = [w for w in active if not w.live][-len(self._live) :]
+            active[:] = [w for w in active if w not in pushed]
+            self._bulk.extendleft(reversed(pushed))  # first again when there is room
         busy = {id(w.sequence) for w in active}
-        skipped: list[Work] = []
-        while self._pending and len(active) < self.max_batch:
-            work = self._pending.popleft()
-            if work.cancelled:
-                work.on_done(work, Unavailable("cancelled by its caller"))
-                continue
-            if id(work.sequence) in busy:
-                skipped.append(work)  # a later request of a sequence already running: keep its order
-            else:
-                active.append(work)
-                busy.add(id(work.sequence))
-        self._pending.extendleft(reversed(skipped))
+        for queue in (self._live, self._bulk):
+            skipped: list[Work] = []
+            while queue and len(active) < self.max_batch:
+                work = queue.popleft()
+                if work.cancelled:
+                    work.on_done(work, Unavailable("cancelled by its caller"))
+                    continue
+                if id(work.sequence) in busy:
+                    skipped.append(work)  # a later request of a sequence already running: keep its order
+                else:
+                    active.append(work)
+                    busy.add(id(work.sequence))
+            queue.extendleft(reversed(skipped))
         return len(active)
 
     def run_steps(self, budget_s: float = 0.0) -> list[tuple[Work, BaseException | None]]:
@@ -250,7 +260,8 @@ class Batcher:
             if finished:
                 active[:] = [w for w in active if w.next_frame < len(w.frames)]
                 return finished
-            if (self._pending and len(active) < self.max_batch) or time.perf_counter() >= deadline:
+            waiting = self._live or (self._bulk and len(active) < self.max_batch)
+            if waiting or time.perf_counter() >= deadline:
                 return finished
         return []
 

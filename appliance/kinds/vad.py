@@ -84,7 +84,7 @@ class VadModel:
         """False when the engine did not finish its batch in time (see EngineLoop.stop)."""
         return await self.engine_loop.stop(timeout_s)
 
-    def _submit(self, sequence: Sequence, frames: np.ndarray) -> asyncio.Future[np.ndarray]:
+    def _submit(self, sequence: Sequence, frames: np.ndarray, live: bool = False) -> asyncio.Future[np.ndarray]:
         """Queue frames of a sequence for the engine; the future gets their probabilities.
         Cancelling the future before the frames start running drops them from the queue."""
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
@@ -98,7 +98,7 @@ class VadModel:
             else:
                 future.set_exception(error)
 
-        work = Work(sequence, frames, done)
+        work = Work(sequence, frames, done, live=live)
         future.add_done_callback(lambda f: setattr(work, "cancelled", f.cancelled()))
         sequence.in_flight += 1
         self.engine_loop.submit(work)
@@ -120,7 +120,7 @@ class VadModel:
         try:
             if not len(samples):
                 return np.empty(0, np.float32), serial
-            return await self._submit(sequence, samples.reshape(-1, frame)), serial
+            return await self._submit(sequence, samples.reshape(-1, frame), live=True), serial
         finally:
             if end:
                 self.sequences.end(sequence_id)
