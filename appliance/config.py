@@ -84,6 +84,7 @@ class EngineConfig:
 class SequenceConfig:
     idle_timeout_s: float = 60.0
     max_live: int = 1024
+    max_per_client: int = 256  # one client's share of max_live
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +231,7 @@ def _check_values(config: Config) -> None:
         "quic.max_streams_per_connection": config.quic.max_streams_per_connection,
         "engine.threads": config.engine.threads,
         "sequences.max_live": config.sequences.max_live,
+        "sequences.max_per_client": config.sequences.max_per_client,
         "conncache.max_entries": config.conncache.max_entries,
         "conncache.peer_rate": config.conncache.peer_rate,
         "conncache.peer_burst": config.conncache.peer_burst,
@@ -262,6 +264,7 @@ LIVE_KEYS = frozenset(
         "engine.queue_delay_us",
         "sequences.idle_timeout_s",
         "sequences.max_live",
+        "sequences.max_per_client",
         "conncache.idle_timeout_s",
         "vad.threshold",
         "vad.min_speech_ms",

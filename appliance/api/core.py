@@ -214,6 +214,8 @@ class Api:
         sequence = _sequence_call(infer.parameters)
         if self.draining and sequence is not None and sequence.start:
             raise Unavailable("shutting down: no new sequences; open ones may finish")
+        if sequence is not None:
+            sequence = dataclasses.replace(sequence, client=request.client)
         outputs, opened = await model.infer(infer, sequence)
         out_params: dict[str, Any] = {}
         if sequence is not None:

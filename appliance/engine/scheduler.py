@@ -15,7 +15,7 @@ Batcher runs one engine call when asked, and the SequenceTable takes the time as
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from appliance.config import SequenceConfig
 from appliance.engine.interface import Engine
-from appliance.errors import ApiError, ApplianceError, BadRequest, TooManyRequests, Unavailable
+from appliance.errors import ApiError, ApplianceError, BadRequest, NotFound, TooManyRequests, Unavailable
 from appliance.firmware import ModelSpec
 
 
@@ -80,6 +80,7 @@ class Sequence:
     last_used: float = 0.0
     in_flight: int = 0
     serial: int = 0  # tells this sequence apart from an earlier or later one under the same key
+    client: str = ""  # who opened it (see protocol.messages.Request.client): only it may use it
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +106,7 @@ class SequenceTable:
     def __init__(self, model: FrameModel, settings: Callable[[], SequenceConfig]) -> None:
         self.model, self._settings = model, settings
         self._live: dict[object, Sequence] = {}
+        self._per_client: Counter[str] = Counter()
         self._serials = 0
 
     @property
@@ -118,36 +120,44 @@ class SequenceTable:
     def __len__(self) -> int:
         return len(self._live)
 
-    def start(self, key: object, now: float) -> Sequence:
-        """Open a sequence; a start on a live id restarts it (a client that reconnected)."""
-        old = self._live.pop(key, None)
-        if old is not None and old.in_flight:
-            self._live[key] = old
-            raise ApiError(f"sequence {key} has a request in flight; it cannot restart until that finishes", 409)
-        if len(self._live) >= self.max_live:
+    def start(self, key: object, now: float, client: str = "") -> Sequence:
+        """Open a sequence for `client`; a start on its own live id restarts it (it reconnected)."""
+        old = self._live.get(key)
+        if old is not None:
+            self._check_owner(key, old, client)
+            if old.in_flight:
+                raise ApiError(f"sequence {key} has a request in flight; it cannot restart until that finishes", 409)
+            self._drop(key)
+        share = self._settings().max_per_client
+        if len(self._live) >= self.max_live or self._per_client[client] >= share:
             self.expire(now)
-            if len(self._live) >= self.max_live:
-                raise TooManyRequests(
-                    f"sequence table full ({self.max_live} live sequences): end a sequence or retry later"
-                )
+        if len(self._live) >= self.max_live:
+            raise TooManyRequests(
+                f"sequence table full ({self.max_live} live sequences): end a sequence or retry later"
+            )
+        if self._per_client[client] >= share:
+            raise TooManyRequests(f"this client holds {share} live sequences, its share: end one or retry later")
         sequence = self.model.new_sequence(key)
         self._serials += 1
-        sequence.last_used, sequence.serial = now, self._serials
+        sequence.last_used, sequence.serial, sequence.client = now, self._serials, client
         self._live[key] = sequence
+        self._per_client[client] += 1
         return sequence
 
-    def get(self, key: object, now: float) -> Sequence:
+    def get(self, key: object, now: float, client: str = "") -> Sequence:
         sequence = self._live.get(key)
         if sequence is None:
             raise BadRequest(
                 f"sequence {key} is not open (never started, ended, or expired after "
                 f"{self.idle_timeout_s:g} s idle): send sequence_start=true first"
             )
+        self._check_owner(key, sequence, client)
         sequence.last_used = now
         return sequence
 
     def end(self, key: object) -> None:
-        self._live.pop(key, None)
+        if key in self._live:
+            self._drop(key)
 
     def holds(self, key: object, serial: int) -> bool:
         sequence = self._live.get(key)
@@ -158,14 +168,26 @@ class SequenceTable:
         releasing what its vanished client opened); False if it ended or was reopened meanwhile."""
         if not self.holds(key, serial):
             return False
-        del self._live[key]
+        self._drop(key)
         return True
 
     def expire(self, now: float) -> int:
         idle = [k for k, s in self._live.items() if not s.in_flight and now - s.last_used > self.idle_timeout_s]
         for key in idle:
-            del self._live[key]
+            self._drop(key)
         return len(idle)
+
+    @staticmethod
+    def _check_owner(key: object, sequence: Sequence, client: str) -> None:
+        """Only the client that opened a sequence may feed, restart or end it; others do not see it."""
+        if sequence.client != client:
+            raise NotFound(f"sequence {key} belongs to another client")
+
+    def _drop(self, key: object) -> None:
+        sequence = self._live.pop(key)
+        self._per_client[sequence.client] -= 1
+        if not self._per_client[sequence.client]:
+            del self._per_client[sequence.client]
 
 
 class EngineStats:

@@ -28,6 +28,7 @@ class SequenceCall:
     id: object
     start: bool
     end: bool
+    client: str = ""  # who sends it (Request.client): only the client that opened a sequence may use it
 
 
 class ServedModel(Protocol):

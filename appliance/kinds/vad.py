@@ -73,7 +73,7 @@ class VadModel:
         samples = vad_api.audio_input(request, self.name)
         if sequence is None:
             return {vad_api.PROB_OUTPUT: await self.infer_recording(samples)}, None
-        probs, serial = await self.infer_stream(samples, sequence.id, sequence.start, sequence.end)
+        probs, serial = await self.infer_stream(samples, sequence.id, sequence.start, sequence.end, sequence.client)
         opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return {vad_api.PROB_OUTPUT: probs}, opened
 
@@ -105,7 +105,7 @@ class VadModel:
         return future
 
     async def infer_stream(
-        self, samples: np.ndarray, sequence_id: object, start: bool, end: bool
+        self, samples: np.ndarray, sequence_id: object, start: bool, end: bool, client: str = ""
     ) -> tuple[np.ndarray, int | None]:
         """Frames of a live stream; the runtime keeps its state and audio context between calls.
         Also the serial of the sequence when this call opened it."""
@@ -115,7 +115,10 @@ class VadModel:
                 f"a sequence request carries whole frames: {len(samples)} samples is not a multiple of {frame}"
             )
         now = self.clock()
-        sequence = self.sequences.start(sequence_id, now) if start else self.sequences.get(sequence_id, now)
+        if start:
+            sequence = self.sequences.start(sequence_id, now, client)
+        else:
+            sequence = self.sequences.get(sequence_id, now, client)
         serial = sequence.serial if start else None
         try:
             if not len(samples):

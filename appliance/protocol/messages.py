@@ -24,6 +24,9 @@ class Request:
     headers: dict[str, str]  # lower-case names
     body: bytes = b""
     peer: str = ""  # the LAN client's address and port (QUIC); empty on the Unix socket
+    # who is asking, as the transport knows it: "uid:N" (Unix socket peer credentials), "cert:FINGERPRINT"
+    # (QUIC with mutual TLS) or "quic:CONNECTION" (QUIC without); a stateful sequence is its opener's alone
+    client: str = ""
 
 
 @dataclass(slots=True)

@@ -74,9 +74,11 @@ class BodyBudget:
 
 
 class RequestAssembler:
-    def __init__(self, limits: ServerConfig, peer: str = "", budget: BodyBudget | None = None) -> None:
+    def __init__(
+        self, limits: ServerConfig, peer: str = "", budget: BodyBudget | None = None, client: str = ""
+    ) -> None:
         self.limits = limits  # the live ones at the request's start: a reload applies from the next request
-        self.peer = peer  # the LAN client's address (QUIC); empty on the Unix socket
+        self.peer, self.client = peer, client  # see Request
         self.budget = budget  # body bytes are taken from it as they arrive; the transport gives them back
         self.method = self.target = ""
         self.head_complete = False
@@ -113,7 +115,7 @@ class RequestAssembler:
         self._body.append(piece)
 
     def request(self) -> Request:
-        return Request(self.method, self.target, self._headers, b"".join(self._body), self.peer)
+        return Request(self.method, self.target, self._headers, b"".join(self._body), self.peer, self.client)
 
     def quiet_since(self, moment: float) -> bool:
         return self.last_heard < moment

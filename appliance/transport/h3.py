@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -22,6 +23,7 @@ from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
+from cryptography.hazmat.primitives import hashes
 
 from appliance.api.core import Api
 from appliance.config import Live, QuicConfig, ServerConfig
@@ -219,7 +221,16 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _dispatch(self, stream_id: int, request: Request) -> None:
         self.in_flight += 1
+        request = dataclasses.replace(request, client=self._client())
         asyncio.get_running_loop().create_task(self._serve(stream_id, request))
+
+    def _client(self) -> str:
+        """Who this connection is (Request.client): its verified client certificate where mutual TLS
+        is on, else the connection itself. Taken at dispatch: after the handshake for all but 0-RTT GETs."""
+        certificate = self._quic.tls._peer_certificate if self.server.client_certificates else None
+        if certificate is not None:
+            return f"cert:{certificate.fingerprint(hashes.SHA256()).hex()[:32]}"
+        return f"quic:{self._quic.original_destination_connection_id.hex()}"
 
     async def _serve(self, stream_id: int, request: Request) -> None:
         try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
@@ -39,6 +41,16 @@ def encode_response(response: Response, keep_alive: bool) -> bytes:
     if not keep_alive:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
+
+
+def peer_uid(sock: socket.socket | None) -> str:
+    """The connecting process's user (SO_PEERCRED): processes of one user can already read each
+    other's memory, so the user, not the process, is who owns a sequence on the Unix socket."""
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))  # type: ignore[union-attr]
+    except (OSError, AttributeError):  # not a Unix socket (a test's socketpair, another family)
+        return "unix"
+    return f"uid:{uid}"
 
 
 class Http1Server:
@@ -85,6 +97,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue: deque[tuple[Request | Response, bool]] = deque()
         self.busy = False
         self._assembler: RequestAssembler | None = None  # a request under way (begun, not complete)
+        self.client = ""
         self._idle_since = time.monotonic()
         self._rejected = self._half_closed = self._paused = self._served_any = False
 
@@ -96,6 +109,7 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio callbacks ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.client = peer_uid(transport.get_extra_info("socket"))
         if len(self.server.connections) >= self.server.limits.max_connections:
             self._reject(limit_bit(503, f"too many connections (limit {self.server.limits.max_connections})"))
             return
@@ -154,7 +168,7 @@ class HttpConnection(asyncio.Protocol):
 
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
     def on_message_begin(self) -> None:
-        self._assembler = RequestAssembler(self.server.limits, budget=self.server.budget)
+        self._assembler = RequestAssembler(self.server.limits, budget=self.server.budget, client=self.client)
 
     def on_url(self, url: bytes) -> None:
         self._step().add_target(url)
