@@ -52,7 +52,10 @@ class QuicConfig:
     stream_idle_timeout_s: float = 10.0  # a request stream that goes quiet this long gets a 408
     max_connections: int = 256
     max_streams_per_connection: int = 128
-    retry: bool = False
+    retry: bool = False  # always make clients prove their address; else only under pressure (below)
+    retry_when_handshaking: int = 64  # this many handshakes in progress switch Retry on by itself (0: never)
+    handshake_timeout_s: float = 5.0  # a handshake not complete by then is dropped, its slot freed
+    max_handshakes_per_source: int = 16  # handshakes in progress from one address
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +231,8 @@ def _check_values(config: Config) -> None:
         "quic.idle_timeout_s": config.quic.idle_timeout_s,
         "quic.max_connections": config.quic.max_connections,
         "quic.stream_idle_timeout_s": config.quic.stream_idle_timeout_s,
+        "quic.handshake_timeout_s": config.quic.handshake_timeout_s,
+        "quic.max_handshakes_per_source": config.quic.max_handshakes_per_source,
         "quic.max_streams_per_connection": config.quic.max_streams_per_connection,
         "engine.threads": config.engine.threads,
         "sequences.max_live": config.sequences.max_live,

@@ -13,7 +13,9 @@ import time
 import numpy as np
 import pytest
 from aioquic import tls
+from aioquic.h3.connection import H3_ALPN
 from aioquic.quic import connection as quic_connection
+from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import push_ack_frame
 from aioquic.quic.rangeset import RangeSet
 from conftest import Bystander, cli
@@ -306,3 +308,58 @@ def test_retry_validates_addresses_and_refuses_forged_tokens(start_daemon, tls) 
         asyncio.run(scenario(b"\x00" * 12 + b"forged token from nowhere"))
     with daemon.client("quic") as client:
         assert client.health()["ready"]
+
+
+def abandoned_hello(port: int, local_host: str = "127.0.0.1") -> socket.socket:
+    """A ClientHello in a real QUIC Initial from its own address, never followed up: what an attacker
+    sends to hold a handshake slot. The socket stays open so the server's answers can be read."""
+    connection = quic_connection.QuicConnection(configuration=QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN))
+    connection.connect(("127.0.0.1", port), now=time.time())
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((local_host, 0))
+    for data, addr in connection.datagrams_to_send(now=time.time()):
+        sock.sendto(data, addr)
+    return sock
+
+
+def test_abandoned_handshakes_free_their_slots_in_seconds(start_daemon, tls) -> None:
+    daemon = start_daemon(tls=tls, extra_quic="max_connections = 3\nhandshake_timeout_s = 1.0\n")
+    hellos = [abandoned_hello(daemon.quic_port) for _ in range(3)]  # every slot held
+    with pytest.raises((ConnectionError, TimeoutError)):
+        with Client(quic=f"127.0.0.1:{daemon.quic_port}", cafile=daemon.cafile, connect_timeout=1.0) as refused:
+            refused.health()
+    time.sleep(2.0)  # the abandoned handshakes time out
+    with daemon.client("quic") as client:
+        assert client.health()["ready"]
+    assert "limit: QUIC handshake not complete within 1 s" in daemon.log.read_text()
+    for sock in hellos:
+        sock.close()
+
+
+def test_one_address_holds_at_most_its_share_of_handshakes(start_daemon, tls) -> None:
+    daemon = start_daemon(tls=tls, extra_quic="max_handshakes_per_source = 3\nhandshake_timeout_s = 30.0\n")
+    hellos = [abandoned_hello(daemon.quic_port, "127.0.0.7") for _ in range(10)]
+    time.sleep(0.5)
+    with daemon.client() as unix:
+        quic_peers = [p["peer"] for p in unix.status()["conncache"]["peers"] if p["peer"].startswith("127.0.0.7:")]
+    assert len(quic_peers) == 10  # all were seen ...
+    assert "limit: more than 3 QUIC handshakes in progress from 127.0.0.7" in daemon.log.read_text()  # ... 7 refused
+    with daemon.client("quic") as client:  # another address is served
+        assert client.health()["ready"]
+    for sock in hellos:
+        sock.close()
+
+
+def test_retry_switches_on_by_itself_under_pressure(start_daemon, tls) -> None:
+    daemon = start_daemon(tls=tls, extra_quic="retry_when_handshaking = 3\nhandshake_timeout_s = 30.0\n")
+    hellos = [abandoned_hello(daemon.quic_port, f"127.0.0.{10 + i}") for i in range(3)]
+    time.sleep(0.3)
+    probe = abandoned_hello(daemon.quic_port, "127.0.0.20")
+    probe.settimeout(5)
+    answer, _ = probe.recvfrom(2048)
+    assert answer[0] & 0x80 and (answer[0] & 0x30) >> 4 == 3  # a long-header Retry packet, not a handshake
+    with daemon.client("quic") as client:  # a real client follows the Retry and is served
+        assert client.health()["ready"]
+    assert "quic: 3 handshakes in progress: Retry on" in daemon.log.read_text()
+    for sock in [*hellos, probe]:
+        sock.close()

@@ -21,15 +21,16 @@ class LimitLog:
     flood the journal, and an operator still sees which limit is biting and how hard."""
 
     def __init__(self) -> None:
-        self._last: dict[int, float] = {}
-        self._count: dict[int, int] = {}
+        self._last: dict[object, float] = {}
+        self._count: dict[object, int] = {}
 
-    def bit(self, status: int, message: str) -> None:
+    def bit(self, limit: object, message: str) -> None:
+        """`limit`: which one (its status, or a name), so each has its own line."""
         now = time.monotonic()
-        self._count[status] = self._count.get(status, 0) + 1
-        if now - self._last.get(status, -LOG_EVERY_S) >= LOG_EVERY_S:
-            log.warning("limit: %s (%d times in the last %.0f s)", message, self._count[status], LOG_EVERY_S)
-            self._last[status], self._count[status] = now, 0
+        self._count[limit] = self._count.get(limit, 0) + 1
+        if now - self._last.get(limit, -LOG_EVERY_S) >= LOG_EVERY_S:
+            log.warning("limit: %s (%d times in the last %.0f s)", message, self._count[limit], LOG_EVERY_S)
+            self._last[limit], self._count[limit] = now, 0
 
 
 LIMITS_BITTEN = LimitLog()

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import hashes
 from appliance.api.core import Api
 from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.protocol.messages import Opened, Request, Response
-from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, TicketStore
@@ -79,7 +79,15 @@ class H3Server:
         udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
         self.cache = open_cache(lambda: self.live.config.conncache, udp_socket)
         self._quic_server.admit = self.cache.admit
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_quiet_streams())
+        self._quic_server.handshaking = self.handshaking
+        self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    def handshaking(self) -> int:
+        return sum(not c.handshake_done for c in self.connections)
+
+    def handshaking_from(self, host: str) -> int:
+        return sum(not c.handshake_done and c.peer.rpartition(":")[0] == host for c in self.connections)
 
     def peers_held(self) -> set[str]:
         """Peers with an open connection."""
@@ -91,11 +99,18 @@ class H3Server:
             connection.close_quietly(reason)
         return self.owners.release(peer)
 
-    async def _reap_quiet_streams(self) -> None:
+    async def _reap(self) -> None:
+        """Quiet request streams get a 408; handshakes not complete in time lose their slot."""
+        quic = self.live.config.quic
         while True:
-            await asyncio.sleep(min(1.0, self.config.stream_idle_timeout_s / 2))
+            await asyncio.sleep(min(1.0, quic.stream_idle_timeout_s / 2, quic.handshake_timeout_s / 2))
+            quic, now = self.live.config.quic, time.monotonic()
             for connection in list(self.connections):
-                connection.reap_quiet_streams(time.monotonic() - self.config.stream_idle_timeout_s)
+                if not connection.handshake_done and now - connection.created > quic.handshake_timeout_s:
+                    LIMITS_BITTEN.bit("handshake", f"QUIC handshake not complete within {quic.handshake_timeout_s:g} s")
+                    connection.close_quietly("handshake not complete in time")
+                else:
+                    connection.reap_quiet_streams(now - quic.stream_idle_timeout_s)
 
     def close(self) -> None:
         if self._reaper is not None:
@@ -117,7 +132,8 @@ class H3Protocol(QuicConnectionProtocol):
         self.server = server
         self._http: H3Connection | None = None
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
-        self._handshake_done = False
+        self.handshake_done = False
+        self.created = time.monotonic()
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
         self.peer = ""
@@ -130,9 +146,18 @@ class H3Protocol(QuicConnectionProtocol):
             server.connections.add(self)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if not self.peer:
+        first = not self.peer
+        if first:
             self.peer = peer_name(addr)
         super().datagram_received(data, addr)
+        host, limit = self.peer.rpartition(":")[0], self.server.live.config.quic.max_handshakes_per_source
+        if first and self.server.handshaking_from(host) > limit:  # this one counts too
+            LIMITS_BITTEN.bit("handshakes", f"more than {limit} QUIC handshakes in progress from {host}")
+            self._quic.close(
+                error_code=0x2, reason_phrase="too many handshakes from this address"
+            )  # CONNECTION_REFUSED
+            self.transmit()
+            self.server.connections.discard(self)
 
     def close_quietly(self, reason: str) -> None:
         """Close a connection whose peer went silent: no one is listening for the reply."""
@@ -144,7 +169,7 @@ class H3Protocol(QuicConnectionProtocol):
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._http = H3Connection(self._quic)
         elif isinstance(event, HandshakeCompleted):
-            self._handshake_done = True
+            self.handshake_done = True
             waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
             for stream_id, request in waiting:
                 self._dispatch(stream_id, request)
@@ -214,7 +239,7 @@ class H3Protocol(QuicConnectionProtocol):
         if assembler is None:
             return
         request = assembler.request()
-        if not self._handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
+        if not self.handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
             self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
         else:
             self._dispatch(stream_id, request)

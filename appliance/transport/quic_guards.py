@@ -3,6 +3,7 @@ on Version Negotiation replies (no reflector), and the client-certificate check 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,13 @@ from typing import Any
 from aioquic import tls
 from aioquic.asyncio.server import QuicServer
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.retry import QuicRetryTokenHandler
 from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from appliance.transport.conncache import TokenBucket
+
+log = logging.getLogger("appliance.h3")
 
 
 class TicketStore:
@@ -33,23 +37,33 @@ class TicketStore:
 
 
 class GuardedQuicServer(QuicServer):
-    """aioquic's server with a budget on Version Negotiation replies.
+    """aioquic's server with a budget on Version Negotiation replies, and Retry under pressure.
 
     Any datagram with a long header and an unknown version earns a reply, so spoofed floods
     turn the box into a reflector (reported upstream). Real clients with another version are
     rare; a small global budget serves them and starves the reflection.
+
+    Retry (the client proves its address before the server keeps any state for it) costs a round
+    trip, so it is on always only where configured; otherwise `under_pressure` switches it on while
+    many handshakes are in progress, as nginx and quiche do, and off again below half of that.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # the connection cache's: counts each datagram, False when over the peer's budget
         self.admit: Callable[[bytes, Any], bool] = lambda data, addr: True
+        self.handshaking: Callable[[], int] = lambda: 0
+        self.retry_when_handshaking = 0
         self.version_negotiation = TokenBucket(rate=20.0, burst=40.0)
         self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
+        self._always_retry = self._retry is not None
+        self._retry_handler = self._retry or QuicRetryTokenHandler()  # one key: tokens stay valid across switches
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         if not self.admit(data, addr):  # type: ignore[arg-type]
             return
+        if not self._always_retry and self.retry_when_handshaking:
+            self._switch_retry(self.handshaking())
         if (
             isinstance(data, bytes)
             and len(data) >= 5
@@ -60,6 +74,14 @@ class GuardedQuicServer(QuicServer):
         ):
             return
         super().datagram_received(data, addr)
+
+    def _switch_retry(self, handshaking: int) -> None:
+        if self._retry is None and handshaking >= self.retry_when_handshaking:
+            self._retry = self._retry_handler
+            log.warning("quic: %d handshakes in progress: Retry on (clients prove their address first)", handshaking)
+        elif self._retry is not None and handshaking < self.retry_when_handshaking // 2:
+            self._retry = None  # type: ignore[assignment]  # aioquic sets None itself when retry is off
+            log.info("quic: %d handshakes in progress: Retry off", handshaking)
 
 
 class ClientCertificates:
