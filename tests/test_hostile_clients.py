@@ -22,13 +22,43 @@ LIMITS = (
 HEALTH = b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory, keys, bundle):
-    from conftest import Daemon
+class GoodUnixClient(threading.Thread):
+    """A well-behaved on-box app: a request every 50 ms on the Unix socket, all through the attacks."""
 
-    d = Daemon(tmp_path_factory.mktemp("hostile"), bundle, keys.trusted, extra_server=LIMITS).wait_ready()
-    yield d
-    d.stop()
+    def __init__(self, daemon) -> None:
+        super().__init__(daemon=True)
+        self.daemon_under_test, self.answered, self.errors = daemon, 0, []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        with Client(str(self.daemon_under_test.socket), timeout=10) as client:
+            while not self.stopping.wait(0.05):
+                try:
+                    assert client.health()["ready"]
+                    self.answered += 1
+                except Exception as exc:  # noqa: BLE001 - asserted at the end
+                    self.errors.append(exc)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, keys, bundle, tls):
+    """The daemon under attack, with a good client on each transport throughout the module: none of
+    their requests may fail, and the daemon's memory may grow by at most 256 MiB."""
+    from conftest import Bystander, Daemon
+
+    d = Daemon(tmp_path_factory.mktemp("hostile"), bundle, keys.trusted, extra_server=LIMITS, tls=tls).wait_ready()
+    rss_before = d.rss_kib()
+    unix = GoodUnixClient(d)
+    unix.start()
+    with Bystander(d, pause_s=0.05) as quic:
+        yield d
+    unix.stopping.set()
+    unix.join(10)
+    growth_mib = (d.rss_kib() - rss_before) / 1024
+    assert d.stop() == 0
+    assert not unix.errors and not quic.errors, (unix.errors[:3], quic.errors[:3])
+    assert unix.answered > 20 and quic.answered > 20
+    assert growth_mib <= 256, f"resident memory grew by {growth_mib:.0f} MiB under attack"
 
 
 def connect(daemon) -> socket.socket:
@@ -42,7 +72,7 @@ def send(sock: socket.socket, data: bytes) -> None:
     """Send what the daemon will take: it may refuse a request before the client has sent it all."""
     try:
         sock.sendall(data)
-    except (BrokenPipeError, ConnectionResetError):
+    except OSError:  # refused (broken pipe, reset), or the test closed the socket
         pass
 
 
@@ -168,3 +198,16 @@ def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon) -> None:
     [(status, body)] = responses(read_all(sock))
     assert status == 200 and json.loads(body)["duration"] == 5.0
     assert daemon.proc.wait(30) == 0
+
+
+def test_a_client_that_pipelines_and_never_reads_holds_little(daemon) -> None:
+    sock = connect(daemon)
+    rss_before = daemon.rss_kib()
+    sender = threading.Thread(target=send, args=(sock, HEALTH * 100_000))  # about 4 MiB of requests, never read
+    sender.start()
+    time.sleep(3)
+    assert (daemon.rss_kib() - rss_before) / 1024 < 32  # reading paused, answers not queued past the buffer
+    assert_served(daemon)
+    sock.shutdown(socket.SHUT_RDWR)
+    sender.join(10)
+    sock.close()

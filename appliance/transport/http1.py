@@ -30,6 +30,7 @@ from appliance.transport.assembler import BodyBudget, Rejection, RequestAssemble
 
 log = logging.getLogger("appliance.http")
 TIMEOUT_CHECK_S = 0.5
+LINGER_S = 2.0  # after a rejection, how long the rest of what the client sends is read and dropped
 
 
 def encode_response(response: Response, keep_alive: bool) -> bytes:
@@ -100,6 +101,8 @@ class HttpConnection(asyncio.Protocol):
         self.client = ""
         self._idle_since = time.monotonic()
         self._rejected = self._half_closed = self._paused = self._served_any = False
+        self._writable = asyncio.Event()  # clear while the client does not read what it was sent
+        self._writable.set()
 
     @property
     def in_flight(self) -> int:
@@ -117,17 +120,23 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self._writable.set()  # a task waiting to write finds the transport closed and ends
         self._release(self._assembler.body_bytes if self._assembler else 0)
         self._assembler = None
         self._release(sum(len(r.body) for r, _ in self.queue if isinstance(r, Request)))
         self.queue.clear()
 
+    def pause_writing(self) -> None:
+        """Our send buffer is over its high-water mark: no more answers until the client reads."""
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
     def eof_received(self) -> bool:
         """A half-close after whole requests: answer them, then close (True keeps the transport open)."""
         self._half_closed = True
-        if self.busy or self.queue:
-            return True
-        return False
+        return not self._rejected and bool(self.busy or self.queue)
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
@@ -201,13 +210,16 @@ class HttpConnection(asyncio.Protocol):
     async def _serve(self) -> None:
         try:
             while self.queue and self.transport is not None:
+                await self._writable.wait()  # a client that does not read gets no more answers queued
+                if not self.queue or self.transport.is_closing():
+                    return
                 entry, keep_alive = self.queue.popleft()
                 if self._paused and len(self.queue) < self.server.limits.pipeline_depth:
                     self._paused = False
                     self.transport.resume_reading()
                 if isinstance(entry, Response):  # a rejection: the last answer on this connection
                     self.transport.write(encode_response(entry, keep_alive=False))
-                    self.transport.close()
+                    self._linger()
                     return
                 try:
                     response = await self.server.api.handle(entry)
@@ -231,6 +243,7 @@ class HttpConnection(asyncio.Protocol):
         """Send each piece as it is produced; False if the client went away meanwhile."""
         async with contextlib.aclosing(stream) as pieces:
             async for piece in pieces:
+                await self._writable.wait()
                 if self.transport is None or self.transport.is_closing():
                     return False
                 self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -248,6 +261,16 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
             self._enqueue(rejection.response, False)
+
+    def _linger(self) -> None:
+        """Close after a rejection the way RFC 9112 asks: stop sending, read and drop what the client is
+        still sending for a moment, then close. Closing at once with its bytes unread would reset the
+        connection, and the client could lose the answer that says why."""
+        assert self.transport is not None
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.transport.resume_reading()  # data_received drops it: the connection is rejected
+        asyncio.get_running_loop().call_later(LINGER_S, self.close)
 
     def _release(self, count: int) -> None:
         self.server.budget.give(count)
