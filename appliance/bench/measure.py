@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import subprocess
+import threading
 import time
 import wave
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import numpy as np
 
 from appliance import firmware
 from appliance.bench.daemon import DaemonProcess
-from appliance.client import AsyncClient, Call, infer_call
+from appliance.client import AsyncClient, Call, Client, infer_call
 from appliance.client.quic import QuicSession
 from appliance.engine.onnx_cpu import session
 
@@ -168,3 +169,35 @@ async def handshakes(address: str, cafile: str, rounds: int = 20) -> dict[str, f
         assert quic.handshake is not None and quic.handshake.early_data_accepted
         await quic.close()
     return {"full_median_us": stats_us(full)["median_us"], "resumed_0rtt_median_us": stats_us(resumed)["median_us"]}
+
+
+def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame_s: float) -> dict[str, float]:
+    """A one-frame live stream in real time (a frame every `frame_s`) while another client segments a
+    long recording in one call: the stream's latency, which the batcher's live-first order bounds."""
+    finished = threading.Event()
+    took: list[float] = []
+
+    def segment() -> None:
+        with Client(socket_path, timeout=600) as recording:
+            t = time.perf_counter()
+            recording.segments(wav)
+            took.append(time.perf_counter() - t)
+        finished.set()
+
+    latencies = []
+    with Client(socket_path) as live:
+        live.infer(frame, sequence_id="live-during-recording", start=True)
+        threading.Thread(target=segment, daemon=True).start()
+        while not finished.is_set():
+            t = time.perf_counter()
+            live.infer(frame, sequence_id="live-during-recording")
+            latencies.append(time.perf_counter() - t)
+            time.sleep(max(0.0, frame_s - latencies[-1]))
+        live.infer(frame, sequence_id="live-during-recording", end=True)
+    ms = np.asarray(latencies) * 1e3
+    return {
+        "p99_ms": round(float(np.percentile(ms, 99)), 1),
+        "max_ms": round(float(ms.max()), 1),
+        "frames": len(ms),
+        "recording_s": round(took[0], 2),
+    }

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from appliance import firmware
-from appliance.audio import to_frames
+from appliance.audio import encode_wav, to_frames
 from appliance.bench.conncache import connection_cache
 from appliance.bench.daemon import DaemonProcess
 from appliance.bench.hypercorn_peer import hypercorn_peer
@@ -22,6 +22,7 @@ from appliance.bench.measure import (
     compare_transports,
     concurrent_streams,
     handshakes,
+    live_during_recording,
     stats_us,
     test_audio,
     timed,
@@ -86,6 +87,11 @@ def run(bundle_dir: Path, trusted_keys: Path, seconds: float) -> dict[str, Any]:
             sharded = time.perf_counter() - t
             results["recording_600s"] = {"one_sequence_s": round(sequential, 3), "daemon_sharded_s": round(sharded, 3)}
             results["recording_ratio"] = round(sequential / sharded, 2)
+            # 4. a live stream while a 34-minute recording is segmented (the largest that fits the body limit)
+            wav = encode_wav(test_audio(34 * 60, rate), rate)
+            results["live_during_recording"] = live_during_recording(
+                str(daemon.socket), frame, wav, frame_samples / rate
+            )
             results["rss_mib"] = round(daemon.rss_mib(), 1)
             client.close()
             results["transports"] = asyncio.run(compare_transports(daemon, frame, seconds))
