@@ -28,6 +28,9 @@ from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 
+OFF_LOOP_SAMPLES = 1 << 18  # about 16 s at 16 kHz: longer recordings are framed and planned on a thread
+
+
 class VadModel:
     def __init__(
         self,
@@ -132,8 +135,10 @@ class VadModel:
         """A whole recording, cut into shards of at most the baked frames, all run as one batch;
         yields its probabilities in order, in pieces of at most `chunk_frames` (a shard when None)
         as soon as each is computed, so a caller can stream long results as they are produced."""
-        frames = to_frames(samples, self.frames.frame_samples)
-        plan = plan_shards(frame_energy(frames), self.baked.max_tokens_per_shard, self.baked.split_algorithm)
+        if len(samples) > OFF_LOOP_SAMPLES:  # framing a long recording takes long: not on the loop live streams need
+            frames, plan = await asyncio.to_thread(self._shards, samples)
+        else:
+            frames, plan = self._shards(samples)
         pieces: list[asyncio.Future[np.ndarray]] = []
         for start, end in plan:
             sequence = self.frames.new_sequence()
@@ -147,6 +152,10 @@ class VadModel:
         finally:
             for piece in pieces:
                 piece.cancel()
+
+    def _shards(self, samples: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        frames = to_frames(samples, self.frames.frame_samples)
+        return frames, plan_shards(frame_energy(frames), self.baked.max_tokens_per_shard, self.baked.split_algorithm)
 
     async def infer_recording(self, samples: np.ndarray) -> np.ndarray:
         pieces = [p async for p in self.recording_chunks(samples)]
