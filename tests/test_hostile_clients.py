@@ -211,3 +211,15 @@ def test_a_client_that_pipelines_and_never_reads_holds_little(daemon) -> None:
     sock.shutdown(socket.SHUT_RDWR)
     sender.join(10)
     sock.close()
+
+
+def test_idle_connections_cannot_hold_every_slot(start_daemon) -> None:
+    daemon = start_daemon(extra_server="max_connections = 50\nheader_timeout_s = 1.0\n")
+    idle = [connect(daemon) for _ in range(50)]  # every slot, and never a request
+    time.sleep(0.2)
+    refused = connect(daemon)
+    [(status, body)] = responses(read_all(refused))
+    assert status == 503 and json.loads(body) == {"error": "too many connections (limit 50)"}
+    time.sleep(1.5)  # the idle ones had the head's time and are gone
+    assert_served(daemon)
+    assert all(read_all(sock) == b"" for sock in idle)
