@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from appliance import config as config_files
-from appliance import exitcodes, firmware, signals, systemd
+from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api.core import Api
 from appliance.config import Config, Live, ServerConfig
 from appliance.engine import load_engine
@@ -51,7 +51,7 @@ def load_models(live: Live, bundle: firmware.Bundle) -> dict[str, ServedModel]:
 
 def bind_unix_socket(server: ServerConfig) -> socket.socket:
     path = server.socket
-    path.parent.mkdir(parents=True, exist_ok=True)
+    durable.make_directories(path.parent)  # 0755 whatever the umask
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise ApplianceError(f"{path}: exists and is not a socket; refusing to replace it")

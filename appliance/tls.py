@@ -12,11 +12,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from appliance.durable import replace_file
+from appliance.durable import make_directories, replace_file
 
 
 def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 3650) -> str:
-    """Write a P-256 key (0600) and a self-signed certificate for the box; return its SHA-256 fingerprint."""
+    """Write a P-256 key (0600) and a self-signed certificate (0644) for the box, in directories made 0755,
+    whatever the umask; return the certificate's SHA-256 fingerprint."""
     key = ec.generate_private_key(ec.SECP256R1())
     hostname = socket.gethostname()
     dns = sorted({hostname, "localhost", *[n for n in names if not _is_ip(n)]})
@@ -40,14 +41,14 @@ def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: in
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(key, hashes.SHA256())
     )
-    key_path.parent.mkdir(parents=True, exist_ok=True)
-    cert_path.parent.mkdir(parents=True, exist_ok=True)
+    make_directories(key_path.parent)
+    make_directories(cert_path.parent)
     replace_file(
         key_path,
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
         mode=0o600,
     )
-    replace_file(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    replace_file(cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
     return cert.fingerprint(hashes.SHA256()).hex()
 
 

@@ -184,6 +184,11 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "max_body_bytes": 1 << 20,
         "max_header_bytes": 4096,
         "max_connections": 7,
+        "max_buffered_bytes": 3 << 20,
+        "header_timeout_s": 2.5,
+        "body_timeout_s": 3.5,
+        "keepalive_timeout_s": 4.5,
+        "pipeline_depth": 5,
         "shutdown_grace_s": 0.1,
     },
     "quic": {
@@ -198,6 +203,9 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "max_connections": 3,
         "max_streams_per_connection": 9,
         "retry": True,
+        "retry_when_handshaking": 6,
+        "handshake_timeout_s": 1.5,
+        "max_handshakes_per_source": 2,
     },
     "conncache": {
         "backend": "user",
@@ -209,7 +217,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
     },
     "firmware": {"bundle": "../fw/current", "trusted_keys": "keys dir/trusted"},
     "engine": {"device": "auto", "threads": 8, "queue_delay_us": 250},
-    "sequences": {"idle_timeout_s": 0.3333333333333333, "max_live": 5},
+    "sequences": {"idle_timeout_s": 0.3333333333333333, "max_live": 5, "max_per_client": 3},
     "vad": {"threshold": 0.123456789012345, "min_speech_ms": 1, "min_silence_ms": 2, "speech_pad_ms": 0},
     "log": {"level": "debug"},
 }

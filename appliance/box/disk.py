@@ -1,4 +1,7 @@
-"""Bytes of disks and image files: read and hash in blocks, write a region and sync it, sizes; the disk tools."""
+"""Bytes of disks and image files: read and hash in blocks, write a region and sync it, sizes; the disk tools.
+
+An image's disk.raw is update media and comes as a `keys.Medium` (opened by `keys.open_medium`: a regular
+file reached without links, its size bounded); a path is a target (a block device, a file being written)."""
 
 from __future__ import annotations
 
@@ -8,13 +11,17 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+from appliance import keys
 from appliance.errors import ApplianceError
 from appliance.progress import Advance, Progress, ignore
 
 BLOCK = 4 << 20
 
 
-def read_range(path: Path, offset: int, size: int) -> Iterator[bytes]:
+def read_range(path: Path | keys.Medium, offset: int, size: int) -> Iterator[bytes]:
+    if isinstance(path, keys.Medium):
+        yield from path.blocks(offset, size, BLOCK)
+        return
     with path.open("rb") as f:
         f.seek(offset)
         left = size
@@ -26,7 +33,7 @@ def read_range(path: Path, offset: int, size: int) -> Iterator[bytes]:
             yield block
 
 
-def sha256_range(path: Path, offset: int, size: int, advance: Advance = ignore) -> str:
+def sha256_range(path: Path | keys.Medium, offset: int, size: int, advance: Advance = ignore) -> str:
     digest = hashlib.sha256()
     for block in read_range(path, offset, size):
         digest.update(block)
@@ -42,7 +49,13 @@ def enumerate_blocks(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def write_region(
-    source: Path, source_offset: int, size: int, target: Path, target_offset: int, what: str, progress: Progress
+    source: Path | keys.Medium,
+    source_offset: int,
+    size: int,
+    target: Path,
+    target_offset: int,
+    what: str,
+    progress: Progress,
 ) -> None:
     """Copy size bytes from source to target, fsync, and drop the target's cached pages for a read-back."""
     fd = os.open(target, os.O_WRONLY)

@@ -7,8 +7,8 @@ import stat
 from pathlib import Path
 
 from appliance.box.disk import size_of, write_region
-from appliance.box.layout import DISK, DISK_SIZE
-from appliance.box.manifest import ImageManifest, check_regions, verify
+from appliance.box.layout import DISK_SIZE
+from appliance.box.manifest import ImageManifest, check_regions, open_disk, verify
 from appliance.errors import ApplianceError
 from appliance.progress import QUIET, Progress
 
@@ -54,7 +54,8 @@ def flash(image_dir: Path, target: Path, trust_dir: Path, progress: Progress = Q
     if size < DISK_SIZE:
         raise ApplianceError(f"{target}: {size} bytes, too small for the image ({DISK_SIZE} bytes)")
     manifest = verify(image_dir, trust_dir, progress=progress)
-    write_region(image_dir / DISK, 0, DISK_SIZE, target, 0, f"write {target}", progress)
+    with open_disk(image_dir) as disk:
+        write_region(disk, 0, DISK_SIZE, target, 0, f"write {target}", progress)
     # On a larger target the backup GPT stays where the image has it; the kernel reads the primary one.
     check_regions(target, 0, manifest.regions, f"{target} (read back)", progress, f"read back {target}")
     return manifest

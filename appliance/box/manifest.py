@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -71,6 +72,15 @@ def verify_signature(image_dir: Path, trust_dir: Path) -> ImageManifest:
         manifest = ImageManifest(**{**doc, "regions": tuple(Region(**r) for r in doc["regions"])})
     except (TypeError, KeyError) as exc:
         raise ApplianceError(f"{manifest_path}: malformed image manifest: {exc}") from None
+    keys.check_name(str(manifest.name), f"{manifest_path}: name")
+    keys.check_name(str(manifest.version), f"{manifest_path}: version")
+    for region in manifest.regions:
+        if not (
+            isinstance(region.name, str)
+            and isinstance(region.sha256, str)
+            and all(type(n) is int and n >= 0 for n in (region.offset, region.size))
+        ):
+            raise ApplianceError(f"{manifest_path}: malformed image manifest: region {str(region.name)[:40]!r}")
     if manifest.format != FORMAT_VERSION or manifest.disk_size != DISK_SIZE:
         raise ApplianceError(
             f"{manifest_path}: format {manifest.format}, disk size {manifest.disk_size}: "
@@ -80,7 +90,12 @@ def verify_signature(image_dir: Path, trust_dir: Path) -> ImageManifest:
 
 
 def check_regions(
-    path: Path, base: int, regions: tuple[Region, ...], what: str, progress: Progress = QUIET, phase: str | None = None
+    path: Path | keys.Medium,
+    base: int,
+    regions: tuple[Region, ...],
+    what: str,
+    progress: Progress = QUIET,
+    phase: str | None = None,
 ) -> None:
     """Every region's bytes, read from `path` at base + region offset, hash as the manifest says."""
     with progress.phase(phase or f"verify {what}", sum(r.size for r in regions)) as advance:
@@ -97,9 +112,14 @@ def verify(
 ) -> ImageManifest:
     """Signature, then the hash of every region (or of the named ones) of disk.raw."""
     manifest = verify_signature(image_dir, trust_dir)
-    disk = image_dir / DISK
-    if not disk.is_file() or disk.stat().st_size != manifest.disk_size:
-        raise ApplianceError(f"{disk}: missing or not {manifest.disk_size} bytes")
-    wanted = manifest.regions if names is None else tuple(manifest.region(n) for n in names)
-    check_regions(disk, 0, wanted, str(disk), progress)
+    with open_disk(image_dir) as disk:
+        if disk.size != manifest.disk_size:
+            raise ApplianceError(f"{disk.path}: {disk.size} bytes, not the {manifest.disk_size} of the manifest")
+        wanted = manifest.regions if names is None else tuple(manifest.region(n) for n in names)
+        check_regions(disk, 0, wanted, str(disk.path), progress)
     return manifest
+
+
+def open_disk(image_dir: Path) -> AbstractContextManager[keys.Medium]:
+    """The image's disk.raw, opened as update media (keys.open_medium), at most the layout's size."""
+    return keys.open_medium(image_dir, DISK, DISK_SIZE, "disk image")

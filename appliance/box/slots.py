@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.box.disk import run_tool, size_of, write_region
-from appliance.box.layout import DISK, INITRD_IN_ROOT, KERNEL_IN_ROOT, SLOTS, TRIAL_TRIES, loader_entry, slot_partition
-from appliance.box.manifest import check_regions, verify
-from appliance.durable import fsync_path, replace_file
+from appliance.box.layout import INITRD_IN_ROOT, KERNEL_IN_ROOT, SLOTS, TRIAL_TRIES, loader_entry, slot_partition
+from appliance.box.manifest import check_regions, open_disk, verify
+from appliance.durable import fsync_path, make_directories, replace_file
 from appliance.errors import ApplianceError
 from appliance.progress import QUIET, Progress
 
@@ -79,10 +79,11 @@ def update_slot(image_dir: Path, trust_dir: Path, box: Box = Box(), progress: Pr
     for entry in box.entries(trial):
         entry.unlink()
     fsync_path(box.esp / "loader/entries")
-    write_region(image_dir / DISK, region.offset, region.size, device, 0, f"write slot {trial}", progress)
+    with open_disk(image_dir) as disk:
+        write_region(disk, region.offset, region.size, device, 0, f"write slot {trial}", progress)
     check_regions(device, -region.offset, (region,), f"{device} (read back)", progress, f"read back slot {trial}")
     kernel_dir = box.esp / "appliance" / f"slot-{trial}"
-    kernel_dir.mkdir(parents=True, exist_ok=True)
+    make_directories(kernel_dir)
     replace_file(kernel_dir / "vmlinuz", _dump_from_ext4(device, KERNEL_IN_ROOT))
     replace_file(kernel_dir / "initrd.img", _dump_from_ext4(device, INITRD_IN_ROOT))
     replace_file(box.esp / "loader/entries" / f"slot-{trial}+{TRIAL_TRIES}.conf", loader_entry(trial, version).encode())

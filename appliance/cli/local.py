@@ -9,10 +9,14 @@ from typing import Any
 from appliance import config, keys
 from appliance.cli.options import add_config, command
 from appliance.config import QuicConfig
+from appliance.durable import make_directories
 from appliance.tls import init_self_signed
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
+    make_directories(args.out.parent)  # 0755, as the trust directory; the key itself is 0600, the public half 0644
+    if args.trust_dir is not None:
+        make_directories(args.trust_dir)
     kid = keys.new_key_pair(args.out, args.trust_dir)
     print(
         f"key {kid}: private {args.out}, public {args.out.with_suffix('.pub')}"

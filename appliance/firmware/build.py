@@ -17,6 +17,7 @@ import onnx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance import keys
+from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt
 from appliance.errors import ApplianceError
 from appliance.firmware import kernels
@@ -104,7 +105,9 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
         raise ApplianceError(f"{spec_path}: {exc}") from None
     private = keys.load_private_key(key_path)
     r = Reader(spec, str(spec_path))
-    name, version = r.get("name", str), r.get("version", str)
+    # checked as verify checks them: a build never makes a bundle that cannot verify
+    name = keys.check_name(r.get("name", str), f"{spec_path}: name")
+    version = keys.check_name(r.get("version", str), f"{spec_path}: version")
     targets = tuple(r.get("targets", list, ["cpu"]))
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or "cpu" not in targets:
@@ -112,11 +115,11 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
             f'{spec_path}: targets: {targets} must include "cpu" (the fallback) and only {", ".join(TARGETS)}'
         )
     baked = read_baked(r.table("baked"))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_directories(out_dir.parent)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir.parent))
-    staging.chmod(0o755)
+    staging.chmod(DIRECTORY_MODE)  # mkdtemp makes it 0700; the files in it are 0644 (files.write_blocks)
     try:
-        (staging / "models").mkdir()
+        make_directories(staging / "models")
         models, files, plans = [], [], []
         for m in r.tables("models"):
             fields = read_model_fields(m)
@@ -153,6 +156,9 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
             plans=tuple(plans),
         )
         sign(staging, manifest, private)
+        for path in staging.rglob("*"):  # whatever wrote them (nvcc, TensorRT, numpy), whatever the umask
+            if not path.is_symlink():
+                path.chmod(DIRECTORY_MODE if path.is_dir() else FILE_MODE)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)

@@ -1,28 +1,47 @@
-"""Reading, hashing and copying a bundle's files block by block, so a progress bar can follow them."""
+"""Reading, hashing and copying a bundle's files block by block, so a progress bar can follow them.
+
+Files of update media (a bundle being verified or installed) come as `keys.Medium` blocks, opened by
+`keys.open_medium`; plain paths are only for what the build itself was given or made."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from appliance.durable import create_file
 from appliance.progress import Advance, Progress, ignore
 
 
-def sha256_file(path: Path, advance: Advance = ignore) -> str:
-    digest = hashlib.sha256()
+def file_blocks(path: Path) -> Iterator[bytes]:
+    """A file the build was given or made, in blocks (never update media: see keys.open_medium)."""
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-            advance(len(block))
+        yield from iter(lambda: f.read(1 << 20), b"")
+
+
+def sha256_blocks(blocks: Iterable[bytes], advance: Advance = ignore) -> str:
+    digest = hashlib.sha256()
+    for block in blocks:
+        digest.update(block)
+        advance(len(block))
     return digest.hexdigest()
 
 
-def copy_file(source: Path, dest: Path, advance: Advance = ignore) -> None:
-    """shutil.copyfile, block by block, so that a progress bar can follow it."""
-    with source.open("rb") as src, dest.open("wb") as dst:
-        for block in iter(lambda: src.read(1 << 20), b""):
+def sha256_file(path: Path, advance: Advance = ignore) -> str:
+    return sha256_blocks(file_blocks(path), advance)
+
+
+def write_blocks(blocks: Iterable[bytes], dest: Path, advance: Advance = ignore) -> None:
+    """A new file (mode 0644 whatever the umask) made of blocks, so that a progress bar can follow it."""
+    with os.fdopen(create_file(dest), "wb") as dst:
+        for block in blocks:
             dst.write(block)
             advance(len(block))
+
+
+def copy_file(source: Path, dest: Path, advance: Advance = ignore) -> None:
+    write_blocks(file_blocks(source), dest, advance)
 
 
 def hash_files(directory: Path, relatives: list[str], progress: Progress, desc: str) -> dict[str, str]:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from appliance import keys
 from appliance.errors import ApplianceError
-from appliance.firmware.manifest import MANIFEST
 from appliance.firmware.verify import verify
 
 
 def inspect(bundle: Path, trust_dir: Path) -> dict[str, Any]:
     """{"bundle", "trusted_keys", "verified", "error", "manifest"}: the manifest as read (None when it cannot
-    be read as JSON) and, when it does not verify, the reason."""
-    manifest_path = bundle / MANIFEST
+    be read as JSON) and, when it does not verify, the reason. The manifest is read as update media
+    (keys.read_manifest: a regular file within its size limit, JSON of bounded nesting)."""
     doc: dict[str, Any] = {
         "bundle": str(bundle),
         "trusted_keys": str(trust_dir),
@@ -23,9 +22,9 @@ def inspect(bundle: Path, trust_dir: Path) -> dict[str, Any]:
         "manifest": None,
     }
     try:
-        doc["manifest"] = json.loads(manifest_path.read_bytes())
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
-        doc["error"] = f"{manifest_path}: cannot read the manifest: {exc}"
+        _, doc["manifest"] = keys.read_manifest(bundle)
+    except ApplianceError as exc:
+        doc["error"] = str(exc)
     if doc["error"] is None:
         try:
             verify(bundle, trust_dir)

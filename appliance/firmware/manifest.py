@@ -3,6 +3,7 @@ and the build spec TOML share one reader (every key known and of the right type)
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,12 @@ DATATYPES = {
     "FP64": "float64",
 }
 MANIFEST = keys.MANIFEST
+ARTIFACT_MAX = 16 * keys.GIB  # the largest artifact read (a TensorRT plan is a few hundred MiB)
+# An artifact is a plain relative path: at most 8 parts of letters, digits and . _ + - (none starting with
+# a dot), so none is absolute, "." or "..", or the manifest or its signature.
+ARTIFACT_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")
+ARTIFACT_PARTS_MAX = 8
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +229,28 @@ def _read_plan(r: Reader) -> PlanSpec:
     return plan
 
 
+def check_artifact_path(relative: str, where: str) -> str:
+    parts = relative.split("/")
+    if len(parts) > ARTIFACT_PARTS_MAX or not all(ARTIFACT_PART.fullmatch(part) for part in parts):
+        raise ApplianceError(
+            f"{where}: artifact path {relative[:80]!r} leaves the bundle or is not a plain relative path "
+            f"(at most {ARTIFACT_PARTS_MAX} parts of letters, digits and . _ + -, none starting with a dot)"
+        )
+    return relative
+
+
+def _read_artifacts(r: Reader) -> dict[str, str]:
+    artifacts = r.get("artifacts", dict)
+    for relative, digest in artifacts.items():
+        check_artifact_path(relative, f"{r.where}.artifacts")
+        if not isinstance(digest, str) or not SHA256.fullmatch(digest):
+            raise ApplianceError(f"{r.where}.artifacts: {relative}: not a sha256 in hex: {str(digest)[:80]!r}")
+    return dict(artifacts)
+
+
 def manifest_from_data(data: Any, where: str) -> Manifest:
+    """The typed manifest; the name and version are checked as safe names (keys.check_name) and the
+    artifacts as plain paths inside the bundle, so a signed manifest cannot name a file elsewhere."""
     r = Reader(data, where)
     models = []
     for m in r.tables("models"):
@@ -232,13 +260,13 @@ def manifest_from_data(data: Any, where: str) -> Manifest:
         m.done()
     manifest = Manifest(
         format=r.get("format", int),
-        name=r.get("name", str),
-        version=r.get("version", str),
+        name=keys.check_name(r.get("name", str), f"{where}.name"),
+        version=keys.check_name(r.get("version", str), f"{where}.version"),
         built_at=r.get("built_at", str),
         targets=tuple(r.get("targets", list)),
         baked=read_baked(r.table("baked")),
         models=tuple(models),
-        artifacts=dict(r.get("artifacts", dict)),
+        artifacts=_read_artifacts(r),
         signing_key_id=r.get("signing_key_id", str),
         plans=tuple(_read_plan(Reader(p, f"{where}.plans[{i}]")) for i, p in enumerate(r.get("plans", list, []))),
     )

@@ -11,10 +11,13 @@ Every change is a rename: a release is copied under a .partial name, synced, ver
 only then renamed into place; links are replaced by renaming a new link over them. A power cut
 therefore leaves the old state or the new one, and the daemon always finds a complete bundle.
 A bundle is refused before anything is written if its signature or a hash does not verify.
+Every release path is checked to be a directory right under releases/ (resolved, not a link) before
+anything is written or deleted there; directories are made 0755 and files 0644, whatever the umask.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Callable
@@ -22,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import keys
-from appliance.durable import PARTIAL, fsync_path, replace_file
+from appliance.durable import PARTIAL, fsync_path, make_directories, replace_file
 from appliance.errors import ApplianceError
-from appliance.firmware.files import copy_file, sha256_file
-from appliance.firmware.manifest import MANIFEST
+from appliance.firmware.files import write_blocks
+from appliance.firmware.manifest import ARTIFACT_MAX, MANIFEST
 from appliance.firmware.verify import verify
 from appliance.progress import QUIET, Progress
 
@@ -79,25 +82,57 @@ def _point(store: Store, name: str, release: Path | None) -> None:
     fsync_path(store.root)
 
 
+def release_path(store: Store, name: str) -> Path:
+    """store/releases/name, once checked to stay in the store: resolved, it is right under releases/, and
+    it is not a link. Every release the store writes or deletes goes through this first."""
+    path = store.releases / name
+    if "/" in name or name in ("", ".", "..") or path.is_symlink() or path.resolve().parent != store.releases.resolve():
+        raise ApplianceError(f"{path}: not a release directory in {store.releases} (refused: it would leave the store)")
+    return path
+
+
+def confined(store: Store, release: Path) -> Path:
+    """A release path from elsewhere (a link's target, a caller's argument), checked like release_path."""
+    if release.parent != store.releases:
+        raise ApplianceError(
+            f"{release}: not a release directory in {store.releases} (refused: it would leave the store)"
+        )
+    return release_path(store, release.name)
+
+
+def _limit(relative: str) -> tuple[int, str]:
+    return {
+        keys.MANIFEST: (keys.MANIFEST_MAX, "manifest"),
+        keys.SIGNATURE: (keys.SIGNATURE_MAX, "signature"),
+    }.get(relative, (ARTIFACT_MAX, "firmware artifact"))
+
+
 def install(store: Store, source: Path, trust_dir: Path, progress: Progress = QUIET) -> Path:
     """Copy a verified bundle into the store and verify the copy; returns its release directory."""
     manifest = verify(source, trust_dir, progress).manifest
-    release = (
-        store.releases / f"{manifest.name}-{manifest.version}-{manifest.signing_key_id[:8]}-"
-        f"{sha256_file(source / MANIFEST)[:12]}"
+    manifest_hash = hashlib.sha256(keys.read_medium(source, MANIFEST, keys.MANIFEST_MAX, "manifest")).hexdigest()
+    release = release_path(
+        store, f"{manifest.name}-{manifest.version}-{manifest.signing_key_id[:8]}-{manifest_hash[:12]}"
     )
     if release.is_dir():
         verify(release, trust_dir, progress)  # installed before: still intact
         return release
-    store.releases.mkdir(parents=True, exist_ok=True)
-    partial = release.with_name(release.name + PARTIAL)
+    make_directories(store.releases)
+    partial = release_path(store, release.name + PARTIAL)
     shutil.rmtree(partial, ignore_errors=True)
-    # Only what the signature covers is copied: the manifest, its signature and the listed artifacts.
+    make_directories(partial)
+    # Only what the signature covers is copied: the manifest, its signature and the listed artifacts,
+    # each read from the source as update media (keys.open_medium) and written 0644.
     covered = (keys.MANIFEST, keys.SIGNATURE, *manifest.artifacts)
-    with progress.phase(f"copy {source} to {partial}", sum((source / r).stat().st_size for r in covered)) as advance:
+    total = 0
+    for relative in covered:
+        with keys.open_medium(source, relative, *_limit(relative)) as medium:
+            total += medium.size
+    with progress.phase(f"copy {source} to {partial}", total) as advance:
         for relative in covered:
-            (partial / relative).parent.mkdir(parents=True, exist_ok=True)
-            copy_file(source / relative, partial / relative, advance)
+            make_directories((partial / relative).parent)
+            with keys.open_medium(source, relative, *_limit(relative)) as medium:
+                write_blocks(medium.blocks(), partial / relative, advance)
             fsync_path(partial / relative)
     for directory in sorted({(partial / r).parent for r in manifest.artifacts} | {partial}, reverse=True):
         fsync_path(directory)
@@ -109,6 +144,7 @@ def install(store: Store, source: Path, trust_dir: Path, progress: Progress = QU
 
 def switch(store: Store, release: Path) -> None:
     """Make release current, on trial; what was current becomes previous."""
+    release = confined(store, release)
     old_current, old_previous = store.current, store.previous
     if release == old_current:
         return
@@ -123,8 +159,10 @@ def commit(store: Store) -> None:
     fsync_path(store.root)
     keep = {store.current, store.previous}
     for release in store.releases.iterdir() if store.releases.is_dir() else ():
-        if release not in keep:
-            shutil.rmtree(release)
+        if release.is_symlink():  # not the store's doing: the link goes, what it points at stays
+            release.unlink()
+        elif release not in keep:
+            shutil.rmtree(confined(store, release))
 
 
 def revert(store: Store) -> Path:
@@ -136,11 +174,11 @@ def revert(store: Store) -> Path:
     if trial.exists():
         before = trial.read_text().strip()
         _point(store, "current", previous)
-        _point(store, "previous", store.releases / before if before else None)
+        _point(store, "previous", release_path(store, before) if before else None)
         trial.unlink()
         fsync_path(store.root)
         if failed is not None and failed not in (store.current, store.previous):
-            shutil.rmtree(failed, ignore_errors=True)
+            shutil.rmtree(confined(store, failed), ignore_errors=True)
     else:
         switch(store, previous)
     return previous

@@ -27,7 +27,6 @@ from appliance.kinds.shards import frame_energy, plan_shards
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
-
 OFF_LOOP_SAMPLES = 1 << 18  # about 16 s at 16 kHz: longer recordings are framed and planned on a thread
 
 
