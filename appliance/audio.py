@@ -97,8 +97,8 @@ def _read_mono(f: sf.SoundFile, sample_rate: int) -> np.ndarray:
         count += len(block)
         if not np.isfinite(block).all():
             raise unsupported("samples that are not finite numbers")
+        np.clip(block, -1.0, 1.0, out=block)  # float files may hold louder than full scale (and overflow a mean)
         mono = block[:, 0] if f.channels == 1 else block.mean(axis=1, dtype=np.float32)
-        np.clip(mono, -1.0, 1.0, out=mono)  # float files may hold louder than full scale
         pieces.append(mono if resampler is None else resampler.resample_chunk(mono))
     if resampler is not None:
         pieces.append(resampler.resample_chunk(np.zeros(0, np.float32), last=True))

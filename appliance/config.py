@@ -17,6 +17,7 @@ from typing import Any
 from appliance.errors import ApplianceError
 from appliance.firmware import BAKED_PARAMETERS, read_unverified_name
 
+VAD_MAX_MS = 60_000  # min_speech_ms, min_silence_ms, speech_pad_ms: here and in a request, 0 to this
 DEFAULT_FILE = Path("/etc/appliance/appliance.toml")
 DEFAULT_DROPINS = Path("/etc/appliance/conf.d")
 
@@ -252,6 +253,9 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if not 0.0 < config.vad.threshold < 1.0:
         raise ApplianceError(f"{source}: vad.threshold: must be between 0 and 1")
+    for key in ("min_speech_ms", "min_silence_ms", "speech_pad_ms"):  # as a request's own values are checked
+        if not 0 <= getattr(config.vad, key) <= VAD_MAX_MS:
+            raise ApplianceError(f"{source}: vad.{key}: must be between 0 and {VAD_MAX_MS}")
 
 
 # What SIGHUP can change in a running daemon; every other key needs a restart.

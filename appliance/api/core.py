@@ -16,6 +16,7 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import re
@@ -32,9 +33,10 @@ from appliance.firmware import Manifest
 from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
-from appliance.protocol.tensors import HEADER_LENGTH, decode_infer, encode_infer
+from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
 
 log = logging.getLogger("appliance.api")
+OFF_LOOP_BYTES = 1 << 20
 
 EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository_index", "segments", "metrics"]
 
@@ -210,7 +212,11 @@ class Api:
 
     async def _infer(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
-        infer = decode_infer(request.body, request.headers.get(HEADER_LENGTH))
+        json_length = request.headers.get(HEADER_LENGTH)
+        if len(request.body) > OFF_LOOP_BYTES:  # a large JSON body takes long to decode: not on the loop
+            infer = await asyncio.to_thread(decode_infer, request.body, json_length)
+        else:
+            infer = decode_infer(request.body, json_length)
         sequence = _sequence_call(infer.parameters)
         if self.draining and sequence is not None and sequence.start:
             raise Unavailable("shutting down: no new sequences; open ones may finish")
@@ -236,16 +242,31 @@ class Api:
         return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
 
 
+SEQUENCE_IDS = (-(2**63), 2**64 - 1)  # an integer sequence id is in the int64 or the uint64 range
+
+
 def _sequence_call(parameters: dict[str, Any]) -> SequenceCall | None:
     """Triton's sequence parameters, or None for a one-off request."""
     sequence_id = parameters.get("sequence_id")
     start, end = parameters.get("sequence_start", False), parameters.get("sequence_end", False)
-    if not isinstance(start, bool) or not isinstance(end, bool):
-        raise BadRequest("sequence_start and sequence_end must be booleans")
+    for name, flag in (("sequence_start", start), ("sequence_end", end)):
+        if not isinstance(flag, bool):
+            raise BadRequest(f"parameters.{name} must be true or false, got {json_kind(flag)}")
+    accepted = f"an integer from {SEQUENCE_IDS[0]} to {SEQUENCE_IDS[1]} or a string of at most {MAX_NAME_BYTES} bytes"
+    if isinstance(sequence_id, int) and not isinstance(sequence_id, bool):
+        if not SEQUENCE_IDS[0] <= sequence_id <= SEQUENCE_IDS[1]:
+            raise BadRequest(
+                f"parameters.sequence_id must be {accepted}, got an integer of {len(str(sequence_id))} digits"
+            )
+    elif isinstance(sequence_id, str):
+        if len(sequence_id.encode()) > MAX_NAME_BYTES:
+            raise BadRequest(
+                f"parameters.sequence_id must be {accepted}, got a string of {len(sequence_id.encode())} bytes"
+            )
+    elif sequence_id is not None:
+        raise BadRequest(f"parameters.sequence_id must be {accepted}, got {json_kind(sequence_id)}")
     if sequence_id is None or sequence_id == 0:
         if start or end:
             raise BadRequest("sequence_start/sequence_end need a non-zero sequence_id")
         return None
-    if isinstance(sequence_id, bool) or not isinstance(sequence_id, (int, str)):
-        raise BadRequest("sequence_id must be an integer or a string")
     return SequenceCall(sequence_id, start, end)

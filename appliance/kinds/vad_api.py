@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from appliance.audio import decode_audio
-from appliance.config import VadConfig
+from appliance.config import VAD_MAX_MS, VadConfig
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.segments import SegmentParams
 from appliance.protocol.messages import Request, Response, json_line, json_response
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.api")
 
 AUDIO_INPUT, PROB_OUTPUT = "audio", "speech_prob"
+SEGMENT_QUERY = ("threshold", "min_speech_ms", "min_silence_ms", "speech_pad_ms")  # the segments route's own
 STREAM_CHUNK_FRAMES = 64  # streamed results: the engine reports each shard in pieces of ~2 s of audio
 
 
@@ -71,6 +73,8 @@ def audio_input(infer: InferRequest, model_name: str) -> np.ndarray:
     if array.ndim != 1:
         raise BadRequest(f"input {AUDIO_INPUT}: shape must be [samples] or [1, samples], got {list(array.shape)}")
     if array.dtype == np.float32:
+        if not np.isfinite(array).all():  # one NaN would poison a stream's recurrent state for good
+            raise BadRequest(f"input {AUDIO_INPUT}: samples must be finite numbers (no NaN or infinity)")
         return array
     if array.dtype == np.int16:
         return array.astype(np.float32) / 32768.0
@@ -124,20 +128,38 @@ def _flag(raw: str, name: str) -> bool:
         return True
     if raw.lower() in ("0", "false", "no"):
         return False
-    raise BadRequest(f"query parameter {name}: {raw!r} is not true or false")
+    raise BadRequest(f"query parameter {name}: {_shown(raw)} is not true or false")
 
 
 def _segment_params(query: dict[str, str], defaults: VadConfig) -> SegmentParams:
-    values: dict[str, Any] = {}
-    for name, kind in (("threshold", float), ("min_speech_ms", int), ("min_silence_ms", int), ("speech_pad_ms", int)):
-        raw = query.get(name)
-        try:
-            values[name] = kind(raw) if raw is not None else getattr(defaults, name)
-        except ValueError:
-            raise BadRequest(f"query parameter {name}: {raw!r} is not a {kind.__name__}") from None
-    if not 0.0 < values["threshold"] < 1.0:
-        raise BadRequest("query parameter threshold: must be between 0 and 1")
-    unknown = sorted(k for k in query if k not in values)
+    """The query's segment parameters over the config's defaults, each range-checked."""
+    unknown = sorted(k for k in query if k not in SEGMENT_QUERY)
     if unknown:
-        raise BadRequest(f"unknown query parameter {unknown[0]!r}")
+        raise BadRequest(f"unknown query parameter {_shown(unknown[0])} (known: stream, {', '.join(SEGMENT_QUERY)})")
+    values: dict[str, Any] = {name: getattr(defaults, name) for name in SEGMENT_QUERY}
+    for name, raw in query.items():
+        values[name] = _threshold(raw) if name == "threshold" else _milliseconds(raw, name)
     return SegmentParams(**values)
+
+
+def _threshold(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value < 1.0:
+        raise BadRequest(f"query parameter threshold: must be a number between 0 and 1, got {_shown(raw)}")
+    return value
+
+
+def _milliseconds(raw: str, name: str) -> int:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= len(str(VAD_MAX_MS)) and int(raw) <= VAD_MAX_MS):
+        raise BadRequest(
+            f"query parameter {name}: must be a whole number of milliseconds from 0 to {VAD_MAX_MS}, got {_shown(raw)}"
+        )
+    return int(raw)
+
+
+def _shown(raw: str) -> str:
+    """A query value as a one-line message shows it: its repr, cut short."""
+    return repr(raw) if len(raw) <= 40 else repr(raw[:37]) + "..."

@@ -102,9 +102,11 @@ class RequestAssembler:
         self.method, self.head_complete = method, True
         if not self.method or not self.target.startswith("/"):
             raise Rejection(400, "request needs a method and a path starting with /")
-        length = self._headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
-            raise limit_bit(413, f"body of {length} bytes exceeds the limit of {self.limits.max_body_bytes} bytes")
+        # ASCII digits only ('²'.isdigit() is true); more than 18 of them is over any limit, and int() is spared
+        length = self._headers.get("content-length", "")
+        if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > self.limits.max_body_bytes):
+            shown = length if len(length) <= 18 else f"{length[:18]}... ({len(length)} digits)"
+            raise limit_bit(413, f"body of {shown} bytes exceeds the limit of {self.limits.max_body_bytes} bytes")
 
     def add_body(self, piece: bytes) -> None:
         self.last_heard = time.monotonic()
