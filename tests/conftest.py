@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,3 +250,39 @@ def client(request: pytest.FixtureRequest, daemon: Daemon):
     """One contract, two transports: every test that takes `client` runs over both."""
     with daemon.client(request.param) as c:
         yield c
+
+
+class GoodUnixClient(threading.Thread):
+    """A well-behaved on-box app: a request every 50 ms on the Unix socket."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        super().__init__(daemon=True)
+        self.target, self.answered, self.errors = daemon, 0, []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        with Client(str(self.target.socket), timeout=10) as client:
+            while not self.stopping.wait(0.05):
+                try:
+                    assert client.health()["ready"]
+                    self.answered += 1
+                except Exception as exc:  # noqa: BLE001 - asserted at the end
+                    self.errors.append(exc)
+
+
+@contextlib.contextmanager
+def good_clients_throughout(daemon: Daemon) -> Iterator[None]:
+    """A good client on each transport, a request every 50 ms, while the body runs attacks: none of
+    their requests may fail, and the daemon's resident memory may grow by at most 256 MiB. Stops it."""
+    rss_before = daemon.rss_kib()
+    unix = GoodUnixClient(daemon)
+    unix.start()
+    with Bystander(daemon, pause_s=0.05) as quic:
+        yield
+    unix.stopping.set()
+    unix.join(10)
+    growth_mib = (daemon.rss_kib() - rss_before) / 1024
+    assert daemon.stop() == 0
+    assert not unix.errors and not quic.errors, (unix.errors[:3], quic.errors[:3])
+    assert unix.answered > 20 and quic.answered > 20, (unix.answered, quic.answered)
+    assert growth_mib <= 256, f"resident memory grew by {growth_mib:.0f} MiB under attack"

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import Daemon, good_clients_throughout
 
 from appliance.audio import encode_wav
 from appliance.client import Client
@@ -22,43 +23,12 @@ LIMITS = (
 HEALTH = b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
-class GoodUnixClient(threading.Thread):
-    """A well-behaved on-box app: a request every 50 ms on the Unix socket, all through the attacks."""
-
-    def __init__(self, daemon) -> None:
-        super().__init__(daemon=True)
-        self.daemon_under_test, self.answered, self.errors = daemon, 0, []
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        with Client(str(self.daemon_under_test.socket), timeout=10) as client:
-            while not self.stopping.wait(0.05):
-                try:
-                    assert client.health()["ready"]
-                    self.answered += 1
-                except Exception as exc:  # noqa: BLE001 - asserted at the end
-                    self.errors.append(exc)
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, keys, bundle, tls):
-    """The daemon under attack, with a good client on each transport throughout the module: none of
-    their requests may fail, and the daemon's memory may grow by at most 256 MiB."""
-    from conftest import Bystander, Daemon
-
+    """The daemon under attack, with short limits and good clients on both transports throughout."""
     d = Daemon(tmp_path_factory.mktemp("hostile"), bundle, keys.trusted, extra_server=LIMITS, tls=tls).wait_ready()
-    rss_before = d.rss_kib()
-    unix = GoodUnixClient(d)
-    unix.start()
-    with Bystander(d, pause_s=0.05) as quic:
+    with good_clients_throughout(d):
         yield d
-    unix.stopping.set()
-    unix.join(10)
-    growth_mib = (d.rss_kib() - rss_before) / 1024
-    assert d.stop() == 0
-    assert not unix.errors and not quic.errors, (unix.errors[:3], quic.errors[:3])
-    assert unix.answered > 20 and quic.answered > 20
-    assert growth_mib <= 256, f"resident memory grew by {growth_mib:.0f} MiB under attack"
 
 
 def connect(daemon) -> socket.socket:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import soundfile as sf
+from conftest import Daemon, good_clients_throughout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,14 @@ SEGMENTS = "/v2/models/silero_vad/segments"
 FRAME = 512
 MAX_DEPTH = 32  # lists and objects inside each other that a request may have
 MAX_NAME_BYTES = 256  # a string sequence id, at most
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, keys, bundle, tls):
+    """The module's daemon, with good clients on both transports throughout the hostile requests."""
+    d = Daemon(tmp_path_factory.mktemp("hostile-input"), bundle, keys.trusted, tls=tls).wait_ready()
+    with good_clients_throughout(d):
+        yield d
 
 
 def infer_call(doc: Any) -> Call:
