@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 from appliance.api.core import _sequence_call
 from appliance.audio import decode_audio, encode_wav
 from appliance.client import Call, Client
+from appliance.client.http import encode_request
 from appliance.config import ServerConfig
 from appliance.errors import ApiError
-from appliance.protocol.tensors import NUMPY_TYPES, decode_infer, encode_request
+from appliance.protocol.tensors import NUMPY_TYPES, decode_infer
 from appliance.transport.assembler import Rejection, RequestAssembler
 
 INFER = "/v2/models/silero_vad/infer"

@@ -9,6 +9,7 @@ from typing import Any
 from appliance import config, keys
 from appliance.cli.options import add_config, command
 from appliance.config import QuicConfig
+from appliance.config.text import to_toml
 from appliance.durable import make_directories
 from appliance.tls import init_self_signed
 
@@ -26,7 +27,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    print(config.to_toml(config.load(args.config)), end="")
+    print(to_toml(config.load(args.config)), end="")
     return 0
 
 

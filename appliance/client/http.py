@@ -13,7 +13,7 @@ import httptools
 import numpy as np
 
 from appliance.client.errors import ServerError
-from appliance.protocol.tensors import decode_response, encode_request
+from appliance.protocol.tensors import NUMPY_TYPES, tensor_entry
 
 DEFAULT_MODEL = "silero_vad"
 DEFAULT_CONNECT_TIMEOUT_S = 5.0  # connecting, and the QUIC handshake: an unreachable daemon fails this fast
@@ -131,3 +131,41 @@ def segments_call(model: str, audio: bytes, **params: float | str) -> Call:
     query = f"?{urlencode(params)}" if params else ""
     content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
     return Call("POST", f"/v2/models/{model}/segments{query}", audio, (("content-type", content_type),))
+
+
+def encode_request(
+    inputs: dict[str, np.ndarray],
+    parameters: dict[str, Any] | None = None,
+    binary: bool = True,
+    request_id: str | None = None,
+) -> tuple[bytes, int | None]:
+    """Client side: an infer request body (binary tensors by default) and its JSON header length."""
+    chunks: list[bytes] = []
+    entries = [tensor_entry(name, np.asarray(array), binary, chunks) for name, array in inputs.items()]
+    doc: dict[str, Any] = {"inputs": entries}
+    if request_id is not None:
+        doc["id"] = request_id
+    params = dict(parameters or {})
+    if binary:
+        params["binary_data_output"] = True
+    if params:
+        doc["parameters"] = params
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    return (b"".join([header, *chunks]), len(header)) if binary else (header, None)
+
+
+def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
+    """Client side: the outputs of an infer response as arrays."""
+    head = body if header_length is None else body[:header_length]
+    doc = json.loads(head)
+    offset = header_length or 0
+    outputs = {}
+    for entry in doc["outputs"]:
+        dtype = np.dtype(NUMPY_TYPES[entry["datatype"]])
+        size = (entry.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            outputs[entry["name"]] = np.frombuffer(body, dtype, size // dtype.itemsize, offset).reshape(entry["shape"])
+            offset += size
+        else:
+            outputs[entry["name"]] = np.asarray(entry["data"], dtype).reshape(entry["shape"])
+    return outputs

@@ -124,7 +124,7 @@ CHOICES = {
     ("conncache", "backend"): ("auto", "ebpf", "user"),
     ("log", "level"): ("debug", "info", "warning", "error"),
 }
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "sources"}
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "sources"}
 _SECTION_TYPES = typing.get_type_hints(Config)
 
 
@@ -161,8 +161,8 @@ def _read_file(path: Path) -> dict[str, dict[str, Any]]:
     for section, table in data.items():
         if section in BAKED_PARAMETERS:
             raise ApplianceError(_baked_message(path, section, data))
-        if section not in _SECTIONS:
-            raise ApplianceError(f"{path}: [{section}]: unknown section (known: {', '.join(_SECTIONS)})")
+        if section not in SECTIONS:
+            raise ApplianceError(f"{path}: [{section}]: unknown section (known: {', '.join(SECTIONS)})")
         if not isinstance(table, dict):
             raise ApplianceError(f"{path}: {section}: expected a table")
         hints = typing.get_type_hints(_SECTION_TYPES[section])
@@ -288,7 +288,7 @@ def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
     """The running config with every changed LIVE_KEYS value taken from `new`; and the keys that
     changed and applied live, and those that changed and need a restart."""
     live, restart, sections = [], [], {}
-    for section in _SECTIONS:
+    for section in SECTIONS:
         before, after = getattr(old, section), getattr(new, section)
         changes = {}
         for f in dataclasses.fields(before):
@@ -301,57 +301,6 @@ def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
                     restart.append(name)
         sections[section] = dataclasses.replace(before, **changes)
     return dataclasses.replace(old, **sections), live, restart
-
-
-def to_toml(config: Config) -> str:
-    """The merged config as TOML, for `appliance config check`; `load` reads it back to an equal Config."""
-    merged = ", ".join(str(p) for p in config.sources).replace("\n", "\\n").replace("\r", "\\r")
-    lines = [f"# merged from: {merged or 'defaults only'}"]
-    for section in _SECTIONS:
-        lines.append(f"\n[{section}]")
-        for f in dataclasses.fields(getattr(config, section)):
-            value = getattr(getattr(config, section), f.name)
-            if value is None:  # TOML has no null: an unset optional value is left out, as in the files
-                lines.append(f"# {f.name} is not set")
-            else:
-                lines.append(f"{f.name} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if value != value:
-            return "nan"
-        if value in (float("inf"), float("-inf")):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)  # the shortest text that reads back as the same float ("30.0", "1e-07")
-    if isinstance(value, Path):
-        return _toml_string("" if value == Path("") else str(value))  # Path("") is unset, not "."
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _toml_string(text: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped."""
-    out = []
-    for ch in text:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04X}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
 
 
 class Live:

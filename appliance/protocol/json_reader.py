@@ -1,0 +1,241 @@
+"""A JSON reader for request bodies that bounds what a hostile body can cost: nesting at most
+MAX_DEPTH, at most MAX_VALUES values outside flat data lists, and flat lists of numbers kept as text
+(`Flat`) until the tensor's datatype and shape are known, then converted in chunks, so a large
+tensor never becomes a Python object per number. `json.loads` recurses without a bound and builds
+every number as an object, which is what this replaces for infer bodies."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.errors import BadRequest
+
+MAX_DEPTH = 32  # lists and objects inside each other; a request with 8-dimensional nested data needs 11
+MAX_VALUES = 100_000  # JSON values (keys included) outside the flat lists that hold tensor data
+CHUNK_CHARS = 1 << 18  # flat data is converted this many characters at a time (a bounded list each)
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+# What a list of only numbers, or only booleans, can hold between its brackets. One character class
+# repeated: the regex engine keeps no state per character, however long the list.
+_NUMBER_CHARS = re.compile(r"[-+.eE0-9, \t\n\r]*")
+_BOOLEAN_CHARS = re.compile(r"[truefals, \t\n\r]*")
+_LITERALS = (("true", True), ("false", False), ("null", None))
+# What the reader is inside, so that only an input's `data` is kept as text.
+_DOCUMENT, _INPUTS, _INPUT, _DATA, _OTHER = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """A JSON list of only numbers or only booleans, kept as its text between the brackets until
+    its datatype is known; `chunks` checks it as JSON and gives its values a bounded list at a time."""
+
+    text: str
+    start: int
+    end: int
+    booleans: bool
+
+    @property
+    def count(self) -> int:
+        if _match_end(_WHITESPACE, self.text, self.start) >= self.end:
+            return 0
+        return self.text.count(",", self.start, self.end) + 1
+
+    def has_fractions(self) -> bool:
+        return any(self.text.find(c, self.start, self.end) >= 0 for c in ".eE")
+
+    def chunks(self) -> Iterator[list[Any]]:
+        """Lists of at most about CHUNK_CHARS characters of values each; ValueError where not JSON."""
+        if not self.count:
+            return
+        start = self.start
+        while True:
+            cut = self.text.find(",", min(start + CHUNK_CHARS, self.end), self.end)
+            piece = self.text[start : self.end if cut < 0 else cut]
+            try:  # only number (or only boolean) characters: only numbers (or only booleans) come back
+                values = json.loads(f"[{piece}]")
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{exc.msg} at character {start + exc.pos - 1}") from None
+            if len(values) != piece.count(",") + 1:
+                raise ValueError(f"a value missing between commas after character {start}")
+            yield values
+            if cut < 0:
+                return
+            start = cut + 1
+
+
+class JsonReader:
+    """JSON text -> Python values, as `json.loads` gives them but bounded: at most MAX_DEPTH lists and
+    objects inside each other (a 400, never a RecursionError) and MAX_VALUES values, flat lists aside.
+    An input's `data` list of only numbers or only booleans comes back as a `Flat`; other flat lists
+    are parsed whole by `json.loads`, their values counted; strings are read by the json module."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.values = 0
+        self._decoder = json.JSONDecoder()
+
+    @classmethod
+    def read(cls, body: bytes) -> Any:
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: not UTF-8 at byte {exc.start}") from None
+        reader = cls(text.removeprefix("\ufeff"))
+        value, end = reader._value(reader._skip(0), 0, _DOCUMENT)
+        end = reader._skip(end)
+        if end != len(reader.text):
+            raise reader._invalid(end, "more after the document")
+        return value
+
+    def _value(self, pos: int, depth: int, mode: int) -> tuple[Any, int]:
+        self._count(1)
+        text = self.text
+        if text.startswith("{", pos):
+            return self._object(pos, depth + 1, mode)
+        if text.startswith("[", pos):
+            return self._array(pos, depth + 1, mode)
+        if text.startswith('"', pos):
+            return self._string(pos)
+        for word, value in _LITERALS:
+            if text.startswith(word, pos):
+                return value, pos + len(word)
+        number = _NUMBER.match(text, pos)
+        if number is None:
+            raise self._invalid(pos, "expected a value")
+        raw = number.group()
+        try:
+            return (float(raw) if any(c in raw for c in ".eE") else int(raw)), number.end()
+        except ValueError:
+            raise self._invalid(pos, "a number with too many digits") from None
+
+    def _object(self, pos: int, depth: int, mode: int) -> tuple[dict[str, Any], int]:
+        self._check_depth(depth)
+        result: dict[str, Any] = {}
+        pos = self._skip(pos + 1)
+        if self.text.startswith("}", pos):
+            return result, pos + 1
+        while True:
+            if not self.text.startswith('"', pos):
+                raise self._invalid(pos, "expected a string key")
+            self._count(1)
+            key, pos = self._string(pos)
+            pos = self._skip(pos)
+            if not self.text.startswith(":", pos):
+                raise self._invalid(pos, "expected ':'")
+            inner = (
+                _INPUTS
+                if mode == _DOCUMENT and key == "inputs"
+                else _DATA
+                if mode == _INPUT and key == "data"
+                else _OTHER
+            )
+            result[key], pos = self._value(self._skip(pos + 1), depth, inner)
+            pos = self._skip(pos)
+            if self.text.startswith(",", pos):
+                pos = self._skip(pos + 1)
+            elif self.text.startswith("}", pos):
+                return result, pos + 1
+            else:
+                raise self._invalid(pos, "expected ',' or '}'")
+
+    def _array(self, pos: int, depth: int, mode: int) -> tuple[Any, int]:
+        self._check_depth(depth)
+        flat = self._flat(pos)
+        if flat is not None:
+            if mode == _DATA:
+                return flat, flat.end + 1
+            self._count(flat.count)
+            try:
+                return json.loads(self.text[pos : flat.end + 1]), flat.end + 1
+            except ValueError:
+                raise self._invalid(pos, "a malformed list") from None
+        inner = _INPUT if mode == _INPUTS else _DATA if mode == _DATA else _OTHER
+        items: list[Any] = []
+        pos = self._skip(pos + 1)
+        while True:
+            item, pos = self._value(pos, depth, inner)
+            items.append(item)
+            pos = self._skip(pos)
+            if self.text.startswith(",", pos):
+                pos = self._skip(pos + 1)
+            elif self.text.startswith("]", pos):
+                return items, pos + 1
+            else:
+                raise self._invalid(pos, "expected ',' or ']'")
+
+    def _flat(self, pos: int) -> Flat | None:
+        """The list at `pos` as a `Flat` when it holds only number (or only boolean) characters."""
+        for chars, booleans in ((_NUMBER_CHARS, False), (_BOOLEAN_CHARS, True)):
+            end = _match_end(chars, self.text, pos + 1)
+            if self.text.startswith("]", end):
+                return Flat(self.text, pos + 1, end, booleans)
+        return None
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        try:
+            value, end = self._decoder.raw_decode(self.text, pos)
+        except ValueError:
+            raise self._invalid(pos, "a malformed string") from None
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise self._invalid(pos, "a string with an unpaired surrogate escape") from None
+        return value, end
+
+    def _skip(self, pos: int) -> int:
+        return _match_end(_WHITESPACE, self.text, pos)
+
+    def _count(self, values: int) -> None:
+        self.values += values
+        if self.values > MAX_VALUES:
+            raise BadRequest(
+                f"request body holds more than {MAX_VALUES} JSON values besides flat lists of numbers; "
+                "send tensor data as flat lists or as binary tensor data"
+            )
+
+    @staticmethod
+    def _check_depth(depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise BadRequest(f"request body nests lists and objects more than {MAX_DEPTH} deep")
+
+    @staticmethod
+    def _invalid(pos: int, what: str) -> BadRequest:
+        return BadRequest(f"request body is not valid JSON: {what} at character {pos}")
+
+
+def _match_end(pattern: re.Pattern[str], text: str, pos: int) -> int:
+    """Where a pattern that may match nothing stops matching from `pos`."""
+    match = pattern.match(text, pos)
+    return match.end() if match else pos
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def json_kind(value: Any) -> str:
+    """A JSON value's type, as a message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if is_number(value):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, Flat)):
+        return "a list"
+    return "an object"
+
+
+def shown(value: Any) -> str:
+    """A value as a one-line message shows it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
