@@ -282,7 +282,9 @@ class Batcher:
             if finished:
                 active[:] = [w for w in active if w.next_frame < len(w.frames)]
                 return finished
-            waiting = self._live or (self._bulk and len(active) < self.max_batch)
+            room = len(active) < self.max_batch
+            # return so `fill` can take waiting works: where there is room, or a recording to push out
+            waiting = (self._bulk or self._live) and room or (self._live and any(not w.live for w in active))
             if waiting or time.perf_counter() >= deadline:
                 return finished
         return []
