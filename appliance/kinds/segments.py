@@ -11,17 +11,12 @@ after it is long enough that no later segment can take from its padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from appliance.config import VadConfig
 
-@dataclass(frozen=True, slots=True)
-class SegmentParams:
-    threshold: float = 0.5
-    min_speech_ms: int = 250
-    min_silence_ms: int = 100
-    speech_pad_ms: int = 30
+# A request's segment parameters are the config's [vad] defaults with its own values in place: one type.
+SegmentParams = VadConfig
 
 
 class SegmentTracker:
