@@ -4,6 +4,7 @@ the API's calls and results (infer, segments) built and read. Both transports sh
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ import httptools
 import numpy as np
 
 from appliance.client.errors import ServerError
-from appliance.protocol.tensors import NUMPY_TYPES, tensor_entry
+from appliance.protocol.tensors import BYTES, NUMPY_TYPES, tensor_entry, unpack_bytes
 
 DEFAULT_MODEL = "silero_vad"
 DEFAULT_CONNECT_TIMEOUT_S = 5.0  # connecting, and the QUIC handshake: an unreachable daemon fails this fast
@@ -161,8 +162,17 @@ def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndar
     offset = header_length or 0
     outputs = {}
     for entry in doc["outputs"]:
-        dtype = np.dtype(NUMPY_TYPES[entry["datatype"]])
         size = (entry.get("parameters") or {}).get("binary_data_size")
+        if entry["datatype"] == BYTES:
+            count = math.prod(entry["shape"])
+            if size is not None:
+                array = unpack_bytes(memoryview(body)[offset : offset + size], count, entry["name"])
+                offset += size
+            else:
+                array = np.array([v.encode() for v in entry["data"]] or [], dtype=object)
+            outputs[entry["name"]] = array.reshape(entry["shape"])
+            continue
+        dtype = np.dtype(NUMPY_TYPES[entry["datatype"]])
         if size is not None:
             outputs[entry["name"]] = np.frombuffer(body, dtype, size // dtype.itemsize, offset).reshape(entry["shape"])
             offset += size

@@ -39,7 +39,10 @@ NUMPY_TYPES = {
     "UINT64": "<u8",
     "BOOL": "?",
 }
-DATATYPES = {np.dtype(v).str: k for k, v in NUMPY_TYPES.items()}
+DATATYPES = {np.dtype(v).str: k for k, v in NUMPY_TYPES.items()} | {np.dtype(object).str: "BYTES"}
+# Triton's strings: an element is any bytes, as a NumPy object array; in binary data each element is its
+# length (4 bytes, little-endian) then its bytes, in JSON a string (its UTF-8 bytes).
+BYTES = "BYTES"
 HEADER_LENGTH = "inference-header-content-length"
 FAST_JSON_BYTES = 4096
 
@@ -162,15 +165,18 @@ def _decode_input(item: Any, index: int, binary: bytes | memoryview, capacity: i
         raise BadRequest(
             f"{where}: 'datatype' must be a string, one of {', '.join(NUMPY_TYPES)}; got {json_kind(datatype)}"
         )
-    if datatype not in NUMPY_TYPES:
-        raise BadRequest(f"{where}: datatype {shown(datatype)} is not supported (use one of {', '.join(NUMPY_TYPES)})")
+    if datatype not in NUMPY_TYPES and datatype != BYTES:
+        accepted = ", ".join([*NUMPY_TYPES, BYTES])
+        raise BadRequest(f"{where}: datatype {shown(datatype)} is not supported (use one of {accepted})")
     shape = _shape(item.get("shape"), where)
     count = math.prod(shape)
-    dtype = np.dtype(NUMPY_TYPES[datatype])
     params = item.get("parameters", {})
     if not isinstance(params, dict):
         raise BadRequest(f"{where}: 'parameters' must be an object, got {json_kind(params)}")
     size = params.get("binary_data_size")
+    if datatype == BYTES:
+        return name, *_bytes_input(item, shape, size, binary, where)
+    dtype = np.dtype(NUMPY_TYPES[datatype])
     if size is None:
         if "data" not in item:
             raise BadRequest(f"{where}: needs 'data' or parameters.binary_data_size")
@@ -195,6 +201,44 @@ def _decode_input(item: Any, index: int, binary: bytes | memoryview, capacity: i
     if datatype == "BOOL":
         array = array.view(np.uint8) != 0  # any other byte than 0 or 1 is not a NumPy bool
     return name, array.reshape(shape), size
+
+
+def _bytes_input(
+    item: dict[str, Any], shape: list[int], size: Any, binary: bytes | memoryview, where: str
+) -> tuple[np.ndarray, int]:
+    """A BYTES input: strings in JSON `data`, or length-prefixed elements in binary data."""
+    count = math.prod(shape)
+    if size is None:
+        data = item.get("data")
+        if not isinstance(data, list) or len(data) != count or not all(isinstance(v, str) for v in data):
+            raise BadRequest(f"{where}: BYTES 'data' must be a flat list of {count} strings")
+        return np.array([v.encode() for v in data] or [], dtype=object).reshape(shape), 0
+    if "data" in item:
+        raise BadRequest(f"{where}: give 'data' or parameters.binary_data_size, not both")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= len(binary):
+        raise BadRequest(f"{where}: parameters.binary_data_size must be 0 to the {len(binary)} bytes that remain")
+    return unpack_bytes(binary[:size], count, where).reshape(shape), size
+
+
+def unpack_bytes(raw: bytes | memoryview, count: int, where: str) -> np.ndarray:
+    """`count` length-prefixed elements that fill `raw` exactly -> an object array of bytes."""
+    out, position = np.empty(count, dtype=object), 0
+    for i in range(count):
+        if position + 4 > len(raw):
+            raise BadRequest(f"{where}: BYTES binary data ends inside element {i} of {count}")
+        length = int.from_bytes(raw[position : position + 4], "little")
+        position += 4
+        if position + length > len(raw):
+            raise BadRequest(f"{where}: BYTES element {i} declares {length} bytes, {len(raw) - position} remain")
+        out[i] = bytes(raw[position : position + length])
+        position += length
+    if position != len(raw):
+        raise BadRequest(f"{where}: binary_data_size {len(raw)} holds more than its {count} BYTES elements")
+    return out
+
+
+def pack_bytes(array: np.ndarray) -> bytes:
+    return b"".join(len(v).to_bytes(4, "little") + v for v in (bytes(e) for e in array.reshape(-1)))
 
 
 def _name(value: Any, where: str, min_bytes: int = 1) -> str:
@@ -337,10 +381,13 @@ def encode_infer(
 def tensor_entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]) -> dict[str, Any]:
     """One tensor's JSON entry; with `binary`, its raw bytes go to `chunks` (the binary extension)."""
     entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[array.dtype.str], "shape": list(array.shape)}
+    strings = array.dtype == object
     if binary:
-        raw = np.ascontiguousarray(array).tobytes()
+        raw = pack_bytes(array) if strings else np.ascontiguousarray(array).tobytes()
         entry["parameters"] = {"binary_data_size": len(raw)}
         chunks.append(raw)
+    elif strings:
+        entry["data"] = [bytes(v).decode(errors="replace") for v in array.reshape(-1)]
     else:
         entry["data"] = array.reshape(-1).tolist()
     return entry

@@ -1,0 +1,205 @@
+"""The speech_to_text kind: Whisper behind the box's VAD. A recording is cut by the VAD into speech,
+packed into shards of at most the baked `max_tokens_per_shard` (20 ms each, Whisper's 30 s window at
+most), and every shard of every waiting request runs in one engine call (engine/shard_batcher.py);
+the text comes back in order with segment times. Live streams feed the VAD chunk by chunk and
+decode each segment as soon as the VAD closes it. Its tensors and routes are in speech_api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from appliance.config import Live
+from appliance.engine.shard_batcher import ShardBatcher
+from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
+from appliance.errors import ApplianceError, BadRequest
+from appliance.firmware import Bundle, ModelSpec
+from appliance.kinds import speech_api
+from appliance.kinds.base import SequenceCall, ServedModel, Task
+from appliance.kinds.speech_api import LiveStream, Options, Segment
+from appliance.kinds.speech_shards import Packer, ShardPlan
+from appliance.kinds.vad import VadModel
+from appliance.protocol.messages import Opened, Request, Response
+from appliance.protocol.tensors import InferRequest
+
+SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
+
+
+class SpeechToText:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        bundle: Bundle,
+        live: Live,
+        loaded: Mapping[str, ServedModel],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec, self.live, self.clock = spec, live, clock
+        params = spec.parameters
+        vad = loaded.get(params["vad"])
+        if not isinstance(vad, VadModel):
+            raise ApplianceError(f"model {spec.name}: parameters.vad {params['vad']!r} is not a VAD model loaded before it")
+        self.vad = vad
+        self.max_samples = int(params["max_tokens_per_shard"]) * SHARD_SAMPLES_PER_TOKEN
+        self.split_algorithm = str(params["split_algorithm"])
+        engine = live.config.engine
+        self.engine = WhisperEngine(
+            bundle.artifact(spec.file),
+            engine.device,
+            engine.threads,
+            int(params.get("beam_size", 5)),
+            bundle.manifest.baked.fallback_cpu_threshold,
+        )
+        self.batcher: ShardBatcher[Shard, Decoded] = ShardBatcher(
+            self.engine.run, int(params["max_batch"]), self._record, self.engine.name
+        )
+        self.streams = speech_api.LiveTable(self)
+        self.sequences = self.streams
+        self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    @property
+    def fallbacks(self) -> Mapping[str, int]:
+        return self.engine.fallbacks
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    async def stop(self, timeout_s: float) -> bool:
+        return await self.batcher.stop(timeout_s)
+
+    async def probe(self) -> None:
+        await self.batcher.submit(Shard(np.zeros(SAMPLE_RATE, np.float32)))
+
+    def metadata(self) -> dict[str, Any]:
+        return speech_api.metadata(self)
+
+    def _record(self, queue_ns: list[int], compute_ns: int) -> None:
+        self.stats.record(queue_ns, compute_ns)
+
+    def check(self, options: Options) -> None:
+        self.engine.check(options.language, options.task)
+        if not 0.0 <= options.temperature <= 1.0:
+            raise BadRequest(f"temperature must be a number from 0 to 1, got {options.temperature}")
+
+    def _shard(self, audio: np.ndarray, options: Options) -> Shard:
+        prompt = self.engine.tokens.encode(options.prompt) if options.prompt else ()
+        return Shard(audio, options.language, options.task, prompt, options.temperature)
+
+    async def transcribe(self, samples: np.ndarray, options: Options) -> AsyncIterator[Segment]:
+        """The segments of a recording, in order, each as soon as it and those before it are decoded.
+        The VAD and Whisper overlap: a shard goes to the engine as soon as the VAD has filled it."""
+        self.check(options)
+        packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+        shards: asyncio.Queue[tuple[ShardPlan, asyncio.Future[Decoded]] | None] = asyncio.Queue()
+
+        def send(plans: list[ShardPlan]) -> None:
+            for plan in plans:
+                shards.put_nowait((plan, self.batcher.submit(self._shard(plan.audio(samples), options))))
+
+        async def cut() -> None:
+            try:
+                async for segment in self.vad.segments(samples, self.live.config.vad):
+                    send(packer.add(segment))
+                send(packer.finish())
+            finally:
+                shards.put_nowait(None)
+
+        cutting = asyncio.get_running_loop().create_task(cut())
+        pending: list[asyncio.Future[Decoded]] = []
+        try:
+            while (item := await shards.get()) is not None:
+                plan, future = item
+                pending.append(future)
+                for segment in self._segments(plan, await future):
+                    yield segment
+            await cutting  # its error, if it failed
+        finally:
+            cutting.cancel()
+            for future in pending:
+                future.cancel()
+            while not shards.empty():
+                if (item := shards.get_nowait()) is not None:
+                    item[1].cancel()
+
+    @staticmethod
+    def _segments(plan: ShardPlan, decoded: Decoded) -> list[Segment]:
+        position = lambda t, is_end: round(plan.to_recording(t, SAMPLE_RATE, is_end) / SAMPLE_RATE, 3)  # noqa: E731
+        return [Segment(position(p.start, False), position(p.end, True), p.text, decoded.language) for p in decoded.pieces]
+
+    async def live_chunk(
+        self, samples: np.ndarray, sequence: SequenceCall, partial: bool, options: Options
+    ) -> tuple[list[Segment], str | None, int | None]:
+        """One chunk of a live stream: the segments the VAD closed with it (decoded), the open
+        segment's text so far when `partial`, and the stream's serial when this chunk opened it."""
+        now = self.clock()
+        if sequence.start:
+            self.check(options)
+            stream = self.streams.start(sequence.id, now, sequence.client, options)
+        else:
+            stream = self.streams.get(sequence.id, now, sequence.client)
+        serial = stream.serial if sequence.start else None
+        stream.in_flight += 1
+        try:
+            key = self.streams.vad_key(sequence.id, stream)
+            probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
+            stream.audio.append(samples)
+            stream.position += len(samples)
+            closed = stream.tracker.feed(probs)
+            if sequence.end:
+                closed += stream.tracker.finish(stream.position)
+            final = await self._decode_closed(stream, closed)
+            text = None
+            if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
+                text = " ".join(s.text for s in await self._decode_live(stream, (open_start, stream.position)))
+            return final, text, serial
+        finally:
+            stream.in_flight -= 1
+            if sequence.end:
+                self.streams.end(sequence.id)
+
+    async def _decode_closed(self, stream: LiveStream, closed: list[tuple[int, int]]) -> list[Segment]:
+        decoded = await asyncio.gather(*(self._decode_live(stream, span) for span in closed))
+        if closed:  # what comes next starts at or after the padded end of the last closed segment
+            cut = closed[-1][1] - stream.base
+            audio = np.concatenate(stream.audio) if stream.audio else np.zeros(0, np.float32)
+            stream.audio, stream.base = [audio[cut:]], closed[-1][1]
+        return [s for segments in decoded for s in segments]
+
+    async def _decode_live(self, stream: LiveStream, span: tuple[int, int]) -> list[Segment]:
+        audio = np.concatenate(stream.audio) if len(stream.audio) != 1 else stream.audio[0]
+        segment = audio[span[0] - stream.base : span[1] - stream.base]
+        packer = Packer(segment, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+        plans = packer.add((0, len(segment))) + packer.finish()
+        answers = await asyncio.gather(
+            *(self.batcher.submit(self._shard(p.audio(segment), stream.options), live=True) for p in plans)
+        )
+        offset = span[0] / SAMPLE_RATE
+        return [
+            Segment(round(s.start + offset, 3), round(s.end + offset, 3), s.text, s.language)
+            for plan, answer in zip(plans, answers)
+            for s in self._segments(plan, answer)
+        ]
+
+    async def infer(
+        self, request: InferRequest, sequence: SequenceCall | None
+    ) -> tuple[dict[str, np.ndarray], Opened | None]:
+        return await speech_api.infer(self, request, sequence)
+
+    async def _transcribe_route(self, request: Request, query: dict[str, str]) -> Response:
+        return await speech_api.transcribe_route(self, request, query)
+
+    def expire_idle(self) -> int:
+        return self.streams.expire(self.clock())
