@@ -37,17 +37,34 @@ class ShardPlan:
             out[span.offset : span.offset + span.end - span.start] = samples[span.start : span.end]
         return out
 
-    def to_recording(self, seconds: float, rate: int, is_end: bool) -> int:
-        """A time in the shard -> a sample position in the recording. A time in an inserted gap goes
-        to the end of the span before it (an end) or the start of the span after it (a start)."""
-        position = round(seconds * rate)
-        for i, span in enumerate(self.spans):
-            length = span.end - span.start
-            if position < span.offset:
-                return self.spans[i - 1].end if is_end and i else span.start
-            if position <= span.offset + length:
-                return span.start + position - span.offset
-        return self.spans[-1].end
+    def covered(self, start: float, end: float, rate: int) -> tuple[int, int]:
+        """The spans a piece of Whisper's text (times in the shard) stands for: those it overlaps by
+        at least half their length, else the one nearest its middle. Whisper's timestamps drift by
+        a few hundred ms; a span is where the VAD heard the speech."""
+        a, b = start * rate, end * rate
+        hit = [
+            i
+            for i, s in enumerate(self.spans)
+            if min(b, s.offset + s.end - s.start) - max(a, s.offset) >= (s.end - s.start) / 2
+        ]
+        if hit:
+            return hit[0], hit[-1]
+        middle = (a + b) / 2
+        distance = [abs(middle - (s.offset + (s.end - s.start) / 2)) for s in self.spans]
+        nearest = int(np.argmin(distance))
+        return nearest, nearest
+
+    def align(self, pieces: list[tuple[float, float, str]], rate: int) -> list[tuple[int, int, str]]:
+        """Whisper's timed pieces -> (first span, last span, text), one per run of spans the
+        pieces join: a span's text is that of the pieces standing for it, its times are the VAD's."""
+        runs: list[tuple[int, int, str]] = []
+        for start, end, text in pieces:
+            first, last = self.covered(start, end, rate)
+            if runs and first <= runs[-1][1]:
+                before = runs.pop()
+                first, last, text = before[0], max(before[1], last), f"{before[2]} {text}"
+            runs.append((first, last, text))
+        return runs
 
 
 class Packer:

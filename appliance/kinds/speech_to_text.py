@@ -22,12 +22,13 @@ from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds import speech_api
 from appliance.kinds.base import SequenceCall, ServedModel, Task
 from appliance.kinds.speech_api import LiveStream, Options, Segment
-from appliance.kinds.speech_shards import Packer, ShardPlan
+from appliance.kinds.speech_shards import Packer, ShardPlan, Span
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
+REFINE_SPANS = 3  # Whisper's text over this many VAD spans without a timestamp between: decode them apart
 
 
 class SpeechToText:
@@ -103,11 +104,12 @@ class SpeechToText:
         The VAD and Whisper overlap: a shard goes to the engine as soon as the VAD has filled it."""
         self.check(options)
         packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
-        shards: asyncio.Queue[tuple[ShardPlan, asyncio.Future[Decoded]] | None] = asyncio.Queue()
+        shards: asyncio.Queue[asyncio.Task[list[Segment]] | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
 
         def send(plans: list[ShardPlan]) -> None:
             for plan in plans:
-                shards.put_nowait((plan, self.batcher.submit(self._shard(plan.audio(samples), options))))
+                shards.put_nowait(loop.create_task(self._decode(plan, samples, options)))
 
         async def cut() -> None:
             try:
@@ -117,27 +119,41 @@ class SpeechToText:
             finally:
                 shards.put_nowait(None)
 
-        cutting = asyncio.get_running_loop().create_task(cut())
-        pending: list[asyncio.Future[Decoded]] = []
+        cutting = loop.create_task(cut())
+        started: list[asyncio.Task[list[Segment]]] = []
         try:
-            while (item := await shards.get()) is not None:
-                plan, future = item
-                pending.append(future)
-                for segment in self._segments(plan, await future):
+            while (task := await shards.get()) is not None:
+                started.append(task)
+                for segment in await task:
                     yield segment
             await cutting  # its error, if it failed
         finally:
             cutting.cancel()
-            for future in pending:
-                future.cancel()
             while not shards.empty():
-                if (item := shards.get_nowait()) is not None:
-                    item[1].cancel()
+                if (task := shards.get_nowait()) is not None:
+                    started.append(task)
+            for task in started:
+                task.cancel()
 
-    @staticmethod
-    def _segments(plan: ShardPlan, decoded: Decoded) -> list[Segment]:
-        position = lambda t, is_end: round(plan.to_recording(t, SAMPLE_RATE, is_end) / SAMPLE_RATE, 3)  # noqa: E731
-        return [Segment(position(p.start, False), position(p.end, True), p.text, decoded.language) for p in decoded.pieces]
+    async def _decode(
+        self, plan: ShardPlan, samples: np.ndarray, options: Options, live: bool = False, offset: int = 0
+    ) -> list[Segment]:
+        """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
+        spans by Whisper's timestamps; where Whisper gave none across REFINE_SPANS or more spans,
+        those spans are decoded one by one, so each keeps its own times."""
+        decoded = await self.batcher.submit(self._shard(plan.audio(samples), options), live)
+        runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
+        out: list[Segment] = []
+        for first, last, text in runs:
+            spans = plan.spans[first : last + 1]
+            if len(spans) >= REFINE_SPANS:
+                singles = [ShardPlan([Span(s.start, s.end, 0)], s.end - s.start) for s in spans]
+                for found in await asyncio.gather(*(self._decode(p, samples, options, True, offset) for p in singles)):
+                    out += found
+            else:
+                start, end = (offset + spans[0].start) / SAMPLE_RATE, (offset + spans[-1].end) / SAMPLE_RATE
+                out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+        return out
 
     async def live_chunk(
         self, samples: np.ndarray, sequence: SequenceCall, partial: bool, options: Options
@@ -160,38 +176,25 @@ class SpeechToText:
             closed = stream.tracker.feed(probs)
             if sequence.end:
                 closed += stream.tracker.finish(stream.position)
-            final = await self._decode_closed(stream, closed)
+            audio = np.concatenate(stream.audio)
+            decoded = await asyncio.gather(*(self._decode_live(stream, audio, span) for span in closed))
             text = None
             if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
-                text = " ".join(s.text for s in await self._decode_live(stream, (open_start, stream.position)))
-            return final, text, serial
+                text = " ".join(s.text for s in await self._decode_live(stream, audio, (open_start, stream.position)))
+            if closed:  # what comes next starts at or after the padded end of the last closed segment
+                stream.audio, stream.base = [audio[closed[-1][1] - stream.base :]], closed[-1][1]
+            return [s for found in decoded for s in found], text, serial
         finally:
             stream.in_flight -= 1
             if sequence.end:
                 self.streams.end(sequence.id)
 
-    async def _decode_closed(self, stream: LiveStream, closed: list[tuple[int, int]]) -> list[Segment]:
-        decoded = await asyncio.gather(*(self._decode_live(stream, span) for span in closed))
-        if closed:  # what comes next starts at or after the padded end of the last closed segment
-            cut = closed[-1][1] - stream.base
-            audio = np.concatenate(stream.audio) if stream.audio else np.zeros(0, np.float32)
-            stream.audio, stream.base = [audio[cut:]], closed[-1][1]
-        return [s for segments in decoded for s in segments]
-
-    async def _decode_live(self, stream: LiveStream, span: tuple[int, int]) -> list[Segment]:
-        audio = np.concatenate(stream.audio) if len(stream.audio) != 1 else stream.audio[0]
-        segment = audio[span[0] - stream.base : span[1] - stream.base]
-        packer = Packer(segment, self.max_samples, self.split_algorithm, SAMPLE_RATE)
-        plans = packer.add((0, len(segment))) + packer.finish()
-        answers = await asyncio.gather(
-            *(self.batcher.submit(self._shard(p.audio(segment), stream.options), live=True) for p in plans)
-        )
-        offset = span[0] / SAMPLE_RATE
-        return [
-            Segment(round(s.start + offset, 3), round(s.end + offset, 3), s.text, s.language)
-            for plan, answer in zip(plans, answers)
-            for s in self._segments(plan, answer)
-        ]
+    async def _decode_live(self, stream: LiveStream, audio: np.ndarray, span: tuple[int, int]) -> list[Segment]:
+        """A span of a live stream's kept audio (positions in the stream), decoded ahead of recordings."""
+        packer = Packer(audio, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+        plans = packer.add((span[0] - stream.base, span[1] - stream.base)) + packer.finish()
+        found = await asyncio.gather(*(self._decode(p, audio, stream.options, True, stream.base) for p in plans))
+        return [s for segments in found for s in segments]
 
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None
