@@ -14,7 +14,7 @@ import httptools
 import numpy as np
 
 from appliance.client.errors import ServerError
-from appliance.protocol.tensors import BYTES, NUMPY_TYPES, tensor_entry, unpack_bytes
+from appliance.protocol.tensors import NUMPY_TYPES, tensor_entry
 
 DEFAULT_MODEL = "silero_vad"
 DEFAULT_CONNECT_TIMEOUT_S = 5.0  # connecting, and the QUIC handshake: an unreachable daemon fails this fast
@@ -163,13 +163,19 @@ def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndar
     outputs = {}
     for entry in doc["outputs"]:
         size = (entry.get("parameters") or {}).get("binary_data_size")
-        if entry["datatype"] == BYTES:
+        if entry["datatype"] == "BYTES":
             count = math.prod(entry["shape"])
             if size is not None:
-                array = unpack_bytes(memoryview(body)[offset : offset + size], count, entry["name"])
+                values, at = [], offset
+                while len(values) < count:  # Triton's binary strings: a 4-byte little-endian length, the bytes
+                    length = int.from_bytes(body[at : at + 4], "little")
+                    values.append(body[at + 4 : at + 4 + length])
+                    at += 4 + length
                 offset += size
             else:
-                array = np.array([v.encode() for v in entry["data"]] or [], dtype=object)
+                values = [v.encode() for v in entry["data"]]
+            array = np.empty(count, object)
+            array[:] = values
             outputs[entry["name"]] = array.reshape(entry["shape"])
             continue
         dtype = np.dtype(NUMPY_TYPES[entry["datatype"]])
