@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
 from appliance.api import metrics as prometheus
+from appliance.api import openai_audio
 from appliance.config import Live
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
@@ -64,6 +65,7 @@ class Api:
             ("POST", re.compile(model + r"/(?P<task>[a-z_]+)"), "task", self._task),
             ("GET", re.compile(r"/metrics"), "metrics", self._metrics),
             ("GET", re.compile(r"/status"), "status", self._status),
+            *openai_audio.routes(models),
         ]
 
     async def handle(self, request: Request) -> Response:

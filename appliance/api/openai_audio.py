@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,13 +28,22 @@ from appliance.kinds.speech_to_text import SpeechToText
 from appliance.protocol.messages import Request, Response, json_response
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
-FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream", "timestamp_granularities[]"}
+FIELDS = {
+    "file",
+    "model",
+    "language",
+    "prompt",
+    "response_format",
+    "temperature",
+    "stream",
+    "timestamp_granularities[]",
+}
 MAX_FIELD_BYTES = 64 * 1024  # any form field but the file
 
 Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
 
 
-def routes(models: dict[str, ServedModel]) -> list[tuple[str, str, str, Handler]]:
+def routes(models: dict[str, ServedModel]) -> list[tuple[str, re.Pattern[str], str, Handler]]:
     """(method, path pattern, endpoint label, handler) for the API core's route table."""
 
     async def transcriptions(request: Request, params: dict[str, str]) -> Response:
@@ -43,8 +53,8 @@ def routes(models: dict[str, ServedModel]) -> list[tuple[str, str, str, Handler]
         return await answer(models, request, "translate")
 
     return [
-        ("POST", r"/v1/audio/transcriptions", "openai_transcriptions", transcriptions),
-        ("POST", r"/v1/audio/translations", "openai_translations", translations),
+        ("POST", re.compile(r"/v1/audio/transcriptions"), "openai_transcriptions", transcriptions),
+        ("POST", re.compile(r"/v1/audio/translations"), "openai_translations", translations),
     ]
 
 

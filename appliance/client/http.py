@@ -166,7 +166,8 @@ def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndar
         if entry["datatype"] == "BYTES":
             count = math.prod(entry["shape"])
             if size is not None:
-                values, at = [], offset
+                values: list[bytes] = []
+                at = offset
                 while len(values) < count:  # Triton's binary strings: a 4-byte little-endian length, the bytes
                     length = int.from_bytes(body[at : at + 4], "little")
                     values.append(body[at + 4 : at + 4 + length])

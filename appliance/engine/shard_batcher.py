@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import Unavailable
 
 Item = TypeVar("Item")
@@ -25,21 +26,18 @@ Answer = TypeVar("Answer")
 class _Waiting(Generic[Item, Answer]):
     item: Item
     future: asyncio.Future[Answer]
+    times: RequestTimes  # its request's: each of its items adds its queue and engine time
     queued_ns: int
 
 
 class ShardBatcher(Generic[Item, Answer]):
     """`submit` an item, await its answer. `run(items) -> answers` is the engine call (same order);
-    `record(batch, queue_ns, compute_ns)` hears of each call, for the statistics."""
+    each call is recorded in `stats` (Triton's executions, by batch size)."""
 
     def __init__(
-        self,
-        run: Callable[[list[Item]], list[Answer]],
-        max_batch: int,
-        record: Callable[[list[int], int], None],
-        engine_name: str,
+        self, run: Callable[[list[Item]], list[Answer]], max_batch: int, stats: ModelStats, engine_name: str
     ) -> None:
-        self.run, self.max_batch, self.record, self.engine_name = run, max_batch, record, engine_name
+        self.run, self.max_batch, self.stats, self.engine_name = run, max_batch, stats, engine_name
         self._live: deque[_Waiting[Item, Answer]] = deque()
         self._bulk: deque[_Waiting[Item, Answer]] = deque()
         self._running = 0
@@ -58,10 +56,10 @@ class ShardBatcher(Generic[Item, Answer]):
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="whisper")
 
-    def submit(self, item: Item, live: bool = False) -> asyncio.Future[Answer]:
+    def submit(self, item: Item, times: RequestTimes, live: bool = False) -> asyncio.Future[Answer]:
         """Queue an item; cancelling the future before its batch starts drops it."""
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        (self._live if live else self._bulk).append(_Waiting(item, future, time.perf_counter_ns()))
+        (self._live if live else self._bulk).append(_Waiting(item, future, times, time.perf_counter_ns()))
         self._wake.set()
         return future
 
@@ -103,7 +101,11 @@ class ShardBatcher(Generic[Item, Answer]):
                     continue
                 finally:
                     self._running = 0
-                self.record([started - w.queued_ns for w in batch], time.perf_counter_ns() - started)
+                compute_ns = time.perf_counter_ns() - started
+                self.stats.record_execution(len(batch), 0, compute_ns, 0)
+                for waiting in batch:
+                    waiting.times.queue_ns += started - waiting.queued_ns
+                    waiting.times.compute_infer_ns += compute_ns
                 for waiting, answer in zip(batch, answers):
                     if not waiting.future.done():
                         waiting.future.set_result(answer)

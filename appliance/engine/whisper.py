@@ -131,7 +131,9 @@ class WhisperTokens:
 
     def pieces(self, ids: list[int], duration: float) -> list[Piece]:
         """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`."""
-        pieces, text, start = [], [], 0.0
+        pieces: list[Piece] = []
+        text: list[int] = []
+        start = 0.0
         for token in ids:
             if token >= self.timestamp_begin:
                 time = min((token - self.timestamp_begin) * TOKEN_SECONDS, duration)
@@ -237,7 +239,9 @@ class WhisperEngine:
                 answers[i] = Decoded(language, self.tokens.pieces(result.sequences_ids[0], duration))
         return [a for a in answers if a is not None]
 
-    def _languages(self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]) -> list[str]:
+    def _languages(
+        self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]
+    ) -> list[str]:
         if not self.tokens.multilingual:
             return ["en"] * len(group)
         if all(s.language for s in group):
@@ -253,4 +257,3 @@ def _language_tokens(directory: Path) -> list[str]:
     if sot is None or translate is None:
         return []
     return [t for t in (tokenizer.id_to_token(i) for i in range(sot + 1, translate)) if t is not None]
-

@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from appliance.audio import decode_audio
+from appliance.engine.stats import RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest, NotFound, TooManyRequests
+from appliance.firmware import TensorSpec
 from appliance.kinds.base import SequenceCall
 from appliance.kinds.segments import SegmentTracker
+from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened, Request, Response, json_line, json_response
 from appliance.protocol.tensors import InferRequest
 
@@ -35,7 +38,13 @@ log = logging.getLogger("appliance.api")
 
 AUDIO_INPUT = "audio"
 OUTPUTS = ("text", "start", "end")
-PARAMETERS = {"language": str, "task": str, "prompt": str, "temperature": (int, float), "partial": bool}
+PARAMETERS: dict[str, type | tuple[type, ...]] = {
+    "language": str,
+    "task": str,
+    "prompt": str,
+    "temperature": (int, float),
+    "partial": bool,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,6 @@ class LiveStream:
     in_flight: int = 0
 
 
-
 def metadata(model: SpeechToText) -> dict[str, Any]:
     params = model.spec.parameters
     return {
@@ -100,6 +108,26 @@ def metadata(model: SpeechToText) -> dict[str, Any]:
             "parameters": dict(params),
         },
     }
+
+
+def config(model: SpeechToText) -> dict[str, Any]:
+    """Triton's model config: shards of all requests batched up to max_batch, live streams as sequences."""
+    return model_config(
+        model.spec,
+        model.baked,
+        model.live,
+        platform="ctranslate2",
+        backend="ctranslate2",
+        max_batch_size=0,  # a request is a recording, not a row: the shards inside are what batch
+        inputs=[TensorSpec(AUDIO_INPUT, "FP32", (-1,))],
+        outputs=[
+            TensorSpec("text", "BYTES", (-1,)),
+            TensorSpec("start", "FP32", (-1,)),
+            TensorSpec("end", "FP32", (-1,)),
+        ],
+        dynamic_batching=True,
+        stateful=True,  # live streams: the box keeps their VAD state and the audio not yet decoded
+    )
 
 
 def options(parameters: dict[str, Any]) -> Options:
@@ -152,15 +180,15 @@ def tensors(segments: list[Segment]) -> dict[str, np.ndarray]:
 
 
 async def infer(
-    model: SpeechToText, request: InferRequest, sequence: SequenceCall | None
+    model: SpeechToText, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
 ) -> tuple[dict[str, np.ndarray], Opened | None]:
     wanted = options(request.parameters)
     if sequence is None:
         samples = await asyncio.to_thread(audio_input, request, model)
-        return tensors([s async for s in model.transcribe(samples, wanted)]), None
+        return tensors([s async for s in model.transcribe(samples, wanted, times)]), None
     samples = audio_input(request, model)
     partial = request.parameters.get("partial", False)
-    final, text, serial = await model.live_chunk(samples, sequence, partial, wanted)
+    final, text, serial = await model.live_chunk(samples, sequence, partial, wanted, times)
     outputs = tensors(final)
     if text is not None:
         outputs["partial"] = np.array([text.encode()], dtype=object)
