@@ -47,15 +47,24 @@ def routes(models: dict[str, ServedModel]) -> list[tuple[str, re.Pattern[str], s
     """(method, path pattern, endpoint label, handler) for the API core's route table."""
 
     async def transcriptions(request: Request, params: dict[str, str]) -> Response:
-        return await answer(models, request, "transcribe")
+        return await openai_errors(answer(models, request, "transcribe"))
 
     async def translations(request: Request, params: dict[str, str]) -> Response:
-        return await answer(models, request, "translate")
+        return await openai_errors(answer(models, request, "translate"))
 
     return [
         ("POST", re.compile(r"/v1/audio/transcriptions"), "openai_transcriptions", transcriptions),
         ("POST", re.compile(r"/v1/audio/translations"), "openai_translations", translations),
     ]
+
+
+async def openai_errors(answering: Awaitable[Response]) -> Response:
+    """An error in OpenAI's shape, {"error": {"message", "type"}}, so its clients show the message."""
+    try:
+        return await answering
+    except ApiError as exc:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return json_response(exc.status, {"error": {"message": exc.message, "type": kind, "code": None}})
 
 
 def parse_form(request: Request) -> tuple[dict[str, str], bytes]:

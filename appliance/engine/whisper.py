@@ -10,6 +10,7 @@ worker thread (CTranslate2 releases the GIL while it computes).
 from __future__ import annotations
 
 import logging
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ TOKEN_SECONDS = 0.02  # an encoder position, and a timestamp token's step
 MAX_PROMPT_TOKENS = 223  # Whisper's limit for previous text: half its 448-token context, less the start
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
 TASKS = ("transcribe", "translate")
+MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold: above it, a decode repeats itself
+FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
@@ -226,18 +229,41 @@ class WhisperEngine:
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
             languages = self._languages(model, encoded, group)
             prompts = [self.tokens.prompt(s, language) for s, language in zip(group, languages)]
-            sampling = {"sampling_topk": 0, "sampling_temperature": temperature} if temperature > 0 else {}
-            results = model.generate(
-                encoded,
-                prompts,
-                beam_size=1 if temperature > 0 else self.beam_size,
-                max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX,
-                **sampling,
-            )
-            for i, shard, language, result in zip(members, group, languages, results):
+            ids = self._generate(model, encoded, prompts, temperature)
+            for at in self._repeating(ids):  # openai-whisper's fallback: sample at rising temperatures
+                for fallback in FALLBACK_TEMPERATURES:
+                    if fallback <= temperature:
+                        continue
+                    one = ctranslate2.StorageView.from_array(features[at : at + 1])
+                    ids[at] = self._generate(model, model.encode(one, to_cpu=False), prompts[at : at + 1], fallback)[0]
+                    if not self._repeating([ids[at]]):
+                        break
+            for i, shard, language, tokens in zip(members, group, languages, ids):
                 duration = len(shard.samples) / SAMPLE_RATE
-                answers[i] = Decoded(language, self.tokens.pieces(result.sequences_ids[0], duration))
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration))
         return [a for a in answers if a is not None]
+
+    def _generate(
+        self,
+        model: ctranslate2.models.Whisper,
+        encoded: ctranslate2.StorageView,
+        prompts: list[list[int]],
+        temperature: float,
+    ) -> list[list[int]]:
+        sampling = {"sampling_topk": 0, "sampling_temperature": temperature} if temperature > 0 else {}
+        results = model.generate(
+            encoded,
+            prompts,
+            beam_size=1 if temperature > 0 else self.beam_size,
+            max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX,
+            **sampling,
+        )
+        return [list(r.sequences_ids[0]) for r in results]
+
+    def _repeating(self, ids: list[list[int]]) -> list[int]:
+        """Which decodes loop on themselves: text that gzip shrinks more than MAX_COMPRESSION times."""
+        texts = [self.tokens.tokenizer.decode([t for t in tokens if t < self.tokens.eot]).encode() for tokens in ids]
+        return [i for i, t in enumerate(texts) if len(t) > 40 and len(t) / len(zlib.compress(t)) > MAX_COMPRESSION]
 
     def _languages(
         self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]
