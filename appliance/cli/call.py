@@ -13,8 +13,9 @@ import textwrap
 from typing import Any
 
 from appliance import exitcodes
+from appliance.cli import speech
 from appliance.cli.options import command, default_socket, print_json
-from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, Client, describe_path, parse_quic_address
+from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MODEL, Client, describe_path, parse_quic_address
 from appliance.errors import ApiError, ApplianceError
 
 # `appliance call WHAT`: what each does (the choices and the help text come from here).
@@ -28,6 +29,10 @@ CALL_ACTIONS = {
     "vad": "speech segments of an audio FILE (WAV, FLAC or Ogg) as JSON (POST /v2/models/MODEL/segments); "
     "with --stream one line per segment as soon as it is final",
     "probs": "the speech probability of every 512-sample frame of an audio FILE (POST /v2/models/MODEL/infer)",
+    "transcribe": "the text of an audio FILE with segment times (POST /v2/models/MODEL/transcribe); --language, "
+    "--translate (to English), --format json|text|verbose_json|srt|vtt, --stream (a line per segment)",
+    "live": "sends an audio FILE as a live stream in real time, 256 ms chunks (Triton sequence), and prints "
+    "each segment's text as soon as it is final",
 }
 SOCKET_HELP = "the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)"
 
@@ -58,26 +63,32 @@ def cmd_call(args: argparse.Namespace) -> int:
             print_json(client.model(args.args[0] if args.args else "silero_vad"))
         elif args.what == "metrics":
             print(client.metrics(), end="")
+        elif args.what in ("transcribe", "live"):
+            if not args.args:
+                raise ApplianceError(f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC or Ogg)")
+            run = speech.transcribe if args.what == "transcribe" else speech.live
+            run(client, args, _read_input(args.args[0]))
         elif args.what == "vad":
             if not args.args:
                 raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC or Ogg)")
             audio = _read_input(args.args[0])
             if args.stream:
-                for line in client.stream_segments(audio, model=args.model):
+                for line in client.stream_segments(audio, model=args.model or DEFAULT_MODEL):
                     print(json.dumps(line), flush=True)
             else:
-                print_json(client.segments(audio, model=args.model))
+                print_json(client.segments(audio, model=args.model or DEFAULT_MODEL))
         elif args.what == "probs":
             if not args.args:
                 raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC or Ogg)")
             from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for `call probs`
 
-            rate = client.model(args.model)["parameters"]["sample_rate"]
+            model = args.model or DEFAULT_MODEL
+            rate = client.model(model)["parameters"]["sample_rate"]
             try:  # decoded here, as the daemon decodes for segments, and sent as tensors
                 samples = decode_audio(_read_input(args.args[0]), rate)
             except ApiError as exc:
                 raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
-            print_json([round(float(p), 4) for p in client.infer(samples, model=args.model)])
+            print_json([round(float(p), 4) for p in client.infer(samples, model=model)])
     return 0
 
 
@@ -159,6 +170,9 @@ def _call_epilog() -> str:
         "examples:",
         "  appliance call health",
         "  appliance call vad speech.wav --stream",
+        "  appliance call transcribe speech.wav --format srt",
+        "  appliance call transcribe spanish.wav --translate",
+        "  appliance call live speech.wav",
         "  appliance call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models",
     ]
     return "\n".join(lines)
@@ -180,8 +194,17 @@ def add_parsers(sub: Any) -> None:
     )
     call.add_argument("args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE")
     call.add_argument("--socket", default=default_socket(), help=SOCKET_HELP)
-    call.add_argument("--model", default="silero_vad", help="vad, probs: the model to run")
-    call.add_argument("--stream", action="store_true", help="vad: print each segment as soon as it is final")
+    call.add_argument(
+        "--model",
+        help=f"the model to run (vad, probs: {DEFAULT_MODEL}; transcribe, live: {speech.TINY}, or {speech.BASE} "
+        "to translate or for another language than English)",
+    )
+    call.add_argument("--stream", action="store_true", help="vad, transcribe: print each segment when final")
+    call.add_argument("--language", help="transcribe, live: the speech's language (ISO 639-1), else detected")
+    call.add_argument("--translate", action="store_true", help="transcribe, live: English text of any language")
+    call.add_argument(
+        "--format", default="text", choices=speech.FORMATS, help="transcribe: the answer's format (default: text)"
+    )
     call.add_argument(
         "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"
     )

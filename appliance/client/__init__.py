@@ -32,8 +32,10 @@ from appliance.client.http import (
     ResponseReader,
     checked,
     infer_call,
+    infer_outputs,
     infer_result,
     json_lines,
+    recording_call,
     segments_call,
 )
 from appliance.client.quic import QuicTransport
@@ -138,6 +140,18 @@ class Client:
     def stream_segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Iterator[Any]:
         """Each speech segment as soon as the daemon finds it final, then a summary with "done"."""
         return json_lines(self.transport.stream(segments_call(model, wav, stream="true", **params)))
+
+    def transcribe(self, audio: bytes, model: str, **params: str) -> HttpResponse:
+        """A recording's text (a speech_to_text model): language, task, prompt, response_format."""
+        return checked(self.send(recording_call(model, "transcribe", audio, **params)))
+
+    def stream_transcribe(self, audio: bytes, model: str, **params: str) -> Iterator[Any]:
+        """Each segment's text as soon as it is decoded, then a summary with "done"."""
+        return json_lines(self.transport.stream(recording_call(model, "transcribe", audio, stream="true", **params)))
+
+    def live(self, chunk: np.ndarray, model: str, sequence_id: int | str, **kwargs: Any) -> dict[str, np.ndarray]:
+        """One chunk of a live stream (start=, end=, partial=, language=, task=): its outputs."""
+        return infer_outputs(checked(self.send(infer_call(model, chunk, sequence_id, **kwargs))))
 
 
 @dataclass

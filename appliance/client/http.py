@@ -94,10 +94,12 @@ def infer_call(
     start: bool = False,
     end: bool = False,
     binary: bool = True,
+    **extra: Any,
 ) -> Call:
-    parameters: dict[str, Any] = {}
+    """An infer request with one `audio` tensor; `extra` parameters (a speech model's language, task)."""
+    parameters: dict[str, Any] = dict(extra)
     if sequence_id is not None:
-        parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+        parameters |= {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
     body, header_length = encode_request({"audio": np.asarray(audio)}, parameters, binary)
     headers = [("content-type", "application/octet-stream" if binary else "application/json")]
     if header_length is not None:
@@ -106,8 +108,12 @@ def infer_call(
 
 
 def infer_result(response: HttpResponse) -> np.ndarray:
+    return infer_outputs(response)["speech_prob"]
+
+
+def infer_outputs(response: HttpResponse) -> dict[str, np.ndarray]:
     length = response.headers.get("inference-header-content-length")
-    return decode_response(response.body, int(length) if length else None)["speech_prob"]
+    return decode_response(response.body, int(length) if length else None)
 
 
 def json_lines(pieces: Iterator[bytes]) -> Iterator[Any]:
@@ -129,9 +135,14 @@ AUDIO_TYPES = {b"RIFF": "audio/wav", b"RIFX": "audio/wav", b"fLaC": "audio/flac"
 
 def segments_call(model: str, audio: bytes, **params: float | str) -> Call:
     """A recording (WAV, FLAC or Ogg, as the file holds it) -> the segments route."""
+    return recording_call(model, "segments", audio, **params)
+
+
+def recording_call(model: str, route: str, audio: bytes, **params: float | str) -> Call:
+    """A recording (WAV, FLAC or Ogg, as the file holds it) -> a model's route (segments, transcribe)."""
     query = f"?{urlencode(params)}" if params else ""
     content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
-    return Call("POST", f"/v2/models/{model}/segments{query}", audio, (("content-type", content_type),))
+    return Call("POST", f"/v2/models/{model}/{route}{query}", audio, (("content-type", content_type),))
 
 
 def encode_request(
