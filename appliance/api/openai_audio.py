@@ -19,11 +19,10 @@ from python_multipart import FormParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
-from appliance.audio import decode_audio
 from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import ServedModel
-from appliance.kinds.speech_api import FORMATS, Options, Segment, max_seconds, render
+from appliance.kinds.speech_api import FORMATS, Options, Segment, decode_recording, render
 from appliance.kinds.speech_to_text import SpeechToText
 from appliance.protocol.messages import Request, Response, json_response
 
@@ -139,7 +138,7 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
         raise BadRequest(f"stream must be true or false, got {stream[:20]!r}")
     options = Options(fields.get("language") or None, task, fields.get("prompt", ""), temperature)
     model.check(options)
-    samples = await asyncio.to_thread(decode_audio, audio, SAMPLE_RATE, max_seconds(model))
+    samples = await asyncio.to_thread(decode_recording, audio, model)
     segments = model.transcribe(samples, options)
     if stream == "true":
         return Response(200, content_type="text/event-stream", stream=_events(segments))

@@ -38,6 +38,7 @@ log = logging.getLogger("appliance.api")
 
 AUDIO_INPUT = "audio"
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")  # OpenAI's response formats
+MIN_SAMPLES = 512  # one VAD frame, 32 ms: anything shorter holds no speech to find
 OUTPUTS = ("text", "start", "end")
 PARAMETERS: dict[str, type | tuple[type, ...]] = {
     "language": str,
@@ -153,7 +154,7 @@ def audio_input(infer: InferRequest, model: SpeechToText) -> np.ndarray:
     if array.dtype == object:
         if array.size != 1:
             raise BadRequest(f"input {AUDIO_INPUT}: a BYTES input holds one encoded file, got {array.size} elements")
-        return decode_audio(bytes(array.reshape(-1)[0]), SAMPLE_RATE, max_seconds(model))
+        return decode_recording(bytes(array.reshape(-1)[0]), model)
     if array.ndim == 2 and array.shape[0] == 1:
         array = array[0]
     if array.ndim != 1:
@@ -165,6 +166,19 @@ def audio_input(infer: InferRequest, model: SpeechToText) -> np.ndarray:
     if array.dtype == np.int16:
         return array.astype(np.float32) / 32768.0
     raise BadRequest(f"input {AUDIO_INPUT}: datatype must be FP32, INT16 or BYTES")
+
+
+def decode_recording(body: bytes, model: SpeechToText) -> np.ndarray:
+    """An uploaded recording as 16 kHz samples (decode_audio), at least MIN_SAMPLES long."""
+    return long_enough(decode_audio(body, SAMPLE_RATE, max_seconds(model)))
+
+
+def long_enough(samples: np.ndarray) -> np.ndarray:
+    if len(samples) < MIN_SAMPLES:
+        raise BadRequest(
+            f"audio too short: {len(samples)} samples at 16 kHz; at least {MIN_SAMPLES} ({MIN_SAMPLES // 16} ms)"
+        )
+    return samples
 
 
 def max_seconds(model: SpeechToText) -> float:
@@ -185,7 +199,7 @@ async def infer(
 ) -> tuple[dict[str, np.ndarray], Opened | None]:
     wanted = options(request.parameters)
     if sequence is None:
-        samples = await asyncio.to_thread(audio_input, request, model)
+        samples = long_enough(await asyncio.to_thread(audio_input, request, model))
         return tensors([s async for s in model.transcribe(samples, wanted, times)]), None
     samples = audio_input(request, model)
     partial = request.parameters.get("partial", False)
@@ -211,7 +225,7 @@ async def transcribe_route(model: SpeechToText, request: Request, query: dict[st
         )
     wanted = options(dict(query))
     model.check(wanted)
-    samples = await asyncio.to_thread(decode_audio, request.body, SAMPLE_RATE, max_seconds(model))
+    samples = await asyncio.to_thread(decode_recording, request.body, model)
     segments = model.transcribe(samples, wanted)
     duration = round(len(samples) / SAMPLE_RATE, 3)
     if stream:

@@ -25,7 +25,7 @@ from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.base import SequenceCall, ServedModel, Task
 from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
-from appliance.kinds.speech_shards import Packer, ShardPlan, Span
+from appliance.kinds.speech_shards import Packer, ShardPlan
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
@@ -149,6 +149,11 @@ class SpeechToText:
             for task in started:
                 task.cancel()
 
+    def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
+        """The shards of one segment on its own."""
+        packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+        return packer.add(segment) + packer.finish()
+
     async def _decode(
         self,
         plan: ShardPlan,
@@ -167,7 +172,7 @@ class SpeechToText:
         for first, last, text in runs:
             spans = plan.spans[first : last + 1]
             if len(spans) >= REFINE_SPANS:
-                singles = [ShardPlan([Span(s.start, s.end, 0)], s.end - s.start) for s in spans]
+                singles = [plan for s in spans for plan in self._plans(samples, (s.start, s.end))]
                 for found in await asyncio.gather(
                     *(self._decode(p, samples, options, times, True, offset) for p in singles)
                 ):
@@ -217,8 +222,7 @@ class SpeechToText:
         self, stream: LiveStream, audio: np.ndarray, span: tuple[int, int], times: RequestTimes
     ) -> list[Segment]:
         """A span of a live stream's kept audio (positions in the stream), decoded ahead of recordings."""
-        packer = Packer(audio, self.max_samples, self.split_algorithm, SAMPLE_RATE)
-        plans = packer.add((span[0] - stream.base, span[1] - stream.base)) + packer.finish()
+        plans = self._plans(audio, (span[0] - stream.base, span[1] - stream.base))
         found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, stream.base) for p in plans))
         return [s for segments in found for s in segments]
 
