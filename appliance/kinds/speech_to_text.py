@@ -164,23 +164,28 @@ class SpeechToText:
         offset: int = 0,
     ) -> list[Segment]:
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
-        spans by Whisper's timestamps; where Whisper gave none across REFINE_SPANS or more spans,
-        those spans are decoded one by one, so each keeps its own times."""
+        spans by Whisper's timestamps. Spans decoded again one by one, so that each keeps its own
+        text and times: those Whisper gave no timestamp across (REFINE_SPANS or more in one piece),
+        and those after the last it gave text for (it stopped early: a batched window has no second pass)."""
         decoded = await self.batcher.submit(self._shard(plan.audio(samples), options), times, live)
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
-        out: list[Segment] = []
+        found: list[tuple[int, list[Segment]]] = []
+        again: list[int] = []
         for first, last, text in runs:
-            spans = plan.spans[first : last + 1]
-            if len(spans) >= REFINE_SPANS:
-                singles = [plan for s in spans for plan in self._plans(samples, (s.start, s.end))]
-                for found in await asyncio.gather(
-                    *(self._decode(p, samples, options, times, True, offset) for p in singles)
-                ):
-                    out += found
-            else:
-                start, end = (offset + spans[0].start) / SAMPLE_RATE, (offset + spans[-1].end) / SAMPLE_RATE
-                out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
-        return out
+            if last + 1 - first >= REFINE_SPANS:
+                again += range(first, last + 1)
+                continue
+            start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
+            found.append((first, [Segment(round(start, 3), round(end, 3), text, decoded.language)]))
+        if len(plan.spans) > 1:  # the spans after the last one with text; one between others lent its words to them
+            again += range(max((last + 1 for _, last, _ in runs), default=0), len(plan.spans))
+        alone = [[p for p in self._plans(samples, (plan.spans[i].start, plan.spans[i].end))] for i in again]
+        redone = await asyncio.gather(
+            *(self._decode(p, samples, options, times, True, offset) for plans in alone for p in plans)
+        )
+        counts = iter(redone)
+        found += [(i, [s for _ in plans for s in next(counts)]) for i, plans in zip(again, alone)]
+        return [s for _, segments in sorted(found, key=lambda item: item[0]) for s in segments]
 
     async def live_chunk(
         self, samples: np.ndarray, sequence: SequenceCall, partial: bool, options: Options, times: RequestTimes
