@@ -20,7 +20,7 @@ def free_udp_port() -> int:
 
 
 class DaemonProcess:
-    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "") -> None:
+    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "", engine: str = "") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "api.sock"
         self.cert, key = workdir / "cert.pem", workdir / "key.pem"
@@ -32,10 +32,10 @@ class DaemonProcess:
             f"[quic]\nenabled = true\nport = {self.quic.split(':')[1]}\n"
             f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
             f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
-            f'[log]\nlevel = "warning"\n[conncache]\n{conncache}'
+            f'[log]\nlevel = "warning"\n[conncache]\n{conncache}[engine]\n{engine}'
         )
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # the voice firmware loads three models
         while time.monotonic() < deadline:
             try:
                 with Client(str(self.socket), timeout=5) as c:

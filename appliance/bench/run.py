@@ -28,12 +28,20 @@ from appliance.bench.measure import (
     test_audio,
     timed,
 )
+from appliance.bench.speech import speech_bench
 from appliance.client import Client
+from appliance.config import EngineConfig
 
 
-def run(bundle_dir: Path, trusted_keys: Path, seconds: float) -> dict[str, Any]:
-    """Every figure, with `seconds` per measurement."""
+def run(bundle_dir: Path, trusted_keys: Path, seconds: float, only: str = "all") -> dict[str, Any]:
+    """Every figure, with `seconds` per measurement; speech to text where the bundle has Whisper."""
     bundle = firmware.verify(bundle_dir, trusted_keys)
+    speech: dict[str, Any] | None = None
+    if any(m.kind == "speech_to_text" for m in bundle.manifest.models):
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            speech = speech_bench(bundle_dir, trusted_keys, Path(tmp), EngineConfig().threads)
+    if only == "speech":
+        return {"firmware": f"{bundle.manifest.name} {bundle.manifest.version}", "speech": speech}
     spec = next(m for m in bundle.manifest.models if m.kind == "vad")
     raw = RawVad(bundle.artifact(spec.file), spec)
     frame_samples, rate = spec.vad_audio.frame_samples, spec.vad_audio.sample_rate
@@ -102,4 +110,5 @@ def run(bundle_dir: Path, trusted_keys: Path, seconds: float) -> dict[str, Any]:
             daemon.stop()
         results["conncache"] = connection_cache(bundle_dir, trusted_keys, Path(tmp) / "conncache", frame, seconds)
     results["generic"] = generic_batching(seconds)
+    results["speech"] = speech
     return results

@@ -20,7 +20,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from appliance.bench.run import run  # lazy: the bench loads ONNX Runtime and aioquic in this process
 
-    results = run(args.bundle, args.trusted_keys, args.seconds)
+    results = run(args.bundle, args.trusted_keys, args.seconds, args.only)
     print("\n".join(report(results)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -41,4 +41,10 @@ def add_bench(sub: Any) -> None:
     add_trusted_keys(bench, default=Path("keys/trusted"))
     bench.add_argument("--seconds", type=float, default=5.0, help="time per measurement")
     bench.add_argument("--json", type=Path, help="also write the figures here")
+    bench.add_argument(
+        "--only",
+        choices=("all", "speech"),
+        default="all",
+        help="speech: only speech to text against faster-whisper (a bundle with Whisper, firmware/voice.toml)",
+    )
     bench.set_defaults(func=cmd_bench)

@@ -31,7 +31,6 @@ from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
-REFINE_SPANS = 3  # Whisper's text over this many VAD spans without a timestamp between: decode them apart
 
 
 class SpeechToText:
@@ -164,28 +163,22 @@ class SpeechToText:
         offset: int = 0,
     ) -> list[Segment]:
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
-        spans by Whisper's timestamps. Spans decoded again one by one, so that each keeps its own
-        text and times: those Whisper gave no timestamp across (REFINE_SPANS or more in one piece),
-        and those after the last it gave text for (it stopped early: a batched window has no second pass)."""
+        spans by Whisper's timestamps, a segment per run of spans its pieces join (Whisper's own
+        times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
+        second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
         decoded = await self.batcher.submit(self._shard(plan.audio(samples), options), times, live)
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
-        found: list[tuple[int, list[Segment]]] = []
-        again: list[int] = []
+        out = []
         for first, last, text in runs:
-            if last + 1 - first >= REFINE_SPANS:
-                again += range(first, last + 1)
-                continue
             start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
-            found.append((first, [Segment(round(start, 3), round(end, 3), text, decoded.language)]))
-        if len(plan.spans) > 1:  # the spans after the last one with text; one between others lent its words to them
-            again += range(max((last + 1 for _, last, _ in runs), default=0), len(plan.spans))
-        alone = [[p for p in self._plans(samples, (plan.spans[i].start, plan.spans[i].end))] for i in again]
-        redone = await asyncio.gather(
-            *(self._decode(p, samples, options, times, True, offset) for plans in alone for p in plans)
-        )
-        counts = iter(redone)
-        found += [(i, [s for _ in plans for s in next(counts)]) for i, plans in zip(again, alone)]
-        return [s for _, segments in sorted(found, key=lambda item: item[0]) for s in segments]
+            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+        heard = max((last + 1 for _, last, _ in runs), default=0)
+        if 0 < heard < len(plan.spans):
+            packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+            rest = [p for span in plan.spans[heard:] for p in packer.add((span.start, span.end))] + packer.finish()
+            for found in await asyncio.gather(*(self._decode(p, samples, options, times, True, offset) for p in rest)):
+                out += found
+        return out
 
     async def live_chunk(
         self, samples: np.ndarray, sequence: SequenceCall, partial: bool, options: Options, times: RequestTimes
