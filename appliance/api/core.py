@@ -21,12 +21,14 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
+from appliance.api import libretranslate, openai_speech
 from appliance.api import metrics as prometheus
+from appliance.api.routes import Route
 from appliance.config import Live
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
@@ -42,9 +44,6 @@ OFF_LOOP_BYTES = 1 << 20
 EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository_index", "segments", "metrics"]
 
 
-Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
-
-
 class Api:
     def __init__(self, manifest: Manifest, models: dict[str, ServedModel], live: Live) -> None:
         self.manifest, self.models, self.live = manifest, models, live
@@ -53,7 +52,7 @@ class Api:
         self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
         self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
-        self._routes: list[tuple[str, re.Pattern[str], str, Handler]] = [
+        self._routes: list[Route] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
             ("GET", re.compile(r"/v2/health/live"), "live", self._live),
             ("GET", re.compile(r"/v2/health/ready"), "ready", self._ready),
@@ -64,6 +63,8 @@ class Api:
             ("POST", re.compile(model + r"/(?P<task>[a-z_]+)"), "task", self._task),
             ("GET", re.compile(r"/metrics"), "metrics", self._metrics),
             ("GET", re.compile(r"/status"), "status", self._status),
+            *openai_speech.routes(models),
+            *libretranslate.routes(models),
         ]
 
     async def handle(self, request: Request) -> Response:

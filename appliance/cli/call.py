@@ -28,6 +28,9 @@ CALL_ACTIONS = {
     "vad": "speech segments of an audio FILE (WAV, FLAC or Ogg) as JSON (POST /v2/models/MODEL/segments); "
     "with --stream one line per segment as soon as it is final",
     "probs": "the speech probability of every 512-sample frame of an audio FILE (POST /v2/models/MODEL/infer)",
+    "speak": "TEXT spoken by a voice of the firmware into -o FILE (POST /v1/audio/speech), written as each "
+    "sentence arrives",
+    "translate": "TEXT translated --to a language (POST /translate; --from defaults to the one source that has it)",
 }
 SOCKET_HELP = "the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)"
 
@@ -78,7 +81,45 @@ def cmd_call(args: argparse.Namespace) -> int:
             except ApiError as exc:
                 raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
             print_json([round(float(p), 4) for p in client.infer(samples, model=args.model)])
+        elif args.what == "speak":
+            _speak(client, args)
+        elif args.what == "translate":
+            _translate(client, args)
     return 0
+
+
+def _speak(client: Client, args: argparse.Namespace) -> None:
+    if not args.args or not args.output:
+        raise ApplianceError(
+            'usage: appliance call speak "TEXT" -o FILE [--voice NAME] [--format wav|pcm|flac] [--speed X]'
+        )
+    voice = args.voice or next((m["name"] for m in client.models()["models"] if m["kind"] == "speech_synthesis"), "")
+    try:
+        with open(args.output, "wb") as out:
+            for piece in client.stream_speech(
+                " ".join(args.args), voice, response_format=args.format, speed=args.speed
+            ):
+                out.write(piece)
+            if args.format == "wav" and out.seekable():  # streamed with unknown sizes: a file knows them at the end
+                size = out.tell()
+                out.seek(4)
+                out.write((size - 8).to_bytes(4, "little"))
+                out.seek(40)
+                out.write((size - 44).to_bytes(4, "little"))
+    except OSError as exc:
+        raise ApplianceError(f"cannot write {args.output}: {(exc.strerror or str(exc)).lower()}") from None
+
+
+def _translate(client: Client, args: argparse.Namespace) -> None:
+    if not args.args or not args.to:
+        raise ApplianceError('usage: appliance call translate --to LANG [--from LANG] "TEXT"')
+    source = args.source
+    if source is None:
+        sources = [lang["code"] for lang in client.languages() if args.to in lang["targets"]]
+        if len(sources) != 1:
+            raise ApplianceError(f"--from is needed: the sources that translate to {args.to!r} are {sources or 'none'}")
+        source = sources[0]
+    print(client.translate(" ".join(args.args), source, args.to))
 
 
 def quic_address(text: str) -> str:
@@ -159,6 +200,8 @@ def _call_epilog() -> str:
         "examples:",
         "  appliance call health",
         "  appliance call vad speech.wav --stream",
+        '  appliance call speak "Hello there." -o hello.wav',
+        '  appliance call translate --to pt "Where is the station?"',
         "  appliance call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models",
     ]
     return "\n".join(lines)
@@ -178,10 +221,18 @@ def add_parsers(sub: Any) -> None:
         metavar="ACTION",
         help=f"what to ask: {', '.join(CALL_ACTIONS)} (see actions below)",
     )
-    call.add_argument("args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE")
+    call.add_argument(
+        "args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE; speak, translate: the TEXT"
+    )
     call.add_argument("--socket", default=default_socket(), help=SOCKET_HELP)
     call.add_argument("--model", default="silero_vad", help="vad, probs: the model to run")
     call.add_argument("--stream", action="store_true", help="vad: print each segment as soon as it is final")
+    call.add_argument("-o", "--output", metavar="FILE", help="speak: the audio file to write")
+    call.add_argument("--voice", help="speak: the voice (default: the firmware's first speech model)")
+    call.add_argument("--format", default="wav", choices=["wav", "pcm", "flac"], help="speak: the audio format")
+    call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
+    call.add_argument("--to", metavar="LANG", help="translate: the target language code")
+    call.add_argument("--from", dest="source", metavar="LANG", help="translate: the source language code")
     call.add_argument(
         "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"
     )

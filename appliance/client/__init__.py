@@ -35,6 +35,8 @@ from appliance.client.http import (
     infer_result,
     json_lines,
     segments_call,
+    speech_call,
+    translate_call,
 )
 from appliance.client.quic import QuicTransport
 from appliance.client.unix import UnixTransport
@@ -138,6 +140,24 @@ class Client:
     def stream_segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Iterator[Any]:
         """Each speech segment as soon as the daemon finds it final, then a summary with "done"."""
         return json_lines(self.transport.stream(segments_call(model, wav, stream="true", **params)))
+
+    def stream_speech(
+        self, text: str, voice: str, model: str = "tts-1", response_format: str = "wav", speed: float = 1.0
+    ) -> Iterator[bytes]:
+        """The audio of `text` (POST /v1/audio/speech), piece by piece as each sentence is ready."""
+        return self.transport.stream(speech_call(text, model, voice, response_format, speed))
+
+    def speech(
+        self, text: str, voice: str, model: str = "tts-1", response_format: str = "wav", speed: float = 1.0
+    ) -> bytes:
+        return checked(self.send(speech_call(text, model, voice, response_format, speed))).body
+
+    def translate(self, q: str | list[str], source: str, target: str) -> Any:
+        """`q` translated (POST /translate): a string, or a list for a list."""
+        return checked(self.send(translate_call(q, source, target))).json()["translatedText"]
+
+    def languages(self) -> Any:
+        return self.get("/languages")
 
 
 @dataclass

@@ -169,3 +169,15 @@ def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndar
         else:
             outputs[entry["name"]] = np.asarray(entry["data"], dtype).reshape(entry["shape"])
     return outputs
+
+
+def speech_call(text: str, model: str, voice: str, response_format: str = "wav", speed: float = 1.0) -> Call:
+    """OpenAI's text-to-speech route."""
+    doc = {"model": model, "input": text, "voice": voice, "response_format": response_format, "speed": speed}
+    return Call("POST", "/v1/audio/speech", json.dumps(doc).encode(), (("content-type", "application/json"),))
+
+
+def translate_call(q: str | list[str], source: str, target: str) -> Call:
+    """LibreTranslate's translate route."""
+    doc = {"q": q, "source": source, "target": target, "format": "text"}
+    return Call("POST", "/translate", json.dumps(doc).encode(), (("content-type", "application/json"),))

@@ -21,8 +21,18 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from appliance.engine.stats import ModelStats
+
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Generic[R]):
+    """A shard's result and how long it waited for its batch (Triton's queue time)."""
+
+    result: R
+    queued_ns: int
 
 
 @dataclass(eq=False, slots=True)
@@ -31,8 +41,8 @@ class _Shard(Generic[T, R]):
     group: Hashable
     owner: int
     order: tuple[int, int]
-    future: asyncio.Future[R]
-    queued_at: float = field(default_factory=time.perf_counter)
+    future: asyncio.Future[Done[R]]
+    queued_ns: int = field(default_factory=time.perf_counter_ns)
 
 
 class BatchQueue(Generic[T, R]):
@@ -40,13 +50,13 @@ class BatchQueue(Generic[T, R]):
         self,
         run_batch: Callable[[list[T]], list[R]],
         max_batch: int,
+        stats: ModelStats,
         queue_delay_s: Callable[[], float] = lambda: 0.0,
         per_request: int | None = None,
-        on_batch: Callable[[int, float, float], None] = lambda size, queued_s, run_s: None,
     ) -> None:
-        """`run_batch` runs on the queue's thread; `on_batch(size, longest wait, run time)` follows each."""
-        self.run_batch, self.max_batch, self.queue_delay_s = run_batch, max_batch, queue_delay_s
-        self.per_request, self.on_batch = per_request or max_batch, on_batch
+        """`run_batch` runs on the queue's thread; each call is an execution in `stats`."""
+        self.run_batch, self.max_batch, self.stats, self.queue_delay_s = run_batch, max_batch, stats, queue_delay_s
+        self.per_request = per_request or max_batch
         self._waiting: list[_Shard[T, R]] = []
         self._running = 0
         self._wake = asyncio.Event()
@@ -76,12 +86,12 @@ class BatchQueue(Generic[T, R]):
         self._thread.shutdown(wait=finished, cancel_futures=True)
         return finished
 
-    def submit(self, payloads: list[T], group: Hashable = None) -> list[asyncio.Future[R]]:
+    def submit(self, payloads: list[T], group: Hashable = None) -> list[asyncio.Future[Done[R]]]:
         """Queue one request's shards, in order; a future per shard."""
         loop, owner = asyncio.get_running_loop(), next(self._owners)
-        futures: list[asyncio.Future[R]] = []
+        futures: list[asyncio.Future[Done[R]]] = []
         for index, payload in enumerate(payloads):
-            future: asyncio.Future[R] = loop.create_future()
+            future: asyncio.Future[Done[R]] = loop.create_future()
             self._waiting.append(_Shard(payload, group, owner, (index, next(self._arrivals)), future))
             futures.append(future)
         self._wake.set()
@@ -93,7 +103,10 @@ class BatchQueue(Generic[T, R]):
         if not self._waiting:
             return []
         self._waiting.sort(key=lambda s: s.order)
-        group, taken, per_owner, left = self._waiting[0].group, [], dict[int, int](), []
+        group = self._waiting[0].group
+        taken: list[_Shard[T, R]] = []
+        left: list[_Shard[T, R]] = []
+        per_owner: dict[int, int] = {}
         for shard in self._waiting:
             count = per_owner.get(shard.owner, 0)
             if len(taken) < self.max_batch and shard.group == group and count < self.per_request:
@@ -113,7 +126,7 @@ class BatchQueue(Generic[T, R]):
                 await asyncio.sleep(delay)  # Triton's max queue delay: let others join
             while batch := self._take():
                 self._running = len(batch)
-                started = time.perf_counter()
+                started = time.perf_counter_ns()
                 try:
                     results = await loop.run_in_executor(self._thread, self.run_batch, [s.payload for s in batch])
                 except Exception as exc:  # the batch's requests get the error; the queue serves on
@@ -123,7 +136,7 @@ class BatchQueue(Generic[T, R]):
                 else:
                     for shard, result in zip(batch, results):
                         if not shard.future.done():
-                            shard.future.set_result(result)
+                            shard.future.set_result(Done(result, started - shard.queued_ns))
                 finally:
                     self._running = 0
-                self.on_batch(len(batch), started - min(s.queued_at for s in batch), time.perf_counter() - started)
+                self.stats.record_execution(len(batch), 0, time.perf_counter_ns() - started, 0)

@@ -22,7 +22,7 @@ from appliance import keys
 from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt
 from appliance.errors import ApplianceError
-from appliance.firmware import kernels
+from appliance.firmware import graphs, kernels
 from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
 from appliance.firmware.manifest import (
     DATATYPES,
@@ -228,6 +228,8 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
                 if not relative.endswith(".onnx"):
                     raise ApplianceError(f"{m.where}.source: kind {model.kind} takes an ONNX file, got {relative}")
                 model = _checked_tensors(model, staging / relative, m.where, exact=model.kind == "vad")
+            if model.kind == "speech_synthesis":
+                graphs.expose_durations(staging / relative / str(model.parameters["graph"]), m.where)
             models.append(model)
             files += copied
             if "cuda" in targets and model.kind == "vad":  # the CUDA kernels are the VAD's

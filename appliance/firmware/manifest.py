@@ -53,6 +53,21 @@ class ParameterSchema:
 KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
     "vad": {},
     "onnx": {},
+    # a Piper voice: its ONNX graph and its .onnx.json, files of the model's directory
+    "speech_synthesis": {
+        "voice": ParameterSchema(str),
+        "graph": ParameterSchema(str),
+        "config": ParameterSchema(str),
+    },
+    # a Bergamot (Marian) model for one language pair: its files in the model's directory
+    "text_translation": {
+        "source": ParameterSchema(str),
+        "target": ParameterSchema(str),
+        "model": ParameterSchema(str),
+        "source_vocab": ParameterSchema(str),
+        "target_vocab": ParameterSchema(str),
+        "shortlist": ParameterSchema(str, ""),
+    },
 }
 
 

@@ -17,9 +17,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from appliance.engine.interface import Engine
+from appliance.firmware.graphs import DURATIONS
 from appliance.kinds.phonemes import Voice
 
 IDS, LENGTHS, SCALES, AUDIO = "input", "input_lengths", "scales", "output"
+DURATIONS_OUTPUT = DURATIONS  # each phoneme's length in frames, which the firmware build exposes
 PEAK = 32767.0
 
 
