@@ -14,6 +14,7 @@ IMAGE_VERSION ?= $(shell date -u +%Y%m%d%H%M%S)
 DEV_KEY := keys/dev.key
 TRUSTED := keys/trusted
 BUNDLE := build/firmware/default
+SPEECH_BUNDLE := build/firmware/speech
 CONFIG := etc/dev.toml
 
 .PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware gpu-test gpu-wheelhouse clean
@@ -40,8 +41,9 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-bench: firmware
+bench: firmware $(SPEECH_BUNDLE)/manifest.json
 	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED)
+	$(APPLIANCE) bench --bundle $(SPEECH_BUNDLE) --trusted-keys $(TRUSTED)
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
@@ -76,6 +78,10 @@ $(BUNDLE)/manifest.json: firmware/default.toml $(DEV_KEY) | venv
 	$(APPLIANCE) firmware build firmware/default.toml --key $(DEV_KEY) --out $(BUNDLE)
 
 firmware: $(BUNDLE)/manifest.json
+
+# The speech firmware: the Piper voice and the Bergamot en<->pt models (make bench measures it).
+$(SPEECH_BUNDLE)/manifest.json: firmware/speech.toml $(DEV_KEY) | venv
+	$(APPLIANCE) firmware build firmware/speech.toml --key $(DEV_KEY) --out $(SPEECH_BUNDLE)
 
 image-deps:
 	@$(MAKE) --no-print-directory deps APT_PACKAGES="$(IMAGE_PACKAGES)"

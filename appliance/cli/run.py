@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from appliance.bench.run import run  # lazy: the bench loads ONNX Runtime and aioquic in this process
+    # lazy: the bench loads ONNX Runtime and aioquic in this process
+    from appliance import firmware
+    from appliance.bench import speech
+    from appliance.bench.run import run
 
-    results = run(args.bundle, args.trusted_keys, args.seconds)
-    print("\n".join(report(results)))
+    kinds = {m.kind for m in firmware.verify(args.bundle, args.trusted_keys).manifest.models}
+    results: dict[str, Any] = {}
+    if "vad" in kinds:
+        results = run(args.bundle, args.trusted_keys, args.seconds)
+        print("\n".join(report(results)))
+    if kinds & {"speech_synthesis", "text_translation"}:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results.update(speech.run(args.bundle, args.trusted_keys, Path(tmp)))
+        if "vad" not in kinds:
+            print(f"appliance bench: {args.bundle}")
+        print("\n".join(speech.report(results)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -47,13 +47,8 @@ class TranslationModel:
         self.source, self.target = str(params["source"]), str(params["target"])
         file = lambda key: bundle.artifact(f"{spec.file}/{params[key]}")  # noqa: E731
         shortlist = file("shortlist").read_bytes() if params["shortlist"] else None
-        self.engine = BergamotEngine(
-            file("model").read_bytes(),
-            file("source_vocab").read_bytes(),
-            file("target_vocab").read_bytes(),
-            shortlist,
-            live.config.engine.threads,
-        )
+        files = (file("model").read_bytes(), file("source_vocab").read_bytes(), file("target_vocab").read_bytes())
+        self.engine = BergamotEngine((*files, shortlist), live.config.engine.threads)
         self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(file("source_vocab")))
         self.queue: BatchQueue[str, str] = BatchQueue(
             self.engine.translate, self.baked.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
@@ -79,7 +74,10 @@ class TranslationModel:
         self.queue.start()
 
     async def stop(self, timeout_s: float) -> bool:
-        return await self.queue.stop(timeout_s)
+        finished = await self.queue.stop(timeout_s)
+        if finished:  # a wedged worker would hold the close
+            self.engine.close()
+        return finished
 
     def expire_idle(self) -> int:
         return 0

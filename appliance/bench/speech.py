@@ -1,0 +1,181 @@
+"""Speech out and text translation, the daemon against the same models called directly one request at a
+time: the voice graph on plain ONNX Runtime (default session options, as Piper loads a voice) and
+fxtranslate's Translator (translate_long, its own way to take a text of many sentences).
+
+    speech       8 concurrent requests of a 3-sentence paragraph: requests/s against the peer's
+    first audio  a 5-sentence paragraph, streamed as PCM: time to the first audio bytes (median of 5)
+    translation  8 clients with 10 sentences each: sentences/s against the peer's
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fxtranslate
+import numpy as np
+import onnxruntime as ort
+
+from appliance import firmware
+from appliance.bench.daemon import DaemonProcess
+from appliance.client import Client
+from appliance.kinds.phonemes import Voice, phonemize
+from appliance.kinds.text import clauses, grouped_by_sentence
+
+PARAGRAPH = (
+    "The weather will be sunny tomorrow morning. We visited the museum last weekend and saw many paintings. "
+    "Please turn off the lights when you leave the room."
+)
+FIVE = PARAGRAPH + " The meeting has been moved to Thursday afternoon. She reads a book every night."
+SENTENCES = [
+    "The children were playing happily in the garden.",
+    "Where is the nearest train station?",
+    "I would like to order a cup of coffee and a sandwich, please.",
+    "My brother works as a doctor in a small hospital.",
+    "Can you help me find my luggage?",
+    "The meeting has been moved to Thursday afternoon.",
+    "She reads a book every night before going to sleep.",
+    "We need to buy bread, milk and eggs for breakfast.",
+    "The museum opens at nine o'clock on weekdays.",
+    "It is going to rain later this evening.",
+]
+CLIENTS = 8
+TARGETS = {"speech_ratio": 2.0, "first_audio_ms": 300.0, "translation_ratio": 2.0}
+
+
+def concurrently(count: int, work: Callable[[int], object]) -> float:
+    """Seconds for `count` threads to each do `work(i)`, started together."""
+    start = threading.Barrier(count + 1)
+
+    def run(i: int) -> None:
+        start.wait()
+        work(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def speech(bundle: firmware.Bundle, socket: str, model: firmware.ModelSpec) -> dict[str, Any]:
+    params = model.parameters
+    voice = Voice.from_config(bundle.artifact(f"{model.file}/{params['config']}"))
+    peer = ort.InferenceSession(
+        str(bundle.artifact(f"{model.file}/{params['graph']}")), providers=["CPUExecutionProvider"]
+    )
+    phonemes = asyncio.run(phonemize(clauses(PARAGRAPH), voice.espeak_voice))
+    ids = [
+        voice.ids([x for p in s for x in p.phonemes]) for s in grouped_by_sentence(phonemes, lambda p: p.ends_sentence)
+    ]
+    scales = np.array([voice.noise_scale, voice.length_scale, voice.noise_w], np.float32)
+
+    def peer_request() -> None:
+        for sentence in ids:
+            feeds = {"input": np.array([sentence], np.int64), "input_lengths": np.array([len(sentence)], np.int64)}
+            peer.run(["output"], {**feeds, "scales": scales})
+
+    peer_request()
+    t0 = time.perf_counter()
+    for _ in range(CLIENTS):
+        peer_request()
+    peer_s = time.perf_counter() - t0
+    clients = [Client(socket, timeout=300) for _ in range(CLIENTS)]
+    voice_name = str(params["voice"])
+    clients[0].speech(PARAGRAPH, voice=voice_name, response_format="pcm")
+    daemon_s = min(
+        concurrently(CLIENTS, lambda i: clients[i].speech(PARAGRAPH, voice=voice_name, response_format="pcm"))
+        for _ in range(2)
+    )
+    first = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        pieces = clients[0].stream_speech(FIVE, voice=voice_name, response_format="pcm")
+        next(iter(pieces))
+        first.append(time.perf_counter() - t0)
+        for _ in pieces:
+            pass
+    for c in clients:
+        c.close()
+    return {
+        "peer_requests_per_s": round(CLIENTS / peer_s, 2),
+        "daemon_requests_per_s": round(CLIENTS / daemon_s, 2),
+        "speech_ratio": round(peer_s / daemon_s, 2),
+        "first_audio_ms": round(statistics.median(first) * 1000, 1),
+    }
+
+
+def translation(bundle: firmware.Bundle, socket: str, model: firmware.ModelSpec) -> dict[str, Any]:
+    params = model.parameters
+    file = lambda key: bundle.artifact(f"{model.file}/{params[key]}").read_bytes()  # noqa: E731
+    peer = fxtranslate.Translator(
+        file("model"), file("source_vocab"), file("target_vocab"), file("shortlist") if params["shortlist"] else None
+    )
+    texts = [" ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(len(SENTENCES))) for i in range(CLIENTS)]
+    peer.translate_long(texts[0])
+    t0 = time.perf_counter()
+    for text in texts:
+        peer.translate_long(text)
+    peer_s = time.perf_counter() - t0
+    clients = [Client(socket, timeout=300) for _ in range(CLIENTS)]
+    source, target = str(params["source"]), str(params["target"])
+    clients[0].translate(texts[0], source, target)
+    daemon_s = min(concurrently(CLIENTS, lambda i: clients[i].translate(texts[i], source, target)) for _ in range(2))
+    for c in clients:
+        c.close()
+    sentences = CLIENTS * len(SENTENCES)
+    return {
+        "peer_sentences_per_s": round(sentences / peer_s, 1),
+        "daemon_sentences_per_s": round(sentences / daemon_s, 1),
+        "translation_ratio": round(peer_s / daemon_s, 2),
+    }
+
+
+def run(bundle_dir: Path, trusted_keys: Path, workdir: Path) -> dict[str, Any]:
+    """The figures for the firmware's first speech model and first translation model, where it has them."""
+    bundle = firmware.verify(bundle_dir, trusted_keys)
+    by_kind = {m.kind: m for m in reversed(bundle.manifest.models)}
+    threads = os.cpu_count() or 1  # the engine's threads: every core, as the peer's ONNX Runtime takes them
+    results: dict[str, Any] = {"engine_threads": threads}
+    # a pin directory of its own: another daemon on this machine may hold the default one
+    pin_dir = f"/sys/fs/bpf/appliance-bench-{os.getpid()}"
+    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f'pin_dir = "{pin_dir}"\n[engine]\nthreads = {threads}\n')
+    try:
+        if "speech_synthesis" in by_kind:
+            results["speech"] = speech(bundle, str(daemon.socket), by_kind["speech_synthesis"])
+        if "text_translation" in by_kind:
+            results["translation"] = translation(bundle, str(daemon.socket), by_kind["text_translation"])
+    finally:
+        daemon.stop()
+    return results
+
+
+def report(r: dict[str, Any]) -> list[str]:
+    mark = {True: "ok", False: "MISSED"}
+    lines = []
+    if s := r.get("speech"):
+        lines.append(
+            f"  speech, {CLIENTS} concurrent 3-sentence requests  {s['daemon_requests_per_s']} req/s vs the voice on "
+            f"ONNX Runtime one at a time {s['peer_requests_per_s']} req/s = {s['speech_ratio']}x   "
+            f"target >= {TARGETS['speech_ratio']}x   {mark[s['speech_ratio'] >= TARGETS['speech_ratio']]}"
+        )
+        lines.append(
+            f"  speech, first audio of a 5-sentence paragraph  median {s['first_audio_ms']} ms   "
+            f"target <= {TARGETS['first_audio_ms']:.0f} ms   {mark[s['first_audio_ms'] <= TARGETS['first_audio_ms']]}"
+        )
+    if t := r.get("translation"):
+        lines.append(
+            f"  translation, {CLIENTS} clients x 10 sentences  {t['daemon_sentences_per_s']} sentences/s vs fxtranslate "
+            f"one request at a time {t['peer_sentences_per_s']} = {t['translation_ratio']}x   "
+            f"target >= {TARGETS['translation_ratio']}x   {mark[t['translation_ratio'] >= TARGETS['translation_ratio']]}"
+        )
+    return lines
