@@ -13,7 +13,7 @@ import io
 import logging
 import re
 import struct
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 
 import numpy as np
 import soundfile
@@ -96,7 +96,7 @@ def _flac(pieces: list[np.ndarray], rate: int) -> bytes:
     return out.getvalue()
 
 
-async def _stream(first: bytes, pieces: AsyncIterator[np.ndarray], model: str) -> AsyncGenerator[bytes, None]:
+async def _stream(first: bytes, pieces: AsyncGenerator[np.ndarray, None], model: str) -> AsyncGenerator[bytes, None]:
     """The header, then each sentence's samples as soon as it is ready; a failure ends the stream
     early (the status has been sent), logged."""
     if first:
@@ -108,3 +108,5 @@ async def _stream(first: bytes, pieces: AsyncIterator[np.ndarray], model: str) -
         log.warning("speech from %s ended early: %s", model, exc.message)
     except Exception:
         log.exception("speech from %s crashed while streaming", model)
+    finally:
+        await pieces.aclose()  # a client gone mid-stream: its shards not yet started are dropped now

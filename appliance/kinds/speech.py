@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.base import NoSequences, SequenceCall, Task
 from appliance.kinds.phonemes import Phonemes, Voice, phonemize
-from appliance.kinds.text import checked_text, clauses, grouped_by_sentence, plan_shards
+from appliance.kinds.text import checked_text, clauses, grouped_by_sentence, plan_shards, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.kinds.voice_graph import DURATIONS_OUTPUT, VoiceGraph
 from appliance.protocol.messages import Opened
@@ -144,7 +144,7 @@ class SpeechModel:
 
     async def synthesize(
         self, shards: list[list[int]], speed: float, times: RequestTimes | None = None
-    ) -> AsyncIterator[np.ndarray]:
+    ) -> AsyncGenerator[np.ndarray, None]:
         """Each shard's samples (INT16 at the voice's rate) in order, each as soon as it is ready.
         Without `times` the request is recorded in the stats here (the API's infer records its own)."""
         started, record = time.perf_counter_ns(), times is None
@@ -173,13 +173,6 @@ def one_text(request: InferRequest, model: str) -> str:
     if set(request.inputs) != {TEXT} or array is None or array.dtype != object or array.size != 1:
         raise BadRequest(f"model {model} takes one input {TEXT!r}: BYTES, one element")
     return checked_text(utf8(array.reshape(-1)[0], TEXT), TEXT)
-
-
-def utf8(element: object, where: str) -> str:
-    try:
-        return element.decode() if isinstance(element, bytes) else str(element)
-    except UnicodeDecodeError:
-        raise BadRequest(f"input {where}: a BYTES element is not valid UTF-8") from None
 
 
 def _size(run: list[Phonemes]) -> int:

@@ -101,3 +101,10 @@ def plan_shards(
         if pending:
             shards.append(pending)
     return shards
+
+
+def utf8(element: object, where: str) -> str:
+    try:
+        return element.decode() if isinstance(element, bytes) else str(element)
+    except UnicodeDecodeError:
+        raise BadRequest(f"input {where}: a BYTES element is not valid UTF-8") from None

@@ -25,8 +25,7 @@ from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.base import NoSequences, SequenceCall, Task
-from appliance.kinds.speech import utf8
-from appliance.kinds.text import MAX_TEXT_CHARS, Clause, checked_text, joined, plan_shards, sentences
+from appliance.kinds.text import MAX_TEXT_CHARS, Clause, checked_text, joined, plan_shards, sentences, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
