@@ -79,12 +79,20 @@ def speech(bundle: firmware.Bundle, socket: str, model: firmware.ModelSpec) -> d
     ]
     scales = np.array([voice.noise_scale, voice.length_scale, voice.noise_w], np.float32)
 
+    def peer_sentence(sentence: list[int]) -> None:
+        feeds = {"input": np.array([sentence], np.int64), "input_lengths": np.array([len(sentence)], np.int64)}
+        peer.run(["output"], {**feeds, "scales": scales})
+
     def peer_request() -> None:
         for sentence in ids:
-            feeds = {"input": np.array([sentence], np.int64), "input_lengths": np.array([len(sentence)], np.int64)}
-            peer.run(["output"], {**feeds, "scales": scales})
+            peer_sentence(sentence)
 
     peer_request()
+    peer_first = []  # the floor for first audio: the paragraph's first sentence alone on the peer
+    for _ in range(5):
+        t0 = time.perf_counter()
+        peer_sentence(ids[0])
+        peer_first.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     for _ in range(CLIENTS):
         peer_request()
@@ -111,6 +119,7 @@ def speech(bundle: firmware.Bundle, socket: str, model: firmware.ModelSpec) -> d
         "daemon_requests_per_s": round(CLIENTS / daemon_s, 2),
         "speech_ratio": round(peer_s / daemon_s, 2),
         "first_audio_ms": round(statistics.median(first) * 1000, 1),
+        "peer_first_sentence_ms": round(statistics.median(peer_first) * 1000, 1),
     }
 
 
@@ -170,7 +179,8 @@ def report(r: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"  speech, first audio of a 5-sentence paragraph  median {s['first_audio_ms']} ms   "
-            f"target <= {TARGETS['first_audio_ms']:.0f} ms   {mark[s['first_audio_ms'] <= TARGETS['first_audio_ms']]}"
+            f"target <= {TARGETS['first_audio_ms']:.0f} ms   {mark[s['first_audio_ms'] <= TARGETS['first_audio_ms']]} "
+            f"(its first sentence alone on the peer: {s['peer_first_sentence_ms']} ms)"
         )
     if t := r.get("translation"):
         lines.append(

@@ -56,10 +56,10 @@ class SpeechModel:
         lanes = engine_config.threads if isinstance(engine, OnnxCpuEngine) else 1
         self.graph = VoiceGraph(engine, voice, DURATIONS_OUTPUT, lanes)
         self.voice, self.sample_rate = voice, voice.sample_rate
-        # at most `lanes` shards of one request per batch: a lone request's first sentence is not
-        # held up behind its others, and concurrent requests share every batch
+        # one shard of a request per batch: a lone request's first sentence runs alone on every thread
+        # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(
-            self.graph.run, self.baked.max_batch, self.stats, lambda: engine_config.queue_delay_us / 1e6, lanes
+            self.graph.run, self.baked.max_batch, self.stats, lambda: engine_config.queue_delay_us / 1e6, 1
         )
 
     @property

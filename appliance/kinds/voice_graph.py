@@ -6,7 +6,8 @@ shard's own length is the sum of its phoneme durations (the graph's Ceil output,
 build makes an output) times the hop length. On the CPU engine a batch is cut into `lanes` runs of
 similar length that go to single-threaded ONNX Runtime sessions side by side: a VITS graph does not
 get faster per shard in larger batches on a CPU (measured: 8 shards, 1.27 s one by one, 1.46 s as
-one batch), but two cores on two shards do.
+one batch), but two cores on two shards do. A batch of one shard (a lone request's next sentence)
+takes all the intra-op threads instead, so its first audio comes as soon as the engine can make it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from appliance.engine.interface import Engine
+from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.firmware.graphs import DURATIONS
 from appliance.kinds.phonemes import Voice
 
@@ -36,13 +38,14 @@ class VoiceGraph:
         order = sorted(range(len(shards)), key=lambda i: len(shards[i][0]))
         size = -(-len(order) // self.lanes)
         runs = [order[i : i + size] for i in range(0, len(order), size)]
-        speed = shards[0][1]
+        speed, alone = shards[0][1], len(runs) == 1
         audio: dict[int, np.ndarray] = {}
-        for run, pieces in zip(runs, self._pool.map(lambda r: self._run([shards[i][0] for i in r], speed), runs)):
+        pieces_of = lambda r: self._run([shards[i][0] for i in r], speed, alone)  # noqa: E731
+        for run, pieces in zip(runs, self._pool.map(pieces_of, runs)):
             audio.update(zip(run, pieces))
         return [audio[i] for i in range(len(shards))]
 
-    def _run(self, ids: list[list[int]], speed: float) -> list[np.ndarray]:
+    def _run(self, ids: list[list[int]], speed: float, alone: bool) -> list[np.ndarray]:
         voice = self.voice
         lengths = np.array([len(x) for x in ids], np.int64)
         padded = np.zeros((len(ids), int(lengths.max())), np.int64)
@@ -50,7 +53,10 @@ class VoiceGraph:
             row[: len(x)] = x
         scales = np.array([voice.noise_scale, voice.length_scale / speed, voice.noise_w], np.float32)
         feeds: Mapping[str, np.ndarray] = {IDS: padded, LENGTHS: lengths, SCALES: scales}
-        out = self.engine.run(feeds, len(ids))
+        if isinstance(self.engine, OnnxCpuEngine):
+            out = self.engine.run(feeds, len(ids), parallel=alone)
+        else:
+            out = self.engine.run(feeds, len(ids))
         wave = out[AUDIO].reshape(len(ids), -1)
         durations = out[self.durations_output].reshape(len(ids), -1)
         pieces = []
