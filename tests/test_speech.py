@@ -240,3 +240,25 @@ def test_shards_semantic_and_fixed() -> None:
     assert [[c.text for c in s] for s in grouped] == [["One two three"], ["four five six"], ["Seven eight"]]
     assert plan_shards(sentences(text), 10, "semantic", words, cut) == [sentences(text)[0], sentences(text)[1]]
     assert len(plan_shards(sentences(text), 10, "fixed", words, cut)) == len(clauses(text))
+
+
+def test_fixed_shards_at_the_limit(keys: Keys, start_daemon, tmp_path: Path) -> None:
+    """A firmware that cuts at the limit: tiny shards, many per request, still answered in order."""
+    spec = SPEECH_SPEC.read_text()
+    spec = spec.replace(
+        'max_tokens_per_shard = 400, split_algorithm = "semantic"',
+        'max_tokens_per_shard = 40, split_algorithm = "fixed"',
+    )
+    spec = spec.replace(
+        'max_tokens_per_shard = 256, split_algorithm = "semantic"',
+        'max_tokens_per_shard = 8, split_algorithm = "fixed"',
+    )
+    (tmp_path / "fixed.toml").write_text(spec)
+    cli("firmware", "build", tmp_path / "fixed.toml", "--key", keys.private, "--out", tmp_path / "fixed")
+    with start_daemon(bundle_dir=tmp_path / "fixed").client() as client:
+        model = client.model("en-pt")["parameters"]["baked"]
+        assert model["max_tokens_per_shard"] == 8 and model["split_algorithm"] == "fixed"
+        translated = client.translate("I have 12 apples, 7 pears and 30 plums in 4 baskets.", "en", "pt")
+        assert [int(x) for x in re.findall(r"\d+", translated)] == [12, 7, 30, 4], translated
+        audio, rate = decoded(client.speech(PARAGRAPH, voice="joe"))
+        assert 4.0 < len(audio) / rate < 14.0

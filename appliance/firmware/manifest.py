@@ -53,14 +53,22 @@ class ParameterSchema:
 KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
     "vad": {},
     "onnx": {},
-    # a Piper voice: its ONNX graph and its .onnx.json, files of the model's directory
+    # a Piper voice: its ONNX graph and its .onnx.json, files of the model's directory; shards of at
+    # most max_tokens_per_shard phoneme ids, up to max_batch of them in one engine call
     "speech_synthesis": {
         "voice": ParameterSchema(str),
         "graph": ParameterSchema(str),
         "config": ParameterSchema(str),
+        "max_tokens_per_shard": ParameterSchema(int, 400),
+        "split_algorithm": ParameterSchema(str, "semantic"),
+        "max_batch": ParameterSchema(int, 16),
     },
-    # a Bergamot (Marian) model for one language pair: its files in the model's directory
+    # a Bergamot (Marian) model for one language pair: its files in the model's directory; shards of at
+    # most max_tokens_per_shard SentencePiece pieces, up to max_batch of them in one engine call
     "text_translation": {
+        "max_tokens_per_shard": ParameterSchema(int, 256),
+        "split_algorithm": ParameterSchema(str, "semantic"),
+        "max_batch": ParameterSchema(int, 64),
         "source": ParameterSchema(str),
         "target": ParameterSchema(str),
         "model": ParameterSchema(str),

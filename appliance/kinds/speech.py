@@ -26,7 +26,7 @@ from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.base import NoSequences, SequenceCall, Task
 from appliance.kinds.phonemes import Phonemes, Voice, phonemize
-from appliance.kinds.text import checked_text, clauses, grouped_by_sentence, plan_shards, utf8
+from appliance.kinds.text import ShardLimits, checked_text, clauses, grouped_by_sentence, plan_shards, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.kinds.voice_graph import DURATIONS_OUTPUT, VoiceGraph
 from appliance.protocol.messages import Opened
@@ -43,6 +43,7 @@ class SpeechModel:
 
     def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live) -> None:
         self.spec, self.baked, self.live = spec, bundle.manifest.baked, live
+        self.limits = ShardLimits.of(spec)
         self.tasks: Mapping[str, Task] = {}
         self.sequences = NoSequences()
         self.stats = ModelStats()
@@ -59,7 +60,7 @@ class SpeechModel:
         # one shard of a request per batch: a lone request's first sentence runs alone on every thread
         # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(
-            self.graph.run, self.baked.max_batch, self.stats, lambda: engine_config.queue_delay_us / 1e6, 1
+            self.graph.run, self.limits.max_batch, self.stats, lambda: engine_config.queue_delay_us / 1e6, 1
         )
 
     @property
@@ -103,7 +104,7 @@ class SpeechModel:
                 "voice": self.voice_name,
                 "sample_rate": self.sample_rate,
                 "speed": [MIN_SPEED, MAX_SPEED],
-                "baked": dataclasses.asdict(self.baked),
+                "baked": {**dataclasses.asdict(self.baked), **dataclasses.asdict(self.limits)},
             },
         }
 
@@ -131,8 +132,8 @@ class SpeechModel:
         phonemes = await phonemize(clauses(text), self.voice.espeak_voice)
         shards = plan_shards(
             grouped_by_sentence(phonemes, lambda p: p.ends_sentence),
-            self.baked.max_tokens_per_shard,
-            self.baked.split_algorithm,
+            self.limits.max_tokens_per_shard,
+            self.limits.split_algorithm,
             _size,
             _cut,
         )

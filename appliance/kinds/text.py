@@ -13,13 +13,37 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from appliance.errors import BadRequest
+from appliance.errors import ApplianceError, BadRequest
+from appliance.firmware import SPLIT_ALGORITHMS, ModelSpec
 
 SENTENCE_ENDS = ".!?…"
 BOUNDARY = re.compile(r"([.!?…,;:]+)[\"'”’»)\]]*(?=\s|$)")
 T = TypeVar("T")
 Cut = Callable[[list[T], int], list[list[T]]]  # clauses -> runs of at most N tokens, cut anywhere
 MAX_TEXT_CHARS = 65536  # one request's text: ~10,000 words (longer is a 413 naming the limit)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLimits:
+    """A text model's own shard parameters (its `parameters` in the firmware: baked, as the firmware's
+    [baked] are, but in its own unit: a VAD's frames are not a voice's phonemes or a pair's pieces)."""
+
+    max_tokens_per_shard: int
+    split_algorithm: str
+    max_batch: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> ShardLimits:
+        p = spec.parameters  # their types checked by the firmware's reader (KIND_PARAMETERS)
+        max_tokens, algorithm, max_batch = p["max_tokens_per_shard"], p["split_algorithm"], p["max_batch"]
+        assert isinstance(max_tokens, int) and isinstance(algorithm, str) and isinstance(max_batch, int)
+        limits = cls(max_tokens, algorithm, max_batch)
+        if limits.max_tokens_per_shard < 8 or limits.max_batch < 1 or limits.split_algorithm not in SPLIT_ALGORITHMS:
+            raise ApplianceError(
+                f"model {spec.name}: max_tokens_per_shard must be at least 8, max_batch at least 1 and "
+                f"split_algorithm one of {', '.join(SPLIT_ALGORITHMS)}"
+            )
+        return limits
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.base import NoSequences, SequenceCall, Task
-from appliance.kinds.text import MAX_TEXT_CHARS, Clause, checked_text, joined, plan_shards, sentences, utf8
+from appliance.kinds.text import MAX_TEXT_CHARS, Clause, ShardLimits, checked_text, joined, plan_shards, sentences, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
@@ -39,6 +39,7 @@ class TranslationModel:
 
     def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live) -> None:
         self.spec, self.baked, self.live = spec, bundle.manifest.baked, live
+        self.limits = ShardLimits.of(spec)
         self.tasks: Mapping[str, Task] = {}
         self.sequences = NoSequences()
         self.stats = ModelStats()
@@ -50,7 +51,7 @@ class TranslationModel:
         self.engine = BergamotEngine((*files, shortlist), live.config.engine.threads)
         self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(file("source_vocab")))
         self.queue: BatchQueue[str, str] = BatchQueue(
-            self.engine.translate, self.baked.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
+            self.engine.translate, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
         )
 
     @property
@@ -95,7 +96,7 @@ class TranslationModel:
                 "engine": self.engine_name,
                 "source": self.source,
                 "target": self.target,
-                "baked": dataclasses.asdict(self.baked),
+                "baked": {**dataclasses.asdict(self.baked), **dataclasses.asdict(self.limits)},
             },
         }
 
@@ -150,7 +151,11 @@ class TranslationModel:
             [
                 joined(s)
                 for s in plan_shards(
-                    sentences(line), self.baked.max_tokens_per_shard, self.baked.split_algorithm, self._size, self._cut
+                    sentences(line),
+                    self.limits.max_tokens_per_shard,
+                    self.limits.split_algorithm,
+                    self._size,
+                    self._cut,
                 )
             ]
             for line in text.split("\n")
