@@ -28,7 +28,7 @@ from appliance.kinds.base import NoSequences, SequenceCall, Task
 from appliance.kinds.phonemes import Phonemes, Voice, phonemize
 from appliance.kinds.text import ShardLimits, checked_text, clauses, grouped_by_sentence, plan_shards, utf8
 from appliance.kinds.triton_config import model_config
-from appliance.kinds.voice_graph import DURATIONS_OUTPUT, VoiceGraph
+from appliance.kinds.voice_graph import VoiceGraph
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
 
@@ -55,12 +55,12 @@ class SpeechModel:
         engine = load_engine(engine_config.device, bundle, graph, engine_config.threads)
         # side by side single-threaded runs pay on the CPU engine only (see voice_graph.py)
         lanes = engine_config.threads if isinstance(engine, OnnxCpuEngine) else 1
-        self.graph = VoiceGraph(engine, voice, DURATIONS_OUTPUT, lanes)
+        self.graph = VoiceGraph(engine, voice, lanes)
         self.voice, self.sample_rate = voice, voice.sample_rate
         # one shard of a request per batch: a lone request's first sentence runs alone on every thread
         # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(
-            self.graph.run, self.limits.max_batch, self.stats, lambda: engine_config.queue_delay_us / 1e6, 1
+            self.graph.run, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6, 1
         )
 
     @property

@@ -23,13 +23,12 @@ from appliance.firmware.graphs import DURATIONS
 from appliance.kinds.phonemes import Voice
 
 IDS, LENGTHS, SCALES, AUDIO = "input", "input_lengths", "scales", "output"
-DURATIONS_OUTPUT = DURATIONS  # each phoneme's length in frames, which the firmware build exposes
 PEAK = 32767.0
 
 
 class VoiceGraph:
-    def __init__(self, engine: Engine, voice: Voice, durations_output: str, lanes: int) -> None:
-        self.engine, self.voice, self.durations_output = engine, voice, durations_output
+    def __init__(self, engine: Engine, voice: Voice, lanes: int) -> None:
+        self.engine, self.voice = engine, voice
         self.lanes = max(1, lanes)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.lanes, thread_name_prefix="voice")
 
@@ -58,7 +57,7 @@ class VoiceGraph:
         else:
             out = self.engine.run(feeds, len(ids))
         wave = out[AUDIO].reshape(len(ids), -1)
-        durations = out[self.durations_output].reshape(len(ids), -1)
+        durations = out[DURATIONS].reshape(len(ids), -1)  # each phoneme's frames (the build's output)
         pieces = []
         for i, length in enumerate(lengths):
             samples = int(durations[i, :length].sum()) * voice.hop_length
