@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
-from appliance.api import libretranslate, openai_speech
+from appliance.api import libretranslate, openai_audio, openai_speech
 from appliance.api import metrics as prometheus
 from appliance.api.routes import Route
 from appliance.config import Live
@@ -65,6 +65,7 @@ class Api:
             ("GET", re.compile(r"/status"), "status", self._status),
             *openai_speech.routes(models),
             *libretranslate.routes(models),
+            *openai_audio.routes(models),
         ]
 
     async def handle(self, request: Request) -> Response:

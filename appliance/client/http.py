@@ -4,6 +4,7 @@ the API's calls and results (infer, segments) built and read. Both transports sh
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -161,8 +162,24 @@ def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndar
     offset = header_length or 0
     outputs = {}
     for entry in doc["outputs"]:
-        dtype = np.dtype(NUMPY_TYPES[entry["datatype"]])
         size = (entry.get("parameters") or {}).get("binary_data_size")
+        if entry["datatype"] == "BYTES":
+            count = math.prod(entry["shape"])
+            if size is not None:
+                values: list[bytes] = []
+                at = offset
+                while len(values) < count:  # Triton's binary strings: a 4-byte little-endian length, the bytes
+                    length = int.from_bytes(body[at : at + 4], "little")
+                    values.append(body[at + 4 : at + 4 + length])
+                    at += 4 + length
+                offset += size
+            else:
+                values = [v.encode() for v in entry["data"]]
+            array = np.empty(count, object)
+            array[:] = values
+            outputs[entry["name"]] = array.reshape(entry["shape"])
+            continue
+        dtype = np.dtype(NUMPY_TYPES[entry["datatype"]])
         if size is not None:
             outputs[entry["name"]] = np.frombuffer(body, dtype, size // dtype.itemsize, offset).reshape(entry["shape"])
             offset += size

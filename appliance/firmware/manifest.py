@@ -45,6 +45,8 @@ class ParameterSchema:
 
     kind: type | tuple[type, ...]
     default: Parameter | None = None  # None: required
+    choices: tuple[str, ...] = ()  # a string's allowed values, where limited
+    bounds: tuple[int, int] | None = None  # an integer's least and greatest values, where limited
 
 
 # The model kinds a firmware may declare, and each kind's own `parameters`: the build refuses an unknown
@@ -59,22 +61,31 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         "voice": ParameterSchema(str),
         "graph": ParameterSchema(str),
         "config": ParameterSchema(str),
-        "max_tokens_per_shard": ParameterSchema(int, 400),
-        "split_algorithm": ParameterSchema(str, "semantic"),
-        "max_batch": ParameterSchema(int, 16),
+        "max_tokens_per_shard": ParameterSchema(int, 400, bounds=(8, 4096)),
+        "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
+        "max_batch": ParameterSchema(int, 16, bounds=(1, 256)),
     },
     # a Bergamot (Marian) model for one language pair: its files in the model's directory; shards of at
     # most max_tokens_per_shard SentencePiece pieces, up to max_batch of them in one engine call
     "text_translation": {
-        "max_tokens_per_shard": ParameterSchema(int, 256),
-        "split_algorithm": ParameterSchema(str, "semantic"),
-        "max_batch": ParameterSchema(int, 64),
+        "max_tokens_per_shard": ParameterSchema(int, 256, bounds=(8, 1024)),
+        "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
+        "max_batch": ParameterSchema(int, 64, bounds=(1, 256)),
         "source": ParameterSchema(str),
         "target": ParameterSchema(str),
         "model": ParameterSchema(str),
         "source_vocab": ParameterSchema(str),
         "target_vocab": ParameterSchema(str),
         "shortlist": ParameterSchema(str, ""),
+    },
+    # Whisper (a CTranslate2 model directory) behind a VAD model listed before it. A shard token is one
+    # encoder position, 20 ms: 1500 fill Whisper's 30 s window.
+    "speech_to_text": {
+        "vad": ParameterSchema(str),
+        "max_tokens_per_shard": ParameterSchema(int, 1500, bounds=(50, 1500)),
+        "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
+        "max_batch": ParameterSchema(int, 8, bounds=(1, 256)),
+        "beam_size": ParameterSchema(int, 5, bounds=(1, 16)),
     },
 }
 
@@ -272,6 +283,10 @@ def read_parameters(r: Reader, kind: str) -> dict[str, Parameter]:
         value = table.get(key, entry.kind, ... if entry.default is None else entry.default)
         if isinstance(value, list) and not all(isinstance(v, str) for v in value):
             raise ApplianceError(f"{table.where}.{key}: expected a list of strings, got {value!r}")
+        if entry.choices and value not in entry.choices:
+            raise ApplianceError(f"{table.where}.{key}: {value!r} is not one of {', '.join(entry.choices)}")
+        if entry.bounds and isinstance(value, int) and not entry.bounds[0] <= value <= entry.bounds[1]:
+            raise ApplianceError(f"{table.where}.{key}: {value} is outside {entry.bounds[0]} to {entry.bounds[1]}")
         values[key] = value
     unknown = sorted(set(table.data) - set(schema))
     if unknown:

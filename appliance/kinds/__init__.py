@@ -11,6 +11,7 @@ from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds.base import ServedModel
 from appliance.kinds.onnx import OnnxModel
 from appliance.kinds.speech import SpeechModel
+from appliance.kinds.speech_to_text import SpeechToText
 from appliance.kinds.translation import TranslationModel
 from appliance.kinds.vad import VadModel
 
@@ -33,6 +34,7 @@ KINDS: dict[str, Factory] = {
     ),
     "speech_synthesis": lambda spec, bundle, live, loaded: SpeechModel(spec, bundle, live),
     "text_translation": lambda spec, bundle, live, loaded: TranslationModel(spec, bundle, live),
+    "speech_to_text": SpeechToText,
 }
 
 

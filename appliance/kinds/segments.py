@@ -53,6 +53,11 @@ class SegmentTracker:
                     self._start, self._silence_from = None, 0
         return self._release(total=None)
 
+    @property
+    def open_start(self) -> int | None:
+        """Where the speech being heard began (no segment closed it yet), if any is."""
+        return self._start
+
     def finish(self, total_samples: int) -> list[tuple[int, int]]:
         if self._start is not None and total_samples - self._start > self.min_speech:
             self._closed.append((self._start, total_samples))

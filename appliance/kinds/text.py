@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from appliance.errors import ApplianceError, BadRequest
-from appliance.firmware import SPLIT_ALGORITHMS, ModelSpec
+from appliance.errors import BadRequest
+from appliance.firmware import ModelSpec
 
 SENTENCE_ENDS = ".!?…"
 BOUNDARY = re.compile(r"([.!?…,;:]+)[\"'”’»)\]]*(?=\s|$)")
@@ -34,16 +34,10 @@ class ShardLimits:
 
     @classmethod
     def of(cls, spec: ModelSpec) -> ShardLimits:
-        p = spec.parameters  # their types checked by the firmware's reader (KIND_PARAMETERS)
+        p = spec.parameters  # types, bounds and choices checked by the firmware's reader (KIND_PARAMETERS)
         max_tokens, algorithm, max_batch = p["max_tokens_per_shard"], p["split_algorithm"], p["max_batch"]
         assert isinstance(max_tokens, int) and isinstance(algorithm, str) and isinstance(max_batch, int)
-        limits = cls(max_tokens, algorithm, max_batch)
-        if limits.max_tokens_per_shard < 8 or limits.max_batch < 1 or limits.split_algorithm not in SPLIT_ALGORITHMS:
-            raise ApplianceError(
-                f"model {spec.name}: max_tokens_per_shard must be at least 8, max_batch at least 1 and "
-                f"split_algorithm one of {', '.join(SPLIT_ALGORITHMS)}"
-            )
-        return limits
+        return cls(max_tokens, algorithm, max_batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,196 @@
+"""OpenAI's audio API on the box: POST /v1/audio/transcriptions and /v1/audio/translations.
+
+A multipart form (python-multipart parses it): `file`, `model`, `language` (transcriptions only),
+`prompt`, `response_format` (json | text | verbose_json | srt | vtt), `temperature`, `stream` (true:
+server-sent events, a `transcript.text.delta` per segment as it is decoded, then `transcript.text.done`).
+`model` names a speech_to_text model of the firmware; OpenAI's own names (whisper-1, ...) take the
+first one that can do the task, so the official client works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from python_multipart import FormParser
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import parse_options_header
+
+from appliance.audio import decode_audio
+from appliance.engine.whisper import SAMPLE_RATE
+from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.kinds.base import ServedModel
+from appliance.kinds.speech_api import Options, Segment, as_json, max_seconds
+from appliance.kinds.speech_to_text import SpeechToText
+from appliance.protocol.messages import Request, Response, json_response
+
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+FIELDS = {
+    "file",
+    "model",
+    "language",
+    "prompt",
+    "response_format",
+    "temperature",
+    "stream",
+    "timestamp_granularities[]",
+}
+MAX_FIELD_BYTES = 64 * 1024  # any form field but the file
+
+Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
+
+
+def routes(models: dict[str, ServedModel]) -> list[tuple[str, re.Pattern[str], str, Handler]]:
+    """(method, path pattern, endpoint label, handler) for the API core's route table."""
+
+    async def transcriptions(request: Request, params: dict[str, str]) -> Response:
+        return await openai_errors(answer(models, request, "transcribe"))
+
+    async def translations(request: Request, params: dict[str, str]) -> Response:
+        return await openai_errors(answer(models, request, "translate"))
+
+    return [
+        ("POST", re.compile(r"/v1/audio/transcriptions"), "openai_transcriptions", transcriptions),
+        ("POST", re.compile(r"/v1/audio/translations"), "openai_translations", translations),
+    ]
+
+
+async def openai_errors(answering: Awaitable[Response]) -> Response:
+    """An error in OpenAI's shape, {"error": {"message", "type"}}, so its clients show the message."""
+    try:
+        return await answering
+    except ApiError as exc:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return json_response(exc.status, {"error": {"message": exc.message, "type": kind, "code": None}})
+
+
+def parse_form(request: Request) -> tuple[dict[str, str], bytes]:
+    """The form's text fields and the file's bytes; a 400 naming what is wrong with the form."""
+    content_type = request.headers.get("content-type", "")
+    kind, options = parse_options_header(content_type)
+    if kind != b"multipart/form-data" or b"boundary" not in options:
+        raise BadRequest(f"send multipart/form-data with a boundary (got content-type {content_type[:60]!r})")
+    fields: dict[str, str] = {}
+    files: list[bytes] = []
+
+    def on_field(field: Any) -> None:
+        name = field.field_name.decode(errors="replace")
+        value = field.value or b""
+        if len(value) > MAX_FIELD_BYTES:
+            raise BadRequest(f"form field {name!r} is longer than {MAX_FIELD_BYTES} bytes")
+        fields[name] = value.decode(errors="replace")
+
+    def on_file(file: Any) -> None:
+        if file.field_name != b"file":
+            raise BadRequest(f"form field {file.field_name.decode(errors='replace')!r} is a file; only 'file' may be")
+        file.file_object.seek(0)
+        files.append(file.file_object.read())
+
+    # the body is in memory already (bounded by the server's body limit): keep parts there too
+    config = {"MAX_MEMORY_FILE_SIZE": float("inf")}
+    try:
+        parser = FormParser("multipart/form-data", on_field, on_file, boundary=options[b"boundary"], config=config)
+        parser.write(request.body)
+        parser.finalize()
+    except FormParserError as exc:
+        raise BadRequest(f"malformed multipart form: {' '.join(str(exc).split())}") from None
+    if not files:
+        raise BadRequest("the form has no 'file' part: send the audio as the file field")
+    unknown = sorted(set(fields) - FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown form field {unknown[0]!r} (known: {', '.join(sorted(FIELDS))})")
+    return fields, files[0]
+
+
+def pick_model(models: dict[str, ServedModel], name: str, task: str) -> SpeechToText:
+    speech = [m for m in models.values() if isinstance(m, SpeechToText)]
+    if not name:
+        raise BadRequest("the form needs a 'model' field")
+    chosen = models.get(name)
+    if chosen is not None:
+        if not isinstance(chosen, SpeechToText):
+            raise BadRequest(f"model {name!r} is a {chosen.spec.kind} model, not speech_to_text")
+        return chosen
+    able = [m for m in speech if task == "transcribe" or m.engine.tokens.multilingual]
+    if name.startswith(("whisper", "gpt-")) and able:  # OpenAI's names: the box's first model that can
+        return able[0]
+    served = ", ".join(m.name for m in speech) or "none"
+    raise NotFound(f"no speech_to_text model {name!r} (served: {served})")
+
+
+async def answer(models: dict[str, ServedModel], request: Request, task: str) -> Response:
+    fields, audio = parse_form(request)
+    model = pick_model(models, fields.get("model", ""), task)
+    if task == "translate" and "language" in fields:
+        raise BadRequest("translations take no 'language': the speech's language is detected, the text is English")
+    response_format = fields.get("response_format", "json")
+    if response_format not in FORMATS:
+        raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}, got {response_format!r}")
+    try:
+        temperature = float(fields.get("temperature", "0"))
+    except ValueError:
+        raise BadRequest(f"temperature must be a number, got {fields['temperature'][:40]!r}") from None
+    if fields.get("timestamp_granularities[]", "segment") != "segment":
+        raise BadRequest("timestamp_granularities: only 'segment' is served (no word timestamps)")
+    stream = fields.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise BadRequest(f"stream must be true or false, got {stream[:20]!r}")
+    options = Options(fields.get("language") or None, task, fields.get("prompt", ""), temperature)
+    model.check(options)
+    samples = await asyncio.to_thread(decode_audio, audio, SAMPLE_RATE, max_seconds(model))
+    segments = model.transcribe(samples, options)
+    if stream == "true":
+        return Response(200, content_type="text/event-stream", stream=_events(segments))
+    found = [s async for s in segments]
+    return render(found, response_format, task, len(samples) / SAMPLE_RATE)
+
+
+def render(segments: list[Segment], response_format: str, task: str, duration: float) -> Response:
+    doc = as_json(segments)
+    if response_format == "json":
+        return json_response(200, {"text": doc["text"]})
+    if response_format == "text":
+        return Response(200, (doc["text"] + "\n").encode(), content_type="text/plain; charset=utf-8")
+    if response_format == "verbose_json":
+        rows = [
+            {"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text, "tokens": [], "temperature": 0.0}
+            for i, s in enumerate(segments)
+        ]
+        verbose = {"task": task, "language": doc["language"], "duration": round(duration, 3), "text": doc["text"]}
+        return json_response(200, {**verbose, "segments": rows})
+    return Response(200, subtitles(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
+
+
+def subtitles(segments: list[Segment], response_format: str) -> str:
+    """SRT (numbered cues, comma decimals) or WebVTT (a header, dot decimals)."""
+    comma = response_format == "srt"
+
+    def clock(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        text = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+        return text.replace(".", ",") if comma else text
+
+    cues = [f"{clock(s.start)} --> {clock(s.end)}\n{s.text}\n" for s in segments]
+    if comma:
+        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)
+
+
+async def _events(segments: AsyncIterator[Segment]) -> AsyncGenerator[bytes, None]:
+    """Server-sent events as OpenAI streams a transcription: a delta per segment, then the whole text."""
+    texts = []
+    try:
+        async for segment in segments:
+            texts.append(segment.text)
+            yield _event({"type": "transcript.text.delta", "delta": (" " if len(texts) > 1 else "") + segment.text})
+    except ApiError as exc:
+        yield _event({"type": "error", "error": {"message": exc.message}})
+        return
+    yield _event({"type": "transcript.text.done", "text": " ".join(texts)})
+
+
+def _event(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,285 @@
+"""Whisper on CTranslate2: a batch of audio shards (at most 30 s each) in, timed text segments out.
+
+The stages are plain functions of arrays (log-mel features, prompts, token parsing) around one
+engine call per batch: encode every shard together, then decode each group of shards that share a
+prompt length and a temperature (CTranslate2 wants <|startoftranscript|> at one position in a batch).
+Nothing here knows about requests, queues or the event loop; `WhisperEngine.run` is called on a
+worker thread (CTranslate2 releases the GIL while it computes).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ctranslate2
+import numpy as np
+import tokenizers
+from numpy.lib.stride_tricks import sliding_window_view
+
+from appliance.errors import ApplianceError, BadRequest
+
+log = logging.getLogger("appliance")
+
+SAMPLE_RATE = 16000
+WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's one input window: 30 s
+N_FFT, HOP = 400, 160
+WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000 mel frames
+TOKEN_SECONDS = 0.02  # an encoder position, and a timestamp token's step
+MAX_PROMPT_TOKENS = 223  # Whisper's limit for previous text: half its 448-token context, less the start
+MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
+TASKS = ("transcribe", "translate")
+MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold: above it, a decode repeats itself
+FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
+    """Slaney-scale triangular filters [n_mels, n_fft // 2 + 1], as librosa builds Whisper's."""
+    fft_freqs = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
+    f_sp, min_log_hz = 200.0 / 3, 1000.0
+    min_log_mel, log_step = min_log_hz / f_sp, np.log(6.4) / 27.0
+    mels = np.linspace(0.0, _hz_to_mel(sample_rate / 2), n_mels + 2)
+    freqs = f_sp * mels
+    log_region = mels >= min_log_mel
+    freqs[log_region] = min_log_hz * np.exp(log_step * (mels[log_region] - min_log_mel))
+    ramps = freqs[:, None] - fft_freqs[None, :]
+    widths = np.diff(freqs)
+    lower = -ramps[:-2] / widths[:-1, None]
+    upper = ramps[2:] / widths[1:, None]
+    weights = np.maximum(0.0, np.minimum(lower, upper))
+    weights *= (2.0 / (freqs[2:] - freqs[:-2]))[:, None]  # equal energy per band
+    return weights.astype(np.float32)
+
+
+def _hz_to_mel(hz: float) -> float:
+    """Slaney's mel scale: linear below 1 kHz, logarithmic above."""
+    f_sp, min_log_hz = 200.0 / 3, 1000.0
+    if hz < min_log_hz:
+        return hz / f_sp
+    return min_log_hz / f_sp + float(np.log(hz / min_log_hz) / (np.log(6.4) / 27.0))
+
+
+def log_mel(shards: list[np.ndarray], filters: np.ndarray) -> np.ndarray:
+    """Whisper's input for each shard of at most 30 s: [batch, n_mels, 3000] log-mel features of the
+    shard padded with silence to 30 s (the model was trained on full windows only)."""
+    window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)  # periodic Hann, as torch.stft uses
+    out = np.empty((len(shards), filters.shape[0], WINDOW_FRAMES), np.float32)
+    for i, samples in enumerate(shards):
+        padded = np.zeros(WINDOW_SAMPLES + N_FFT, np.float32)
+        padded[N_FFT // 2 : N_FFT // 2 + len(samples)] = samples[:WINDOW_SAMPLES]
+        padded[: N_FFT // 2] = padded[N_FFT // 2 + 1 : N_FFT + 1][::-1]  # centred frames, reflected start
+        frames = sliding_window_view(padded, N_FFT)[::HOP][:WINDOW_FRAMES]
+        power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2
+        mel = np.log10(np.maximum(filters @ power.T, 1e-10))
+        out[i] = (np.maximum(mel, mel.max() - 8.0) + 4.0) / 4.0
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One window of audio to decode, and how."""
+
+    samples: np.ndarray  # float32 at 16 kHz, at most 30 s
+    language: str | None = None  # None: detected (multilingual models), English for English-only ones
+    task: str = "transcribe"
+    prompt: tuple[int, ...] = ()  # previous-text tokens (the OpenAI `prompt`)
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Text of a shard between two of its timestamps (seconds from the shard's start)."""
+
+    start: float
+    end: float
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    language: str
+    pieces: list[Piece]
+
+
+class WhisperTokens:
+    """The tokenizer and Whisper's special tokens, read from the model's tokenizer.json."""
+
+    def __init__(self, path: Path, multilingual: bool, languages: list[str]) -> None:
+        self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        self.multilingual, self.languages = multilingual, languages
+        token = self._special
+        self.sot, self.eot, self.sot_prev = token("startoftranscript"), token("endoftext"), token("startofprev")
+        self.no_timestamps = token("notimestamps")
+        self.timestamp_begin = self.no_timestamps + 1
+
+    def _special(self, name: str) -> int:
+        found = self.tokenizer.token_to_id(f"<|{name}|>")
+        if found is None:
+            raise ApplianceError(f"tokenizer.json has no <|{name}|> token: not a Whisper tokenizer")
+        return int(found)
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids)[-MAX_PROMPT_TOKENS:]
+
+    def prompt(self, shard: Shard, language: str) -> list[int]:
+        previous = [self.sot_prev, *shard.prompt] if shard.prompt else []
+        start = [self.sot]
+        if self.multilingual:
+            start += [self._special(language), self._special(shard.task)]
+        return previous + start
+
+    def pieces(self, ids: list[int], duration: float) -> list[Piece]:
+        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`."""
+        pieces: list[Piece] = []
+        text: list[int] = []
+        start = 0.0
+        for token in ids:
+            if token >= self.timestamp_begin:
+                time = min((token - self.timestamp_begin) * TOKEN_SECONDS, duration)
+                if text:
+                    pieces.append(Piece(start, max(time, start), self.tokenizer.decode(text).strip()))
+                    text = []
+                start = time
+            elif token < self.eot:
+                text.append(token)
+        if text:
+            pieces.append(Piece(start, max(duration, start), self.tokenizer.decode(text).strip()))
+        return [p for p in pieces if p.text]
+
+
+class WhisperEngine:
+    """One CTranslate2 Whisper model on the CPU (int8) or a CUDA device (int8 weights, fp16 compute),
+    with the CPU model taking a batch that arrives while GPU memory is above `fallback_threshold`
+    or that ran out of it."""
+
+    def __init__(
+        self,
+        directory: Path,
+        device: str,
+        threads: int,
+        beam_size: int,
+        fallback_threshold: float = 1.0,
+        memory_used: Callable[[], float] | None = None,
+    ) -> None:
+        if device not in ("cpu", "cuda", "auto"):
+            raise ApplianceError(f"engine.device: no engine for {device!r}")
+        gpus = ctranslate2.get_cuda_device_count() if device != "cpu" else 0
+        if device == "cuda" and not gpus:
+            raise ApplianceError('engine.device = "cuda": CTranslate2 finds no CUDA device here')
+        self.cpu = ctranslate2.models.Whisper(str(directory), device="cpu", compute_type="int8", intra_threads=threads)
+        self.gpu = (
+            ctranslate2.models.Whisper(str(directory), device="cuda", compute_type="int8_float16") if gpus else None
+        )
+        self.name = "ctranslate2-cuda" if self.gpu else "ctranslate2-cpu"
+        self.beam_size, self.fallback_threshold, self.memory_used = beam_size, fallback_threshold, memory_used
+        self.fallbacks: Counter[str] = Counter()
+        model = self.cpu
+        languages = [self._language_name(t) for t in _language_tokens(directory)]
+        self.tokens = WhisperTokens(directory / "tokenizer.json", model.is_multilingual, languages)
+        self.filters = mel_filters(model.n_mels)
+
+    @staticmethod
+    def _language_name(token: str) -> str:
+        return token.removeprefix("<|").removesuffix("|>")
+
+    def check(self, language: str | None, task: str) -> None:
+        """A request's language and task, before its audio is queued: a 400 for what this model cannot do."""
+        if task not in TASKS:
+            raise BadRequest(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        if not self.tokens.multilingual:
+            if task == "translate":
+                raise BadRequest("this model is English-only: it transcribes English and cannot translate")
+            if language not in (None, "en"):
+                raise BadRequest(f"this model is English-only: language {language!r} is not one it knows")
+        elif language is not None and language not in self.tokens.languages:
+            raise BadRequest(f"language {language!r} is not one of Whisper's ({len(self.tokens.languages)} codes)")
+
+    def run(self, shards: list[Shard]) -> list[Decoded]:
+        """Decode a batch; the answers in the shards' order."""
+        model = self._model(len(shards))
+        try:
+            return self._run(model, shards)
+        except RuntimeError as exc:
+            if model is self.cpu or "out of memory" not in str(exc).lower():
+                raise
+            self.fallbacks["out_of_memory"] += 1
+            log.warning("engine %s: out of GPU memory on a batch of %d, ran it on the CPU", self.name, len(shards))
+            return self._run(self.cpu, shards)
+
+    def _model(self, batch: int) -> ctranslate2.models.Whisper:
+        if self.gpu is None:
+            return self.cpu
+        if self.memory_used is not None and self.memory_used() > self.fallback_threshold:
+            self.fallbacks["memory_pressure"] += 1
+            return self.cpu
+        return self.gpu
+
+    def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
+        groups: dict[tuple[int, float], list[int]] = defaultdict(list)
+        for i, shard in enumerate(shards):
+            groups[(len(shard.prompt), shard.temperature)].append(i)
+        answers: list[Decoded | None] = [None] * len(shards)
+        for (_, temperature), members in groups.items():
+            group = [shards[i] for i in members]
+            features = log_mel([s.samples for s in group], self.filters)
+            encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
+            languages = self._languages(model, encoded, group)
+            prompts = [self.tokens.prompt(s, language) for s, language in zip(group, languages)]
+            ids = self._generate(model, encoded, prompts, temperature)
+            for at in self._repeating(ids):  # openai-whisper's fallback: sample at rising temperatures
+                for fallback in FALLBACK_TEMPERATURES:
+                    if fallback <= temperature:
+                        continue
+                    one = ctranslate2.StorageView.from_array(features[at : at + 1])
+                    ids[at] = self._generate(model, model.encode(one, to_cpu=False), prompts[at : at + 1], fallback)[0]
+                    if not self._repeating([ids[at]]):
+                        break
+            for i, shard, language, tokens in zip(members, group, languages, ids):
+                duration = len(shard.samples) / SAMPLE_RATE
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration))
+        return [a for a in answers if a is not None]
+
+    def _generate(
+        self,
+        model: ctranslate2.models.Whisper,
+        encoded: ctranslate2.StorageView,
+        prompts: list[list[int]],
+        temperature: float,
+    ) -> list[list[int]]:
+        sampling = {"sampling_topk": 0, "sampling_temperature": temperature} if temperature > 0 else {}
+        results = model.generate(
+            encoded,
+            prompts,
+            beam_size=1 if temperature > 0 else self.beam_size,
+            max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX,
+            **sampling,
+        )
+        return [list(r.sequences_ids[0]) for r in results]
+
+    def _repeating(self, ids: list[list[int]]) -> list[int]:
+        """Which decodes loop on themselves: text that gzip shrinks more than MAX_COMPRESSION times."""
+        texts = [self.tokens.tokenizer.decode([t for t in tokens if t < self.tokens.eot]).encode() for tokens in ids]
+        return [i for i, t in enumerate(texts) if len(t) > 40 and len(t) / len(zlib.compress(t)) > MAX_COMPRESSION]
+
+    def _languages(
+        self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]
+    ) -> list[str]:
+        if not self.tokens.multilingual:
+            return ["en"] * len(group)
+        if all(s.language for s in group):
+            return [s.language or "" for s in group]
+        detected = model.detect_language(encoded)
+        return [s.language or self._language_name(d[0][0]) for s, d in zip(group, detected)]
+
+
+def _language_tokens(directory: Path) -> list[str]:
+    """Whisper's language tokens, in the tokenizer's order (they sit between <|startoftranscript|> and <|translate|>)."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    sot, translate = tokenizer.token_to_id("<|startoftranscript|>"), tokenizer.token_to_id("<|translate|>")
+    if sot is None or translate is None:
+        return []
+    return [t for t in (tokenizer.id_to_token(i) for i in range(sot + 1, translate)) if t is not None]

@@ -1,0 +1,240 @@
+"""The speech_to_text kind: Whisper behind the box's VAD. A recording is cut by the VAD into speech,
+packed into shards of at most the baked `max_tokens_per_shard` (20 ms each, Whisper's 30 s window at
+most), and every shard of every waiting request runs in one engine call (engine/shard_batcher.py);
+the text comes back in order with segment times. Live streams feed the VAD chunk by chunk and
+decode each segment as soon as the VAD closes it. Its tensors and routes are in speech_api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from appliance.config import Live
+from appliance.engine import cuda
+from appliance.engine.shard_batcher import ShardBatcher
+from appliance.engine.stats import ModelStats, RequestTimes
+from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
+from appliance.errors import ApplianceError, BadRequest
+from appliance.firmware import Bundle, ModelSpec
+from appliance.firmware.manifest import Parameter
+from appliance.kinds import speech_api
+from appliance.kinds.base import SequenceCall, ServedModel, Task
+from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
+from appliance.kinds.speech_shards import Packer, ShardPlan, Span
+from appliance.kinds.vad import VadModel
+from appliance.protocol.messages import Opened, Request, Response
+from appliance.protocol.tensors import InferRequest
+
+SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
+REFINE_SPANS = 3  # Whisper's text over this many VAD spans without a timestamp between: decode them apart
+
+
+class SpeechToText:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        bundle: Bundle,
+        live: Live,
+        loaded: Mapping[str, ServedModel],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec, self.live, self.clock, self.baked = spec, live, clock, bundle.manifest.baked
+        params = spec.parameters
+        vad = loaded.get(str(params["vad"]))
+        if not isinstance(vad, VadModel):
+            raise ApplianceError(
+                f"model {spec.name}: parameters.vad {params['vad']!r} is not a VAD model listed before it"
+            )
+        self.vad = vad
+        self.max_samples = _integer(params, "max_tokens_per_shard") * SHARD_SAMPLES_PER_TOKEN
+        self.split_algorithm = str(params["split_algorithm"])
+        self.max_batch = _integer(params, "max_batch")
+        engine = live.config.engine
+        self.engine = WhisperEngine(
+            bundle.artifact(spec.file),
+            engine.device,
+            engine.threads,
+            _integer(params, "beam_size"),
+            self.baked.fallback_cpu_threshold,
+            cuda.memory_used if cuda.cuda is not None else None,
+        )
+        self.stats = ModelStats()
+        self.batcher: ShardBatcher[Shard, Decoded] = ShardBatcher(
+            self.engine.run, self.max_batch, self.stats, self.engine.name
+        )
+        self.sequences = LiveTable(self)
+        self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    @property
+    def fallbacks(self) -> Mapping[str, int]:
+        return self.engine.fallbacks
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    async def stop(self, timeout_s: float) -> bool:
+        return await self.batcher.stop(timeout_s)
+
+    async def probe(self) -> None:
+        await self.batcher.submit(Shard(np.zeros(SAMPLE_RATE, np.float32)), RequestTimes())
+
+    def metadata(self) -> dict[str, Any]:
+        return speech_api.metadata(self)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.batcher.queue_depth
+
+    def config(self) -> dict[str, Any]:
+        return speech_api.config(self)
+
+    def check(self, options: Options) -> None:
+        self.engine.check(options.language, options.task)
+        if not 0.0 <= options.temperature <= 1.0:
+            raise BadRequest(f"temperature must be a number from 0 to 1, got {options.temperature}")
+
+    def _shard(self, audio: np.ndarray, options: Options) -> Shard:
+        prompt = self.engine.tokens.encode(options.prompt) if options.prompt else ()
+        return Shard(audio, options.language, options.task, prompt, options.temperature)
+
+    async def transcribe(
+        self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
+    ) -> AsyncIterator[Segment]:
+        """The segments of a recording, in order, each as soon as it and those before it are decoded.
+        The VAD and Whisper overlap: a shard goes to the engine as soon as the VAD has filled it."""
+        self.check(options)
+        spent = times or RequestTimes()
+        packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+        shards: asyncio.Queue[asyncio.Task[list[Segment]] | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def send(plans: list[ShardPlan]) -> None:
+            for plan in plans:
+                shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent)))
+
+        async def cut() -> None:
+            try:
+                async for segment in self.vad.segments(samples, self.live.config.vad):
+                    send(packer.add(segment))
+                send(packer.finish())
+            finally:
+                shards.put_nowait(None)
+
+        cutting = loop.create_task(cut())
+        started: list[asyncio.Task[list[Segment]]] = []
+        try:
+            while (task := await shards.get()) is not None:
+                started.append(task)
+                for segment in await task:
+                    yield segment
+            await cutting  # its error, if it failed
+        finally:
+            cutting.cancel()
+            while not shards.empty():
+                if (task := shards.get_nowait()) is not None:
+                    started.append(task)
+            for task in started:
+                task.cancel()
+
+    async def _decode(
+        self,
+        plan: ShardPlan,
+        samples: np.ndarray,
+        options: Options,
+        times: RequestTimes,
+        live: bool = False,
+        offset: int = 0,
+    ) -> list[Segment]:
+        """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
+        spans by Whisper's timestamps; where Whisper gave none across REFINE_SPANS or more spans,
+        those spans are decoded one by one, so each keeps its own times."""
+        decoded = await self.batcher.submit(self._shard(plan.audio(samples), options), times, live)
+        runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
+        out: list[Segment] = []
+        for first, last, text in runs:
+            spans = plan.spans[first : last + 1]
+            if len(spans) >= REFINE_SPANS:
+                singles = [ShardPlan([Span(s.start, s.end, 0)], s.end - s.start) for s in spans]
+                for found in await asyncio.gather(
+                    *(self._decode(p, samples, options, times, True, offset) for p in singles)
+                ):
+                    out += found
+            else:
+                start, end = (offset + spans[0].start) / SAMPLE_RATE, (offset + spans[-1].end) / SAMPLE_RATE
+                out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+        return out
+
+    async def live_chunk(
+        self, samples: np.ndarray, sequence: SequenceCall, partial: bool, options: Options, times: RequestTimes
+    ) -> tuple[list[Segment], str | None, int | None]:
+        """One chunk of a live stream: the segments the VAD closed with it (decoded), the open
+        segment's text so far when `partial`, and the stream's serial when this chunk opened it."""
+        now = self.clock()
+        if sequence.start:
+            self.check(options)
+            stream = self.sequences.start(sequence.id, now, sequence.client, options)
+        else:
+            stream = self.sequences.get(sequence.id, now, sequence.client)
+        serial = stream.serial if sequence.start else None
+        stream.in_flight += 1
+        try:
+            key = self.sequences.vad_key(sequence.id, stream)
+            probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
+            stream.audio.append(samples)
+            stream.position += len(samples)
+            closed = stream.tracker.feed(probs)
+            if sequence.end:
+                closed += stream.tracker.finish(stream.position)
+            audio = np.concatenate(stream.audio)
+            decoded = await asyncio.gather(*(self._decode_live(stream, audio, span, times) for span in closed))
+            text = None
+            if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
+                text = " ".join(
+                    s.text for s in await self._decode_live(stream, audio, (open_start, stream.position), times)
+                )
+            if closed:  # what comes next starts at or after the padded end of the last closed segment
+                stream.audio, stream.base = [audio[closed[-1][1] - stream.base :]], closed[-1][1]
+            return [s for found in decoded for s in found], text, serial
+        finally:
+            stream.in_flight -= 1
+            if sequence.end:
+                self.sequences.end(sequence.id)
+
+    async def _decode_live(
+        self, stream: LiveStream, audio: np.ndarray, span: tuple[int, int], times: RequestTimes
+    ) -> list[Segment]:
+        """A span of a live stream's kept audio (positions in the stream), decoded ahead of recordings."""
+        packer = Packer(audio, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+        plans = packer.add((span[0] - stream.base, span[1] - stream.base)) + packer.finish()
+        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, stream.base) for p in plans))
+        return [s for segments in found for s in segments]
+
+    async def infer(
+        self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
+    ) -> tuple[dict[str, np.ndarray], Opened | None]:
+        return await speech_api.infer(self, request, sequence, times)
+
+    async def _transcribe_route(self, request: Request, query: dict[str, str]) -> Response:
+        return await speech_api.transcribe_route(self, request, query)
+
+    def expire_idle(self) -> int:
+        return self.sequences.expire(self.clock())
+
+
+def _integer(params: Mapping[str, Parameter], key: str) -> int:
+    value = params[key]
+    assert isinstance(value, int), f"{key}: the manifest reader checks its type"
+    return value
