@@ -6,6 +6,7 @@ Errors are raised and told once in main(): ServerError exits 1, ConnectError 4, 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
 import shutil
@@ -31,6 +32,8 @@ CALL_ACTIONS = {
     "speak": "TEXT spoken by a voice of the firmware into -o FILE (POST /v1/audio/speech), written as each "
     "sentence arrives",
     "translate": "TEXT translated --to a language (POST /translate; --from defaults to the one source that has it)",
+    "interpret": "an audio FILE through a speech pipeline into -o FILE (WAV), --to a language (default the "
+    "pipeline's first voice's); each segment's texts printed as it is spoken (POST /v2/models/MODEL/interpret)",
 }
 SOCKET_HELP = "the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)"
 
@@ -66,25 +69,28 @@ def cmd_call(args: argparse.Namespace) -> int:
                 raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC or Ogg)")
             audio = _read_input(args.args[0])
             if args.stream:
-                for line in client.stream_segments(audio, model=args.model):
+                for line in client.stream_segments(audio, model=args.model or "silero_vad"):
                     print(json.dumps(line), flush=True)
             else:
-                print_json(client.segments(audio, model=args.model))
+                print_json(client.segments(audio, model=args.model or "silero_vad"))
         elif args.what == "probs":
             if not args.args:
                 raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC or Ogg)")
             from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for `call probs`
 
-            rate = client.model(args.model)["parameters"]["sample_rate"]
+            model = args.model or "silero_vad"
+            rate = client.model(model)["parameters"]["sample_rate"]
             try:  # decoded here, as the daemon decodes for segments, and sent as tensors
                 samples = decode_audio(_read_input(args.args[0]), rate)
             except ApiError as exc:
                 raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
-            print_json([round(float(p), 4) for p in client.infer(samples, model=args.model)])
+            print_json([round(float(p), 4) for p in client.infer(samples, model=model)])
         elif args.what == "speak":
             _speak(client, args)
         elif args.what == "translate":
             _translate(client, args)
+        elif args.what == "interpret":
+            _interpret(client, args)
     return 0
 
 
@@ -93,7 +99,7 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
         raise ApplianceError(
             'usage: appliance call speak "TEXT" -o FILE [--voice NAME] [--format wav|pcm|flac] [--speed X]'
         )
-    voice = args.voice or next((m["name"] for m in client.models()["models"] if m["kind"] == "speech_synthesis"), "")
+    voice = args.voice or _first_of_kind(client, "speech_synthesis")
     try:
         with open(args.output, "wb") as out:
             for piece in client.stream_speech(
@@ -108,6 +114,37 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
                 out.write((size - 44).to_bytes(4, "little"))
     except OSError as exc:
         raise ApplianceError(f"cannot write {args.output}: {(exc.strerror or str(exc)).lower()}") from None
+
+
+def _interpret(client: Client, args: argparse.Namespace) -> None:
+    if not args.args or not args.output:
+        raise ApplianceError("usage: appliance call interpret FILE -o OUT.wav [--to LANG] [--model NAME]")
+    audio = _read_input(args.args[0])
+    model = args.model or _first_of_kind(client, "speech_pipeline")
+    pieces, rate = [], 22050
+    for line in client.stream_interpret(audio, model, args.to):
+        if line.get("done"):
+            break
+        rate = line["sample_rate"]
+        pieces.append(base64.b64decode(line["audio"]))
+        shown = (
+            line["source_text"] if line["text"] == line["source_text"] else f"{line['source_text']} -> {line['text']}"
+        )
+        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({line['language']}) {shown}", flush=True)
+    import numpy as np  # lazy: as for `call probs`
+    import soundfile
+
+    try:
+        soundfile.write(args.output, np.frombuffer(b"".join(pieces), "<i2"), rate, subtype="PCM_16")
+    except (OSError, soundfile.LibsndfileError) as exc:
+        raise ApplianceError(f"cannot write {args.output}: {exc}") from None
+
+
+def _first_of_kind(client: Client, kind: str) -> str:
+    name = next((m["name"] for m in client.models()["models"] if m["kind"] == kind), None)
+    if name is None:
+        raise ApplianceError(f"the daemon serves no {kind} model")
+    return name
 
 
 def _translate(client: Client, args: argparse.Namespace) -> None:
@@ -225,13 +262,15 @@ def add_parsers(sub: Any) -> None:
         "args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE; speak, translate: the TEXT"
     )
     call.add_argument("--socket", default=default_socket(), help=SOCKET_HELP)
-    call.add_argument("--model", default="silero_vad", help="vad, probs: the model to run")
+    call.add_argument(
+        "--model", help="vad, probs: the model to run (default silero_vad); interpret: the pipeline (default the first)"
+    )
     call.add_argument("--stream", action="store_true", help="vad: print each segment as soon as it is final")
     call.add_argument("-o", "--output", metavar="FILE", help="speak: the audio file to write")
     call.add_argument("--voice", help="speak: the voice (default: the firmware's first speech model)")
     call.add_argument("--format", default="wav", choices=["wav", "pcm", "flac"], help="speak: the audio format")
     call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
-    call.add_argument("--to", metavar="LANG", help="translate: the target language code")
+    call.add_argument("--to", metavar="LANG", help="translate, interpret: the target language code")
     call.add_argument("--from", dest="source", metavar="LANG", help="translate: the source language code")
     call.add_argument(
         "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"

@@ -33,6 +33,7 @@ from appliance.client.http import (
     checked,
     infer_call,
     infer_result,
+    interpret_call,
     json_lines,
     segments_call,
     speech_call,
@@ -155,6 +156,11 @@ class Client:
     def translate(self, q: str | list[str], source: str, target: str) -> Any:
         """`q` translated (POST /translate): a string, or a list for a list."""
         return checked(self.send(translate_call(q, source, target))).json()["translatedText"]
+
+    def stream_interpret(self, audio: bytes, model: str, to: str | None = None) -> Iterator[Any]:
+        """A recording through a speech pipeline: a document per segment as soon as it is spoken (times,
+        each stage's text, base64 PCM16 audio), then a summary with "done"."""
+        return json_lines(self.transport.stream(interpret_call(model, audio, to)))
 
     def languages(self) -> Any:
         return self.get("/languages")

@@ -198,3 +198,10 @@ def translate_call(q: str | list[str], source: str, target: str) -> Call:
     """LibreTranslate's translate route."""
     doc = {"q": q, "source": source, "target": target, "format": "text"}
     return Call("POST", "/translate", json.dumps(doc).encode(), (("content-type", "application/json"),))
+
+
+def interpret_call(model: str, audio: bytes, to: str | None = None) -> Call:
+    """A recording -> a speech pipeline's interpret route (NDJSON: a line per segment, then "done")."""
+    query = f"?{urlencode({'to': to})}" if to else ""
+    content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
+    return Call("POST", f"/v2/models/{model}/interpret{query}", audio, (("content-type", content_type),))

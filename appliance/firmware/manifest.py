@@ -87,6 +87,13 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         "max_batch": ParameterSchema(int, 8, bounds=(1, 256)),
         "beam_size": ParameterSchema(int, 5, bounds=(1, 16)),
     },
+    # speech in, translated speech out, from models listed before it: a speech_to_text model, the
+    # voices (the first of a language speaks it) and the text_translation pairs to use
+    "speech_pipeline": {
+        "speech_to_text": ParameterSchema(str),
+        "voices": ParameterSchema(list),
+        "translations": ParameterSchema(list, []),
+    },
 }
 
 

@@ -10,6 +10,7 @@ from appliance.engine.interface import Engine
 from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds.base import ServedModel
 from appliance.kinds.onnx import OnnxModel
+from appliance.kinds.pipeline import SpeechPipeline
 from appliance.kinds.speech import SpeechModel
 from appliance.kinds.speech_to_text import SpeechToText
 from appliance.kinds.translation import TranslationModel
@@ -35,6 +36,7 @@ KINDS: dict[str, Factory] = {
     "speech_synthesis": lambda spec, bundle, live, loaded: SpeechModel(spec, bundle, live),
     "text_translation": lambda spec, bundle, live, loaded: TranslationModel(spec, bundle, live),
     "speech_to_text": SpeechToText,
+    "speech_pipeline": SpeechPipeline,
 }
 
 

@@ -34,6 +34,7 @@ class Voice:
 
     sample_rate: int
     espeak_voice: str
+    language: str  # the language it speaks, as a two-letter code ("en")
     phoneme_ids: dict[str, list[int]]
     noise_scale: float
     length_scale: float
@@ -50,6 +51,7 @@ class Voice:
             return cls(
                 sample_rate=int(doc["audio"]["sample_rate"]),
                 espeak_voice=str(doc["espeak"]["voice"]),
+                language=str(doc.get("language", {}).get("family") or doc["espeak"]["voice"].split("-")[0]),
                 phoneme_ids={str(k): [int(i) for i in v] for k, v in doc["phoneme_id_map"].items()},
                 noise_scale=float(inference.get("noise_scale", 0.667)),
                 length_scale=float(inference.get("length_scale", 1.0)),
