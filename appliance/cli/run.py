@@ -29,7 +29,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "vad" in kinds:
         results = run(args.bundle, args.trusted_keys, args.seconds)
         print("\n".join(report(results)))
-    if kinds & {"speech_synthesis", "text_translation"}:
+    if kinds & {"speech_synthesis", "text_translation", "speech_pipeline"}:
         with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
             results.update(speech.run(args.bundle, args.trusted_keys, Path(tmp)))
         if "vad" not in kinds:
