@@ -26,14 +26,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     kinds = {m.kind for m in firmware.verify(args.bundle, args.trusted_keys).manifest.models}
     results: dict[str, Any] = {}
-    if "vad" in kinds:
+    if "vad" in kinds and args.part in ("all", "vad"):
         results = run(args.bundle, args.trusted_keys, args.seconds)
         print("\n".join(report(results)))
-    if kinds & {"speech_synthesis", "text_translation", "speech_pipeline"}:
+    if kinds & {"speech_synthesis", "text_translation", "speech_pipeline"} and args.part in ("all", "speech"):
         with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
             results.update(speech.run(args.bundle, args.trusted_keys, Path(tmp)))
-        if "vad" not in kinds:
-            print(f"appliance bench: {args.bundle}")
+        print(f"appliance bench: {args.bundle}, speech and translation")
         print("\n".join(speech.report(results)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -54,4 +53,10 @@ def add_bench(sub: Any) -> None:
     add_trusted_keys(bench, default=Path("keys/trusted"))
     bench.add_argument("--seconds", type=float, default=5.0, help="time per measurement")
     bench.add_argument("--json", type=Path, help="also write the figures here")
+    bench.add_argument(
+        "--part",
+        choices=["all", "vad", "speech"],
+        default="all",
+        help="what to measure of the firmware's models: the VAD, speech and translation (and the speech pipeline), or all",
+    )
     bench.set_defaults(func=cmd_bench)

@@ -3,11 +3,11 @@
 The graph takes ids padded to the longest shard plus each shard's length, and one set of scales
 for the whole batch (so a batch is one speed). Its audio comes back padded to the longest; each
 shard's own length is the sum of its phoneme durations (the graph's Ceil output, which the firmware
-build makes an output) times the hop length. On the CPU engine a batch is cut into `lanes` runs of
-similar length that go to single-threaded ONNX Runtime sessions side by side: a VITS graph does not
-get faster per shard in larger batches on a CPU (measured: 8 shards, 1.27 s one by one, 1.46 s as
-one batch), but two cores on two shards do. A batch of one shard (a lone request's next sentence)
-takes all the intra-op threads instead, so its first audio comes as soon as the engine can make it.
+build makes an output) times the hop length. On the CPU engine a batch's shards run one at a time,
+`lanes` side by side on single-threaded ONNX Runtime sessions: padding costs a VITS graph on a CPU
+more than a batch saves (measured here, 8 sentences on 2 cores: 1.31 s as two padded batches, 0.90 s
+one by one on two threads, 2.01 s one by one on one 2-thread session). A lone shard (a lone request's
+next sentence) takes all the intra-op threads, so its audio comes as soon as the engine can make it.
 """
 
 from __future__ import annotations
@@ -34,15 +34,11 @@ class VoiceGraph:
 
     def run(self, shards: list[tuple[list[int], float]]) -> list[np.ndarray]:
         """Each shard's audio as INT16 samples; a batch is one speed (the queue groups by it)."""
-        order = sorted(range(len(shards)), key=lambda i: len(shards[i][0]))
-        size = -(-len(order) // self.lanes)
-        runs = [order[i : i + size] for i in range(0, len(order), size)]
-        speed, alone = shards[0][1], len(runs) == 1
-        audio: dict[int, np.ndarray] = {}
-        pieces_of = lambda r: self._run([shards[i][0] for i in r], speed, alone)  # noqa: E731
-        for run, pieces in zip(runs, self._pool.map(pieces_of, runs)):
-            audio.update(zip(run, pieces))
-        return [audio[i] for i in range(len(shards))]
+        speed = shards[0][1]
+        if isinstance(self.engine, OnnxCpuEngine):
+            alone = len(shards) == 1
+            return list(self._pool.map(lambda shard: self._run([shard[0]], speed, alone)[0], shards))
+        return self._run([ids for ids, _ in shards], speed, False)
 
     def _run(self, ids: list[list[int]], speed: float, alone: bool) -> list[np.ndarray]:
         voice = self.voice
@@ -54,7 +50,7 @@ class VoiceGraph:
         feeds: Mapping[str, np.ndarray] = {IDS: padded, LENGTHS: lengths, SCALES: scales}
         if isinstance(self.engine, OnnxCpuEngine):
             out = self.engine.run(feeds, len(ids), parallel=alone)
-        else:
+        else:  # a GPU engine: the whole batch in one call
             out = self.engine.run(feeds, len(ids))
         wave = out[AUDIO].reshape(len(ids), -1)
         durations = out[DURATIONS].reshape(len(ids), -1)  # each phoneme's frames (the build's output)
