@@ -121,7 +121,18 @@ def test_help_has_a_line_and_default_for_every_option(path: tuple[str, ...], mon
 
 def test_call_help_lists_every_action_with_what_it_does() -> None:
     text = " ".join(run("call", "--help").stdout.split())
-    assert list(CALL_ACTIONS) == ["health", "server", "models", "model", "metrics", "vad", "probs"]
+    assert list(CALL_ACTIONS) == [
+        "health",
+        "server",
+        "models",
+        "model",
+        "metrics",
+        "vad",
+        "probs",
+        "speak",
+        "translate",
+        "interpret",
+    ]
     for name, what in CALL_ACTIONS.items():
         assert f"{name} {what}" in text, name
 
