@@ -14,7 +14,7 @@ IMAGE_VERSION ?= $(shell date -u +%Y%m%d%H%M%S)
 DEV_KEY := keys/dev.key
 TRUSTED := keys/trusted
 BUNDLE := build/firmware/default
-SPEECH_BUNDLE := build/firmware/speech
+INTERPRETER_BUNDLE := build/firmware/interpreter
 CONFIG := etc/dev.toml
 
 .PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware gpu-test gpu-wheelhouse clean
@@ -41,9 +41,9 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-bench: firmware $(SPEECH_BUNDLE)/manifest.json
+bench: firmware $(INTERPRETER_BUNDLE)/manifest.json
 	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED)
-	$(APPLIANCE) bench --bundle $(SPEECH_BUNDLE) --trusted-keys $(TRUSTED)
+	$(APPLIANCE) bench --bundle $(INTERPRETER_BUNDLE) --trusted-keys $(TRUSTED) --part speech
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
@@ -82,9 +82,9 @@ $(BUNDLE)/manifest.json: firmware/default.toml $(DEV_KEY) | venv
 
 firmware: $(BUNDLE)/manifest.json
 
-# The speech firmware: the Piper voice and the Bergamot en<->pt models (make bench measures it).
-$(SPEECH_BUNDLE)/manifest.json: firmware/speech.toml $(DEV_KEY) | venv
-	$(APPLIANCE) firmware build firmware/speech.toml --key $(DEV_KEY) --out $(SPEECH_BUNDLE)
+# The interpreter firmware: VAD, Whisper, the Piper voice, Bergamot en<->pt and the pipeline (make bench).
+$(INTERPRETER_BUNDLE)/manifest.json: firmware/interpreter.toml $(DEV_KEY) | venv
+	$(APPLIANCE) firmware build firmware/interpreter.toml --key $(DEV_KEY) --out $(INTERPRETER_BUNDLE)
 
 image-deps:
 	@$(MAKE) --no-print-directory deps APT_PACKAGES="$(IMAGE_PACKAGES)"
