@@ -208,8 +208,10 @@ TARGETS = st.sampled_from(
     [b"/v2/models/silero_vad/infer", b"/", b"", b"v2", b"/v2?x=%ff", bytes(range(256)), b"/" * 20000]
 )
 HEADER_NAMES = [b"content-length", b"Content-Length", b"inference-header-content-length", b"x-request-id", b""]
+HEADER_NAMES += [b"content-encoding"]
 HEADER_VALUES = [b"0", b"4096", b"4097", b"-1", b" 12", b"1e3", b"0x10", b"\xb2", b"\xb9", b"\xbc", b"9" * 5000]
 HEADER_VALUES += [b"", b"\x00", b"\xff" * 20000]
+HEADER_VALUES += [b"gzip", b"deflate", b"identity"]
 METHODS = st.sampled_from(["POST", "GET", "", "P\x00ST", "é" * 9])
 HEADERS = st.sampled_from([(name, value) for name in HEADER_NAMES for value in HEADER_VALUES] + [(b"?", b"?")] * 20)
 HEADER_COUNTS = st.integers(0, 5)

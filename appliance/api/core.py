@@ -10,6 +10,8 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     POST /v2/models/{name}[/versions/{v}]/infer      JSON or binary tensors; Triton sequence parameters
     POST /v2/models/{name}[/versions/{v}]/{task}     a route of the model's kind (the VAD's `segments`:
                                           a recording in, speech segments out; see kinds/vad_api.py)
+    POST /v2/repository/index             Triton's model repository index: what this firmware serves
+    POST /v2/repository/models/{name}/load | unload   refused: the signed firmware decides what is served
     GET  /metrics
     GET  /status                          firmware, engines, QUIC peers from the connection cache
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import re
 import time
@@ -31,6 +34,7 @@ from appliance.config import Live
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.kinds.base import SequenceCall, ServedModel
+from appliance.protocol.encoding import accepted_coding, compress
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
 from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
@@ -38,7 +42,8 @@ from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_inf
 log = logging.getLogger("appliance.api")
 OFF_LOOP_BYTES = 1 << 20
 
-EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository_index", "segments", "metrics"]
+# Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
+EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository", "segments", "metrics"]
 
 
 Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
@@ -61,6 +66,13 @@ class Api:
             ("GET", re.compile(model + "/ready"), "model_ready", self._model_ready),
             ("POST", re.compile(model + "/infer"), "infer", self._infer),
             ("POST", re.compile(model + r"/(?P<task>[a-z_]+)"), "task", self._task),
+            ("POST", re.compile(r"/v2/repository/index"), "repository_index", self._repository_index),
+            (
+                "POST",
+                re.compile(r"/v2/repository/models/(?P<model>[^/]+)/(?P<action>load|unload)"),
+                "repository_control",
+                self._repository_control,
+            ),
             ("GET", re.compile(r"/metrics"), "metrics", self._metrics),
             ("GET", re.compile(r"/status"), "status", self._status),
         ]
@@ -89,6 +101,9 @@ class Api:
         except Exception:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
             response = error_response(500, "internal error (logged)")
+        coding = accepted_coding(request.headers.get("accept-encoding", ""))
+        if coding is not None and response.body and response.stream is None:
+            response = await _compressed(response, coding)
         if response.status >= 400:  # the client's mistakes at debug level; ours are errors
             log.log(
                 logging.ERROR if response.status >= 500 else logging.DEBUG,
@@ -180,6 +195,24 @@ class Api:
             return error_response(503, f"model {model.name} is not ready")
         return json_response(200, {"name": model.name, "ready": True})
 
+    async def _repository_index(self, request: Request, params: dict[str, str]) -> Response:
+        """Triton's index: every model with its state; `{"ready": true}` lists only ready ones."""
+        ready_only = _index_request(request.body)
+        state, reason = ("READY", "") if self.ready else ("UNAVAILABLE", "starting or shutting down")
+        if ready_only and not self.ready:
+            return json_response(200, [])
+        return json_response(
+            200, [{"name": m, "version": self.manifest.version, "state": state, "reason": reason} for m in self.models]
+        )
+
+    async def _repository_control(self, request: Request, params: dict[str, str]) -> Response:
+        raise ApiError(
+            f"cannot {params['action']} model {params['model']!r}: the signed firmware decides which models are "
+            f"served (this one, {self.manifest.name} {self.manifest.version}, serves: {', '.join(self.models)}); "
+            "install another firmware with `appliance update`",
+            403,
+        )
+
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
         text = prometheus.render(self.metrics, self.models.values(), self.peer_table)
         return Response(200, text.encode(), "text/plain; version=0.0.4")
@@ -242,6 +275,16 @@ class Api:
         return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
 
 
+async def _compressed(response: Response, coding: str) -> Response:
+    """The response in the coding the client accepts (streamed bodies go as they are)."""
+    if len(response.body) > OFF_LOOP_BYTES:
+        body = await asyncio.to_thread(compress, response.body, coding)
+    else:
+        body = compress(response.body, coding)
+    headers = [*response.headers, ("Content-Encoding", coding)]
+    return dataclasses.replace(response, body=body, headers=headers)
+
+
 SEQUENCE_IDS = (-(2**63), 2**64 - 1)  # an integer sequence id is in the int64 or the uint64 range
 
 
@@ -270,3 +313,16 @@ def _sequence_call(parameters: dict[str, Any]) -> SequenceCall | None:
             raise BadRequest("sequence_start/sequence_end need a non-zero sequence_id")
         return None
     return SequenceCall(sequence_id, start, end)
+
+
+def _index_request(body: bytes) -> bool:
+    """Triton's index request body: empty, or `{"ready": bool}`; whether only ready models are asked for."""
+    if not body.strip():
+        return False
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        raise BadRequest("repository index request: the body is not JSON") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
+        raise BadRequest('repository index request: the body must be an object like {"ready": true}')
+    return bool(doc.get("ready", False))

@@ -1,0 +1,196 @@
+"""Triton's HTTP API as NVIDIA's own client sees it: tritonclient.http against the real daemon (over a
+TCP port piped byte for byte to its Unix socket): metadata, config, statistics, repository index,
+JSON and binary tensors, gzip and deflate both ways, sequences."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tcp_forward import tcp_to_unix
+from tritonclient.utils import InferenceServerException
+
+from appliance.client import Call, Client
+
+VAD = "silero_vad"
+FRAME = 512
+
+
+@pytest.fixture(scope="module")
+def triton(daemon) -> Iterator[httpclient.InferenceServerClient]:
+    with tcp_to_unix(daemon.socket) as url:
+        client = httpclient.InferenceServerClient(url, concurrency=4, network_timeout=60.0)
+        yield client
+        client.close()
+
+
+def noise(frames: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(frames * FRAME) * 0.1).astype(np.float32)
+
+
+def vad_inputs(audio: np.ndarray, binary: bool) -> list[httpclient.InferInput]:
+    tensor = httpclient.InferInput("audio", [len(audio)], "FP32")
+    tensor.set_data_from_numpy(audio, binary_data=binary)
+    return [tensor]
+
+
+def vad_outputs(binary: bool) -> list[httpclient.InferRequestedOutput]:
+    return [httpclient.InferRequestedOutput("speech_prob", binary_data=binary)]
+
+
+def test_server_and_model_metadata(triton: httpclient.InferenceServerClient) -> None:
+    assert triton.is_server_live() and triton.is_server_ready() and triton.is_model_ready(VAD)
+    server = triton.get_server_metadata()
+    assert {"binary_tensor_data", "sequence", "model_repository"} <= set(server["extensions"])
+    metadata = triton.get_model_metadata(VAD)
+    assert metadata["name"] == VAD and metadata["versions"] == ["1.0.0"]
+    assert metadata["inputs"][0]["name"] == "audio" and metadata["outputs"][0]["name"] == "speech_prob"
+    assert triton.get_model_metadata(VAD, "1.0.0")["name"] == VAD
+    with pytest.raises(InferenceServerException, match="no version '7'"):
+        triton.get_model_metadata(VAD, "7")
+
+
+def test_repository_index_and_no_load_or_unload(triton: httpclient.InferenceServerClient) -> None:
+    index = triton.get_model_repository_index()
+    assert index == [{"name": VAD, "version": "1.0.0", "state": "READY", "reason": ""}]
+    for call in (triton.load_model, triton.unload_model):
+        with pytest.raises(InferenceServerException, match="the signed firmware decides") as caught:
+            call(VAD)
+        assert caught.value.status() == "403"
+    assert triton.is_model_ready(VAD)  # still served
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_infer_matches_the_appliance_client(triton, daemon, binary: bool) -> None:
+    audio = noise(6, seed=3)
+    result = triton.infer(VAD, vad_inputs(audio, binary), outputs=vad_outputs(binary))
+    with Client(str(daemon.socket)) as ours:
+        expected = ours.infer(audio)
+    assert result.get_response()["model_name"] == VAD
+    np.testing.assert_array_equal(result.as_numpy("speech_prob"), expected)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_compressed_requests_and_responses(triton, daemon, coding: str, binary: bool) -> None:
+    audio = noise(12, seed=4)
+    result = triton.infer(
+        VAD,
+        vad_inputs(audio, binary),
+        outputs=vad_outputs(binary),
+        request_compression_algorithm=coding,
+        response_compression_algorithm=coding,
+    )
+    with Client(str(daemon.socket)) as ours:
+        expected = ours.infer(audio)
+    np.testing.assert_array_equal(result.as_numpy("speech_prob"), expected)
+
+
+def test_sequences_keep_their_state(triton, daemon) -> None:
+    """A stream sent in pieces by tritonclient with Triton's sequence parameters gets what one
+    whole request gets; two interleaved streams do not disturb each other."""
+    streams = {101: noise(32, seed=5), 102: noise(32, seed=6)}
+    pieces: dict[int, list[np.ndarray]] = {s: [] for s in streams}
+    for step in range(4):
+        for sequence_id, audio in streams.items():
+            chunk = audio[step * 8 * FRAME : (step + 1) * 8 * FRAME]
+            result = triton.infer(
+                VAD,
+                vad_inputs(chunk, binary=True),
+                outputs=vad_outputs(True),
+                sequence_id=sequence_id,
+                sequence_start=step == 0,
+                sequence_end=step == 3,
+            )
+            assert result.get_response()["parameters"]["sequence_id"] == sequence_id
+            pieces[sequence_id].append(result.as_numpy("speech_prob"))
+    with Client(str(daemon.socket)) as ours:
+        for sequence_id, audio in streams.items():
+            np.testing.assert_allclose(np.concatenate(pieces[sequence_id]), ours.infer(audio), atol=1e-5)
+
+
+# --- content codings at the HTTP level: what the bounds do with hostile bodies ------------------------
+
+
+def raw_request(daemon, head: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One request on the Unix socket as bytes; the status, headers and body of the answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(daemon.socket))
+        s.sendall(head.encode() + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+    head_bytes, _, answer = data.partition(b"\r\n\r\n")
+    lines = head_bytes.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, answer
+
+
+def infer_body(frames: int) -> bytes:
+    doc = {"inputs": [{"name": "audio", "datatype": "FP32", "shape": [frames * FRAME], "data": [0.0] * frames * FRAME}]}
+    return json.dumps(doc).encode()
+
+
+def test_a_zip_bomb_is_refused_within_the_body_limit(daemon) -> None:
+    """16 MiB of zeros gzip to 16 KiB: the decompressed size counts against max_body_bytes (8 MiB)."""
+    bomb = gzip.compress(bytes(16 << 20))
+    status, _, answer = raw_request(
+        daemon, f"POST /v2/models/{VAD}/infer HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\n", bomb
+    )
+    assert status == 413 and b"decompressed exceeds the limit of 8388608 bytes" in answer, answer
+    with Client(str(daemon.socket)) as ours:
+        assert ours.health()["ready"]
+
+
+@pytest.mark.parametrize(
+    ("coding", "body", "status", "message"),
+    [
+        ("br", b"x", 415, b"content-encoding 'br' is not supported"),
+        ("gzip", b"not gzip at all", 400, b"not valid gzip data"),
+        ("gzip", gzip.compress(infer_body(2))[:-9], 400, b"ends before its end"),
+        ("deflate", zlib.compress(infer_body(2)) + b"junk", 400, b"bytes after the end"),
+    ],
+    ids=["unknown", "garbage", "truncated", "trailing"],
+)
+def test_bad_compressed_bodies_get_one_line(daemon, coding: str, body: bytes, status: int, message: bytes) -> None:
+    got, _, answer = raw_request(
+        daemon, f"POST /v2/models/{VAD}/infer HTTP/1.1\r\nhost: x\r\ncontent-encoding: {coding}\r\n", body
+    )
+    assert got == status and message in answer and b"\n" not in answer.strip(), answer
+
+
+def test_gzip_members_and_accept_encoding_weights(daemon) -> None:
+    body = infer_body(3)
+    two_members = gzip.compress(body[:100]) + gzip.compress(body[100:])
+    head = f"POST /v2/models/{VAD}/infer HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\n"
+    status, headers, plain = raw_request(daemon, head + "accept-encoding: gzip;q=0, identity\r\n", two_members)
+    assert status == 200 and "content-encoding" not in headers
+    status, headers, packed = raw_request(daemon, head + "accept-encoding: br;q=1.0, deflate;q=0.5\r\n", two_members)
+    assert status == 200 and headers["content-encoding"] == "deflate"
+    assert zlib.decompress(packed) == plain
+    status, headers, packed = raw_request(daemon, "GET /metrics HTTP/1.1\r\nhost: x\r\naccept-encoding: gzip\r\n", b"")
+    assert (
+        status == 200
+        and headers["content-encoding"] == "gzip"
+        and b"appliance_requests_total" in gzip.decompress(packed)
+    )
+
+
+def test_both_transports_decode_and_compress(client: Client) -> None:
+    """The codings live in the shared assembler and the API core: HTTP/1.1 and HTTP/3 alike."""
+    target, body = f"/v2/models/{VAD}/infer", infer_body(4)
+    plain = client.send(Call("POST", target, body))
+    packed = client.send(
+        Call("POST", target, gzip.compress(body), (("content-encoding", "gzip"), ("accept-encoding", "gzip")))
+    )
+    assert packed.status == plain.status == 200 and packed.headers["content-encoding"] == "gzip"
+    assert json.loads(gzip.decompress(packed.body)) == plain.json()
+    bomb = client.send(Call("POST", target, gzip.compress(bytes(16 << 20)), (("content-encoding", "gzip"),)))
+    assert bomb.status == 413 and "decompressed exceeds" in bomb.json()["error"]
