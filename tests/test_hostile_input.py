@@ -115,14 +115,16 @@ def test_hostile_requests_get_a_4xx_naming_the_field_and_the_daemon_keeps_servin
     assert response.status == status, response.body[:300]
     message = response.json()["error"]
     assert names in message and "\n" not in message, message
-    assert client.infer(np.zeros(FRAME, np.float32)).shape == (1,)
+    assert client.speech_probs(np.zeros(FRAME, np.float32)).shape == (1,)
 
 
 def test_a_long_json_body_decodes_like_the_binary_one(client: Client) -> None:
     samples = np.round(np.random.default_rng(1).standard_normal(100 * FRAME) * 0.1, 5).astype(np.float32)
     response = client.send(infer_call(audio(shape=[1, len(samples)], data=[samples.tolist()])))
     assert response.status == 200, response.body[:300]
-    np.testing.assert_allclose(np.asarray(response.json()["outputs"][0]["data"]), client.infer(samples), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(response.json()["outputs"][0]["data"]), client.speech_probs(samples), atol=1e-6
+    )
 
 
 def test_segment_parameters_at_their_bounds_are_served(client: Client) -> None:

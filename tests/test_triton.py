@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 from tcp_forward import tcp_to_unix
 from tritonclient.utils import InferenceServerException
 
-from appliance.client import Call, Client
+from appliance.client import Call, Client, ServerError
 
 VAD = "silero_vad"
 FRAME = 512
@@ -71,7 +71,7 @@ def test_infer_matches_the_appliance_client(triton, daemon, binary: bool) -> Non
     audio = noise(6, seed=3)
     result = triton.infer(VAD, vad_inputs(audio, binary), outputs=vad_outputs(binary))
     with Client(str(daemon.socket)) as ours:
-        expected = ours.infer(audio)
+        expected = ours.speech_probs(audio)
     assert result.get_response()["model_name"] == VAD
     np.testing.assert_array_equal(result.as_numpy("speech_prob"), expected)
 
@@ -88,7 +88,7 @@ def test_compressed_requests_and_responses(triton, daemon, coding: str, binary: 
         response_compression_algorithm=coding,
     )
     with Client(str(daemon.socket)) as ours:
-        expected = ours.infer(audio)
+        expected = ours.speech_probs(audio)
     np.testing.assert_array_equal(result.as_numpy("speech_prob"), expected)
 
 
@@ -112,7 +112,7 @@ def test_sequences_keep_their_state(triton, daemon) -> None:
             pieces[sequence_id].append(result.as_numpy("speech_prob"))
     with Client(str(daemon.socket)) as ours:
         for sequence_id, audio in streams.items():
-            np.testing.assert_allclose(np.concatenate(pieces[sequence_id]), ours.infer(audio), atol=1e-5)
+            np.testing.assert_allclose(np.concatenate(pieces[sequence_id]), ours.speech_probs(audio), atol=1e-5)
 
 
 # --- content codings at the HTTP level: what the bounds do with hostile bodies ------------------------
@@ -194,3 +194,14 @@ def test_both_transports_decode_and_compress(client: Client) -> None:
     assert json.loads(gzip.decompress(packed.body)) == plain.json()
     bomb = client.send(Call("POST", target, gzip.compress(bytes(16 << 20)), (("content-encoding", "gzip"),)))
     assert bomb.status == 413 and "decompressed exceeds" in bomb.json()["error"]
+
+
+def test_generic_infer_and_requested_outputs(client: Client) -> None:
+    """The client's generic infer (tensors by name), and outputs named as Triton names them."""
+    audio = noise(3, seed=8)
+    outputs = client.infer(VAD, {"audio": audio}, outputs=["speech_prob"], binary=False)
+    assert list(outputs) == ["speech_prob"]
+    np.testing.assert_array_equal(outputs["speech_prob"], client.speech_probs(audio))
+    with pytest.raises(ServerError, match="has no output 'logits' \\(it has: speech_prob\\)") as caught:
+        client.infer(VAD, {"audio": audio}, outputs=["logits"])
+    assert caught.value.status == 400

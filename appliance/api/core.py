@@ -256,6 +256,11 @@ class Api:
         if sequence is not None:
             sequence = dataclasses.replace(sequence, client=request.client)
         outputs, opened = await model.infer(infer, sequence)
+        if infer.outputs is not None:  # only those asked for, as Triton
+            unknown = [name for name in infer.outputs if name not in outputs]
+            if unknown:
+                raise BadRequest(f"model {model.name} has no output {unknown[0]!r} (it has: {', '.join(outputs)})")
+            outputs = {name: outputs[name] for name in infer.outputs}
         out_params: dict[str, Any] = {}
         if sequence is not None:
             out_params = {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}

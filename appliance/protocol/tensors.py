@@ -55,6 +55,7 @@ class InferRequest:
     parameters: dict[str, Any]
     binary_outputs: set[str] = field(default_factory=set)
     all_binary: bool = False
+    outputs: list[str] | None = None  # the outputs asked for by name, as Triton; None (none named): all
 
 
 def decode_infer(body: bytes, header_length: str | None) -> InferRequest:
@@ -89,7 +90,8 @@ def decode_infer(body: bytes, header_length: str | None) -> InferRequest:
         offset += used
     if offset != len(binary):
         raise BadRequest(f"binary data holds {len(binary)} bytes but the inputs' binary_data_size add up to {offset}")
-    return InferRequest(request_id, inputs, parameters, _binary_outputs(doc.get("outputs", [])), all_binary)
+    outputs, binary_outputs = _requested_outputs(doc.get("outputs", []))
+    return InferRequest(request_id, inputs, parameters, binary_outputs, all_binary, outputs or None)
 
 
 def _read_json(text: bytes) -> Any:
@@ -131,10 +133,11 @@ def _header_length(raw: str, body_size: int) -> int:
     return size
 
 
-def _binary_outputs(outputs: Any) -> set[str]:
-    """The names of the requested outputs that asked for binary data."""
+def _requested_outputs(outputs: Any) -> tuple[list[str], set[str]]:
+    """The names of the requested outputs, and of those that asked for binary data."""
     if not isinstance(outputs, list):
         raise BadRequest(f"'outputs' must be a list, got {json_kind(outputs)}")
+    requested: list[str] = []
     names = set()
     for i, out in enumerate(outputs):
         if not isinstance(out, dict):
@@ -146,9 +149,10 @@ def _binary_outputs(outputs: Any) -> set[str]:
         binary = params.get("binary_data", False)
         if not isinstance(binary, bool):
             raise BadRequest(f"outputs[{i}].parameters.binary_data must be true or false, got {json_kind(binary)}")
+        requested.append(name)
         if binary:
             names.add(name)
-    return names
+    return requested, names
 
 
 def _decode_input(item: Any, index: int, binary: bytes | memoryview, capacity: int) -> tuple[str, np.ndarray, int]:
