@@ -21,9 +21,8 @@ from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api.core import Api
 from appliance.config import Config, Live, ServerConfig
-from appliance.engine import load_engine
 from appliance.errors import ApplianceError
-from appliance.kinds import ServedModel, load_model
+from appliance.kinds import ServedModel, load_models
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
@@ -37,16 +36,6 @@ STATUS_INTERVAL_S = 5.0
 CONNCACHE_SWEEP_S = 1.0
 ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to finish its batch
 STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process exits, blocked or not
-
-
-def load_models(live: Live, bundle: firmware.Bundle) -> dict[str, ServedModel]:
-    engine = live.config.engine
-    return {
-        spec.name: load_model(
-            spec, bundle.manifest.baked, load_engine(engine.device, bundle, spec, engine.threads), live
-        )
-        for spec in bundle.manifest.models
-    }
 
 
 def bind_unix_socket(server: ServerConfig) -> socket.socket:
@@ -128,10 +117,16 @@ class Daemon:
         manifest = bundle.manifest
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
-        self.models = load_models(self.live, bundle)
+        self.models = load_models(bundle, self.live)
         for model in self.models.values():
             model.start()
-            await model.probe()
+            try:
+                await model.probe()
+            except ApplianceError:
+                raise
+            except Exception as exc:  # whatever the engine raises: a start that cannot serve, in one line
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, self.live)
         budget = BodyBudget(lambda: self.live.config.server)  # one for both transports

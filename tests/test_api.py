@@ -162,9 +162,14 @@ def infer_body(doc: dict) -> Call:
             "holds 2 values but shape [3] needs 3",
         ),
         (
+            infer_body({"inputs": [{"name": "audio", "shape": [2], "datatype": "BF16", "data": [1, 2]}]}),
+            400,
+            "datatype 'BF16' is not supported",
+        ),
+        (
             infer_body({"inputs": [{"name": "audio", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]}),
             400,
-            "datatype 'BYTES' is not supported",
+            "input audio: datatype must be FP32 or INT16",
         ),
         (
             infer_body({"inputs": [{"name": "pcm", "shape": [1], "datatype": "FP32", "data": [0]}]}),

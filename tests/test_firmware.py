@@ -92,5 +92,5 @@ def test_spec_that_does_not_match_the_graph_fails_the_build(keys: Keys, tmp_path
         .replace('{ name = "sr", datatype = "INT64"', '{ name = "sr", datatype = "FP32"')
     )
     result = cli("firmware", "build", spec, "--key", keys.private, "--out", tmp_path / "out", check=False)
-    assert result.returncode == 2 and "input sr is int64 in the graph, not FP32" in result.stderr
+    assert result.returncode == 2 and "(model silero_vad): input sr is INT64 in the graph, not FP32" in result.stderr
     assert not (tmp_path / "out").exists()

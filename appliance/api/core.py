@@ -31,6 +31,7 @@ from urllib.parse import parse_qsl, urlsplit
 from appliance import __version__
 from appliance.api import metrics as prometheus
 from appliance.config import Live
+from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.kinds.base import SequenceCall, ServedModel
@@ -255,12 +256,18 @@ class Api:
             raise Unavailable("shutting down: no new sequences; open ones may finish")
         if sequence is not None:
             sequence = dataclasses.replace(sequence, client=request.client)
-        outputs, opened = await model.infer(infer, sequence)
-        if infer.outputs is not None:  # only those asked for, as Triton
-            unknown = [name for name in infer.outputs if name not in outputs]
+        times, started = RequestTimes(), time.perf_counter_ns()
+        try:
+            outputs, opened = await model.infer(infer, sequence, times)
+        except BaseException:
+            model.stats.record_request(False, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)
+            raise
+        model.stats.record_request(True, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)
+        if infer.requested_outputs:
+            unknown = [name for name in infer.requested_outputs if name not in outputs]
             if unknown:
                 raise BadRequest(f"model {model.name} has no output {unknown[0]!r} (it has: {', '.join(outputs)})")
-            outputs = {name: outputs[name] for name in infer.outputs}
+            outputs = {name: outputs[name] for name in infer.requested_outputs}
         out_params: dict[str, Any] = {}
         if sequence is not None:
             out_params = {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}

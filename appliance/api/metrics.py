@@ -110,13 +110,15 @@ def render(metrics: Metrics, models: Iterable[ServedModel], conncache: PeerTable
     }
     for model in models:
         label = f'model="{model.name}",engine="{model.engine_name}"'
-        stats = model.batcher.stats
+        stats = model.stats
         batches = Histogram(BATCH_BUCKETS)
         for size, count in list(stats.batch_sizes.items()):
             batches.observe(size, count)
         sections["appliance_batch_size"] += batches.lines("appliance_batch_size", label)
-        sections["appliance_engine_frames_total"].append(f"appliance_engine_frames_total{{{label}}} {stats.frames}")
-        sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.batcher.queue_depth}")
+        sections["appliance_engine_frames_total"].append(
+            f"appliance_engine_frames_total{{{label}}} {stats.inference_count}"
+        )
+        sections["appliance_queue_depth"].append(f"appliance_queue_depth{{{label}}} {model.queue_depth}")
         sections["appliance_live_sequences"].append(f"appliance_live_sequences{{{label}}} {len(model.sequences)}")
         fallbacks = model.fallbacks
         sections["appliance_engine_fallbacks_total"] += [

@@ -27,7 +27,7 @@ class RawVad:
 
     def __init__(self, model_path: Path, spec: firmware.ModelSpec) -> None:
         self.session = session(model_path, threads=1)
-        self.audio = spec.audio
+        self.audio = spec.vad_audio
         self.reset()
 
     def reset(self) -> None:

@@ -33,9 +33,9 @@ from appliance.client import Client
 def run(bundle_dir: Path, trusted_keys: Path, seconds: float) -> dict[str, Any]:
     """Every figure, with `seconds` per measurement."""
     bundle = firmware.verify(bundle_dir, trusted_keys)
-    spec = bundle.manifest.models[0]
+    spec = next(m for m in bundle.manifest.models if m.kind == "vad")
     raw = RawVad(bundle.artifact(spec.file), spec)
-    frame_samples, rate = spec.audio.frame_samples, spec.audio.sample_rate
+    frame_samples, rate = spec.vad_audio.frame_samples, spec.vad_audio.sample_rate
     rng = np.random.default_rng(1)
     frame = (rng.standard_normal(frame_samples) * 0.1).astype(np.float32)
     results: dict[str, Any] = {

@@ -121,7 +121,7 @@ class CudaVadEngine:
             raise ApplianceError(f"engine cuda: pycuda is not installed: {IMPORT_ERROR}")
         self.context = _primary_context(device)  # initialises the driver
         self.device = cuda.Device(device)
-        self.baked, self.audio = bundle.manifest.baked, model.audio
+        self.baked, self.audio = bundle.manifest.baked, model.vad_audio
         weights_file, cubin, ptx = (bundle.artifact(a) for a in artifacts(model))
         self._lock = threading.Lock()  # one batch at a time: the buffers are shared
         with self._current():

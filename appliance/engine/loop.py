@@ -7,24 +7,49 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
-from appliance.engine.scheduler import Batcher, Work
+W = TypeVar("W")
 
 
-class EngineLoop:
+class Schedule(Protocol[W]):
+    """What the loop drives: scheduler.Batcher (frames of sequences) or dynamic.DynamicBatcher (requests)."""
+
+    max_batch: int
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def submit(self, work: W) -> None: ...
+
+    def fill(self) -> int: ...
+
+    def run_steps(self, budget_s: float = 0.0) -> list[tuple[W, BaseException | None]]: ...
+
+    def finish(self, finished: list[tuple[W, BaseException | None]]) -> None: ...
+
+
+class EngineLoop(Generic[W]):
     """Drives a Batcher on the event loop.
 
     A small batch runs right on the loop: handing it to another thread would cost more than
     its compute (measured here: ~60 us per wake-up each way against ~110 us for one frame).
     A batch of OFFLOAD_MIN_BATCH or more runs on the engine thread for up to STEP_BUDGET_S, so
-    the loop keeps reading sockets and answering while the engine computes.
+    the loop keeps reading sockets and answering while the engine computes. A model whose every call
+    is heavy (a graph of real compute) sets `offload_min_batch` to 1.
     """
 
     OFFLOAD_MIN_BATCH = 4
     STEP_BUDGET_S = 0.004
 
-    def __init__(self, batcher: Batcher, queue_delay_s: Callable[[], float]) -> None:
+    def __init__(
+        self, batcher: Schedule[W], queue_delay_s: Callable[[], float], offload_min_batch: int = OFFLOAD_MIN_BATCH
+    ) -> None:
         self.batcher, self.queue_delay_s = batcher, queue_delay_s  # read per batch: the live config's
+        self.offload_min_batch = offload_min_batch
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -44,7 +69,7 @@ class EngineLoop:
         self._thread.shutdown(wait=finished, cancel_futures=True)
         return finished
 
-    def submit(self, work: Work) -> None:
+    def submit(self, work: W) -> None:
         self.batcher.submit(work)
         self._wake.set()
 
@@ -57,7 +82,7 @@ class EngineLoop:
             if (delay := self.queue_delay_s()) > 0 and batcher.waiting < batcher.max_batch:
                 await asyncio.sleep(delay)  # Triton's max queue delay: let others join
             while batcher.busy:
-                if batcher.fill() >= self.OFFLOAD_MIN_BATCH:
+                if batcher.fill() >= self.offload_min_batch:
                     finished = await loop.run_in_executor(self._thread, batcher.run_steps, self.STEP_BUDGET_S)
                 else:
                     finished = batcher.run_steps()

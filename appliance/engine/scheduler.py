@@ -18,11 +18,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from appliance.config import SequenceConfig
 from appliance.engine.interface import Engine
+from appliance.engine.stats import ModelStats
 from appliance.errors import ApiError, ApplianceError, BadRequest, NotFound, TooManyRequests, Unavailable
 from appliance.firmware import ModelSpec
 
@@ -32,7 +34,7 @@ class FrameModel:
 
     def __init__(self, spec: ModelSpec, engine: Engine) -> None:
         self.spec, self.engine = spec, engine
-        audio = spec.audio
+        audio = spec.vad_audio
         self.frame_samples, self.context_samples = audio.frame_samples, audio.context_samples
         self.sample_rate = audio.sample_rate
         self._sample_rate_feed = np.array(audio.sample_rate, dtype=np.int64)
@@ -56,7 +58,7 @@ class FrameModel:
 
     def step(self, sequences: list[Sequence], frames: np.ndarray) -> np.ndarray:
         """Run one frame of each sequence (frames: [batch, frame_samples]); update their state; return probabilities."""
-        audio, batch = self.spec.audio, len(sequences)
+        audio, batch = self.spec.vad_audio, len(sequences)
         x = np.concatenate([np.stack([s.context for s in sequences]), frames], axis=1)
         feeds = {audio.audio_input: x, audio.sample_rate_input: self._sample_rate_feed}
         for i, pair in enumerate(self.spec.state):
@@ -83,6 +85,10 @@ class Sequence:
     client: str = ""  # who opened it (see protocol.messages.Request.client): only it may use it
 
 
+class SequenceFactory(Protocol):
+    def new_sequence(self, key: object = None) -> Sequence: ...
+
+
 @dataclass(slots=True, eq=False)
 class Work:
     """Frames of one sequence to run; `on_done(work, error)` is called when they all ran, or failed."""
@@ -101,9 +107,9 @@ class Work:
 
 class SequenceTable:
     """Live sequences by id, bounded in count, expired after an idle time. The caller passes `now`;
-    `settings` gives the bounds as the live config holds them now."""
+    `settings` gives the bounds as the live config holds them now; `model` makes a new sequence."""
 
-    def __init__(self, model: FrameModel, settings: Callable[[], SequenceConfig]) -> None:
+    def __init__(self, model: SequenceFactory, settings: Callable[[], SequenceConfig]) -> None:
         self.model, self._settings = model, settings
         self._live: dict[object, Sequence] = {}
         self._per_client: Counter[str] = Counter()
@@ -190,18 +196,6 @@ class SequenceTable:
             del self._per_client[sequence.client]
 
 
-class EngineStats:
-    """Counters the batcher bumps and /metrics and the watchdog read."""
-
-    def __init__(self) -> None:
-        self.frames = 0
-        self.batch_sizes: dict[int, int] = {}
-
-    def record(self, batch: int) -> None:
-        self.frames += batch
-        self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
-
-
 class Batcher:
     """Continuous batching of works up to the baked max_batch, live streams first.
 
@@ -214,7 +208,7 @@ class Batcher:
 
     def __init__(self, model: FrameModel, max_batch: int) -> None:
         self.model, self.max_batch = model, max_batch
-        self.stats = EngineStats()
+        self.stats = ModelStats()
         self._live: deque[Work] = deque()
         self._bulk: deque[Work] = deque()
         self._active: list[Work] = []
@@ -265,6 +259,7 @@ class Batcher:
         deadline = time.perf_counter() + budget_s
         while active:
             frames = np.stack([w.frames[w.next_frame] for w in active])
+            started = time.perf_counter_ns()
             try:
                 probs = self.model.step([w.sequence for w in active], frames)
             except Exception as exc:  # an engine failure fails this batch, not the daemon
@@ -272,7 +267,7 @@ class Batcher:
                 failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()
                 return failed
-            self.stats.record(len(active))
+            self.stats.record_execution(len(active), 0, time.perf_counter_ns() - started, 0)
             finished: list[tuple[Work, BaseException | None]] = []
             for work, p in zip(active, probs):
                 work.probs[work.next_frame] = p

@@ -79,7 +79,7 @@ def plan_mismatch(plan: PlanSpec, tensorrt_version: str | None, compute_capabili
 def _profile_bounds(model: ModelSpec, name: str, shape: tuple[int, ...], baked: Baked) -> tuple[tuple[int, ...], ...]:
     """(min, opt, max) for one input: the batch axis up to max_batch, other free axes up to the shard size."""
     batch_axis = next((p.batch_axis for p in model.state if p.input == name), 0)
-    frame = model.audio.context_samples + model.audio.frame_samples
+    audio = model.audio
     low: list[int] = []
     opt: list[int] = []
     high: list[int] = []
@@ -88,7 +88,8 @@ def _profile_bounds(model: ModelSpec, name: str, shape: tuple[int, ...], baked: 
             bounds = (dim, dim, dim)
         elif axis == batch_axis:
             bounds = (1, min(64, baked.max_batch), baked.max_batch)
-        elif name == model.audio.audio_input:
+        elif audio is not None and name == audio.audio_input:
+            frame = audio.context_samples + audio.frame_samples
             bounds = (frame, frame, frame)
         else:
             bounds = (1, baked.max_tokens_per_shard, baked.max_tokens_per_shard)
@@ -128,10 +129,12 @@ def _sample_feeds(model: ModelSpec, batch: int) -> dict[str, np.ndarray]:
     """Inputs at the profile's opt shape: audio-like noise, zero state, the sample rate."""
     rng = np.random.default_rng(0)
     feeds = {}
-    frame = model.audio.context_samples + model.audio.frame_samples
+    audio = model.audio
+    # a free axis other than the batch: the audio frame for the VAD, a short length for any graph
+    frame = audio.context_samples + audio.frame_samples if audio is not None else 16
     for spec in model.inputs:
-        if spec.name == model.audio.sample_rate_input:
-            feeds[spec.name] = np.array(model.audio.sample_rate, DATATYPES[spec.datatype])
+        if audio is not None and spec.name == audio.sample_rate_input:
+            feeds[spec.name] = np.array(audio.sample_rate, DATATYPES[spec.datatype])
             continue
         batch_axis = next((p.batch_axis for p in model.state if p.input == spec.name), 0)
         shape = [d if d >= 0 else batch if axis == batch_axis else frame for axis, d in enumerate(spec.shape)]
@@ -155,7 +158,7 @@ def build_plan(staging: Path, model: ModelSpec, baked: Baked, timing_cache: Path
     fp32 = _build_serialized(onnx_path, model, baked, False, timing_cache)
     fp16 = _build_serialized(onnx_path, model, baked, True, timing_cache)
     feeds = _sample_feeds(model, min(64, baked.max_batch))
-    batch = len(feeds[model.audio.audio_input])
+    batch = min(64, baked.max_batch)
     reference = TensorrtEngine(fp32, model).run(feeds, batch)
     candidate = TensorrtEngine(fp16, model).run(feeds, batch)
     error = max(float(np.abs(candidate[k].astype(np.float64) - reference[k]).max()) for k in reference)

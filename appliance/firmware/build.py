@@ -3,6 +3,8 @@ baked parameters, TensorRT plans built on the target GPU, everything hashed and 
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import importlib.util
 import shutil
 import tempfile
@@ -21,7 +23,7 @@ from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt
 from appliance.errors import ApplianceError
 from appliance.firmware import kernels
-from appliance.firmware.files import copy_file, hash_files
+from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
 from appliance.firmware.manifest import (
     DATATYPES,
     FORMAT_VERSION,
@@ -30,11 +32,16 @@ from appliance.firmware.manifest import (
     Manifest,
     ModelSpec,
     Reader,
+    TensorSpec,
+    check_artifact_path,
     read_audio,
     read_baked,
     read_model_fields,
 )
 from appliance.progress import QUIET, Progress
+
+# Kinds whose model is one ONNX graph: its tensors are checked (or read) at build, and TensorRT plans it.
+GRAPH_KINDS = ("vad", "onnx")
 
 
 def sign(directory: Path, manifest: Manifest, private: Ed25519PrivateKey) -> None:
@@ -42,9 +49,11 @@ def sign(directory: Path, manifest: Manifest, private: Ed25519PrivateKey) -> Non
     keys.write_signed(directory, asdict(manifest), private)
 
 
-def _resolve_source(source: dict[str, Any], spec_path: Path, where: str) -> Path:
+def _resolve_source(source: Any, spec_path: Path, where: str) -> Path:
+    """A source table: `{path}` relative to the spec, or `{package, resource}` inside an installed package;
+    a file or a directory."""
     r = Reader(source, where)
-    if "path" in source:
+    if "path" in r.data:
         path = (spec_path.parent / r.get("path", str)).resolve()
     else:
         package, resource = r.get("package", str), r.get("resource", str)
@@ -56,31 +65,119 @@ def _resolve_source(source: dict[str, Any], spec_path: Path, where: str) -> Path
             )
         path = Path(list(found.submodule_search_locations)[0]) / resource
     r.done()
-    if not path.is_file():
-        raise ApplianceError(f"{where}: model file {path} does not exist")
+    if not path.exists():
+        raise ApplianceError(f"{where}: {path} does not exist")
     return path
 
 
-def _check_against_graph(model_path: Path, model: ModelSpec, where: str) -> None:
-    """The declared tensors must be the graph's, so a wrong spec fails at build, not on the box."""
+def _check_pin(path: Path, pinned: str | None, where: str) -> None:
+    """A spec may pin a file's sha256 (a model that ships without a checksum): a build refuses another file."""
+    if pinned is not None and (actual := sha256_file(path)) != pinned:
+        raise ApplianceError(f"{where}: {path.name} has sha256 {actual}, the spec pins {pinned}")
+
+
+def _copy_model(m: Reader, name: str, spec_path: Path, staging: Path, progress: Progress) -> tuple[str, list[str]]:
+    """The model's source copied into the staging bundle: a file to models/NAME.EXT, a directory to
+    models/NAME/ (without `exclude`d names, with `assemble`d files). Its path and its files' paths."""
+    source = _resolve_source(m.get("source", dict), spec_path, f"{m.where}.source")
+    pinned = m.get("sha256", str, None)
+    excluded = m.get("exclude", list, [])
+    assembled = m.tables("assemble", [])
+    if source.is_file():
+        if excluded or assembled:
+            raise ApplianceError(f"{m.where}: exclude and assemble need a directory source, {source} is a file")
+        _check_pin(source, pinned, m.where)
+        relative = f"models/{name}{source.suffix}"
+        with progress.phase(f"copy {relative}", source.stat().st_size) as advance:
+            copy_file(source, staging / relative, advance)
+        return relative, [relative]
+    if pinned is not None:
+        raise ApplianceError(f"{m.where}.sha256: pins a file, but {source} is a directory (pin its files in assemble)")
+    top = f"models/{name}"
+    files = [
+        f
+        for f in sorted(source.rglob("*"))
+        if f.is_file()
+        and "__pycache__" not in f.parts
+        and not any(fnmatch.fnmatch(f.name, pattern) for pattern in excluded)
+    ]
+    copied = []
+    with progress.phase(f"copy {top}/", sum(f.stat().st_size for f in files)) as advance:
+        for f in files:
+            relative = check_artifact_path(f"{top}/{f.relative_to(source).as_posix()}", f"{m.where}.source")
+            make_directories((staging / relative).parent)
+            copy_file(f, staging / relative, advance)
+            copied.append(relative)
+    for a in assembled:
+        relative = check_artifact_path(f"{top}/{a.get('file', str)}", a.where)
+        parts = [_resolve_source(p, spec_path, f"{a.where}.parts[{i}]") for i, p in enumerate(a.get("parts", list))]
+        pin = a.get("sha256", str)
+        a.done()
+        with progress.phase(f"assemble {relative}", sum(p.stat().st_size for p in parts)) as advance:
+            write_blocks((block for part in parts for block in file_blocks(part)), staging / relative, advance)
+        _check_pin(staging / relative, pin, a.where)
+        if relative not in copied:
+            copied.append(relative)
+    if not copied:
+        raise ApplianceError(f"{m.where}.source: {source} holds no files")
+    return top, copied
+
+
+def graph_tensors(model_path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The graph's inputs (initializers excluded) and outputs, as KServe tensors (-1: a free dimension)."""
     graph = onnx.load(str(model_path), load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}
-    graph_inputs = {i.name: i for i in graph.input if i.name not in initializers}
-    graph_outputs = {o.name: o for o in graph.output}
-    for kind, declared, actual in (("input", model.inputs, graph_inputs), ("output", model.outputs, graph_outputs)):
-        names = {t.name for t in declared}
-        if names != set(actual):
-            raise ApplianceError(f"{where}: declared {kind}s {sorted(names)} but the graph has {sorted(actual)}")
+
+    def tensor(value: onnx.ValueInfoProto) -> TensorSpec:
+        kind = value.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim)
+        if kind.elem_type == onnx.TensorProto.STRING:
+            return TensorSpec(value.name, "BYTES", dims)
+        numpy_type = onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type).name
+        datatype = next((k for k, v in DATATYPES.items() if v == numpy_type), f"unsupported:{numpy_type}")
+        return TensorSpec(value.name, datatype, dims)
+
+    inputs = tuple(tensor(i) for i in graph.input if i.name not in initializers)
+    return inputs, tuple(tensor(o) for o in graph.output)
+
+
+def _checked_tensors(model: ModelSpec, graph_path: Path, where: str, exact: bool) -> ModelSpec:
+    """The declared tensors checked against the graph, so a wrong spec fails at build, not on the box.
+    `exact`: the spec must declare every tensor (the VAD); else it may name some, and the manifest
+    gets the graph's own list."""
+    actual_inputs, actual_outputs = graph_tensors(graph_path)
+    where = f"{where} (model {model.name})"
+    for kind, declared, actual in (("input", model.inputs, actual_inputs), ("output", model.outputs, actual_outputs)):
+        by_name = {t.name: t for t in actual}
+        if exact and {t.name for t in declared} != set(by_name):
+            raise ApplianceError(
+                f"{where}: declared {kind}s {sorted(t.name for t in declared)} but the graph has {sorted(by_name)}"
+            )
         for tensor in declared:
-            elem = actual[tensor.name].type.tensor_type.elem_type
-            numpy_type = onnx.helper.tensor_dtype_to_np_dtype(elem).name
-            if DATATYPES[tensor.datatype] != numpy_type:
+            found = by_name.get(tensor.name)
+            if found is None:
                 raise ApplianceError(
-                    f"{where}: {kind} {tensor.name} is {numpy_type} in the graph, not {tensor.datatype}"
+                    f"{where}: {kind} {tensor.name!r} is not in the graph (it has {', '.join(by_name)})"
                 )
+            if found.datatype != tensor.datatype:
+                raise ApplianceError(
+                    f"{where}: {kind} {tensor.name} is {found.datatype} in the graph, not {tensor.datatype}"
+                )
+            if len(found.shape) != len(tensor.shape):
+                raise ApplianceError(
+                    f"{where}: {kind} {tensor.name} has rank {len(found.shape)} in the graph, not {len(tensor.shape)}"
+                )
+    for tensor in (*actual_inputs, *actual_outputs):
+        if tensor.datatype.startswith("unsupported:"):
+            raise ApplianceError(
+                f"{where}: tensor {tensor.name} has a type KServe cannot carry ({tensor.datatype[12:]})"
+            )
     for pair in model.state:
-        if pair.input not in graph_inputs or pair.output not in graph_outputs:
+        if pair.input not in {t.name for t in actual_inputs} or pair.output not in {t.name for t in actual_outputs}:
             raise ApplianceError(f"{where}: state pair {pair.input}->{pair.output} is not in the graph")
+    if exact:
+        return model
+    return dataclasses.replace(model, inputs=actual_inputs, outputs=actual_outputs)
 
 
 def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> list[str]:
@@ -93,7 +190,7 @@ def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> li
     relative = f"models/{model.name}.cuda.npz"
     with open(staging / relative, "wb") as f:
         np.savez(f, **weights)  # type: ignore[arg-type]  # numpy's stub puts allow_pickle before **kwds
-    binaries = kernels.compile_vad_kernels(baked, model.audio, staging / "kernels")
+    binaries = kernels.compile_vad_kernels(baked, model.vad_audio, staging / "kernels")
     return [relative, *(str(p.relative_to(staging)) for p in binaries)]
 
 
@@ -123,19 +220,19 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
         models, files, plans = [], [], []
         for m in r.tables("models"):
             fields = read_model_fields(m)
-            source = _resolve_source(m.get("source", dict), spec_path, f"{m.where}.source")
-            audio = read_audio(m)
+            audio = read_audio(m) if fields["kind"] == "vad" else None
+            relative, copied = _copy_model(m, fields["name"], spec_path, staging, progress)
             m.done()
-            relative = f"models/{fields['name']}.onnx"
-            with progress.phase(f"copy {relative}", source.stat().st_size) as advance:
-                copy_file(source, staging / relative, advance)
             model = ModelSpec(file=relative, audio=audio, **fields)
-            _check_against_graph(staging / relative, model, m.where)
+            if model.kind in GRAPH_KINDS:
+                if not relative.endswith(".onnx"):
+                    raise ApplianceError(f"{m.where}.source: kind {model.kind} takes an ONNX file, got {relative}")
+                model = _checked_tensors(model, staging / relative, m.where, exact=model.kind == "vad")
             models.append(model)
-            files.append(relative)
-            if "cuda" in targets:
+            files += copied
+            if "cuda" in targets and model.kind == "vad":  # the CUDA kernels are the VAD's
                 files += _build_cuda(staging, model, baked, m.where)
-            if "tensorrt" in targets:
+            if "tensorrt" in targets and model.kind in GRAPH_KINDS:
                 plan = tensorrt.build_plan(staging, model, baked, out_dir.parent / "tensorrt-timing.cache")
                 files.append(plan.file)
                 plans.append(plan)

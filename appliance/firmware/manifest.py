@@ -4,7 +4,7 @@ and the build spec TOML share one reader (every key known and of the right type)
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,10 @@ DATATYPES = {
     "UINT8": "uint8",
     "BOOL": "bool",
     "FP64": "float64",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "BYTES": "object",  # strings: a graph's STRING tensors
 }
 MANIFEST = keys.MANIFEST
 ARTIFACT_MAX = 16 * keys.GIB  # the largest artifact read (a TensorRT plan is a few hundred MiB)
@@ -33,6 +37,23 @@ ARTIFACT_MAX = 16 * keys.GIB  # the largest artifact read (a TensorRT plan is a 
 ARTIFACT_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}")
 ARTIFACT_PARTS_MAX = 8
 SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterSchema:
+    """One setting of a kind's `parameters` table: its type, and its default where it may be left out."""
+
+    kind: type | tuple[type, ...]
+    default: Parameter | None = None  # None: required
+
+
+# The model kinds a firmware may declare, and each kind's own `parameters`: the build refuses an unknown
+# kind, an unknown key or a wrong type. The runtime's kinds (appliance/kinds/__init__.py KINDS) are the same
+# names; a test checks the two agree.
+KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
+    "vad": {},
+    "onnx": {},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,15 +92,25 @@ class AudioSpec:
     sample_rate_input: str
 
 
+Parameter = str | int | float | bool | list[str]
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str
     kind: str
-    file: str
+    file: str  # its path in the bundle: a file (an ONNX graph) or a directory of files (models/NAME/)
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     state: tuple[StatePair, ...]
-    audio: AudioSpec
+    audio: AudioSpec | None = None  # the VAD's audio framing; None for other kinds
+    parameters: dict[str, Parameter] = field(default_factory=dict)  # the kind's own (KIND_PARAMETERS)
+
+    @property
+    def vad_audio(self) -> AudioSpec:
+        """The audio framing, which a VAD's manifest entry always has (the reader checks)."""
+        assert self.audio is not None, f"model {self.name} has no audio section"
+        return self.audio
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +177,8 @@ class Reader:
     def table(self, key: str) -> Reader:
         return Reader(self.get(key, dict), f"{self.where}.{key}")
 
-    def tables(self, key: str) -> list[Reader]:
-        return [Reader(item, f"{self.where}.{key}[{i}]") for i, item in enumerate(self.get(key, list))]
+    def tables(self, key: str, default: Any = ...) -> list[Reader]:
+        return [Reader(item, f"{self.where}.{key}[{i}]") for i, item in enumerate(self.get(key, list, default))]
 
     def done(self) -> None:
         unknown = sorted(set(self.data) - self.used)
@@ -196,13 +227,34 @@ def read_model_fields(r: Reader) -> dict[str, Any]:
     fields = {
         "name": r.get("name", str),
         "kind": r.get("kind", str),
-        "inputs": tuple(_read_tensor(t) for t in r.tables("inputs")),
-        "outputs": tuple(_read_tensor(t) for t in r.tables("outputs")),
-        "state": tuple(_read_state(t) for t in r.tables("state")),
+        "inputs": tuple(_read_tensor(t) for t in r.tables("inputs", [])),
+        "outputs": tuple(_read_tensor(t) for t in r.tables("outputs", [])),
+        "state": tuple(_read_state(t) for t in r.tables("state", [])),
     }
-    if fields["kind"] != "vad":
-        raise ApplianceError(f"{r.where}.kind: unsupported model kind {fields['kind']!r} (supported: vad)")
+    if fields["kind"] not in KIND_PARAMETERS:
+        raise ApplianceError(
+            f"{r.where}.kind: unsupported model kind {fields['kind']!r} (supported: {', '.join(KIND_PARAMETERS)})"
+        )
+    fields["parameters"] = read_parameters(r, fields["kind"])
     return fields
+
+
+def read_parameters(r: Reader, kind: str) -> dict[str, Parameter]:
+    """A model's `parameters` table, checked against its kind's schema; defaults filled in."""
+    schema = KIND_PARAMETERS[kind]
+    table = r.table("parameters") if "parameters" in r.data else Reader({}, f"{r.where}.parameters")
+    r.used.add("parameters")
+    values: dict[str, Parameter] = {}
+    for key, entry in schema.items():
+        value = table.get(key, entry.kind, ... if entry.default is None else entry.default)
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            raise ApplianceError(f"{table.where}.{key}: expected a list of strings, got {value!r}")
+        values[key] = value
+    unknown = sorted(set(table.data) - set(schema))
+    if unknown:
+        known = ", ".join(schema) or "none"
+        raise ApplianceError(f"{table.where}: kind {kind} has no parameter '{unknown[0]}' (known: {known})")
+    return values
 
 
 def read_audio(r: Reader) -> AudioSpec:
@@ -255,7 +307,7 @@ def manifest_from_data(data: Any, where: str) -> Manifest:
     models = []
     for m in r.tables("models"):
         fields = read_model_fields(m)
-        audio = read_audio(m.table("audio"))
+        audio = read_audio(m.table("audio")) if fields["kind"] == "vad" else m.get("audio", type(None), None)
         models.append(ModelSpec(file=m.get("file", str), audio=audio, **fields))
         m.done()
     manifest = Manifest(

@@ -1,20 +1,43 @@
 """Model kinds: how the requests of each kind become engine batches and answers. `base.py` says what a
-kind provides; a firmware spec's `kind` picks the class registered here. A new kind is a module in
-this package and a line in KINDS."""
+kind provides; a firmware spec's `kind` picks the factory registered here. A new kind is a module in
+this package, a line in KINDS and its parameters in firmware/manifest.py KIND_PARAMETERS."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from appliance.config import Live
+from appliance.engine.choice import load_engine
 from appliance.engine.interface import Engine
-from appliance.firmware import Baked, ModelSpec
+from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds.base import ServedModel
+from appliance.kinds.onnx import OnnxModel
 from appliance.kinds.vad import VadModel
 
-KINDS: dict[str, Callable[[ModelSpec, Baked, Engine, Live], ServedModel]] = {"vad": VadModel}
+# A kind's factory: its manifest entry, the bundle (its files), the live config, and the models loaded
+# before it in the firmware's order (a model built on others finds them there).
+Factory = Callable[[ModelSpec, Bundle, Live, Mapping[str, ServedModel]], ServedModel]
 
 
-def load_model(spec: ModelSpec, baked: Baked, engine: Engine, live: Live) -> ServedModel:
-    return KINDS[spec.kind](spec, baked, engine, live)
+def _engine_for(spec: ModelSpec, bundle: Bundle, live: Live) -> Engine:
+    engine = live.config.engine
+    return load_engine(engine.device, bundle, spec, engine.threads)
 
 
-__all__ = ["KINDS", "ServedModel", "load_model"]
+KINDS: dict[str, Factory] = {
+    "vad": lambda spec, bundle, live, loaded: VadModel(
+        spec, bundle.manifest.baked, _engine_for(spec, bundle, live), live
+    ),
+    "onnx": lambda spec, bundle, live, loaded: OnnxModel(
+        spec, bundle.manifest.baked, _engine_for(spec, bundle, live), live
+    ),
+}
+
+
+def load_models(bundle: Bundle, live: Live) -> dict[str, ServedModel]:
+    """Every model of the firmware, in its order."""
+    loaded: dict[str, ServedModel] = {}
+    for spec in bundle.manifest.models:
+        loaded[spec.name] = KINDS[spec.kind](spec, bundle, live, loaded)
+    return loaded
+
+
+__all__ = ["KINDS", "ServedModel", "load_models"]

@@ -2,7 +2,8 @@
 batches and answers. The API core, the daemon and the metrics use a model only through it.
 
 A new kind is a module here with a class that has these members, registered in `kinds/__init__.py`
-under the name a firmware spec gives as `kind`; nothing in api/ or transport/ changes for it."""
+under the name a firmware spec gives as `kind` (and its parameters in firmware/manifest.py
+KIND_PARAMETERS); nothing in api/ or transport/ changes for it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from appliance.engine.scheduler import Batcher, SequenceTable
+from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.firmware import ModelSpec
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
@@ -31,11 +32,46 @@ class SequenceCall:
     client: str = ""  # who sends it (Request.client): only the client that opened a sequence may use it
 
 
+class LiveSequences(Protocol):
+    """A model's open sequences (engine/scheduler.py SequenceTable; empty for a stateless model)."""
+
+    def __len__(self) -> int: ...
+
+    def holds(self, key: object, serial: int) -> bool: ...
+
+    def end_opened(self, key: object, serial: int) -> bool: ...
+
+    def expire(self, now: float) -> int: ...
+
+
+class NoSequences:
+    """The sequences of a stateless model: there are none, and none can open."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def holds(self, key: object, serial: int) -> bool:
+        return False
+
+    def end_opened(self, key: object, serial: int) -> bool:
+        return False
+
+    def expire(self, now: float) -> int:
+        return 0
+
+
 class ServedModel(Protocol):
     spec: ModelSpec
-    batcher: Batcher  # its engine calls, for the metrics
-    sequences: SequenceTable  # its live sequences
+    stats: ModelStats  # Triton's statistics: requests and engine calls (the stats route and the metrics)
     tasks: Mapping[str, Task]
+
+    @property
+    def sequences(self) -> LiveSequences: ...
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests (or their pieces) waiting or running in the engine."""
+        ...
 
     @property
     def name(self) -> str: ...
@@ -62,10 +98,15 @@ class ServedModel(Protocol):
         """KServe model metadata: inputs, outputs and parameters (the API adds name and versions)."""
         ...
 
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration (GET .../config): what the server will do with a request."""
+        ...
+
     async def infer(
-        self, request: InferRequest, sequence: SequenceCall | None
+        self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
-        """The outputs by name, and the sequence this request opened, if it did."""
+        """The outputs by name, and the sequence this request opened, if it did; where the request's
+        time went (queue, compute) goes into `times`, which the caller records in `stats`."""
         ...
 
     def expire_idle(self) -> int: ...

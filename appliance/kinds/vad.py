@@ -18,6 +18,7 @@ from appliance.config import Live
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, SequenceTable, Work
+from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Baked, ModelSpec
 from appliance.kinds import vad_api
@@ -45,6 +46,11 @@ class VadModel:
         self.batcher = Batcher(self.frames, baked.max_batch)
         self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
         self.sequences = SequenceTable(self.frames, lambda: live.config.sequences)
+        self.stats = self.batcher.stats
+
+    @property
+    def queue_depth(self) -> int:
+        return self.batcher.queue_depth
 
     @property
     def name(self) -> str:
@@ -69,8 +75,11 @@ class VadModel:
     def metadata(self) -> dict[str, Any]:
         return vad_api.metadata(self)
 
+    def config(self) -> dict[str, Any]:
+        return vad_api.config(self)
+
     async def infer(
-        self, request: InferRequest, sequence: SequenceCall | None
+        self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
         samples = vad_api.audio_input(request, self.name)
         if sequence is None:

@@ -14,7 +14,9 @@ import numpy as np
 from appliance.audio import decode_audio
 from appliance.config import VAD_MAX_MS, VadConfig
 from appliance.errors import ApiError, BadRequest
+from appliance.firmware import TensorSpec
 from appliance.kinds.segments import SegmentParams
+from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Request, Response, json_line, json_response
 from appliance.protocol.tensors import InferRequest
 
@@ -29,7 +31,7 @@ STREAM_CHUNK_FRAMES = 64  # streamed results: the engine reports each shard in p
 
 
 def metadata(model: VadModel) -> dict[str, Any]:
-    spec, audio, baked = model.spec, model.spec.audio, model.baked
+    spec, audio, baked = model.spec, model.spec.vad_audio, model.baked
     return {
         "platform": "onnx",
         "inputs": [
@@ -61,6 +63,23 @@ def metadata(model: VadModel) -> dict[str, Any]:
             },
         },
     }
+
+
+def config(model: VadModel) -> dict[str, Any]:
+    """Triton's model config: one stateful stream per request (its frames batched with other streams'
+    frames by the sequence batcher), the recurrent state kept by the box."""
+    return model_config(
+        model.spec,
+        model.baked,
+        model.live,
+        platform="onnxruntime_onnx",
+        backend="onnxruntime",
+        max_batch_size=0,
+        inputs=[TensorSpec(AUDIO_INPUT, "FP32", (-1,))],
+        outputs=[TensorSpec(PROB_OUTPUT, "FP32", (-1,))],
+        dynamic_batching=False,
+        stateful=True,
+    )
 
 
 def audio_input(infer: InferRequest, model_name: str) -> np.ndarray:

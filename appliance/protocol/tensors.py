@@ -55,7 +55,7 @@ class InferRequest:
     parameters: dict[str, Any]
     binary_outputs: set[str] = field(default_factory=set)
     all_binary: bool = False
-    outputs: list[str] | None = None  # the outputs asked for by name, as Triton; None (none named): all
+    requested_outputs: list[str] = field(default_factory=list)  # empty: all of the model's outputs
 
 
 def decode_infer(body: bytes, header_length: str | None) -> InferRequest:
@@ -90,8 +90,8 @@ def decode_infer(body: bytes, header_length: str | None) -> InferRequest:
         offset += used
     if offset != len(binary):
         raise BadRequest(f"binary data holds {len(binary)} bytes but the inputs' binary_data_size add up to {offset}")
-    outputs, binary_outputs = _requested_outputs(doc.get("outputs", []))
-    return InferRequest(request_id, inputs, parameters, binary_outputs, all_binary, outputs or None)
+    requested, binary_outputs = _requested_outputs(doc.get("outputs", []))
+    return InferRequest(request_id, inputs, parameters, binary_outputs, all_binary, requested)
 
 
 def _read_json(text: bytes) -> Any:
@@ -137,19 +137,18 @@ def _requested_outputs(outputs: Any) -> tuple[list[str], set[str]]:
     """The names of the requested outputs, and of those that asked for binary data."""
     if not isinstance(outputs, list):
         raise BadRequest(f"'outputs' must be a list, got {json_kind(outputs)}")
-    requested: list[str] = []
-    names = set()
+    requested, names = [], set()
     for i, out in enumerate(outputs):
         if not isinstance(out, dict):
             raise BadRequest(f"outputs[{i}] must be an object, got {json_kind(out)}")
         name = _name(out.get("name"), f"outputs[{i}].name")
+        requested.append(name)
         params = out.get("parameters", {})
         if not isinstance(params, dict):
             raise BadRequest(f"outputs[{i}].parameters must be an object, got {json_kind(params)}")
         binary = params.get("binary_data", False)
         if not isinstance(binary, bool):
             raise BadRequest(f"outputs[{i}].parameters.binary_data must be true or false, got {json_kind(binary)}")
-        requested.append(name)
         if binary:
             names.add(name)
     return requested, names
@@ -166,15 +165,19 @@ def _decode_input(item: Any, index: int, binary: bytes | memoryview, capacity: i
         raise BadRequest(
             f"{where}: 'datatype' must be a string, one of {', '.join(NUMPY_TYPES)}; got {json_kind(datatype)}"
         )
-    if datatype not in NUMPY_TYPES:
-        raise BadRequest(f"{where}: datatype {shown(datatype)} is not supported (use one of {', '.join(NUMPY_TYPES)})")
+    if datatype not in NUMPY_TYPES and datatype != "BYTES":
+        raise BadRequest(
+            f"{where}: datatype {shown(datatype)} is not supported (use one of {', '.join(NUMPY_TYPES)}, BYTES)"
+        )
     shape = _shape(item.get("shape"), where)
     count = math.prod(shape)
-    dtype = np.dtype(NUMPY_TYPES[datatype])
     params = item.get("parameters", {})
     if not isinstance(params, dict):
         raise BadRequest(f"{where}: 'parameters' must be an object, got {json_kind(params)}")
     size = params.get("binary_data_size")
+    if datatype == "BYTES":
+        return _bytes_input(item, shape, count, size, binary, where)
+    dtype = np.dtype(NUMPY_TYPES[datatype])
     if size is None:
         if "data" not in item:
             raise BadRequest(f"{where}: needs 'data' or parameters.binary_data_size")
@@ -199,6 +202,57 @@ def _decode_input(item: Any, index: int, binary: bytes | memoryview, capacity: i
     if datatype == "BOOL":
         array = array.view(np.uint8) != 0  # any other byte than 0 or 1 is not a NumPy bool
     return name, array.reshape(shape), size
+
+
+def _bytes_input(
+    item: dict[str, Any], shape: list[int], count: int, size: Any, binary: bytes | memoryview, where: str
+) -> tuple[str, np.ndarray, int]:
+    """A BYTES input (strings): JSON strings, or Triton's binary form, each element a 4-byte little-endian
+    length and its bytes. An object array of bytes."""
+    if size is None:
+        data = item.get("data")
+        values = _flatten_strings(data, where) if isinstance(data, list) else None
+        if values is None or len(values) != count:
+            raise BadRequest(f"{where}: BYTES 'data' must be a list of {count} strings (shape {shape})")
+        array = np.empty(count, object)
+        array[:] = [v.encode() for v in values]
+        return item["name"], array.reshape(shape), 0
+    if "data" in item:
+        raise BadRequest(f"{where}: give 'data' or parameters.binary_data_size, not both")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= len(binary):
+        raise BadRequest(f"{where}: parameters.binary_data_size must be at most the {len(binary)} bytes that remain")
+    raw, at = bytes(binary[:size]), 0
+    elements: list[bytes] = []
+    while at < size and len(elements) <= count:
+        if at + 4 > size:
+            raise BadRequest(f"{where}: BYTES binary data ends inside an element's 4-byte length")
+        length = int.from_bytes(raw[at : at + 4], "little")
+        if at + 4 + length > size:
+            raise BadRequest(f"{where}: a BYTES element of {length} bytes runs past binary_data_size {size}")
+        elements.append(raw[at + 4 : at + 4 + length])
+        at += 4 + length
+    if len(elements) != count:
+        raise BadRequest(f"{where}: BYTES binary data holds {len(elements)}+ elements, shape {shape} needs {count}")
+    array = np.empty(count, object)
+    array[:] = elements
+    return item["name"], array.reshape(shape), size
+
+
+def _flatten_strings(data: list[Any], where: str) -> list[str] | None:
+    """The strings of a flat or nested list, in row-major order; None if anything else is in it."""
+    out: list[str] = []
+    stack: list[Any] = [iter(data)]
+    while stack:
+        for value in stack[-1]:
+            if isinstance(value, list):
+                stack.append(iter(value))
+                break
+            if not isinstance(value, str):
+                return None
+            out.append(value)
+        else:
+            stack.pop()
+    return out
 
 
 def _name(value: Any, where: str, min_bytes: int = 1) -> str:
@@ -339,7 +393,10 @@ def encode_infer(
 
 
 def tensor_entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]) -> dict[str, Any]:
-    """One tensor's JSON entry; with `binary`, its raw bytes go to `chunks` (the binary extension)."""
+    """One tensor's JSON entry; with `binary`, its raw bytes go to `chunks` (the binary extension).
+    An object array is BYTES: strings (str or bytes, UTF-8) as Triton carries them."""
+    if array.dtype == object:
+        return _bytes_entry(name, array, binary, chunks)
     entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[array.dtype.str], "shape": list(array.shape)}
     if binary:
         raw = np.ascontiguousarray(array).tobytes()
@@ -347,4 +404,16 @@ def tensor_entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]
         chunks.append(raw)
     else:
         entry["data"] = array.reshape(-1).tolist()
+    return entry
+
+
+def _bytes_entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]) -> dict[str, Any]:
+    elements = [v.encode() if isinstance(v, str) else bytes(v) for v in array.reshape(-1)]
+    entry: dict[str, Any] = {"name": name, "datatype": "BYTES", "shape": list(array.shape)}
+    if binary:
+        raw = b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+        entry["parameters"] = {"binary_data_size": len(raw)}
+        chunks.append(raw)
+    else:
+        entry["data"] = [e.decode("utf-8", "replace") for e in elements]
     return entry

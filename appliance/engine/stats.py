@@ -1,0 +1,80 @@
+"""A model's statistics, as Triton keeps them (its statistics extension): per request, how many succeeded
+or failed and the time each spent queued, preparing inputs, in the engine and making outputs; per engine
+call (an execution), the batch size. Every kind records into one; `/v2/models/stats` and `/metrics` read it.
+
+Times are nanoseconds from time.perf_counter_ns, taken by the caller (nothing here reads a clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += max(ns, 0)
+
+
+@dataclass(slots=True)
+class BatchStats:
+    """Executions of one batch size (Triton's batch_stats entry)."""
+
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """What one request spent where; a kind fills it in as the request goes and records it at the end."""
+
+    queue_ns: int = 0
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
+
+@dataclass(slots=True)
+class ModelStats:
+    inference_count: int = 0  # rows (batch elements, frames, shards) inferred: Triton's inference_count
+    execution_count: int = 0  # engine calls
+    last_inference_ms: int = 0  # wall-clock milliseconds of the last request that ended
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batches: dict[int, BatchStats] = field(default_factory=dict)
+
+    def record_execution(self, batch: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """One engine call on `batch` rows."""
+        self.execution_count += 1
+        self.inference_count += batch
+        entry = self.batches.get(batch)
+        if entry is None:
+            entry = self.batches[batch] = BatchStats()
+        entry.compute_input.add(input_ns)
+        entry.compute_infer.add(infer_ns)
+        entry.compute_output.add(output_ns)
+
+    def record_request(self, ok: bool, total_ns: int, times: RequestTimes, now_ms: int) -> None:
+        """One request ended (`now_ms`: wall-clock time, for last_inference)."""
+        self.last_inference_ms = now_ms
+        if not ok:
+            self.fail.add(total_ns)
+            return
+        self.success.add(total_ns)
+        self.queue.add(times.queue_ns)
+        self.compute_input.add(times.compute_input_ns)
+        self.compute_infer.add(times.compute_infer_ns)
+        self.compute_output.add(times.compute_output_ns)
+
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        return {size: entry.compute_infer.count for size, entry in self.batches.items()}
