@@ -205,3 +205,72 @@ def test_generic_infer_and_requested_outputs(client: Client) -> None:
     with pytest.raises(ServerError, match="has no output 'logits' \\(it has: speech_prob\\)") as caught:
         client.infer(VAD, {"audio": audio}, outputs=["logits"])
     assert caught.value.status == 400
+
+
+def test_model_config_in_tritons_shape(triton: httpclient.InferenceServerClient) -> None:
+    config = triton.get_model_config(VAD)
+    assert config == triton.get_model_config(VAD, "1.0.0")
+    assert config["name"] == VAD and config["platform"] == "onnxruntime_onnx" and config["max_batch_size"] == 0
+    assert config["input"] == [{"name": "audio", "data_type": "TYPE_FP32", "dims": [-1]}]
+    assert config["output"] == [{"name": "speech_prob", "data_type": "TYPE_FP32", "dims": [-1]}]
+    state = config["sequence_batching"]["state"]
+    assert [(s["input_name"], s["output_name"], s["data_type"]) for s in state] == [("state", "stateN", "TYPE_FP32")]
+    assert state[0]["dims"] == [2, 128]
+    assert config["parameters"]["max_batch"] == {"string_value": "64"}
+    assert config["parameters"]["split_algorithm"] == {"string_value": "semantic"}
+    with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
+        triton.get_model_config("nope")
+
+
+def test_statistics_count_requests_executions_and_times(start_daemon) -> None:
+    """A daemon of its own, so the counts are this test's: three one-off requests, a failed one and a
+    sequence of two; queue and compute times are recorded for each successful request."""
+    daemon = start_daemon()
+    with tcp_to_unix(daemon.socket) as url:
+        triton = httpclient.InferenceServerClient(url)
+        empty = triton.get_inference_statistics(VAD)["model_stats"][0]
+        for seed in range(3):
+            triton.infer(VAD, vad_inputs(noise(4, seed), True))
+        with pytest.raises(InferenceServerException, match="whole frames"):
+            triton.infer(VAD, vad_inputs(noise(1)[:100], True), sequence_id=5, sequence_start=True)
+        for step in range(2):
+            triton.infer(VAD, vad_inputs(noise(2, step), True), sequence_id=6, sequence_start=step == 0,
+                         sequence_end=step == 1)  # fmt: skip
+        every = triton.get_inference_statistics()
+        stats = triton.get_inference_statistics(VAD, "1.0.0")
+        triton.close()
+    assert every == stats
+    (model,) = stats["model_stats"]
+    assert model["name"] == VAD and model["version"] == "1.0.0" and model["last_inference"] > 0
+    assert empty["inference_stats"]["success"]["count"] == 0
+    inference = model["inference_stats"]
+    assert inference["success"]["count"] == 5 and inference["fail"]["count"] == 1
+    for key in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert inference[key]["count"] == 5 and inference[key]["ns"] > 0, (key, inference[key])
+    assert inference["success"]["ns"] >= inference["compute_infer"]["ns"]
+    frames = 3 * 4 + 2 * 2 + empty["inference_count"]  # the VAD infers frames: Triton's inference_count
+    assert model["inference_count"] == frames
+    batches = model["batch_stats"]
+    assert sum(b["compute_infer"]["count"] for b in batches) == model["execution_count"]
+    assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in batches) == frames
+
+
+def test_prometheus_metrics_as_triton_names_them(start_daemon) -> None:
+    daemon = start_daemon()
+    with Client(str(daemon.socket)) as ours:
+        for seed in range(2):
+            ours.speech_probs(noise(3, seed))
+        with pytest.raises(ServerError):
+            ours.infer(VAD, {"audio": np.zeros(3, np.int64)})
+        text = ours.metrics()
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("nv_inference")
+    }
+    label = f'{{model="{VAD}",version="1.0.0"}}'
+    assert samples[f"nv_inference_request_success{label}"] == 2
+    assert samples[f"nv_inference_request_failure{label}"] == 1
+    assert samples[f"nv_inference_count{label}"] >= 6 and samples[f"nv_inference_exec_count{label}"] >= 1
+    for name in ("request", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert samples[f"nv_inference_{name}_duration_us{label}"] > 0, name
+    assert "# TYPE nv_inference_request_success counter" in text
+    assert "appliance_requests_total" in text  # ours stay

@@ -7,6 +7,8 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     GET  /v2/models                       the models this firmware serves
     GET  /v2/models/{name}[/versions/{v}] model metadata, baked parameters included
     GET  /v2/models/{name}[/versions/{v}]/ready
+    GET  /v2/models/{name}[/versions/{v}]/config     Triton's model configuration, as JSON
+    GET  /v2/models[/{name}[/versions/{v}]]/stats    Triton's statistics extension
     POST /v2/models/{name}[/versions/{v}]/infer      JSON or binary tensors; Triton sequence parameters
     POST /v2/models/{name}[/versions/{v}]/{task}     a route of the model's kind (the VAD's `segments`:
                                           a recording in, speech segments out; see kinds/vad_api.py)
@@ -44,7 +46,15 @@ log = logging.getLogger("appliance.api")
 OFF_LOOP_BYTES = 1 << 20
 
 # Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
-EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository", "segments", "metrics"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "sequence",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "segments",
+    "metrics",
+]
 
 
 Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
@@ -63,8 +73,11 @@ class Api:
             ("GET", re.compile(r"/v2/health/live"), "live", self._live),
             ("GET", re.compile(r"/v2/health/ready"), "ready", self._ready),
             ("GET", re.compile(r"/v2/models/?"), "models", self._list_models),
+            ("GET", re.compile(r"/v2/models/stats"), "stats", self._stats),
             ("GET", re.compile(model), "model", self._model_metadata),
             ("GET", re.compile(model + "/ready"), "model_ready", self._model_ready),
+            ("GET", re.compile(model + "/config"), "model_config", self._model_config),
+            ("GET", re.compile(model + "/stats"), "stats", self._stats),
             ("POST", re.compile(model + "/infer"), "infer", self._infer),
             ("POST", re.compile(model + r"/(?P<task>[a-z_]+)"), "task", self._task),
             ("POST", re.compile(r"/v2/repository/index"), "repository_index", self._repository_index),
@@ -196,6 +209,14 @@ class Api:
             return error_response(503, f"model {model.name} is not ready")
         return json_response(200, {"name": model.name, "ready": True})
 
+    async def _model_config(self, request: Request, params: dict[str, str]) -> Response:
+        return json_response(200, self._model(params).config())
+
+    async def _stats(self, request: Request, params: dict[str, str]) -> Response:
+        """Triton's statistics of one model, or of every model when the path names none."""
+        models = [self._model(params)] if "model" in params else list(self.models.values())
+        return json_response(200, {"model_stats": [m.stats.document(m.name, self.manifest.version) for m in models]})
+
     async def _repository_index(self, request: Request, params: dict[str, str]) -> Response:
         """Triton's index: every model with its state; `{"ready": true}` lists only ready ones."""
         ready_only = _index_request(request.body)
@@ -215,7 +236,7 @@ class Api:
         )
 
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
-        text = prometheus.render(self.metrics, self.models.values(), self.peer_table)
+        text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version)
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:
