@@ -175,6 +175,11 @@ def _checked_tensors(model: ModelSpec, graph_path: Path, where: str, exact: bool
     for pair in model.state:
         if pair.input not in {t.name for t in actual_inputs} or pair.output not in {t.name for t in actual_outputs}:
             raise ApplianceError(f"{where}: state pair {pair.input}->{pair.output} is not in the graph")
+    if model.audio is not None:  # the VAD's audio fields name graph tensors
+        graph_names = {t.name for t in (*actual_inputs, *actual_outputs)}
+        for key in ("audio_input", "prob_output", "sample_rate_input"):
+            if (named := getattr(model.audio, key)) not in graph_names:
+                raise ApplianceError(f"{where}: {key} = {named!r} is not a tensor of the graph")
     if exact:
         return model
     return dataclasses.replace(model, inputs=actual_inputs, outputs=actual_outputs)
