@@ -9,11 +9,16 @@ import json
 import socket
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import tritonclient.http as httpclient
+from conftest import Daemon, Keys
 from tcp_forward import tcp_to_unix
+from test_generic import MAX_BATCH, accumulator, build, integer_mlp, model_table
 from tritonclient.utils import InferenceServerException
 
 from appliance.client import Call, Client, ServerError
@@ -274,3 +279,126 @@ def test_prometheus_metrics_as_triton_names_them(start_daemon) -> None:
         assert samples[f"nv_inference_{name}_duration_us{label}"] > 0, name
     assert "# TYPE nv_inference_request_success counter" in text
     assert "appliance_requests_total" in text  # ours stay
+
+
+# --- a generic ONNX model (graphs made with onnx.helper, as test_generic.py makes them) ---------------
+
+
+@pytest.fixture(scope="module")
+def mlp_graph(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return integer_mlp(tmp_path_factory.mktemp("graphs") / "mlp.onnx")
+
+
+@pytest.fixture(scope="module")
+def generic_url(tmp_path_factory: pytest.TempPathFactory, keys: Keys, mlp_graph: Path) -> Iterator[str]:
+    """tritonclient's url of a daemon serving an integer MLP (dynamically batched) and an accumulator
+    (a stateful graph), waiting up to 3 ms for requests to batch together."""
+    work = tmp_path_factory.mktemp("triton-generic")
+    tables = model_table("mlp", mlp_graph)
+    tables += model_table(
+        "accumulator",
+        accumulator(work / "acc.onnx"),
+        'state = [{ input = "total_in", output = "total_out", batch_axis = 0 }]\n',
+    )
+    build(keys, work / "bundle", tables)
+    daemon = Daemon(work, work / "bundle", keys.trusted, "[engine]\nqueue_delay_us = 3000\n").wait_ready()
+    with tcp_to_unix(daemon.socket) as url:
+        yield url
+    assert daemon.stop() == 0, daemon.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def generic(generic_url: str) -> Iterator[httpclient.InferenceServerClient]:
+    client = httpclient.InferenceServerClient(generic_url, network_timeout=60.0)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def mlp(mlp_graph: Path) -> ort.InferenceSession:
+    """The graph on ONNX Runtime, alone: what every answer must equal."""
+    return ort.InferenceSession(str(mlp_graph), providers=["CPUExecutionProvider"])
+
+
+def mlp_inputs(x: np.ndarray, binary: bool) -> list[httpclient.InferInput]:
+    tensor = httpclient.InferInput("x", list(x.shape), "INT32")
+    tensor.set_data_from_numpy(x, binary_data=binary)
+    return [tensor]
+
+
+def test_generic_config_metadata_and_index(generic: httpclient.InferenceServerClient) -> None:
+    config = generic.get_model_config("mlp")
+    assert config["max_batch_size"] == MAX_BATCH and config["platform"] == "onnxruntime_onnx"
+    assert config["input"] == [{"name": "x", "data_type": "TYPE_INT32", "dims": [8]}]  # the batch axis implied
+    assert config["output"] == [
+        {"name": "y", "data_type": "TYPE_INT32", "dims": [4]},
+        {"name": "half", "data_type": "TYPE_FP32", "dims": [8]},
+    ]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 3000
+    assert "sequence_batching" not in config
+    state = generic.get_model_config("accumulator")["sequence_batching"]["state"]
+    assert [(s["input_name"], s["output_name"], s["data_type"], s["dims"]) for s in state] == [
+        ("total_in", "total_out", "TYPE_FP32", [3])
+    ]
+    assert generic.get_model_metadata("mlp")["inputs"] == [{"name": "x", "datatype": "INT32", "shape": [-1, 8]}]
+    index = generic.get_model_repository_index()
+    assert sorted(m["name"] for m in index) == ["accumulator", "mlp"] and {m["state"] for m in index} == {"READY"}
+
+
+@pytest.mark.parametrize("coding", [None, "gzip", "deflate"])
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_generic_infer_equals_onnx_runtime(generic, mlp, binary: bool, coding: str | None) -> None:
+    x = np.random.default_rng(11).integers(-50, 50, (3, 8)).astype(np.int32)
+    result = generic.infer(
+        "mlp",
+        mlp_inputs(x, binary),
+        outputs=[httpclient.InferRequestedOutput("y", binary_data=binary)],
+        request_compression_algorithm=coding,
+        response_compression_algorithm=coding,
+    )
+    (y,) = mlp.run(["y"], {"x": x})
+    np.testing.assert_array_equal(result.as_numpy("y"), y)
+    assert result.as_numpy("half") is None  # only the outputs asked for, as Triton
+
+
+def test_generic_sequences_keep_their_state(generic) -> None:
+    def add(value: float, sequence_id: int, **flags: bool) -> float:
+        tensor = httpclient.InferInput("x", [1, 3], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 3), value, np.float32))
+        return float(generic.infer("accumulator", [tensor], sequence_id=sequence_id, **flags).as_numpy("y")[0, 0])
+
+    assert [add(1, 71, sequence_start=True), add(10, 72, sequence_start=True), add(1, 71), add(10, 72)] == [
+        1,
+        10,
+        2,
+        20,
+    ]
+    assert add(1, 71, sequence_end=True) == 3
+    with pytest.raises(InferenceServerException, match="sequence 71 is not open"):
+        add(1, 71)
+
+
+def test_generic_statistics_show_batched_executions(generic, generic_url: str, mlp) -> None:
+    before = generic.get_inference_statistics("mlp")["model_stats"][0]
+    rng = np.random.default_rng(12)
+    requests = [rng.integers(-50, 50, (1, 8)).astype(np.int32) for _ in range(48)]
+
+    def one(x: np.ndarray) -> np.ndarray:
+        client = httpclient.InferenceServerClient(generic_url, network_timeout=60.0)
+        try:
+            return client.infer("mlp", mlp_inputs(x, True)).as_numpy("y")
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(len(requests)) as pool:  # one client each, all at once
+        answers = list(pool.map(one, requests))
+    for x, y in zip(requests, answers):
+        np.testing.assert_array_equal(y, mlp.run(["y"], {"x": x})[0])
+    after = generic.get_inference_statistics("mlp", "2.0.0")["model_stats"][0]
+    done = lambda key: after["inference_stats"][key]["count"] - before["inference_stats"][key]["count"]  # noqa: E731
+    assert done("success") == done("queue") == done("compute_infer") == len(requests)
+    assert after["inference_count"] - before["inference_count"] == len(requests)
+    executions = after["execution_count"] - before["execution_count"]
+    assert executions < len(requests), f"{executions} executions for {len(requests)} one-row requests"
+    assert max(b["batch_size"] for b in after["batch_stats"]) > 1
+    assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in after["batch_stats"]) == after["inference_count"]
