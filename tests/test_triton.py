@@ -71,6 +71,23 @@ def test_repository_index_and_no_load_or_unload(triton: httpclient.InferenceServ
     assert triton.is_model_ready(VAD)  # still served
 
 
+@pytest.mark.parametrize(
+    ("body", "status", "answer"),
+    [
+        (b'{"ready": true}', 200, [{"name": VAD, "version": "1.0.0", "state": "READY", "reason": ""}]),
+        (
+            b'{"ready": "yes"}',
+            400,
+            {"error": 'repository index request: the body must be an object like {"ready": true}'},
+        ),
+        (b"[", 400, {"error": "repository index request: the body is not JSON"}),
+    ],
+)
+def test_repository_index_request_bodies(daemon, body: bytes, status: int, answer: object) -> None:
+    got, _, text = raw_request(daemon, "POST /v2/repository/index HTTP/1.1\r\nhost: x\r\n", body)
+    assert (got, json.loads(text)) == (status, answer)
+
+
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_infer_matches_the_appliance_client(triton, daemon, binary: bool) -> None:
     audio = noise(6, seed=3)

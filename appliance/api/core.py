@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import re
 import time
@@ -32,6 +31,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
 from appliance.api import metrics as prometheus
+from appliance.api import repository
 from appliance.config import Live
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
@@ -218,22 +218,10 @@ class Api:
         return json_response(200, {"model_stats": [m.stats.document(m.name, self.manifest.version) for m in models]})
 
     async def _repository_index(self, request: Request, params: dict[str, str]) -> Response:
-        """Triton's index: every model with its state; `{"ready": true}` lists only ready ones."""
-        ready_only = _index_request(request.body)
-        state, reason = ("READY", "") if self.ready else ("UNAVAILABLE", "starting or shutting down")
-        if ready_only and not self.ready:
-            return json_response(200, [])
-        return json_response(
-            200, [{"name": m, "version": self.manifest.version, "state": state, "reason": reason} for m in self.models]
-        )
+        return json_response(200, repository.index(request.body, list(self.models), self.manifest.version, self.ready))
 
     async def _repository_control(self, request: Request, params: dict[str, str]) -> Response:
-        raise ApiError(
-            f"cannot {params['action']} model {params['model']!r}: the signed firmware decides which models are "
-            f"served (this one, {self.manifest.name} {self.manifest.version}, serves: {', '.join(self.models)}); "
-            "install another firmware with `appliance update`",
-            403,
-        )
+        raise repository.refusal(params["action"], params["model"], self.manifest, list(self.models))
 
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
         text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version)
@@ -346,16 +334,3 @@ def _sequence_call(parameters: dict[str, Any]) -> SequenceCall | None:
             raise BadRequest("sequence_start/sequence_end need a non-zero sequence_id")
         return None
     return SequenceCall(sequence_id, start, end)
-
-
-def _index_request(body: bytes) -> bool:
-    """Triton's index request body: empty, or `{"ready": bool}`; whether only ready models are asked for."""
-    if not body.strip():
-        return False
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        raise BadRequest("repository index request: the body is not JSON") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
-        raise BadRequest('repository index request: the body must be an object like {"ready": true}')
-    return bool(doc.get("ready", False))
