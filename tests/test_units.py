@@ -177,3 +177,10 @@ def test_a_live_frame_goes_before_a_recording_that_fills_the_batch() -> None:
     assert sorted(done) == ["live", "shard0", "shard1", "shard2", "shard3"]
     for shard in shards:  # the counting state went on where it was: the paused shard resumed intact
         np.testing.assert_allclose(shard.probs, np.arange(100))
+
+
+def test_the_firmware_and_the_runtime_know_the_same_model_kinds() -> None:
+    from appliance.firmware.manifest import KIND_PARAMETERS
+    from appliance.kinds import KINDS
+
+    assert set(KIND_PARAMETERS) == set(KINDS)

@@ -10,6 +10,7 @@ TARGETS = {
     "recording_ratio": 1.5,
     "rss_mib": 250.0,
     "live_p99_ms": 100.0,
+    "batching_ratio": 3.0,
 }
 
 
@@ -21,6 +22,7 @@ def report(r: dict[str, Any]) -> list[str]:
         "recording_ratio": r["recording_ratio"] >= TARGETS["recording_ratio"],
         "rss_mib": r["rss_mib"] < TARGETS["rss_mib"],
         "live_p99_ms": r["live_during_recording"]["p99_ms"] <= TARGETS["live_p99_ms"],
+        "batching_ratio": r["generic"]["batching_ratio"] >= TARGETS["batching_ratio"],
     }
     mark = {True: "ok", False: "MISSED"}
     lines = [f"appliance bench: {r['firmware']} on {r['cpu_count']} CPUs"]
@@ -88,4 +90,14 @@ def report(r: dict[str, Any]) -> list[str]:
             f"  eBPF filter vs user-space table: {both['ebpf']['quic_16']['rps'] / both['user']['quic_16']['rps']:.2f}x "
             "QUIC throughput"
         )
+    g = r["generic"]
+    lines.append(
+        f"  own model: MLP of {g['parameters'] / 1e6:.1f} M parameters, {g['clients']} clients of one row each: "
+        f"{g['requests_per_s']['batching']} req/s batched vs {g['requests_per_s']['no_batching']} req/s with max_batch 1 "
+        f"= {g['batching_ratio']}x   target >= {TARGETS['batching_ratio']:.0f}x   {mark[ok['batching_ratio']]}"
+    )
+    lines.append(
+        f"    one row: raw ONNX Runtime {g['raw_onnxruntime_one_row_us']} us, daemon {g['daemon_one_row_us']} us: "
+        f"{g['overhead_per_request_us']} us per request over the raw call"
+    )
     return lines

@@ -16,6 +16,7 @@ from appliance import firmware
 from appliance.audio import encode_wav, to_frames
 from appliance.bench.conncache import connection_cache
 from appliance.bench.daemon import DaemonProcess
+from appliance.bench.generic import generic_batching
 from appliance.bench.hypercorn_peer import hypercorn_peer
 from appliance.bench.measure import (
     RawVad,
@@ -100,4 +101,5 @@ def run(bundle_dir: Path, trusted_keys: Path, seconds: float) -> dict[str, Any]:
         finally:
             daemon.stop()
         results["conncache"] = connection_cache(bundle_dir, trusted_keys, Path(tmp) / "conncache", frame, seconds)
+    results["generic"] = generic_batching(seconds)
     return results
