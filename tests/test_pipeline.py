@@ -18,7 +18,7 @@ from speech import RATE, say
 
 from appliance.audio import encode_wav
 from appliance.client import Call, Client
-from appliance.client.http import checked, decode_response, infer_call
+from appliance.client.http import checked
 
 SPEC = ROOT / "firmware" / "interpreter.toml"
 CHUNK = 4096  # 256 ms at 16 kHz
@@ -88,14 +88,14 @@ def test_a_recording_comes_back_as_english_speech(client: Client) -> None:
 
 def test_kserve_recording_and_live_stream(client: Client) -> None:
     audio = recording(ENGLISH)
-    whole = _infer(client, infer_call("interpreter", audio))
+    whole = client.infer("interpreter", {"audio": audio})
     assert len(whole["text"]) >= 1 and len(whole["audio"]) > 22050 and len(whole["start"]) == len(whole["text"])
     audio = np.concatenate([audio, np.zeros(-len(audio) % CHUNK, np.float32)])
     chunks = [audio[i : i + CHUNK] for i in range(0, len(audio), CHUNK)]
     first_audio_at, texts = None, []
     for i, chunk in enumerate(chunks):
-        out = _infer(
-            client, infer_call("interpreter", chunk, sequence_id="live-1", start=i == 0, end=i == len(chunks) - 1)
+        out = client.infer(
+            "interpreter", {"audio": chunk}, sequence_id="live-1", start=i == 0, end=i == len(chunks) - 1
         )
         texts += [t.decode() for t in out["text"]]
         if len(out["audio"]) and first_audio_at is None:
@@ -103,12 +103,6 @@ def test_kserve_recording_and_live_stream(client: Client) -> None:
     assert first_audio_at is not None and first_audio_at < len(chunks) - 1  # speech back before the input ended
     said = words(" ".join(texts))
     assert sum(w in said for w in KEY_WORDS) >= 3, texts
-
-
-def _infer(client: Client, call: Call) -> dict[str, np.ndarray]:
-    response = checked(client.send(call))
-    length = response.headers.get("inference-header-content-length")
-    return decode_response(response.body, int(length) if length else None)
 
 
 def test_bad_input(client: Client) -> None:

@@ -63,7 +63,7 @@ def decoded(body: bytes) -> tuple[np.ndarray, int]:
 def speech_fraction(client: Client, audio: np.ndarray, rate: int) -> float:
     """The share of the audio that the box's own VAD calls speech."""
     samples = soxr.resample(audio, rate, 16000).astype(np.float32)
-    probs = client.infer(samples[: len(samples) // 512 * 512])
+    probs = client.speech_probs(samples[: len(samples) // 512 * 512])
     return float(np.mean(probs > 0.5))
 
 

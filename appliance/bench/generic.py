@@ -18,8 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from appliance import keys
 from appliance.bench.daemon import DaemonProcess
-from appliance.client import Call, Client
-from appliance.client.http import checked, decode_response, encode_request
+from appliance.client import Client
 from appliance.engine.onnx_cpu import session
 from appliance.firmware import build
 
@@ -64,11 +63,7 @@ def mlp_graph(path: Path) -> Path:
 
 
 def infer_row(client: Client, row: np.ndarray) -> np.ndarray:
-    body, header_length = encode_request({"x": row}, {}, True)
-    headers = (("inference-header-content-length", str(header_length)),)
-    response = checked(client.send(Call("POST", "/v2/models/mlp/infer", body, headers)))
-    length = response.headers.get("inference-header-content-length")
-    return decode_response(response.body, int(length) if length else None)["y"]
+    return client.infer("mlp", {"x": row})["y"]
 
 
 def requests_per_s(socket_path: Path, row: np.ndarray, seconds: float) -> float:

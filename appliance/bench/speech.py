@@ -31,7 +31,6 @@ import soxr
 from appliance import firmware
 from appliance.bench.daemon import DaemonProcess
 from appliance.client import Client
-from appliance.client.http import checked, decode_response, infer_call
 from appliance.kinds.phonemes import Voice, phonemize
 from appliance.kinds.text import clauses, grouped_by_sentence
 
@@ -188,10 +187,10 @@ def pipeline(socket: str, model: firmware.ModelSpec) -> dict[str, Any]:
         t0 = time.perf_counter()
         for i, at in enumerate(chunks):
             time.sleep(max(0.0, t0 + at / 16000 - time.perf_counter()))  # in real time, as a microphone sends
-            call = infer_call(model.name, audio[at : at + LIVE_CHUNK], "bench", i == 0, at + LIVE_CHUNK >= len(audio))
-            response = checked(client.send(call))
-            length = response.headers.get("inference-header-content-length")
-            out = decode_response(response.body, int(length) if length else None)
+            end = at + LIVE_CHUNK >= len(audio)
+            out = client.infer(
+                model.name, {"audio": audio[at : at + LIVE_CHUNK]}, sequence_id="bench", start=i == 0, end=end
+            )
             if len(out["audio"]) and len(latencies) < len(ends):
                 latencies.append(time.perf_counter() - (t0 + ends[len(latencies)] / 16000))
     return {

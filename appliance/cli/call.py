@@ -84,7 +84,7 @@ def cmd_call(args: argparse.Namespace) -> int:
                 samples = decode_audio(_read_input(args.args[0]), rate)
             except ApiError as exc:
                 raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
-            print_json([round(float(p), 4) for p in client.infer(samples, model=model)])
+            print_json([round(float(p), 4) for p in client.speech_probs(samples, model=model)])
         elif args.what == "speak":
             _speak(client, args)
         elif args.what == "translate":

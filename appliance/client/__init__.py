@@ -37,6 +37,8 @@ from appliance.client.http import (
     json_lines,
     segments_call,
     speech_call,
+    tensors_call,
+    tensors_result,
     translate_call,
 )
 from appliance.client.quic import QuicTransport
@@ -58,6 +60,7 @@ __all__ = [
     "describe_path",
     "infer_call",
     "parse_quic_address",
+    "tensors_call",
 ]
 
 
@@ -132,7 +135,13 @@ class Client:
     def status(self) -> Any:
         return self.get("/status")
 
-    def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+    def infer(self, model: str, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
+        """Any model: input tensors by name in, output tensors by name out. Keywords as `tensors_call`
+        takes them: sequence_id, start, end (Triton's sequence parameters), binary, outputs, version."""
+        return tensors_result(checked(self.send(tensors_call(model, inputs, **kwargs))))
+
+    def speech_probs(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+        """The VAD: audio samples at 16 kHz in, one speech probability per 512-sample frame out."""
         return infer_result(checked(self.send(infer_call(model, audio, **kwargs))))
 
     def segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Any:
@@ -191,7 +200,10 @@ class AsyncClient:
             self._reader.feed(data)
         return self._reader.done.pop(0)
 
-    async def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
+        return tensors_result(checked(await self.send(tensors_call(model, inputs, **kwargs))))
+
+    async def speech_probs(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
         return infer_result(checked(await self.send(infer_call(model, audio, **kwargs))))
 
     async def close(self) -> None:
