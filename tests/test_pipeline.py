@@ -84,6 +84,10 @@ def test_a_recording_comes_back_as_english_speech(client: Client) -> None:
     audio = np.frombuffer(b"".join(base64.b64decode(s["audio"]) for s in segments), "<i2")
     said = words(heard(client, audio, 22050))
     assert sum(w in said for w in KEY_WORDS) >= 3, said
+    # the caller names the language: Whisper transcribes it (no translation needed for an English target)
+    *segments, _ = client.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter", "en", "en")
+    texts = words(" ".join(s["text"] for s in segments))
+    assert all(s["language"] == "en" for s in segments) and sum(w in texts for w in KEY_WORDS) >= 3, texts
 
 
 def test_kserve_recording_and_live_stream(client: Client) -> None:
@@ -110,6 +114,8 @@ def test_bad_input(client: Client) -> None:
     for target, status, says in (("pt", 400, "no voice speaks 'pt'"), ("xx", 400, "no voice")):
         response = client.send(Call("POST", f"/v2/models/interpreter/interpret?to={target}", wav))
         assert response.status == status and says in response.json()["error"]
+    response = client.send(Call("POST", "/v2/models/interpreter/interpret?from=en&to=en&speed=2", wav))
+    assert response.status == 400 and "unknown query parameter 'speed'" in response.json()["error"]
     response = client.send(Call("POST", "/v2/models/interpreter/interpret", b"not audio at all"))
     assert response.status == 400 and "\n" not in response.json()["error"]
     assert client.translate("Thank you.", "en", "pt").lower().startswith("obrigad")  # still serving

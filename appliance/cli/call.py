@@ -118,11 +118,11 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
 
 def _interpret(client: Client, args: argparse.Namespace) -> None:
     if not args.args or not args.output:
-        raise ApplianceError("usage: appliance call interpret FILE -o OUT.wav [--to LANG] [--model NAME]")
+        raise ApplianceError("usage: appliance call interpret FILE -o OUT.wav [--to LANG] [--from LANG] [--model NAME]")
     audio = _read_input(args.args[0])
     model = args.model or _first_of_kind(client, "speech_pipeline")
     pieces, rate = [], 22050
-    for line in client.stream_interpret(audio, model, args.to):
+    for line in client.stream_interpret(audio, model, args.to, args.source):
         if line.get("done"):
             break
         rate = line["sample_rate"]
@@ -271,7 +271,7 @@ def add_parsers(sub: Any) -> None:
     call.add_argument("--format", default="wav", choices=["wav", "pcm", "flac"], help="speak: the audio format")
     call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
     call.add_argument("--to", metavar="LANG", help="translate, interpret: the target language code")
-    call.add_argument("--from", dest="source", metavar="LANG", help="translate: the source language code")
+    call.add_argument("--from", dest="source", metavar="LANG", help="translate, interpret: the source language code")
     call.add_argument(
         "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"
     )

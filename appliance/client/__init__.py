@@ -166,10 +166,12 @@ class Client:
         """`q` translated (POST /translate): a string, or a list for a list."""
         return checked(self.send(translate_call(q, source, target))).json()["translatedText"]
 
-    def stream_interpret(self, audio: bytes, model: str, to: str | None = None) -> Iterator[Any]:
+    def stream_interpret(
+        self, audio: bytes, model: str, to: str | None = None, source: str | None = None
+    ) -> Iterator[Any]:
         """A recording through a speech pipeline: a document per segment as soon as it is spoken (times,
         each stage's text, base64 PCM16 audio), then a summary with "done"."""
-        return json_lines(self.transport.stream(interpret_call(model, audio, to)))
+        return json_lines(self.transport.stream(interpret_call(model, audio, to, source)))
 
     def languages(self) -> Any:
         return self.get("/languages")

@@ -220,8 +220,9 @@ def translate_call(q: str | list[str], source: str, target: str) -> Call:
     return Call("POST", "/translate", json.dumps(doc).encode(), (("content-type", "application/json"),))
 
 
-def interpret_call(model: str, audio: bytes, to: str | None = None) -> Call:
+def interpret_call(model: str, audio: bytes, to: str | None = None, source: str | None = None) -> Call:
     """A recording -> a speech pipeline's interpret route (NDJSON: a line per segment, then "done")."""
-    query = f"?{urlencode({'to': to})}" if to else ""
+    languages = {k: v for k, v in (("to", to), ("from", source)) if v}
+    query = f"?{urlencode(languages)}" if languages else ""
     content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
     return Call("POST", f"/v2/models/{model}/interpret{query}", audio, (("content-type", content_type),))

@@ -61,6 +61,15 @@ class Interpreted:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one request's speech goes through the stages."""
+
+    options: Options  # the speech_to_text model's: its language where known, transcribe or translate
+    target: str
+    voice: SpeechModel
+
+
 class _Sequences:
     """The pipeline's live streams: the speech_to_text model's, under keys of the pipeline's own."""
 
@@ -176,59 +185,64 @@ class SpeechPipeline:
 
     # --- the work -------------------------------------------------------------------------------
 
-    def plan(self, target: str | None) -> tuple[Options, str, SpeechModel]:
-        """The speech_to_text options, the target language and its voice; a 400 for a target no voice speaks."""
+    def plan(self, target: str | None, source: str | None = None) -> Plan:
+        """How a request's speech goes through the stages; a 400 for a target no voice speaks.
+
+        Whisper translates to English itself where the target is English, the model is multilingual
+        and no pair covers the source the caller names; else it transcribes (in `source` where named)
+        and a pair translates each segment whose language is not the target's."""
         target = (target or self.default_target).lower()
         voice = self.voices.get(target)
         if voice is None:
             raise BadRequest(f"no voice speaks {target[:20]!r} (targets: {', '.join(sorted(self.voices))})")
-        translate = target == "en" and self.stt.engine.tokens.multilingual  # Whisper's own task
-        return Options(task="translate" if translate else "transcribe"), target, voice
+        source = source.lower() if source else None
+        if source is not None and source != target and (source, target) not in self.pairs and target != "en":
+            raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
+        multilingual = self.stt.engine.tokens.multilingual
+        by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
+        return Plan(Options(language=source, task="translate" if by_whisper else "transcribe"), target, voice)
 
-    async def interpret(
-        self, segment: Segment, options: Options, target: str, voice: SpeechModel
-    ) -> Interpreted | None:
+    async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
         """One segment through translation and speech; None where there is nothing to say."""
         heard = segment.text.strip()
         if not heard:
             return None
-        language = "en" if options.task == "translate" else segment.language
+        language = "en" if plan.options.task == "translate" else segment.language
         text = heard
-        if language != target:
-            pair = self.pairs.get((language, target))
+        if language != plan.target:
+            pair = self.pairs.get((language, plan.target))
             if pair is None:
-                raise BadRequest(f"no translation from {language!r} to {target!r} in this firmware")
+                raise BadRequest(f"no translation from {language!r} to {plan.target!r} in this firmware")
             text = await pair.translate(heard)
         try:
-            shards = await voice.prepare(text)
+            shards = await plan.voice.prepare(text)
         except BadRequest:  # nothing a voice can say ("..."): the text alone
             return Interpreted(segment, text, np.zeros(0, np.int16))
-        pieces = [p async for p in voice.synthesize(shards, 1.0)]
+        pieces = [p async for p in plan.voice.synthesize(shards, 1.0)]
         return Interpreted(segment, text, np.concatenate(pieces))
 
     async def recording(
-        self, samples: np.ndarray, target: str | None, times: RequestTimes
+        self, samples: np.ndarray, plan: Plan, times: RequestTimes
     ) -> AsyncGenerator[Interpreted, None]:
         """A whole recording's segments through every stage, each as soon as it is done."""
-        options, target, voice = self.plan(target)
-        async for segment in self.stt.transcribe(samples, options, times):
-            if (done := await self.interpret(segment, options, target, voice)) is not None:
+        async for segment in self.stt.transcribe(samples, plan.options, times):
+            if (done := await self.interpret(segment, plan)) is not None:
                 yield done
 
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
-        target = request.parameters.get("target")
-        if target is not None and not isinstance(target, str):
-            raise BadRequest("parameters.target must be a language code")
+        languages = [request.parameters.get(name) for name in ("target", "source")]
+        if not all(code is None or isinstance(code, str) for code in languages):
+            raise BadRequest("parameters.target and parameters.source must be language codes")
+        plan = self.plan(*languages)
         if sequence is None:
             samples = await asyncio.to_thread(speech_api.audio_input, request, self.stt)
-            return _tensors([d async for d in self.recording(samples, target, times)]), None
-        options, target, voice = self.plan(target)
+            return _tensors([d async for d in self.recording(samples, plan, times)]), None
         samples = speech_api.audio_input(request, self.stt)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
-        closed, _, serial = await self.stt.live_chunk(samples, inner, False, options, times)
-        done = [d for s in closed if (d := await self.interpret(s, options, target, voice)) is not None]
+        closed, _, serial = await self.stt.live_chunk(samples, inner, False, plan.options, times)
+        done = [d for s in closed if (d := await self.interpret(s, plan)) is not None]
         opened = None
         if serial is not None and not sequence.end:
             self.sequences.opened[sequence.id] = serial
@@ -236,27 +250,26 @@ class SpeechPipeline:
         return _tensors(done), opened
 
     async def _interpret_route(self, request: Request, query: dict[str, str]) -> Response:
-        """POST /v2/models/{name}/interpret[?to=LANG]: a recording in (WAV, FLAC, Ogg), NDJSON out: a
-        line per segment as soon as it is spoken (times, each stage's text, base64 PCM16), then a
-        summary line with "done"."""
-        unknown = sorted(set(query) - {"to"})
+        """POST /v2/models/{name}/interpret[?to=LANG&from=LANG]: a recording in (WAV, FLAC, Ogg), NDJSON
+        out: a line per segment as soon as it is spoken (times, each stage's text, base64 PCM16), then
+        a summary line with "done"."""
+        unknown = sorted(set(query) - {"to", "from"})
         if unknown:
-            raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: to)")
-        self.plan(query.get("to"))  # an unknown target is a 400 before any work
+            raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: to, from)")
+        plan = self.plan(query.get("to"), query.get("from"))  # a 400 before any work
         samples = await asyncio.to_thread(decode_audio, request.body, 16000, speech_api.max_seconds(self.stt))
-        lines = self._lines(samples, query.get("to"), len(samples) / 16000)
-        return Response(200, content_type="application/x-ndjson", stream=lines)
+        return Response(200, content_type="application/x-ndjson", stream=self._lines(samples, plan))
 
-    async def _lines(self, samples: np.ndarray, target: str | None, duration: float) -> AsyncGenerator[bytes, None]:
+    async def _lines(self, samples: np.ndarray, plan: Plan) -> AsyncGenerator[bytes, None]:
         started, times, count, ok = time.perf_counter_ns(), RequestTimes(), 0, False
-        voice = self.plan(target)[2]
-        interpreted = self.recording(samples, target, times)
+        interpreted = self.recording(samples, plan, times)
         try:
             async for done in interpreted:
                 count += 1
-                yield json_line(done.as_json(voice.sample_rate))
+                yield json_line(done.as_json(plan.voice.sample_rate))
             ok = True
-            yield json_line({"model_name": self.name, "duration": round(duration, 3), "segments": count, "done": True})
+            duration = round(len(samples) / 16000, 3)
+            yield json_line({"model_name": self.name, "duration": duration, "segments": count, "done": True})
         except ApiError as exc:
             yield json_line({"error": exc.message})
         finally:
