@@ -8,7 +8,9 @@ import json
 import re
 from pathlib import Path
 
+import httpx2
 import numpy as np
+import openai
 import pytest
 import soundfile
 import soxr
@@ -72,6 +74,12 @@ def post_json(client: Client, path: str, doc: object) -> tuple[int, dict]:
     return response.status, response.json() if response.body.startswith(b"{") else {}
 
 
+def message(doc: dict) -> str:
+    """An error's message: {"error": "..."}, or OpenAI's {"error": {"message": ...}} on its routes."""
+    error = doc["error"]
+    return error if isinstance(error, str) else error["message"]
+
+
 # --- speech ----------------------------------------------------------------------------------------
 
 
@@ -103,7 +111,7 @@ def test_formats_and_speed(client: Client) -> None:
     status, doc = post_json(
         client, "/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "Hi.", "response_format": "mp3"}
     )
-    assert status == 400 and "response_format" in doc["error"]
+    assert status == 400 and "response_format" in message(doc) and doc["error"]["type"] == "invalid_request_error"
 
 
 def test_kserve_text_in_int16_audio_out(client: Client) -> None:
@@ -184,7 +192,7 @@ def test_kserve_bytes_in_bytes_out(client: Client) -> None:
 )
 def test_bad_input_is_a_one_line_4xx(client: Client, path: str, body: dict, status: int, says: str) -> None:
     got, doc = post_json(client, path, body)
-    assert got == status and says in doc["error"] and "\n" not in doc["error"], doc
+    assert got == status and says in message(doc) and "\n" not in message(doc), doc
     assert client.translate("Thank you.", "en", "pt").lower().startswith("obrigad")  # still serving
 
 
@@ -193,7 +201,7 @@ def test_invalid_utf8_is_a_400(client: Client, path: str) -> None:
     response = client.send(
         Call("POST", path, b'{"q": "\xff\xfe", "input": "\xff"}', (("content-type", "application/json"),))
     )
-    assert response.status == 400 and "UTF-8" in response.json()["error"]
+    assert response.status == 400 and "UTF-8" in message(response.json())
     infer = b'{"inputs":[{"name":"text","datatype":"BYTES","shape":[1],"parameters":{"binary_data_size":6}}]}'
     call = Call(
         "POST",
@@ -202,7 +210,7 @@ def test_invalid_utf8_is_a_400(client: Client, path: str) -> None:
         (("inference-header-content-length", str(len(infer))),),
     )
     response = client.send(call)
-    assert response.status == 400 and "UTF-8" in response.json()["error"]
+    assert response.status == 400 and "UTF-8" in message(response.json())
 
 
 # --- the CLI ---------------------------------------------------------------------------------------
@@ -262,3 +270,16 @@ def test_fixed_shards_at_the_limit(keys: Keys, start_daemon, tmp_path: Path) -> 
         assert [int(x) for x in re.findall(r"\d+", translated)] == [12, 7, 30, 4], translated
         audio, rate = decoded(client.speech(PARAGRAPH, voice="joe"))
         assert 4.0 < len(audio) / rate < 14.0
+
+
+def test_the_openai_client_speaks_and_streams(speech_daemon: Daemon) -> None:
+    """The real `openai` package against the box, over its Unix socket."""
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=str(speech_daemon.socket)), timeout=300)
+    client = openai.OpenAI(api_key="on-box", base_url="http://appliance/v1", http_client=http, max_retries=0)
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="joe", input=PARAGRAPH, response_format="pcm"
+    ) as response:
+        pieces = list(response.iter_bytes())
+    assert len(pieces) >= 2 and 4.0 < len(b"".join(pieces)) / 2 / 22050 < 12.0
+    with pytest.raises(openai.BadRequestError, match="unknown voice"):
+        client.audio.speech.create(model="tts-1", voice="alloy", input="Hello.")

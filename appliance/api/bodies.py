@@ -1,13 +1,15 @@
-"""Request bodies of the task APIs (OpenAI, LibreTranslate): a JSON object, or a urlencoded form."""
+"""Request bodies of the task APIs (OpenAI, LibreTranslate): a JSON object, or a urlencoded form; and
+errors in OpenAI's shape for its routes."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 from typing import Any
 from urllib.parse import parse_qsl
 
-from appliance.errors import BadRequest
-from appliance.protocol.messages import Request
+from appliance.errors import ApiError, BadRequest
+from appliance.protocol.messages import Request, Response, json_response
 
 FORM = "application/x-www-form-urlencoded"
 
@@ -34,3 +36,12 @@ def json_or_form(request: Request) -> dict[str, Any]:
         return dict(parse_qsl(request.body.decode("utf-8"), keep_blank_values=True, errors="strict"))
     except UnicodeDecodeError:
         raise BadRequest("form body is not UTF-8 text") from None
+
+
+async def openai_errors(answering: Awaitable[Response]) -> Response:
+    """An error in OpenAI's shape, {"error": {"message", "type"}}, so its clients show the message."""
+    try:
+        return await answering
+    except ApiError as exc:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return json_response(exc.status, {"error": {"message": exc.message, "type": kind, "code": None}})

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, Iterable, Mapping
 import numpy as np
 import soundfile
 
-from appliance.api.bodies import json_body
+from appliance.api.bodies import json_body, openai_errors
 from appliance.api.routes import Route
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import ServedModel
@@ -35,7 +35,14 @@ STREAMED_UNKNOWN = 0xFFFFFFFF
 
 
 def routes(models: Mapping[str, ServedModel]) -> list[Route]:
-    return [("POST", re.compile(r"/v1/audio/speech"), "openai_speech", lambda r, p: speech(models.values(), r))]
+    return [
+        (
+            "POST",
+            re.compile(r"/v1/audio/speech"),
+            "openai_speech",
+            lambda r, p: openai_errors(speech(models.values(), r)),
+        )
+    ]
 
 
 async def speech(models: Iterable[ServedModel], request: Request) -> Response:
