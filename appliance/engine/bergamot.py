@@ -5,58 +5,66 @@ fxtranslate runs the int8 GEMM the models were quantised for, takes any Bergamot
 files (model, vocabularies, shortlist), and releases the GIL while it translates. Its Translator
 may only be used, and dropped, by the thread that made it, so each worker is a thread of its own
 that makes its Translator from the same bytes (a few MB per thread for a tiny model) and drops it
-when the engine closes; a batch's texts are dealt out to the workers in turn.
+when the engine closes. The workers take a batch's texts from one queue, each the next as soon as
+it is free, so a worker on a busy core does not hold the batch up.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
+import queue
+import threading
 
 import fxtranslate
 
 from appliance.errors import ApplianceError
 
 Files = tuple[bytes, bytes, bytes, bytes | None]  # model, source vocabulary, target vocabulary, shortlist
-
-
-class _Worker:
-    """One thread and the Translator it made."""
-
-    def __init__(self, files: Files, index: int) -> None:
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"translate-{index}")
-        self._translator: fxtranslate.Translator | None = None
-        self._thread.submit(self._load, files).result()  # a malformed model fails at start
-
-    def _load(self, files: Files) -> None:
-        try:
-            self._translator = fxtranslate.Translator(*files)
-        except ValueError as exc:
-            raise ApplianceError(f"fxtranslate cannot load the translation model: {exc}") from None
-
-    def _translate(self, text: str) -> str:
-        assert self._translator is not None
-        return self._translator.translate(text)
-
-    def submit(self, text: str) -> concurrent.futures.Future[str]:
-        return self._thread.submit(self._translate, text)
-
-    def close(self) -> None:
-        self._thread.submit(setattr, self, "_translator", None)  # dropped on its own thread
-        self._thread.shutdown(wait=True)
+Job = tuple[str, concurrent.futures.Future[str]] | None  # None: the worker stops
 
 
 class BergamotEngine:
     name = "fxtranslate-cpu"
 
     def __init__(self, files: Files, threads: int) -> None:
-        self._workers = [_Worker(files, i) for i in range(max(1, threads))]
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        loaded: list[concurrent.futures.Future[None]] = []
+        self._threads = []
+        for i in range(max(1, threads)):
+            ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+            thread = threading.Thread(target=self._work, args=(files, ready), name=f"translate-{i}", daemon=True)
+            thread.start()
+            loaded.append(ready)
+            self._threads.append(thread)
+        for ready in loaded:
+            ready.result()  # a malformed model fails at start
+
+    def _work(self, files: Files, ready: concurrent.futures.Future[None]) -> None:
+        try:
+            translator = fxtranslate.Translator(*files)
+        except ValueError as exc:
+            ready.set_exception(ApplianceError(f"fxtranslate cannot load the translation model: {exc}"))
+            return
+        ready.set_result(None)
+        while (job := self._jobs.get()) is not None:
+            text, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(translator.translate(text))
+                except Exception as exc:  # the engine's own error goes to the request that caused it
+                    future.set_exception(exc)
+        del translator  # dropped on the thread that made it
 
     def translate(self, texts: list[str]) -> list[str]:
         """Each text (one sentence, within the model's length) translated, spread over the workers."""
-        futures = [w.submit(t) for w, t in zip(itertools.cycle(self._workers), texts)]
+        futures: list[concurrent.futures.Future[str]] = []
+        for text in texts:
+            futures.append(concurrent.futures.Future())
+            self._jobs.put((text, futures[-1]))
         return [f.result() for f in futures]
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.close()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
