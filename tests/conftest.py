@@ -124,6 +124,7 @@ class Daemon:
         extra_conncache: str = "",
         extra_server: str = "",
         pin_dir: Path | None = None,
+        max_body_bytes: int = 8 << 20,
     ) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
@@ -140,7 +141,7 @@ class Daemon:
         )
         self.cafile = str(tls[0]) if tls else None
         self.config.write_text(
-            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {8 << 20}\nshutdown_grace_s = 5.0\n{extra_server}'
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {max_body_bytes}\nshutdown_grace_s = 5.0\n{extra_server}'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"

@@ -14,11 +14,11 @@ RATE = 16000
 
 
 @functools.cache  # one espeak-ng run per sentence per session; callers do not modify the result
-def say(text: str) -> np.ndarray:
-    """espeak-ng speech at 16 kHz, trimmed to where the voice is."""
+def say(text: str, voice: str = "en") -> np.ndarray:
+    """espeak-ng speech at 16 kHz (in `voice`, a language code), trimmed to where the voice is."""
     if shutil.which("espeak-ng") is None:
         raise RuntimeError("espeak-ng is not installed (make deps installs it)")
-    raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+    raw = subprocess.run(["espeak-ng", "-v", voice, "--stdout", text], capture_output=True, check=True).stdout
     with wave.open(io.BytesIO(raw)) as w:
         rate = w.getframerate()
         x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
@@ -29,15 +29,15 @@ def say(text: str) -> np.ndarray:
 
 
 def recording(
-    sentences: list[str], gap_s: float = 1.5, lead_s: float = 1.0
+    sentences: list[str], gap_s: float = 1.5, lead_s: float = 1.0, voice: str = "en"
 ) -> tuple[np.ndarray, list[tuple[float, float]]]:
     """Sentences separated by silence; returns the samples and each sentence's (start, end) in seconds."""
     parts, spans, position = [np.zeros(int(lead_s * RATE), np.float32)], [], int(lead_s * RATE)
     for text in sentences:
-        voice = say(text)
-        spans.append((position / RATE, (position + len(voice)) / RATE))
-        parts += [voice, np.zeros(int(gap_s * RATE), np.float32)]
-        position += len(voice) + int(gap_s * RATE)
+        spoken = say(text, voice)
+        spans.append((position / RATE, (position + len(spoken)) / RATE))
+        parts += [spoken, np.zeros(int(gap_s * RATE), np.float32)]
+        position += len(spoken) + int(gap_s * RATE)
     return np.concatenate(parts), spans
 
 

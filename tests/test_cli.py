@@ -132,6 +132,8 @@ def test_call_help_lists_every_action_with_what_it_does() -> None:
         "speak",
         "translate",
         "interpret",
+        "transcribe",
+        "live",
     ]
     for name, what in CALL_ACTIONS.items():
         assert f"{name} {what}" in text, name

@@ -20,15 +20,13 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
 from appliance.api.bodies import openai_errors
-from appliance.audio import decode_audio
 from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import ServedModel
-from appliance.kinds.speech_api import Options, Segment, as_json, max_seconds
+from appliance.kinds.speech_api import FORMATS, Options, Segment, decode_recording, render
 from appliance.kinds.speech_to_text import SpeechToText
-from appliance.protocol.messages import Request, Response, json_response
+from appliance.protocol.messages import Request, Response
 
-FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 FIELDS = {
     "file",
     "model",
@@ -132,43 +130,12 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
         raise BadRequest(f"stream must be true or false, got {stream[:20]!r}")
     options = Options(fields.get("language") or None, task, fields.get("prompt", ""), temperature)
     model.check(options)
-    samples = await asyncio.to_thread(decode_audio, audio, SAMPLE_RATE, max_seconds(model))
+    samples = await asyncio.to_thread(decode_recording, audio, model)
     segments = model.transcribe(samples, options)
     if stream == "true":
         return Response(200, content_type="text/event-stream", stream=_events(segments))
     found = [s async for s in segments]
     return render(found, response_format, task, len(samples) / SAMPLE_RATE)
-
-
-def render(segments: list[Segment], response_format: str, task: str, duration: float) -> Response:
-    doc = as_json(segments)
-    if response_format == "json":
-        return json_response(200, {"text": doc["text"]})
-    if response_format == "text":
-        return Response(200, (doc["text"] + "\n").encode(), content_type="text/plain; charset=utf-8")
-    if response_format == "verbose_json":
-        rows = [
-            {"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text, "tokens": [], "temperature": 0.0}
-            for i, s in enumerate(segments)
-        ]
-        verbose = {"task": task, "language": doc["language"], "duration": round(duration, 3), "text": doc["text"]}
-        return json_response(200, {**verbose, "segments": rows})
-    return Response(200, subtitles(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
-
-
-def subtitles(segments: list[Segment], response_format: str) -> str:
-    """SRT (numbered cues, comma decimals) or WebVTT (a header, dot decimals)."""
-    comma = response_format == "srt"
-
-    def clock(seconds: float) -> str:
-        ms = round(seconds * 1000)
-        text = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
-        return text.replace(".", ",") if comma else text
-
-    cues = [f"{clock(s.start)} --> {clock(s.end)}\n{s.text}\n" for s in segments]
-    if comma:
-        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
-    return "WEBVTT\n\n" + "\n".join(cues)
 
 
 async def _events(segments: AsyncIterator[Segment]) -> AsyncGenerator[bytes, None]:

@@ -39,7 +39,7 @@ class DaemonProcess:
             f'[log]\nlevel = "warning"\n[conncache]\n{conncache}'
         )
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # the voice firmware loads three models
         while time.monotonic() < deadline:
             try:
                 with Client(str(self.socket), timeout=5) as c:

@@ -14,8 +14,9 @@ import textwrap
 from typing import Any
 
 from appliance import exitcodes
+from appliance.cli import speech
 from appliance.cli.options import command, default_socket, print_json
-from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, Client, describe_path, parse_quic_address
+from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MODEL, Client, describe_path, parse_quic_address
 from appliance.errors import ApiError, ApplianceError
 
 # `appliance call WHAT`: what each does (the choices and the help text come from here).
@@ -34,7 +35,12 @@ CALL_ACTIONS = {
     "translate": "TEXT translated --to a language (POST /translate; --from defaults to the one source that has it)",
     "interpret": "an audio FILE through a speech pipeline into -o FILE (WAV), --to a language (default the "
     "pipeline's first voice's); each segment's texts printed as it is spoken (POST /v2/models/MODEL/interpret)",
+    "transcribe": "the text of an audio FILE with segment times (POST /v2/models/MODEL/transcribe); --language, "
+    "--translate (to English), --format json|text|verbose_json|srt|vtt, --stream (a line per segment)",
+    "live": "sends an audio FILE as a live stream in real time, 256 ms chunks (Triton sequence), and prints "
+    "each segment's text as soon as it is final",
 }
+SPEAK_FORMATS = ("wav", "pcm", "flac")
 SOCKET_HELP = "the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)"
 
 
@@ -64,21 +70,26 @@ def cmd_call(args: argparse.Namespace) -> int:
             print_json(client.model(args.args[0] if args.args else "silero_vad"))
         elif args.what == "metrics":
             print(client.metrics(), end="")
+        elif args.what in ("transcribe", "live"):
+            if not args.args:
+                raise ApplianceError(f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC or Ogg)")
+            run = speech.transcribe if args.what == "transcribe" else speech.live
+            run(client, args, _read_input(args.args[0]))
         elif args.what == "vad":
             if not args.args:
                 raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC or Ogg)")
             audio = _read_input(args.args[0])
             if args.stream:
-                for line in client.stream_segments(audio, model=args.model or "silero_vad"):
+                for line in client.stream_segments(audio, model=args.model or DEFAULT_MODEL):
                     print(json.dumps(line), flush=True)
             else:
-                print_json(client.segments(audio, model=args.model or "silero_vad"))
+                print_json(client.segments(audio, model=args.model or DEFAULT_MODEL))
         elif args.what == "probs":
             if not args.args:
                 raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC or Ogg)")
             from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for `call probs`
 
-            model = args.model or "silero_vad"
+            model = args.model or DEFAULT_MODEL
             rate = client.model(model)["parameters"]["sample_rate"]
             try:  # decoded here, as the daemon decodes for segments, and sent as tensors
                 samples = decode_audio(_read_input(args.args[0]), rate)
@@ -99,14 +110,17 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
         raise ApplianceError(
             'usage: appliance call speak "TEXT" -o FILE [--voice NAME] [--format wav|pcm|flac] [--speed X]'
         )
+    audio_format = args.format or "wav"
+    if audio_format not in SPEAK_FORMATS:
+        raise ApplianceError(f"speak: --format {audio_format} is not an audio format ({', '.join(SPEAK_FORMATS)})")
     voice = args.voice or _first_of_kind(client, "speech_synthesis")
     try:
         with open(args.output, "wb") as out:
             for piece in client.stream_speech(
-                " ".join(args.args), voice, response_format=args.format, speed=args.speed
+                " ".join(args.args), voice, response_format=audio_format, speed=args.speed
             ):
                 out.write(piece)
-            if args.format == "wav" and out.seekable():  # streamed with unknown sizes: a file knows them at the end
+            if audio_format == "wav" and out.seekable():  # streamed with unknown sizes: a file knows them at the end
                 size = out.tell()
                 out.seek(4)
                 out.write((size - 8).to_bytes(4, "little"))
@@ -239,6 +253,9 @@ def _call_epilog() -> str:
         "  appliance call vad speech.wav --stream",
         '  appliance call speak "Hello there." -o hello.wav',
         '  appliance call translate --to pt "Where is the station?"',
+        "  appliance call transcribe speech.wav --format srt",
+        "  appliance call transcribe spanish.wav --translate",
+        "  appliance call live speech.wav",
         "  appliance call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models",
     ]
     return "\n".join(lines)
@@ -263,12 +280,20 @@ def add_parsers(sub: Any) -> None:
     )
     call.add_argument("--socket", default=default_socket(), help=SOCKET_HELP)
     call.add_argument(
-        "--model", help="vad, probs: the model to run (default silero_vad); interpret: the pipeline (default the first)"
+        "--model",
+        help=f"the model to run (vad, probs: {DEFAULT_MODEL}; transcribe, live: {speech.TINY}, or {speech.BASE} "
+        "to translate or for another language than English; interpret: the pipeline, default the first)",
     )
-    call.add_argument("--stream", action="store_true", help="vad: print each segment as soon as it is final")
+    call.add_argument("--stream", action="store_true", help="vad, transcribe: print each segment when final")
+    call.add_argument("--language", help="transcribe, live: the speech's language (ISO 639-1), else detected")
+    call.add_argument("--translate", action="store_true", help="transcribe, live: English text of any language")
+    call.add_argument(
+        "--format",
+        choices=sorted({*SPEAK_FORMATS, *speech.FORMATS}),
+        help=f"speak: {'|'.join(SPEAK_FORMATS)} (default wav); transcribe: {'|'.join(speech.FORMATS)} (default text)",
+    )
     call.add_argument("-o", "--output", metavar="FILE", help="speak: the audio file to write")
     call.add_argument("--voice", help="speak: the voice (default: the firmware's first speech model)")
-    call.add_argument("--format", default="wav", choices=["wav", "pcm", "flac"], help="speak: the audio format")
     call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
     call.add_argument("--to", metavar="LANG", help="translate, interpret: the target language code")
     call.add_argument("--from", dest="source", metavar="LANG", help="translate, interpret: the source language code")

@@ -35,6 +35,7 @@ from appliance.client.http import (
     infer_result,
     interpret_call,
     json_lines,
+    recording_call,
     segments_call,
     speech_call,
     tensors_call,
@@ -175,6 +176,27 @@ class Client:
 
     def languages(self) -> Any:
         return self.get("/languages")
+
+    def transcribe(self, audio: bytes, model: str, **params: str) -> HttpResponse:
+        """A recording's text (a speech_to_text model): language, task, prompt, response_format."""
+        return checked(self.send(recording_call(model, "transcribe", audio, **params)))
+
+    def stream_transcribe(self, audio: bytes, model: str, **params: str) -> Iterator[Any]:
+        """Each segment's text as soon as it is decoded, then a summary with "done"."""
+        return json_lines(self.transport.stream(recording_call(model, "transcribe", audio, stream="true", **params)))
+
+    def live(
+        self,
+        chunk: np.ndarray,
+        model: str,
+        sequence_id: int | str,
+        start: bool = False,
+        end: bool = False,
+        **params: Any,
+    ) -> dict[str, np.ndarray]:
+        """One chunk of a live stream (parameters partial=, language=, task=): its outputs."""
+        call = tensors_call(model, {"audio": chunk}, sequence_id, start, end, parameters=params)
+        return tensors_result(checked(self.send(call)))
 
 
 @dataclass

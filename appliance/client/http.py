@@ -146,9 +146,14 @@ AUDIO_TYPES = {b"RIFF": "audio/wav", b"RIFX": "audio/wav", b"fLaC": "audio/flac"
 
 def segments_call(model: str, audio: bytes, **params: float | str) -> Call:
     """A recording (WAV, FLAC or Ogg, as the file holds it) -> the segments route."""
+    return recording_call(model, "segments", audio, **params)
+
+
+def recording_call(model: str, route: str, audio: bytes, **params: float | str) -> Call:
+    """A recording (WAV, FLAC or Ogg, as the file holds it) -> a model's route (segments, transcribe)."""
     query = f"?{urlencode(params)}" if params else ""
     content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
-    return Call("POST", f"/v2/models/{model}/segments{query}", audio, (("content-type", content_type),))
+    return Call("POST", f"/v2/models/{model}/{route}{query}", audio, (("content-type", content_type),))
 
 
 def encode_request(

@@ -35,6 +35,7 @@ MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as opena
 TASKS = ("transcribe", "translate")
 MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold: above it, a decode repeats itself
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
+MAX_LENGTH = 448  # Whisper's decoder context, CTranslate2's default max_length
 
 
 def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
@@ -230,13 +231,12 @@ class WhisperEngine:
             languages = self._languages(model, encoded, group)
             prompts = [self.tokens.prompt(s, language) for s, language in zip(group, languages)]
             ids = self._generate(model, encoded, prompts, temperature)
-            for at in self._repeating(ids):  # openai-whisper's fallback: sample at rising temperatures
-                for fallback in FALLBACK_TEMPERATURES:
-                    if fallback <= temperature:
-                        continue
-                    one = ctranslate2.StorageView.from_array(features[at : at + 1])
-                    ids[at] = self._generate(model, model.encode(one, to_cpu=False), prompts[at : at + 1], fallback)[0]
-                    if not self._repeating([ids[at]]):
+            for at in self._looping(ids, prompts):  # openai-whisper's fallback: sample at rising temperatures
+                one = model.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
+                for fallback in (t for t in FALLBACK_TEMPERATURES if t > temperature):
+                    again = self._generate(model, one, prompts[at : at + 1], fallback)
+                    if not self._looping(again, prompts[at : at + 1]):
+                        ids[at] = again[0]  # where every temperature loops too, the first answer stays
                         break
             for i, shard, language, tokens in zip(members, group, languages, ids):
                 duration = len(shard.samples) / SAMPLE_RATE
@@ -260,10 +260,16 @@ class WhisperEngine:
         )
         return [list(r.sequences_ids[0]) for r in results]
 
-    def _repeating(self, ids: list[list[int]]) -> list[int]:
-        """Which decodes loop on themselves: text that gzip shrinks more than MAX_COMPRESSION times."""
-        texts = [self.tokens.tokenizer.decode([t for t in tokens if t < self.tokens.eot]).encode() for tokens in ids]
-        return [i for i, t in enumerate(texts) if len(t) > 40 and len(t) / len(zlib.compress(t)) > MAX_COMPRESSION]
+    def _looping(self, ids: list[list[int]], prompts: list[list[int]]) -> list[int]:
+        """Which decodes loop on themselves: they ran to Whisper's length limit without ending, and gzip
+        shrinks their text more than MAX_COMPRESSION times (speech that repeats itself ends in time)."""
+        found = []
+        for i, (tokens, prompt) in enumerate(zip(ids, prompts)):
+            text = self.tokens.tokenizer.decode([t for t in tokens if t < self.tokens.eot]).encode()
+            at_limit = len(prompt) + len(tokens) >= MAX_LENGTH - 1
+            if at_limit and len(text) / len(zlib.compress(text)) > MAX_COMPRESSION:
+                found.append(i)
+        return found
 
     def _languages(
         self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]

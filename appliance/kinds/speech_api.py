@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("appliance.api")
 
 AUDIO_INPUT = "audio"
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")  # OpenAI's response formats
+MIN_SAMPLES = 512  # one VAD frame, 32 ms: anything shorter holds no speech to find
 OUTPUTS = ("text", "start", "end")
 PARAMETERS: dict[str, type | tuple[type, ...]] = {
     "language": str,
@@ -152,7 +154,7 @@ def audio_input(infer: InferRequest, model: SpeechToText) -> np.ndarray:
     if array.dtype == object:
         if array.size != 1:
             raise BadRequest(f"input {AUDIO_INPUT}: a BYTES input holds one encoded file, got {array.size} elements")
-        return decode_audio(bytes(array.reshape(-1)[0]), SAMPLE_RATE, max_seconds(model))
+        return decode_recording(bytes(array.reshape(-1)[0]), model)
     if array.ndim == 2 and array.shape[0] == 1:
         array = array[0]
     if array.ndim != 1:
@@ -164,6 +166,19 @@ def audio_input(infer: InferRequest, model: SpeechToText) -> np.ndarray:
     if array.dtype == np.int16:
         return array.astype(np.float32) / 32768.0
     raise BadRequest(f"input {AUDIO_INPUT}: datatype must be FP32, INT16 or BYTES")
+
+
+def decode_recording(body: bytes, model: SpeechToText) -> np.ndarray:
+    """An uploaded recording as 16 kHz samples (decode_audio), at least MIN_SAMPLES long."""
+    return long_enough(decode_audio(body, SAMPLE_RATE, max_seconds(model)))
+
+
+def long_enough(samples: np.ndarray) -> np.ndarray:
+    if len(samples) < MIN_SAMPLES:
+        raise BadRequest(
+            f"audio too short: {len(samples)} samples at 16 kHz; at least {MIN_SAMPLES} ({MIN_SAMPLES // 16} ms)"
+        )
+    return samples
 
 
 def max_seconds(model: SpeechToText) -> float:
@@ -184,7 +199,7 @@ async def infer(
 ) -> tuple[dict[str, np.ndarray], Opened | None]:
     wanted = options(request.parameters)
     if sequence is None:
-        samples = await asyncio.to_thread(audio_input, request, model)
+        samples = long_enough(await asyncio.to_thread(audio_input, request, model))
         return tensors([s async for s in model.transcribe(samples, wanted, times)]), None
     samples = audio_input(request, model)
     partial = request.parameters.get("partial", False)
@@ -197,20 +212,56 @@ async def infer(
 
 
 async def transcribe_route(model: SpeechToText, request: Request, query: dict[str, str]) -> Response:
-    """POST /v2/models/{name}/transcribe[?stream=true&language=..&task=..]: a recording's segments."""
+    """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=]: a
+    recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded."""
     stream = query.pop("stream", "false").lower() in ("1", "true", "yes")
+    response_format = query.pop("response_format", "verbose_json")
+    if response_format not in FORMATS:
+        raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}, got {response_format[:40]!r}")
     unknown = sorted(set(query) - {"language", "task", "prompt"})
     if unknown:
-        raise BadRequest(f"unknown query parameter {unknown[0]!r} (known: stream, language, task, prompt)")
+        raise BadRequest(
+            f"unknown query parameter {unknown[0]!r} (known: stream, language, task, prompt, response_format)"
+        )
     wanted = options(dict(query))
     model.check(wanted)
-    samples = await asyncio.to_thread(decode_audio, request.body, SAMPLE_RATE, max_seconds(model))
+    samples = await asyncio.to_thread(decode_recording, request.body, model)
     segments = model.transcribe(samples, wanted)
     duration = round(len(samples) / SAMPLE_RATE, 3)
     if stream:
         return Response(200, content_type="application/x-ndjson", stream=_lines(segments, model.name, duration))
-    found = [s async for s in segments]
-    return json_response(200, {"model_name": model.name, "duration": duration, **as_json(found)})
+    return render([s async for s in segments], response_format, wanted.task, duration)
+
+
+def render(segments: list[Segment], response_format: str, task: str, duration: float) -> Response:
+    doc = as_json(segments)
+    if response_format == "json":
+        return json_response(200, {"text": doc["text"]})
+    if response_format == "text":
+        return Response(200, (doc["text"] + "\n").encode(), content_type="text/plain; charset=utf-8")
+    if response_format == "verbose_json":
+        rows = [
+            {"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text, "tokens": [], "temperature": 0.0}
+            for i, s in enumerate(segments)
+        ]
+        verbose = {"task": task, "language": doc["language"], "duration": round(duration, 3), "text": doc["text"]}
+        return json_response(200, {**verbose, "segments": rows})
+    return Response(200, subtitles(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
+
+
+def subtitles(segments: list[Segment], response_format: str) -> str:
+    """SRT (numbered cues, comma decimals) or WebVTT (a header, dot decimals)."""
+    comma = response_format == "srt"
+
+    def clock(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        text = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+        return text.replace(".", ",") if comma else text
+
+    cues = [f"{clock(s.start)} --> {clock(s.end)}\n{s.text}\n" for s in segments]
+    if comma:
+        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)
 
 
 def as_json(segments: list[Segment]) -> dict[str, Any]:

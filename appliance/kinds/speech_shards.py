@@ -68,32 +68,34 @@ class ShardPlan:
 
 
 class Packer:
-    """Speech segments in, in order, as the VAD closes them; shards out as soon as each is full."""
+    """Speech segments in, in order, as the VAD closes them; shards out as soon as each is full. A shard
+    starts and ends with GAP_S of silence too: Whisper mishears a first word that starts the window."""
 
     def __init__(self, samples: np.ndarray, max_samples: int, algorithm: str, rate: int) -> None:
-        self.samples, self.max_samples, self.algorithm = samples, max_samples, algorithm
+        self.samples, self.algorithm = samples, algorithm
         self.gap = int(GAP_S * rate)
+        self.capacity = max_samples - 2 * self.gap  # speech and the gaps between
         self._spans: list[Span] = []
         self._used = 0
 
     def add(self, segment: tuple[int, int]) -> list[ShardPlan]:
         full = []
-        for start, end in _split(self.samples, *segment, self.max_samples, self.algorithm):
+        for start, end in _split(self.samples, *segment, self.capacity, self.algorithm):
             while start < end:
                 offset = self._used + self.gap if self._spans else 0
-                room = self.max_samples - offset
-                if room <= 0 or (self.algorithm == "semantic" and end - start > room):
+                room = self.capacity - offset
+                if self._spans and (room <= 0 or (self.algorithm == "semantic" and end - start > room)):
                     full += self.finish()
                     continue
                 take = min(end - start, room)
-                self._spans.append(Span(start, start + take, offset))
+                self._spans.append(Span(start, start + take, self.gap + offset))
                 self._used = offset + take
                 start += take
         return full
 
     def finish(self) -> list[ShardPlan]:
         """The shard being filled, if it holds anything."""
-        done = [ShardPlan(self._spans, self._used)] if self._spans else []
+        done = [ShardPlan(self._spans, self._used + 2 * self.gap)] if self._spans else []
         self._spans, self._used = [], 0
         return done
 

@@ -25,13 +25,12 @@ from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.base import SequenceCall, ServedModel, Task
 from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
-from appliance.kinds.speech_shards import Packer, ShardPlan, Span
+from appliance.kinds.speech_shards import Packer, ShardPlan
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
-REFINE_SPANS = 3  # Whisper's text over this many VAD spans without a timestamp between: decode them apart
 
 
 class SpeechToText:
@@ -149,6 +148,11 @@ class SpeechToText:
             for task in started:
                 task.cancel()
 
+    def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
+        """The shards of one segment on its own."""
+        packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+        return packer.add(segment) + packer.finish()
+
     async def _decode(
         self,
         plan: ShardPlan,
@@ -159,22 +163,21 @@ class SpeechToText:
         offset: int = 0,
     ) -> list[Segment]:
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
-        spans by Whisper's timestamps; where Whisper gave none across REFINE_SPANS or more spans,
-        those spans are decoded one by one, so each keeps its own times."""
+        spans by Whisper's timestamps, a segment per run of spans its pieces join (Whisper's own
+        times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
+        second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
         decoded = await self.batcher.submit(self._shard(plan.audio(samples), options), times, live)
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
-        out: list[Segment] = []
+        out = []
         for first, last, text in runs:
-            spans = plan.spans[first : last + 1]
-            if len(spans) >= REFINE_SPANS:
-                singles = [ShardPlan([Span(s.start, s.end, 0)], s.end - s.start) for s in spans]
-                for found in await asyncio.gather(
-                    *(self._decode(p, samples, options, times, True, offset) for p in singles)
-                ):
-                    out += found
-            else:
-                start, end = (offset + spans[0].start) / SAMPLE_RATE, (offset + spans[-1].end) / SAMPLE_RATE
-                out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+            start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
+            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+        heard = max((last + 1 for _, last, _ in runs), default=0)
+        if 0 < heard < len(plan.spans):
+            packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
+            rest = [p for span in plan.spans[heard:] for p in packer.add((span.start, span.end))] + packer.finish()
+            for found in await asyncio.gather(*(self._decode(p, samples, options, times, True, offset) for p in rest)):
+                out += found
         return out
 
     async def live_chunk(
@@ -217,8 +220,7 @@ class SpeechToText:
         self, stream: LiveStream, audio: np.ndarray, span: tuple[int, int], times: RequestTimes
     ) -> list[Segment]:
         """A span of a live stream's kept audio (positions in the stream), decoded ahead of recordings."""
-        packer = Packer(audio, self.max_samples, self.split_algorithm, SAMPLE_RATE)
-        plans = packer.add((span[0] - stream.base, span[1] - stream.base)) + packer.finish()
+        plans = self._plans(audio, (span[0] - stream.base, span[1] - stream.base))
         found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, stream.base) for p in plans))
         return [s for segments in found for s in segments]
 
