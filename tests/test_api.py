@@ -113,25 +113,25 @@ def test_socket_mode_is_0660(daemon) -> None:
 
 def test_json_and_binary_tensors_give_the_same_result(client: Client) -> None:
     audio = noise(6)
-    binary = client.infer(audio, binary=True)
-    as_json = client.infer(audio, binary=False)
+    binary = client.speech_probs(audio, binary=True)
+    as_json = client.speech_probs(audio, binary=False)
     assert binary.shape == (6,) and binary.dtype == np.float32
     np.testing.assert_allclose(binary, as_json, atol=1e-6)
-    int16 = client.infer((audio * 32768).astype(np.int16))
+    int16 = client.speech_probs((audio * 32768).astype(np.int16))
     np.testing.assert_allclose(int16, binary, atol=1e-3)
 
 
 def test_sequence_keeps_state_across_requests(client: Client) -> None:
     audio = noise(12, seed=3)
-    whole = client.infer(audio)  # one-off: one shard, the same frames in one sequence
+    whole = client.speech_probs(audio)  # one-off: one shard, the same frames in one sequence
     parts = [
-        client.infer(audio[: 4 * FRAME], sequence_id=77, start=True),
-        client.infer(audio[4 * FRAME : 8 * FRAME], sequence_id=77),
-        client.infer(audio[8 * FRAME :], sequence_id=77, end=True),
+        client.speech_probs(audio[: 4 * FRAME], sequence_id=77, start=True),
+        client.speech_probs(audio[4 * FRAME : 8 * FRAME], sequence_id=77),
+        client.speech_probs(audio[8 * FRAME :], sequence_id=77, end=True),
     ]
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-5)
     with pytest.raises(ClientError) as err:  # ended: no longer usable
-        client.infer(audio[:FRAME], sequence_id=77)
+        client.speech_probs(audio[:FRAME], sequence_id=77)
     assert err.value.status == 400 and "sequence 77 is not open" in err.value.message
 
 
@@ -273,29 +273,29 @@ def test_malformed_http_and_oversized_body(daemon, client: Client) -> None:
 
 
 def test_metrics_count_requests_batches_and_sequences(client: Client) -> None:
-    client.infer(noise(2), sequence_id=901, start=True)
+    client.speech_probs(noise(2), sequence_id=901, start=True)
     text = client.metrics()
     assert 'appliance_requests_total{endpoint="infer",code="200"}' in text
     assert 'appliance_request_duration_seconds_bucket{endpoint="infer",le="+Inf"}' in text
     assert 'appliance_batch_size_bucket{model="silero_vad",engine="onnxruntime-cpu",le="1"}' in text
     live = [line for line in text.splitlines() if line.startswith("appliance_live_sequences")]
     assert live and int(live[0].split()[-1]) >= 1
-    client.infer(noise(1), sequence_id=901, end=True)
+    client.speech_probs(noise(1), sequence_id=901, end=True)
 
 
 def test_sequence_table_is_bounded_and_idle_sequences_expire(start_daemon) -> None:
     daemon = start_daemon("[sequences]\nmax_live = 2\nidle_timeout_s = 1.0\n")
     with daemon.client() as client:
-        client.infer(noise(1), sequence_id=1, start=True)
-        client.infer(noise(1), sequence_id=2, start=True)
+        client.speech_probs(noise(1), sequence_id=1, start=True)
+        client.speech_probs(noise(1), sequence_id=2, start=True)
         with pytest.raises(ClientError) as err:
-            client.infer(noise(1), sequence_id=3, start=True)
+            client.speech_probs(noise(1), sequence_id=3, start=True)
         assert err.value.status == 429 and "sequence table full (2 live" in err.value.message
         time.sleep(2.5)  # past the idle timeout and one expiry pass
         with pytest.raises(ClientError) as err:
-            client.infer(noise(1), sequence_id=1)
+            client.speech_probs(noise(1), sequence_id=1)
         assert "expired after 1 s idle" in err.value.message
-        client.infer(noise(1), sequence_id=3, start=True)  # room again
+        client.speech_probs(noise(1), sequence_id=3, start=True)  # room again
 
 
 def test_sigterm_exits_zero_and_removes_the_socket(start_daemon) -> None:

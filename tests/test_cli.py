@@ -129,6 +129,9 @@ def test_call_help_lists_every_action_with_what_it_does() -> None:
         "metrics",
         "vad",
         "probs",
+        "speak",
+        "translate",
+        "interpret",
         "transcribe",
         "live",
     ]

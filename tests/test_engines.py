@@ -90,7 +90,7 @@ def test_device_auto_serves_on_the_cpu_and_says_why(start_daemon) -> None:
         pytest.skip("pycuda is installed here: auto may choose the GPU")
     daemon = start_daemon('[engine]\ndevice = "auto"\n')
     with daemon.client() as client:
-        assert client.infer(np.zeros(1024, np.float32)).shape == (2,)
+        assert client.speech_probs(np.zeros(1024, np.float32)).shape == (2,)
         metrics = client.metrics()
     assert 'appliance_engine_frames_total{model="silero_vad",engine="onnxruntime-cpu"} ' in metrics
     assert (
@@ -171,7 +171,7 @@ def test_a_plan_for_another_gpu_is_refused_and_the_model_served_on_the_cpu(
     assert firmware.verify(planned, keys.trusted).manifest.plans == (H100_PLAN,)  # round trip through the manifest
     daemon = start_daemon('[engine]\ndevice = "auto"\n', bundle_dir=planned)
     with daemon.client() as client:
-        assert client.infer(np.zeros(512, np.float32)).shape == (1,)
+        assert client.speech_probs(np.zeros(512, np.float32)).shape == (1,)
         assert 'engine="onnxruntime-cpu"' in client.metrics()
     refusal = plan_mismatch(H100_PLAN, *found_gpu())
     assert "runs it on the CPU: cuda engine: pycuda is not installed" in daemon.log.read_text()

@@ -115,14 +115,16 @@ def test_hostile_requests_get_a_4xx_naming_the_field_and_the_daemon_keeps_servin
     assert response.status == status, response.body[:300]
     message = response.json()["error"]
     assert names in message and "\n" not in message, message
-    assert client.infer(np.zeros(FRAME, np.float32)).shape == (1,)
+    assert client.speech_probs(np.zeros(FRAME, np.float32)).shape == (1,)
 
 
 def test_a_long_json_body_decodes_like_the_binary_one(client: Client) -> None:
     samples = np.round(np.random.default_rng(1).standard_normal(100 * FRAME) * 0.1, 5).astype(np.float32)
     response = client.send(infer_call(audio(shape=[1, len(samples)], data=[samples.tolist()])))
     assert response.status == 200, response.body[:300]
-    np.testing.assert_allclose(np.asarray(response.json()["outputs"][0]["data"]), client.infer(samples), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(response.json()["outputs"][0]["data"]), client.speech_probs(samples), atol=1e-6
+    )
 
 
 def test_segment_parameters_at_their_bounds_are_served(client: Client) -> None:
@@ -208,8 +210,10 @@ TARGETS = st.sampled_from(
     [b"/v2/models/silero_vad/infer", b"/", b"", b"v2", b"/v2?x=%ff", bytes(range(256)), b"/" * 20000]
 )
 HEADER_NAMES = [b"content-length", b"Content-Length", b"inference-header-content-length", b"x-request-id", b""]
+HEADER_NAMES += [b"content-encoding"]
 HEADER_VALUES = [b"0", b"4096", b"4097", b"-1", b" 12", b"1e3", b"0x10", b"\xb2", b"\xb9", b"\xbc", b"9" * 5000]
 HEADER_VALUES += [b"", b"\x00", b"\xff" * 20000]
+HEADER_VALUES += [b"gzip", b"deflate", b"identity"]
 METHODS = st.sampled_from(["POST", "GET", "", "P\x00ST", "é" * 9])
 HEADERS = st.sampled_from([(name, value) for name in HEADER_NAMES for value in HEADER_VALUES] + [(b"?", b"?")] * 20)
 HEADER_COUNTS = st.integers(0, 5)

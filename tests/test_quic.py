@@ -238,7 +238,7 @@ def test_mutual_tls_accepts_signed_clients_and_refuses_others_in_the_handshake(s
     address = f"127.0.0.1:{daemon.quic_port}"
     with Client(quic=address, cafile=daemon.cafile, certificate=(cert, key), timeout=20) as good:
         assert good.health()["ready"]
-        assert good.infer(np.zeros(1024, np.float32)).shape == (2,)
+        assert good.speech_probs(np.zeros(1024, np.float32)).shape == (2,)
     for certificate in (None, (rogue_cert, rogue_key)):
         with pytest.raises((ConnectionError, TimeoutError)):
             with Client(quic=address, cafile=daemon.cafile, certificate=certificate, timeout=20) as refused:

@@ -135,7 +135,7 @@ def test_ready_only_when_serving_with_status_on_the_handed_socket(activate) -> N
         assert client.health()["ready"]  # this first connection launched the daemon and waited in the backlog
     d.notify.wait_for("READY=1")
     with d.client() as client:  # the moment READY arrived, an inference answers
-        assert client.infer(noise(2)).shape == (2,)
+        assert client.speech_probs(noise(2)).shape == (2,)
     log = d.log.read_text()
     assert log.index("warmed up") < log.index("ready: serving") and "(socket from systemd)" in log
     assert any("firmware voice-vad 1.0.0, engine onnxruntime-cpu" in s for s in d.notify.statuses())
@@ -174,7 +174,7 @@ def test_sigterm_during_16_in_flight_requests_completes_all_of_them(activate) ->
             c.health()
             sent.wait()
             try:
-                results[i] = c.infer(noise(600 + i)).shape  # ~20 s of audio each
+                results[i] = c.speech_probs(noise(600 + i)).shape  # ~20 s of audio each
             except Exception as exc:  # noqa: BLE001 - recorded and asserted below
                 results[i] = exc
 
@@ -196,8 +196,8 @@ def test_sighup_applies_a_changed_setting_on_open_connections(activate) -> None:
     client = d.client()
     client.health()
     d.notify.wait_for("READY=1")
-    client.infer(noise(1), sequence_id=1, start=True)
-    client.infer(noise(1), sequence_id=2, start=True)
+    client.speech_probs(noise(1), sequence_id=1, start=True)
+    client.speech_probs(noise(1), sequence_id=2, start=True)
     connection = client.transport._sock
     d.config.write_text(
         d.config.read_text()
@@ -208,11 +208,11 @@ def test_sighup_applies_a_changed_setting_on_open_connections(activate) -> None:
     d.proc.send_signal(signal.SIGHUP)
     d.notify.wait_for("RELOADING=1", after=hup_at)
     d.notify.wait_for("READY=1", after=hup_at)
-    client.infer(noise(1), sequence_id=2, end=True)  # the open sequence carries on
-    client.infer(noise(1), sequence_id=1, end=True)
-    client.infer(noise(1), sequence_id=3, start=True)
+    client.speech_probs(noise(1), sequence_id=2, end=True)  # the open sequence carries on
+    client.speech_probs(noise(1), sequence_id=1, end=True)
+    client.speech_probs(noise(1), sequence_id=3, start=True)
     with pytest.raises(ClientError) as err:
-        client.infer(noise(1), sequence_id=4, start=True)
+        client.speech_probs(noise(1), sequence_id=4, start=True)
     assert err.value.status == 429 and "(1 live sequences)" in err.value.message
     assert client.transport._sock is connection, "the reload dropped the connection"
     assert any("needs restart for server.socket_mode" in s for s in d.notify.statuses())

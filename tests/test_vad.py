@@ -34,7 +34,7 @@ def stream(client: Client, audio: np.ndarray, sequence_id: int) -> np.ndarray:
     chunks = [audio[i : i + CHUNK] for i in range(0, len(audio), CHUNK)]
     return np.concatenate(
         [
-            client.infer(chunk, sequence_id=sequence_id, start=i == 0, end=i == len(chunks) - 1)
+            client.speech_probs(chunk, sequence_id=sequence_id, start=i == 0, end=i == len(chunks) - 1)
             for i, chunk in enumerate(chunks)
         ]
     )
@@ -57,7 +57,7 @@ def test_silence_has_no_segments(client: Client) -> None:
 def test_streamed_sequence_matches_one_off_call(client: Client, speech) -> None:
     audio, _ = speech
     streamed = stream(client, audio, sequence_id=4242)
-    whole = client.infer(np.concatenate([audio, np.zeros(-len(audio) % CHUNK, np.float32)]))
+    whole = client.speech_probs(np.concatenate([audio, np.zeros(-len(audio) % CHUNK, np.float32)]))
     np.testing.assert_allclose(streamed, whole, atol=1e-4)
 
 
@@ -73,7 +73,9 @@ def test_sixteen_concurrent_streams_get_what_each_gets_alone(daemon, client: Cli
         out = []
         for k in range(0, len(padded), CHUNK):
             out.append(
-                await c.infer(padded[k : k + CHUNK], sequence_id=6000 + i, start=k == 0, end=k + CHUNK >= len(padded))
+                await c.speech_probs(
+                    padded[k : k + CHUNK], sequence_id=6000 + i, start=k == 0, end=k + CHUNK >= len(padded)
+                )
             )
         await c.close()
         return np.concatenate(out)
@@ -165,7 +167,7 @@ def test_sigterm_with_a_wedged_engine_exits_within_the_grace_time(start_daemon, 
 
     def stuck_call() -> None:
         with pytest.raises(OSError), Client(str(daemon.socket), timeout=60) as client:
-            client.infer(np.zeros(64 * FRAME, np.float32))
+            client.speech_probs(np.zeros(64 * FRAME, np.float32))
 
     caller = threading.Thread(target=stuck_call)
     caller.start()

@@ -7,9 +7,13 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     GET  /v2/models                       the models this firmware serves
     GET  /v2/models/{name}[/versions/{v}] model metadata, baked parameters included
     GET  /v2/models/{name}[/versions/{v}]/ready
+    GET  /v2/models/{name}[/versions/{v}]/config     Triton's model configuration, as JSON
+    GET  /v2/models[/{name}[/versions/{v}]]/stats    Triton's statistics extension
     POST /v2/models/{name}[/versions/{v}]/infer      JSON or binary tensors; Triton sequence parameters
     POST /v2/models/{name}[/versions/{v}]/{task}     a route of the model's kind (the VAD's `segments`:
                                           a recording in, speech segments out; see kinds/vad_api.py)
+    POST /v2/repository/index             Triton's model repository index: what this firmware serves
+    POST /v2/repository/models/{name}/load | unload   refused: the signed firmware decides what is served
     GET  /metrics
     GET  /status                          firmware, engines, QUIC peers from the connection cache
 """
@@ -21,18 +25,20 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
+from appliance.api import libretranslate, openai_audio, openai_speech, repository
 from appliance.api import metrics as prometheus
-from appliance.api import openai_audio
+from appliance.api.routes import Route
 from appliance.config import Live
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.kinds.base import SequenceCall, ServedModel
+from appliance.protocol.encoding import accepted_coding, compress
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
 from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
@@ -40,10 +46,16 @@ from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_inf
 log = logging.getLogger("appliance.api")
 OFF_LOOP_BYTES = 1 << 20
 
-EXTENSIONS = ["binary_tensor_data", "sequence", "model_repository_index", "segments", "metrics"]
-
-
-Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
+# Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
+EXTENSIONS = [
+    "binary_tensor_data",
+    "sequence",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "segments",
+    "metrics",
+]
 
 
 class Api:
@@ -54,17 +66,29 @@ class Api:
         self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
         self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
-        self._routes: list[tuple[str, re.Pattern[str], str, Handler]] = [
+        self._routes: list[Route] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
             ("GET", re.compile(r"/v2/health/live"), "live", self._live),
             ("GET", re.compile(r"/v2/health/ready"), "ready", self._ready),
             ("GET", re.compile(r"/v2/models/?"), "models", self._list_models),
+            ("GET", re.compile(r"/v2/models/stats"), "stats", self._stats),
             ("GET", re.compile(model), "model", self._model_metadata),
             ("GET", re.compile(model + "/ready"), "model_ready", self._model_ready),
+            ("GET", re.compile(model + "/config"), "model_config", self._model_config),
+            ("GET", re.compile(model + "/stats"), "stats", self._stats),
             ("POST", re.compile(model + "/infer"), "infer", self._infer),
             ("POST", re.compile(model + r"/(?P<task>[a-z_]+)"), "task", self._task),
+            ("POST", re.compile(r"/v2/repository/index"), "repository_index", self._repository_index),
+            (
+                "POST",
+                re.compile(r"/v2/repository/models/(?P<model>[^/]+)/(?P<action>load|unload)"),
+                "repository_control",
+                self._repository_control,
+            ),
             ("GET", re.compile(r"/metrics"), "metrics", self._metrics),
             ("GET", re.compile(r"/status"), "status", self._status),
+            *openai_speech.routes(models),
+            *libretranslate.routes(models),
             *openai_audio.routes(models),
         ]
 
@@ -92,6 +116,9 @@ class Api:
         except Exception:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
             response = error_response(500, "internal error (logged)")
+        coding = accepted_coding(request.headers.get("accept-encoding", ""))
+        if coding is not None and response.body and response.stream is None:
+            response = await _compressed(response, coding)
         if response.status >= 400:  # the client's mistakes at debug level; ours are errors
             log.log(
                 logging.ERROR if response.status >= 500 else logging.DEBUG,
@@ -183,8 +210,22 @@ class Api:
             return error_response(503, f"model {model.name} is not ready")
         return json_response(200, {"name": model.name, "ready": True})
 
+    async def _model_config(self, request: Request, params: dict[str, str]) -> Response:
+        return json_response(200, self._model(params).config())
+
+    async def _stats(self, request: Request, params: dict[str, str]) -> Response:
+        """Triton's statistics of one model, or of every model when the path names none."""
+        models = [self._model(params)] if "model" in params else list(self.models.values())
+        return json_response(200, {"model_stats": [m.stats.document(m.name, self.manifest.version) for m in models]})
+
+    async def _repository_index(self, request: Request, params: dict[str, str]) -> Response:
+        return json_response(200, repository.index(request.body, list(self.models), self.manifest.version, self.ready))
+
+    async def _repository_control(self, request: Request, params: dict[str, str]) -> Response:
+        raise repository.refusal(params["action"], params["model"], self.manifest, list(self.models))
+
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
-        text = prometheus.render(self.metrics, self.models.values(), self.peer_table)
+        text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version)
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:
@@ -254,6 +295,16 @@ class Api:
                 f"{''.join(', ' + t for t in model.tasks)})"
             )
         return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
+
+
+async def _compressed(response: Response, coding: str) -> Response:
+    """The response in the coding the client accepts (streamed bodies go as they are)."""
+    if len(response.body) > OFF_LOOP_BYTES:
+        body = await asyncio.to_thread(compress, response.body, coding)
+    else:
+        body = compress(response.body, coding)
+    headers = [*response.headers, ("Content-Encoding", coding)]
+    return dataclasses.replace(response, body=body, headers=headers)
 
 
 SEQUENCE_IDS = (-(2**63), 2**64 - 1)  # an integer sequence id is in the int64 or the uint64 range

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from appliance.kinds.base import ServedModel
 from appliance.protocol.peers import PeerTable
@@ -71,8 +71,11 @@ class Metrics:
         return sum(self.requests.values())
 
 
-def render(metrics: Metrics, models: Iterable[ServedModel], conncache: PeerTable | None = None) -> str:
-    """Text format 0.0.4."""
+def render(
+    metrics: Metrics, models: Iterable[ServedModel], conncache: PeerTable | None = None, version: str = ""
+) -> str:
+    """Text format 0.0.4; `version`: the firmware's, each model's version label."""
+    models = list(models)  # read once per section
     out = [
         "# HELP appliance_requests_total API requests by endpoint and HTTP status.",
         "# TYPE appliance_requests_total counter",
@@ -127,9 +130,49 @@ def render(metrics: Metrics, models: Iterable[ServedModel], conncache: PeerTable
         ]
     for lines in sections.values():
         out += lines
+    out += _triton_lines(models, version)
     if conncache is not None:
         out += _conncache_lines(conncache)
     return "\n".join(out) + "\n"
+
+
+# Triton's per-model metrics (docs/user_guide/metrics.md), same names, types and labels, so a dashboard
+# made for Triton reads these as they are: (name, type, help, value of a model's stats in whole units).
+TRITON_METRICS: tuple[tuple[str, str, str, Callable[[ServedModel], int]], ...] = (
+    ("nv_inference_request_success", "counter", "Number of successful inference requests, all batch sizes",
+     lambda m: m.stats.success.count),
+    ("nv_inference_request_failure", "counter", "Number of failed inference requests, all batch sizes",
+     lambda m: m.stats.fail.count),
+    ("nv_inference_count", "counter", "Number of inferences performed (does not include cached requests)",
+     lambda m: m.stats.inference_count),
+    ("nv_inference_exec_count", "counter", "Number of model executions performed (does not include cached requests)",
+     lambda m: m.stats.execution_count),
+    ("nv_inference_request_duration_us", "counter",
+     "Cumulative inference request duration in microseconds (includes cached requests)",
+     lambda m: m.stats.success.ns // 1000),
+    ("nv_inference_queue_duration_us", "counter",
+     "Cumulative inference queuing duration in microseconds (includes cached requests)",
+     lambda m: m.stats.queue.ns // 1000),
+    ("nv_inference_compute_input_duration_us", "counter",
+     "Cumulative compute input duration in microseconds (does not include cached requests)",
+     lambda m: m.stats.compute_input.ns // 1000),
+    ("nv_inference_compute_infer_duration_us", "counter",
+     "Cumulative compute inference duration in microseconds (does not include cached requests)",
+     lambda m: m.stats.compute_infer.ns // 1000),
+    ("nv_inference_compute_output_duration_us", "counter",
+     "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+     lambda m: m.stats.compute_output.ns // 1000),
+    ("nv_inference_pending_request_count", "gauge", "Instantaneous number of pending requests awaiting execution per-model.",
+     lambda m: m.queue_depth),
+)  # fmt: skip
+
+
+def _triton_lines(models: Iterable[ServedModel], version: str) -> list[str]:
+    out = []
+    for name, kind, help_text, value in TRITON_METRICS:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        out += [f'{name}{{model="{m.name}",version="{version}"}} {value(m)}' for m in models]
+    return out
 
 
 def _conncache_lines(cache: PeerTable) -> list[str]:

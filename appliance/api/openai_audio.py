@@ -19,12 +19,13 @@ from python_multipart import FormParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
+from appliance.api.bodies import openai_errors
 from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import ServedModel
 from appliance.kinds.speech_api import FORMATS, Options, Segment, decode_recording, render
 from appliance.kinds.speech_to_text import SpeechToText
-from appliance.protocol.messages import Request, Response, json_response
+from appliance.protocol.messages import Request, Response
 
 FIELDS = {
     "file",
@@ -54,15 +55,6 @@ def routes(models: dict[str, ServedModel]) -> list[tuple[str, re.Pattern[str], s
         ("POST", re.compile(r"/v1/audio/transcriptions"), "openai_transcriptions", transcriptions),
         ("POST", re.compile(r"/v1/audio/translations"), "openai_translations", translations),
     ]
-
-
-async def openai_errors(answering: Awaitable[Response]) -> Response:
-    """An error in OpenAI's shape, {"error": {"message", "type"}}, so its clients show the message."""
-    try:
-        return await answering
-    except ApiError as exc:
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return json_response(exc.status, {"error": {"message": exc.message, "type": kind, "code": None}})
 
 
 def parse_form(request: Request) -> tuple[dict[str, str], bytes]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -20,19 +21,22 @@ def free_udp_port() -> int:
 
 
 class DaemonProcess:
-    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "", engine: str = "") -> None:
+    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "") -> None:
+        """`conncache`: lines of its [conncache] table, then any tables of its own ([engine] ...)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "api.sock"
         self.cert, key = workdir / "cert.pem", workdir / "key.pem"
         init_self_signed(self.cert, key, [])
         self.quic = f"127.0.0.1:{free_udp_port()}"
+        if "pin_dir" not in conncache:  # its own: a daemon already serving here (make run) holds the default
+            conncache = f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}-{workdir.name}"\n{conncache}'
         config = workdir / "bench.toml"
         config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\n'
             f"[quic]\nenabled = true\nport = {self.quic.split(':')[1]}\n"
             f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
             f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
-            f'[log]\nlevel = "warning"\n[conncache]\n{conncache}[engine]\n{engine}'
+            f'[log]\nlevel = "warning"\n[conncache]\n{conncache}'
         )
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "run", "--config", str(config)])
         deadline = time.monotonic() + 120  # the voice firmware loads three models

@@ -18,8 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from appliance import keys
 from appliance.bench.daemon import DaemonProcess
-from appliance.client import Call, Client
-from appliance.client.http import checked, decode_response, encode_request
+from appliance.client import Client
 from appliance.engine.onnx_cpu import session
 from appliance.firmware import build
 
@@ -64,11 +63,7 @@ def mlp_graph(path: Path) -> Path:
 
 
 def infer_row(client: Client, row: np.ndarray) -> np.ndarray:
-    body, header_length = encode_request({"x": row}, {}, True)
-    headers = (("inference-header-content-length", str(header_length)),)
-    response = checked(client.send(Call("POST", "/v2/models/mlp/infer", body, headers)))
-    length = response.headers.get("inference-header-content-length")
-    return decode_response(response.body, int(length) if length else None)["y"]
+    return client.infer("mlp", {"x": row})["y"]
 
 
 def requests_per_s(socket_path: Path, row: np.ndarray, seconds: float) -> float:
@@ -113,17 +108,13 @@ def generic_batching(seconds: float) -> dict[str, Any]:
             spec.write_text(SPEC.format(max_batch=max_batch))
             build.build(spec, work / "bench.key", work / label)
         raw = session(work / "mlp.onnx", 1)
-        daemons = {
-            # QUIC's connection cache plays no part here: the user-space one, pinned nowhere shared
-            label: DaemonProcess(
-                work / label,
-                work / "trusted",
-                work / f"d-{label}",
-                f'backend = "user"\npin_dir = "{work}/pins-{label}"\n',
-            )
-            for label in ("batching", "no_batching")
-        }
+        daemons: dict[str, DaemonProcess] = {}
         try:
+            for label in ("batching", "no_batching"):
+                # QUIC's connection cache plays no part here: the user-space one
+                daemons[label] = DaemonProcess(
+                    work / label, work / "trusted", work / f"d-{label}", 'backend = "user"\n'
+                )
             with Client(str(daemons["batching"].socket)) as c:
                 expected = raw.run(None, {"x": row})[0]
                 assert np.allclose(infer_row(c, row), expected, atol=1e-4), "the daemon's answer is not the graph's"

@@ -86,14 +86,14 @@ def test_audio(seconds: float, rate: int) -> np.ndarray:
 async def concurrent_streams(socket_path: str, streams: int, chunk: np.ndarray, seconds: float) -> tuple[int, float]:
     clients = [AsyncClient(socket_path) for _ in range(streams)]
     for i, c in enumerate(clients):
-        await c.infer(chunk, sequence_id=10_000 + i, start=True)
+        await c.speech_probs(chunk, sequence_id=10_000 + i, start=True)
     frames, deadline = 0, time.perf_counter() + seconds
     frames_per_chunk = len(chunk) // 512
 
     async def run(i: int) -> int:
         n = 0
         while time.perf_counter() < deadline:
-            await clients[i].infer(chunk, sequence_id=10_000 + i)
+            await clients[i].speech_probs(chunk, sequence_id=10_000 + i)
             n += frames_per_chunk
         return n
 
@@ -101,7 +101,7 @@ async def concurrent_streams(socket_path: str, streams: int, chunk: np.ndarray, 
     counts = await asyncio.gather(*(run(i) for i in range(streams)))
     elapsed = time.perf_counter() - started
     for i, c in enumerate(clients):
-        await c.infer(chunk[:512], sequence_id=10_000 + i, end=True)
+        await c.speech_probs(chunk[:512], sequence_id=10_000 + i, end=True)
         await c.close()
     frames = sum(counts)
     return frames, elapsed
@@ -186,14 +186,14 @@ def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame
 
     latencies = []
     with Client(socket_path) as live:
-        live.infer(frame, sequence_id="live-during-recording", start=True)
+        live.speech_probs(frame, sequence_id="live-during-recording", start=True)
         threading.Thread(target=segment, daemon=True).start()
         while not finished.is_set():
             t = time.perf_counter()
-            live.infer(frame, sequence_id="live-during-recording")
+            live.speech_probs(frame, sequence_id="live-during-recording")
             latencies.append(time.perf_counter() - t)
             time.sleep(max(0.0, frame_s - latencies[-1]))
-        live.infer(frame, sequence_id="live-during-recording", end=True)
+        live.speech_probs(frame, sequence_id="live-during-recording", end=True)
     ms = np.asarray(latencies) * 1e3
     return {
         "p99_ms": round(float(np.percentile(ms, 99)), 1),

@@ -16,32 +16,6 @@ TARGETS = {
 
 def report(r: dict[str, Any]) -> list[str]:
     """The lines `appliance bench` prints for the figures of run.run."""
-    if "raw_one_frame" not in r:  # --only speech
-        return [f"appliance bench: {r['firmware']}", *speech_lines(r["speech"])]
-    return vad_lines(r) + speech_lines(r.get("speech"))
-
-
-def speech_lines(s: dict[str, Any] | None) -> list[str]:
-    """Speech to text against faster-whisper (bench/speech.py), each against the issue's target."""
-    if s is None:
-        return ["  speech to text: the bundle has no speech_to_text model (build firmware/voice.toml)"]
-    mark = {True: "ok", False: "MISSED"}
-    rec, many, live = s["recording_60s"], s["clients8_10s"], s["live"]
-    p50 = live["p50_ms"]
-    return [
-        f"  speech to text: {s['model']}, {s['compute_type']}, {s['threads']} threads, against faster-whisper on the same model",
-        f"    60 s recording: daemon {rec['daemon_s']} s, BatchedInferencePipeline {rec['batched_pipeline_s']} s = "
-        f"{rec['speedup']}x   target >= 1.2x   {mark[rec['speedup'] >= 1.2]}   (texts differ by WER {rec['text_difference_wer']})",
-        f"    8 clients x 10 s at once: daemon {many['daemon_s']} s, WhisperModel.transcribe in turn "
-        f"{many['transcribe_in_turn_s']} s = {many['speedup']}x   target >= 2x   {mark[many['speedup'] >= 2]}",
-        f"    live stream: final text {p50} ms (p50, max {live['max_ms']} ms, {live['segments']} segments) after the "
-        f"sentence ended   target <= 500 ms   {mark[p50 is not None and p50 <= 500]}",
-        f"    resident memory, VAD + both Whisper models: {s['rss_mib']} MiB   target <= 1024 MiB   "
-        f"{mark[s['rss_mib'] <= 1024]}",
-    ]
-
-
-def vad_lines(r: dict[str, Any]) -> list[str]:
     ok = {
         "overhead_us": r["overhead_us"] <= TARGETS["overhead_us"],
         "streams16_ratio": r["streams16_ratio"] >= TARGETS["streams16_ratio"],

@@ -28,20 +28,12 @@ from appliance.bench.measure import (
     test_audio,
     timed,
 )
-from appliance.bench.speech import speech_bench
 from appliance.client import Client
-from appliance.config import EngineConfig
 
 
-def run(bundle_dir: Path, trusted_keys: Path, seconds: float, only: str = "all") -> dict[str, Any]:
-    """Every figure, with `seconds` per measurement; speech to text where the bundle has Whisper."""
+def run(bundle_dir: Path, trusted_keys: Path, seconds: float) -> dict[str, Any]:
+    """Every figure, with `seconds` per measurement."""
     bundle = firmware.verify(bundle_dir, trusted_keys)
-    speech: dict[str, Any] | None = None
-    if any(m.kind == "speech_to_text" for m in bundle.manifest.models):
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            speech = speech_bench(bundle_dir, trusted_keys, Path(tmp), EngineConfig().threads)
-    if only == "speech":
-        return {"firmware": f"{bundle.manifest.name} {bundle.manifest.version}", "speech": speech}
     spec = next(m for m in bundle.manifest.models if m.kind == "vad")
     raw = RawVad(bundle.artifact(spec.file), spec)
     frame_samples, rate = spec.vad_audio.frame_samples, spec.vad_audio.sample_rate
@@ -55,15 +47,15 @@ def run(bundle_dir: Path, trusted_keys: Path, seconds: float, only: str = "all")
         daemon = DaemonProcess(bundle_dir, trusted_keys, Path(tmp))
         try:
             client = Client(str(daemon.socket))
-            client.infer(frame, sequence_id=1, start=True)
+            client.speech_probs(frame, sequence_id=1, start=True)
             # 1. one stream, one frame per request: raw and daemon in alternating rounds
             polling = Client(str(daemon.socket), busy_poll_s=0.005)
             raw_times, daemon_times, polled_times = [], [], []
             for _ in range(4):
                 raw_times += timed(lambda: raw(frame), seconds / 4)
-                daemon_times += timed(lambda: client.infer(frame, sequence_id=1), seconds / 4)
-                polled_times += timed(lambda: polling.infer(frame, sequence_id=1), seconds / 4)
-            polling.infer(frame, sequence_id=1, end=True)  # an open sequence would hold the daemon's stop
+                daemon_times += timed(lambda: client.speech_probs(frame, sequence_id=1), seconds / 4)
+                polled_times += timed(lambda: polling.speech_probs(frame, sequence_id=1), seconds / 4)
+            polling.speech_probs(frame, sequence_id=1, end=True)  # an open sequence would hold the daemon's stop
             polling.close()
             results["raw_one_frame"] = stats_us(raw_times)
             results["daemon_one_frame"] = stats_us(daemon_times)
@@ -92,7 +84,7 @@ def run(bundle_dir: Path, trusted_keys: Path, seconds: float, only: str = "all")
                 raw(f)
             sequential = time.perf_counter() - t
             t = time.perf_counter()
-            client.infer(audio)
+            client.speech_probs(audio)
             sharded = time.perf_counter() - t
             results["recording_600s"] = {"one_sequence_s": round(sequential, 3), "daemon_sharded_s": round(sharded, 3)}
             results["recording_ratio"] = round(sequential / sharded, 2)
@@ -110,5 +102,4 @@ def run(bundle_dir: Path, trusted_keys: Path, seconds: float, only: str = "all")
             daemon.stop()
         results["conncache"] = connection_cache(bundle_dir, trusted_keys, Path(tmp) / "conncache", frame, seconds)
     results["generic"] = generic_batching(seconds)
-    results["speech"] = speech
     return results

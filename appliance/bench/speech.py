@@ -1,146 +1,247 @@
-"""Speech to text against faster-whisper, side by side in one run, on the same CTranslate2 model (the
-bundle's Whisper tiny.en directory), compute type (int8) and thread count, on espeak-ng speech:
-one 60 s recording (the daemon vs BatchedInferencePipeline), 8 clients of a 10 s clip at once (vs
-WhisperModel.transcribe on each clip in turn), a live stream's final-text latency, and the daemon's
-resident memory with the VAD and both Whisper models loaded.
+"""Speech out and text translation, the daemon against the same models called directly one request at a
+time: the voice graph on plain ONNX Runtime (default session options, as Piper loads a voice) and
+fxtranslate's Translator (translate_long, its own way to take a text of many sentences).
 
-faster-whisper and jiwer are the bench's (dev) dependencies; the daemon never imports them."""
+    speech       8 concurrent requests of a 3-sentence paragraph: requests/s against the peer's
+    first audio  a 5-sentence paragraph, streamed as PCM: time to the first audio bytes (median of 5)
+    translation  8 clients with 10 sentences each: sentences/s against the peer's
+    pipeline     an English recording streamed live in real time (256 ms chunks) through the speech
+                 pipeline: from the end of each spoken sentence to its first translated audio (p50)
+"""
 
 from __future__ import annotations
 
-import re
+import asyncio
+import io
+import os
 import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fxtranslate
 import numpy as np
+import onnxruntime as ort
+import soundfile
+import soxr
 
-from appliance.audio import decode_audio, encode_wav
+from appliance import firmware
 from appliance.bench.daemon import DaemonProcess
 from appliance.client import Client
+from appliance.kinds.phonemes import Voice, phonemize
+from appliance.kinds.text import clauses, grouped_by_sentence
 
-RATE, CHUNK = 16000, 4096  # 256 ms live chunks
-MODEL = "whisper_tiny_en"
+PARAGRAPH = (
+    "The weather will be sunny tomorrow morning. We visited the museum last weekend and saw many paintings. "
+    "Please turn off the lights when you leave the room."
+)
+FIVE = PARAGRAPH + " The meeting has been moved to Thursday afternoon. She reads a book every night."
 SENTENCES = [
-    "Please call me back when you get home tonight.",
-    "I would like to order a cup of coffee and a sandwich.",
-    "Turn off the lights in the kitchen please.",
-    "We are going to the beach this weekend.",
-    "Where is the nearest pharmacy?",
-    "Dinner is ready, please wash your hands.",
-    "The children are playing football in the park.",
-    "I forgot my umbrella at the office.",
+    "The children were playing happily in the garden.",
+    "Where is the nearest train station?",
+    "I would like to order a cup of coffee and a sandwich, please.",
+    "My brother works as a doctor in a small hospital.",
+    "Can you help me find my luggage?",
+    "The meeting has been moved to Thursday afternoon.",
+    "She reads a book every night before going to sleep.",
+    "We need to buy bread, milk and eggs for breakfast.",
+    "The museum opens at nine o'clock on weekdays.",
+    "It is going to rain later this evening.",
 ]
+CLIENTS = 8
+LIVE_CHUNK = 4096  # 256 ms at 16 kHz
+ROUNDS = 3  # of each measurement, the peer's and the daemon's alternating; the best of each counts
+TARGETS = {"speech_ratio": 2.0, "first_audio_ms": 300.0, "translation_ratio": 2.0}
 
 
-def spoken(text: str) -> np.ndarray:
-    """espeak-ng speech at 16 kHz, trimmed to where the voice is (so a sentence's end is known)."""
-    samples = decode_audio(
-        subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout, RATE
+def timed_once(work: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    work()
+    return time.perf_counter() - t0
+
+
+def concurrently(count: int, work: Callable[[int], object]) -> float:
+    """Seconds for `count` threads to each do `work(i)`, started together."""
+    start = threading.Barrier(count + 1)
+
+    def run(i: int) -> None:
+        start.wait()
+        work(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def speech(bundle: firmware.Bundle, socket: str, model: firmware.ModelSpec) -> dict[str, Any]:
+    params = model.parameters
+    voice = Voice.from_config(bundle.artifact(f"{model.file}/{params['config']}"))
+    peer = ort.InferenceSession(
+        str(bundle.artifact(f"{model.file}/{params['graph']}")), providers=["CPUExecutionProvider"]
     )
-    loud = np.flatnonzero(np.abs(samples) > 0.01)
-    return samples[loud[0] : loud[-1] + 1]
+    phonemes = asyncio.run(phonemize(clauses(PARAGRAPH), voice.espeak_voice))
+    ids = [
+        voice.ids([x for p in s for x in p.phonemes]) for s in grouped_by_sentence(phonemes, lambda p: p.ends_sentence)
+    ]
+    scales = np.array([voice.noise_scale, voice.length_scale, voice.noise_w], np.float32)
+
+    def peer_sentence(sentence: list[int]) -> None:
+        feeds = {"input": np.array([sentence], np.int64), "input_lengths": np.array([len(sentence)], np.int64)}
+        peer.run(["output"], {**feeds, "scales": scales})
+
+    def peer_requests(count: int) -> None:
+        for _ in range(count):
+            for sentence in ids:
+                peer_sentence(sentence)
+
+    clients = [Client(socket, timeout=300) for _ in range(CLIENTS)]
+    voice_name = str(params["voice"])
+
+    def daemon_first() -> float:
+        t0 = time.perf_counter()
+        pieces = clients[0].stream_speech(FIVE, voice=voice_name, response_format="pcm")
+        next(iter(pieces))
+        took = time.perf_counter() - t0
+        for _ in pieces:
+            pass
+        return took
+
+    peer_requests(1)
+    clients[0].speech(PARAGRAPH, voice=voice_name, response_format="pcm")
+    peer_s: list[float] = []
+    daemon_s: list[float] = []
+    peer_first: list[float] = []
+    first: list[float] = []
+    for _ in range(ROUNDS):  # alternating, so a busy moment of this machine hits both alike
+        peer_s.append(timed_once(lambda: peer_requests(CLIENTS)))
+        daemon_s.append(
+            concurrently(CLIENTS, lambda i: clients[i].speech(PARAGRAPH, voice=voice_name, response_format="pcm"))
+        )
+        peer_first.append(timed_once(lambda: peer_sentence(ids[0])))  # the floor: that sentence alone
+        first.append(daemon_first())
+    for c in clients:
+        c.close()
+    return {
+        "peer_requests_per_s": round(CLIENTS / min(peer_s), 2),
+        "daemon_requests_per_s": round(CLIENTS / min(daemon_s), 2),
+        "speech_ratio": round(min(peer_s) / min(daemon_s), 2),
+        "first_audio_ms": round(statistics.median(first) * 1000, 1),
+        "peer_first_sentence_ms": round(statistics.median(peer_first) * 1000, 1),
+    }
 
 
-def speech(seconds: float, first: int = 0, gap_s: float = 1.0) -> tuple[np.ndarray, list[float]]:
-    """Sentences in turn with pauses, `seconds` long; and where each sentence ends (seconds)."""
-    parts, ends, position, i = [np.zeros(int(0.5 * RATE), np.float32)], [], int(0.5 * RATE), first
-    while position < seconds * RATE:
-        voice = spoken(SENTENCES[i % len(SENTENCES)])
+def translation(bundle: firmware.Bundle, socket: str, model: firmware.ModelSpec) -> dict[str, Any]:
+    params = model.parameters
+    file = lambda key: bundle.artifact(f"{model.file}/{params[key]}").read_bytes()  # noqa: E731
+    peer = fxtranslate.Translator(
+        file("model"), file("source_vocab"), file("target_vocab"), file("shortlist") if params["shortlist"] else None
+    )
+    texts = [" ".join(SENTENCES[(i + k) % len(SENTENCES)] for k in range(len(SENTENCES))) for i in range(CLIENTS)]
+    clients = [Client(socket, timeout=300) for _ in range(CLIENTS)]
+    source, target = str(params["source"]), str(params["target"])
+    peer.translate_long(texts[0])
+    clients[0].translate(texts[0], source, target)
+    peer_s: list[float] = []
+    daemon_s: list[float] = []
+    for _ in range(ROUNDS):  # alternating, as for speech
+        peer_s.append(timed_once(lambda: [peer.translate_long(text) for text in texts]))
+        daemon_s.append(concurrently(CLIENTS, lambda i: clients[i].translate(texts[i], source, target)))
+    for c in clients:
+        c.close()
+    sentences = CLIENTS * len(SENTENCES)
+    return {
+        "peer_sentences_per_s": round(sentences / min(peer_s), 1),
+        "daemon_sentences_per_s": round(sentences / min(daemon_s), 1),
+        "translation_ratio": round(min(peer_s) / min(daemon_s), 2),
+    }
+
+
+def spoken(sentences: list[str], rate: int = 16000) -> tuple[np.ndarray, list[int]]:
+    """espeak-ng speech at `rate` with a second of silence after each sentence; where each one ends."""
+    parts, ends, position = [np.zeros(rate // 2, np.float32)], [], rate // 2
+    for text in sentences:
+        raw = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+        voice, source_rate = soundfile.read(io.BytesIO(raw), dtype="float32")
+        voice = soxr.resample(voice, source_rate, rate).astype(np.float32)
+        parts += [voice, np.zeros(rate, np.float32)]
         position += len(voice)
-        ends.append(position / RATE)
-        parts += [voice, np.zeros(int(gap_s * RATE), np.float32)]
-        position += int(gap_s * RATE)
-        i += 1
-    return np.concatenate(parts)[: int(seconds * RATE)], [e for e in ends if e < seconds]
+        ends.append(position)
+        position += rate
+    audio = np.concatenate(parts)
+    return np.concatenate([audio, np.zeros(-len(audio) % LIVE_CHUNK, np.float32)]), ends
 
 
-def words(text: str) -> str:
-    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
+def pipeline(socket: str, model: firmware.ModelSpec) -> dict[str, Any]:
+    audio, ends = spoken(SENTENCES[:4])
+    latencies: list[float] = []
+    with Client(socket, timeout=300) as client:
+        chunks = range(0, len(audio), LIVE_CHUNK)
+        t0 = time.perf_counter()
+        for i, at in enumerate(chunks):
+            time.sleep(max(0.0, t0 + at / 16000 - time.perf_counter()))  # in real time, as a microphone sends
+            end = at + LIVE_CHUNK >= len(audio)
+            out = client.infer(
+                model.name, {"audio": audio[at : at + LIVE_CHUNK]}, sequence_id="bench", start=i == 0, end=end
+            )
+            if len(out["audio"]) and len(latencies) < len(ends):
+                latencies.append(time.perf_counter() - (t0 + ends[len(latencies)] / 16000))
+    return {
+        "sentences": len(ends),
+        "answered": len(latencies),
+        "end_to_audio_p50_ms": round(statistics.median(latencies) * 1000, 1) if latencies else None,
+    }
 
 
-def speech_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, threads: int) -> dict[str, Any]:
-    import jiwer
-    from faster_whisper import BatchedInferencePipeline, WhisperModel
-
-    peer = WhisperModel(str(bundle_dir / "models" / MODEL), device="cpu", compute_type="int8", cpu_threads=threads)
-    batched = BatchedInferencePipeline(peer)
-    recording, _ = speech(60)
-    clips = [speech(10, first=i)[0] for i in range(8)]
-    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, engine=f"threads = {threads}\n")
-    results: dict[str, Any] = {"model": MODEL, "threads": threads, "compute_type": "int8"}
+def run(bundle_dir: Path, trusted_keys: Path, workdir: Path) -> dict[str, Any]:
+    """The figures for the firmware's first speech model and first translation model, where it has them."""
+    bundle = firmware.verify(bundle_dir, trusted_keys)
+    by_kind = {m.kind: m for m in reversed(bundle.manifest.models)}
+    threads = os.cpu_count() or 1  # the engine's threads: every core, as the peer's ONNX Runtime takes them
+    results: dict[str, Any] = {"engine_threads": threads}
+    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f"[engine]\nthreads = {threads}\n")
     try:
-        client = Client(str(daemon.socket), timeout=600)
-        wav = encode_wav(recording, RATE)
-        client.transcribe(encode_wav(clips[0], RATE), MODEL)  # warm both once
-        list(batched.transcribe(clips[0], language="en")[0])
-        # 1. one 60 s recording: alternate, best of 3 each
-        ours, theirs, our_text, their_text = [], [], "", ""
-        for _ in range(3):
-            t = time.perf_counter()
-            our_text = client.transcribe(wav, MODEL, response_format="text").body.decode()
-            ours.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            their_text = " ".join(s.text for s in batched.transcribe(recording, language="en", batch_size=8)[0])
-            theirs.append(time.perf_counter() - t)
-        results["recording_60s"] = {
-            "daemon_s": round(min(ours), 3),
-            "batched_pipeline_s": round(min(theirs), 3),
-            "speedup": round(min(theirs) / min(ours), 2),
-            "text_difference_wer": round(float(jiwer.wer(words(their_text), words(our_text))), 3),
-        }
-        # 2. eight clients with a 10 s clip each, at once; the peer transcribes them one after another
-        barrier, answers = threading.Barrier(9), [0.0] * 8
-
-        def ask(i: int) -> None:
-            with Client(str(daemon.socket), timeout=600) as own:
-                barrier.wait()
-                own.transcribe(encode_wav(clips[i], RATE), MODEL)
-                answers[i] = time.perf_counter()
-
-        threads_ = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-        for th in threads_:
-            th.start()
-        barrier.wait()
-        t = time.perf_counter()
-        for th in threads_:
-            th.join()
-        together = max(answers) - t
-        t = time.perf_counter()
-        for clip in clips:
-            list(peer.transcribe(clip, language="en")[0])
-        in_turn = time.perf_counter() - t
-        results["clients8_10s"] = {
-            "daemon_s": round(together, 3),
-            "transcribe_in_turn_s": round(in_turn, 3),
-            "speedup": round(in_turn / together, 2),
-        }
-        # 3. a live stream in real time: when each sentence's final text arrives after the sentence ended
-        results["live"] = live_latency(client, *speech(40))
-        results["rss_mib"] = round(daemon.rss_mib(), 1)
-        client.close()
+        if "speech_synthesis" in by_kind:
+            results["speech"] = speech(bundle, str(daemon.socket), by_kind["speech_synthesis"])
+        if "text_translation" in by_kind:
+            results["translation"] = translation(bundle, str(daemon.socket), by_kind["text_translation"])
+        if "speech_pipeline" in by_kind:
+            results["pipeline"] = pipeline(str(daemon.socket), by_kind["speech_pipeline"])
     finally:
         daemon.stop()
     return results
 
 
-def live_latency(client: Client, samples: np.ndarray, ends: list[float]) -> dict[str, Any]:
-    samples = np.pad(samples, (0, -len(samples) % CHUNK))
-    count, started = len(samples) // CHUNK, time.monotonic()
-    delays: list[float] = []
-    for i in range(count):
-        sent = started + (i + 1) * CHUNK / RATE  # the chunk is sent once it has been "heard"
-        time.sleep(max(0.0, sent - time.monotonic()))
-        out = client.live(samples[i * CHUNK : (i + 1) * CHUNK], MODEL, 77, start=i == 0, end=i == count - 1)
-        arrived = time.monotonic() - started
-        for end in out["end"]:  # a final segment: how long after the sentence it closes had ended
-            spoken_end = min(ends, key=lambda e: abs(e - float(end)))
-            delays.append(arrived - spoken_end)
-    return {
-        "segments": len(delays),
-        "p50_ms": round(statistics.median(delays) * 1000) if delays else None,
-        "max_ms": round(max(delays) * 1000) if delays else None,
-    }
+def report(r: dict[str, Any]) -> list[str]:
+    mark = {True: "ok", False: "MISSED"}
+    lines = []
+    if s := r.get("speech"):
+        lines.append(
+            f"  speech, {CLIENTS} concurrent 3-sentence requests  {s['daemon_requests_per_s']} req/s vs the voice on "
+            f"ONNX Runtime one at a time {s['peer_requests_per_s']} req/s = {s['speech_ratio']}x   "
+            f"target >= {TARGETS['speech_ratio']}x   {mark[s['speech_ratio'] >= TARGETS['speech_ratio']]}"
+        )
+        lines.append(
+            f"  speech, first audio of a 5-sentence paragraph  median {s['first_audio_ms']} ms   "
+            f"target <= {TARGETS['first_audio_ms']:.0f} ms   {mark[s['first_audio_ms'] <= TARGETS['first_audio_ms']]} "
+            f"(its first sentence alone on the peer: {s['peer_first_sentence_ms']} ms)"
+        )
+    if t := r.get("translation"):
+        lines.append(
+            f"  translation, {CLIENTS} clients x 10 sentences  {t['daemon_sentences_per_s']} sentences/s vs fxtranslate "
+            f"one request at a time {t['peer_sentences_per_s']} = {t['translation_ratio']}x   "
+            f"target >= {TARGETS['translation_ratio']}x   {mark[t['translation_ratio'] >= TARGETS['translation_ratio']]}"
+        )
+    if p := r.get("pipeline"):
+        lines.append(
+            f"  pipeline, live in real time: end of a spoken sentence to its first translated audio  p50 "
+            f"{p['end_to_audio_p50_ms']} ms ({p['answered']} of {p['sentences']} sentences answered)"
+        )
+    return lines

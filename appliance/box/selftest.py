@@ -23,7 +23,7 @@ def selftest(socket_path: str, timeout_s: float = 180.0, box: Box = Box()) -> st
             with Client(socket_path, timeout=30.0) as client:
                 if client.health()["ready"]:
                     seconds = np.arange(16000, dtype=np.float32) / 16000
-                    probs = client.infer((0.3 * np.sin(2 * np.pi * 220 * seconds)).astype(np.float32))
+                    probs = client.speech_probs((0.3 * np.sin(2 * np.pi * 220 * seconds)).astype(np.float32))
                     frames = -(-16000 // 512)  # the last frame is padded
                     if probs.size != frames or not np.all((probs >= 0) & (probs <= 1)):
                         raise ApplianceError(

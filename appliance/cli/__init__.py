@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes (appliance/exitcodes.py; README, "Calling the daemon"): 0 ok, 1 the daemon answered with an
     error, 2 usage or local input, 3 the daemon could not start, 4 the daemon could not be reached,
     141 stdout closed; each failure is one line on stderr."""
-    args = parser().parse_args(argv)
+    command_line = parser()
+    args, extra = command_line.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "args", None), list) and not any(e.startswith("-") for e in extra):
+        args.args += extra  # positionals after options (`call translate --to pt "TEXT"`): argparse leaves them over
+    elif extra:
+        command_line.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = int(args.func(args))
         sys.stdout.flush()  # a closed stdout shows here, not as a traceback at exit

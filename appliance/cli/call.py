@@ -6,6 +6,7 @@ Errors are raised and told once in main(): ServerError exits 1, ConnectError 4, 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
 import shutil
@@ -29,11 +30,17 @@ CALL_ACTIONS = {
     "vad": "speech segments of an audio FILE (WAV, FLAC or Ogg) as JSON (POST /v2/models/MODEL/segments); "
     "with --stream one line per segment as soon as it is final",
     "probs": "the speech probability of every 512-sample frame of an audio FILE (POST /v2/models/MODEL/infer)",
+    "speak": "TEXT spoken by a voice of the firmware into -o FILE (POST /v1/audio/speech), written as each "
+    "sentence arrives",
+    "translate": "TEXT translated --to a language (POST /translate; --from defaults to the one source that has it)",
+    "interpret": "an audio FILE through a speech pipeline into -o FILE (WAV), --to a language (default the "
+    "pipeline's first voice's); each segment's texts printed as it is spoken (POST /v2/models/MODEL/interpret)",
     "transcribe": "the text of an audio FILE with segment times (POST /v2/models/MODEL/transcribe); --language, "
     "--translate (to English), --format json|text|verbose_json|srt|vtt, --stream (a line per segment)",
     "live": "sends an audio FILE as a live stream in real time, 256 ms chunks (Triton sequence), and prints "
     "each segment's text as soon as it is final",
 }
+SPEAK_FORMATS = ("wav", "pcm", "flac")
 SOCKET_HELP = "the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)"
 
 
@@ -88,8 +95,82 @@ def cmd_call(args: argparse.Namespace) -> int:
                 samples = decode_audio(_read_input(args.args[0]), rate)
             except ApiError as exc:
                 raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
-            print_json([round(float(p), 4) for p in client.infer(samples, model=model)])
+            print_json([round(float(p), 4) for p in client.speech_probs(samples, model=model)])
+        elif args.what == "speak":
+            _speak(client, args)
+        elif args.what == "translate":
+            _translate(client, args)
+        elif args.what == "interpret":
+            _interpret(client, args)
     return 0
+
+
+def _speak(client: Client, args: argparse.Namespace) -> None:
+    if not args.args or not args.output:
+        raise ApplianceError(
+            'usage: appliance call speak "TEXT" -o FILE [--voice NAME] [--format wav|pcm|flac] [--speed X]'
+        )
+    audio_format = args.format or "wav"
+    if audio_format not in SPEAK_FORMATS:
+        raise ApplianceError(f"speak: --format {audio_format} is not an audio format ({', '.join(SPEAK_FORMATS)})")
+    voice = args.voice or _first_of_kind(client, "speech_synthesis")
+    try:
+        with open(args.output, "wb") as out:
+            for piece in client.stream_speech(
+                " ".join(args.args), voice, response_format=audio_format, speed=args.speed
+            ):
+                out.write(piece)
+            if audio_format == "wav" and out.seekable():  # streamed with unknown sizes: a file knows them at the end
+                size = out.tell()
+                out.seek(4)
+                out.write((size - 8).to_bytes(4, "little"))
+                out.seek(40)
+                out.write((size - 44).to_bytes(4, "little"))
+    except OSError as exc:
+        raise ApplianceError(f"cannot write {args.output}: {(exc.strerror or str(exc)).lower()}") from None
+
+
+def _interpret(client: Client, args: argparse.Namespace) -> None:
+    if not args.args or not args.output:
+        raise ApplianceError("usage: appliance call interpret FILE -o OUT.wav [--to LANG] [--from LANG] [--model NAME]")
+    audio = _read_input(args.args[0])
+    model = args.model or _first_of_kind(client, "speech_pipeline")
+    pieces, rate = [], 22050
+    for line in client.stream_interpret(audio, model, args.to, args.source):
+        if line.get("done"):
+            break
+        rate = line["sample_rate"]
+        pieces.append(base64.b64decode(line["audio"]))
+        shown = (
+            line["source_text"] if line["text"] == line["source_text"] else f"{line['source_text']} -> {line['text']}"
+        )
+        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({line['language']}) {shown}", flush=True)
+    import numpy as np  # lazy: as for `call probs`
+    import soundfile
+
+    try:
+        soundfile.write(args.output, np.frombuffer(b"".join(pieces), "<i2"), rate, subtype="PCM_16")
+    except (OSError, soundfile.LibsndfileError) as exc:
+        raise ApplianceError(f"cannot write {args.output}: {exc}") from None
+
+
+def _first_of_kind(client: Client, kind: str) -> str:
+    name = next((m["name"] for m in client.models()["models"] if m["kind"] == kind), None)
+    if name is None:
+        raise ApplianceError(f"the daemon serves no {kind} model")
+    return name
+
+
+def _translate(client: Client, args: argparse.Namespace) -> None:
+    if not args.args or not args.to:
+        raise ApplianceError('usage: appliance call translate --to LANG [--from LANG] "TEXT"')
+    source = args.source
+    if source is None:
+        sources = [lang["code"] for lang in client.languages() if args.to in lang["targets"]]
+        if len(sources) != 1:
+            raise ApplianceError(f"--from is needed: the sources that translate to {args.to!r} are {sources or 'none'}")
+        source = sources[0]
+    print(client.translate(" ".join(args.args), source, args.to))
 
 
 def quic_address(text: str) -> str:
@@ -170,6 +251,8 @@ def _call_epilog() -> str:
         "examples:",
         "  appliance call health",
         "  appliance call vad speech.wav --stream",
+        '  appliance call speak "Hello there." -o hello.wav',
+        '  appliance call translate --to pt "Where is the station?"',
         "  appliance call transcribe speech.wav --format srt",
         "  appliance call transcribe spanish.wav --translate",
         "  appliance call live speech.wav",
@@ -192,19 +275,28 @@ def add_parsers(sub: Any) -> None:
         metavar="ACTION",
         help=f"what to ask: {', '.join(CALL_ACTIONS)} (see actions below)",
     )
-    call.add_argument("args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE")
+    call.add_argument(
+        "args", nargs="*", metavar="ARG", help="model: NAME; vad, probs: the audio FILE; speak, translate: the TEXT"
+    )
     call.add_argument("--socket", default=default_socket(), help=SOCKET_HELP)
     call.add_argument(
         "--model",
         help=f"the model to run (vad, probs: {DEFAULT_MODEL}; transcribe, live: {speech.TINY}, or {speech.BASE} "
-        "to translate or for another language than English)",
+        "to translate or for another language than English; interpret: the pipeline, default the first)",
     )
     call.add_argument("--stream", action="store_true", help="vad, transcribe: print each segment when final")
     call.add_argument("--language", help="transcribe, live: the speech's language (ISO 639-1), else detected")
     call.add_argument("--translate", action="store_true", help="transcribe, live: English text of any language")
     call.add_argument(
-        "--format", default="text", choices=speech.FORMATS, help="transcribe: the answer's format (default: text)"
+        "--format",
+        choices=sorted({*SPEAK_FORMATS, *speech.FORMATS}),
+        help=f"speak: {'|'.join(SPEAK_FORMATS)} (default wav); transcribe: {'|'.join(speech.FORMATS)} (default text)",
     )
+    call.add_argument("-o", "--output", metavar="FILE", help="speak: the audio file to write")
+    call.add_argument("--voice", help="speak: the voice (default: the firmware's first speech model)")
+    call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
+    call.add_argument("--to", metavar="LANG", help="translate, interpret: the target language code")
+    call.add_argument("--from", dest="source", metavar="LANG", help="translate, interpret: the source language code")
     call.add_argument(
         "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"
     )

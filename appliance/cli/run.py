@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from appliance.bench.report import report
 from appliance.cli.options import add_config, add_trusted_keys, command
+from appliance.errors import ApplianceError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -17,11 +19,45 @@ def cmd_run(args: argparse.Namespace) -> int:
     return daemon.run(args.config)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from appliance.bench.run import run  # lazy: the bench loads ONNX Runtime and aioquic in this process
+# The bench's parts and the model kinds each needs in the firmware.
+BENCH_PARTS = {
+    "vad": {"vad"},
+    "transcription": {"speech_to_text"},
+    "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
+}
 
-    results = run(args.bundle, args.trusted_keys, args.seconds, args.only)
-    print("\n".join(report(results)))
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    # lazy: the bench loads ONNX Runtime and aioquic in this process
+    from appliance import firmware
+    from appliance.bench import speech, transcription
+    from appliance.bench.run import run
+    from appliance.config import EngineConfig
+
+    kinds = {m.kind for m in firmware.verify(args.bundle, args.trusted_keys).manifest.models}
+    parts = set(args.part.split(","))
+    unknown = parts - {"all", *BENCH_PARTS}
+    if unknown:
+        raise ApplianceError(f"--part: no part {sorted(unknown)[0]!r} (parts: all, {', '.join(BENCH_PARTS)})")
+    wanted = {
+        part for part, part_kinds in BENCH_PARTS.items() if ("all" in parts or part in parts) and kinds & part_kinds
+    }
+    results: dict[str, Any] = {}
+    if "vad" in wanted:
+        results = run(args.bundle, args.trusted_keys, args.seconds)
+        print("\n".join(report(results)))
+    if "transcription" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["transcription"] = transcription.transcription_bench(
+                args.bundle, args.trusted_keys, Path(tmp), EngineConfig().threads
+            )
+        print(f"appliance bench: {args.bundle}, speech to text")
+        print("\n".join(transcription.report(results["transcription"])))
+    if "speech" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results.update(speech.run(args.bundle, args.trusted_keys, Path(tmp)))
+        print(f"appliance bench: {args.bundle}, speech and translation")
+        print("\n".join(speech.report(results)))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
@@ -42,9 +78,10 @@ def add_bench(sub: Any) -> None:
     bench.add_argument("--seconds", type=float, default=5.0, help="time per measurement")
     bench.add_argument("--json", type=Path, help="also write the figures here")
     bench.add_argument(
-        "--only",
-        choices=("all", "speech"),
+        "--part",
         default="all",
-        help="speech: only speech to text against faster-whisper (a bundle with Whisper, firmware/voice.toml)",
+        help="what to measure, by the firmware's models: all, or a comma-separated list of vad (the VAD, the "
+        "transports, one's own model), transcription (speech to text against faster-whisper), speech (speech, "
+        "translation and the pipeline)",
     )
     bench.set_defaults(func=cmd_bench)

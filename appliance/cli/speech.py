@@ -25,7 +25,7 @@ def model_for(args: argparse.Namespace) -> str:
 
 
 def transcribe(client: Client, args: argparse.Namespace, audio: bytes) -> None:
-    params = {"task": "translate" if args.translate else "transcribe", "response_format": args.format}
+    params = {"task": "translate" if args.translate else "transcribe", "response_format": args.format or "text"}
     if args.language:
         params["language"] = args.language
     if args.stream:

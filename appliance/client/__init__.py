@@ -32,11 +32,15 @@ from appliance.client.http import (
     ResponseReader,
     checked,
     infer_call,
-    infer_outputs,
     infer_result,
+    interpret_call,
     json_lines,
     recording_call,
     segments_call,
+    speech_call,
+    tensors_call,
+    tensors_result,
+    translate_call,
 )
 from appliance.client.quic import QuicTransport
 from appliance.client.unix import UnixTransport
@@ -57,6 +61,7 @@ __all__ = [
     "describe_path",
     "infer_call",
     "parse_quic_address",
+    "tensors_call",
 ]
 
 
@@ -131,7 +136,13 @@ class Client:
     def status(self) -> Any:
         return self.get("/status")
 
-    def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+    def infer(self, model: str, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
+        """Any model: input tensors by name in, output tensors by name out. Keywords as `tensors_call`
+        takes them: sequence_id, start, end (Triton's sequence parameters), binary, outputs, version."""
+        return tensors_result(checked(self.send(tensors_call(model, inputs, **kwargs))))
+
+    def speech_probs(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+        """The VAD: audio samples at 16 kHz in, one speech probability per 512-sample frame out."""
         return infer_result(checked(self.send(infer_call(model, audio, **kwargs))))
 
     def segments(self, wav: bytes, model: str = DEFAULT_MODEL, **params: float) -> Any:
@@ -141,6 +152,31 @@ class Client:
         """Each speech segment as soon as the daemon finds it final, then a summary with "done"."""
         return json_lines(self.transport.stream(segments_call(model, wav, stream="true", **params)))
 
+    def stream_speech(
+        self, text: str, voice: str, model: str = "tts-1", response_format: str = "wav", speed: float = 1.0
+    ) -> Iterator[bytes]:
+        """The audio of `text` (POST /v1/audio/speech), piece by piece as each sentence is ready."""
+        return self.transport.stream(speech_call(text, model, voice, response_format, speed))
+
+    def speech(
+        self, text: str, voice: str, model: str = "tts-1", response_format: str = "wav", speed: float = 1.0
+    ) -> bytes:
+        return checked(self.send(speech_call(text, model, voice, response_format, speed))).body
+
+    def translate(self, q: str | list[str], source: str, target: str) -> Any:
+        """`q` translated (POST /translate): a string, or a list for a list."""
+        return checked(self.send(translate_call(q, source, target))).json()["translatedText"]
+
+    def stream_interpret(
+        self, audio: bytes, model: str, to: str | None = None, source: str | None = None
+    ) -> Iterator[Any]:
+        """A recording through a speech pipeline: a document per segment as soon as it is spoken (times,
+        each stage's text, base64 PCM16 audio), then a summary with "done"."""
+        return json_lines(self.transport.stream(interpret_call(model, audio, to, source)))
+
+    def languages(self) -> Any:
+        return self.get("/languages")
+
     def transcribe(self, audio: bytes, model: str, **params: str) -> HttpResponse:
         """A recording's text (a speech_to_text model): language, task, prompt, response_format."""
         return checked(self.send(recording_call(model, "transcribe", audio, **params)))
@@ -149,9 +185,18 @@ class Client:
         """Each segment's text as soon as it is decoded, then a summary with "done"."""
         return json_lines(self.transport.stream(recording_call(model, "transcribe", audio, stream="true", **params)))
 
-    def live(self, chunk: np.ndarray, model: str, sequence_id: int | str, **kwargs: Any) -> dict[str, np.ndarray]:
-        """One chunk of a live stream (start=, end=, partial=, language=, task=): its outputs."""
-        return infer_outputs(checked(self.send(infer_call(model, chunk, sequence_id, **kwargs))))
+    def live(
+        self,
+        chunk: np.ndarray,
+        model: str,
+        sequence_id: int | str,
+        start: bool = False,
+        end: bool = False,
+        **params: Any,
+    ) -> dict[str, np.ndarray]:
+        """One chunk of a live stream (parameters partial=, language=, task=): its outputs."""
+        call = tensors_call(model, {"audio": chunk}, sequence_id, start, end, parameters=params)
+        return tensors_result(checked(self.send(call)))
 
 
 @dataclass
@@ -179,7 +224,10 @@ class AsyncClient:
             self._reader.feed(data)
         return self._reader.done.pop(0)
 
-    async def infer(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
+        return tensors_result(checked(await self.send(tensors_call(model, inputs, **kwargs))))
+
+    async def speech_probs(self, audio: np.ndarray, model: str = DEFAULT_MODEL, **kwargs: Any) -> np.ndarray:
         return infer_result(checked(await self.send(infer_call(model, audio, **kwargs))))
 
     async def close(self) -> None:

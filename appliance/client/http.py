@@ -87,33 +87,44 @@ def checked(response: HttpResponse) -> HttpResponse:
 # --- calls: how each API operation is asked and read --------------------------------------------
 
 
-def infer_call(
+def tensors_call(
     model: str,
-    audio: np.ndarray,
+    inputs: dict[str, np.ndarray],
     sequence_id: int | str | None = None,
     start: bool = False,
     end: bool = False,
     binary: bool = True,
-    **extra: Any,
+    outputs: list[str] | None = None,
+    version: str | None = None,
+    parameters: dict[str, Any] | None = None,
 ) -> Call:
-    """An infer request with one `audio` tensor; `extra` parameters (a speech model's language, task)."""
-    parameters: dict[str, Any] = dict(extra)
+    """An infer call of any model: its input tensors by name (binary tensors by default), Triton's
+    sequence parameters, and the outputs to return (all when None)."""
+    params: dict[str, Any] = dict(parameters or {})
     if sequence_id is not None:
-        parameters |= {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
-    body, header_length = encode_request({"audio": np.asarray(audio)}, parameters, binary)
+        params.update(sequence_id=sequence_id, sequence_start=start, sequence_end=end)
+    arrays = {name: np.asarray(array) for name, array in inputs.items()}
+    body, header_length = encode_request(arrays, params, binary, outputs=outputs)
     headers = [("content-type", "application/octet-stream" if binary else "application/json")]
     if header_length is not None:
         headers.append(("inference-header-content-length", str(header_length)))
-    return Call("POST", f"/v2/models/{model}/infer", body, tuple(headers))
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/infer"
+    return Call("POST", path, body, tuple(headers))
+
+
+def tensors_result(response: HttpResponse) -> dict[str, np.ndarray]:
+    length = response.headers.get("inference-header-content-length")
+    return decode_response(response.body, int(length) if length else None)
+
+
+def infer_call(model: str, audio: np.ndarray, **kwargs: Any) -> Call:
+    """The VAD's infer call: audio samples (FP32 or INT16) in, as `tensors_call` takes the rest."""
+    return tensors_call(model, {"audio": audio}, **kwargs)
 
 
 def infer_result(response: HttpResponse) -> np.ndarray:
-    return infer_outputs(response)["speech_prob"]
-
-
-def infer_outputs(response: HttpResponse) -> dict[str, np.ndarray]:
-    length = response.headers.get("inference-header-content-length")
-    return decode_response(response.body, int(length) if length else None)
+    """The VAD's speech probabilities, one per frame."""
+    return tensors_result(response)["speech_prob"]
 
 
 def json_lines(pieces: Iterator[bytes]) -> Iterator[Any]:
@@ -150,6 +161,7 @@ def encode_request(
     parameters: dict[str, Any] | None = None,
     binary: bool = True,
     request_id: str | None = None,
+    outputs: list[str] | None = None,
 ) -> tuple[bytes, int | None]:
     """Client side: an infer request body (binary tensors by default) and its JSON header length."""
     chunks: list[bytes] = []
@@ -157,6 +169,8 @@ def encode_request(
     doc: dict[str, Any] = {"inputs": entries}
     if request_id is not None:
         doc["id"] = request_id
+    if outputs is not None:
+        doc["outputs"] = [{"name": name, "parameters": {"binary_data": binary}} for name in outputs]
     params = dict(parameters or {})
     if binary:
         params["binary_data_output"] = True
@@ -197,3 +211,23 @@ def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndar
         else:
             outputs[entry["name"]] = np.asarray(entry["data"], dtype).reshape(entry["shape"])
     return outputs
+
+
+def speech_call(text: str, model: str, voice: str, response_format: str = "wav", speed: float = 1.0) -> Call:
+    """OpenAI's text-to-speech route."""
+    doc = {"model": model, "input": text, "voice": voice, "response_format": response_format, "speed": speed}
+    return Call("POST", "/v1/audio/speech", json.dumps(doc).encode(), (("content-type", "application/json"),))
+
+
+def translate_call(q: str | list[str], source: str, target: str) -> Call:
+    """LibreTranslate's translate route."""
+    doc = {"q": q, "source": source, "target": target, "format": "text"}
+    return Call("POST", "/translate", json.dumps(doc).encode(), (("content-type", "application/json"),))
+
+
+def interpret_call(model: str, audio: bytes, to: str | None = None, source: str | None = None) -> Call:
+    """A recording -> a speech pipeline's interpret route (NDJSON: a line per segment, then "done")."""
+    languages = {k: v for k, v in (("to", to), ("from", source)) if v}
+    query = f"?{urlencode(languages)}" if languages else ""
+    content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
+    return Call("POST", f"/v2/models/{model}/interpret{query}", audio, (("content-type", content_type),))

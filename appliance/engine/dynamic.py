@@ -121,9 +121,7 @@ class DynamicBatcher:
         self.stats.record_execution(rows, input_ns, infer_ns, output_ns)
         for job in jobs:
             job.times.queue_ns += started - job.submitted_ns
-            job.times.compute_input_ns += input_ns
-            job.times.compute_infer_ns += infer_ns
-            job.times.compute_output_ns += output_ns
+            job.times.add_compute(input_ns, infer_ns, output_ns)
         return [(job, None) for job in jobs]
 
     def _feeds(self, jobs: list[Job]) -> dict[str, np.ndarray]:

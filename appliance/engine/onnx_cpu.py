@@ -35,6 +35,10 @@ class OnnxCpuEngine:
         self._parallel = session(model_path, threads) if threads > 1 else self._single
         self._outputs = [o.name for o in self._single.get_outputs()]
 
-    def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
-        chosen = self._parallel if batch >= PARALLEL_MIN_BATCH else self._single
+    def run(self, feeds: Mapping[str, np.ndarray], batch: int, parallel: bool | None = None) -> dict[str, np.ndarray]:
+        """`parallel`: the intra-op threads or one, where the caller knows better than the batch size (a heavy
+        graph run alone takes them all; runs side by side take one each)."""
+        if parallel is None:
+            parallel = batch >= PARALLEL_MIN_BATCH
+        chosen = self._parallel if parallel else self._single
         return dict(zip(self._outputs, chosen.run(self._outputs, dict(feeds))))

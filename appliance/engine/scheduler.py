@@ -24,7 +24,7 @@ import numpy as np
 
 from appliance.config import SequenceConfig
 from appliance.engine.interface import Engine
-from appliance.engine.stats import ModelStats
+from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApiError, ApplianceError, BadRequest, NotFound, TooManyRequests, Unavailable
 from appliance.firmware import ModelSpec
 
@@ -56,19 +56,23 @@ class FrameModel:
             context=np.zeros(self.context_samples, np.float32),
         )
 
-    def step(self, sequences: list[Sequence], frames: np.ndarray) -> np.ndarray:
-        """Run one frame of each sequence (frames: [batch, frame_samples]); update their state; return probabilities."""
-        audio, batch = self.spec.vad_audio, len(sequences)
+    def feeds(self, sequences: list[Sequence], frames: np.ndarray) -> dict[str, np.ndarray]:
+        """One frame of each sequence (frames: [batch, frame_samples]) with its context and state rows."""
+        audio = self.spec.vad_audio
         x = np.concatenate([np.stack([s.context for s in sequences]), frames], axis=1)
         feeds = {audio.audio_input: x, audio.sample_rate_input: self._sample_rate_feed}
         for i, pair in enumerate(self.spec.state):
             feeds[pair.input] = np.stack([s.state[i] for s in sequences], axis=pair.batch_axis)
-        out = self.engine.run(feeds, batch)
+        return feeds
+
+    def absorb(self, sequences: list[Sequence], feeds: dict[str, np.ndarray], out: dict[str, np.ndarray]) -> np.ndarray:
+        """The engine's outputs for `feeds`: each sequence's new state and context; the probabilities."""
+        audio, batch = self.spec.vad_audio, len(sequences)
         for i, pair in enumerate(self.spec.state):
             rows = np.moveaxis(out[pair.output], pair.batch_axis, 0)
             for sequence, row in zip(sequences, rows):
                 sequence.state[i] = row
-        contexts = x[:, -self.context_samples :]
+        contexts = feeds[audio.audio_input][:, -self.context_samples :]
         for sequence, context in zip(sequences, contexts):
             sequence.context = context
         return out[audio.prob_output].reshape(batch, -1)[:, 0]
@@ -100,6 +104,7 @@ class Work:
     next_frame: int = 0
     cancelled: bool = False  # its caller went away before it started: never run it
     live: bool = False  # a live stream's frames: they go before recordings, and may push one out of the batch
+    times: RequestTimes | None = None  # its request's: each engine call it is in adds its compute times once
 
     def __post_init__(self) -> None:
         self.probs = np.empty(len(self.frames), np.float32)
@@ -258,16 +263,23 @@ class Batcher:
         active = self._active
         deadline = time.perf_counter() + budget_s
         while active:
-            frames = np.stack([w.frames[w.next_frame] for w in active])
             started = time.perf_counter_ns()
+            sequences = [w.sequence for w in active]
             try:
-                probs = self.model.step([w.sequence for w in active], frames)
+                feeds = self.model.feeds(sequences, np.stack([w.frames[w.next_frame] for w in active]))
+                inputs_ready = time.perf_counter_ns()
+                out = self.model.engine.run(feeds, len(active))
+                inferred = time.perf_counter_ns()
+                probs = self.model.absorb(sequences, feeds, out)
             except Exception as exc:  # an engine failure fails this batch, not the daemon
                 error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
                 failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()
                 return failed
-            self.stats.record_execution(len(active), 0, time.perf_counter_ns() - started, 0)
+            phases = (inputs_ready - started, inferred - inputs_ready, time.perf_counter_ns() - inferred)
+            self.stats.record_execution(len(active), *phases)
+            for times in {id(w.times): w.times for w in active if w.times is not None}.values():
+                times.add_compute(*phases)  # once per request, however many of its works ran in this call
             finished: list[tuple[Work, BaseException | None]] = []
             for work, p in zip(active, probs):
                 work.probs[work.next_frame] = p

@@ -7,7 +7,8 @@ Times are nanoseconds from time.perf_counter_ns, taken by the caller (nothing he
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -37,6 +38,16 @@ class RequestTimes:
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+
+    def add_compute(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.compute_input_ns += input_ns
+        self.compute_infer_ns += infer_ns
+        self.compute_output_ns += output_ns
+
+    def queued_since(self, started_ns: int, now_ns: int) -> None:
+        """The request's time since `started_ns` that was not compute: waiting for its engine calls."""
+        compute = self.compute_input_ns + self.compute_infer_ns + self.compute_output_ns
+        self.queue_ns = max(now_ns - started_ns - compute, 0)
 
 
 @dataclass(slots=True)
@@ -78,3 +89,23 @@ class ModelStats:
     @property
     def batch_sizes(self) -> dict[int, int]:
         return {size: entry.compute_infer.count for size, entry in self.batches.items()}
+
+    def document(self, name: str, version: str) -> dict[str, Any]:
+        """Triton's $model_stat (statistics extension). There is no response cache: its entries are 0."""
+        durations = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+        none = {"count": 0, "ns": 0}
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                **{key: asdict(getattr(self, key)) for key in durations},
+                "cache_hit": none,
+                "cache_miss": none,
+            },
+            "batch_stats": [
+                {"batch_size": size, **asdict(entry)} for size, entry in sorted(self.batches.copy().items())
+            ],
+        }

@@ -22,7 +22,7 @@ from appliance import keys
 from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt
 from appliance.errors import ApplianceError
-from appliance.firmware import kernels
+from appliance.firmware import graphs, kernels
 from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
 from appliance.firmware.manifest import (
     DATATYPES,
@@ -42,6 +42,8 @@ from appliance.progress import QUIET, Progress
 
 # Kinds whose model is one ONNX graph: its tensors are checked (or read) at build, and TensorRT plans it.
 GRAPH_KINDS = ("vad", "onnx")
+# Kinds with no files of their own (a pipeline of other models): no source, file "" in the manifest.
+FILELESS_KINDS = ("speech_pipeline",)
 
 
 def sign(directory: Path, manifest: Manifest, private: Ed25519PrivateKey) -> None:
@@ -226,13 +228,19 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
         for m in r.tables("models"):
             fields = read_model_fields(m)
             audio = read_audio(m) if fields["kind"] == "vad" else None
-            relative, copied = _copy_model(m, fields["name"], spec_path, staging, progress)
+            copied: list[str] = []
+            if fields["kind"] in FILELESS_KINDS:  # made of the models before it: nothing to copy
+                relative = ""
+            else:
+                relative, copied = _copy_model(m, fields["name"], spec_path, staging, progress)
             m.done()
             model = ModelSpec(file=relative, audio=audio, **fields)
             if model.kind in GRAPH_KINDS:
                 if not relative.endswith(".onnx"):
                     raise ApplianceError(f"{m.where}.source: kind {model.kind} takes an ONNX file, got {relative}")
                 model = _checked_tensors(model, staging / relative, m.where, exact=model.kind == "vad")
+            if model.kind == "speech_synthesis":
+                graphs.expose_durations(staging / relative / str(model.parameters["graph"]), m.where)
             models.append(model)
             files += copied
             if "cuda" in targets and model.kind == "vad":  # the CUDA kernels are the VAD's

@@ -55,6 +55,29 @@ class ParameterSchema:
 KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
     "vad": {},
     "onnx": {},
+    # a Piper voice: its ONNX graph and its .onnx.json, files of the model's directory; shards of at
+    # most max_tokens_per_shard phoneme ids, up to max_batch of them in one engine call
+    "speech_synthesis": {
+        "voice": ParameterSchema(str),
+        "graph": ParameterSchema(str),
+        "config": ParameterSchema(str),
+        "max_tokens_per_shard": ParameterSchema(int, 400, bounds=(8, 4096)),
+        "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
+        "max_batch": ParameterSchema(int, 16, bounds=(1, 256)),
+    },
+    # a Bergamot (Marian) model for one language pair: its files in the model's directory; shards of at
+    # most max_tokens_per_shard SentencePiece pieces, up to max_batch of them in one engine call
+    "text_translation": {
+        "max_tokens_per_shard": ParameterSchema(int, 256, bounds=(8, 1024)),
+        "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
+        "max_batch": ParameterSchema(int, 64, bounds=(1, 256)),
+        "source": ParameterSchema(str),
+        "target": ParameterSchema(str),
+        "model": ParameterSchema(str),
+        "source_vocab": ParameterSchema(str),
+        "target_vocab": ParameterSchema(str),
+        "shortlist": ParameterSchema(str, ""),
+    },
     # Whisper (a CTranslate2 model directory) behind a VAD model listed before it. A shard token is one
     # encoder position, 20 ms: 1500 fill Whisper's 30 s window.
     "speech_to_text": {
@@ -63,6 +86,13 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
         "max_batch": ParameterSchema(int, 8, bounds=(1, 256)),
         "beam_size": ParameterSchema(int, 5, bounds=(1, 16)),
+    },
+    # speech in, translated speech out, from models listed before it: a speech_to_text model, the
+    # voices (the first of a language speaks it) and the text_translation pairs to use
+    "speech_pipeline": {
+        "speech_to_text": ParameterSchema(str),
+        "voices": ParameterSchema(list),
+        "translations": ParameterSchema(list, []),
     },
 }
 

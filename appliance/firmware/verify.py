@@ -70,7 +70,11 @@ def verify(bundle_dir: Path, trust_dir: Path, progress: Progress = QUIET) -> Bun
                     raise ApplianceError(f"{medium.path}: sha256 does not match the manifest (file altered)")
     for model in manifest.models:
         inside = model.file + "/"  # a directory model: its files are the artifacts
-        if model.file not in manifest.artifacts and not any(a.startswith(inside) for a in manifest.artifacts):
+        if (
+            model.file
+            and model.file not in manifest.artifacts
+            and not any(a.startswith(inside) for a in manifest.artifacts)
+        ):
             raise ApplianceError(f"{manifest_path}: model {model.name} file {model.file} is not a hashed artifact")
     return Bundle(bundle_dir, manifest)
 

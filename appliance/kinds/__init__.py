@@ -10,7 +10,10 @@ from appliance.engine.interface import Engine
 from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds.base import ServedModel
 from appliance.kinds.onnx import OnnxModel
+from appliance.kinds.pipeline import SpeechPipeline
+from appliance.kinds.speech import SpeechModel
 from appliance.kinds.speech_to_text import SpeechToText
+from appliance.kinds.translation import TranslationModel
 from appliance.kinds.vad import VadModel
 
 # A kind's factory: its manifest entry, the bundle (its files), the live config, and the models loaded
@@ -30,7 +33,10 @@ KINDS: dict[str, Factory] = {
     "onnx": lambda spec, bundle, live, loaded: OnnxModel(
         spec, bundle.manifest.baked, _engine_for(spec, bundle, live), live
     ),
+    "speech_synthesis": lambda spec, bundle, live, loaded: SpeechModel(spec, bundle, live),
+    "text_translation": lambda spec, bundle, live, loaded: TranslationModel(spec, bundle, live),
     "speech_to_text": SpeechToText,
+    "speech_pipeline": SpeechPipeline,
 }
 
 

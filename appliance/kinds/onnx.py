@@ -180,16 +180,10 @@ class OnnxModel:
                 future.set_exception(error)
 
         rows = next(iter(feeds.values())).shape[0] if self.max_batch_size else 1
-        job = Job(feeds, rows, done, sequence)
+        job = Job(feeds, rows, done, sequence, times=times or RequestTimes())  # the batcher fills in `times`
         future.add_done_callback(lambda f: setattr(job, "cancelled", f.cancelled()))
         self.engine_loop.submit(job)
         finished = await future
-        if times is not None:
-            times.queue_ns, times.compute_input_ns = finished.times.queue_ns, finished.times.compute_input_ns
-            times.compute_infer_ns, times.compute_output_ns = (
-                finished.times.compute_infer_ns,
-                finished.times.compute_output_ns,
-            )
         return finished.outputs
 
     def _checked_feeds(self, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -81,10 +81,16 @@ class VadModel:
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
+        started = time.perf_counter_ns()
         samples = vad_api.audio_input(request, self.name)
-        if sequence is None:
-            return {vad_api.PROB_OUTPUT: await self.infer_recording(samples)}, None
-        probs, serial = await self.infer_stream(samples, sequence.id, sequence.start, sequence.end, sequence.client)
+        try:
+            if sequence is None:
+                return {vad_api.PROB_OUTPUT: await self.infer_recording(samples, times)}, None
+            probs, serial = await self.infer_stream(
+                samples, sequence.id, sequence.start, sequence.end, sequence.client, times
+            )
+        finally:
+            times.queued_since(started, time.perf_counter_ns())
         opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return {vad_api.PROB_OUTPUT: probs}, opened
 
@@ -95,7 +101,9 @@ class VadModel:
         """False when the engine did not finish its batch in time (see EngineLoop.stop)."""
         return await self.engine_loop.stop(timeout_s)
 
-    def _submit(self, sequence: Sequence, frames: np.ndarray, live: bool = False) -> asyncio.Future[np.ndarray]:
+    def _submit(
+        self, sequence: Sequence, frames: np.ndarray, live: bool = False, times: RequestTimes | None = None
+    ) -> asyncio.Future[np.ndarray]:
         """Queue frames of a sequence for the engine; the future gets their probabilities.
         Cancelling the future before the frames start running drops them from the queue."""
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
@@ -109,14 +117,20 @@ class VadModel:
             else:
                 future.set_exception(error)
 
-        work = Work(sequence, frames, done, live=live)
+        work = Work(sequence, frames, done, live=live, times=times)
         future.add_done_callback(lambda f: setattr(work, "cancelled", f.cancelled()))
         sequence.in_flight += 1
         self.engine_loop.submit(work)
         return future
 
     async def infer_stream(
-        self, samples: np.ndarray, sequence_id: object, start: bool, end: bool, client: str = ""
+        self,
+        samples: np.ndarray,
+        sequence_id: object,
+        start: bool,
+        end: bool,
+        client: str = "",
+        times: RequestTimes | None = None,
     ) -> tuple[np.ndarray, int | None]:
         """Frames of a live stream; the runtime keeps its state and audio context between calls.
         Also the serial of the sequence when this call opened it."""
@@ -134,26 +148,34 @@ class VadModel:
         try:
             if not len(samples):
                 return np.empty(0, np.float32), serial
-            return await self._submit(sequence, samples.reshape(-1, frame), live=True), serial
+            return await self._submit(sequence, samples.reshape(-1, frame), live=True, times=times), serial
         finally:
             if end:
                 self.sequences.end(sequence_id)
 
-    async def recording_chunks(self, samples: np.ndarray, chunk_frames: int | None = None) -> AsyncIterator[np.ndarray]:
+    async def recording_chunks(
+        self, samples: np.ndarray, chunk_frames: int | None = None, times: RequestTimes | None = None
+    ) -> AsyncIterator[np.ndarray]:
         """A whole recording, cut into shards of at most the baked frames, all run as one batch;
         yields its probabilities in order, in pieces of at most `chunk_frames` (a shard when None)
-        as soon as each is computed, so a caller can stream long results as they are produced."""
+        as soon as each is computed, so a caller can stream long results as they are produced.
+        Framing and planning count as the request's compute_input in `times`."""
+        framing = time.perf_counter_ns()
         if len(samples) > OFF_LOOP_SAMPLES:  # framing a long recording takes long: not on the loop live streams need
             frames, plan = await asyncio.to_thread(self._shards, samples)
         else:
             frames, plan = self._shards(samples)
+        if times is not None:
+            times.compute_input_ns += time.perf_counter_ns() - framing
         pieces: list[asyncio.Future[np.ndarray]] = []
         for start, end in plan:
             sequence = self.frames.new_sequence()
             if start:  # the audio just before the cut is the shard's context, as it would be in one sequence
                 sequence.context = frames[start - 1, -self.frames.context_samples :].copy()
             step = chunk_frames or max(end - start, 1)
-            pieces += [self._submit(sequence, frames[i : min(i + step, end)]) for i in range(start, end, step)]
+            pieces += [
+                self._submit(sequence, frames[i : min(i + step, end)], times=times) for i in range(start, end, step)
+            ]
         try:
             for piece in pieces:
                 yield await piece
@@ -165,8 +187,8 @@ class VadModel:
         frames = to_frames(samples, self.frames.frame_samples)
         return frames, plan_shards(frame_energy(frames), self.baked.max_tokens_per_shard, self.baked.split_algorithm)
 
-    async def infer_recording(self, samples: np.ndarray) -> np.ndarray:
-        pieces = [p async for p in self.recording_chunks(samples)]
+    async def infer_recording(self, samples: np.ndarray, times: RequestTimes | None = None) -> np.ndarray:
+        pieces = [p async for p in self.recording_chunks(samples, times=times)]
         return np.concatenate(pieces) if pieces else np.empty(0, np.float32)
 
     async def segments(

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 
 from appliance.config import ServerConfig
+from appliance.errors import ApiError
+from appliance.protocol.encoding import IDENTITY, BodyDecoder, DecodedTooLarge
 from appliance.protocol.messages import Request, error_response
 
 log = logging.getLogger("appliance.limits")
@@ -86,7 +88,9 @@ class RequestAssembler:
         self._headers: dict[str, str] = {}
         self._header_bytes = self._raw_head_bytes = 0
         self._body: list[bytes] = []
-        self.body_bytes = 0
+        self.body_bytes = 0  # held: decoded where the body has a content coding
+        self.wire_bytes = 0  # received
+        self._decoder: BodyDecoder | None = None
         self.started = self.last_heard = time.monotonic()
 
     def add_target(self, piece: bytes) -> None:
@@ -107,17 +111,45 @@ class RequestAssembler:
         if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > self.limits.max_body_bytes):
             shown = length if len(length) <= 18 else f"{length[:18]}... ({len(length)} digits)"
             raise limit_bit(413, f"body of {shown} bytes exceeds the limit of {self.limits.max_body_bytes} bytes")
+        coding = self._headers.get("content-encoding", "")
+        if coding.strip().lower() not in IDENTITY:
+            try:
+                self._decoder = BodyDecoder(coding)
+            except ApiError as exc:
+                raise Rejection(exc.status, exc.message) from None
+            del self._headers["content-encoding"]  # what the API gets is the decoded body
 
     def add_body(self, piece: bytes) -> None:
+        """Both what arrives and what it decodes to are bounded by max_body_bytes, and the decoded
+        bytes are what is held (and taken from the budget): a compressed body is undone as it arrives."""
         self.last_heard = time.monotonic()
-        if self.body_bytes + len(piece) > self.limits.max_body_bytes:
+        self.wire_bytes += len(piece)
+        if self.wire_bytes > self.limits.max_body_bytes:
             raise limit_bit(413, f"body exceeds the limit of {self.limits.max_body_bytes} bytes")
+        if self._decoder is None:
+            self._hold(piece)
+            return
+        try:
+            pieces = self._decoder.feed(piece, self.limits.max_body_bytes - self.body_bytes)
+        except DecodedTooLarge:
+            raise limit_bit(413, f"body decompressed exceeds the limit of {self.limits.max_body_bytes} bytes") from None
+        except ApiError as exc:
+            raise Rejection(exc.status, exc.message) from None
+        for decoded in pieces:
+            self._hold(decoded)
+
+    def _hold(self, piece: bytes) -> None:
         if self.budget is not None:
             self.budget.take(len(piece))
         self.body_bytes += len(piece)
         self._body.append(piece)
 
     def request(self) -> Request:
+        if self._decoder is not None:
+            try:
+                self._decoder.finish()
+            except ApiError as exc:
+                raise Rejection(exc.status, exc.message) from None
         return Request(self.method, self.target, self._headers, b"".join(self._body), self.peer, self.client)
 
     def quiet_since(self, moment: float) -> bool:

@@ -238,7 +238,12 @@ class H3Protocol(QuicConnectionProtocol):
         assembler = self._incoming.pop(stream_id)
         if assembler is None:
             return
-        request = assembler.request()
+        try:
+            request = assembler.request()
+        except Rejection as rejection:  # a compressed body that ends before its end
+            self.server.budget.give(assembler.body_bytes)
+            self._respond(stream_id, rejection.response)
+            return
         if not self.handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
             self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
         else:

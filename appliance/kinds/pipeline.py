@@ -1,0 +1,298 @@
+"""The speech pipeline kind: speech in, translated speech out, as Triton's ensembles chain models, from
+models the firmware lists before it: a speech_to_text model (the VAD behind it cuts the speech),
+text_translation pairs where the target asks for one, and a voice per target language.
+
+Per segment of speech the VAD closes: Whisper transcribes it, or translates it to English where the
+target is English and the model is multilingual; a pair translates the text where its language is
+not the target's; the target's voice speaks it. A whole recording answers each segment as soon as it
+is spoken (the `interpret` route, NDJSON) or all at once (KServe infer); a live stream of chunks under
+Triton's sequence parameters answers each chunk with the segments that closed in it. Every answer
+carries each stage's text, for subtitles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import time
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from appliance.audio import decode_audio
+from appliance.config import Live
+from appliance.engine.stats import ModelStats, RequestTimes
+from appliance.errors import ApiError, ApplianceError, BadRequest
+from appliance.firmware import Bundle, ModelSpec, TensorSpec
+from appliance.kinds import speech_api
+from appliance.kinds.base import SequenceCall, ServedModel, Task
+from appliance.kinds.speech import SpeechModel
+from appliance.kinds.speech_api import Options, Segment
+from appliance.kinds.speech_to_text import SpeechToText
+from appliance.kinds.translation import TranslationModel
+from appliance.kinds.triton_config import model_config
+from appliance.protocol.messages import Opened, Request, Response, json_line
+from appliance.protocol.tensors import InferRequest
+
+OUTPUTS = ("audio", "text", "source_text", "start", "end")
+
+
+@dataclass(frozen=True, slots=True)
+class Interpreted:
+    """One segment through every stage."""
+
+    segment: Segment  # its times, its text as heard (or as Whisper translated it), its language
+    text: str  # in the target language
+    audio: np.ndarray  # INT16 at the voice's rate
+
+    def as_json(self, sample_rate: int) -> dict[str, Any]:
+        s = self.segment
+        return {
+            "start": s.start,
+            "end": s.end,
+            "language": s.language,
+            "source_text": s.text,
+            "text": self.text,
+            "sample_rate": sample_rate,
+            "audio": base64.b64encode(self.audio.astype("<i2").tobytes()).decode(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one request's speech goes through the stages."""
+
+    options: Options  # the speech_to_text model's: its language where known, transcribe or translate
+    target: str
+    voice: SpeechModel
+
+
+class _Sequences:
+    """The pipeline's live streams: the speech_to_text model's, under keys of the pipeline's own."""
+
+    def __init__(self, pipeline: SpeechPipeline) -> None:
+        self.pipeline = pipeline
+        self.opened: dict[object, int] = {}  # sequence id -> serial, while the speech model holds it
+
+    def key(self, sequence_id: object) -> object:
+        return (self.pipeline.name, sequence_id)
+
+    def __len__(self) -> int:
+        self.opened = {k: s for k, s in self.opened.items() if self.holds(k, s)}
+        return len(self.opened)
+
+    def holds(self, key: object, serial: int) -> bool:
+        return self.pipeline.stt.sequences.holds(self.key(key), serial)
+
+    def end_opened(self, key: object, serial: int) -> bool:
+        return self.pipeline.stt.sequences.end_opened(self.key(key), serial)
+
+    def expire(self, now: float) -> int:
+        return 0  # the speech_to_text model expires its streams, these among them
+
+
+class SpeechPipeline:
+    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> None:
+        self.spec, self.baked, self.live = spec, bundle.manifest.baked, live
+        params = spec.parameters
+        self.stt = _loaded(spec, loaded, str(params["speech_to_text"]), SpeechToText)
+        names = params["voices"]
+        pairs = params["translations"]
+        assert isinstance(names, list) and isinstance(pairs, list)
+        voices = [_loaded(spec, loaded, name, SpeechModel) for name in names]
+        self.voices = {v.voice.language: v for v in reversed(voices)}  # the first voice of a language speaks
+        self.pairs = {(t.source, t.target): t for t in (_loaded(spec, loaded, n, TranslationModel) for n in pairs)}
+        if not self.voices:
+            raise ApplianceError(f"model {spec.name}: parameters.voices names no voice")
+        self.default_target = voices[0].voice.language
+        self.stats = ModelStats()
+        self.sequences = _Sequences(self)
+        self.tasks: Mapping[str, Task] = {"interpret": self._interpret_route}
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def engine_name(self) -> str:
+        return "pipeline"
+
+    @property
+    def fallbacks(self) -> Mapping[str, int]:
+        return {}
+
+    @property
+    def queue_depth(self) -> int:
+        return 0  # its stages' models queue the work
+
+    def start(self) -> None:
+        pass  # its stages are models of their own, started by the daemon
+
+    async def stop(self, timeout_s: float) -> bool:
+        return True
+
+    def expire_idle(self) -> int:
+        return 0
+
+    async def probe(self) -> None:
+        pass  # each stage warmed up as a model of its own
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "platform": "ensemble",
+            "inputs": [
+                {
+                    "name": "audio",
+                    "datatype": "FP32",
+                    "shape": [-1],
+                    "parameters": {"accepts": ["FP32", "INT16", "BYTES"], "sample_rate": 16000},
+                }
+            ],
+            "outputs": [_tensor(t) for t in self._outputs()],
+            "parameters": {
+                "kind": self.spec.kind,
+                "steps": self._steps(),
+                "targets": sorted(self.voices),
+                "stateful": True,
+            },
+        }
+
+    def config(self) -> dict[str, Any]:
+        config = model_config(
+            self.spec, self.baked, self.live, platform="ensemble", backend="", max_batch_size=0,
+            inputs=[TensorSpec("audio", "FP32", (-1,))], outputs=self._outputs(), dynamic_batching=False, stateful=True,
+        )  # fmt: skip
+        config["ensemble_scheduling"] = {"step": [{"model_name": name} for name in self._steps()]}
+        return config
+
+    def _outputs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec("audio", "INT16", (-1,)),
+            *(TensorSpec(n, "BYTES", (-1,)) for n in ("text", "source_text")),
+            *(TensorSpec(n, "FP32", (-1,)) for n in ("start", "end")),
+        ]
+
+    def _steps(self) -> list[str]:
+        return [
+            self.stt.vad.name,
+            self.stt.name,
+            *(m.name for m in self.pairs.values()),
+            *(v.name for v in self.voices.values()),
+        ]
+
+    # --- the work -------------------------------------------------------------------------------
+
+    def plan(self, target: str | None, source: str | None = None) -> Plan:
+        """How a request's speech goes through the stages; a 400 for a target no voice speaks.
+
+        Whisper translates to English itself where the target is English, the model is multilingual
+        and no pair covers the source the caller names; else it transcribes (in `source` where named)
+        and a pair translates each segment whose language is not the target's."""
+        target = (target or self.default_target).lower()
+        voice = self.voices.get(target)
+        if voice is None:
+            raise BadRequest(f"no voice speaks {target[:20]!r} (targets: {', '.join(sorted(self.voices))})")
+        source = source.lower() if source else None
+        if source is not None and source != target and (source, target) not in self.pairs and target != "en":
+            raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
+        multilingual = self.stt.engine.tokens.multilingual
+        by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
+        return Plan(Options(language=source, task="translate" if by_whisper else "transcribe"), target, voice)
+
+    async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
+        """One segment through translation and speech; None where there is nothing to say."""
+        heard = segment.text.strip()
+        if not heard:
+            return None
+        language = "en" if plan.options.task == "translate" else segment.language
+        text = heard
+        if language != plan.target:
+            pair = self.pairs.get((language, plan.target))
+            if pair is None:
+                raise BadRequest(f"no translation from {language!r} to {plan.target!r} in this firmware")
+            text = await pair.translate(heard)
+        try:
+            shards = await plan.voice.prepare(text)
+        except BadRequest:  # nothing a voice can say ("..."): the text alone
+            return Interpreted(segment, text, np.zeros(0, np.int16))
+        pieces = [p async for p in plan.voice.synthesize(shards, 1.0)]
+        return Interpreted(segment, text, np.concatenate(pieces))
+
+    async def recording(
+        self, samples: np.ndarray, plan: Plan, times: RequestTimes
+    ) -> AsyncGenerator[Interpreted, None]:
+        """A whole recording's segments through every stage, each as soon as it is done."""
+        async for segment in self.stt.transcribe(samples, plan.options, times):
+            if (done := await self.interpret(segment, plan)) is not None:
+                yield done
+
+    async def infer(
+        self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
+    ) -> tuple[dict[str, np.ndarray], Opened | None]:
+        languages = [request.parameters.get(name) for name in ("target", "source")]
+        if not all(code is None or isinstance(code, str) for code in languages):
+            raise BadRequest("parameters.target and parameters.source must be language codes")
+        plan = self.plan(*languages)
+        if sequence is None:
+            samples = await asyncio.to_thread(speech_api.audio_input, request, self.stt)
+            return _tensors([d async for d in self.recording(samples, plan, times)]), None
+        samples = speech_api.audio_input(request, self.stt)
+        inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
+        closed, _, serial = await self.stt.live_chunk(samples, inner, False, plan.options, times)
+        done = [d for s in closed if (d := await self.interpret(s, plan)) is not None]
+        opened = None
+        if serial is not None and not sequence.end:
+            self.sequences.opened[sequence.id] = serial
+            opened = Opened(self.name, sequence.id, serial)
+        return _tensors(done), opened
+
+    async def _interpret_route(self, request: Request, query: dict[str, str]) -> Response:
+        """POST /v2/models/{name}/interpret[?to=LANG&from=LANG]: a recording in (WAV, FLAC, Ogg), NDJSON
+        out: a line per segment as soon as it is spoken (times, each stage's text, base64 PCM16), then
+        a summary line with "done"."""
+        unknown = sorted(set(query) - {"to", "from"})
+        if unknown:
+            raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: to, from)")
+        plan = self.plan(query.get("to"), query.get("from"))  # a 400 before any work
+        samples = await asyncio.to_thread(decode_audio, request.body, 16000, speech_api.max_seconds(self.stt))
+        return Response(200, content_type="application/x-ndjson", stream=self._lines(samples, plan))
+
+    async def _lines(self, samples: np.ndarray, plan: Plan) -> AsyncGenerator[bytes, None]:
+        started, times, count, ok = time.perf_counter_ns(), RequestTimes(), 0, False
+        interpreted = self.recording(samples, plan, times)
+        try:
+            async for done in interpreted:
+                count += 1
+                yield json_line(done.as_json(plan.voice.sample_rate))
+            ok = True
+            duration = round(len(samples) / 16000, 3)
+            yield json_line({"model_name": self.name, "duration": duration, "segments": count, "done": True})
+        except ApiError as exc:
+            yield json_line({"error": exc.message})
+        finally:
+            await interpreted.aclose()
+            self.stats.record_request(ok, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)
+
+
+def _loaded(spec: ModelSpec, loaded: Mapping[str, ServedModel], name: str, kind: type) -> Any:
+    model = loaded.get(name)
+    if not isinstance(model, kind):
+        raise ApplianceError(f"model {spec.name}: {name!r} is not a {kind.__name__} model listed before it")
+    return model
+
+
+def _tensors(done: list[Interpreted]) -> dict[str, np.ndarray]:
+    return {
+        "audio": np.concatenate([d.audio for d in done]) if done else np.zeros(0, np.int16),
+        "text": np.array([d.text.encode() for d in done], dtype=object),
+        "source_text": np.array([d.segment.text.encode() for d in done], dtype=object),
+        "start": np.array([d.segment.start for d in done], np.float32),
+        "end": np.array([d.segment.end for d in done], np.float32),
+    }
+
+
+def _tensor(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
