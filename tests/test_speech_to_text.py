@@ -21,7 +21,8 @@ from conftest import ROOT, Daemon, Keys, build_bundle, cli
 from speech import RATE, recording, say
 
 from appliance.audio import encode_wav
-from appliance.client import Call, Client, infer_call
+from appliance.client import Call, Client
+from appliance.client.http import tensors_call
 
 TINY, BASE = "whisper_tiny_en", "whisper_base"
 # Sentences tiny.en hears word for word even alone (a short clip gives Whisper little context)
@@ -106,10 +107,7 @@ def test_english_word_error_rate_at_most_10_percent(daemon: Daemon, english, mod
     """KServe infer, the recording as one BYTES element (44.1 kHz stereo FLAC, resampled by the daemon)."""
     audio = np.array([flac(english, 44100, 2)], dtype=object)
     with daemon.client(transport) as client:
-        response = client.send(infer_call(model, audio))
-    from appliance.client import infer_outputs
-
-    outputs = infer_outputs(response)
+        outputs = client.infer(model, {"audio": audio})
     assert wer(ENGLISH, text_of(outputs)) <= 0.10, text_of(outputs)
     assert outputs["start"].dtype == np.float32 and np.all(np.diff(outputs["start"]) > 0)
 
@@ -219,7 +217,7 @@ def test_bad_audio_is_a_one_line_4xx_and_the_daemon_keeps_serving(
 ) -> None:
     for call in (
         Call("POST", f"/v2/models/{TINY}/transcribe", body),
-        infer_call(TINY, np.array([body], dtype=object)),
+        tensors_call(TINY, {"audio": np.array([body], dtype=object)}),
     ):
         response = unix.send(call)
         assert 400 <= response.status < 500, (name, response.status, response.body)

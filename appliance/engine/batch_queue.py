@@ -86,13 +86,15 @@ class BatchQueue(Generic[T, R]):
         self._thread.shutdown(wait=finished, cancel_futures=True)
         return finished
 
-    def submit(self, payloads: list[T], group: Hashable = None) -> list[asyncio.Future[Done[R]]]:
-        """Queue one request's shards, in order; a future per shard."""
+    def submit(self, payloads: list[T], group: Hashable = None, urgent: bool = False) -> list[asyncio.Future[Done[R]]]:
+        """Queue one request's shards, in order; a future per shard. `urgent` shards (a live stream's)
+        go before every waiting shard that is not."""
         loop, owner = asyncio.get_running_loop(), next(self._owners)
         futures: list[asyncio.Future[Done[R]]] = []
         for index, payload in enumerate(payloads):
             future: asyncio.Future[Done[R]] = loop.create_future()
-            self._waiting.append(_Shard(payload, group, owner, (index, next(self._arrivals)), future))
+            order = (-1 if urgent else index, next(self._arrivals))
+            self._waiting.append(_Shard(payload, group, owner, order, future))
             futures.append(future)
         self._wake.set()
         return futures

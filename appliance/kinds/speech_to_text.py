@@ -1,8 +1,8 @@
 """The speech_to_text kind: Whisper behind the box's VAD. A recording is cut by the VAD into speech,
 packed into shards of at most the baked `max_tokens_per_shard` (20 ms each, Whisper's 30 s window at
-most), and every shard of every waiting request runs in one engine call (engine/shard_batcher.py);
-the text comes back in order with segment times. Live streams feed the VAD chunk by chunk and
-decode each segment as soon as the VAD closes it. Its tensors and routes are in speech_api.py.
+most), and every shard of every waiting request runs in one engine call (engine/batch_queue.py,
+live streams' shards first); the text comes back in order with segment times. Live streams feed the
+VAD chunk by chunk and decode each segment as soon as the VAD closes it. Its tensors and routes are in speech_api.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from appliance.config import Live
 from appliance.engine import cuda
-from appliance.engine.shard_batcher import ShardBatcher
+from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
 from appliance.errors import ApplianceError, BadRequest
@@ -63,8 +63,8 @@ class SpeechToText:
             cuda.memory_used if cuda.cuda is not None else None,
         )
         self.stats = ModelStats()
-        self.batcher: ShardBatcher[Shard, Decoded] = ShardBatcher(
-            self.engine.run, self.max_batch, self.stats, self.engine.name
+        self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
+            self.engine.run, self.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
         )
         self.sequences = LiveTable(self)
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
@@ -88,14 +88,14 @@ class SpeechToText:
         return await self.batcher.stop(timeout_s)
 
     async def probe(self) -> None:
-        await self.batcher.submit(Shard(np.zeros(SAMPLE_RATE, np.float32)), RequestTimes())
+        await self.batcher.submit([Shard(np.zeros(SAMPLE_RATE, np.float32))])[0]
 
     def metadata(self) -> dict[str, Any]:
         return speech_api.metadata(self)
 
     @property
     def queue_depth(self) -> int:
-        return self.batcher.queue_depth
+        return self.batcher.waiting
 
     def config(self) -> dict[str, Any]:
         return speech_api.config(self)
@@ -166,7 +166,10 @@ class SpeechToText:
         spans by Whisper's timestamps, a segment per run of spans its pieces join (Whisper's own
         times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
         second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
-        decoded = await self.batcher.submit(self._shard(plan.audio(samples), options), times, live)
+        shard = self._shard(plan.audio(samples), options)
+        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=live)[0]
+        times.queue_ns += done.queued_ns
+        decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
         out = []
         for first, last, text in runs:
