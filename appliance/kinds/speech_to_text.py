@@ -175,7 +175,9 @@ class SpeechToText:
         for first, last, text in runs:
             start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
             out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
-        heard = max((last + 1 for _, last, _ in runs), default=0)
+        # Whisper read up to its last timestamp: the spans that start after it were not heard
+        reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
+        heard = sum(1 for span in plan.spans if span.offset < reached)
         if 0 < heard < len(plan.spans):
             packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
             rest = [p for span in plan.spans[heard:] for p in packer.add((span.start, span.end))] + packer.finish()
