@@ -124,7 +124,7 @@ def test_ten_minute_recording_streams_every_sentence_in_order_with_times(unix: C
     sentences: list[str] = []
     parts, spans, position = [], [], 0
     while position < 600 * RATE:  # ten minutes: the sentences in turn, pauses of 0.8 to 3 s between
-        text = CLEAR[len(sentences) % len(CLEAR)]
+        text = ENGLISH[len(sentences) % len(ENGLISH)]
         sentences.append(text)
         voice, gap = say(text), int(rng.uniform(0.8, 3.0) * RATE)
         spans.append((position / RATE, (position + len(voice)) / RATE))
