@@ -79,10 +79,11 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         "shortlist": ParameterSchema(str, ""),
     },
     # Whisper (a CTranslate2 model directory) behind a VAD model listed before it. A shard token is one
-    # encoder position, 20 ms: 1500 fill Whisper's 30 s window.
+    # encoder position, 20 ms: 1500 fill Whisper's 30 s window; 1400 leave its last 2 s silent, where
+    # Whisper would leave speech for a next window.
     "speech_to_text": {
         "vad": ParameterSchema(str),
-        "max_tokens_per_shard": ParameterSchema(int, 1500, bounds=(50, 1500)),
+        "max_tokens_per_shard": ParameterSchema(int, 1400, bounds=(50, 1500)),
         "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
         "max_batch": ParameterSchema(int, 8, bounds=(1, 256)),
         "beam_size": ParameterSchema(int, 5, bounds=(1, 16)),
