@@ -106,10 +106,7 @@ def test_english_word_error_rate_at_most_10_percent(daemon: Daemon, english, mod
     """KServe infer, the recording as one BYTES element (44.1 kHz stereo FLAC, resampled by the daemon)."""
     audio = np.array([flac(english, 44100, 2)], dtype=object)
     with daemon.client(transport) as client:
-        response = client.send(infer_call(model, audio))
-    from appliance.client import infer_outputs
-
-    outputs = infer_outputs(response)
+        outputs = client.infer(model, {"audio": audio})
     assert wer(ENGLISH, text_of(outputs)) <= 0.10, text_of(outputs)
     assert outputs["start"].dtype == np.float32 and np.all(np.diff(outputs["start"]) > 0)
 
