@@ -13,11 +13,12 @@ IMAGE := build/image/out
 IMAGE_VERSION ?= $(shell date -u +%Y%m%d%H%M%S)
 DEV_KEY := keys/dev.key
 TRUSTED := keys/trusted
-BUNDLE := build/firmware/default
-INTERPRETER_BUNDLE := build/firmware/interpreter
+# `make run` and the image serve the interpreter firmware; the VAD-only default stays buildable (make firmware-default).
+BUNDLE := build/firmware/interpreter
+DEFAULT_BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
-.PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware gpu-test gpu-wheelhouse clean
+.PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware firmware-default gpu-test gpu-wheelhouse clean
 
 run: firmware run/tls/cert.pem bpf-host
 	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
@@ -29,7 +30,7 @@ run: firmware run/tls/cert.pem bpf-host
 	$(APPLIANCE) run --config $(CONFIG)
 
 # Where /dev/kvm exists the image is built too, and its boot tests run if KVM really runs OVMF.
-test: lint firmware bpf-host
+test: lint firmware firmware-default bpf-host
 	@if [ -w /dev/kvm ]; then $(MAKE) --no-print-directory image; fi
 	bash tests/run.sh
 
@@ -41,9 +42,9 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-bench: firmware $(INTERPRETER_BUNDLE)/manifest.json
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED)
-	$(APPLIANCE) bench --bundle $(INTERPRETER_BUNDLE) --trusted-keys $(TRUSTED) --part speech
+bench: firmware firmware-default
+	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part speech
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
@@ -77,14 +78,14 @@ venv: $(VENV)/.installed
 $(DEV_KEY): | venv
 	$(APPLIANCE) keys new --out $(DEV_KEY) --trust-dir $(TRUSTED)
 
-$(BUNDLE)/manifest.json: firmware/default.toml $(DEV_KEY) | venv
-	$(APPLIANCE) firmware build firmware/default.toml --key $(DEV_KEY) --out $(BUNDLE)
+# build/firmware/NAME from firmware/NAME.toml: interpreter (VAD, Whisper, the Piper voice, Bergamot en<->pt,
+# the pipeline), default (VAD only).
+build/firmware/%/manifest.json: firmware/%.toml $(DEV_KEY) | venv
+	$(APPLIANCE) firmware build $< --key $(DEV_KEY) --out build/firmware/$*
 
 firmware: $(BUNDLE)/manifest.json
 
-# The interpreter firmware: VAD, Whisper, the Piper voice, Bergamot en<->pt and the pipeline (make bench).
-$(INTERPRETER_BUNDLE)/manifest.json: firmware/interpreter.toml $(DEV_KEY) | venv
-	$(APPLIANCE) firmware build firmware/interpreter.toml --key $(DEV_KEY) --out $(INTERPRETER_BUNDLE)
+firmware-default: $(DEFAULT_BUNDLE)/manifest.json
 
 image-deps:
 	@$(MAKE) --no-print-directory deps APT_PACKAGES="$(IMAGE_PACKAGES)"
