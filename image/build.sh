@@ -30,6 +30,10 @@ cp -r "$work/wheels" "$stage/tmp/wheels"
 chroot "$stage" python3 -m venv --system-site-packages /opt/appliance/.venv
 chroot "$stage" /opt/appliance/.venv/bin/pip install -q --no-index --no-cache-dir --find-links /tmp/wheels 'appliance[server]'
 rm -rf "$stage/tmp/wheels"
+# The engines' libraries load in the root as the daemon will load them (a wheel without its native library
+# fails here, not on the box); the speech kind's phonemes come from the espeak-ng program.
+chroot "$stage" /opt/appliance/.venv/bin/python -c 'import onnxruntime, ctranslate2, fxtranslate, sentencepiece, tokenizers, soundfile, soxr'
+chroot "$stage" espeak-ng --version >/dev/null
 cp "$repo/README.md" "$stage/opt/appliance/README.md"
 
 # Units, user, config, trusted keys. The config overrides live on the data partition.
@@ -59,8 +63,10 @@ owner=$(chroot "$stage" id -u appliance):$(chroot "$stage" id -g appliance)
 chown -R "$owner" "$data/appliance"
 
 rm -f "$work/root.img" "$work/data.img"
-mkfs.ext4 -q -L root -d "$stage" "$work/root.img" 2048M
-mkfs.ext4 -q -L data -d "$data" "$work/data.img" 256M
+# The sizes are the layout's (appliance/box/layout.py), read rather than repeated.
+read -r root_mib data_mib < <("$repo/.venv/bin/python" -c 'from appliance.box import layout as l; print(l.ROOT_MIB, l.DATA_MIB)')
+mkfs.ext4 -q -L root -d "$stage" "$work/root.img" "${root_mib}M"
+mkfs.ext4 -q -L data -d "$data" "$work/data.img" "${data_mib}M"
 "$appliance" image assemble --out "$out" --root "$work/root.img" --data "$work/data.img" \
     --boot-efi "$stage/usr/lib/systemd/boot/efi/systemd-bootx64.efi" \
     --kernel "$stage/boot/vmlinuz" --initrd "$stage/boot/initrd.img"

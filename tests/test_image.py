@@ -1,9 +1,10 @@
 """The disk image, booted: qemu + OVMF on a copy written by `appliance flash`.
 
 `appliance flash` writes the test image to a disk once; each scenario boots its own copy-on-write
-copy of that disk (a box fresh from the factory, on slot A): first boot, a good update (new slot
-blessed), an update whose appliance fails its self-test (rolled back), an update killed with -9
-halfway, and a power cut during the write. The box has no remote shell, so the test
+copy of that disk (a box fresh from the factory, on slot A, serving the interpreter firmware): first boot,
+a good update (new slot blessed), an update whose appliance fails its self-test (rolled back), an update
+killed with -9 halfway, and a power cut during the write; and a box flashed with the VAD-only firmware
+updated to the interpreter firmware, then rolled back. The box has no remote shell, so the test
 copy of the image carries a small driver unit (tests/image/) that reports on the serial console and
 runs `appliance update` from a disk the host attaches. Tampered images are refused on the host.
 Needs `make image` (build/image/out); takes minutes (KVM) to a quarter of an hour (TCG).
@@ -34,15 +35,16 @@ from appliance.errors import ApplianceError
 BUILT = ROOT / "build" / "image" / "out"
 DEV_KEY = ROOT / "keys" / "dev.key"
 TRUSTED = ROOT / "keys" / "trusted"
+IMAGE_SPEC = ROOT / "firmware" / "interpreter.toml"  # the firmware make image puts on the data partition
 OVMF = Path("/usr/share/OVMF")
-BOOT_TIMEOUT_S = 600.0
+BOOT_TIMEOUT_S = {"kvm": 600.0, "tcg": 1500.0}  # TCG: the interpreter firmware starts in minutes (twice in an update)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="debugfs on partitions and qemu need root"),
     pytest.mark.skipif(not (BUILT / layout.MANIFEST).exists(), reason="no image: run make image"),
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"),
-    pytest.mark.timeout(1800),  # several boots each; under TCG a boot with an update takes minutes
+    pytest.mark.timeout(3600),  # several boots each; under TCG a boot with an update takes minutes
 ]
 
 
@@ -58,30 +60,30 @@ def copy_image(source: Path, dest: Path) -> Path:
     return dest
 
 
-def edit_root(image_dir: Path, commands: list[str], scratch: Path) -> None:
-    """Apply debugfs commands to the image's root (slot A) file system, then re-sign the image."""
-    root = layout.partition("root-a")
-    part = scratch / "root.img"
+def read_partition(image_dir: Path, label: str, part: Path) -> None:
+    p = layout.partition(label)
     run(
         "dd",
         f"if={image_dir / layout.DISK}",
         f"of={part}",
         "bs=4M",
-        f"skip={root.offset}",
-        f"count={root.size}",
+        f"skip={p.offset}",
+        f"count={p.size}",
         "iflag=skip_bytes,count_bytes",
         "conv=sparse",
     )
-    script = scratch / "debugfs.cmd"
-    script.write_text("\n".join(commands) + "\n")
-    result = run("debugfs", "-w", "-f", script, part)
-    assert "Could not" not in result.stderr and "not found" not in result.stderr, result.stderr
+
+
+def write_partition(image_dir: Path, label: str, part: Path) -> None:
+    """Write a file system back into its partition (no bigger than it) and re-sign the image."""
+    p = layout.partition(label)
+    assert part.stat().st_size <= p.size
     run(
         "dd",
         f"if={part}",
         f"of={image_dir / layout.DISK}",
         "bs=4M",
-        f"seek={root.offset}",
+        f"seek={p.offset}",
         "oflag=seek_bytes",
         "conv=sparse,notrunc",
     )
@@ -89,11 +91,44 @@ def edit_root(image_dir: Path, commands: list[str], scratch: Path) -> None:
     cli("image", "sign", image_dir, "--key", DEV_KEY, "--version", image_dir.name)
 
 
-def install_driver(image_dir: Path, scratch: Path) -> None:
+def edit_root(image_dir: Path, commands: list[str], scratch: Path) -> None:
+    """Apply debugfs commands to the image's root (slot A) file system, then re-sign the image."""
+    part = scratch / "root.img"
+    read_partition(image_dir, "root-a", part)
+    script = scratch / "debugfs.cmd"
+    script.write_text("\n".join(commands) + "\n")
+    result = run("debugfs", "-w", "-f", script, part)
+    assert "Could not" not in result.stderr and "not found" not in result.stderr, result.stderr
+    write_partition(image_dir, "root-a", part)
+
+
+def replace_firmware(image_dir: Path, bundle: Path, scratch: Path) -> None:
+    """The image's data partition with `bundle` as its only firmware, installed as make image installs
+    one (on trial until the first boot's self-test), everything else on the partition kept as it was."""
+    part, tree = scratch / "data.img", scratch / "data"
+    read_partition(image_dir, "data", part)
+    run("debugfs", "-R", f"rdump / {tree}", part)  # owners, modes and links kept
+    store = tree / "appliance" / "firmware"
+    shutil.rmtree(store)
+    cli("firmware", "install", bundle, "--store", store, "--trusted-keys", TRUSTED)
+    owner = (tree / "appliance").stat()
+    run("chown", "-R", f"{owner.st_uid}:{owner.st_gid}", store)
+    part.unlink()
+    run("mkfs.ext4", "-q", "-L", "data", "-d", tree, part, f"{layout.DATA_MIB}M")
+    shutil.rmtree(tree)
+    write_partition(image_dir, "data", part)
+
+
+def install_driver(image_dir: Path, scratch: Path, accel: str) -> None:
     here = ROOT / "tests" / "image"
+    slack = [
+        "mkdir /etc/systemd/system/appliance.service.d",
+        f"write {here / 'tcg-slack.conf'} /etc/systemd/system/appliance.service.d/tcg-slack.conf",
+    ]
     edit_root(
         image_dir,
         [
+            *(slack if accel == "tcg" else []),
             f"write {here / 'test-driver.sh'} /usr/local/sbin/appliance-test-driver",
             "sif /usr/local/sbin/appliance-test-driver mode 0100755",
             f"write {here / 'appliance-test-driver.service'} /etc/systemd/system/appliance-test-driver.service",
@@ -211,7 +246,7 @@ class Machine:
                     assert certificate, text[-4000:]
                     while_serving(base64.b64decode(certificate.group(1)).decode())
                     break
-                assert time.monotonic() - started < BOOT_TIMEOUT_S, f"boot timed out:\n{text[-4000:]}"
+                assert time.monotonic() - started < BOOT_TIMEOUT_S[self.accel], f"boot timed out:\n{text[-4000:]}"
                 time.sleep(0.5)
         finally:
             if qemu.poll() is None:
@@ -238,7 +273,7 @@ def test_images(accel: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     """The built image plus the test driver ("good"), and the same with a config that cannot start ("bad")."""
     work = tmp_path_factory.mktemp("images")
     good = copy_image(BUILT, work / "good")
-    install_driver(good, work)
+    install_driver(good, work, accel)
     bad = copy_image(good, work / "bad")
     broken = work / "broken.toml"
     broken.write_text('[firmware]\nbundle = "/nonexistent/firmware"\ntrusted_keys = "/etc/appliance/trusted-keys"\n')
@@ -285,20 +320,31 @@ def machine(
     return Machine(flashed, tmp_path_factory.mktemp("machines") / request.node.name[:40], accel)
 
 
+@pytest.fixture(scope="module")
+def vad_only(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test image's disk as a box flashed before the interpreter firmware was: its data partition holds
+    the VAD-only firmware (firmware/default.toml). Booted as is: the bytes `appliance flash` would write."""
+    work = tmp_path_factory.mktemp("vad-only")
+    image = copy_image(test_images["good"], work / "image")
+    replace_firmware(image, build_bundle(Keys(DEV_KEY, TRUSTED), work / "voice-vad"), work)
+    return image / layout.DISK
+
+
 Media = Callable[[str], Path]
 
 
 @pytest.fixture(scope="module")
 def media(test_images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Media:
-    """media("good"), media("bad"): test images; media("firmware"): firmware 1.1.0 signed with the dev key."""
+    """media("good"), media("bad"): test images; media("firmware"): the interpreter firmware, built and signed
+    with the dev key; media("serve"), media("rollback"): requests, no content."""
     work = tmp_path_factory.mktemp("media")
 
     def make(kind: str) -> Path:
-        if kind == "serve":  # no content: its serial number is the request
-            (work / "serve.raw").write_bytes(bytes(layout.MIB))
-            return work / "serve.raw"
+        if kind in ("serve", "rollback"):  # its serial number is the request
+            (work / f"{kind}.raw").write_bytes(bytes(layout.MIB))
+            return work / f"{kind}.raw"
         if kind == "firmware" and "firmware" not in test_images:
-            test_images["firmware"] = build_bundle(Keys(DEV_KEY, TRUSTED), work / "firmware-1.1.0", version="1.1.0")
+            test_images["firmware"] = build_bundle(Keys(DEV_KEY, TRUSTED), work / "interpreter", IMAGE_SPEC)
         return update_media(test_images[kind], work / f"{kind}.raw")
 
     return make
@@ -372,10 +418,33 @@ def test_update_refuses_tampered_manifest_and_wrong_key(tmp_path: Path) -> None:
     assert sorted(p.name for p in (esp / "loader/entries").iterdir()) == ["slot-a.conf"]
 
 
+def test_data_partition_holds_current_previous_and_a_third_being_installed(tmp_path: Path) -> None:
+    """The firmware store at its fullest, during an update: current, previous and the release being installed
+    (the old previous goes only after the new one's self-test), three releases of the image's firmware. A file
+    system of the data partition's size takes them (mkfs.ext4 -d refuses what does not fit), with room left."""
+    tree = tmp_path / "data"
+    store = tree / "appliance" / "firmware"
+    for version in ("1.0.0", "1.0.1", "1.0.2"):
+        bundle = build_bundle(Keys(DEV_KEY, TRUSTED), tmp_path / version, IMAGE_SPEC, version=version)
+        cli("firmware", "install", bundle, "--store", store, "--trusted-keys", TRUSTED)
+        shutil.rmtree(bundle)
+    assert len(list((store / "releases").iterdir())) == 3
+    used_mib = int(run("du", "-sm", store).stdout.split()[0])
+    part = tmp_path / "data.img"
+    run("mkfs.ext4", "-q", "-L", "data", "-d", tree, part, f"{layout.DATA_MIB}M")
+    stats = dict(line.split(":", 1) for line in run("dumpe2fs", "-h", part).stdout.splitlines() if ":" in line)
+    block, free, reserved = (int(stats[k]) for k in ("Block size", "Free blocks", "Reserved block count"))
+    spare_mib = (free - reserved) * block // layout.MIB
+    print(f"data partition ({layout.DATA_MIB} MiB): three releases take {used_mib} MiB, {spare_mib} MiB spare")
+    assert spare_mib >= layout.DATA_MIB // 10, "the data partition is nearly full with three releases"
+
+
 # --- booted: each scenario starts from a box freshly flashed, running slot A -----------------------
 
 
-def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine, media: Media, tmp_path: Path) -> None:
+def test_first_boot_serves_the_interpreter_from_slot_a_and_over_quic_to_the_lan(
+    machine: Machine, media: Media, tmp_path: Path
+) -> None:
     calls: dict[str, subprocess.CompletedProcess[str]] = {}
 
     def call_over_quic(certificate: str) -> None:
@@ -384,18 +453,27 @@ def test_first_boot_serves_from_slot_a_and_over_quic_to_the_lan(machine: Machine
         quic = ("--quic", f"127.0.0.1:{machine.quic_port}", "--cafile", cafile)
         calls["health"] = cli("call", "health", *quic, check=False)
         calls["vad"] = cli("call", "vad", speech_wav(tmp_path), *quic, check=False)
+        calls["translate"] = cli("call", "translate", "--to", "pt", "Where is the station?", *quic, check=False)
+        # Whisper (CTranslate2), then the Piper voice (espeak-ng's phonemes, ONNX Runtime): the root's engines
+        calls["interpret"] = cli(
+            "call", "interpret", speech_wav(tmp_path), "-o", tmp_path / "out.wav", *quic, check=False
+        )
 
     boot = machine.boot(update_media=("serve", media("serve")), while_serving=call_over_quic)
     assert calls, boot.tail()
     assert calls["health"].returncode == 0 and '"ready": true' in calls["health"].stdout, calls["health"]
     segments = json.loads(calls["vad"].stdout)["segments"]
     assert len(segments) == len(SENTENCES), calls["vad"]
+    assert calls["translate"].returncode == 0 and "estação" in calls["translate"].stdout, calls["translate"]
+    interpreted = calls["interpret"]
+    assert interpreted.returncode == 0 and "first sentence" in interpreted.stdout.lower(), interpreted
+    assert (tmp_path / "out.wav").stat().st_size > 44, interpreted
     assert boot.selftest_ok(), boot.tail()
     assert boot.slot() == "a"
     assert "test-driver: appliance.service active" in boot.serial, boot.tail()
     assert boot.entries() == ["slot-a.conf"]
-    assert re.search(r"appliance-selftest: firmware voice-vad-1\.0\.0-\S+ committed", boot.serial), boot.tail()
-    assert "test-driver: status firmware voice-vad 1.0.0" in boot.serial, boot.tail()
+    assert re.search(r"appliance-selftest: firmware interpreter-1\.0\.0-\S+ committed", boot.serial), boot.tail()
+    assert "test-driver: status firmware interpreter 1.0.0" in boot.serial, boot.tail()
 
 
 def test_good_update_boots_new_slot_and_commits(machine: Machine, media: Media) -> None:
@@ -437,12 +515,24 @@ def test_power_cut_during_the_write_leaves_a_good_slot(machine: Machine, media: 
     assert after.entries() == ["slot-a.conf"], after.entries()
 
 
-def test_firmware_update_to_the_data_partition_keeps_the_previous(machine: Machine, media: Media) -> None:
+def test_firmware_update_from_vad_only_to_the_interpreter_and_rollback(
+    accel: str, vad_only: Path, media: Media, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    machine = Machine(vad_only, tmp_path_factory.mktemp("machines") / "vad-only", accel)
     boot = machine.boot(update_media=("firmware", media("firmware")))
     assert boot.slot() == "a" and boot.selftest_ok(), boot.tail()
-    assert "test-driver: firmware update exit 0" in boot.serial, boot.tail()
-    assert re.search(r"test-driver: store current  voice-vad-1\.1\.0-", boot.serial), boot.tail()
+    assert "test-driver: status firmware voice-vad 1.0.0" in boot.serial, boot.tail()
+    updated = re.search(r"test-driver: firmware update exit 0 after (\S+) s", boot.serial)
+    assert updated, boot.tail()
+    assert re.search(r"test-driver: store current  interpreter-1\.0\.0-", boot.serial), boot.tail()
     assert re.search(r"test-driver: store previous voice-vad-1\.0\.0-", boot.serial), boot.tail()
-    after = machine.boot()  # the same slot, the new firmware, kept across the reboot
+    data = re.search(r"test-driver: data partition: .*", boot.serial)
+    print(f"firmware update voice-vad -> interpreter: {updated.group(1)} s; {data.group(0) if data else ''}")
+
+    after = machine.boot(update_media=("rollback", media("rollback")))  # kept across the reboot, then undone
     assert after.slot() == "a" and after.selftest_ok(), after.tail()
-    assert "test-driver: status firmware voice-vad 1.1.0" in after.serial, after.tail()
+    assert "test-driver: status firmware interpreter 1.0.0" in after.serial, after.tail()
+    assert "test-driver: firmware rollback exit 0" in after.serial, after.tail()
+    assert "test-driver: status after rollback firmware voice-vad 1.0.0" in after.serial, after.tail()
+    assert re.search(r"test-driver: store current  voice-vad-1\.0\.0-", after.serial), after.tail()
+    assert re.search(r"test-driver: store previous interpreter-1\.0\.0-", after.serial), after.tail()

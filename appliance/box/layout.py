@@ -18,6 +18,11 @@ TRIAL_TRIES = 1
 KERNEL_OPTIONS = "rw console=ttyS0,115200 panic=10"
 KERNEL_IN_ROOT = "/boot/vmlinuz"
 INITRD_IN_ROOT = "/boot/initrd.img"
+# Partition sizes in MiB (image/build.sh makes its file systems these sizes). The data partition holds the
+# firmware store: the interpreter firmware (about 320 MiB) as current and previous, plus a third release
+# while `appliance update` installs one (the old previous goes only once the new one passed its
+# self-test), with over a quarter of it to spare; tests/test_image.py checks that they fit.
+ESP_MIB, ROOT_MIB, DATA_MIB = 256, 2048, 1536
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +42,12 @@ class Partition:
         return self.size_mib * MIB
 
 
-def _layout(root_mib: int) -> tuple[Partition, ...]:
+def _layout() -> tuple[Partition, ...]:
     sizes = (
-        ("esp", ESP_TYPE, 256),
-        ("root-a", ROOT_TYPE, root_mib),
-        ("root-b", ROOT_TYPE, root_mib),
-        ("data", DATA_TYPE, 256),
+        ("esp", ESP_TYPE, ESP_MIB),
+        ("root-a", ROOT_TYPE, ROOT_MIB),
+        ("root-b", ROOT_TYPE, ROOT_MIB),
+        ("data", DATA_TYPE, DATA_MIB),
     )
     parts, start = [], 1
     for n, (label, kind, size) in enumerate(sizes, 1):
@@ -51,7 +56,7 @@ def _layout(root_mib: int) -> tuple[Partition, ...]:
     return tuple(parts)
 
 
-LAYOUT = _layout(2048)
+LAYOUT = _layout()
 DISK_SIZE = (LAYOUT[-1].start_mib + LAYOUT[-1].size_mib + 1) * MIB  # + 1 MiB for the backup GPT
 
 
