@@ -47,35 +47,61 @@ class Run:
         return self.stderr
 
 
+# The command runs as the child of this small process, which reports the child's own peak RSS on a pipe.
+# (The peak of a child forked from pytest itself starts at pytest's resident size: fork shares its pages.)
+PEAK_RSS = """
+import os, sys
+report, command = int(sys.argv[1]), sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    os.close(report)
+    os.execvp(command[0], command)
+_, status, usage = os.wait4(pid, 0)
+os.write(report, str(usage.ru_maxrss).encode())
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run(*args: object, umask: int | None = None, deadline_s: float = DEADLINE_S) -> Run:
-    """`appliance ARGS` with a deadline and at most ADDRESS_SPACE of memory; its peak RSS from wait4."""
+    """`appliance ARGS` with a deadline and at most ADDRESS_SPACE of memory; its own peak RSS."""
 
     def limits() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
         if umask is not None:
             os.umask(umask)
 
+    peak_read, peak_write = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.monotonic()
         proc = subprocess.Popen(
-            [*APPLIANCE, *map(str, args)], cwd=ROOT, stdout=out, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=limits
+            ["/usr/bin/python3", "-c", PEAK_RSS, str(peak_write), *APPLIANCE, *map(str, args)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=limits,
+            pass_fds=(peak_write,),
+            start_new_session=True,
         )
+        os.close(peak_write)
         returncode: int | None = None
         while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            pid, status, _ = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 returncode = os.waitstatus_to_exitcode(status)
                 break
             if time.monotonic() - start > deadline_s:
-                proc.kill()
-                _, _, usage = os.wait4(proc.pid, 0)
+                os.killpg(proc.pid, 9)
+                os.wait4(proc.pid, 0)
                 break
             time.sleep(0.02)
+        with os.fdopen(peak_read, "rb") as peak:
+            max_rss_kib = int(peak.read() or 0)
         proc.returncode = -9 if returncode is None else returncode  # reaped here: Popen must not wait again
         seconds = time.monotonic() - start
         out.seek(0)
         err.seek(0)
-        return Run(returncode, out.read().decode(), err.read().decode(), seconds, usage.ru_maxrss)
+        return Run(returncode, out.read().decode(), err.read().decode(), seconds, max_rss_kib)
 
 
 def copy_bundle(bundle: Path, tmp_path: Path, name: str = "bundle") -> Path:
