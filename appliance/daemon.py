@@ -95,6 +95,9 @@ def configure_logging(level: str) -> None:
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection's handshake at info
 
 
+PROBE_SHARE = 0.02  # the most of its time an idle model spends on the watchdog's probes
+
+
 class Daemon:
     def __init__(self, config: Config, config_paths: list[Path] | None) -> None:
         self.live, self.config_paths = Live(config), config_paths
@@ -225,12 +228,25 @@ class Daemon:
             last_count, last_time = count, now
 
     async def _watchdog(self, interval: float) -> None:
-        """Ping only when every engine just completed a real inference: a wedged engine stops the pings."""
-        log.info("watchdog: probing the engines every %.2f s", interval)
+        """Ping only when every engine proved itself lately: a wedged engine stops the pings.
+
+        A model proves itself by completing engine calls for requests, or else by a probe (a real
+        inference). A heavy model's probe (Whisper: a 30 s window) is run at most PROBE_SHARE of the
+        time, so an idle box does not spend a core on proofs; a cheap one (the VAD) runs every interval."""
+        log.info("watchdog: probing the engines every %.2f s at the most", interval)
+        proven: dict[str, tuple[float, int]] = {}  # model -> (when it last proved itself, its executions then)
+        cost: dict[str, float] = {}  # model -> how long its last probe took
         while True:
             started = time.monotonic()
+            due = []
+            for name, model in self.models.items():
+                when, executions = proven.get(name, (0.0, -1))
+                if model.stats.execution_count != executions and executions >= 0:
+                    proven[name] = (started, model.stats.execution_count)  # requests ran on it since
+                elif started - when >= max(interval, cost.get(name, 0.0) / PROBE_SHARE):
+                    due.append(name)
             try:
-                await asyncio.wait_for(asyncio.gather(*(m.probe() for m in self.models.values())), interval)
+                await asyncio.wait_for(asyncio.gather(*(self._probe(n, cost, proven) for n in due)), interval)
             except TimeoutError:
                 log.error("watchdog: an engine did not complete a probe within %.2f s; withholding the ping", interval)
                 continue  # the probes stay queued: a recovering engine answers them and pings resume
@@ -239,6 +255,13 @@ class Daemon:
             else:
                 systemd.watchdog_ping()
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _probe(self, name: str, cost: dict[str, float], proven: dict[str, tuple[float, int]]) -> None:
+        model, started = self.models[name], time.monotonic()
+        await model.probe()
+        done = time.monotonic()
+        cost[name] = done - started
+        proven[name] = (done, model.stats.execution_count)
 
     # --- reload ---
     def reload(self) -> None:
