@@ -25,9 +25,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
 from cryptography.hazmat.primitives import hashes
 
-from appliance.api.core import Api
 from appliance.config import Live, QuicConfig, ServerConfig
-from appliance.protocol.messages import Opened, Request, Response
+from appliance.protocol.messages import Handler, Opened, Request, Response
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
@@ -38,10 +37,13 @@ log = logging.getLogger("appliance.h3")
 SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
 
 
+CONNCACHE_SWEEP_S = 1.0
+
+
 class H3Server:
     """Shared state of all QUIC connections: the API, the live settings, and who is connected."""
 
-    def __init__(self, api: Api, live: Live, budget: BodyBudget) -> None:
+    def __init__(self, api: Handler, live: Live, budget: BodyBudget) -> None:
         self.api, self.live, self.budget = api, live, budget
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
@@ -60,8 +62,9 @@ class H3Server:
     def limits(self) -> ServerConfig:
         return self.live.config.server
 
-    async def start(self, sock: socket.socket | None = None) -> None:
-        """Listen on `sock` (from systemd) or on the configured host and port; attach the connection cache."""
+    async def start(self, sock: socket.socket | None = None, cache: ConnectionCache | None = None) -> None:
+        """Listen on `sock` (from systemd, or the engine process's for a worker) or on the configured host
+        and port; attach the connection cache, or use `cache` (a worker's view of the engine's)."""
         configuration = QuicConfiguration(
             is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s
         )
@@ -77,11 +80,19 @@ class H3Server:
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
         udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
-        self.cache = open_cache(lambda: self.live.config.conncache, udp_socket)
+        self.cache = cache if cache is not None else open_cache(lambda: self.live.config.conncache, udp_socket)
         self._quic_server.admit = self.cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    @property
+    def datagrams(self) -> int:
+        return self._quic_server.datagrams if self._quic_server else 0
+
+    @property
+    def stray_datagrams(self) -> int:
+        return self._quic_server.stray_datagrams if self._quic_server else 0
 
     def handshaking(self) -> int:
         return sum(not c.handshake_done for c in self.connections)
@@ -98,6 +109,21 @@ class H3Server:
         for connection in [c for c in self.connections if c.peer == peer]:
             connection.close_quietly(reason)
         return self.owners.release(peer)
+
+    async def sweep_connection_cache(self) -> None:
+        """Forever: release what vanished QUIC peers held (peers idle past the timeout, or evicted)."""
+        assert self.cache is not None
+        while True:
+            await asyncio.sleep(CONNCACHE_SWEEP_S)
+            held = self.owners.held()
+            still = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if is_open}
+            self.owners.forget_ended(still.__contains__)
+            for peer in self.cache.sweep(self.peers_held() | self.owners.peers()):
+                opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
+                self.api.end_opened(opened)
+                log.info(
+                    "conncache: peer %s idle or evicted: connection closed, %d sequences released", peer, len(opened)
+                )
 
     async def _reap(self) -> None:
         """Quiet request streams get a 408; handshakes not complete in time lose their slot."""
