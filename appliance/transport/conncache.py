@@ -1,12 +1,17 @@
 """The per-peer connection cache of the QUIC listener: kernel (eBPF via bcc) or user space.
 
-The kernel backend has bpf/conncache.c compiled by bcc and attached to the listener's UDP socket
-with SO_ATTACH_BPF by a loader child (appliance/transport/conncache_loader.py), which pins its maps under
+The kernel backend has bpf/conncache.c compiled by bcc and attached to the listener's UDP sockets
+(one, or one per QUIC worker) with SO_ATTACH_BPF by a loader child (appliance/transport/conncache_loader.py), which pins its maps under
 `pin_dir` and exits; the daemon reads them with bare bpf() calls (appliance/bpfmaps.py), and
 `bpftool map dump pinned PIN_DIR/peers` shows live peers. Datagrams over a peer's budget are
 dropped in the kernel, before they reach Python. Where it cannot load (no privileges, no kernel
 headers, no bcc) the user-space backend keeps the same table with the same limits, fed datagram
 by datagram by the QUIC layer (`admit`).
+
+With several sockets in one SO_REUSEPORT group and a key per socket, the same loader also attaches
+bpf/quic_steering.c to the group: a datagram whose destination connection ID starts with a worker's
+key goes to that worker's socket (`steering_reason` says why not, where it did not load). A worker
+process reads the pins the engine's cache made with `KernelCache.attached`.
 
 Both answer the daemon the same way: `peers()` for /status and /metrics, and `sweep()`, which
 forgets peers idle past `idle_timeout_s` and reports them, and those the LRU evicted, so the
@@ -39,6 +44,7 @@ log = logging.getLogger("appliance.conncache")
 
 HOST_CID_LENGTH = 8  # aioquic's server connection IDs
 MAPS = ("peers", "totals")  # what bpf/conncache.c pins: the peer table and the totals
+STEERING_MAP = "workers"  # what the steering pins: worker key -> socket (bpftool map dump pinned ...)
 
 
 def peer_name(addr: tuple[Any, ...]) -> str:
@@ -54,6 +60,7 @@ class ConnectionCache:
 
     backend = ""
     reason = ""  # why this backend (set when the kernel one could not load)
+    steering_reason = "no worker keys given"  # "": QUIC steering across the worker sockets is loaded
 
     def __init__(self, settings: Callable[[], ConnCacheConfig]) -> None:
         self._settings = settings  # the live config's section: a reload changes the idle timeout
@@ -165,27 +172,46 @@ def _dcid(data: bytes) -> str:
 
 
 class KernelCache(ConnectionCache):
-    """bpf/conncache.c attached to the listener's socket by a loader child (bcc stays out of the
-    daemon); the daemon reads and trims the pinned maps with plain bpf() calls."""
+    """bpf/conncache.c attached to the listener's sockets by a loader child (bcc stays out of the
+    daemon), and with worker keys bpf/quic_steering.c on their SO_REUSEPORT group; the daemon reads
+    and trims the pinned maps with plain bpf() calls."""
 
     backend = "ebpf"
     KEY = struct.Struct("<BBH16s")  # struct peer_key: family, pad, port (network order), addr
     STATS = struct.Struct("<7QB20s")  # struct peer_stats, up to its tail padding (80 bytes)
     STATS_SIZE = 80
 
-    def __init__(self, settings: Callable[[], ConnCacheConfig], sock: socket.socket) -> None:
+    def __init__(
+        self, settings: Callable[[], ConnCacheConfig], socks: list[socket.socket], keys: list[int] | None = None
+    ) -> None:
         super().__init__(settings)
         config = self.config
+        self._attached = False
+        nothing_to_steer = unsteered(socks, keys)
         self._owner = own_pin_dir(config.pin_dir)
         try:
-            self._load(config, sock)
+            self._load(config, socks, None if nothing_to_steer else keys)
+            self.steering_reason = nothing_to_steer or self.steering_reason
         except BaseException:
             with contextlib.suppress(OSError):  # empty unless the loader got as far as pinning
                 config.pin_dir.rmdir()
             os.close(self._owner)
             raise
 
-    def _load(self, config: ConnCacheConfig, sock: socket.socket) -> None:
+    @classmethod
+    def attached(cls, settings: Callable[[], ConnCacheConfig]) -> KernelCache:
+        """A worker process's view of the maps the engine's cache pinned: no loader, no pin_dir lock,
+        and close() leaves the pins (and so the engine's filter and steering) alone.
+        OSError: nothing pinned there (the engine's cache is not the kernel one)."""
+        cache = cls.__new__(cls)
+        ConnectionCache.__init__(cache, settings)
+        cache._attached = True
+        cache._open_maps(cache.config)
+        steered = (cache.config.pin_dir / STEERING_MAP).exists()
+        cache.steering_reason = "" if steered else "the engine's cache pinned no steering map"
+        return cache
+
+    def _load(self, config: ConnCacheConfig, socks: list[socket.socket], keys: list[int] | None) -> None:
         defines = [
             f"MAX_ENTRIES={config.max_entries}",
             f"RATE_PER_S={max(1, int(config.peer_rate))}",
@@ -197,13 +223,13 @@ class KernelCache(ConnectionCache):
                 sys.executable,
                 "-m",
                 "appliance.transport.conncache_loader",
-                "--fd",
-                str(sock.fileno()),
+                *(f"--fd={sock.fileno()}" for sock in socks),
+                *(f"--steer-key={key}" for key in keys or ()),
                 "--pin-dir",
                 str(config.pin_dir),
                 *(f"--define={d}" for d in defines),
             ],
-            pass_fds=(sock.fileno(),),
+            pass_fds=tuple(sock.fileno() for sock in socks),
             capture_output=True,
             text=True,
             timeout=120,
@@ -214,6 +240,12 @@ class KernelCache(ConnectionCache):
                 if loader.stderr.strip()
                 else f"loader exited {loader.returncode}"
             )
+        if keys is not None:
+            said = [line for line in loader.stdout.splitlines() if line.startswith("steering: ")]
+            self.steering_reason = said[-1].removeprefix("steering: ") if said else ""
+        self._open_maps(config)
+
+    def _open_maps(self, config: ConnCacheConfig) -> None:
         self._table = PinnedMap(config.pin_dir / "peers", self.KEY.size, self.STATS_SIZE)
         self._totals = PinnedMap(config.pin_dir / "totals", 4, 8 * possible_cpus())
         self._keys: dict[str, bytes] = {}  # peer name -> map key, as last read
@@ -248,7 +280,9 @@ class KernelCache(ConnectionCache):
     def close(self) -> None:
         self._table.close()
         self._totals.close()
-        for name in MAPS:
+        if self._attached:  # the engine's pins: it removes them
+            return
+        for name in (*MAPS, STEERING_MAP):
             (self.config.pin_dir / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # left in place if someone else pinned there too
             self.config.pin_dir.rmdir()
@@ -274,17 +308,48 @@ def own_pin_dir(pin_dir: Path) -> int:
     return fd
 
 
-def open_cache(settings: Callable[[], ConnCacheConfig], sock: socket.socket) -> ConnectionCache:
+def unsteered(socks: list[socket.socket], keys: list[int] | None) -> str:
+    """Why there is nothing to steer ("" if there is); ValueError for keys that cannot steer."""
+    if keys is None:
+        return "no worker keys given"
+    if len(keys) != len(socks):
+        raise ValueError(f"{len(keys)} worker keys for {len(socks)} sockets")
+    if len(set(keys)) != len(keys) or not all(0 < key < 1 << 32 for key in keys):
+        raise ValueError("worker keys must be distinct, nonzero and 32-bit")
+    if len(socks) < 2:
+        return "one socket: nothing to steer"
+    return ""
+
+
+def open_cache(
+    settings: Callable[[], ConnCacheConfig], socks: list[socket.socket], keys: list[int] | None = None
+) -> ConnectionCache:
     """The kernel backend where it loads; else the user-space one, with the reason (logged once).
-    `backend = "ebpf"` makes a failure to load a start-up error. `settings`: the live config's section."""
+    `backend = "ebpf"` makes a failure to load a start-up error. `settings`: the live config's section.
+
+    The filter goes on every socket of `socks`, counting into one table. With `keys` (one per socket,
+    in order: the CID key of the worker that reads it) the sockets' SO_REUSEPORT group is steered as
+    well; `steering_reason` is "" when it is, else why not (a failure there never fails the cache)."""
     config = settings()
+    nothing_to_steer = unsteered(socks, keys)
+    cache: ConnectionCache
     if config.backend == "user":
-        return UserSpaceCache(settings, 'backend = "user" in config')
-    try:
-        return KernelCache(settings, sock)
-    except (OSError, subprocess.SubprocessError) as exc:  # the loader's reason, or the maps' pins
-        reason = str(exc)
-    if config.backend == "ebpf":
-        raise ApplianceError(f'conncache: backend = "ebpf" but the eBPF program cannot load: {reason}')
-    log.warning("conncache: eBPF program not loaded (%s); the user-space table serves with the same limits", reason)
-    return UserSpaceCache(settings, reason)
+        cache = UserSpaceCache(settings, 'backend = "user" in config')
+    else:
+        try:
+            cache = KernelCache(settings, socks, keys)
+        except (OSError, subprocess.SubprocessError) as exc:  # the loader's reason, or the maps' pins
+            reason = str(exc)
+            if config.backend == "ebpf":
+                raise ApplianceError(
+                    f'conncache: backend = "ebpf" but the eBPF program cannot load: {reason}'
+                ) from None
+            log.warning(
+                "conncache: eBPF program not loaded (%s); the user-space table serves with the same limits", reason
+            )
+            cache = UserSpaceCache(settings, reason)
+    if isinstance(cache, UserSpaceCache):
+        cache.steering_reason = nothing_to_steer or "the connection cache is the user-space one: steering needs eBPF"
+    elif keys is not None and cache.steering_reason:
+        log.warning("quic steering: not loaded (%s)", cache.steering_reason)
+    return cache

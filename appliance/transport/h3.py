@@ -22,6 +22,7 @@ from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
 from cryptography.hazmat.primitives import hashes
 
@@ -35,6 +36,38 @@ from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServe
 log = logging.getLogger("appliance.h3")
 
 SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
+WORKER_KEY_LENGTH = 4  # bytes of a host connection ID that name its worker (bpf/quic_steering.c)
+
+
+def tag_cid(cid: bytes, key: int) -> bytes:
+    """`cid` with its first 4 bytes replaced by the worker's key, big-endian (as the steering program
+    reads the wire); idempotent, so tagging an already tagged ID changes nothing."""
+    return key.to_bytes(WORKER_KEY_LENGTH, "big") + cid[WORKER_KEY_LENGTH:]
+
+
+def tag_connection_ids(quic: QuicConnection, key: int) -> None:
+    """Make every connection ID this server-side connection chooses for itself start with `key`, so
+    that bpf/quic_steering.c hands its packets to this worker's socket whatever the client's address.
+
+    aioquic draws host IDs at random in two places: the first in QuicConnection.__init__, and the
+    rest in _replenish_connection_ids (announced later in NEW_CONNECTION_ID frames). QuicServer calls
+    our create_protocol right after constructing the connection, before anything is sent or the
+    IDs are registered, so the first is retagged here (it is also the handshake's source ID and the
+    initial_source_connection_id transport parameter) and the replenishing is wrapped. The ID of a
+    Retry is drawn by QuicServer itself and stays random: the Initial that answers it comes from
+    the same address and port, which the kernel's reuseport hash sends to this same socket."""
+    first = quic._host_cids[0]
+    first.cid = tag_cid(first.cid, key)
+    quic.host_cid = first.cid
+    quic._local_initial_source_connection_id = first.cid
+    replenish = quic._replenish_connection_ids
+
+    def replenish_tagged() -> None:
+        replenish()
+        for connection_id in quic._host_cids:
+            connection_id.cid = tag_cid(connection_id.cid, key)
+
+    quic._replenish_connection_ids = replenish_tagged  # type: ignore[method-assign]
 
 
 CONNCACHE_SWEEP_S = 1.0
@@ -43,8 +76,9 @@ CONNCACHE_SWEEP_S = 1.0
 class H3Server:
     """Shared state of all QUIC connections: the API, the live settings, and who is connected."""
 
-    def __init__(self, api: Handler, live: Live, budget: BodyBudget) -> None:
+    def __init__(self, api: Handler, live: Live, budget: BodyBudget, worker_key: int | None = None) -> None:
         self.api, self.live, self.budget = api, live, budget
+        self.worker_key = worker_key  # every host connection ID starts with it (QUIC steering)
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
         self.tickets = TicketStore()
@@ -63,8 +97,9 @@ class H3Server:
         return self.live.config.server
 
     async def start(self, sock: socket.socket | None = None, cache: ConnectionCache | None = None) -> None:
-        """Listen on `sock` (from systemd, or the engine process's for a worker) or on the configured host
-        and port; attach the connection cache, or use `cache` (a worker's view of the engine's)."""
+        """Listen on `sock` (from systemd, or a worker's socket from the engine) or on the configured host
+        and port; attach the connection cache: `cache` where one was opened elsewhere (a worker's
+        KernelCache.attached, say; closed with this server), else one opened here on this socket."""
         configuration = QuicConfiguration(
             is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s
         )
@@ -80,7 +115,7 @@ class H3Server:
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
         udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
-        self.cache = cache if cache is not None else open_cache(lambda: self.live.config.conncache, udp_socket)
+        self.cache = cache if cache is not None else open_cache(lambda: self.live.config.conncache, [udp_socket])
         self._quic_server.admit = self.cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
@@ -156,6 +191,8 @@ class H3Protocol(QuicConnectionProtocol):
     def __init__(self, *args: object, server: H3Server, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.server = server
+        if server.worker_key is not None:
+            tag_connection_ids(self._quic, server.worker_key)
         self._http: H3Connection | None = None
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self.handshake_done = False
