@@ -40,6 +40,12 @@ class UnixConnection(http.client.HTTPConnection):
         response = self.getresponse()
         return response.status, json.loads(response.read() or b"{}")
 
+    def __enter__(self) -> UnixConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def worker_pid(self) -> int:
         """The pid of the process holding the server side of this connection (ss knows it)."""
         if self.sock is None:
@@ -64,6 +70,11 @@ def vad_step(sequence_id: int, audio: np.ndarray, start: bool = False, end: bool
 def workers_status(daemon: Daemon) -> list[dict]:
     with daemon.client() as client:
         return client.status()["workers"]
+
+
+def quic_hosts(daemon: Daemon) -> dict[str, int]:
+    """Client address -> the pid of the worker holding its QUIC connection, as the workers last reported."""
+    return {p.rsplit(":", 1)[0]: w["pid"] for w in workers_status(daemon) if w["up"] for p in w["quic_peers"]}
 
 
 def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
@@ -107,12 +118,14 @@ def test_each_quic_connection_stays_on_one_worker_and_connections_spread(two_wor
         for _ in range(5):
             for client in clients:
                 assert client.speech_probs(np.zeros(CHUNK, np.float32)).shape == (1,)
+        wait_for(lambda: len(quic_hosts(daemon)) == len(hosts), what="the workers' next reports")
         workers = workers_status(daemon)
     finally:
         for client in clients:
             client.close()
     where = {peer.rsplit(":", 1)[0]: w["worker"] for w in workers for peer in w["quic_peers"]}
-    assert sorted(where) == sorted(hosts), workers  # each connection is held by exactly one worker
+    held = [peer.rsplit(":", 1)[0] for w in workers for peer in w["quic_peers"]]
+    assert sorted(held) == sorted(hosts), workers  # each connection is held by exactly one worker
     assert len(set(where.values())) == 2, f"16 connections all on one worker: {workers}"
     for worker in workers:  # every datagram of a connection reached the worker that holds it
         assert worker["quic_datagrams"] > 0 and worker["quic_stray_datagrams"] == 0, workers
@@ -131,8 +144,8 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(
     for bystander in bystanders:
         bystander.__enter__()
     try:
-        wait_for(lambda: all(b.answered > 0 or b.errors for b in bystanders), what="QUIC clients to answer")
-        quic_on = {p.rsplit(":", 1)[0]: w["pid"] for w in workers_status(daemon) for p in w["quic_peers"]}
+        wait_for(lambda: len(quic_hosts(daemon)) == len(bystanders), what="QUIC clients to be reported")
+        quic_on = quic_hosts(daemon)
         os.kill(victim["pid"], signal.SIGKILL)
         for _ in range(20):  # the survivor's Unix client carries on while the victim is replaced
             status, doc = kept.call("GET", "/v2/health/ready")

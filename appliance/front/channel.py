@@ -23,6 +23,7 @@ engine to worker:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import mmap
@@ -148,6 +149,52 @@ class Channel:
 
     def close(self) -> None:
         self.writer.close()
+
+
+TICKET_WAIT_S = 0.1  # a lookup not answered by then is a miss: the client does a full handshake
+SEQUENCE = struct.Struct("<Q")
+
+
+class RemoteTickets:
+    """A QUIC worker's view of the engine's session-ticket store, over a SOCK_SEQPACKET pair of its
+    own: a ticket issued by one worker resumes a connection that reaches another, and is still usable
+    once only. aioquic looks a ticket up inside the handshake, synchronously: so is this."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.sock.settimeout(TICKET_WAIT_S)
+        self._sequence = itertools.count(1)
+
+    def add(self, ticket: Any) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.send(b"A" + pickle.dumps(ticket, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def pop(self, label: bytes) -> Any:
+        sequence = next(self._sequence)
+        try:
+            self.sock.send(b"P" + SEQUENCE.pack(sequence) + label)
+            while True:  # an answer to an earlier lookup that timed out is skipped
+                reply = self.sock.recv(1 << 16)
+                if not reply:
+                    return None
+                if SEQUENCE.unpack_from(reply)[0] == sequence:
+                    return pickle.loads(reply[SEQUENCE.size :])
+        except OSError:  # timed out, or the engine is gone
+            return None
+
+
+def serve_tickets(sock: socket.socket, store: Any) -> None:
+    """The engine's side of one worker's RemoteTickets: called when `sock` is readable."""
+    try:
+        message = sock.recv(1 << 16)
+    except BlockingIOError:
+        return
+    if message[:1] == b"A":
+        store.add(pickle.loads(message[1:]))
+    elif message[:1] == b"P":
+        sequence, label = message[1 : 1 + SEQUENCE.size], message[1 + SEQUENCE.size :]
+        with contextlib.suppress(OSError):
+            sock.send(sequence + pickle.dumps(store.pop(label), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class RemoteApi:

@@ -32,9 +32,11 @@ from appliance.front.channel import (
     WorkerReport,
     pack_body,
     remove_leftovers,
+    serve_tickets,
     unpack_body,
 )
 from appliance.protocol.peers import Peer, Totals
+from appliance.transport.quic_guards import TicketStore
 
 log = logging.getLogger("appliance.workers")
 
@@ -79,6 +81,7 @@ class Supervisor:
         self.conncache, self.firmware_label = conncache, firmware_label
         self.slots = [WorkerSlot(i, quic[i] if i < len(quic) else None) for i in range(count)]
         self.stopping = False
+        self.tickets = TicketStore()  # QUIC session tickets, for every worker (0-RTT resumes anywhere)
         self._runners: list[asyncio.Task[None]] = []
 
     # --- start ---
@@ -111,6 +114,10 @@ class Supervisor:
 
     async def _run_once(self, slot: WorkerSlot) -> int:
         engine_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        tickets_engine, tickets_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        tickets_engine.setblocking(False)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(tickets_engine, serve_tickets, tickets_engine, self.tickets)
         fds = [worker_end.fileno(), self.unix_sock.fileno()]
         args = [
             sys.executable,
@@ -124,12 +131,17 @@ class Supervisor:
             *(f"--config={p}" for p in self.config_paths or []),
         ]
         if slot.quic is not None:
-            fds.append(slot.quic.sock.fileno())
-            args += [f"--udp-fd={slot.quic.sock.fileno()}", f"--worker-key={slot.quic.key}"]
+            fds += [slot.quic.sock.fileno(), tickets_worker.fileno()]
+            args += [
+                f"--udp-fd={slot.quic.sock.fileno()}",
+                f"--worker-key={slot.quic.key}",
+                f"--tickets-fd={tickets_worker.fileno()}",
+            ]
         try:
             slot.process = await asyncio.create_subprocess_exec(*args, pass_fds=fds)
         finally:
             worker_end.close()
+            tickets_worker.close()
         slot.channel = await Channel.open(engine_end.detach())
         try:
             await self._serve(slot, slot.channel)
@@ -141,6 +153,8 @@ class Supervisor:
                 task.cancel()
             slot.tasks.clear()
         code = await slot.process.wait()
+        loop.remove_reader(tickets_engine)
+        tickets_engine.close()
         remove_leftovers(str(slot.process.pid))
         remove_leftovers(f"{os.getpid()}.{slot.process.pid}")
         return code

@@ -20,7 +20,7 @@ from appliance import config as config_files
 from appliance import signals
 from appliance.config import Live
 from appliance.errors import ApplianceError
-from appliance.front.channel import Channel, RemoteApi, WorkerReport
+from appliance.front.channel import Channel, RemoteApi, RemoteTickets, WorkerReport
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.protocol.peers import Totals
 from appliance.transport.assembler import BodyBudget
@@ -54,7 +54,8 @@ class Worker:
             settings = lambda: self.live.config.conncache  # noqa: E731
             backend, _, reason = self.args.conncache.partition(":")
             cache = KernelCache.attached(settings) if backend == "ebpf" else UserSpaceCache(settings, reason)
-            self.h3 = H3Server(api, self.live, budget, worker_key=self.args.worker_key)
+            tickets = RemoteTickets(self.args.tickets_fd)
+            self.h3 = H3Server(api, self.live, budget, worker_key=self.args.worker_key, tickets=tickets)
             await self.h3.start(socket.socket(fileno=self.args.udp_fd), cache=cache)
             tasks.append(loop.create_task(self.h3.sweep_connection_cache()))
         tasks.append(loop.create_task(self._report(channel)))
@@ -136,6 +137,7 @@ def main() -> int:
     parser.add_argument("--unix-fd", type=int, required=True)
     parser.add_argument("--udp-fd", type=int)
     parser.add_argument("--worker-key", type=int)
+    parser.add_argument("--tickets-fd", type=int)
     parser.add_argument("--conncache", default="user:", help="ebpf (the engine's pins), or user:REASON")
     parser.add_argument("--firmware", default="-")
     parser.add_argument("--config", type=Path, action="append", default=[])

@@ -31,7 +31,7 @@ from appliance.protocol.messages import Handler, Opened, Request, Response
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
-from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, TicketStore
+from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, Tickets, TicketStore
 
 log = logging.getLogger("appliance.h3")
 
@@ -76,12 +76,21 @@ CONNCACHE_SWEEP_S = 1.0
 class H3Server:
     """Shared state of all QUIC connections: the API, the live settings, and who is connected."""
 
-    def __init__(self, api: Handler, live: Live, budget: BodyBudget, worker_key: int | None = None) -> None:
+    def __init__(
+        self,
+        api: Handler,
+        live: Live,
+        budget: BodyBudget,
+        worker_key: int | None = None,
+        tickets: Tickets | None = None,
+    ) -> None:
+        """`worker_key`: a QUIC worker's; `tickets`: the store shared by all workers (the engine's), so
+        that a client resumes in 0-RTT whichever worker its new connection reaches."""
         self.api, self.live, self.budget = api, live, budget
         self.worker_key = worker_key  # every host connection ID starts with it (QUIC steering)
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
-        self.tickets = TicketStore()
+        self.tickets = tickets or TicketStore()
         self.client_certificates = ClientCertificates(self.config.client_ca) if self.config.client_ca.name else None
         self.cache: ConnectionCache | None = None
         self.owners = SequenceOwners()  # the sequences each peer opened

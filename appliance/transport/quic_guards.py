@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aioquic import tls
 from aioquic.asyncio.server import QuicServer
@@ -18,6 +18,14 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 from appliance.transport.conncache import HOST_CID_LENGTH, TokenBucket
 
 log = logging.getLogger("appliance.h3")
+
+
+class Tickets(Protocol):
+    """Where session tickets are kept: this process's TicketStore, or a worker's view of the engine's."""
+
+    def add(self, ticket: tls.SessionTicket) -> None: ...
+
+    def pop(self, label: bytes) -> tls.SessionTicket | None: ...
 
 
 class TicketStore:
