@@ -63,10 +63,7 @@ def reuseport_group(port: int, count: int) -> list[socket.socket]:
 def steered_cache(settings: Any, socks: list[socket.socket], keys: list[int]) -> ConnectionCache:
     """The engine's cache with steering; skipped only where bcc cannot load the connection cache itself
     (the steering compiles with the same bcc and headers, so its own failure is a failure here)."""
-    cache = open_cache(settings, socks, keys)
-    if cache.backend != "ebpf":
-        cache.close()
-        pytest.skip(f"the eBPF connection cache cannot load here: {cache.reason}")
+    cache = steered_cache_or_reason(settings, socks, keys)
     assert cache.steering_reason == "", cache.steering_reason
     return cache
 
@@ -172,6 +169,38 @@ def test_steering_needs_two_sockets_and_the_kernel_backend() -> None:
         open_cache(lambda: user, socks, [1])
     for sock in socks:
         sock.close()
+
+
+@needs_root
+def test_a_steering_failure_leaves_the_connection_cache_standing() -> None:
+    socks = []
+    for _ in range(2):  # two sockets but no SO_REUSEPORT group: the kernel refuses a group program
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        socks.append(sock)
+    config = ConnCacheConfig(pin_dir=Path("/sys/fs/bpf") / f"appliance-test-steer-{os.getpid()}-nogroup")
+    cache = steered_cache_or_reason(lambda: config, socks, worker_keys(2))
+    try:
+        assert cache.backend == "ebpf" and "one SO_REUSEPORT group?" in cache.steering_reason, cache.steering_reason
+        assert not (config.pin_dir / STEERING_MAP).exists()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            sender.bind(("127.0.0.2", 0))
+            for sock in socks:
+                sender.sendto(b"\x40" + os.urandom(40), sock.getsockname())
+            peer = f"127.0.0.2:{sender.getsockname()[1]}"
+            assert cache.peers()[peer].packets == 2  # the filter counts on both sockets
+    finally:
+        cache.close()
+        for sock in socks:
+            sock.close()
+
+
+def steered_cache_or_reason(settings: Any, socks: list[socket.socket], keys: list[int]) -> ConnectionCache:
+    cache = open_cache(settings, socks, keys)
+    if cache.backend != "ebpf":
+        cache.close()
+        pytest.skip(f"the eBPF connection cache cannot load here: {cache.reason}")
+    return cache
 
 
 # --- real QUIC connections ---------------------------------------------------------------------
@@ -285,6 +314,11 @@ async def serve_and_call(
 
         results = await asyncio.gather(*(one_client(i) for i in range(clients)))
         await asyncio.sleep(0.2)  # the closing datagrams land
+        # one filter on every socket, one table: each client's two ports, whichever worker they reached,
+        # and a worker's attached reader sees the same table
+        table = {peer for peer in cache.peers() if peer.startswith("127.0.0.1:")}
+        assert len(table) >= 2 * clients, table
+        assert servers[1].cache is not None and set(servers[1].cache.peers()) >= table
     finally:
         for server in servers:
             server.close()
