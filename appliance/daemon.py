@@ -13,17 +13,19 @@ import logging
 import os
 import socket
 import stat
-import sys
 import time
 from pathlib import Path
 
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api.core import Api
-from appliance.config import Config, Live, ServerConfig
+from appliance.config import Config, Live, ServerConfig, worker_count
 from appliance.errors import ApplianceError
+from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor, quic_sockets, worker_keys
 from appliance.kinds import ServedModel, load_models
+from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.transport.assembler import BodyBudget
+from appliance.transport.conncache import ConnectionCache, open_cache
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
 
@@ -33,7 +35,6 @@ EXIT_START_FAILED = exitcodes.START_FAILED
 EXIT_ABANDONED = 1  # stopped, but work was abandoned in a wedged engine
 EXPIRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
-CONNCACHE_SWEEP_S = 1.0
 ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to finish its batch
 STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process exits, blocked or not
 
@@ -67,34 +68,6 @@ def bind_unix_socket(server: ServerConfig) -> socket.socket:
     return sock
 
 
-class FirmwareField(logging.Filter):
-    """Adds FIRMWARE to every record, for the journal's structured fields."""
-
-    firmware = "-"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.FIRMWARE = self.firmware
-        return True
-
-
-FIRMWARE_FIELD = FirmwareField()
-
-
-def configure_logging(level: str) -> None:
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    if systemd.stderr_is_journal():
-        handler = systemd.journal_handler()
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("appliance: %(levelname)s: %(message)s"))
-    handler.addFilter(FIRMWARE_FIELD)
-    root.addHandler(handler)
-    root.setLevel(level.upper())
-    logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection's handshake at info
-
-
 PROBE_SHARE = 0.02  # the most of its time an idle model spends on the watchdog's probes
 
 
@@ -105,6 +78,9 @@ class Daemon:
         self.api: Api | None = None
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
+        self.supervisor: Supervisor | None = None
+        self.cache: ConnectionCache | None = None  # the QUIC listener's (all QUIC workers share its pins)
+        self.quic_reason = ""  # why QUIC runs in one worker where more were asked for
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
@@ -114,7 +90,7 @@ class Daemon:
         return self.live.config
 
     # --- start ---
-    async def start(self) -> asyncio.base_events.Server:
+    async def start(self) -> asyncio.base_events.Server | None:
         config = self.config
         bundle = firmware.verify(config.firmware.bundle, config.firmware.trusted_keys)
         manifest = bundle.manifest
@@ -132,50 +108,118 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, self.live)
-        budget = BodyBudget(lambda: self.live.config.server)  # one for both transports
-        self.http = Http1Server(self.api, self.live, budget)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
             self.bound_socket = config.server.socket
+        workers = worker_count(config.server)
+        if workers == 1:
+            server = await self._serve_here(sock, quic_sock)
+        else:
+            await self._start_workers(sock, quic_sock, workers, f"{manifest.name} {manifest.version}")
+            server = None
+        self.api.ready = True
+        where = str(sock.getsockname() or config.server.socket)
+        log.info(
+            "ready: serving %s on %s%s%s",
+            ", ".join(self.models),
+            where,
+            "" if self.bound_socket else " (socket from systemd)",
+            f" with {workers} protocol workers" if workers > 1 else "",
+        )
+        systemd.ready(self.status_text())
+        return server
+
+    async def _serve_here(self, sock: socket.socket, quic_sock: socket.socket | None) -> asyncio.base_events.Server:
+        """server.workers = 1: the transports run in this process, on its event loop."""
+        assert self.api is not None
+        config = self.config
+        budget = BodyBudget(lambda: self.live.config.server)  # one for both transports
+        self.http = Http1Server(self.api, self.live, budget)
         server = await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock)
         if config.quic.enabled:
             try:
                 self.h3 = H3Server(self.api, self.live, budget)
                 await self.h3.start(quic_sock)
             except (OSError, ValueError) as exc:
-                where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"
-                raise ApplianceError(f"quic: cannot listen on {where} with {config.quic.certificate}: {exc}") from None
+                raise _quic_start_error(config, quic_sock, exc) from None
             log.info("quic: HTTP/3 on UDP port %d%s", self.h3.port, " (socket from systemd)" if quic_sock else "")
-            self.api.peer_table = cache = self.h3.cache
-            assert cache is not None
-            log.info(
-                "conncache: %s backend, up to %d peers, %g packets/s per peer (burst %g)",
-                cache.backend,
-                config.conncache.max_entries,
-                config.conncache.peer_rate,
-                config.conncache.peer_burst,
-            )
+            self.api.peer_table = self.cache = self.h3.cache
+            self.api.quic = {"workers": 1, "reason": "server.workers = 1: QUIC runs in the engine process"}
+            self._log_conncache()
         elif quic_sock is not None:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
-        self.api.ready = True
-        where = str(sock.getsockname() or config.server.socket)
-        log.info(
-            "ready: serving %s on %s%s",
-            ", ".join(self.models),
-            where,
-            "" if self.bound_socket else " (socket from systemd)",
-        )
-        systemd.ready(self.status_text())
         return server
+
+    async def _start_workers(
+        self, sock: socket.socket, quic_sock: socket.socket | None, workers: int, firmware_label: str
+    ) -> None:
+        """server.workers > 1: protocol worker processes run the transports; this process serves them."""
+        assert self.api is not None
+        config, quic_slots, conncache = self.config, [], "user:"
+        if config.quic.enabled:
+            try:
+                socks, self.quic_reason = quic_sockets(config.quic, quic_sock, workers)
+                keys = worker_keys(len(socks))
+                self.cache = open_cache(lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None)
+            except (OSError, ValueError) as exc:
+                raise _quic_start_error(config, quic_sock, exc) from None
+            if len(socks) > 1 and self.cache.steering_reason:
+                self.quic_reason = f"the steering program did not load: {self.cache.steering_reason}"
+                for extra in socks[1:]:
+                    extra.close()
+                socks = socks[:1]
+            if self.quic_reason:
+                log.warning("quic: one QUIC worker (of %d): %s", workers, self.quic_reason)
+            quic_slots = [QuicSlot(s, k) for s, k in zip(socks, keys, strict=False)]
+            self.api.quic = {"workers": len(socks), "reason": self.quic_reason}
+            port = socks[0].getsockname()[1]
+            log.info(
+                "quic: HTTP/3 on UDP port %d, %d QUIC workers%s",
+                port,
+                len(socks),
+                " (socket from systemd)" if quic_sock else "",
+            )
+            self._log_conncache()
+            if self.cache.backend == "ebpf":
+                conncache = "ebpf"
+            else:  # the one QUIC worker keeps the table; the engine shows what it reports
+                conncache = f"user:{self.cache.reason}"
+                self.cache.close()
+        elif quic_sock is not None:
+            log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
+        self.supervisor = Supervisor(self.api, self.config_paths, sock, quic_slots, workers, conncache, firmware_label)
+        self.api.workers = self.supervisor.status
+        if self.cache is not None:
+            self.api.peer_table = (
+                self.cache if self.cache.backend == "ebpf" else ReportedPeers(self.supervisor, self.cache.reason)
+            )
+        try:
+            await self.supervisor.start()
+        except OSError as exc:
+            raise ApplianceError(f"server.workers: {exc}") from None
+
+    def _log_conncache(self) -> None:
+        cache, config = self.cache, self.config
+        assert cache is not None
+        log.info(
+            "conncache: %s backend, up to %d peers, %g packets/s per peer (burst %g)",
+            cache.backend,
+            config.conncache.max_entries,
+            config.conncache.peer_rate,
+            config.conncache.peer_burst,
+        )
 
     def status_text(self, rate: float | None = None) -> str:
         assert self.api is not None
         manifest = self.api.manifest
         engines = ", ".join(sorted({m.engine_name for m in self.models.values()}))
         text = f"firmware {manifest.name} {manifest.version}, engine {engines}"
-        if self.h3 is not None and self.h3.cache is not None:
-            cache = self.h3.cache
+        if self.supervisor is not None:
+            text += f", {len(self.supervisor.slots)} workers"
+            text += f" (one QUIC worker: {self.quic_reason})" if self.quic_reason else ""
+        if self.cache is not None:
+            cache = self.cache
             text += f", conncache {cache.backend}" + (f" ({cache.reason})" if cache.reason else "")
         return text if rate is None else f"{text}, {rate:.1f} req/s"
 
@@ -192,7 +236,7 @@ class Daemon:
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
         tasks = [loop.create_task(self._expire_idle_sequences()), loop.create_task(self._report_status())]
         if self.h3 is not None:
-            tasks.append(loop.create_task(self._sweep_connection_cache(self.h3)))
+            tasks.append(loop.create_task(self.h3.sweep_connection_cache()))
         if (interval := systemd.watchdog_interval()) is not None:
             tasks.append(loop.create_task(self._watchdog(interval)))
         await self.stopping.wait()
@@ -207,16 +251,6 @@ class Daemon:
             for model in self.models.values():
                 if count := model.expire_idle():
                     log.info("model %s: %d idle sequences expired", model.name, count, extra={"MODEL": model.name})
-
-    async def _sweep_connection_cache(self, h3: H3Server) -> None:
-        """Release what vanished QUIC peers held: peers idle past the timeout, or evicted."""
-        assert self.api is not None and h3.cache is not None
-        while True:
-            await asyncio.sleep(CONNCACHE_SWEEP_S)
-            h3.owners.forget_ended(self.api.still_open)
-            for peer in h3.cache.sweep(h3.peers_held() | h3.owners.peers()):
-                released = self.api.end_opened(h3.close_peer(peer, "peer idle or evicted from the connection cache"))
-                log.info("conncache: peer %s idle or evicted: connection closed, %d sequences released", peer, released)
 
     async def _report_status(self) -> None:
         assert self.api is not None
@@ -245,6 +279,10 @@ class Daemon:
                     proven[name] = (started, model.stats.execution_count)  # requests ran on it since
                 elif started - when >= max(interval, cost.get(name, 0.0) / PROBE_SHARE):
                     due.append(name)
+            if self.supervisor is not None and (wedged := self.supervisor.wedged()):
+                log.error("watchdog: protocol workers %s are not reporting; withholding the ping", wedged)
+                await asyncio.sleep(interval)
+                continue
             try:
                 await asyncio.wait_for(asyncio.gather(*(self._probe(n, cost, proven) for n in due)), interval)
             except TimeoutError:
@@ -280,32 +318,44 @@ class Daemon:
             log.info("reload: applied %s", ", ".join(live))
         if restart:
             log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
+        if self.supervisor is not None:
+            self.supervisor.reload()
         note = f"; needs restart for {', '.join(restart)}" if restart else ""
         systemd.ready(self.status_text() + note)
 
     # --- stop ---
-    async def shutdown(self, server: asyncio.base_events.Server) -> None:
+    async def shutdown(self, server: asyncio.base_events.Server | None) -> None:
         """Stop accepting; let accepted requests and open sequences finish within the grace time."""
-        assert self.api is not None and self.http is not None
-        http, api = self.http, self.api
+        assert self.api is not None
+        api = self.api
         live = lambda: sum(len(m.sequences) for m in self.models.values())  # noqa: E731
-        log.info("stopping: %d requests in flight, %d sequences open", http.in_flight, live())
-        systemd.stopping(f"stopping: {http.in_flight} requests in flight, {live()} sequences open")
+        log.info("stopping: %d requests in flight, %d sequences open", self._in_flight(), live())
+        systemd.stopping(f"stopping: {self._in_flight()} requests in flight, {live()} sequences open")
         api.ready = False
         api.draining = True
-        server.close()
-        in_flight = lambda: http.in_flight + (self.h3.in_flight if self.h3 else 0)  # noqa: E731
-        deadline = time.monotonic() + self.config.server.shutdown_grace_s
-        while (in_flight() or live()) and time.monotonic() < deadline:
+        grace = self.config.server.shutdown_grace_s
+        if self.supervisor is not None:  # each worker drains its own connections within the grace time
+            await self.supervisor.stop(grace + 1.0)
+        if server is not None:
+            server.close()
+        deadline = time.monotonic() + grace
+        while (self._in_flight() or live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if in_flight() or live():
-            log.warning("grace time over: %d requests and %d sequences abandoned", in_flight(), live())
-        http.close_all()
+        if self._in_flight() or live():
+            log.warning("grace time over: %d requests and %d sequences abandoned", self._in_flight(), live())
+        if self.http is not None:
+            self.http.close_all()
         if self.h3 is not None:
             self.h3.close()
+        elif self.cache is not None:
+            self.cache.close()
         await self._stop_models()
         self._remove_socket()
         log.info("stopped")
+
+    def _in_flight(self) -> int:
+        in_flight = (self.http.in_flight if self.http else 0) + (self.h3.in_flight if self.h3 else 0)
+        return in_flight + (self.supervisor.in_flight if self.supervisor else 0)
 
     def _remove_socket(self) -> None:
         if self.bound_socket is not None:
@@ -318,7 +368,7 @@ class Daemon:
     def _overdue(self) -> None:
         """From the signal thread: the stop did not end in time, so the event loop itself is blocked
         (an engine call that never returns, run on the loop). Say what is lost and exit."""
-        in_flight = (self.http.in_flight if self.http else 0) + (self.h3.in_flight if self.h3 else 0)
+        in_flight = self._in_flight()
         sequences = sum(len(m.sequences) for m in self.models.values())
         log.error(
             "stopping: still running %.0f s after the stop signal (the event loop is blocked, an engine "
@@ -339,6 +389,11 @@ class Daemon:
                     model.name,
                     ENGINE_STOP_S,
                 )
+
+
+def _quic_start_error(config: Config, quic_sock: socket.socket | None, exc: Exception) -> ApplianceError:
+    where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"
+    return ApplianceError(f"quic: cannot listen on {where} with {config.quic.certificate}: {exc}")
 
 
 def run(config_paths: list[Path] | None) -> int:

@@ -10,6 +10,16 @@ repo=$(dirname "$here")
 work=$repo/build/image
 appliance=$repo/.venv/bin/appliance
 
+# The build holds the debootstrap cache, a staged root, the two file systems and the sparse disk at once:
+# about 5 GiB. Say so before debootstrap rather than fail half-way with ENOSPC inside mkfs.
+mkdir -p "$work"
+need_mib=5120
+free_mib=$(df --output=avail -m "$work" | tail -1 | tr -d ' ')
+if [ "$free_mib" -lt "$need_mib" ]; then
+    echo "image/build.sh: $free_mib MiB free in $work, the image build needs $need_mib MiB" >&2
+    exit 1
+fi
+
 packages=$(grep -v '^#' "$here/packages.txt" | paste -sd, -)
 cache=$work/rootfs-$(sha256sum "$here/packages.txt" | cut -c1-12)
 [ -d "$cache" ] || "$here/debootstrap-root.sh" "$cache" "$packages"
@@ -26,7 +36,7 @@ rm -rf "$work/wheels"
 # setuptools builds the wheel from build/lib and never deletes there: a moved module would ship twice.
 rm -rf "$repo/build/lib" "$repo"/build/bdist.*
 "$repo/.venv/bin/pip" wheel -q "$repo[server]" -w "$work/wheels"
-cp -r "$work/wheels" "$stage/tmp/wheels"
+mv "$work/wheels" "$stage/tmp/wheels"
 chroot "$stage" python3 -m venv --system-site-packages /opt/appliance/.venv
 chroot "$stage" /opt/appliance/.venv/bin/pip install -q --no-index --no-cache-dir --find-links /tmp/wheels 'appliance[server]'
 rm -rf "$stage/tmp/wheels"
@@ -67,8 +77,11 @@ rm -f "$work/root.img" "$work/data.img"
 read -r root_mib data_mib < <("$repo/.venv/bin/python" -c 'from appliance.box import layout as l; print(l.ROOT_MIB, l.DATA_MIB)')
 mkfs.ext4 -q -L root -d "$stage" "$work/root.img" "${root_mib}M"
 mkfs.ext4 -q -L data -d "$data" "$work/data.img" "${data_mib}M"
+# The trees are in the file systems now: only the ESP's three files are kept for the disk written next.
+rm -rf "$work/esp" && mkdir "$work/esp"
+cp "$stage/usr/lib/systemd/boot/efi/systemd-bootx64.efi" "$stage/boot/vmlinuz" "$stage/boot/initrd.img" "$work/esp/"
+rm -rf "$stage" "$data"
 "$appliance" image assemble --out "$out" --root "$work/root.img" --data "$work/data.img" \
-    --boot-efi "$stage/usr/lib/systemd/boot/efi/systemd-bootx64.efi" \
-    --kernel "$stage/boot/vmlinuz" --initrd "$stage/boot/initrd.img"
+    --boot-efi "$work/esp/systemd-bootx64.efi" --kernel "$work/esp/vmlinuz" --initrd "$work/esp/initrd.img"
 "$appliance" image sign "$out" --key "$key" --version "$version"
 rm -f "$work/root.img" "$work/data.img"

@@ -125,6 +125,7 @@ class Daemon:
         extra_server: str = "",
         pin_dir: Path | None = None,
         max_body_bytes: int = 8 << 20,
+        workers: int = 1,
     ) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
@@ -141,7 +142,7 @@ class Daemon:
         )
         self.cafile = str(tls[0]) if tls else None
         self.config.write_text(
-            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {max_body_bytes}\nshutdown_grace_s = 5.0\n{extra_server}'
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {max_body_bytes}\nshutdown_grace_s = 5.0\nworkers = {workers}\n{extra_server}'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"
@@ -239,9 +240,12 @@ def start_daemon(tmp_path: Path, keys: Keys, bundle: Path):
         daemon.stop()
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, bundle: Path, tls):
-    d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, tls=tls).wait_ready()
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, keys: Keys, bundle: Path, tls):
+    """The shared daemon of a module, once with the transports in the engine process and once with
+    two protocol worker processes: the transports' tests run under both."""
+    workdir = tmp_path_factory.mktemp("daemon")
+    d = Daemon(workdir, bundle, keys.trusted, tls=tls, workers=request.param).wait_ready()
     yield d
     assert d.stop() == 0, d.log.read_text()
 

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -65,6 +65,8 @@ class Api:
         self.ready = False
         self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
         self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
+        self.workers: Callable[[], list[dict[str, Any]]] | None = None  # the protocol workers, where there are
+        self.quic: dict[str, Any] | None = None  # where QUIC serves: how many workers read its port, and why
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self._routes: list[Route] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
@@ -137,12 +139,14 @@ class Api:
         """Structured journal fields: which model, which request (the caller's x-request-id)."""
         return {"MODEL": params.get("model", "-"), "REQUEST_ID": request.headers.get("x-request-id", "-")}
 
-    def end_opened(self, opened: Iterable[Opened]) -> int:
-        """End sequences a transport's vanished client opened, where still the same; how many ended."""
-        return sum(self.models[o.model].sequences.end_opened(o.id, o.serial) for o in opened)
+    def end_opened(self, opened: Iterable[Opened]) -> None:
+        """End sequences a transport's vanished client opened, where still the same."""
+        for o in opened:
+            if self.models[o.model].sequences.end_opened(o.id, o.serial):
+                log.info("model %s: sequence %r ended: the client that opened it vanished", o.model, o.id)
 
-    def still_open(self, opened: Opened) -> bool:
-        return self.models[opened.model].sequences.holds(opened.id, opened.serial)
+    async def still_open(self, opened: list[Opened]) -> list[bool]:
+        return [self.models[o.model].sequences.holds(o.id, o.serial) for o in opened]
 
     def _task_label(self, task: str) -> str:
         """The metrics label of a model's own route: its name where some model has it (bounded)."""
@@ -241,6 +245,8 @@ class Api:
                     {"name": m.name, "engine": m.engine_name, "live_sequences": len(m.sequences)}
                     for m in self.models.values()
                 ],
+                "workers": self.workers() if self.workers else None,
+                "quic": self.quic,
                 "conncache": None
                 if cache is None
                 else {

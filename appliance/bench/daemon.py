@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from appliance.client import Client
 from appliance.tls import init_self_signed
@@ -21,8 +22,9 @@ def free_udp_port() -> int:
 
 
 class DaemonProcess:
-    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "") -> None:
-        """`conncache`: lines of its [conncache] table, then any tables of its own ([engine] ...)."""
+    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "", workers: int = 1) -> None:
+        """`conncache`: lines of its [conncache] table, then any tables of its own ([engine] ...);
+        `workers`: server.workers (1: the transports in the engine process, as the older figures)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "api.sock"
         self.cert, key = workdir / "cert.pem", workdir / "key.pem"
@@ -32,7 +34,7 @@ class DaemonProcess:
             conncache = f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}-{workdir.name}"\n{conncache}'
         config = workdir / "bench.toml"
         config.write_text(
-            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\n'
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\nworkers = {workers}\n'
             f"[quic]\nenabled = true\nport = {self.quic.split(':')[1]}\n"
             f'certificate = "{self.cert}"\nprivate_key = "{key}"\n'
             f'[firmware]\nbundle = "{bundle.resolve()}"\ntrusted_keys = "{trusted.resolve()}"\n'
@@ -56,6 +58,10 @@ class DaemonProcess:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+    def status(self) -> Any:
+        with Client(str(self.socket)) as client:
+            return client.status()
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

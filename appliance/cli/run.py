@@ -22,6 +22,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 # The bench's parts and the model kinds each needs in the firmware.
 BENCH_PARTS = {
     "vad": {"vad"},
+    "workers": {"vad"},
     "transcription": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
 }
@@ -30,7 +31,7 @@ BENCH_PARTS = {
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import speech, transcription
+    from appliance.bench import speech, transcription, workers
     from appliance.bench.run import run
     from appliance.config import EngineConfig
 
@@ -46,6 +47,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "vad" in wanted:
         results = run(args.bundle, args.trusted_keys, args.seconds)
         print("\n".join(report(results)))
+    if "workers" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["workers"] = workers.workers_scaling(args.bundle, args.trusted_keys, Path(tmp), args.seconds)
+        print(f"appliance bench: {args.bundle}, protocol workers")
+        print("\n".join(workers.report(results["workers"])))
     if "transcription" in wanted:
         with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
             results["transcription"] = transcription.transcription_bench(
@@ -81,7 +87,7 @@ def add_bench(sub: Any) -> None:
         "--part",
         default="all",
         help="what to measure, by the firmware's models: all, or a comma-separated list of vad (the VAD, the "
-        "transports, one's own model), transcription (speech to text against faster-whisper), speech (speech, "
+        "transports, one's own model), workers (protocol workers, 2 against 1), transcription (speech to text against faster-whisper), speech (speech, "
         "translation and the pipeline)",
     )
     bench.set_defaults(func=cmd_bench)

@@ -8,6 +8,7 @@ the file, the key and the reason. Baked shard parameters live in the firmware, n
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ class ServerConfig:
     keepalive_timeout_s: float = 75.0  # an idle HTTP/1.1 connection is closed after this
     pipeline_depth: int = 32  # requests read ahead on one HTTP/1.1 connection; then reading pauses
     shutdown_grace_s: float = 30.0
+    # protocol worker processes running the transports (0: one per core, at most MAX_WORKERS); 1: the
+    # transports run in the engine process itself
+    workers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +209,14 @@ def _baked_message(path: Path, key: str, data: dict[str, Any]) -> str:
     )
 
 
+MAX_WORKERS = 16
+
+
+def worker_count(server: ServerConfig) -> int:
+    """How many protocol workers `server.workers` asks for on this machine."""
+    return server.workers or max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
 def _check_values(config: Config) -> None:
     source = ", ".join(str(p) for p in config.sources) or "defaults"
     for (section, key), allowed in CHOICES.items():
@@ -247,6 +259,10 @@ def _check_values(config: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ApplianceError(f"{source}: {key}: must be positive, got {value}")
+    if not 0 <= config.server.workers <= MAX_WORKERS:
+        raise ApplianceError(
+            f"{source}: server.workers: {config.server.workers} is not from 0 (one per core) to {MAX_WORKERS}"
+        )
     if not 0 < config.quic.port < 65536:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
     if config.engine.queue_delay_us < 0:

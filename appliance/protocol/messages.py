@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,25 @@ class Response:
     stream: AsyncGenerator[bytes, None] | None = None  # set: the body is sent piece by piece as produced, `body` unused
     # the stateful sequence this request opened: a transport whose client vanishes ends it (api.end_opened)
     opened: Opened | None = None
+
+
+class Handler(Protocol):
+    """What a transport calls: the API core itself (api/core.py Api), or a worker process's proxy of
+    the engine process's API (front/channel.py RemoteApi)."""
+
+    async def handle(self, request: Request) -> Response: ...
+
+    def keep_connections(self) -> bool:
+        """While draining, keep a connection open only while some sequence may still stream on it."""
+        ...
+
+    def end_opened(self, opened: Iterable[Opened]) -> None:
+        """End these sequences, where still the same: the client that opened them vanished."""
+        ...
+
+    async def still_open(self, opened: list[Opened]) -> list[bool]:
+        """Which of these sequences are still open (not ended by sequence_end or idle expiry)."""
+        ...
 
 
 def json_response(status: int, doc: Any) -> Response:

@@ -26,9 +26,8 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
 from cryptography.hazmat.primitives import hashes
 
-from appliance.api.core import Api
 from appliance.config import Live, QuicConfig, ServerConfig
-from appliance.protocol.messages import Opened, Request, Response
+from appliance.protocol.messages import Handler, Opened, Request, Response
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
@@ -71,10 +70,13 @@ def tag_connection_ids(quic: QuicConnection, key: int) -> None:
     quic._replenish_connection_ids = replenish_tagged  # type: ignore[method-assign]
 
 
+CONNCACHE_SWEEP_S = 1.0
+
+
 class H3Server:
     """Shared state of all QUIC connections: the API, the live settings, and who is connected."""
 
-    def __init__(self, api: Api, live: Live, budget: BodyBudget, worker_key: int | None = None) -> None:
+    def __init__(self, api: Handler, live: Live, budget: BodyBudget, worker_key: int | None = None) -> None:
         self.api, self.live, self.budget = api, live, budget
         self.worker_key = worker_key  # every host connection ID starts with it (QUIC steering)
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
@@ -113,11 +115,19 @@ class H3Server:
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
         udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
-        self.cache = cache or open_cache(lambda: self.live.config.conncache, [udp_socket])
+        self.cache = cache if cache is not None else open_cache(lambda: self.live.config.conncache, [udp_socket])
         self._quic_server.admit = self.cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    @property
+    def datagrams(self) -> int:
+        return self._quic_server.datagrams if self._quic_server else 0
+
+    @property
+    def stray_datagrams(self) -> int:
+        return self._quic_server.stray_datagrams if self._quic_server else 0
 
     def handshaking(self) -> int:
         return sum(not c.handshake_done for c in self.connections)
@@ -134,6 +144,21 @@ class H3Server:
         for connection in [c for c in self.connections if c.peer == peer]:
             connection.close_quietly(reason)
         return self.owners.release(peer)
+
+    async def sweep_connection_cache(self) -> None:
+        """Forever: release what vanished QUIC peers held (peers idle past the timeout, or evicted)."""
+        assert self.cache is not None
+        while True:
+            await asyncio.sleep(CONNCACHE_SWEEP_S)
+            held = self.owners.held()
+            still = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if is_open}
+            self.owners.forget_ended(still.__contains__)
+            for peer in self.cache.sweep(self.peers_held() | self.owners.peers()):
+                opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
+                self.api.end_opened(opened)
+                log.info(
+                    "conncache: peer %s idle or evicted: connection closed, %d sequences released", peer, len(opened)
+                )
 
     async def _reap(self) -> None:
         """Quiet request streams get a 408; handshakes not complete in time lose their slot."""

@@ -23,9 +23,8 @@ from http import HTTPStatus
 
 import httptools
 
-from appliance.api.core import Api
 from appliance.config import Live, ServerConfig
-from appliance.protocol.messages import Request, Response
+from appliance.protocol.messages import Handler, Request, Response
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
 
 log = logging.getLogger("appliance.http")
@@ -57,7 +56,7 @@ def peer_uid(sock: socket.socket | None) -> str:
 class Http1Server:
     """Shared state of all connections: the API, the live settings, the body budget, who is connected."""
 
-    def __init__(self, api: Api, live: Live, budget: BodyBudget) -> None:
+    def __init__(self, api: Handler, live: Live, budget: BodyBudget) -> None:
         self.api, self.live, self.budget = api, live, budget
         self.connections: set[HttpConnection] = set()
         self._timeouts: asyncio.Task[None] | None = None

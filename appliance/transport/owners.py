@@ -27,6 +27,9 @@ class SequenceOwners:
     def peers(self) -> set[str]:
         return set(self._by_peer)
 
+    def held(self) -> list[Opened]:
+        return [opened for held in self._by_peer.values() for opened in held.values()]
+
     def forget_ended(self, still_open: Callable[[Opened], bool]) -> None:
         """Drop what has ended by other ways (sequence_end, idle expiry), so the table stays bounded."""
         for peer, held in list(self._by_peer.items()):

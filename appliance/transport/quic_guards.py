@@ -15,7 +15,7 @@ from aioquic.quic.retry import QuicRetryTokenHandler
 from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
-from appliance.transport.conncache import TokenBucket
+from appliance.transport.conncache import HOST_CID_LENGTH, TokenBucket
 
 log = logging.getLogger("appliance.h3")
 
@@ -58,8 +58,14 @@ class GuardedQuicServer(QuicServer):
         self.supported = {v.to_bytes(4, "big") for v in self._configuration.supported_versions}
         self._always_retry = self._retry is not None
         self._retry_handler = self._retry or QuicRetryTokenHandler()  # one key: tokens stay valid across switches
+        # datagrams received, and those with a short header whose connection is not here: with workers,
+        # the steering program sends a connection's packets to its own worker, so these stay at zero
+        self.datagrams = self.stray_datagrams = 0
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self.datagrams += 1
+        if data and not data[0] & 0x80 and data[1 : 1 + HOST_CID_LENGTH] not in self._protocols:  # type: ignore[operator]
+            self.stray_datagrams += 1
         if not self.admit(data, addr):  # type: ignore[arg-type]
             return
         if not self._always_retry and self.retry_when_handshaking:

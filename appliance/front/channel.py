@@ -1,0 +1,241 @@
+"""The crossing between a protocol worker process and the engine process.
+
+One Unix stream socket pair per worker carries small messages (the doorbell): a 4-byte length and a
+pickled tuple. A body up to INLINE_BYTES rides in its message; a larger one is written once to a file
+in shared memory (/dev/shm, tmpfs) and its message carries the file's name: the reader maps it, takes
+the bytes and unlinks it, so a 64 MiB upload is not pushed through the socket and asyncio's buffers.
+
+Both ends are our own processes, started together from one installed package: pickle is the codec.
+
+Messages, worker to engine:
+    ("request", rid, Request, Body)               the transport's request; its body apart
+    ("cancel", rid)                               the client went away: stop serving rid
+    ("end_opened", [Opened])                      a vanished QUIC peer's sequences
+    ("still_open", rid, [Opened])                 which of these sequences are still open
+    ("report", WorkerReport)                      once a second: the heartbeat, in-flight, QUIC peers
+engine to worker:
+    ("response", rid, Response, Body, streamed, keep)   keep: the engine's api.keep_connections()
+    ("chunk", rid, bytes) / ("end", rid)          a streamed body, piece by piece
+    ("open", rid, [bool])                         the answer to still_open
+    ("keep", 0, bool)                             while draining: api.keep_connections(), as it changes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import mmap
+import os
+import pickle
+import socket
+import struct
+import tempfile
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.protocol.messages import Opened, Request, Response
+from appliance.protocol.peers import Peer, Totals
+
+INLINE_BYTES = 64 << 10
+FRAME = struct.Struct("<I")
+SHM_DIR = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What a worker tells the engine each second; the engine's /status and /metrics sum them."""
+
+    slot: int
+    pid: int
+    in_flight: int
+    connections: int  # on the Unix socket
+    quic_peers: list[str]  # the address of each of its QUIC connections
+    quic_datagrams: int  # received on its UDP socket
+    quic_stray_datagrams: int  # of those, short-header ones for a connection it does not have
+    # the QUIC peers where this worker keeps the connection cache in user space (no eBPF); else None
+    peers: dict[str, Peer] | None = None
+    totals: Totals = field(default_factory=Totals)
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A body as it crosses: inline bytes, or the name and length of a shared-memory file."""
+
+    inline: bytes = b""
+    shm: str = ""
+    length: int = 0
+
+
+_names = itertools.count()
+
+
+def pack_body(data: bytes, owner: str) -> Body:
+    """`owner` names the writer (and, for the engine, the worker it writes to), so that the files a
+    dead process left unread can be found: remove_leftovers(owner)."""
+    if len(data) <= INLINE_BYTES:
+        return Body(inline=data)
+    path = SHM_DIR / f"appliance-{owner}-{next(_names)}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    return Body(shm=path.name, length=len(data))
+
+
+def unpack_body(body: Body) -> bytes:
+    if not body.shm:
+        return body.inline
+    path = SHM_DIR / body.shm
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with mmap.mmap(fd, body.length, prot=mmap.PROT_READ) as mapped:
+            return mapped[:]
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def discard_body(body: Body) -> None:
+    """A body that will not be read (its reader is gone): free its shared memory."""
+    if body.shm:
+        (SHM_DIR / body.shm).unlink(missing_ok=True)
+
+
+def remove_leftovers(owner: str) -> None:
+    """Shared-memory bodies written under `owner` that nobody will read (their reader died)."""
+    for path in SHM_DIR.glob(f"appliance-{owner}-*"):
+        path.unlink(missing_ok=True)
+
+
+class Channel:
+    """Framed messages over one end of the socket pair."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, fd: int) -> Channel:
+        reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd), limit=1 << 20)
+        return cls(reader, writer)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self.writer.is_closing():
+            return  # the other end is gone; its supervisor or its own exit handles the rest
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.writer.write(FRAME.pack(len(payload)) + payload)
+
+    async def receive(self) -> tuple[Any, ...] | None:
+        """The next message, or None at the end (the other process exited)."""
+        try:
+            (length,) = FRAME.unpack(await self.reader.readexactly(FRAME.size))
+            message: tuple[Any, ...] = pickle.loads(await self.reader.readexactly(length))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return message
+
+    async def drain(self) -> None:
+        """Wait while the other end does not read (backpressure for streamed bodies)."""
+        try:
+            await self.writer.drain()
+        except ConnectionError:
+            pass
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RemoteApi:
+    """A worker's API: each request goes to the engine process and its answer comes back."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._streams: dict[int, asyncio.Queue[bytes | None]] = {}
+        self._keep = True
+
+    async def handle(self, request: Request) -> Response:
+        rid = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = answer
+        body = pack_body(request.body, str(os.getpid()))
+        self.channel.send(("request", rid, dataclasses.replace(request, body=b""), body))
+        try:
+            response, streamed = await answer
+        except asyncio.CancelledError:
+            self.channel.send(("cancel", rid))
+            raise
+        finally:
+            self._waiting.pop(rid, None)
+        if streamed:
+            response.stream = self._stream(rid)
+        return response
+
+    async def _stream(self, rid: int) -> AsyncGenerator[bytes, None]:
+        pieces, ended = self._streams[rid], False
+        try:
+            while (piece := await pieces.get()) is not None:
+                yield piece
+            ended = True
+        finally:
+            self._streams.pop(rid, None)
+            if not ended:
+                self.channel.send(("cancel", rid))  # the client left mid-stream
+
+    def keep_connections(self) -> bool:
+        return self._keep
+
+    def end_opened(self, opened: Iterable[Opened]) -> None:
+        self.channel.send(("end_opened", list(opened)))
+
+    async def still_open(self, opened: list[Opened]) -> list[bool]:
+        if not opened:
+            return []
+        rid = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = answer
+        self.channel.send(("still_open", rid, opened))
+        try:
+            result: list[bool] = await answer
+        finally:
+            self._waiting.pop(rid, None)
+        return result
+
+    def deliver(self, message: tuple[Any, ...]) -> None:
+        """One message from the engine, in order."""
+        kind, rid = message[0], message[1]
+        if kind == "response":
+            _, _, response, body, streamed, self._keep = message
+            response.body = unpack_body(body)
+            if streamed:
+                self._streams[rid] = asyncio.Queue()
+            answer = self._waiting.get(rid)
+            if answer is not None and not answer.done():
+                answer.set_result((response, streamed))
+            elif streamed:
+                self._streams.pop(rid, None)
+                self.channel.send(("cancel", rid))
+        elif kind in ("chunk", "end"):
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(message[2] if kind == "chunk" else None)
+        elif kind == "keep":
+            self._keep = message[2]
+        elif kind == "open":
+            answer = self._waiting.get(rid)
+            if answer is not None and not answer.done():
+                answer.set_result(message[2])
+
+    def fail_all(self) -> None:
+        """The engine is gone: nothing pending will be answered."""
+        for answer in self._waiting.values():
+            if not answer.done():
+                answer.set_exception(ConnectionError("the engine process is gone"))
+        for queue in self._streams.values():
+            queue.put_nowait(None)

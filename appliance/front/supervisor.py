@@ -1,0 +1,304 @@
+"""The engine process's side of the protocol workers: start them, answer their requests with the one
+API core, restart one that dies, and stop them all.
+
+Every worker accepts on the one Unix socket (systemd's, or the daemon's own) and, where QUIC is served
+across workers, reads its own UDP socket of the SO_REUSEPORT group. The engine process keeps every
+socket open, so a restarted worker gets the same ones back: a crash loses only that worker's
+connections, and datagrams for its QUIC connections wait in its socket meanwhile. Sequences live in the
+engine process: a sequence opened through one worker continues through any other."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from appliance.api.core import Api
+from appliance.config import QuicConfig
+from appliance.front.channel import (
+    Channel,
+    WorkerReport,
+    pack_body,
+    remove_leftovers,
+    unpack_body,
+)
+from appliance.protocol.peers import Peer, Totals
+
+log = logging.getLogger("appliance.workers")
+
+STARTUP_S = 60.0  # a worker that has not reported by then failed to start
+REPORT_STALE_S = 5.0  # a worker silent this long is wedged: the watchdog withholds its ping
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # by crashes in a row (within a minute)
+KEEP_INTERVAL_S = 0.05  # while draining: how often the workers learn whether sequences still stream
+
+
+@dataclass
+class QuicSlot:
+    sock: socket.socket
+    key: int  # the first 4 bytes of this worker's connection IDs (the steering program's key)
+
+
+@dataclass
+class WorkerSlot:
+    index: int
+    quic: QuicSlot | None
+    process: asyncio.subprocess.Process | None = None
+    channel: Channel | None = None
+    report: WorkerReport | None = None
+    heard: float = 0.0  # time.monotonic() of its last message
+    reported: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # its requests being served
+    crashes: list[float] = field(default_factory=list)
+    restarts: int = 0
+
+
+class Supervisor:
+    def __init__(
+        self,
+        api: Api,
+        config_paths: list[Path] | None,
+        unix_sock: socket.socket,
+        quic: list[QuicSlot],
+        count: int,
+        conncache: str,
+        firmware_label: str,
+    ) -> None:
+        self.api, self.config_paths, self.unix_sock = api, config_paths, unix_sock
+        self.conncache, self.firmware_label = conncache, firmware_label
+        self.slots = [WorkerSlot(i, quic[i] if i < len(quic) else None) for i in range(count)]
+        self.stopping = False
+        self._runners: list[asyncio.Task[None]] = []
+
+    # --- start ---
+    async def start(self) -> None:
+        """Start every worker; return once each has reported (it accepts on its sockets)."""
+        self._runners = [asyncio.get_running_loop().create_task(self._keep_running(s)) for s in self.slots]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s.reported.wait() for s in self.slots)), STARTUP_S)
+        except TimeoutError:
+            silent = [str(s.index) for s in self.slots if not s.reported.is_set()]
+            raise OSError(f"protocol worker {', '.join(silent)} did not start within {STARTUP_S:g} s") from None
+
+    async def _keep_running(self, slot: WorkerSlot) -> None:
+        while not self.stopping:
+            code = await self._run_once(slot)
+            if self.stopping:
+                return
+            now = time.monotonic()
+            slot.crashes = [t for t in slot.crashes if now - t < 60.0] + [now]
+            slot.restarts += 1
+            pause = RESTART_BACKOFF_S[min(len(slot.crashes), len(RESTART_BACKOFF_S)) - 1]
+            log.error(
+                "worker %d (pid %s) exited with %s; restarting it%s (the other workers keep serving)",
+                slot.index,
+                slot.process.pid if slot.process else "-",
+                _exit_text(code),
+                f" in {pause:g} s" if pause else "",
+            )
+            await asyncio.sleep(pause)
+
+    async def _run_once(self, slot: WorkerSlot) -> int:
+        engine_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = [worker_end.fileno(), self.unix_sock.fileno()]
+        args = [
+            sys.executable,
+            "-m",
+            "appliance.front.worker",
+            f"--slot={slot.index}",
+            f"--channel-fd={worker_end.fileno()}",
+            f"--unix-fd={self.unix_sock.fileno()}",
+            f"--conncache={self.conncache}",
+            f"--firmware={self.firmware_label}",
+            *(f"--config={p}" for p in self.config_paths or []),
+        ]
+        if slot.quic is not None:
+            fds.append(slot.quic.sock.fileno())
+            args += [f"--udp-fd={slot.quic.sock.fileno()}", f"--worker-key={slot.quic.key}"]
+        try:
+            slot.process = await asyncio.create_subprocess_exec(*args, pass_fds=fds)
+        finally:
+            worker_end.close()
+        slot.channel = await Channel.open(engine_end.detach())
+        try:
+            await self._serve(slot, slot.channel)
+        finally:
+            slot.channel.close()
+            slot.channel = None
+            slot.report = None
+            for task in slot.tasks.values():  # its clients are gone with it: nobody reads the answers
+                task.cancel()
+            slot.tasks.clear()
+        code = await slot.process.wait()
+        remove_leftovers(str(slot.process.pid))
+        remove_leftovers(f"{os.getpid()}.{slot.process.pid}")
+        return code
+
+    # --- serve one worker ---
+    async def _serve(self, slot: WorkerSlot, channel: Channel) -> None:
+        assert slot.process is not None
+        owner = f"{os.getpid()}.{slot.process.pid}"  # the shared-memory bodies this process writes to it
+        while (message := await channel.receive()) is not None:
+            slot.heard = time.monotonic()
+            kind = message[0]
+            if kind == "request":
+                _, rid, request, body = message
+                request = dataclasses.replace(request, body=unpack_body(body))
+                task = asyncio.get_running_loop().create_task(self._answer(channel, owner, rid, request))
+                slot.tasks[rid] = task
+                task.add_done_callback(partial(_forget, slot.tasks, rid))
+            elif kind == "cancel":
+                if (running := slot.tasks.get(message[1])) is not None:
+                    running.cancel()
+            elif kind == "end_opened":
+                self.api.end_opened(message[1])
+            elif kind == "still_open":
+                channel.send(("open", message[1], await self.api.still_open(message[2])))
+            elif kind == "report":
+                slot.report = message[1]
+                slot.reported.set()
+
+    async def _answer(self, channel: Channel, owner: str, rid: int, request: Any) -> None:
+        response = await self.api.handle(request)
+        stream, body = response.stream, pack_body(response.body, owner)
+        reply = dataclasses.replace(response, body=b"", stream=None)
+        channel.send(("response", rid, reply, body, stream is not None, self.api.keep_connections()))
+        if stream is None:
+            return
+        async with contextlib.aclosing(stream) as pieces:
+            async for piece in pieces:
+                channel.send(("chunk", rid, piece))
+                await channel.drain()  # a worker whose client reads slowly slows the producer
+        channel.send(("end", rid))
+
+    # --- what the daemon asks ---
+    def reports(self) -> list[WorkerReport]:
+        return [s.report for s in self.slots if s.report is not None]
+
+    def status(self) -> list[dict[str, Any]]:
+        """/status's `workers`: each slot as its worker last reported, and how often it was replaced."""
+        out = []
+        for slot in self.slots:
+            doc: dict[str, Any] = {"worker": slot.index, "up": slot.report is not None, "restarts": slot.restarts}
+            if slot.report is not None:
+                report = dataclasses.asdict(slot.report)
+                for internal in ("peers", "totals", "slot"):
+                    report.pop(internal)
+                doc.update(report)
+            out.append(doc)
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.reports()) + sum(len(s.tasks) for s in self.slots)
+
+    def wedged(self) -> list[int]:
+        """Workers that have not been heard from lately (the watchdog withholds its ping for them)."""
+        now = time.monotonic()
+        return [s.index for s in self.slots if s.channel is not None and now - s.heard > REPORT_STALE_S]
+
+    def pids(self) -> list[int]:
+        return [s.process.pid for s in self.slots if s.process is not None and s.process.returncode is None]
+
+    def signal_all(self, sig: signal.Signals) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def reload(self) -> None:
+        """SIGHUP reaches every worker: each re-reads the same config files and applies what it can."""
+        self.signal_all(signal.SIGHUP)
+
+    async def stop(self, deadline_s: float) -> None:
+        """SIGTERM: each worker stops accepting and drains its requests and streaming connections;
+        those still running at the deadline are killed."""
+        self.stopping = True
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + deadline_s
+        while self.pids() and time.monotonic() < deadline:
+            keep = self.api.keep_connections()
+            for slot in self.slots:
+                if slot.channel is not None:
+                    slot.channel.send(("keep", 0, keep))
+            await asyncio.sleep(KEEP_INTERVAL_S)
+        if self.pids():
+            log.warning("workers %s still running at the deadline: killed", ", ".join(map(str, self.pids())))
+            self.signal_all(signal.SIGKILL)
+        await asyncio.gather(*self._runners, return_exceptions=True)
+
+
+def quic_sockets(quic: QuicConfig, from_systemd: socket.socket | None, count: int) -> tuple[list[socket.socket], str]:
+    """One UDP socket per worker on the QUIC port, all in one SO_REUSEPORT group: systemd's socket
+    (or our own) first. Fewer than `count` where the group cannot be made, with the reason."""
+    first = from_systemd
+    if first is None:
+        family = socket.AF_INET6 if ":" in quic.host else socket.AF_INET
+        first = socket.socket(family, socket.SOCK_DGRAM)
+        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        first.bind((quic.host, quic.port))
+    elif not first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
+        return [first], "the UDP socket from systemd is not SO_REUSEPORT (ReusePort=yes in appliance.socket)"
+    socks = [first]
+    for _ in range(count - 1):
+        extra = socket.socket(first.family, socket.SOCK_DGRAM)
+        extra.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            extra.bind(first.getsockname()[:2])
+        except OSError as exc:  # e.g. systemd made the first socket as another user: no group with it
+            extra.close()
+            for made in socks[1:]:
+                made.close()
+            return [first], f"cannot join the QUIC port's SO_REUSEPORT group: {exc.strerror or exc}"
+        socks.append(extra)
+    return socks, ""
+
+
+def worker_keys(count: int) -> list[int]:
+    """Distinct random nonzero 32-bit keys, one per QUIC worker: its connection IDs start with it."""
+    keys: set[int] = set()
+    while len(keys) < count:
+        keys.add(secrets.randbits(32) or 1)
+    return list(keys)
+
+
+class ReportedPeers:
+    """The QUIC peers where a worker keeps the connection cache in user space, as it last reported."""
+
+    backend = "user"
+
+    def __init__(self, supervisor: Supervisor, reason: str) -> None:
+        self.supervisor, self.reason = supervisor, reason
+
+    def peers(self) -> dict[str, Peer]:
+        return {k: v for r in self.supervisor.reports() if r.peers for k, v in r.peers.items()}
+
+    def totals(self) -> Totals:
+        return _sum_totals(r.totals for r in self.supervisor.reports())
+
+
+def _sum_totals(totals: Iterable[Totals]) -> Totals:
+    out = Totals()
+    for t in totals:
+        out = Totals(out.packets + t.packets, out.bytes + t.bytes, out.drops + t.drops, out.peers_seen + t.peers_seen)
+    return out
+
+
+def _forget(tasks: dict[int, asyncio.Task[None]], rid: int, _: object) -> None:
+    tasks.pop(rid, None)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"

@@ -1,0 +1,154 @@
+"""A protocol worker's main (`python -m appliance.front.worker`, started by the engine process's
+supervisor): the transports on the sockets it inherits, every request sent to the engine process.
+
+It reads the same config files as the engine process, and re-reads them on SIGHUP; SIGTERM drains
+it (no new connections; requests in flight and streaming sequences finish within the grace time).
+It exits when the engine process goes away."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from appliance import config as config_files
+from appliance import signals
+from appliance.config import Live
+from appliance.errors import ApplianceError
+from appliance.front.channel import Channel, RemoteApi, WorkerReport
+from appliance.logs import FIRMWARE_FIELD, configure_logging
+from appliance.protocol.peers import Totals
+from appliance.transport.assembler import BodyBudget
+from appliance.transport.conncache import KernelCache, UserSpaceCache
+from appliance.transport.h3 import H3Server
+from appliance.transport.http1 import Http1Server
+
+log = logging.getLogger("appliance.worker")
+
+REPORT_INTERVAL_S = 1.0
+STOP_MARGIN_S = 2.0
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace, live: Live) -> None:
+        self.args, self.live = args, live
+        self.stopping = asyncio.Event()
+        self.http: Http1Server | None = None
+        self.h3: H3Server | None = None
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        signals.watch(loop, self.stopping.set, self.reload, self._deadline_s, self._overdue)
+        channel = await Channel.open(self.args.channel_fd)
+        api = RemoteApi(channel)
+        budget = BodyBudget(lambda: self.live.config.server)  # this worker's share of the body budget
+        self.http = Http1Server(api, self.live, budget)
+        server = await loop.create_unix_server(self.http.protocol, sock=socket.socket(fileno=self.args.unix_fd))
+        tasks = []
+        if self.args.udp_fd is not None:
+            settings = lambda: self.live.config.conncache  # noqa: E731
+            backend, _, reason = self.args.conncache.partition(":")
+            cache = KernelCache.attached(settings) if backend == "ebpf" else UserSpaceCache(settings, reason)
+            self.h3 = H3Server(api, self.live, budget, worker_key=self.args.worker_key)
+            await self.h3.start(socket.socket(fileno=self.args.udp_fd), cache=cache)
+            tasks.append(loop.create_task(self.h3.sweep_connection_cache()))
+        tasks.append(loop.create_task(self._report(channel)))
+        engine_gone = loop.create_task(self._receive(channel, api))
+        stop = loop.create_task(self.stopping.wait())
+        await asyncio.wait([engine_gone, stop], return_when=asyncio.FIRST_COMPLETED)
+        if engine_gone.done():
+            log.error("worker %d: the engine process is gone; exiting", self.args.slot)
+            return 1
+        server.close()
+        await self._drain(api)
+        for task in (*tasks, engine_gone):
+            task.cancel()
+        return 0
+
+    async def _receive(self, channel: Channel, api: RemoteApi) -> None:
+        while (message := await channel.receive()) is not None:
+            api.deliver(message)
+        api.fail_all()
+
+    async def _report(self, channel: Channel) -> None:
+        """The heartbeat: in flight, connections, and the peers where the cache is in user space."""
+        while True:
+            http, h3 = self.http, self.h3
+            assert http is not None
+            cache = h3.cache if h3 is not None else None
+            user_space = isinstance(cache, UserSpaceCache)
+            report = WorkerReport(
+                slot=self.args.slot,
+                pid=os.getpid(),
+                in_flight=self._in_flight(),
+                connections=len(http.connections),
+                quic_peers=sorted(c.peer for c in h3.connections) if h3 is not None else [],
+                quic_datagrams=h3.datagrams if h3 is not None else 0,
+                quic_stray_datagrams=h3.stray_datagrams if h3 is not None else 0,
+                peers=cache.peers() if user_space and cache is not None else None,
+                totals=cache.totals() if user_space and cache is not None else Totals(),
+            )
+            channel.send(("report", report))
+            await asyncio.sleep(REPORT_INTERVAL_S)
+
+    def _in_flight(self) -> int:
+        assert self.http is not None
+        return self.http.in_flight + (self.h3.in_flight if self.h3 is not None else 0)
+
+    async def _drain(self, api: RemoteApi) -> None:
+        assert self.http is not None
+        deadline = time.monotonic() + self.live.config.server.shutdown_grace_s
+        while (self._in_flight() or api.keep_connections()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.http.close_all()
+        if self.h3 is not None:
+            self.h3.close()
+
+    def reload(self) -> None:
+        try:
+            new = config_files.load(self.args.config or None)
+        except ApplianceError as exc:
+            log.error("worker %d: reload failed, keeping the running config: %s", self.args.slot, exc)
+            return
+        self.live.config, applied, _ = config_files.apply_live(self.live.config, new)
+        logging.getLogger().setLevel(self.live.config.log.level.upper())
+        if applied:  # the engine process reports what needs a restart
+            log.info("worker %d: reload: applied %s", self.args.slot, ", ".join(applied))
+
+    def _deadline_s(self) -> float:
+        return self.live.config.server.shutdown_grace_s + STOP_MARGIN_S
+
+    def _overdue(self) -> None:
+        log.error("worker %d: still running %.0f s after the stop signal; exiting", self.args.slot, self._deadline_s())
+        logging.shutdown()
+        os._exit(1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--slot", type=int, required=True)
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--unix-fd", type=int, required=True)
+    parser.add_argument("--udp-fd", type=int)
+    parser.add_argument("--worker-key", type=int)
+    parser.add_argument("--conncache", default="user:", help="ebpf (the engine's pins), or user:REASON")
+    parser.add_argument("--firmware", default="-")
+    parser.add_argument("--config", type=Path, action="append", default=[])
+    args = parser.parse_args()
+    try:
+        config = config_files.load(args.config or None)
+    except ApplianceError as exc:
+        print(f"appliance worker {args.slot}: {exc}", file=sys.stderr)
+        return 1
+    configure_logging(config.log.level, f"appliance worker {args.slot}")
+    FIRMWARE_FIELD.firmware = args.firmware
+    return asyncio.run(Worker(args, Live(config)).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Protocol workers (server.workers = 2): QUIC connections steered to their worker in the kernel, a
+killed worker replaced while the other one's clients carry on, sequences that outlive the worker that
+opened them, SIGHUP and SIGTERM reaching every worker. The transports' own tests run under both 1 and
+2 workers through conftest's `daemon` fixture."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from conftest import Bystander, Daemon
+
+from appliance.client import Client
+
+CHUNK = 512
+
+
+class UnixConnection(http.client.HTTPConnection):
+    """One keep-alive HTTP/1.1 connection to the daemon's Unix socket, whose worker we can name."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=30)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+    def call(self, method: str, target: str, doc: object | None = None) -> tuple[int, dict]:
+        body = None if doc is None else json.dumps(doc).encode()
+        self.request(method, target, body=body, headers={"Content-Type": "application/json"})
+        response = self.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+
+    def worker_pid(self) -> int:
+        """The pid of the process holding the server side of this connection (ss knows it)."""
+        if self.sock is None:
+            self.connect()
+        inode = os.fstat(self.sock.fileno()).st_ino
+        out = subprocess.run(["ss", "-xpnH"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            fields = line.split()
+            # Netid State Recv-Q Send-Q Local-Address Local-inode Peer-Address Peer-inode Process
+            if len(fields) >= 9 and fields[7] == str(inode) and fields[4] == self.path:
+                return int(re.search(r"pid=(\d+)", line)[1])
+        raise AssertionError(f"no server side for inode {inode} in ss:\n{out}")
+
+
+def vad_step(sequence_id: int, audio: np.ndarray, start: bool = False, end: bool = False) -> dict:
+    return {
+        "parameters": {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end},
+        "inputs": [{"name": "audio", "shape": [len(audio)], "datatype": "FP32", "data": audio.tolist()}],
+    }
+
+
+def workers_status(daemon: Daemon) -> list[dict]:
+    with daemon.client() as client:
+        return client.status()["workers"]
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def connection_on(daemon: Daemon, pid: int) -> UnixConnection:
+    """A Unix connection that the worker `pid` accepted (connections land where a worker accepts first)."""
+    for _ in range(200):
+        connection = UnixConnection(str(daemon.socket))
+        connection.connect()
+        if connection.worker_pid() == pid:
+            return connection
+        connection.close()
+    raise AssertionError(f"no connection landed on worker pid {pid} in 200 tries")
+
+
+@pytest.fixture
+def two_workers(start_daemon, tls) -> Daemon:
+    daemon = start_daemon(tls=tls, workers=2)
+    wait_for(lambda: all(w["up"] for w in workers_status(daemon)), what="both workers to report")
+    return daemon
+
+
+def test_each_quic_connection_stays_on_one_worker_and_connections_spread(two_workers: Daemon) -> None:
+    daemon = two_workers
+    with daemon.client() as client:
+        status = client.status()
+    if status["quic"]["workers"] < 2:
+        pytest.skip(f"QUIC runs in one worker here: {status['quic']['reason']}")
+    hosts = [f"127.0.0.{n}" for n in range(2, 18)]
+    clients = [
+        Client(quic=f"127.0.0.1:{daemon.quic_port}", cafile=daemon.cafile, timeout=30, local_host=h) for h in hosts
+    ]
+    try:
+        for _ in range(5):
+            for client in clients:
+                assert client.speech_probs(np.zeros(CHUNK, np.float32)).shape == (1,)
+        workers = workers_status(daemon)
+    finally:
+        for client in clients:
+            client.close()
+    where = {peer.rsplit(":", 1)[0]: w["worker"] for w in workers for peer in w["quic_peers"]}
+    assert sorted(where) == sorted(hosts), workers  # each connection is held by exactly one worker
+    assert len(set(where.values())) == 2, f"16 connections all on one worker: {workers}"
+    for worker in workers:  # every datagram of a connection reached the worker that holds it
+        assert worker["quic_datagrams"] > 0 and worker["quic_stray_datagrams"] == 0, workers
+
+
+def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(two_workers: Daemon) -> None:
+    daemon = two_workers
+    before = workers_status(daemon)
+    victim, survivor = before[0], before[1]
+    kept = connection_on(daemon, survivor["pid"])
+    assert kept.call("GET", "/v2/health/ready")[0] == 200
+    quic_multi = False
+    with daemon.client() as client:
+        quic_multi = client.status()["quic"]["workers"] == 2
+    bystanders = [Bystander(daemon, local_host=f"127.0.0.{n}", pause_s=0.02) for n in range(20, 28)]
+    for bystander in bystanders:
+        bystander.__enter__()
+    try:
+        wait_for(lambda: all(b.answered > 0 or b.errors for b in bystanders), what="QUIC clients to answer")
+        quic_on = {p.rsplit(":", 1)[0]: w["pid"] for w in workers_status(daemon) for p in w["quic_peers"]}
+        os.kill(victim["pid"], signal.SIGKILL)
+        for _ in range(20):  # the survivor's Unix client carries on while the victim is replaced
+            status, doc = kept.call("GET", "/v2/health/ready")
+            assert status == 200, doc
+            time.sleep(0.05)
+        wait_for(
+            lambda: (w := workers_status(daemon)[0])["up"] and w["pid"] != victim["pid"],
+            what="worker 0 to be replaced",
+        )
+    finally:
+        for bystander in bystanders:
+            bystander.__exit__()
+    after = workers_status(daemon)
+    assert after[0]["restarts"] == 1 and after[1]["pid"] == survivor["pid"] and after[1]["restarts"] == 0
+    if quic_multi:  # QUIC clients of the surviving worker saw no error at all
+        spared = [b for b in bystanders if quic_on.get(b.local_host) == survivor["pid"]]
+        assert spared, f"no QUIC client was on the surviving worker: {quic_on}"
+        for bystander in spared:
+            assert not bystander.errors and bystander.answered > 5, (bystander.errors, bystander.answered)
+    log = daemon.log.read_text()
+    assert f"worker 0 (pid {victim['pid']}) exited with signal SIGKILL; restarting it" in log
+    with daemon.client() as client:  # and the replacement serves
+        assert client.speech_probs(np.zeros(CHUNK, np.float32)).shape == (1,)
+
+
+def test_a_sequence_opened_through_one_worker_continues_through_another(two_workers: Daemon) -> None:
+    daemon = two_workers
+    rng = np.random.default_rng(7)
+    audio = [rng.standard_normal(CHUNK).astype(np.float32) * 0.3 for _ in range(6)]
+    with UnixConnection(str(daemon.socket)) as reference:  # the same audio as one uninterrupted sequence
+        expected = [
+            reference.call("POST", "/v2/models/silero_vad/infer", vad_step(1, a, i == 0, i == 5))[1]["outputs"]
+            for i, a in enumerate(audio)
+        ]
+    workers = workers_status(daemon)
+    first = connection_on(daemon, workers[0]["pid"])
+    got = [
+        first.call("POST", "/v2/models/silero_vad/infer", vad_step(2, a, i == 0))[1]["outputs"]
+        for i, a in enumerate(audio[:3])
+    ]
+    os.kill(workers[0]["pid"], signal.SIGKILL)  # the worker that opened it dies; the sequence lives on
+    second = connection_on(daemon, workers[1]["pid"])
+    for i, a in enumerate(audio[3:], start=3):
+        status, doc = second.call("POST", "/v2/models/silero_vad/infer", vad_step(2, a, end=i == 5))
+        assert status == 200, doc
+        got.append(doc["outputs"])
+    assert got == expected
+
+
+def test_sighup_and_sigterm_reach_every_worker(two_workers: Daemon) -> None:
+    daemon = two_workers
+    workers = workers_status(daemon)
+    text = daemon.config.read_text().replace("max_body_bytes = 8388608", "max_body_bytes = 4096")
+    daemon.config.write_text(text)
+    daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: daemon.log.read_text().count("reload: applied server.max_body_bytes") >= 3, what="reloads")
+    big = vad_step(3, np.zeros(4096, np.float32), start=True)
+    for worker in workers:  # each worker now refuses what it accepted before
+        with connection_on(daemon, worker["pid"]) as connection:
+            status, doc = connection.call("POST", "/v2/models/silero_vad/infer", big)
+            assert status == 413, doc
+    # SIGTERM: an open sequence keeps its connection through the drain, then every process exits
+    connection = connection_on(daemon, workers[1]["pid"])
+    small = np.zeros(CHUNK, np.float32)
+    assert connection.call("POST", "/v2/models/silero_vad/infer", vad_step(4, small, start=True))[0] == 200
+    daemon.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert daemon.proc.poll() is None  # draining: the sequence is still open
+    assert connection.call("POST", "/v2/models/silero_vad/infer", vad_step(4, small, end=True))[0] == 200
+    assert daemon.proc.wait(20) == 0, daemon.log.read_text()
+    for worker in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker["pid"], 0)
+
+
+def test_large_bodies_cross_through_shared_memory_whole(two_workers: Daemon) -> None:
+    """A body larger than a message goes through shared memory and comes back whole."""
+    daemon = two_workers
+    audio = np.random.default_rng(3).standard_normal(16000 * 20).astype(np.float32) * 0.1
+    with daemon.client() as unix, daemon.client("quic") as quic:
+        a = unix.speech_probs(audio)
+        b = quic.speech_probs(audio)
+    np.testing.assert_array_equal(a, b)
+    assert len(a) == len(audio) // CHUNK
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("appliance-")]
