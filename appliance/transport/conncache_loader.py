@@ -82,9 +82,11 @@ def steer(fds: list[int], keys: list[int], pin_dir: Path, defines: list[str]) ->
     pin(workers, pin_dir / STEERING_MAP)
     try:
         attach(fds[0], SO_ATTACH_REUSEPORT_EBPF, program.fd)  # one socket: the program is the group's
-    except BaseException:
+    except OSError as exc:
         (pin_dir / STEERING_MAP).unlink(missing_ok=True)
-        raise
+        raise OSError(
+            f"the kernel refused the program for the sockets' group ({exc}): one SO_REUSEPORT group?"
+        ) from None
 
 
 def main() -> int:
