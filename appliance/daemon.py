@@ -175,10 +175,10 @@ class Daemon:
             self.api.quic = {"workers": len(socks), "reason": self.quic_reason}
             port = socks[0].getsockname()[1]
             log.info(
-                "quic: HTTP/3 on UDP port %d, %d QUIC workers%s",
+                "quic: HTTP/3 on UDP port %d%s, read by %d QUIC workers",
                 port,
-                len(socks),
                 " (socket from systemd)" if quic_sock else "",
+                len(socks),
             )
             self._log_conncache()
             if self.cache.backend == "ebpf":
@@ -194,6 +194,7 @@ class Daemon:
             self.api.peer_table = (
                 self.cache if self.cache.backend == "ebpf" else ReportedPeers(self.supervisor, self.cache.reason)
             )
+        self.api.ready = True  # the models are warm: whatever a worker accepts is served (systemd hears READY later)
         try:
             await self.supervisor.start()
         except OSError as exc:

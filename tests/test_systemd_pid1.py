@@ -107,7 +107,7 @@ def test_unit_under_systemd_pid1(rootfs: Path, bundle: Path, keys: Keys, tmp_pat
     assert result.get("done") == "yes", context
     assert result["start_rc"] == "0" and result["active"] == "active", context
     assert result["health"] == "200" and result["infer"] == "200 [2]", context
-    assert result["quic_health"] == "ready" and int(result["quic_from_systemd"]) >= 1, context
+    assert result["quic_health"] == "ready" and int(result["quic_listening"]) >= 1, context
     assert "conncache" in result["status_text"], context
     assert result["tls_key_mode"] == "600:appliance", context
     assert "firmware voice-vad 1.0.0, engine onnxruntime-cpu" in result["status_text"], context

@@ -264,9 +264,11 @@ def quic_sockets(quic: QuicConfig, from_systemd: socket.socket | None, count: in
     elif not first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
         return [first], "the UDP socket from systemd is not SO_REUSEPORT (ReusePort=yes in appliance.socket)"
     socks = [first]
+    _receive_buffer(first)
     for _ in range(count - 1):
         extra = socket.socket(first.family, socket.SOCK_DGRAM)
         extra.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        _receive_buffer(extra)
         try:
             extra.bind(first.getsockname()[:2])
         except OSError as exc:  # e.g. systemd made the first socket as another user: no group with it
@@ -276,6 +278,18 @@ def quic_sockets(quic: QuicConfig, from_systemd: socket.socket | None, count: in
             return [first], f"cannot join the QUIC port's SO_REUSEPORT group: {exc.strerror or exc}"
         socks.append(extra)
     return socks, ""
+
+
+RECEIVE_BUFFER = 4 << 20  # per QUIC socket: a burst of datagrams waits while its worker is busy
+SO_RCVBUFFORCE = 33  # asm-generic/socket.h; Python's socket module does not name it
+
+
+def _receive_buffer(sock: socket.socket) -> None:
+    """SO_RCVBUFFORCE where allowed (CAP_NET_ADMIN: the unit grants it), else as much as rmem_max allows."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
 
 
 def worker_keys(count: int) -> list[int]:

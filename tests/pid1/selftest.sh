@@ -15,11 +15,11 @@ put start_rc $?
 put active "$(systemctl is-active appliance.service)"
 put health "$(call /v2/health/ready)"
 put infer "$(call infer)"
-# QUIC on the UDP socket from appliance.socket, with the certificate made at first start
+# QUIC on the daemon's UDP sockets, with the certificate made at first start
 quic_call() { PYTHONPATH=/opt/appliance /opt/appliance/.venv/bin/python -m appliance call "$@" \
     --quic 127.0.0.1:4433 --cafile /var/lib/appliance/tls/cert.pem; }
 put quic_health "$(quic_call health | python3 -c 'import json,sys; print("ready" if json.load(sys.stdin)["ready"] else "not")')"
-put quic_from_systemd "$(journalctl -b -u appliance.service --no-pager | grep -c 'HTTP/3 on UDP port 4433 (socket from systemd)')"
+put quic_listening "$(journalctl -b -u appliance.service --no-pager | grep -c 'HTTP/3 on UDP port 4433')"
 put tls_key_mode "$(stat -c %a:%U /var/lib/appliance/tls/key.pem)"
 put status_text "$(prop StatusText)"
 pid=$(prop MainPID)
