@@ -231,6 +231,8 @@ class Daemon:
         try:
             server = await self.start()
         except BaseException:
+            if self.supervisor is not None:
+                self.supervisor.abort()
             await self._stop_models()
             self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
             raise
@@ -280,8 +282,8 @@ class Daemon:
                     proven[name] = (started, model.stats.execution_count)  # requests ran on it since
                 elif started - when >= max(interval, cost.get(name, 0.0) / PROBE_SHARE):
                     due.append(name)
-            if self.supervisor is not None and (wedged := self.supervisor.wedged()):
-                log.error("watchdog: protocol workers %s are not reporting; withholding the ping", wedged)
+            if self.supervisor is not None and (unheard := self.supervisor.unheard()):
+                log.error("watchdog: protocol workers %s are not serving (restarting); withholding the ping", unheard)
                 await asyncio.sleep(interval)
                 continue
             try:
@@ -335,11 +337,11 @@ class Daemon:
         api.ready = False
         api.draining = True
         grace = self.config.server.shutdown_grace_s
+        deadline = time.monotonic() + grace
         if self.supervisor is not None:  # each worker drains its own connections within the grace time
             await self.supervisor.stop(grace + 1.0)
         if server is not None:
             server.close()
-        deadline = time.monotonic() + grace
         while (self._in_flight() or live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._in_flight() or live():

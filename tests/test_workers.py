@@ -167,8 +167,11 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(
             assert not bystander.errors and bystander.answered > 5, (bystander.errors, bystander.answered)
     log = daemon.log.read_text()
     assert f"worker 0 (pid {victim['pid']}) exited with signal SIGKILL; restarting it" in log
-    with daemon.client() as client:  # and the replacement serves
+    with daemon.client() as client:  # and the replacement serves; the metrics say what happened
         assert client.speech_probs(np.zeros(CHUNK, np.float32)).shape == (1,)
+        metrics = client.metrics()
+    assert 'appliance_worker_restarts_total{worker="0"} 1' in metrics
+    assert 'appliance_worker_restarts_total{worker="1"} 0' in metrics
 
 
 def test_a_sequence_opened_through_one_worker_continues_through_another(two_workers: Daemon) -> None:

@@ -229,7 +229,8 @@ class Api:
         raise repository.refusal(params["action"], params["model"], self.manifest, list(self.models))
 
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
-        text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version)
+        workers = self.workers() if self.workers else None
+        text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version, workers)
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:

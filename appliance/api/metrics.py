@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from appliance.kinds.base import ServedModel
 from appliance.protocol.peers import PeerTable
@@ -72,9 +73,14 @@ class Metrics:
 
 
 def render(
-    metrics: Metrics, models: Iterable[ServedModel], conncache: PeerTable | None = None, version: str = ""
+    metrics: Metrics,
+    models: Iterable[ServedModel],
+    conncache: PeerTable | None = None,
+    version: str = "",
+    workers: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Text format 0.0.4; `version`: the firmware's, each model's version label."""
+    """Text format 0.0.4; `version`: the firmware's, each model's version label; `workers`: the protocol
+    workers as /status shows them, where there are."""
     models = list(models)  # read once per section
     out = [
         "# HELP appliance_requests_total API requests by endpoint and HTTP status.",
@@ -133,6 +139,8 @@ def render(
     out += _triton_lines(models, version)
     if conncache is not None:
         out += _conncache_lines(conncache)
+    if workers:
+        out += _worker_lines(workers)
     return "\n".join(out) + "\n"
 
 
@@ -172,6 +180,32 @@ def _triton_lines(models: Iterable[ServedModel], version: str) -> list[str]:
     for name, kind, help_text, value in TRITON_METRICS:
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
         out += [f'{name}{{model="{m.name}",version="{version}"}} {value(m)}' for m in models]
+    return out
+
+
+WORKER_METRICS = (
+    ("appliance_worker_up", "gauge", "1 while the protocol worker serves, 0 while it is (re)starting.",
+     lambda w: int(w["up"])),
+    ("appliance_worker_restarts_total", "counter", "Times the protocol worker was replaced after it died.",
+     lambda w: w["restarts"]),
+    ("appliance_worker_requests_in_flight", "gauge", "Requests the worker is serving.", lambda w: w.get("in_flight", 0)),
+    ("appliance_worker_unix_connections", "gauge", "Unix socket connections the worker holds.",
+     lambda w: w.get("connections", 0)),
+    ("appliance_worker_quic_connections", "gauge", "QUIC connections the worker holds.",
+     lambda w: len(w.get("quic_peers", []))),
+    ("appliance_worker_quic_datagrams_total", "counter", "Datagrams received on the worker's UDP socket.",
+     lambda w: w.get("quic_datagrams", 0)),
+    ("appliance_worker_quic_stray_datagrams_total", "counter",
+     "Short-header datagrams for a connection the worker does not hold (steering missed, or a restart).",
+     lambda w: w.get("quic_stray_datagrams", 0)),
+)  # fmt: skip
+
+
+def _worker_lines(workers: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for name, kind, help_text, value in WORKER_METRICS:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        out += [f'{name}{{worker="{w["worker"]}"}} {value(w)}' for w in workers]
     return out
 
 

@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -56,7 +57,7 @@ class QuicSlot:
 class WorkerSlot:
     index: int
     quic: QuicSlot | None
-    process: asyncio.subprocess.Process | None = None
+    process: subprocess.Popen[bytes] | None = None
     channel: Channel | None = None
     report: WorkerReport | None = None
     heard: float = 0.0  # time.monotonic() of its last message
@@ -64,6 +65,7 @@ class WorkerSlot:
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # its requests being served
     crashes: list[float] = field(default_factory=list)
     restarts: int = 0
+    last_exit = ""
 
 
 class Supervisor:
@@ -83,16 +85,23 @@ class Supervisor:
         self.stopping = False
         self.tickets = TicketStore()  # QUIC session tickets, for every worker (0-RTT resumes anywhere)
         self._runners: list[asyncio.Task[None]] = []
+        self._watcher: asyncio.Task[None] | None = None
 
     # --- start ---
     async def start(self) -> None:
         """Start every worker; return once each has reported (it accepts on its sockets)."""
-        self._runners = [asyncio.get_running_loop().create_task(self._keep_running(s)) for s in self.slots]
-        try:
-            await asyncio.wait_for(asyncio.gather(*(s.reported.wait() for s in self.slots)), STARTUP_S)
-        except TimeoutError:
-            silent = [str(s.index) for s in self.slots if not s.reported.is_set()]
-            raise OSError(f"protocol worker {', '.join(silent)} did not start within {STARTUP_S:g} s") from None
+        loop = asyncio.get_running_loop()
+        self._runners = [loop.create_task(self._keep_running(s)) for s in self.slots]
+        self._watcher = loop.create_task(self._kill_wedged())
+        deadline = time.monotonic() + STARTUP_S
+        while not all(s.reported.is_set() for s in self.slots):
+            failed = [s for s in self.slots if s.restarts and not s.reported.is_set()]
+            if failed:
+                raise OSError(f"protocol worker {failed[0].index} exited before serving: {failed[0].last_exit}")
+            if time.monotonic() > deadline:
+                silent = [str(s.index) for s in self.slots if not s.reported.is_set()]
+                raise OSError(f"protocol worker {', '.join(silent)} did not start within {STARTUP_S:g} s")
+            await asyncio.sleep(0.02)
 
     async def _keep_running(self, slot: WorkerSlot) -> None:
         while not self.stopping:
@@ -102,6 +111,7 @@ class Supervisor:
             now = time.monotonic()
             slot.crashes = [t for t in slot.crashes if now - t < 60.0] + [now]
             slot.restarts += 1
+            slot.last_exit = _exit_text(code)
             pause = RESTART_BACKOFF_S[min(len(slot.crashes), len(RESTART_BACKOFF_S)) - 1]
             log.error(
                 "worker %d (pid %s) exited with %s; restarting it%s (the other workers keep serving)",
@@ -137,8 +147,9 @@ class Supervisor:
                 f"--worker-key={slot.quic.key}",
                 f"--tickets-fd={tickets_worker.fileno()}",
             ]
+        slot.heard = time.monotonic()  # a worker has until REPORT_STALE_S from now to report
         try:
-            slot.process = await asyncio.create_subprocess_exec(*args, pass_fds=fds)
+            slot.process = subprocess.Popen(args, pass_fds=fds)
         finally:
             worker_end.close()
             tickets_worker.close()
@@ -152,7 +163,7 @@ class Supervisor:
             for task in slot.tasks.values():  # its clients are gone with it: nobody reads the answers
                 task.cancel()
             slot.tasks.clear()
-        code = await slot.process.wait()
+        code = await _exited(slot.process)
         loop.remove_reader(tickets_engine)
         tickets_engine.close()
         remove_leftovers(str(slot.process.pid))
@@ -180,6 +191,8 @@ class Supervisor:
             elif kind == "still_open":
                 channel.send(("open", message[1], await self.api.still_open(message[2])))
             elif kind == "report":
+                if slot.report is None:
+                    log.info("protocol worker %d (pid %d) serving", slot.index, slot.process.pid)
                 slot.report = message[1]
                 slot.reported.set()
 
@@ -217,10 +230,28 @@ class Supervisor:
     def in_flight(self) -> int:
         return sum(r.in_flight for r in self.reports()) + sum(len(s.tasks) for s in self.slots)
 
-    def wedged(self) -> list[int]:
-        """Workers that have not been heard from lately (the watchdog withholds its ping for them)."""
+    def unheard(self) -> list[int]:
+        """Workers not serving now: starting, restarting, or silent. The watchdog pings only when none is."""
         now = time.monotonic()
-        return [s.index for s in self.slots if s.channel is not None and now - s.heard > REPORT_STALE_S]
+        return [s.index for s in self.slots if s.report is None or now - s.heard > REPORT_STALE_S]
+
+    async def _kill_wedged(self) -> None:
+        """A worker silent for REPORT_STALE_S has a blocked event loop: kill it, and it is restarted as
+        if it had crashed, while the other workers keep serving."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.channel is not None and slot.process is not None and now - slot.heard > REPORT_STALE_S:
+                    log.error(
+                        "worker %d (pid %d) silent for %.0f s: killing it",
+                        slot.index,
+                        slot.process.pid,
+                        now - slot.heard,
+                    )
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.process.kill()
+                    slot.heard = now  # killed once; its exit restarts it
 
     def pids(self) -> list[int]:
         return [s.process.pid for s in self.slots if s.process is not None and s.process.returncode is None]
@@ -234,10 +265,17 @@ class Supervisor:
         """SIGHUP reaches every worker: each re-reads the same config files and applies what it can."""
         self.signal_all(signal.SIGHUP)
 
+    def abort(self) -> None:
+        """A start that failed: the workers go at once."""
+        self.stopping = True
+        self.signal_all(signal.SIGKILL)
+
     async def stop(self, deadline_s: float) -> None:
         """SIGTERM: each worker stops accepting and drains its requests and streaming connections;
         those still running at the deadline are killed."""
         self.stopping = True
+        if self._watcher is not None:
+            self._watcher.cancel()  # a draining worker may be slow to report; the deadline below bounds it
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + deadline_s
         while self.pids() and time.monotonic() < deadline:
@@ -320,6 +358,25 @@ def _sum_totals(totals: Iterable[Totals]) -> Totals:
     for t in totals:
         out = Totals(out.packets + t.packets, out.bytes + t.bytes, out.drops + t.drops, out.peers_seen + t.peers_seen)
     return out
+
+
+async def _exited(process: subprocess.Popen[bytes]) -> int:
+    """Wait for the worker's exit on a pidfd (readable once it exits): no child-watcher thread."""
+    pidfd = os.pidfd_open(process.pid)
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return process.wait()
 
 
 def _forget(tasks: dict[int, asyncio.Task[None]], rid: int, _: object) -> None:
