@@ -203,6 +203,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "keepalive_timeout_s": 4.5,
         "pipeline_depth": 5,
         "shutdown_grace_s": 0.1,
+        "workers": 3,
     },
     "quic": {
         "enabled": True,

@@ -40,6 +40,8 @@ def test_merged_in_order_and_relative_paths_resolved(tmp_path: Path) -> None:
         ('[conncache]\nbackend = "xdp"\n', "conncache.backend: 'xdp' is not one of auto, ebpf, user"),
         ("[conncache]\npeer_rate = 0\n", "conncache.peer_rate: must be positive"),
         ('[quic]\nretry = "yes"\n', "quic.retry: expected bool"),
+        ("[server]\nworkers = 17\n", "server.workers: 17 is not from 0 (one per core) to 16"),
+        ("[server]\nworkers = -1\n", "server.workers: -1 is not from 0 (one per core) to 16"),
     ],
 )
 def test_bad_config_names_file_key_and_reason(tmp_path: Path, text: str, expected: str) -> None:

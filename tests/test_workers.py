@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import Bystander, Daemon
+from conftest import Bystander, Daemon, cli
 
 from appliance.client import Client
 
@@ -129,6 +129,10 @@ def test_each_quic_connection_stays_on_one_worker_and_connections_spread(two_wor
     assert len(set(where.values())) == 2, f"16 connections all on one worker: {workers}"
     for worker in workers:  # every datagram of a connection reached the worker that holds it
         assert worker["quic_datagrams"] > 0 and worker["quic_stray_datagrams"] == 0, workers
+    shown = cli("status", "--socket", daemon.socket).stdout  # and `appliance status` shows them
+    for worker in workers:
+        assert f"worker {worker['worker']} pid {worker['pid']}: " in shown, shown
+    assert "quic: 2 QUIC workers" in shown, shown
 
 
 def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(two_workers: Daemon) -> None:

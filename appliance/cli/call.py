@@ -215,6 +215,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     for model in status["models"]:
         print(f"model {model['name']} on {model['engine']}: {model['live_sequences']} live sequences")
+    for worker in status.get("workers") or []:
+        if not worker["up"]:
+            print(f"worker {worker['worker']}: starting (restarts {worker['restarts']})")
+            continue
+        print(
+            f"worker {worker['worker']} pid {worker['pid']}: {worker['in_flight']} requests in flight, "
+            f"{worker['connections']} Unix connections, {len(worker['quic_peers'])} QUIC connections, "
+            f"{worker['quic_datagrams']} datagrams ({worker['quic_stray_datagrams']} stray), "
+            f"restarts {worker['restarts']}"
+        )
+    if quic := status.get("quic"):
+        print(f"quic: {quic['workers']} QUIC workers" + (f" ({quic['reason']})" if quic["reason"] else ""))
     cache = status["conncache"]
     if cache is None:
         print("quic: off")
