@@ -65,7 +65,7 @@ class WorkerSlot:
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # its requests being served
     crashes: list[float] = field(default_factory=list)
     restarts: int = 0
-    last_exit = ""
+    last_exit: str = ""  # how its last process ended
 
 
 class Supervisor:

@@ -7,8 +7,14 @@
 appliance=/opt/appliance/.venv/bin/appliance
 entries=$(ls /boot/efi/loader/entries | tr '\n' ' ')
 echo "test-driver: appliance.service $(systemctl is-active appliance.service)"
+# the daemon's own account (its log is the journal, not the console): the last lines where it failed
+if ! systemctl -q is-active appliance.service; then
+    journalctl -u appliance.service -n 20 --no-pager -o cat | sed 's/^/test-driver: journal /'
+fi
 echo "test-driver: booted entries: $entries"
-$appliance status | head -1 | sed 's/^/test-driver: status /'
+$appliance status > /run/status.txt
+head -1 /run/status.txt | sed 's/^/test-driver: status /'
+grep -E '^(worker|quic|conncache)' /run/status.txt | sed 's/^/test-driver: status /'
 dev=$(ls /dev/disk/by-id/virtio-update-* 2>/dev/null | head -1)
 if [ -z "$dev" ]; then
     echo "test-driver: idle, powering off"
