@@ -1,5 +1,6 @@
 """The light client: `pip install appliance` (no `server` extra) into a fresh virtual environment, without
-the system's site packages, brings no ONNX Runtime and no onnx, and calls a running daemon."""
+the system's site packages, brings no ONNX Runtime and no onnx, and calls a running daemon. The wheel
+also carries the BPF C an installed daemon compiles (share/appliance/bpf)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_the_client_installs_and_calls_without_the_server_packages(daemon, tmp_p
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "appliance", source / "appliance", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "bpf", source / "bpf")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     python = venv / "bin" / "python"
@@ -39,6 +41,8 @@ def test_the_client_installs_and_calls_without_the_server_packages(daemon, tmp_p
     listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True)
     packages = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert "appliance" in packages and not packages & {"onnxruntime", "onnx", "soundfile", "soxr", "tqdm"}, packages
+    for program in ("conncache.c", "quic_steering.c"):  # what an installed daemon's loader compiles
+        assert (venv / "share/appliance/bpf" / program).read_bytes() == (ROOT / "bpf" / program).read_bytes()
     called = subprocess.run([python, "-c", CALL, str(daemon.socket)], capture_output=True, text=True, cwd=tmp_path)
     assert called.returncode == 0, called.stderr
     assert json.loads(called.stdout) == {"present": [], "outputs": {"speech_prob": [2]}, "probs": 2}

@@ -21,7 +21,9 @@ from bcc import BPF, libbcc  # Debian's python3-bpfcc, through the venv's system
 
 from appliance.transport.conncache import MAPS, STEERING_MAP
 
-ROOT = Path(__file__).resolve().parents[2] / "bpf"
+# bpf/ of a source checkout (make venv installs it editable), else the copy a wheel installs as data
+CHECKOUT = Path(__file__).resolve().parents[2] / "bpf"
+ROOT = CHECKOUT if CHECKOUT.is_dir() else Path(sys.prefix) / "share" / "appliance" / "bpf"
 BPF_SOURCE = ROOT / "conncache.c"
 STEERING_SOURCE = ROOT / "quic_steering.c"
 SO_ATTACH_BPF = 50
