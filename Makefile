@@ -97,7 +97,7 @@ image-deps:
 # The UEFI disk image (ESP, root A, root B, data) with its signed manifest, in $(IMAGE).
 image: $(IMAGE)/manifest.json
 
-$(IMAGE)/manifest.json: $(BUNDLE)/manifest.json $(wildcard image/* appliance/*.py appliance/*/*.py) pyproject.toml | image-deps venv
+$(IMAGE)/manifest.json: $(BUNDLE)/manifest.json $(wildcard image/* appliance/*.py appliance/*/*.py bpf/*.c) pyproject.toml | image-deps venv
 	time image/build.sh $(IMAGE) $(BUNDLE) $(DEV_KEY) $(TRUSTED) $(IMAGE_VERSION)
 
 # Boots copies flashed by `appliance flash` in qemu + OVMF (TCG where KVM cannot run OVMF):
