@@ -181,11 +181,8 @@ class Daemon:
                 len(socks),
             )
             self._log_conncache()
-            if self.cache.backend == "ebpf":
-                conncache = "ebpf"
-            else:  # the one QUIC worker keeps the table; the engine shows what it reports
-                conncache = f"user:{self.cache.reason}"
-                self.cache.close()
+            # user space: the one QUIC worker keeps the table; the engine shows what it reports
+            conncache = "ebpf" if self.cache.backend == "ebpf" else f"user:{self.cache.reason}"
         elif quic_sock is not None:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
         self.supervisor = Supervisor(self.api, self.config_paths, sock, quic_slots, workers, conncache, firmware_label)

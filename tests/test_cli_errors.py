@@ -142,6 +142,16 @@ def test_quic_wrong_cafile_is_told_apart_from_no_answer(tmp_path: Path, daemon: 
     )
 
 
+def test_quic_cafile_that_holds_no_certificate_is_one_line_before_any_handshake(tmp_path: Path, daemon: Daemon) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a certificate\n")
+    result = run("call", "--quic", f"127.0.0.1:{daemon.quic_port}", "--cafile", notes, "health")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert one_line(result) == (
+        f"appliance: error: CA file {notes}: no PEM certificate in it; pass the server's certificate or its CA"
+    )
+
+
 def test_quic_address_without_port_is_a_usage_error() -> None:
     result = run("call", "--quic", "127.0.0.1", "health")
     assert result.returncode == exitcodes.USAGE == 2

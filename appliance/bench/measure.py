@@ -51,6 +51,24 @@ def timed(fn: Callable[[], Any], seconds: float) -> list[float]:
     return samples
 
 
+def concurrently(count: int, work: Callable[[int], object]) -> float:
+    """Seconds for `count` threads to each do `work(i)`, started together."""
+    start = threading.Barrier(count + 1)
+
+    def run(i: int) -> None:
+        start.wait()
+        work(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def stats_us(samples: list[float]) -> dict[str, float]:
     arr = np.asarray(samples) * 1e6
     return {

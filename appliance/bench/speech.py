@@ -16,7 +16,6 @@ import io
 import os
 import statistics
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ import soxr
 
 from appliance import firmware
 from appliance.bench.daemon import DaemonProcess
+from appliance.bench.measure import concurrently
 from appliance.client import Client
 from appliance.kinds.phonemes import Voice, phonemize
 from appliance.kinds.text import clauses, grouped_by_sentence
@@ -60,24 +60,6 @@ TARGETS = {"speech_ratio": 2.0, "first_audio_ms": 300.0, "translation_ratio": 2.
 def timed_once(work: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     work()
-    return time.perf_counter() - t0
-
-
-def concurrently(count: int, work: Callable[[int], object]) -> float:
-    """Seconds for `count` threads to each do `work(i)`, started together."""
-    start = threading.Barrier(count + 1)
-
-    def run(i: int) -> None:
-        start.wait()
-        work(i)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
     return time.perf_counter() - t0
 
 

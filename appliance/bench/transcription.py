@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import statistics
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 
 from appliance.audio import decode_audio, encode_wav
 from appliance.bench.daemon import DaemonProcess
+from appliance.bench.measure import concurrently
 from appliance.client import Client
 
 RATE, CHUNK = 16000, 4096  # 256 ms live chunks
@@ -92,23 +92,13 @@ def transcription_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, thr
             "speedup": round(min(theirs) / min(ours), 2),
             "text_difference_wer": round(float(jiwer.wer(words(their_text), words(our_text))), 3),
         }
-        # 2. eight clients with a 10 s clip each, at once; the peer transcribes them one after another
-        barrier, answers = threading.Barrier(9), [0.0] * 8
 
+        # 2. eight clients with a 10 s clip each, at once; the peer transcribes them one after another
         def ask(i: int) -> None:
             with Client(str(daemon.socket), timeout=600) as own:
-                barrier.wait()
                 own.transcribe(encode_wav(clips[i], RATE), MODEL)
-                answers[i] = time.perf_counter()
 
-        threads_ = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-        for th in threads_:
-            th.start()
-        barrier.wait()
-        t = time.perf_counter()
-        for th in threads_:
-            th.join()
-        together = max(answers) - t
+        together = concurrently(8, ask)
         t = time.perf_counter()
         for clip in clips:
             list(peer.transcribe(clip, language="en")[0])

@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from aioquic.asyncio import QuicConnectionProtocol
@@ -21,6 +22,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 from aioquic.tls import SessionTicket
+from cryptography import x509
 
 from appliance.client.errors import (
     CertificateRejected,
@@ -144,6 +146,7 @@ class QuicSession:
     def _configuration(self) -> QuicConfiguration:
         configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name=self.host)
         if self.cafile:
+            _check_certificates(self.cafile)
             configuration.load_verify_locations(self.cafile)
         else:
             configuration.verify_mode = ssl.CERT_REQUIRED  # the system's CAs; a box normally pins its own
@@ -313,3 +316,16 @@ class QuicTransport:
         asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(self.timeout)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+
+
+def _check_certificates(cafile: str) -> None:
+    """Before any handshake: aioquic reads the CA file only inside it, and an unreadable one surfaces
+    as a traceback on the event loop and a handshake that never ends."""
+    try:
+        x509.load_pem_x509_certificates(Path(cafile).read_bytes())
+    except OSError as exc:
+        raise ClientError(f"CA file {cafile}: cannot read it ({exc.strerror})") from None
+    except ValueError:
+        raise ClientError(
+            f"CA file {cafile}: no PEM certificate in it; pass the server's certificate or its CA"
+        ) from None

@@ -206,20 +206,25 @@ class RemoteApi:
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[bytes | None]] = {}
         self._keep = True
+        self._owner = str(os.getpid())  # names the shared-memory bodies this worker writes
 
-    async def handle(self, request: Request) -> Response:
+    async def _ask(self, kind: str, *payload: Any) -> tuple[int, Any]:
+        """Send one question under a new id; its id and the engine's answer (deliver sets it)."""
         rid = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._waiting[rid] = answer
-        body = pack_body(request.body, str(os.getpid()))
-        self.channel.send(("request", rid, dataclasses.replace(request, body=b""), body))
+        self.channel.send((kind, rid, *payload))
         try:
-            response, streamed = await answer
+            return rid, await answer
         except asyncio.CancelledError:
             self.channel.send(("cancel", rid))
             raise
         finally:
             self._waiting.pop(rid, None)
+
+    async def handle(self, request: Request) -> Response:
+        body = pack_body(request.body, self._owner)
+        rid, (response, streamed) = await self._ask("request", dataclasses.replace(request, body=b""), body)
         if streamed:
             response.stream = self._stream(rid)
         return response
@@ -244,15 +249,8 @@ class RemoteApi:
     async def still_open(self, opened: list[Opened]) -> list[bool]:
         if not opened:
             return []
-        rid = next(self._ids)
-        answer = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = answer
-        self.channel.send(("still_open", rid, opened))
-        try:
-            result: list[bool] = await answer
-        finally:
-            self._waiting.pop(rid, None)
-        return result
+        _, result = await self._ask("still_open", opened)
+        return list(result)
 
     def deliver(self, message: tuple[Any, ...]) -> None:
         """One message from the engine, in order."""

@@ -124,10 +124,7 @@ class Supervisor:
 
     async def _run_once(self, slot: WorkerSlot) -> int:
         engine_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        tickets_engine, tickets_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        tickets_engine.setblocking(False)
         loop = asyncio.get_running_loop()
-        loop.add_reader(tickets_engine, serve_tickets, tickets_engine, self.tickets)
         fds = [worker_end.fileno(), self.unix_sock.fileno()]
         args = [
             sys.executable,
@@ -140,7 +137,12 @@ class Supervisor:
             f"--firmware={self.firmware_label}",
             *(f"--config={p}" for p in self.config_paths or []),
         ]
+        tickets: socket.socket | None = None  # the engine's end of a QUIC worker's ticket lookups
+        tickets_worker: socket.socket | None = None
         if slot.quic is not None:
+            tickets, tickets_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            tickets.setblocking(False)
+            loop.add_reader(tickets, serve_tickets, tickets, self.tickets)
             fds += [slot.quic.sock.fileno(), tickets_worker.fileno()]
             args += [
                 f"--udp-fd={slot.quic.sock.fileno()}",
@@ -152,7 +154,8 @@ class Supervisor:
             slot.process = subprocess.Popen(args, pass_fds=fds)
         finally:
             worker_end.close()
-            tickets_worker.close()
+            if tickets_worker is not None:
+                tickets_worker.close()
         slot.channel = await Channel.open(engine_end.detach())
         try:
             await self._serve(slot, slot.channel)
@@ -164,8 +167,9 @@ class Supervisor:
                 task.cancel()
             slot.tasks.clear()
         code = await _exited(slot.process)
-        loop.remove_reader(tickets_engine)
-        tickets_engine.close()
+        if tickets is not None:
+            loop.remove_reader(tickets)
+            tickets.close()
         remove_leftovers(str(slot.process.pid))
         remove_leftovers(f"{os.getpid()}.{slot.process.pid}")
         return code
