@@ -116,7 +116,7 @@ class Daemon:
             self.wyoming_socket = Path(str(config.wyoming.socket)) if str(config.wyoming.socket) != "." else None
             self.wyoming_socket = self.wyoming_socket or config.server.socket.with_name("wyoming.sock")
             wyoming_sock = bind_unix_socket(dataclasses.replace(config.server, socket=self.wyoming_socket))
-            self.wyoming = await wyoming.listen(wyoming_sock, self.models, self.live)
+            self.wyoming = await wyoming.listen(wyoming_sock, self.models, self.live, self.api.metrics)
             log.info("Wyoming on %s", self.wyoming_socket)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:

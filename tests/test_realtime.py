@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +118,20 @@ def test_live_turns_and_transcripts(daemon: Daemon, frame_ms: int, rate: int) ->
     # the event order a client relies on: started < stopped < committed < completed for each item
     order = [e["type"].rsplit(".", 1)[-1] for e in events if e.get("item_id") == completed[0]["item_id"]]
     assert order[0] == "speech_started" and order[-1] == "completed", order
+    count, total = live_latency(daemon, "realtime")
+    assert count >= len(sentences) and 0 < total / count < 10, (count, total)
+    print(f"realtime: end of sentence to completed, mean {total / count:.3f} s over {count} turns")
+
+
+def live_latency(daemon: Daemon, protocol: str) -> tuple[int, float]:
+    """The box's own end-of-sentence to final-transcript histogram: its count and sum."""
+    with daemon.client() as client:
+        text = client.metrics()
+    labels = f'{{model="{TINY}",protocol="{protocol}"}}'
+    count = re.search(rf"appliance_live_transcript_latency_seconds_count{re.escape(labels)} (\d+)", text)
+    total = re.search(rf"appliance_live_transcript_latency_seconds_sum{re.escape(labels)} ([0-9.]+)", text)
+    assert count and total, text[-2000:]
+    return int(count[1]), float(total[1])
 
 
 def test_manual_commit_and_clear(daemon: Daemon) -> None:

@@ -125,6 +125,12 @@ def test_eight_concurrent_clients_share_engine_calls(daemon: Daemon) -> None:
     for i, text in enumerate(texts):
         assert wer(CLEAR[i % len(CLEAR)], text) == 0.0, (i, text)
     assert batched_calls(daemon, TINY) > before  # some engine call ran shards of several clients
+    with daemon.client() as client:
+        metrics = client.metrics()
+    count = re.search(
+        rf'appliance_live_transcript_latency_seconds_count{{model="{TINY}",protocol="wyoming"}} (\d+)', metrics
+    )
+    assert count and int(count[1]) >= 8, metrics[-1500:]
 
 
 def test_client_leaving_mid_stream_and_bad_events(daemon: Daemon) -> None:

@@ -93,7 +93,7 @@ class Api:
             *openai_speech.routes(models),
             *libretranslate.routes(models),
             *openai_audio.routes(models),
-            *realtime.routes(models),
+            *realtime.routes(models, self.metrics),
         ]
 
     async def handle(self, request: Request) -> Response:

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import socket
+import time
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsP
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from appliance import __version__
+from appliance.api.metrics import Metrics
 from appliance.audio import StreamResampler, pcm16
 from appliance.config import Live
 from appliance.errors import ApiError, BadRequest
@@ -172,7 +174,7 @@ class WyomingHandler:
             raise BadRequest("this firmware serves no speech_to_text model")
         return self.speech[0]
 
-    async def finish_transcription(self, send: Any) -> None:
+    async def finish_transcription(self, send: Any) -> str:
         """audio-stop: the recording's segments, each sent as it is decoded, then the whole transcript."""
         if self.audio is None or self.resampler is None:
             raise BadRequest("audio-stop before audio-start")
@@ -189,6 +191,7 @@ class WyomingHandler:
             await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
         await send(TranscriptStop().event())
         await send(Transcript(text=" ".join(texts), language=language).event())
+        return model.name
 
     async def speak(self, text: str) -> list[Event]:
         if not self.voices:
@@ -237,6 +240,7 @@ async def read_event(reader: asyncio.StreamReader, max_payload: int) -> Event | 
 
 async def serve_client(
     models: dict[str, ServedModel],
+    metrics: Metrics,
     max_payload: int,
     max_samples: int,
     reader: asyncio.StreamReader,
@@ -253,7 +257,9 @@ async def serve_client(
                 for answer in await handler.handle(event):
                     await send(answer)
                 if AudioStop.is_type(event.type):
-                    await handler.finish_transcription(send)
+                    stopped = time.monotonic()
+                    model = await handler.finish_transcription(send)
+                    metrics.observe_live(model, "wyoming", time.monotonic() - stopped)
             except (ApiError, ValueError, KeyError, TypeError) as exc:  # a bad event's fields: one error, go on
                 message = exc.message if isinstance(exc, ApiError) else f"bad {event.type} event: {exc}"
                 await send(Error(text=message, code=type(exc).__name__).event())
@@ -268,12 +274,12 @@ async def serve_client(
         writer.close()
 
 
-async def listen(sock: socket.socket, models: dict[str, ServedModel], live: Live) -> asyncio.Server:
+async def listen(sock: socket.socket, models: dict[str, ServedModel], live: Live, metrics: Metrics) -> asyncio.Server:
     """Serve Wyoming on a bound, listening socket; each client in its own task."""
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         config = live.config
         max_samples = config.server.max_body_bytes // 2  # as much as the API takes as 16 kHz PCM16
-        await serve_client(models, config.wyoming.max_payload_bytes, max_samples, reader, writer)
+        await serve_client(models, metrics, config.wyoming.max_payload_bytes, max_samples, reader, writer)
 
     return await asyncio.start_unix_server(client, sock=sock, limit=MAX_HEADER_BYTES)
