@@ -322,7 +322,9 @@ LIVE_KEYS = frozenset(
         "vad.min_silence_ms",
         "vad.speech_pad_ms",
         "websocket.max_message_bytes",
+        "websocket.buffered_bytes",
         "websocket.idle_timeout_s",
+        "wyoming.max_payload_bytes",
         "websocket.ping_interval_s",
         "log.level",
     }
