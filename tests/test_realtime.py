@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import soxr
 from conftest import ROOT, Daemon, Keys, build_bundle
 from speech import RATE, recording
+from tcp_forward import tcp_to_unix
 from test_speech_to_text import CLEAR, wer
 from websockets.asyncio.client import ClientConnection, unix_connect
 from websockets.exceptions import ConnectionClosed
@@ -207,3 +209,29 @@ def test_plain_get_is_426(daemon: Daemon) -> None:
     with daemon.client() as client:
         answer = client.send(Call("GET", "/v1/realtime"))
     assert answer.status == 426 and b"WebSocket" in answer.body
+
+
+def test_openai_realtime_client_over_a_tcp_bridge(daemon: Daemon) -> None:
+    """The `openai` package's own realtime client (its websockets connection, its event models)."""
+    samples, _ = recording(CLEAR[5:6], gap_s=1.2, lead_s=0.5)
+    audio = pcm(np.concatenate([samples, np.zeros(RATE, np.float32)]), 24000)
+    step = 24000 * 2 // 10  # 100 ms appends, sent as fast as the client goes
+
+    async def run() -> str:
+        with tcp_to_unix(daemon.socket) as address:
+            client = openai.AsyncOpenAI(api_key="on-box", base_url=f"http://{address}/v1", max_retries=0)
+            async with client.realtime.connect(extra_query={"intent": "transcription"}) as connection:
+                await connection.session.update(
+                    session={"type": "transcription", "audio": {"input": {"turn_detection": TURN_DETECTION}}}
+                )
+                for offset in range(0, len(audio), step):
+                    piece = base64.b64encode(audio[offset : offset + step]).decode()
+                    await connection.input_audio_buffer.append(audio=piece)
+                async for event in connection:
+                    if event.type == "conversation.item.input_audio_transcription.completed":
+                        return event.transcript
+                    assert event.type != "error", event
+        raise AssertionError("no transcript")
+
+    transcript = asyncio.run(asyncio.wait_for(run(), 120))
+    assert wer(CLEAR[5], transcript) == 0.0, transcript
