@@ -86,8 +86,7 @@ class Daemon:
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
-        self.wyoming: asyncio.Server | None = None
-        self.wyoming_socket: Path | None = None
+        self.wyoming: wyoming.Listeners | None = None
 
     @property
     def config(self) -> Config:
@@ -112,12 +111,8 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, self.live)
-        if config.wyoming.enabled:
-            self.wyoming_socket = Path(str(config.wyoming.socket)) if str(config.wyoming.socket) != "." else None
-            self.wyoming_socket = self.wyoming_socket or config.server.socket.with_name("wyoming.sock")
-            wyoming_sock = bind_unix_socket(dataclasses.replace(config.server, socket=self.wyoming_socket))
-            self.wyoming = await wyoming.listen(wyoming_sock, self.models, self.live, self.api.metrics)
-            log.info("Wyoming on %s", self.wyoming_socket)
+        bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
+        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -350,7 +345,7 @@ class Daemon:
         if server is not None:
             server.close()
         if self.wyoming is not None:
-            self.wyoming.close()
+            await self.wyoming.close()
         while (self._in_flight() or live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._in_flight() or live():
@@ -370,7 +365,7 @@ class Daemon:
         return in_flight + (self.supervisor.in_flight if self.supervisor else 0)
 
     def _remove_socket(self) -> None:
-        for path in (self.bound_socket, self.wyoming_socket):
+        for path in (self.bound_socket, self.wyoming.path if self.wyoming else None):
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

@@ -122,6 +122,7 @@ class WyomingConfig:
     enabled: bool = True
     socket: Path = Path("")  # "" (unset): wyoming.sock beside server.socket, with its mode and group
     max_payload_bytes: int = 1 << 20  # an event's data or payload; a bigger one is an error and a close
+    tcp: str = ""  # "HOST:PORT": also on TCP for the LAN, announced by zeroconf (off when empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +292,9 @@ def _check_values(config: Config) -> None:
         )
     if not 0 < config.quic.port < 65536:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
+    host, _, port = config.wyoming.tcp.rpartition(":")
+    if config.wyoming.tcp and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if not 0.0 < config.vad.threshold < 1.0:
