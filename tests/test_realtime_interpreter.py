@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 from collections.abc import Iterator
 
@@ -96,3 +97,15 @@ def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
         with daemon.client() as client:
             heard = checked(client.send(call)).json()["text"]
         assert keys <= set(words(heard).split()), heard
+    with daemon.client() as client:
+        metrics = client.metrics()
+    first = re.search(
+        r'appliance_live_latency_seconds_count\{model="interpreter",protocol="realtime",until="first_audio"\} (\d+)',
+        metrics,
+    )
+    total = re.search(
+        r'appliance_live_latency_seconds_sum\{model="interpreter",protocol="realtime",until="first_audio"\} ([0-9.]+)',
+        metrics,
+    )
+    assert first and total and int(first[1]) >= len(SENTENCES), metrics[-2000:]
+    print(f"interpreter: end of sentence to first translated audio, mean {float(total[1]) / int(first[1]):.3f} s")

@@ -169,7 +169,7 @@ def test_eight_concurrent_clients_share_engine_calls(daemon: Daemon) -> None:
     with daemon.client() as client:
         metrics = client.metrics()
     count = re.search(
-        rf'appliance_live_transcript_latency_seconds_count{{model="{TINY}",protocol="wyoming"}} (\d+)', metrics
+        rf'appliance_live_latency_seconds_count{{model="{TINY}",protocol="wyoming",until="transcript"}} (\d+)', metrics
     )
     assert count and int(count[1]) >= 8, metrics[-1500:]
 

@@ -94,6 +94,7 @@ async def transcription(
     session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
     turns = Turns(models, session, client, interpreter)
     await io.send(_json(session.created()))
+    first_audio: float | None = None  # the last turn's end, until its translation's first audio is sent
     try:
         while True:
             message = await io.receive()
@@ -111,6 +112,11 @@ async def transcription(
                     await io.send(_json(event))
                     if event["type"] == COMPLETED and (arrived := turns.arrived.pop(event["item_id"], None)):
                         metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
+                        first_audio = arrived
+                    elif event["type"] == "response.output_audio.delta" and first_audio is not None:
+                        name = interpreter.pipeline.name if interpreter else turns.model.name
+                        metrics.observe_live(name, "realtime", time.monotonic() - first_audio, "first_audio")
+                        first_audio = None
     finally:
         turns.close()
 
