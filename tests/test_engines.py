@@ -5,6 +5,7 @@ refused where the TensorRT version or the GPU differs from the build machine's."
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ from appliance.engine.choice import CpuFallback
 from appliance.engine.interface import GpuOutOfMemory
 from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.reference import ReferenceVad
-from appliance.engine.tensorrt import found_gpu, plan_mismatch
+from appliance.engine.tensorrt import plan_mismatch
 from appliance.firmware import PlanSpec
 from appliance.firmware.build import sign
 from appliance.keys import load_private_key
@@ -173,9 +174,13 @@ def test_a_plan_for_another_gpu_is_refused_and_the_model_served_on_the_cpu(
     with daemon.client() as client:
         assert client.speech_probs(np.zeros(512, np.float32)).shape == (1,)
         assert 'engine="onnxruntime-cpu"' in client.metrics()
-    refusal = plan_mismatch(H100_PLAN, *found_gpu())
-    assert "runs it on the CPU: cuda engine: pycuda is not installed" in daemon.log.read_text()
-    assert refusal in daemon.log.read_text()
+    # pycuda is absent (above), so this box shows no GPU; TensorRT itself may be installed or not
+    why = "TensorRT is not installed here" if importlib.util.find_spec("tensorrt") is None else "no CUDA GPU here"
+    log = daemon.log.read_text()
+    assert "runs it on the CPU: cuda engine: pycuda is not installed" in log
+    assert (
+        "TensorRT plan models/silero_vad.plan (built with TensorRT 10.13.3.9 for compute capability 9.0): " + why
+    ) in log, log
 
 
 def test_a_plan_naming_a_file_outside_the_bundle_fails_verification(bundle, keys, tmp_path) -> None:

@@ -18,6 +18,7 @@ import openai
 import pytest
 import soundfile as sf
 from conftest import ROOT, Daemon, Keys, build_bundle, cli
+from promtext import sample
 from speech import RATE, recording, say
 
 from appliance.audio import encode_wav
@@ -266,8 +267,9 @@ def test_health_and_vad_answer_while_a_long_transcription_runs(daemon: Daemon, u
     worker.start()
     try:
         with Client(str(daemon.socket)) as other:
-            while f'appliance_queue_depth{{model="{BASE}"}} 0' in other.metrics() and not done.is_set():
+            while sample(other.metrics(), "appliance_queue_depth", model=BASE) == 0 and not done.is_set():
                 pass  # until its shards are queued or running
+            assert not done.is_set(), "the transcription finished before its shards were seen queued"
             answered = 0
             while not done.is_set() and answered < 5:
                 assert other.health()["ready"]
