@@ -23,7 +23,7 @@ from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.reference import ReferenceVad
 from appliance.engine.tensorrt import plan_mismatch
 from appliance.firmware import PlanSpec
-from appliance.firmware.build import sign
+from appliance.firmware_build.bundle import sign
 from appliance.keys import load_private_key
 
 

@@ -48,7 +48,7 @@ def test_reference_matches_onnx_runtime_on_a_batch_with_state(bundle: Path) -> N
 
 @needs_nvcc
 def test_kernels_compile_for_sm_90_with_the_baked_values_in_the_binary(tmp_path: Path) -> None:
-    from appliance.firmware.kernels import compile_vad_kernels
+    from appliance.firmware_build.kernels import compile_vad_kernels
 
     small = compile_vad_kernels(Baked(1024, "semantic", 0.85, 64), AUDIO, tmp_path / "a")
     large = compile_vad_kernels(Baked(256, "fixed", 0.85, 8192), AUDIO, tmp_path / "b")

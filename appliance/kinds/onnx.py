@@ -20,7 +20,8 @@ from appliance.config import Live
 from appliance.engine.dynamic import DynamicBatcher, Job
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
-from appliance.engine.scheduler import Sequence, SequenceTable
+from appliance.engine.scheduler import Sequence
+from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import DATATYPES, Baked, ModelSpec, TensorSpec
@@ -48,8 +49,8 @@ class StateRows:
                 )
             self.rows.append((tuple(shape), NUMPY_OF[tensor.datatype]))
 
-    def new_sequence(self, key: object = None) -> Sequence:
-        return Sequence(key=key, state=[np.zeros(shape, dtype) for shape, dtype in self.rows], context=np.empty(0))
+    def new_sequence(self) -> Sequence:
+        return Sequence(state=[np.zeros(shape, dtype) for shape, dtype in self.rows], context=np.empty(0))
 
 
 class OnnxModel:
@@ -70,8 +71,8 @@ class OnnxModel:
         # every call of a real graph is heavy: always on the engine thread, so requests gather meanwhile
         self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6, 1)
         self.state_rows = StateRows(spec) if self.stateful else None
-        self.sequences: SequenceTable | NoSequences = (
-            SequenceTable(self.state_rows, lambda: live.config.sequences) if self.state_rows else NoSequences()
+        self.sequences: OwnedTable[Sequence] | NoSequences = (
+            OwnedTable(lambda: live.config.sequences) if self.state_rows else NoSequences()
         )
 
     @property
@@ -145,21 +146,21 @@ class OnnxModel:
         feeds = self._checked_feeds(request.inputs)
         if sequence is None:
             return await self._run(feeds, self._new_sequence(), times), None
-        if not self.stateful or not isinstance(self.sequences, SequenceTable):
+        if self.state_rows is None or not isinstance(self.sequences, OwnedTable):
             raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
         now = self.clock()
         if sequence.start:
-            live = self.sequences.start(sequence.id, now, sequence.client)
+            held = self.sequences.open(sequence.id, now, sequence.client, self.state_rows.new_sequence)
         else:
-            live = self.sequences.get(sequence.id, now, sequence.client)
-        live.in_flight += 1
+            held = self.sequences.get(sequence.id, now, sequence.client)
+        held.in_flight += 1
         try:
-            outputs = await self._run(feeds, live, times)
+            outputs = await self._run(feeds, held, times)
         finally:
-            live.in_flight -= 1
+            held.in_flight -= 1
             if sequence.end:
                 self.sequences.end(sequence.id)
-        opened = Opened(self.name, sequence.id, live.serial) if sequence.start and not sequence.end else None
+        opened = Opened(self.name, sequence.id, held.serial) if sequence.start and not sequence.end else None
         return outputs, opened
 
     def _new_sequence(self) -> Sequence | None:

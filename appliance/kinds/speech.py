@@ -25,6 +25,7 @@ from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED
 from appliance.kinds.phonemes import Phonemes, Voice, phonemize
 from appliance.kinds.text import ShardLimits, checked_text, clauses, grouped_by_sentence, plan_shards, utf8
 from appliance.kinds.triton_config import model_config
@@ -32,7 +33,6 @@ from appliance.kinds.voice_graph import VoiceGraph
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
 
-MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range for `speed`
 TEXT, AUDIO = "text", "audio"  # the KServe tensors
 IDS_AROUND = 3  # BOS, its pad and EOS around a shard's phonemes; each phoneme takes itself and a pad
 
@@ -56,7 +56,7 @@ class SpeechModel:
         # side by side single-threaded runs pay on the CPU engine only (see voice_graph.py)
         lanes = engine_config.threads if isinstance(engine, OnnxCpuEngine) else 1
         self.graph = VoiceGraph(engine, voice, lanes)
-        self.voice, self.sample_rate = voice, voice.sample_rate
+        self.voice, self.sample_rate, self.language = voice, voice.sample_rate, voice.language
         # one shard of a request per batch: a lone request's first sentence runs alone on every thread
         # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(

@@ -22,7 +22,8 @@ from appliance import keys
 from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt
 from appliance.errors import ApplianceError
-from appliance.firmware import graphs, kernels
+from appliance.firmware import graphs
+from appliance.firmware_build import kernels
 from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
 from appliance.firmware.manifest import (
     DATATYPES,
