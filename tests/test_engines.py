@@ -20,7 +20,7 @@ from appliance import firmware
 from appliance.engine.choice import CpuFallback
 from appliance.engine.interface import GpuOutOfMemory
 from appliance.engine.onnx_cpu import OnnxCpuEngine
-from appliance.engine.reference import ReferenceVad
+from appliance.engine.reference import ReferenceVad, load_weights
 from appliance.engine.tensorrt import plan_mismatch
 from appliance.firmware import PlanSpec
 from appliance.firmware_build.bundle import sign
@@ -48,7 +48,7 @@ def speech_frames() -> np.ndarray:
 
 def test_batches_move_to_the_cpu_above_the_threshold_and_back_keeping_state(bundle: Path, speech_frames) -> None:
     model = bundle / "models" / "silero_vad.onnx"
-    gpu, cpu = FlakyGpu.from_onnx(model), OnnxCpuEngine(model, 1)
+    gpu, cpu = FlakyGpu(load_weights(model)), OnnxCpuEngine(model, 1)
     reading = {"used": 0.10}
     engine = CpuFallback(gpu, cpu, threshold=0.85, memory_used=lambda: reading["used"])
     steps = len(speech_frames)
@@ -67,7 +67,7 @@ def test_batches_move_to_the_cpu_above_the_threshold_and_back_keeping_state(bund
 
 def test_at_the_threshold_batches_stay_on_the_gpu(bundle: Path, speech_frames) -> None:
     model = bundle / "models" / "silero_vad.onnx"
-    engine = CpuFallback(FlakyGpu.from_onnx(model), OnnxCpuEngine(model, 1), 0.85, lambda: 0.85)
+    engine = CpuFallback(FlakyGpu(load_weights(model)), OnnxCpuEngine(model, 1), 0.85, lambda: 0.85)
     run_streams(engine, speech_frames[:10])
     assert not engine.fallbacks
 

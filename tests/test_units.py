@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from speech import speech_segments
 
 from appliance.config import SequenceConfig
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable, ScopedSequences
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
-from appliance.kinds.segments import SegmentParams, speech_segments
+from appliance.kinds.segments import SegmentParams
 from appliance.kinds.shards import plan_shards
 from appliance.protocol.messages import Opened
 from appliance.transport.owners import SequenceOwners
@@ -189,7 +190,7 @@ def test_a_live_frame_goes_before_a_recording_that_fills_the_batch() -> None:
     batcher.fill()
     batcher.run_steps()  # one engine call: the recording is under way
     live = Work(
-        batcher.model.new_sequence(), np.zeros((1, 512), np.float32), lambda w, e: done.append("live"), live=True
+        batcher.model.new_sequence(), np.zeros((1, 512), np.float32), lambda w, e: done.append("live"), urgent=True
     )
     batcher.submit(live)
     assert batcher.run_steps(budget_s=10.0) == []  # returns at once: a live frame waits

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 from conftest import build_bundle
-from speech import RATE, SENTENCES, recording
+from speech import RATE, SENTENCES, recording, speech_segments
 
 from appliance.audio import encode_wav, to_frames
 from appliance.client import AsyncClient, Client
 from appliance.engine.choice import HANG_FAILPOINT
-from appliance.kinds.segments import SegmentParams, speech_segments
+from appliance.kinds.segments import SegmentParams
 from appliance.kinds.shards import frame_energy, plan_shards
 
 FRAME = 512

@@ -98,7 +98,7 @@ class Work:
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
     cancelled: bool = False  # its caller went away before it started: never run it
-    live: bool = False  # a live stream's frames: they go before recordings, and may push one out of the batch
+    urgent: bool = False  # a live stream's frames: they go before recordings, and may push one out of the batch
     times: RequestTimes | None = None  # its request's: each engine call it is in adds its compute times once
 
     def __post_init__(self) -> None:
@@ -118,35 +118,35 @@ class Batcher:
     def __init__(self, model: FrameModel, max_batch: int) -> None:
         self.model, self.max_batch = model, max_batch
         self.stats = ModelStats()
-        self._live: deque[Work] = deque()
+        self._urgent: deque[Work] = deque()
         self._bulk: deque[Work] = deque()
         self._active: list[Work] = []
 
     @property
     def queue_depth(self) -> int:
-        return len(self._live) + len(self._bulk) + len(self._active)
+        return len(self._urgent) + len(self._bulk) + len(self._active)
 
     @property
     def busy(self) -> bool:
-        return bool(self._live or self._bulk or self._active)
+        return bool(self._urgent or self._bulk or self._active)
 
     @property
     def waiting(self) -> int:
-        return len(self._live) + len(self._bulk)
+        return len(self._urgent) + len(self._bulk)
 
     def submit(self, work: Work) -> None:
-        (self._live if work.live else self._bulk).append(work)
+        (self._urgent if work.urgent else self._bulk).append(work)
 
     def fill(self) -> int:
         """Move waiting works into the batch (one per sequence, in order, live ones first, pushing
         recordings out for them); return the batch size."""
         active = self._active
-        if self._live and len(active) >= self.max_batch:
-            pushed = [w for w in active if not w.live][-len(self._live) :]
+        if self._urgent and len(active) >= self.max_batch:
+            pushed = [w for w in active if not w.urgent][-len(self._urgent) :]
             active[:] = [w for w in active if w not in pushed]
             self._bulk.extendleft(reversed(pushed))  # first again when there is room
         busy = {id(w.sequence) for w in active}
-        for queue in (self._live, self._bulk):
+        for queue in (self._urgent, self._bulk):
             skipped: list[Work] = []
             while queue and len(active) < self.max_batch:
                 work = queue.popleft()
@@ -195,7 +195,7 @@ class Batcher:
                 return finished
             room = len(active) < self.max_batch
             # return so `fill` can take waiting works: where there is room, or a recording to push out
-            waiting = (self._bulk or self._live) and room or (self._live and any(not w.live for w in active))
+            waiting = (self._bulk or self._urgent) and room or (self._urgent and any(not w.urgent for w in active))
             if waiting or time.perf_counter() >= deadline:
                 return finished
         return []

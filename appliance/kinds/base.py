@@ -32,8 +32,8 @@ class SequenceCall:
     client: str = ""  # who sends it (Request.client): only the client that opened a sequence may use it
 
 
-class LiveSequences(Protocol):
-    """A model's open sequences (engine/scheduler.py SequenceTable; empty for a stateless model)."""
+class OpenSequences(Protocol):
+    """A model's open sequences (engine/sequences.py OwnedTable; NoSequences for a stateless model)."""
 
     def __len__(self) -> int: ...
 
@@ -66,7 +66,7 @@ class ServedModel(Protocol):
     tasks: Mapping[str, Task]
 
     @property
-    def sequences(self) -> LiveSequences: ...
+    def sequences(self) -> OpenSequences: ...
 
     @property
     def queue_depth(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from appliance.config import Live
+from appliance.engine.choice import load_engine
 from appliance.engine.dynamic import DynamicBatcher, Job
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
@@ -24,8 +25,8 @@ from appliance.engine.scheduler import Sequence
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
-from appliance.firmware import DATATYPES, Baked, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.firmware import DATATYPES, Baked, Bundle, ModelSpec, TensorSpec
+from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
@@ -73,6 +74,16 @@ class OnnxModel:
         self.state_rows = StateRows(spec) if self.stateful else None
         self.sequences: OwnedTable[Sequence] | NoSequences = (
             OwnedTable(lambda: live.config.sequences) if self.state_rows else NoSequences()
+        )
+
+    @classmethod
+    def load(cls, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> OnnxModel:
+        """The registry's factory (kinds/__init__.py): its engine as the config's [engine] picks it."""
+        return cls(
+            spec,
+            bundle.manifest.baked,
+            load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads),
+            live,
         )
 
     @property

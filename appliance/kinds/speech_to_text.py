@@ -192,7 +192,7 @@ class SpeechToText:
         samples: np.ndarray,
         options: Options,
         times: RequestTimes,
-        live: bool = False,
+        urgent: bool = False,
         offset: int = 0,
     ) -> list[Segment]:
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
@@ -200,7 +200,7 @@ class SpeechToText:
         times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
         second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
         shard = self._shard(plan.audio(samples), options)
-        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=live)[0]
+        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=urgent)[0]
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)

@@ -15,16 +15,17 @@ import numpy as np
 
 from appliance.audio import to_frames
 from appliance.config import Live
+from appliance.engine.choice import load_engine
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
-from appliance.firmware import Baked, ModelSpec
+from appliance.firmware import Baked, Bundle, ModelSpec
 from appliance.kinds import vad_api
 from appliance.kinds.audio_in import audio_input, decode_upload
-from appliance.kinds.base import SequenceCall, Task
+from appliance.kinds.base import SequenceCall, ServedModel, Task
 from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import frame_energy, plan_shards
 from appliance.kinds.streaming import ndjson
@@ -50,6 +51,16 @@ class VadModel:
         self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
         self.sequences: OwnedTable[Sequence] = OwnedTable(lambda: live.config.sequences)
         self.stats = self.batcher.stats
+
+    @classmethod
+    def load(cls, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> VadModel:
+        """The registry's factory (kinds/__init__.py): its engine as the config's [engine] picks it."""
+        return cls(
+            spec,
+            bundle.manifest.baked,
+            load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads),
+            live,
+        )
 
     @property
     def queue_depth(self) -> int:
@@ -120,7 +131,7 @@ class VadModel:
         return await self.engine_loop.stop(timeout_s)
 
     def _submit(
-        self, sequence: Sequence, frames: np.ndarray, live: bool = False, times: RequestTimes | None = None
+        self, sequence: Sequence, frames: np.ndarray, urgent: bool = False, times: RequestTimes | None = None
     ) -> asyncio.Future[np.ndarray]:
         """Queue frames of a sequence for the engine; the future gets their probabilities.
         Cancelling the future before the frames start running drops them from the queue."""
@@ -135,7 +146,7 @@ class VadModel:
             else:
                 future.set_exception(error)
 
-        work = Work(sequence, frames, done, live=live, times=times)
+        work = Work(sequence, frames, done, urgent=urgent, times=times)
         future.add_done_callback(lambda f: setattr(work, "cancelled", f.cancelled()))
         sequence.in_flight += 1
         self.engine_loop.submit(work)
@@ -166,7 +177,7 @@ class VadModel:
         try:
             if not len(samples):
                 return np.empty(0, np.float32), serial
-            return await self._submit(sequence, samples.reshape(-1, frame), live=True, times=times), serial
+            return await self._submit(sequence, samples.reshape(-1, frame), urgent=True, times=times), serial
         finally:
             if end:
                 self.sequences.end(sequence_id)
