@@ -209,3 +209,14 @@ def test_the_firmware_and_the_runtime_know_the_same_model_kinds() -> None:
     from appliance.kinds import KINDS
 
     assert set(KIND_PARAMETERS) == set(KINDS)
+
+
+def test_every_kind_in_the_registry_is_a_factory_of_the_registry_signature() -> None:
+    """Each KINDS entry imports and takes (spec, bundle, live, loaded), as load_models calls it."""
+    import inspect
+
+    from appliance.kinds import KINDS, factory
+
+    for kind in KINDS:
+        parameters = list(inspect.signature(factory(kind)).parameters)
+        assert parameters[:4] == ["spec", "bundle", "live", "loaded"], (kind, parameters)

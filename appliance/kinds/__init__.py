@@ -22,8 +22,8 @@ Factory = Callable[[ModelSpec, Bundle, Live, Mapping[str, ServedModel]], ServedM
 KINDS: dict[str, str] = {
     "vad": "vad:VadModel.load",
     "onnx": "onnx:OnnxModel.load",
-    "speech_synthesis": "speech:SpeechModel",
-    "text_translation": "translation:TranslationModel",
+    "speech_synthesis": "speech:SpeechModel.load",
+    "text_translation": "translation:TranslationModel.load",
     "speech_to_text": "speech_to_text:SpeechToText",
     "speech_pipeline": "pipeline:SpeechPipeline",
 }

@@ -24,7 +24,7 @@ from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task
 from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED
 from appliance.kinds.phonemes import Phonemes, Voice, phonemize
 from appliance.kinds.text import ShardLimits, checked_text, clauses, grouped_by_sentence, plan_shards, utf8
@@ -62,6 +62,11 @@ class SpeechModel:
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(
             self.graph.run, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6, 1
         )
+
+    @classmethod
+    def load(cls, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> SpeechModel:
+        """The registry's factory (kinds/__init__.py)."""
+        return cls(spec, bundle, live)
 
     @property
     def name(self) -> str:

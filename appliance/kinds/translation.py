@@ -24,7 +24,7 @@ from appliance.engine.bergamot import BergamotEngine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task
 from appliance.kinds.text import MAX_TEXT_CHARS, Clause, ShardLimits, checked_text, joined, plan_shards, sentences, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
@@ -53,6 +53,11 @@ class TranslationModel:
         self.queue: BatchQueue[str, str] = BatchQueue(
             self.engine.translate, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
         )
+
+    @classmethod
+    def load(cls, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> TranslationModel:
+        """The registry's factory (kinds/__init__.py)."""
+        return cls(spec, bundle, live)
 
     @property
     def name(self) -> str:
