@@ -18,12 +18,13 @@ from appliance.kinds.base import ServedModel
 # before it in the firmware's order (a model built on others finds them there).
 Factory = Callable[[ModelSpec, Bundle, Live, Mapping[str, ServedModel]], ServedModel]
 
-# kind -> "module:factory" under appliance.kinds, imported when a firmware first uses the kind
+# kind -> "module:class" under appliance.kinds, imported when a firmware first uses the kind; the class
+# is the factory: (spec, bundle, live, loaded)
 KINDS: dict[str, str] = {
-    "vad": "vad:VadModel.load",
-    "onnx": "onnx:OnnxModel.load",
-    "speech_synthesis": "speech:SpeechModel.load",
-    "text_translation": "translation:TranslationModel.load",
+    "vad": "vad:VadModel",
+    "onnx": "onnx:OnnxModel",
+    "speech_synthesis": "speech:SpeechModel",
+    "text_translation": "translation:TranslationModel",
     "speech_to_text": "speech_to_text:SpeechToText",
     "speech_pipeline": "pipeline:SpeechPipeline",
 }
@@ -32,10 +33,7 @@ KINDS: dict[str, str] = {
 def factory(kind: str) -> Factory:
     """The factory of `kind`, its module imported now."""
     module, _, name = KINDS[kind].partition(":")
-    found: object = importlib.import_module(f"appliance.kinds.{module}")
-    for part in name.split("."):
-        found = getattr(found, part)
-    assert callable(found), KINDS[kind]
+    found: Factory = getattr(importlib.import_module(f"appliance.kinds.{module}"), name)
     return found
 
 

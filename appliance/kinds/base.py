@@ -60,6 +60,26 @@ class NoSequences:
         return 0
 
 
+class EngineModel:
+    """What every kind served by one engine shares: its name is its spec's, its engine's name, and the
+    batches its engine handed to the CPU (only the GPU engines fall back)."""
+
+    spec: ModelSpec
+    engine: Any  # the kind's engine: it has a `name`, and `fallbacks` where it can fall back
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def engine_name(self) -> str:
+        return str(self.engine.name)
+
+    @property
+    def fallbacks(self) -> Mapping[str, int]:
+        return getattr(self.engine, "fallbacks", {})
+
+
 class ServedModel(Protocol):
     spec: ModelSpec
     stats: ModelStats  # Triton's statistics: requests and engine calls (the stats route and the metrics)

@@ -19,14 +19,13 @@ import numpy as np
 from appliance.config import Live
 from appliance.engine.choice import load_engine
 from appliance.engine.dynamic import DynamicBatcher, Job
-from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
 from appliance.engine.scheduler import Sequence
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
-from appliance.firmware import DATATYPES, Baked, Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task
+from appliance.firmware import DATATYPES, Bundle, ModelSpec, TensorSpec
+from appliance.kinds.base import EngineModel, NoSequences, SequenceCall, ServedModel, Task
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
@@ -54,11 +53,18 @@ class StateRows:
         return Sequence(state=[np.zeros(shape, dtype) for shape, dtype in self.rows], context=np.empty(0))
 
 
-class OnnxModel:
+class OnnxModel(EngineModel):
     def __init__(
-        self, spec: ModelSpec, baked: Baked, engine: Engine, live: Live, clock: Callable[[], float] = time.monotonic
+        self,
+        spec: ModelSpec,
+        bundle: Bundle,
+        live: Live,
+        loaded: Mapping[str, ServedModel],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.spec, self.baked, self.live, self.clock, self.engine = spec, baked, live, clock, engine
+        self.spec, self.baked, self.live, self.clock = spec, bundle.manifest.baked, live, clock
+        self.engine = engine = load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads)
+        baked = self.baked
         self.tasks: Mapping[str, Task] = {}
         state_inputs = {p.input for p in spec.state}
         state_outputs = {p.output for p in spec.state}
@@ -75,28 +81,6 @@ class OnnxModel:
         self.sequences: OwnedTable[Sequence] | NoSequences = (
             OwnedTable(lambda: live.config.sequences) if self.state_rows else NoSequences()
         )
-
-    @classmethod
-    def load(cls, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> OnnxModel:
-        """The registry's factory (kinds/__init__.py): its engine as the config's [engine] picks it."""
-        return cls(
-            spec,
-            bundle.manifest.baked,
-            load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads),
-            live,
-        )
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return getattr(self.engine, "fallbacks", {})  # only the GPU engines fall back
 
     @property
     def queue_depth(self) -> int:

@@ -27,7 +27,7 @@ from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.audio_in import audio_input, decode_upload
-from appliance.kinds.base import SequenceCall, ServedModel, Task
+from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import Options, Segment
 from appliance.kinds.speech_shards import Packer, ShardPlan
@@ -56,7 +56,7 @@ class LiveStream:
     in_flight: int = 0
 
 
-class SpeechToText:
+class SpeechToText(EngineModel):
     def __init__(
         self,
         spec: ModelSpec,
@@ -90,21 +90,11 @@ class SpeechToText:
             self.engine.run, self.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
         )
         self.sequences: OwnedTable[LiveStream] = OwnedTable(
-            lambda: live.config.sequences, "streams", lambda key, stream: vad.sequences.end(self.vad_key(key, stream))
+            lambda: live.config.sequences,
+            "streams",
+            lambda key, stream: vad.sequences.end(vad_key(spec.name, key, stream)),
         )
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return self.engine.fallbacks
 
     def start(self) -> None:
         self.batcher.start()
@@ -128,10 +118,6 @@ class SpeechToText:
 
     def config(self) -> dict[str, Any]:
         return speech_api.config(self.spec, self.baked, self.live)
-
-    def vad_key(self, key: object, stream: LiveStream) -> object:
-        """The key of a live stream's sequence in its VAD's table."""
-        return (self.name, key, stream.serial)
 
     def check(self, options: Options) -> None:
         self.engine.check(options.language, options.task)
@@ -233,7 +219,7 @@ class SpeechToText:
         serial = stream.serial if sequence.start else None
         stream.in_flight += 1
         try:
-            key = self.vad_key(sequence.id, stream)
+            key = vad_key(self.name, sequence.id, stream)
             probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
             stream.audio.append(samples)
             stream.position += len(samples)
@@ -307,6 +293,11 @@ class SpeechToText:
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def vad_key(model: str, key: object, stream: LiveStream) -> object:
+    """The key of a live stream's sequence in its VAD's table."""
+    return (model, key, stream.serial)
 
 
 def _integer(params: Mapping[str, Parameter], key: str) -> int:

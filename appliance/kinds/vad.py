@@ -16,16 +16,15 @@ import numpy as np
 from appliance.audio import to_frames
 from appliance.config import Live
 from appliance.engine.choice import load_engine
-from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
-from appliance.firmware import Baked, Bundle, ModelSpec
+from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds import vad_api
 from appliance.kinds.audio_in import audio_input, decode_upload
-from appliance.kinds.base import SequenceCall, ServedModel, Task
+from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
 from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import frame_energy, plan_shards
 from appliance.kinds.streaming import ndjson
@@ -35,48 +34,27 @@ from appliance.protocol.tensors import InferRequest
 OFF_LOOP_SAMPLES = 1 << 18  # about 16 s at 16 kHz: longer recordings are framed and planned on a thread
 
 
-class VadModel:
+class VadModel(EngineModel):
     def __init__(
         self,
         spec: ModelSpec,
-        baked: Baked,
-        engine: Engine,
+        bundle: Bundle,
         live: Live,
+        loaded: Mapping[str, ServedModel],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.spec, self.baked, self.live, self.clock = spec, baked, live, clock
+        self.spec, self.baked, self.live, self.clock = spec, bundle.manifest.baked, live, clock
+        self.engine = engine = load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads)
         self.tasks: Mapping[str, Task] = {"segments": self._segments_route}
         self.frames = FrameModel(spec, engine)
-        self.batcher = Batcher(self.frames, baked.max_batch)
+        self.batcher = Batcher(self.frames, self.baked.max_batch)
         self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
         self.sequences: OwnedTable[Sequence] = OwnedTable(lambda: live.config.sequences)
         self.stats = self.batcher.stats
 
-    @classmethod
-    def load(cls, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> VadModel:
-        """The registry's factory (kinds/__init__.py): its engine as the config's [engine] picks it."""
-        return cls(
-            spec,
-            bundle.manifest.baked,
-            load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads),
-            live,
-        )
-
     @property
     def queue_depth(self) -> int:
         return self.batcher.queue_depth
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.frames.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return getattr(self.frames.engine, "fallbacks", {})  # only the GPU engines fall back
 
     def start(self) -> None:
         self.engine_loop.start()
