@@ -316,3 +316,12 @@ def test_sigterm_exits_zero_and_removes_the_socket(start_daemon) -> None:
     daemon = start_daemon()
     assert daemon.stop() == 0
     assert not daemon.socket.exists()
+
+
+def test_a_vad_only_firmware_loads_no_other_kinds_engine(daemon) -> None:
+    """The kind registry is lazy: the default firmware's engine process maps ONNX Runtime, and neither
+    CTranslate2 (speech_to_text) nor fxtranslate and sentencepiece (text_translation) nor tokenizers."""
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    assert "onnxruntime" in maps
+    loaded = [name for name in ("ctranslate2", "fxtranslate", "sentencepiece", "tokenizers") if name in maps]
+    assert not loaded, f"a VAD-only firmware loaded {loaded}"
