@@ -148,7 +148,7 @@ def _events(segments: AsyncIterator[Segment], model: str) -> AsyncGenerator[byte
         segments,
         delta,
         lambda message: _event({"type": "error", "error": {"message": message}}),
-        "streamed transcription (OpenAI)",
+        f"streamed transcription by {model}",
         {"MODEL": model},
         lambda count: _event({"type": "transcript.text.done", "text": " ".join(texts)}),
     )

@@ -68,7 +68,12 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     # (the status has been sent), logged; a client gone mid-stream drops the shards not yet started
     first = wav_header(rate, STREAMED_UNKNOWN) if audio_format == "wav" else b""
     body = guarded(
-        pieces, lambda s: s.astype("<i2").tobytes(), lambda message: b"", "speech", {"MODEL": model.name}, head=first
+        pieces,
+        lambda s: s.astype("<i2").tobytes(),
+        lambda message: b"",
+        f"speech from {model.name}",
+        {"MODEL": model.name},
+        head=first,
     )
     return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=body)
 

@@ -236,7 +236,7 @@ class SpeechPipeline:
             self._recorded(samples, plan),
             lambda done: done.as_json(plan.voice.sample_rate),
             lambda count: {"model_name": self.name, "duration": duration, "segments": count},
-            "interpretation",
+            f"interpretation by {self.name}",
             {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
         )
 

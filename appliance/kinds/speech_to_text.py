@@ -286,7 +286,7 @@ class SpeechToText(EngineModel):
                 segments,
                 speech_api.segment_json,
                 lambda count: {"model_name": self.name, "duration": duration, "segments": count},
-                "streamed transcription",
+                f"streamed transcription by {self.name}",
                 {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
             )
         return speech_api.render([s async for s in segments], response_format, wanted.task, duration)

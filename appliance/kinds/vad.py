@@ -98,7 +98,7 @@ class VadModel(EngineModel):
                 self.segments(samples, params, vad_api.STREAM_CHUNK_FRAMES),
                 lambda segment: vad_api.segment_json(*segment, rate),
                 lambda count: {**summary, "segments": count},
-                "streamed segments",
+                f"streamed segments of {self.name}",
                 {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
             )
         found = [vad_api.segment_json(*s, rate) async for s in self.segments(samples, params)]
