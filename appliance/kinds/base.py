@@ -80,6 +80,26 @@ class EngineModel:
         return getattr(self.engine, "fallbacks", {})
 
 
+class QueuedModel(EngineModel):
+    """A stateless kind whose work goes through one BatchQueue (`queue`, engine/batch_queue.py): it
+    starts and stops with its queue, its depth is what waits there, and it has no sequences to expire."""
+
+    queue: Any
+
+    @property
+    def queue_depth(self) -> int:
+        return int(self.queue.waiting)
+
+    def start(self) -> None:
+        self.queue.start()
+
+    async def stop(self, timeout_s: float) -> bool:
+        return bool(await self.queue.stop(timeout_s))
+
+    def expire_idle(self) -> int:
+        return 0
+
+
 class ServedModel(Protocol):
     spec: ModelSpec
     stats: ModelStats  # Triton's statistics: requests and engine calls (the stats route and the metrics)

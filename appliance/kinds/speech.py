@@ -24,7 +24,7 @@ from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import EngineModel, NoSequences, SequenceCall, ServedModel, Task
+from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
 from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED
 from appliance.kinds.phonemes import Phonemes, Voice, phonemize
 from appliance.kinds.text import ShardLimits, checked_text, clauses, grouped_by_sentence, plan_shards, utf8
@@ -37,7 +37,7 @@ TEXT, AUDIO = "text", "audio"  # the KServe tensors
 IDS_AROUND = 3  # BOS, its pad and EOS around a shard's phonemes; each phoneme takes itself and a pad
 
 
-class SpeechModel(EngineModel):
+class SpeechModel(QueuedModel):
     """A Piper voice served: KServe infer (a BYTES text in, INT16 audio out) and the OpenAI speech route
     (api/openai_speech.py) through `prepare` and `synthesize`."""
 
@@ -62,19 +62,6 @@ class SpeechModel(EngineModel):
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(
             self.graph.run, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6, 1
         )
-
-    @property
-    def queue_depth(self) -> int:
-        return self.queue.waiting
-
-    def start(self) -> None:
-        self.queue.start()
-
-    async def stop(self, timeout_s: float) -> bool:
-        return await self.queue.stop(timeout_s)
-
-    def expire_idle(self) -> int:
-        return 0
 
     async def probe(self) -> None:
         audio = np.concatenate([p async for p in self.synthesize(await self.prepare("Ready."), 1.0, RequestTimes())])

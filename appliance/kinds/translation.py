@@ -24,7 +24,7 @@ from appliance.engine.bergamot import BergamotEngine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import EngineModel, NoSequences, SequenceCall, ServedModel, Task
+from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
 from appliance.kinds.text import MAX_TEXT_CHARS, Clause, ShardLimits, checked_text, joined, plan_shards, sentences, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
@@ -33,7 +33,7 @@ from appliance.protocol.tensors import InferRequest
 TEXT, TRANSLATION = "text", "translation"  # the KServe tensors
 
 
-class TranslationModel(EngineModel):
+class TranslationModel(QueuedModel):
     """A language pair served: KServe infer (BYTES texts in and out) and LibreTranslate's routes
     (api/libretranslate.py) through `translate`."""
 
@@ -54,21 +54,11 @@ class TranslationModel(EngineModel):
             self.engine.translate, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
         )
 
-    @property
-    def queue_depth(self) -> int:
-        return self.queue.waiting
-
-    def start(self) -> None:
-        self.queue.start()
-
     async def stop(self, timeout_s: float) -> bool:
-        finished = await self.queue.stop(timeout_s)
+        finished = await super().stop(timeout_s)
         if finished:  # a wedged worker would hold the close
             self.engine.close()
         return finished
-
-    def expire_idle(self) -> int:
-        return 0
 
     async def probe(self) -> None:
         if not (await self.translate("Hello.", RequestTimes())).strip():
