@@ -144,7 +144,10 @@ class Turns:
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
 
     def _model(self) -> SpeechToText:
-        return pick_model(self.models, self.session.settings.model, "transcribe")
+        model = pick_model(self.models, self.session.settings.model, "transcribe")
+        if not isinstance(model, SpeechToText):  # a live stream needs the kind's VAD-fed sequences
+            raise RealtimeError(f"model {model.name} takes no live streams", "model_not_found")
+        return model
 
     @property
     def key(self) -> str:
