@@ -26,6 +26,7 @@ class Channel(Protocol):
 
     async def drain(self) -> None: ...
 
+
 log = logging.getLogger("appliance.websocket")
 WINDOW_BYTES = 1 << 20
 
