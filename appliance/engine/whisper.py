@@ -21,6 +21,7 @@ import numpy as np
 import tokenizers
 from numpy.lib.stride_tricks import sliding_window_view
 
+from appliance.engine import nvidia_libs
 from appliance.errors import ApplianceError, BadRequest
 
 log = logging.getLogger("appliance")
@@ -168,6 +169,10 @@ class WhisperEngine:
     ) -> None:
         if device not in ("cpu", "cuda", "auto"):
             raise ApplianceError(f"engine.device: no engine for {device!r}")
+        if device != "cpu":
+            _, failed = nvidia_libs.preload()
+            for line in failed:
+                log.warning("engine.device = %r: %s", device, line)
         gpus = ctranslate2.get_cuda_device_count() if device != "cpu" else 0
         if device == "cuda" and not gpus:
             raise ApplianceError('engine.device = "cuda": CTranslate2 finds no CUDA device here')
