@@ -9,6 +9,7 @@ worker thread (CTranslate2 releases the GIL while it computes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from collections import Counter, defaultdict
@@ -21,7 +22,7 @@ import numpy as np
 import tokenizers
 from numpy.lib.stride_tricks import sliding_window_view
 
-from appliance.engine import nvidia_libs
+from appliance.engine import nvidia_libs, whisper_windows
 from appliance.errors import ApplianceError, BadRequest
 
 log = logging.getLogger("appliance")
@@ -166,7 +167,11 @@ class WhisperEngine:
         beam_size: int,
         fallback_threshold: float = 1.0,
         memory_used: Callable[[], float] | None = None,
+        window_samples: int = WINDOW_SAMPLES,
+        separator_s: float = whisper_windows.SEPARATOR_S,
     ) -> None:
+        """`window_samples`: the most audio one window holds when shards share it (the firmware's
+        baked shard size); `separator_s`: the silence between two shards sharing a window."""
         if device not in ("cpu", "cuda", "auto"):
             raise ApplianceError(f"engine.device: no engine for {device!r}")
         if device != "cpu":
@@ -183,6 +188,9 @@ class WhisperEngine:
         self.name = "ctranslate2-cuda" if self.gpu else "ctranslate2-cpu"
         self.beam_size, self.fallback_threshold, self.memory_used = beam_size, fallback_threshold, memory_used
         self.fallbacks: Counter[str] = Counter()
+        self.window_samples, self.separator = min(window_samples, WINDOW_SAMPLES), int(separator_s * SAMPLE_RATE)
+        # shards, the windows they ran in, and those decoded alone again after sharing one
+        self.windows: Counter[str] = Counter()
         model = self.cpu
         languages = [self._language_name(t) for t in _language_tokens(directory)]
         self.tokens = WhisperTokens(directory / "tokenizer.json", model.is_multilingual, languages)
@@ -208,13 +216,46 @@ class WhisperEngine:
         """Decode a batch; the answers in the shards' order."""
         model = self._model(len(shards))
         try:
-            return self._run(model, shards)
+            return self._shared(model, shards)
         except RuntimeError as exc:
             if model is self.cpu or "out of memory" not in str(exc).lower():
                 raise
             self.fallbacks["out_of_memory"] += 1
             log.warning("engine %s: out of GPU memory on a batch of %d, ran it on the CPU", self.name, len(shards))
-            return self._run(self.cpu, shards)
+            return self._shared(self.cpu, shards)
+
+    def _window_key(self, shard: Shard) -> tuple[str, str, float] | None:
+        """Shards that may share a window: no prompt (it conditions the whole window), a known language."""
+        language = shard.language if self.tokens.multilingual else "en"
+        return None if shard.prompt or language is None else (language, shard.task, shard.temperature)
+
+    def _shared(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
+        """The batch's shards packed into shared windows (whisper_windows.py), each decoded once; the
+        text split back by its timestamps, and the shards it cannot split decoded alone."""
+        windows = whisper_windows.pack(
+            [len(s.samples) for s in shards], [self._window_key(s) for s in shards], self.window_samples, self.separator
+        )
+        inputs = [
+            shards[w.members[0]]
+            if len(w.members) == 1
+            else dataclasses.replace(shards[w.members[0]], samples=w.audio([s.samples for s in shards]))
+            for w in windows
+        ]
+        answers: list[Decoded | None] = [None] * len(shards)
+        alone: list[int] = []
+        for window, decoded in zip(windows, self._run(model, inputs)):
+            if len(window.members) == 1:
+                answers[window.members[0]] = decoded
+                continue
+            found = whisper_windows.split(window, [(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
+            for member, pieces in found.pieces.items():
+                answers[member] = Decoded(decoded.language, [Piece(*p) for p in pieces])
+            alone += sorted(found.alone)
+        if alone:
+            for member, decoded in zip(alone, self._run(model, [shards[i] for i in alone])):
+                answers[member] = decoded
+        self.windows.update(shards=len(shards), windows=len(windows), alone=len(alone))
+        return [a for a in answers if a is not None]
 
     def _model(self, batch: int) -> ctranslate2.models.Whisper:
         if self.gpu is None:

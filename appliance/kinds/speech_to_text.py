@@ -61,6 +61,7 @@ class SpeechToText:
             _integer(params, "beam_size"),
             self.baked.fallback_cpu_threshold,
             cuda.memory_used if cuda.cuda is not None else None,
+            window_samples=self.max_samples,
         )
         self.stats = ModelStats()
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
