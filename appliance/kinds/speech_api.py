@@ -80,6 +80,13 @@ class LiveStream:
     position: int = 0  # samples received
     last_used: float = 0.0
     in_flight: int = 0
+    # the decode of the span the VAD is about to close, started while it waits out min_silence_ms
+    ahead: tuple[tuple[int, int], asyncio.Task[list[Segment]]] | None = None
+
+    def drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead[1].cancel()
+            self.ahead = None
 
 
 def metadata(model: SpeechToText) -> dict[str, Any]:
@@ -362,6 +369,7 @@ class LiveTable:
 
     def _drop(self, key: object) -> None:
         stream = self._live.pop(key)
+        stream.drop_ahead()
         self.model.vad.sequences.end(self.vad_key(key, stream))
         self._per_client[stream.client] -= 1
         if not self._per_client[stream.client]:

@@ -213,27 +213,54 @@ class SpeechToText:
             closed = stream.tracker.feed(probs)
             if sequence.end:
                 closed += stream.tracker.finish(stream.position)
-            audio = np.concatenate(stream.audio)
-            decoded = await asyncio.gather(*(self._decode_live(stream, audio, span, times) for span in closed))
+            audio, base = np.concatenate(stream.audio), stream.base
+            decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
             text = None
             if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
                 text = " ".join(
-                    s.text for s in await self._decode_live(stream, audio, (open_start, stream.position), times)
+                    s.text for s in await self._decode_live(stream, audio, base, (open_start, stream.position), times)
                 )
             if closed:  # what comes next starts at or after the padded end of the last closed segment
-                stream.audio, stream.base = [audio[closed[-1][1] - stream.base :]], closed[-1][1]
+                stream.audio, stream.base = [audio[closed[-1][1] - base :]], closed[-1][1]
+                audio, base = stream.audio[0], stream.base
+            self._decode_ahead(stream, audio, base, sequence.end)
             return [s for found in decoded for s in found], text, serial
         finally:
             stream.in_flight -= 1
             if sequence.end:
                 self.sequences.end(sequence.id)
 
-    async def _decode_live(
-        self, stream: LiveStream, audio: np.ndarray, span: tuple[int, int], times: RequestTimes
+    async def _final(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
     ) -> list[Segment]:
-        """A span of a live stream's kept audio (positions in the stream), decoded ahead of recordings."""
-        plans = self._plans(audio, (span[0] - stream.base, span[1] - stream.base))
-        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, stream.base) for p in plans))
+        """A closed segment's text: the decode started before the close, where it was of this very span."""
+        if stream.ahead is not None and stream.ahead[0] == span:
+            task, stream.ahead = stream.ahead[1], None
+            return await task
+        return await self._decode_live(stream, audio, base, span, times)
+
+    def _decode_ahead(self, stream: LiveStream, audio: np.ndarray, base: int, ending: bool) -> None:
+        """Start decoding the span the VAD will close if the silence it hears goes on (the final text
+        is then mostly done at the close); drop a decode the speech went on past."""
+        closing = None if ending else stream.tracker.closing()
+        if closing is not None and not base <= closing[0] < closing[1] <= base + len(audio):
+            closing = None  # its padding not heard yet
+        if stream.ahead is not None and stream.ahead[0] == closing:
+            return
+        stream.drop_ahead()
+        if closing is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._decode_live(stream, audio, base, closing, RequestTimes()), name="live-ahead"
+            )
+            task.add_done_callback(_consume_error)  # a dropped one's error matters to no one
+            stream.ahead = (closing, task)
+
+    async def _decode_live(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
+    ) -> list[Segment]:
+        """A span of a live stream's kept `audio` (from stream position `base`), decoded ahead of recordings."""
+        plans = self._plans(audio, (span[0] - base, span[1] - base))
+        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, base) for p in plans))
         return [s for segments in found for s in segments]
 
     async def infer(
@@ -246,6 +273,11 @@ class SpeechToText:
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def _consume_error(task: asyncio.Task[list[Segment]]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _integer(params: Mapping[str, Parameter], key: str) -> int:
