@@ -98,7 +98,7 @@ def test_the_engine_decodes_the_shards_of_a_straddling_piece_alone(tiny: Path, m
     whisper = engine(tiny)
     calls: list[list[int]] = []
 
-    def decode(model, shards: list[Shard]) -> list[Decoded]:
+    def decode(model, shards: list[Shard], shared: int = 0) -> list[Decoded]:
         calls.append([len(s.samples) for s in shards])
         if len(calls) == 1:  # the window: shards at 0, 2.5 and 5.1 s
             return [Decoded("en", [Piece(0.0, 3.5, "zero and one"), Piece(5.1, 6.3, "two")])]

@@ -135,22 +135,30 @@ class WhisperTokens:
             start += [self._special(language), self._special(shard.task)]
         return previous + start
 
-    def pieces(self, ids: list[int], duration: float) -> list[Piece]:
-        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`."""
+    def pieces(self, ids: list[int], duration: float, heard: list[float] | None = None) -> list[Piece]:
+        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`.
+        `heard`: where each text token was heard (and, last, where the text ended), from the decoder's
+        cross-attention: a piece then spans its first token to the one after its last, as heard."""
         pieces: list[Piece] = []
         text: list[int] = []
-        start = 0.0
+        start, count = 0.0, 0
+
+        def close(end: float) -> None:
+            a, b = (start, end) if heard is None else (heard[count - len(text)], heard[count])
+            pieces.append(Piece(a, max(a, b), self.tokenizer.decode(text).strip()))
+            text.clear()
+
         for token in ids:
             if token >= self.timestamp_begin:
                 time = min((token - self.timestamp_begin) * TOKEN_SECONDS, duration)
                 if text:
-                    pieces.append(Piece(start, max(time, start), self.tokenizer.decode(text).strip()))
-                    text = []
+                    close(time)
                 start = time
             elif token < self.eot:
                 text.append(token)
+                count += 1
         if text:
-            pieces.append(Piece(start, max(duration, start), self.tokenizer.decode(text).strip()))
+            close(duration)
         return [p for p in pieces if p.text]
 
 
@@ -235,6 +243,7 @@ class WhisperEngine:
         windows = whisper_windows.pack(
             [len(s.samples) for s in shards], [self._window_key(s) for s in shards], self.window_samples, self.separator
         )
+        windows.sort(key=lambda w: len(w.members) == 1)  # shared windows first
         inputs = [
             shards[w.members[0]]
             if len(w.members) == 1
@@ -243,7 +252,8 @@ class WhisperEngine:
         ]
         answers: list[Decoded | None] = [None] * len(shards)
         alone: list[int] = []
-        for window, decoded in zip(windows, self._run(model, inputs)):
+        shared = sum(len(w.members) > 1 for w in windows)
+        for window, decoded in zip(windows, self._run(model, inputs, shared)):
             if len(window.members) == 1:
                 answers[window.members[0]] = decoded
                 continue
@@ -265,12 +275,14 @@ class WhisperEngine:
             return self.cpu
         return self.gpu
 
-    def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
-        groups: dict[tuple[int, float], list[int]] = defaultdict(list)
+    def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard], shared: int = 0) -> list[Decoded]:
+        """The first `shared` shards are shared windows: their pieces are timed by where the decoder
+        heard each token (Whisper's own timestamps drift by seconds over a window of many sentences)."""
+        groups: dict[tuple[int, float, str | None], list[int]] = defaultdict(list)
         for i, shard in enumerate(shards):
-            groups[(len(shard.prompt), shard.temperature)].append(i)
+            groups[(len(shard.prompt), shard.temperature, shard.language)].append(i)
         answers: list[Decoded | None] = [None] * len(shards)
-        for (_, temperature), members in groups.items():
+        for (_, temperature, _), members in groups.items():
             group = [shards[i] for i in members]
             features = log_mel([s.samples for s in group], self.filters)
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
@@ -284,10 +296,35 @@ class WhisperEngine:
                     if not self._looping(again, prompts[at : at + 1]):
                         ids[at] = again[0]  # where every temperature loops too, the first answer stays
                         break
-            for i, shard, language, tokens in zip(members, group, languages, ids):
+            heard = self._heard(model, encoded, group, languages, ids) if members[0] < shared else None
+            for k, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
                 duration = len(shard.samples) / SAMPLE_RATE
-                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration))
+                times = heard[k] if heard is not None and i < shared else None
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration, times))
         return [a for a in answers if a is not None]
+
+    def _heard(
+        self,
+        model: ctranslate2.models.Whisper,
+        encoded: ctranslate2.StorageView,
+        group: list[Shard],
+        languages: list[str],
+        ids: list[list[int]],
+    ) -> list[list[float] | None]:
+        """Where each text token of each decode was heard, and where its text ended (seconds): the
+        first encoder position CTranslate2's alignment (cross-attention, as faster-whisper's word
+        timestamps) gives each token; None for a decode with no text."""
+        texts = [[t for t in tokens if t < self.tokens.eot] for tokens in ids]
+        start = self.tokens.prompt(dataclasses.replace(group[0], prompt=()), languages[0])
+        frames = [max(1, len(s.samples) // HOP) for s in group]
+        results = model.align(encoded, start, [t or [self.tokens.eot] for t in texts], frames)
+        out: list[list[float] | None] = []
+        for text, result in zip(texts, results):
+            first: dict[int, float] = {}
+            for token, position in result.alignments:
+                first.setdefault(token, position * TOKEN_SECONDS)
+            out.append([first.get(k, 0.0) for k in range(len(text) + 1)] if text else None)
+        return out
 
     def _generate(
         self,

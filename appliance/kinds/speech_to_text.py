@@ -64,8 +64,13 @@ class SpeechToText:
             window_samples=self.max_samples,
         )
         self.stats = ModelStats()
+        self.cutting = 0  # recordings in their VAD: their shards are on the way to the batcher
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
-            self.engine.run, self.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
+            self.engine.run,
+            self.max_batch,
+            self.stats,
+            lambda: live.config.engine.queue_delay_us / 1e6,
+            coming=lambda: self.cutting > 0,
         )
         self.sequences = LiveTable(self)
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
@@ -132,11 +137,16 @@ class SpeechToText:
                 held.clear()
 
         async def cut() -> None:
+            self.cutting += 1
+            cutting_here = True
             try:
                 async for segment in self.vad.segments(samples, self.live.config.vad):
                     send(packer.add(segment))
+                self.cutting, cutting_here = self.cutting - 1, False  # before its last shards are sent
                 send(packer.finish(), last=True)
             finally:
+                if cutting_here:
+                    self.cutting -= 1
                 shards.put_nowait(None)
 
         cutting = loop.create_task(cut())
