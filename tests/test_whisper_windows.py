@@ -4,6 +4,7 @@ the sentence it was made from (the known text), packed against decoded alone."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import jiwer
@@ -120,3 +121,27 @@ def test_whisper_running_two_shards_into_one_piece_takes_the_fallback(tiny: Path
     decoded = whisper.run([Shard(say(s)) for s in CLEAR[:4]])
     assert whisper.windows["alone"] >= 2, dict(whisper.windows)
     assert jiwer.wer([words(s) for s in CLEAR[:4]], [words(text(d)) for d in decoded]) <= 0.1
+
+
+@pytest.mark.parametrize("coming", [True, False], ids=["recording-in-its-vad", "nothing-coming"])
+def test_a_batch_waits_for_shards_of_a_recording_still_in_its_vad(coming: bool) -> None:
+    """BatchQueue's `coming`: while a recording is cut by the VAD, a batch that is not full waits for
+    its shards (so eight clients' shards share one engine call); with nothing coming it runs at once."""
+    from appliance.engine.batch_queue import BatchQueue
+    from appliance.engine.stats import ModelStats
+
+    calls: list[list[int]] = []
+
+    async def scenario() -> None:
+        queue: BatchQueue[int, int] = BatchQueue(
+            lambda batch: calls.append(batch) or batch, 8, ModelStats(), coming=lambda: coming and len(calls) == 0
+        )
+        queue.start()
+        first = queue.submit([1])
+        await asyncio.sleep(0.05)  # the second request's VAD finishes 50 ms later
+        second = queue.submit([2])
+        await asyncio.gather(*first, *second)
+        await queue.stop(1.0)
+
+    asyncio.run(scenario())
+    assert calls == ([[1, 2]] if coming else [[1], [2]])
