@@ -51,6 +51,20 @@ def test_a_piece_covering_two_shards_sends_both_alone() -> None:
     assert found.pieces == {2: [(0.0, 4.0, "three")]}
 
 
+def test_a_piece_over_two_shards_is_cut_where_its_words_were_heard() -> None:
+    window = Window((0, 1), (0, 7 * RATE), (5 * RATE, 4 * RATE))  # audio at 0 to 5 s and 7 to 11 s
+    words = [(1.0, " one"), (2.0, " more"), (7.4, " two"), (8.0, " words")]
+    found = split(window, [(0.0, 9.0, "one more two words")], RATE, [words])
+    assert found.alone == set()
+    assert found.pieces == {0: [(1.0, 5.0, "one more")], 1: [(pytest.approx(0.4), 2.0, "two words")]}
+    # a word heard in the silence between them (more than REACH_S from both): neither can have it
+    lost = [(1.0, " one"), (6.0, " more"), (7.4, " two")]
+    assert split(window, [(0.0, 9.0, "one more two")], RATE, [lost]).alone == {0, 1}
+    # words that go back from the second shard to the first: not a cut, a muddle
+    back = [(7.4, " two"), (1.0, " one")]
+    assert split(window, [(0.0, 9.0, "two one")], RATE, [back]).alone == {0, 1}
+
+
 def test_a_shard_the_window_gave_no_text_goes_alone() -> None:
     window = Window((0, 1), (0, 6 * RATE), (5 * RATE, 5 * RATE))
     found = split(window, [(0.0, 4.0, "one")], RATE)  # Whisper stopped after the first shard

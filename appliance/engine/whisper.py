@@ -100,6 +100,7 @@ class Piece:
     start: float
     end: float
     text: str
+    words: tuple[tuple[float, str], ...] = ()  # in a shared window: each word and where it was heard
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +145,12 @@ class WhisperTokens:
         start, count = 0.0, 0
 
         def close(end: float) -> None:
-            a, b = (start, end) if heard is None else (heard[count - len(text)], heard[count])
-            pieces.append(Piece(a, max(a, b), self.tokenizer.decode(text).strip()))
+            if heard is None:
+                pieces.append(Piece(start, max(start, end), self.tokenizer.decode(text).strip()))
+            else:
+                a, b = heard[count - len(text)], heard[count]
+                words = self._words(text, heard[count - len(text) : count])
+                pieces.append(Piece(a, max(a, b), self.tokenizer.decode(text).strip(), words))
             text.clear()
 
         for token in ids:
@@ -160,6 +165,18 @@ class WhisperTokens:
         if text:
             close(duration)
         return [p for p in pieces if p.text]
+
+    def _words(self, tokens: list[int], heard: list[float]) -> tuple[tuple[float, str], ...]:
+        """Tokens joined into words (a word starts at a token with a leading space), each at the time
+        its first token was heard."""
+        words: list[tuple[float, str]] = []
+        for token, time in zip(tokens, heard):
+            piece = self.tokenizer.decode([token])
+            if not words or piece.startswith(" "):
+                words.append((time, piece))
+            else:
+                words[-1] = (words[-1][0], words[-1][1] + piece)
+        return tuple(words)
 
 
 class WhisperEngine:
@@ -257,7 +274,12 @@ class WhisperEngine:
             if len(window.members) == 1:
                 answers[window.members[0]] = decoded
                 continue
-            found = whisper_windows.split(window, [(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
+            found = whisper_windows.split(
+                window,
+                [(p.start, p.end, p.text) for p in decoded.pieces],
+                SAMPLE_RATE,
+                [p.words for p in decoded.pieces],
+            )
             for member, pieces in found.pieces.items():
                 answers[member] = Decoded(decoded.language, [Piece(*p) for p in pieces])
             alone += sorted(found.alone)

@@ -5,9 +5,9 @@ windows when each has its own. Here shards that decode alike (one language, task
 no previous-text prompt) are packed in order into windows of at most `capacity` samples, with
 SEPARATOR_S of silence between two of them: Whisper closes a piece of text at a pause that long,
 so its timestamps split the window's text back into each shard's. A piece that covers the audio of
-two shards (more than REACH_S of each) cannot be given to either one: those shards are decoded
-alone instead, as is a shard the window's decode gave no text (Whisper may stop before the
-window's end). Plain functions of arrays and times: no engine here.
+two shards (more than REACH_S of each) is cut between them where its words were heard in order
+on those shards' audio; where they were not, those shards are decoded alone instead, as is a
+shard the window's decode gave no text (Whisper may stop before the window's end). Plain functions of arrays and times: no engine here.
 """
 
 from __future__ import annotations
@@ -85,26 +85,56 @@ class Split:
     alone: set[int]
 
 
-def split(window: Window, pieces: Sequence[tuple[float, float, str]], rate: int) -> Split:
+def split(
+    window: Window,
+    pieces: Sequence[tuple[float, float, str]],
+    rate: int,
+    words: Sequence[Sequence[tuple[float, str]]] | None = None,
+) -> Split:
     """Each piece (times in the window) to the member whose audio it covers: the one it overlaps by
     more than REACH_S, or where none does, the one it overlaps most (else the nearest). A piece that
-    overlaps two members by more than REACH_S holds words of both: those members go alone."""
+    overlaps two members by more than REACH_S holds words of both: it is cut between them where
+    `words` (each word and where it was heard) fall in order on those members, each within REACH_S
+    of its audio; else those members go alone."""
     spans = window.spans(rate)
     given: dict[int, list[tuple[float, float, str]]] = {m: [] for m in window.members}
     alone: set[int] = set()
-    for start, end, text in pieces:
-        overlaps = [min(end, b) - max(start, a) for a, b in spans]
-        owners = [i for i, o in enumerate(overlaps) if o > REACH_S]
-        if len(owners) > 1:
-            alone.update(window.members[i] for i in owners)
-            continue
-        middle = (start + end) / 2
-        nearest = min(range(len(spans)), key=lambda i: (-max(overlaps[i], 0.0), abs(middle - sum(spans[i]) / 2)))
-        at = owners[0] if owners else nearest
+
+    def give(at: int, start: float, end: float, text: str) -> None:
         offset, length = spans[at][0], spans[at][1] - spans[at][0]
         own = (min(max(start - offset, 0.0), length), min(max(end - offset, 0.0), length), text)
         given[window.members[at]].append(own)
+
+    for n, (start, end, text) in enumerate(pieces):
+        overlaps = [min(end, b) - max(start, a) for a, b in spans]
+        owners = [i for i, o in enumerate(overlaps) if o > REACH_S]
+        if len(owners) > 1:
+            runs = _runs(spans, words[n] if words else ())
+            if runs is None or {r[0] for r in runs} != set(owners):
+                alone.update(window.members[i] for i in owners)
+                continue
+            for k, (at, first, line) in enumerate(runs):
+                give(at, first, runs[k + 1][1] if k + 1 < len(runs) else end, line)
+            continue
+        middle = (start + end) / 2
+        nearest = min(range(len(spans)), key=lambda i: (-max(overlaps[i], 0.0), abs(middle - sum(spans[i]) / 2)))
+        give(owners[0] if owners else nearest, start, end, text)
     alone.update(m for m, found in given.items() if not found)  # Whisper gave it nothing: ask it alone
     if len(window.members) == 1:
         alone.clear()  # a window of one is the shard decoded alone already
     return Split({m: p for m, p in given.items() if m not in alone}, alone)
+
+
+def _runs(spans: list[tuple[float, float]], words: Sequence[tuple[float, str]]) -> list[tuple[int, float, str]] | None:
+    """Words in runs by the member whose audio (within REACH_S) each was heard in: (member, time of
+    its first word, text); None where a word is heard in no member's audio or the runs go back."""
+    runs: list[tuple[int, float, str]] = []
+    for time, word in words:
+        at = next((i for i, (a, b) in enumerate(spans) if a - REACH_S <= time <= b + REACH_S), None)
+        if at is None or (runs and at < runs[-1][0]):
+            return None
+        if runs and runs[-1][0] == at:
+            runs[-1] = (at, runs[-1][1], runs[-1][2] + word)
+        else:
+            runs.append((at, time, word))
+    return [(at, first, line.strip()) for at, first, line in runs] or None
