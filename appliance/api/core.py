@@ -45,6 +45,7 @@ from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_inf
 
 log = logging.getLogger("appliance.api")
 OFF_LOOP_BYTES = 1 << 20
+COMPRESSED_ENDPOINTS = ("infer", "metrics")
 
 # Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
 EXTENSIONS = [
@@ -118,8 +119,12 @@ class Api:
         except Exception:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
             response = error_response(500, "internal error (logged)")
-        coding = accepted_coding(request.headers.get("accept-encoding", ""))
-        if coding is not None and response.body and response.stream is None:
+        # as Triton does: only an infer answer is compressed, and only when asked (its clients read
+        # every other answer as it comes; tritonclient.http.aio turns off aiohttp's decompression);
+        # and /metrics, as Prometheus exposers (Triton's too) do for the scrapers that ask
+        compressible = endpoint in COMPRESSED_ENDPOINTS
+        coding = accepted_coding(request.headers.get("accept-encoding", "")) if compressible else None
+        if coding is not None and response.body and response.stream is None and response.status == 200:
             response = await _compressed(response, coding)
         if response.status >= 400:  # the client's mistakes at debug level; ours are errors
             log.log(
@@ -165,7 +170,13 @@ class Api:
     async def _server(self, request: Request, params: dict[str, str]) -> Response:
         return json_response(
             200,
-            {"name": "appliance", "version": __version__, "extensions": EXTENSIONS, "firmware": self.firmware_info()},
+            {
+                "name": "triton",  # Triton's clients check this name (NVIDIA's examples do)
+                "version": __version__,
+                "extensions": EXTENSIONS,
+                "server": "appliance",
+                "firmware": self.firmware_info(),
+            },
         )
 
     async def _live(self, request: Request, params: dict[str, str]) -> Response:
@@ -196,10 +207,14 @@ class Api:
     def _model(self, params: dict[str, str]) -> ServedModel:
         model = self.models.get(params["model"])
         if model is None:
-            raise NotFound(f"unknown model {params['model']!r} (this firmware serves: {', '.join(self.models)})")
+            raise NotFound(  # Triton's text: its clients match on the start
+                f"Request for unknown model: '{params['model']}' is not found (this firmware serves: {', '.join(self.models)})"
+            )
         version = params.get("version")
         if version is not None and version != self.manifest.version:
-            raise NotFound(f"model {model.name} has no version {version!r} (serving {self.manifest.version})")
+            raise NotFound(
+                f"Request for unknown model: '{model.name}' version {version} is not found (serving {self.manifest.version})"
+            )
         return model
 
     async def _model_metadata(self, request: Request, params: dict[str, str]) -> Response:

@@ -24,6 +24,7 @@ from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.base import SequenceCall, ServedModel, Task
+from appliance.kinds.counting import counted
 from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
 from appliance.kinds.speech_shards import Packer, ShardPlan
 from appliance.kinds.vad import VadModel
@@ -235,7 +236,7 @@ class SpeechToText:
         return await speech_api.infer(self, request, sequence, times)
 
     async def _transcribe_route(self, request: Request, query: dict[str, str]) -> Response:
-        return await speech_api.transcribe_route(self, request, query)
+        return await counted(self.stats, speech_api.transcribe_route(self, request, query))
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
