@@ -143,7 +143,7 @@ def test_broken_audio_is_a_one_line_400_and_the_daemon_keeps_serving(
     assert response.status == 400, response.body
     error = response.json()["error"]
     assert "\n" not in error and error.startswith(f"audio not supported: {reason}; send WAV ("), error
-    assert error.endswith("FLAC or Ogg (Vorbis, Opus)"), error
+    assert error.endswith("WebM (Opus, Vorbis) or MPEG audio"), error
     assert_same_segments(spans(unix.segments(encode_wav(speech, RATE), **QUERY)), reference)
     assert "Traceback" not in daemon.log.read_text()
 

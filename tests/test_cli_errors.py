@@ -171,7 +171,7 @@ def test_vad_without_a_file(tmp_path: Path) -> None:
     result = run("call", "vad", "--socket", tmp_path / "unused.sock")
     assert result.returncode == exitcodes.USAGE
     assert one_line(result) == (
-        "appliance: error: usage: appliance call vad FILE [--model NAME] [--stream] (WAV, FLAC or Ogg)"
+        "appliance: error: usage: appliance call vad FILE [--model NAME] [--stream] (WAV, FLAC, Ogg, MP3, M4A, WebM)"
     )
 
 

@@ -27,7 +27,7 @@ CALL_ACTIONS = {
     "model": "one model's metadata: tensors, baked parameters, signing key id (GET /v2/models/NAME; "
     "NAME defaults to silero_vad)",
     "metrics": "the Prometheus metrics text (GET /metrics)",
-    "vad": "speech segments of an audio FILE (WAV, FLAC or Ogg) as JSON (POST /v2/models/MODEL/segments); "
+    "vad": "speech segments of an audio FILE (WAV, FLAC, Ogg, MP3, M4A, WebM) as JSON (POST /v2/models/MODEL/segments); "
     "with --stream one line per segment as soon as it is final",
     "probs": "the speech probability of every 512-sample frame of an audio FILE (POST /v2/models/MODEL/infer)",
     "speak": "TEXT spoken by a voice of the firmware into -o FILE (POST /v1/audio/speech), written as each "
@@ -72,12 +72,12 @@ def cmd_call(args: argparse.Namespace) -> int:
             print(client.metrics(), end="")
         elif args.what in ("transcribe", "live"):
             if not args.args:
-                raise ApplianceError(f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC or Ogg)")
+                raise ApplianceError(f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)")
             run = speech.transcribe if args.what == "transcribe" else speech.live
             run(client, args, _read_input(args.args[0]))
         elif args.what == "vad":
             if not args.args:
-                raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC or Ogg)")
+                raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC, Ogg, MP3, M4A, WebM)")
             audio = _read_input(args.args[0])
             if args.stream:
                 for line in client.stream_segments(audio, model=args.model or DEFAULT_MODEL):
@@ -86,7 +86,7 @@ def cmd_call(args: argparse.Namespace) -> int:
                 print_json(client.segments(audio, model=args.model or DEFAULT_MODEL))
         elif args.what == "probs":
             if not args.args:
-                raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC or Ogg)")
+                raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)")
             from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for `call probs`
 
             model = args.model or DEFAULT_MODEL
