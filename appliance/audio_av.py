@@ -132,3 +132,49 @@ def _read_mono(
 
 def _too_long(what: str, max_seconds: float) -> ApiError:
     return ApiError(f"audio too long: {what}; at most {max_seconds:.1f} s is accepted", 413)
+
+
+# OpenAI's compressed speech formats: (muxer, encoder, rate: None keeps the voice's; Opus takes 48 kHz)
+ENCODINGS = {"mp3": ("mp3", "libmp3lame", None), "opus": ("ogg", "libopus", 48000), "aac": ("adts", "aac", None)}
+
+
+class Encoder:
+    """16-bit mono samples in, piece by piece, and the encoded file's bytes out as the muxer writes
+    them, so an answer streams as it is synthesized. `finish` flushes the encoder and the container."""
+
+    def __init__(self, audio_format: str, sample_rate: int) -> None:
+        muxer, codec, rate = ENCODINGS[audio_format]
+        self.sample_rate = sample_rate
+        self._written: list[bytes] = []
+        self._container = av.open(self, "w", format=muxer)
+        self._stream = self._container.add_stream(codec, rate=rate or sample_rate)
+        self._stream.layout = "mono"
+        context = self._stream.codec_context
+        self._resampler = av.AudioResampler(
+            format=context.format.name, layout="mono", rate=context.sample_rate, frame_size=context.frame_size or None
+        )
+
+    def write(self, data: bytes) -> int:
+        """The container's output (it writes here, as to a file)."""
+        self._written.append(bytes(data))
+        return len(data)
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        frame = av.AudioFrame.from_ndarray(samples.astype("<i2").reshape(1, -1), format="s16", layout="mono")
+        frame.rate = self.sample_rate
+        return self._mux(self._resampler.resample(frame))
+
+    def finish(self) -> bytes:
+        tail = self._mux(self._resampler.resample(None), flush=True)
+        self._container.close()
+        return tail + self._take()
+
+    def _mux(self, frames: list[av.AudioFrame], flush: bool = False) -> bytes:
+        for frame in [*frames, None] if flush else frames:
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+        return self._take()
+
+    def _take(self) -> bytes:
+        out, self._written = b"".join(self._written), []
+        return out
