@@ -93,7 +93,7 @@ def _frames(
         for frame in packet.decode():
             samples = _interleaved(frame)
             decoded += len(samples)
-            if budget is not None and decoded > budget:
+            if max_seconds is not None and budget is not None and decoded > budget:
                 raise _too_long(f"{where} decodes to more than {max_seconds:.1f} s", max_seconds)
             yield samples
 
@@ -111,7 +111,7 @@ def _interleaved(frame: av.AudioFrame) -> np.ndarray:
         return array.astype(np.float32, copy=False)
     if kind == np.uint8:
         return (array.astype(np.float32) - 128.0) / 128.0
-    return array.astype(np.float32) / float(np.iinfo(kind).max + 1)
+    return array.astype(np.float32) / float(2 ** (8 * kind.itemsize - 1))
 
 
 def _read_mono(
@@ -147,9 +147,11 @@ class Encoder:
         self.sample_rate = sample_rate
         self._written: list[bytes] = []
         self._container = av.open(self, "w", format=muxer)
-        self._stream = self._container.add_stream(codec, rate=rate or sample_rate)
-        self._stream.layout = "mono"
-        context = self._stream.codec_context
+        stream = self._container.add_stream(codec, rate=rate or sample_rate)
+        assert isinstance(stream, av.audio.stream.AudioStream)
+        stream.layout = "mono"
+        self._stream = stream
+        context = stream.codec_context
         self._resampler = av.AudioResampler(
             format=context.format.name, layout="mono", rate=context.sample_rate, frame_size=context.frame_size or None
         )

@@ -46,7 +46,9 @@ def noise(frames: int, seed: int = 0) -> np.ndarray:
 def test_health_server_and_model_metadata(client: Client, keys) -> None:
     assert client.health() == {"live": True, "ready": True}
     server = client.server()
-    assert server["name"] == "triton" and server["server"] == "appliance" and "binary_tensor_data" in server["extensions"]
+    assert (
+        server["name"] == "triton" and server["server"] == "appliance" and "binary_tensor_data" in server["extensions"]
+    )
     assert server["firmware"]["name"] == "voice-vad"
     model = client.model("silero_vad")
     assert model["inputs"][0]["name"] == "audio" and model["outputs"][0]["name"] == "speech_prob"

@@ -230,7 +230,10 @@ def test_python_client_raises_distinct_types(tmp_path: Path, daemon: Daemon) -> 
     assert unreachable_error.value.path == str(tmp_path / "none.sock") and unreachable_error.value.status == 0
     with daemon.client() as client, pytest.raises(ServerError) as server_error:
         client.model("nope")
-    assert server_error.value.status == 404 and "Request for unknown model: 'nope' is not found" in server_error.value.message
+    assert (
+        server_error.value.status == 404
+        and "Request for unknown model: 'nope' is not found" in server_error.value.message
+    )
     assert isinstance(server_error.value, ClientError) and not isinstance(server_error.value, OSError)
     quiet = Client(quic=f"127.0.0.1:{free_udp_port()}", cafile=daemon.cafile, connect_timeout=0.5)
     with quiet, pytest.raises(NoAnswer) as no_answer:

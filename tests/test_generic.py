@@ -193,14 +193,22 @@ def test_a_request_over_max_batch_is_a_400_naming_both_numbers(served: Daemon) -
     with served.client() as c:
         status, answer = post_infer(c, "mlp", {"x": np.zeros((MAX_BATCH + 1, 8), np.int32)})
     assert status == 400
-    assert answer["error"] == f"inference request batch-size must be <= {MAX_BATCH} for 'mlp' (got {MAX_BATCH + 1} rows)"
+    assert (
+        answer["error"] == f"inference request batch-size must be <= {MAX_BATCH} for 'mlp' (got {MAX_BATCH + 1} rows)"
+    )
 
 
 @pytest.mark.parametrize(
     ("inputs", "message"),
     [
-        ({"x": np.zeros((1, 8), np.float32)}, "inference input 'x' data-type is 'FP32', but model 'mlp' expects 'INT32'"),
-        ({"x": np.zeros((1, 7), np.int32)}, "unexpected shape for input 'x' for model 'mlp'. Expected [-1,8], got [1,7]"),
+        (
+            {"x": np.zeros((1, 8), np.float32)},
+            "inference input 'x' data-type is 'FP32', but model 'mlp' expects 'INT32'",
+        ),
+        (
+            {"x": np.zeros((1, 7), np.int32)},
+            "unexpected shape for input 'x' for model 'mlp'. Expected [-1,8], got [1,7]",
+        ),
         ({"z": np.zeros((1, 8), np.int32)}, "unexpected inference input 'z' for model 'mlp'"),
     ],
 )

@@ -4,9 +4,9 @@ firmware plus the VAD, served by a real daemon over both transports."""
 from __future__ import annotations
 
 import io
-import wave
 import json
 import re
+import wave
 from pathlib import Path
 
 import av

@@ -233,7 +233,7 @@ def test_bad_audio_is_a_one_line_4xx_and_the_daemon_keeps_serving(
 def test_openai_client_every_response_format_and_streaming(openai_client: openai.OpenAI) -> None:
     spoken = recording(CLEAR)[0]
     wav = encode_wav(spoken, RATE)
-    plain = openai_client.audio.transcriptions.create(model="whisper-1", file=("e.wav", wav))
+    plain = openai_client.audio.transcriptions.create(model=TINY, file=("e.wav", wav))
     assert wer(CLEAR, plain.text) <= 0.05
     verbose = openai_client.audio.transcriptions.create(
         model=TINY, file=("e.wav", wav), response_format="verbose_json", language="en"

@@ -57,7 +57,9 @@ def test_server_and_model_metadata(triton: httpclient.InferenceServerClient) -> 
     assert metadata["name"] == VAD and metadata["versions"] == ["1.0.0"]
     assert metadata["inputs"][0]["name"] == "audio" and metadata["outputs"][0]["name"] == "speech_prob"
     assert triton.get_model_metadata(VAD, "1.0.0")["name"] == VAD
-    with pytest.raises(InferenceServerException, match="Request for unknown model: 'silero_vad' version 7 is not found"):
+    with pytest.raises(
+        InferenceServerException, match="Request for unknown model: 'silero_vad' version 7 is not found"
+    ):
         triton.get_model_metadata(VAD, "7")
 
 

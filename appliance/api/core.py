@@ -15,6 +15,7 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     POST /v2/repository/index             Triton's model repository index: what this firmware serves
     POST /v2/repository/models/{name}/load | unload   refused: the signed firmware decides what is served
     GET  /metrics
+    GET  /v1/models[/{id}]                OpenAI's model list (api/openai_models.py)
     GET  /status                          firmware, engines, QUIC peers from the connection cache
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
-from appliance.api import libretranslate, openai_audio, openai_speech, repository
+from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, repository
 from appliance.api import metrics as prometheus
 from appliance.api.routes import Route
 from appliance.config import Live
@@ -93,6 +94,7 @@ class Api:
             *openai_speech.routes(models),
             *libretranslate.routes(models),
             *openai_audio.routes(models),
+            *openai_models.routes(models, manifest),
         ]
 
     async def handle(self, request: Request) -> Response:
@@ -115,10 +117,10 @@ class Api:
             else:
                 raise NotFound(f"no route for {url.path}")
         except ApiError as exc:
-            response = error_response(exc.status, exc.message)
+            response = error_response(exc.status, exc.message, url.path)
         except Exception:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
-            response = error_response(500, "internal error (logged)")
+            response = error_response(500, "internal error (logged)", url.path)
         # as Triton does: only an infer answer is compressed, and only when asked (its clients read
         # every other answer as it comes; tritonclient.http.aio turns off aiohttp's decompression);
         # and /metrics, as Prometheus exposers (Triton's too) do for the scrapers that ask

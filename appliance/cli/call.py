@@ -72,12 +72,16 @@ def cmd_call(args: argparse.Namespace) -> int:
             print(client.metrics(), end="")
         elif args.what in ("transcribe", "live"):
             if not args.args:
-                raise ApplianceError(f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)")
+                raise ApplianceError(
+                    f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)"
+                )
             run = speech.transcribe if args.what == "transcribe" else speech.live
             run(client, args, _read_input(args.args[0]))
         elif args.what == "vad":
             if not args.args:
-                raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC, Ogg, MP3, M4A, WebM)")
+                raise ApplianceError(
+                    "usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC, Ogg, MP3, M4A, WebM)"
+                )
             audio = _read_input(args.args[0])
             if args.stream:
                 for line in client.stream_segments(audio, model=args.model or DEFAULT_MODEL):
@@ -86,7 +90,9 @@ def cmd_call(args: argparse.Namespace) -> int:
                 print_json(client.segments(audio, model=args.model or DEFAULT_MODEL))
         elif args.what == "probs":
             if not args.args:
-                raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)")
+                raise ApplianceError(
+                    "usage: appliance call probs FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)"
+                )
             from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for `call probs`
 
             model = args.model or DEFAULT_MODEL

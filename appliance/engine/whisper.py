@@ -13,7 +13,7 @@ import logging
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ctranslate2
@@ -21,6 +21,7 @@ import numpy as np
 import tokenizers
 from numpy.lib.stride_tricks import sliding_window_view
 
+from appliance.engine.whisper_words import Word, split_words, timed_words
 from appliance.errors import ApplianceError, BadRequest
 
 log = logging.getLogger("appliance")
@@ -89,6 +90,7 @@ class Shard:
     task: str = "transcribe"
     prompt: tuple[int, ...] = ()  # previous-text tokens (the OpenAI `prompt`)
     temperature: float = 0.0
+    words: bool = False  # word timestamps too (one alignment pass more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,7 @@ class Piece:
 class Decoded:
     language: str
     pieces: list[Piece]
+    words: list[Word] = field(default_factory=list)  # where the shard asked for them
 
 
 class WhisperTokens:
@@ -128,10 +131,14 @@ class WhisperTokens:
 
     def prompt(self, shard: Shard, language: str) -> list[int]:
         previous = [self.sot_prev, *shard.prompt] if shard.prompt else []
+        return previous + self.start(shard, language)
+
+    def start(self, shard: Shard, language: str) -> list[int]:
+        """<|startoftranscript|>, and the language and task for a multilingual model."""
         start = [self.sot]
         if self.multilingual:
             start += [self._special(language), self._special(shard.task)]
-        return previous + start
+        return start
 
     def pieces(self, ids: list[int], duration: float) -> list[Piece]:
         """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`."""
@@ -182,6 +189,9 @@ class WhisperEngine:
         languages = [self._language_name(t) for t in _language_tokens(directory)]
         self.tokens = WhisperTokens(directory / "tokenizer.json", model.is_multilingual, languages)
         self.filters = mel_filters(model.n_mels)
+        self.weight_bytes = (
+            (directory / "model.bin").stat().st_size
+        )  # a larger Whisper hears better: OpenAI's names pick by it
 
     @staticmethod
     def _language_name(token: str) -> str:
@@ -238,10 +248,30 @@ class WhisperEngine:
                     if not self._looping(again, prompts[at : at + 1]):
                         ids[at] = again[0]  # where every temperature loops too, the first answer stays
                         break
-            for i, shard, language, tokens in zip(members, group, languages, ids):
+            for at, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
                 duration = len(shard.samples) / SAMPLE_RATE
-                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration))
+                words = self._words(model, features[at], shard, language, tokens) if shard.words else []
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration), words)
         return [a for a in answers if a is not None]
+
+    def _words(
+        self, model: ctranslate2.models.Whisper, features: np.ndarray, shard: Shard, language: str, ids: list[int]
+    ) -> list[Word]:
+        """Each decoded word's times in the shard, from CTranslate2's alignment (as faster-whisper's
+        word_timestamps): the shard's features again, its text without timestamps."""
+        text = [t for t in ids if t < self.tokens.eot]
+        if not text:
+            return []
+        frames = min(len(shard.samples) // HOP, WINDOW_FRAMES)
+        (aligned,) = model.align(
+            ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None])),
+            self.tokens.start(shard, language),
+            [text],
+            frames,
+        )
+        eot = self.tokens.eot
+        words, word_tokens = split_words(text + [eot], self.tokens.tokenizer.decode, eot, language)
+        return timed_words(words, word_tokens, aligned.alignments, aligned.text_token_probs, eot)
 
     def _generate(
         self,

@@ -12,6 +12,7 @@ sequence parameters each 256 ms chunk answers the segments the VAD closed since 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -25,6 +26,7 @@ from appliance.engine.stats import RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest, NotFound, TooManyRequests
 from appliance.firmware import TensorSpec
+from appliance.kinds import subtitles
 from appliance.kinds.base import SequenceCall
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.triton_config import model_config
@@ -38,6 +40,7 @@ log = logging.getLogger("appliance.api")
 
 AUDIO_INPUT = "audio"
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")  # OpenAI's response formats
+SUBTITLES = ("srt", "vtt")  # cut at the words' times: these formats ask for them
 MIN_SAMPLES = 512  # one VAD frame, 32 ms: anything shorter holds no speech to find
 OUTPUTS = ("text", "start", "end")
 PARAMETERS: dict[str, type | tuple[type, ...]] = {
@@ -57,6 +60,15 @@ class Options:
     task: str = "transcribe"
     prompt: str = ""
     temperature: float = 0.0
+    words: bool = False  # word timestamps too
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    start: float  # seconds in the recording
+    end: float
+    word: str
+    probability: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,7 @@ class Segment:
     end: float
     text: str
     language: str
+    words: tuple[Word, ...] = ()  # where the request asked for them
 
 
 @dataclass(slots=True, eq=False)
@@ -223,7 +236,7 @@ async def transcribe_route(model: SpeechToText, request: Request, query: dict[st
         raise BadRequest(
             f"unknown query parameter {unknown[0]!r} (known: stream, language, task, prompt, response_format)"
         )
-    wanted = options(dict(query))
+    wanted = dataclasses.replace(options(dict(query)), words=response_format in SUBTITLES)
     model.check(wanted)
     samples = await asyncio.to_thread(decode_recording, request.body, model)
     segments = model.transcribe(samples, wanted)
@@ -233,7 +246,10 @@ async def transcribe_route(model: SpeechToText, request: Request, query: dict[st
     return render([s async for s in segments], response_format, wanted.task, duration)
 
 
-def render(segments: list[Segment], response_format: str, task: str, duration: float) -> Response:
+def render(
+    segments: list[Segment], response_format: str, task: str, duration: float, shown: tuple[str, ...] = ("segment",)
+) -> Response:
+    """The answer in OpenAI's response_format; verbose_json holds the `shown` granularities (segment, word)."""
     doc = as_json(segments)
     if response_format == "json":
         return json_response(200, {"text": doc["text"]})
@@ -244,24 +260,22 @@ def render(segments: list[Segment], response_format: str, task: str, duration: f
             {"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text, "tokens": [], "temperature": 0.0}
             for i, s in enumerate(segments)
         ]
-        verbose = {"task": task, "language": doc["language"], "duration": round(duration, 3), "text": doc["text"]}
-        return json_response(200, {**verbose, "segments": rows})
-    return Response(200, subtitles(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
+        verbose: dict[str, Any] = {
+            "task": task,
+            "language": doc["language"],
+            "duration": round(duration, 3),
+            "text": doc["text"],
+        }
+        if "word" in shown:
+            verbose["words"] = [word_json(w) for s in segments for w in s.words]
+        if "segment" in shown:
+            verbose["segments"] = rows
+        return json_response(200, verbose)
+    return Response(200, subtitles.render(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
 
 
-def subtitles(segments: list[Segment], response_format: str) -> str:
-    """SRT (numbered cues, comma decimals) or WebVTT (a header, dot decimals)."""
-    comma = response_format == "srt"
-
-    def clock(seconds: float) -> str:
-        ms = round(seconds * 1000)
-        text = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
-        return text.replace(".", ",") if comma else text
-
-    cues = [f"{clock(s.start)} --> {clock(s.end)}\n{s.text}\n" for s in segments]
-    if comma:
-        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
-    return "WEBVTT\n\n" + "\n".join(cues)
+def word_json(word: Word) -> dict[str, Any]:
+    return {"word": word.word.strip(), "start": word.start, "end": word.end, "probability": word.probability}
 
 
 def as_json(segments: list[Segment]) -> dict[str, Any]:

@@ -54,6 +54,22 @@ class ShardPlan:
         nearest = int(np.argmin(distance))
         return nearest, nearest
 
+    def place(self, start: float, end: float, rate: int) -> tuple[int, int, int]:
+        """A word's times in the shard -> the span it was heard in (the one nearest its middle) and its
+        start and end in the recording, inside that span: a word never runs across the VAD's silence."""
+        middle = (start + end) / 2 * rate
+
+        def distance(span: Span) -> float:
+            return max(span.offset - middle, middle - (span.offset + span.end - span.start), 0.0)
+
+        index = min(range(len(self.spans)), key=lambda i: distance(self.spans[i]))
+        span = self.spans[index]
+
+        def inside(seconds: float) -> int:
+            return span.start + int(min(max(seconds * rate - span.offset, 0.0), span.end - span.start))
+
+        return index, inside(start), inside(end)
+
     def align(self, pieces: list[tuple[float, float, str]], rate: int) -> list[tuple[int, int, str]]:
         """Whisper's timed pieces -> (first span, last span, text), one per run of spans the
         pieces join: a span's text is that of the pieces standing for it, its times are the VAD's."""

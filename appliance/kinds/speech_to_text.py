@@ -19,13 +19,14 @@ from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
+from appliance.engine.whisper_words import Word as EngineWord
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.base import SequenceCall, ServedModel, Task
 from appliance.kinds.counting import counted
-from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
+from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment, Word
 from appliance.kinds.speech_shards import Packer, ShardPlan
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
@@ -108,7 +109,7 @@ class SpeechToText:
 
     def _shard(self, audio: np.ndarray, options: Options) -> Shard:
         prompt = self.engine.tokens.encode(options.prompt) if options.prompt else ()
-        return Shard(audio, options.language, options.task, prompt, options.temperature)
+        return Shard(audio, options.language, options.task, prompt, options.temperature, options.words)
 
     async def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
@@ -172,10 +173,11 @@ class SpeechToText:
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
+        placed = _placed_words(plan, runs, decoded.words, offset)
         out = []
-        for first, last, text in runs:
+        for (first, last, text), words in zip(runs, placed):
             start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
-            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language, words))
         # Whisper read up to its last timestamp: the spans that start after it were not heard
         reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
         heard = sum(1 for span in plan.spans if span.offset < reached)
@@ -240,6 +242,33 @@ class SpeechToText:
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def _placed_words(
+    plan: ShardPlan, runs: list[tuple[int, int, str]], words: list[EngineWord], offset: int
+) -> list[tuple[Word, ...]]:
+    """The shard's words in recording time, each in the segment (run of spans) it was heard in, inside
+    that segment's times and in order (the VAD's edges are the segment's, as for its text)."""
+    placed: list[list[Word]] = [[] for _ in runs]
+    if not runs:
+        return []
+    for word in words:
+        index, start, end = plan.place(word.start, word.end, SAMPLE_RATE)
+        run = min(range(len(runs)), key=lambda r: max(runs[r][0] - index, index - runs[r][1], 0))
+        low, high = plan.spans[runs[run][0]].start, plan.spans[runs[run][1]].end
+        start = max(low, min(start, high))
+        if placed[run]:
+            start = max(start, round(placed[run][-1].end * SAMPLE_RATE) - offset)
+        end = max(start, min(end, high))
+        placed[run].append(
+            Word(
+                round((offset + start) / SAMPLE_RATE, 3),
+                round((offset + end) / SAMPLE_RATE, 3),
+                word.text,
+                word.probability,
+            )
+        )
+    return [tuple(found) for found in placed]
 
 
 def _integer(params: Mapping[str, Parameter], key: str) -> int:
