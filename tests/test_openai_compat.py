@@ -5,6 +5,7 @@ the extra form fields OpenAI's SDK sends, and every error in OpenAI's shape (a 4
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
@@ -14,11 +15,13 @@ import av
 import numpy as np
 import openai
 import pytest
+import tritonclient.http.aio as aioclient
 from speech import RATE, recording, say
+from tcp_forward import tcp_to_unix
 from test_speech_to_text import BASE, CLEAR, ENGLISH, TINY, daemon, openai_client, unix, voice_bundle, wer, words
 
 from appliance.audio import encode_wav
-from appliance.client import Client
+from appliance.client import Client, ServerError
 
 __all__ = ["daemon", "openai_client", "unix", "voice_bundle"]  # the voice daemon's fixtures, shared
 
@@ -178,3 +181,40 @@ def test_errors_are_in_openais_shape_even_a_413(daemon, openai_client: openai.Op
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
     assert re.fullmatch(r"body of 99999999999 bytes exceeds the limit of \d+ bytes", error["message"])
+
+
+def test_statistics_count_every_routes_inferences(daemon, unix: Client, openai_client: openai.OpenAI) -> None:
+    """Segments, transcribe, OpenAI and KServe calls all count as successes or failures, as Triton's
+    statistics extension says (read with tritonclient.http.aio, which asks for gzip and reads plain)."""
+    before = asyncio.run(_statistics(daemon))
+    wav = encode_wav(say(CLEAR[0]), RATE)
+    unix.segments(wav)
+    assert unix.transcribe(wav, TINY).status == 200
+    openai_client.audio.transcriptions.create(model=TINY, file=("e.wav", wav))
+    unix.infer(TINY, {"audio": np.array([wav], dtype=object)})
+    with pytest.raises(ServerError, match="audio not supported"):
+        unix.transcribe(b"not audio at all" * 64, TINY)
+    after = asyncio.run(_statistics(daemon))
+    tiny, vad = after[TINY], after["silero_vad"]
+    assert tiny["success"] == before[TINY]["success"] + 3 and tiny["fail"] == before[TINY]["fail"] + 1
+    assert vad["success"] == before["silero_vad"]["success"] + 4  # its own route, and each transcription's cut
+    assert tiny["last_inference"] > 0 and vad["last_inference"] >= tiny["last_inference"] - 60_000
+    assert vad["inference_count"] > before["silero_vad"]["inference_count"]
+
+
+async def _statistics(daemon) -> dict[str, dict[str, int]]:
+    with tcp_to_unix(daemon.socket) as url:
+        client = aioclient.InferenceServerClient(url)
+        try:
+            stats = await client.get_inference_statistics()
+        finally:
+            await client.close()
+    return {
+        s["name"]: {
+            "success": s["inference_stats"]["success"]["count"],
+            "fail": s["inference_stats"]["fail"]["count"],
+            "last_inference": s["last_inference"],
+            "inference_count": s["inference_count"],
+        }
+        for s in stats["model_stats"]
+    }
