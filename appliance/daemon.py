@@ -92,6 +92,10 @@ class Daemon:
     # --- start ---
     async def start(self) -> asyncio.base_events.Server | None:
         config = self.config
+        starting = durable.starting_marker(config.server.socket)
+        with contextlib.suppress(OSError):  # only a hint for `call health`: a read-only /run goes without
+            durable.make_directories(starting.parent)
+            starting.write_text(f"{os.getpid()}\n")
         bundle = firmware.verify(config.firmware.bundle, config.firmware.trusted_keys)
         manifest = bundle.manifest
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
@@ -112,6 +116,7 @@ class Daemon:
         if sock is None:
             sock = bind_unix_socket(config.server)
             self.bound_socket = config.server.socket
+        starting.unlink(missing_ok=True)
         workers = worker_count(config.server)
         if workers == 1:
             server = await self._serve_here(sock, quic_sock)

@@ -10,12 +10,16 @@ import io
 import json
 import re
 import socket
+import subprocess
+import time
 
 import av
 import numpy as np
 import openai
 import pytest
+import soxr
 import tritonclient.http.aio as aioclient
+from conftest import APPLIANCE, ROOT
 from speech import RATE, recording, say
 from tcp_forward import tcp_to_unix
 from test_speech_to_text import BASE, CLEAR, ENGLISH, TINY, daemon, openai_client, unix, voice_bundle, wer, words
@@ -218,3 +222,31 @@ async def _statistics(daemon) -> dict[str, dict[str, int]]:
         }
         for s in stats["model_stats"]
     }
+
+
+@pytest.mark.parametrize("framing", ["wav", "pcm"])
+def test_cli_live_reads_standard_input_at_real_time_pace(daemon, framing: str) -> None:
+    """`arecord -f S16_LE -r 16000 -c 1 | appliance call live -`: raw PCM16, or a WAV (here 44.1 kHz
+    stereo with a streaming header, as arecord's default writes), piped in; each segment printed."""
+    spoken = recording(CLEAR[:2], gap_s=1.5)[0]
+    if framing == "pcm":
+        data = np.clip(np.round(spoken * 32767), -32768, 32767).astype("<i2").tobytes()
+    else:
+        stereo = np.repeat(soxr.resample(spoken, RATE, 44100)[:, None], 2, axis=1)
+        pcm = np.clip(np.round(stereo * 32767), -32768, 32767).astype("<i2").tobytes()
+        header = bytearray(encode_wav(np.zeros(0, np.float32), RATE))
+        header[4:8] = header[40:44] = b"\xff\xff\xff\x7f"  # "length unknown", as a pipe's writer says
+        header[22:24], header[24:28] = (2).to_bytes(2, "little"), (44100).to_bytes(4, "little")
+        header[28:32], header[32:34] = (44100 * 4).to_bytes(4, "little"), (4).to_bytes(2, "little")
+        data = bytes(header) + pcm
+    started = time.monotonic()
+    result = subprocess.run(
+        [*APPLIANCE, "call", "live", "-", "--socket", str(daemon.socket), "--model", TINY],
+        input=data, capture_output=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    assert len(lines) >= 2 and all(re.match(r"\[ *\d+\.\d\d -> *\d+\.\d\d\] ", line) for line in lines), lines
+    assert wer(CLEAR[:2], " ".join(line.split("] ", 1)[1] for line in lines)) <= 0.1, lines
+    assert elapsed >= len(spoken) / RATE * 0.95  # sent as it would be heard, not all at once

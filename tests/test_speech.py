@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
 import wave
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import openai
 import pytest
 import soundfile
 import soxr
-from conftest import ROOT, Daemon, Keys, cli
+from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
 
 from appliance.client import Call, Client
 from appliance.kinds.text import clauses, plan_shards, sentences
@@ -221,7 +222,7 @@ def test_invalid_utf8_is_a_400(client: Client, path: str) -> None:
 def test_cli_speak_and_translate(speech_daemon: Daemon, tmp_path: Path) -> None:
     out = tmp_path / "hello.wav"
     cli("call", "speak", "Hello there. How are you today?", "-o", out, "--socket", speech_daemon.socket)
-    with soundfile.SoundFile(out) as wav:  # the streamed header's sizes were fixed at the end
+    with soundfile.SoundFile(out) as wav:  # the header carries the true sizes
         assert wav.samplerate == 22050 and wav.frames == (out.stat().st_size - 44) // 2
     result = cli("call", "translate", "--to", "pt", "Good morning.", "--socket", speech_daemon.socket)
     assert result.stdout.strip() == "Bom dia."
@@ -322,3 +323,18 @@ def test_the_openai_client_with_its_defaults_gets_mp3_and_every_format_reads(
         frames = w.getnframes()
         assert w.getframerate() == 22050 and frames * 2 + 44 == path.stat().st_size
     assert soundfile.info(str(path)).frames == frames and 4.0 < frames / 22050 < 12.0
+
+
+def test_cli_speak_errors_in_one_line_and_to_stdout(speech_daemon: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "alloy.wav"
+    wrong = cli("call", "speak", "Hi", "--voice", "alloy", "-o", out, "--socket", speech_daemon.socket, check=False)
+    assert wrong.returncode == 1 and wrong.stderr == (
+        "appliance: error: the daemon answered HTTP 400: unknown voice 'alloy' (voices: joe)\n"
+    )
+    assert not out.exists()
+    piped = subprocess.run(
+        [*APPLIANCE, "call", "speak", PARAGRAPH, "-o", "-", "--format", "mp3", "--socket", str(speech_daemon.socket)],
+        capture_output=True, cwd=ROOT, timeout=300, check=True,
+    )  # fmt: skip
+    audio, rate, codec = av_decoded(piped.stdout)
+    assert codec in ("mp3", "mp3float") and 4.0 < len(audio) / rate < 12.0 and not (ROOT / "-").exists()

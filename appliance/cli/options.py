@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from appliance.durable import starting_marker
+
 DEV_SOCKET = Path("run/api.sock")
 INSTALLED_SOCKET = Path("/run/appliance/api.sock")
 TRUSTED_KEYS = Path("/etc/appliance/trusted-keys")
@@ -21,7 +23,8 @@ CONFIG_HELP = (
 def default_socket() -> str:
     if env := os.environ.get("APPLIANCE_SOCKET"):
         return env
-    return str(DEV_SOCKET if DEV_SOCKET.exists() else INSTALLED_SOCKET)
+    development = DEV_SOCKET.exists() or starting_marker(DEV_SOCKET).exists()  # `make run` serves there
+    return str(DEV_SOCKET if development else INSTALLED_SOCKET)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
