@@ -49,6 +49,8 @@ def decode_audio(data: bytes, sample_rate: int, max_seconds: float | None = None
     413 before anything is decoded."""
     if not data:
         raise unsupported("the body is empty")
+    if _mpeg_audio(data):  # straight to FFmpeg: libsndfile's mpg123 would print its notes to stderr
+        return audio_av.decode(data, sample_rate, max_seconds, unsupported, _check_format)
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             if f.format not in FFMPEG_READS:
@@ -58,6 +60,11 @@ def decode_audio(data: bytes, sample_rate: int, max_seconds: float | None = None
         if exc.code != UNRECOGNISED:
             raise unsupported(exc.error_string.removeprefix("Error : ")) from None
     return audio_av.decode(data, sample_rate, max_seconds, unsupported, _check_format)
+
+
+def _mpeg_audio(data: bytes) -> bool:
+    """An MP3's start: an ID3 tag, or an MPEG audio frame's 11-bit sync."""
+    return data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
 
 
 def _check_format(rate: int, channels: int) -> None:

@@ -134,8 +134,13 @@ def _too_long(what: str, max_seconds: float) -> ApiError:
     return ApiError(f"audio too long: {what}; at most {max_seconds:.1f} s is accepted", 413)
 
 
-# OpenAI's compressed speech formats: (muxer, encoder, rate: None keeps the voice's; Opus takes 48 kHz)
-ENCODINGS = {"mp3": ("mp3", "libmp3lame", None), "opus": ("ogg", "libopus", 48000), "aac": ("adts", "aac", None)}
+# OpenAI's compressed speech formats: (muxer, encoder, rate: None keeps the voice's, Opus takes 48 kHz;
+# bits per second for mono speech: transparent for a 22 kHz voice, about OpenAI's sizes)
+ENCODINGS = {
+    "mp3": ("mp3", "libmp3lame", None, 64000),
+    "opus": ("ogg", "libopus", 48000, 32000),
+    "aac": ("adts", "aac", None, 64000),
+}
 
 
 class Encoder:
@@ -143,13 +148,14 @@ class Encoder:
     them, so an answer streams as it is synthesized. `finish` flushes the encoder and the container."""
 
     def __init__(self, audio_format: str, sample_rate: int) -> None:
-        muxer, codec, rate = ENCODINGS[audio_format]
+        muxer, codec, rate, bit_rate = ENCODINGS[audio_format]
         self.sample_rate = sample_rate
         self._written: list[bytes] = []
         self._container = av.open(self, "w", format=muxer)
         stream = self._container.add_stream(codec, rate=rate or sample_rate)
         assert isinstance(stream, av.audio.stream.AudioStream)
         stream.layout = "mono"
+        stream.bit_rate = bit_rate
         self._stream = stream
         context = stream.codec_context
         self._resampler = av.AudioResampler(

@@ -250,3 +250,10 @@ def test_cli_live_reads_standard_input_at_real_time_pace(daemon, framing: str) -
     assert len(lines) >= 2 and all(re.match(r"\[ *\d+\.\d\d -> *\d+\.\d\d\] ", line) for line in lines), lines
     assert wer(CLEAR[:2], " ".join(line.split("] ", 1)[1] for line in lines)) <= 0.1, lines
     assert elapsed >= len(spoken) / RATE * 0.95  # sent as it would be heard, not all at once
+
+
+def test_the_transcribe_route_gives_words_too(unix: Client) -> None:
+    doc = unix.transcribe(encode_wav(say(CLEAR[0]), RATE), TINY, words="true").json()
+    assert wer(CLEAR[0], " ".join(w["word"] for w in doc["words"])) <= 0.1 and doc["segments"]
+    lines = list(unix.stream_transcribe(encode_wav(say(CLEAR[0]), RATE), TINY, words="true"))
+    assert [w["word"] for w in lines[0]["words"]] == [w["word"] for w in doc["words"]]

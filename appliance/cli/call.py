@@ -20,8 +20,8 @@ from typing import Any, BinaryIO
 
 from appliance import exitcodes
 from appliance.cli import speech
-from appliance.cli.options import command, default_socket, print_json
-from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MODEL, Client, describe_path, parse_quic_address
+from appliance.cli.options import command, default_socket, print_json, read_input
+from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MODEL, Client, parse_quic_address
 from appliance.errors import ApiError, ApplianceError
 
 # `appliance call WHAT`: what each does (the choices and the help text come from here).
@@ -204,20 +204,6 @@ def quic_address(text: str) -> str:
 def _check_readable(path: str, what: str = "") -> None:
     """A file argument that cannot be read is a local input error (exit 2) naming it and why."""
     read_input(path, what, size=0)
-
-
-def read_input(path: str, what: str = "", size: int = -1) -> bytes:
-    """A file argument's bytes; ApplianceError (exit 2) naming the file and why it cannot be read."""
-    name = f"{what} {path}" if what else path
-    try:
-        with open(path, "rb") as file:
-            return file.read(size)
-    except IsADirectoryError:
-        raise ApplianceError(f"cannot read {name}: it is a directory, not a file") from None
-    except FileNotFoundError:
-        raise ApplianceError(f"cannot read {name}: {describe_path(path)}") from None
-    except OSError as exc:
-        raise ApplianceError(f"cannot read {name}: {(exc.strerror or str(exc)).lower()}") from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from typing import cast
 
 import numpy as np
 
+from appliance.cli.options import read_input
 from appliance.client import Client
 from appliance.errors import ApiError, ApplianceError
 
@@ -67,7 +68,6 @@ def live(client: Client, args: argparse.Namespace, source: str) -> None:
 
 def file_chunks(path: str) -> Iterator[np.ndarray]:
     from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for the calls that decode
-    from appliance.cli.call import read_input
 
     try:
         samples = decode_audio(read_input(path), RATE)

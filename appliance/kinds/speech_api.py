@@ -225,25 +225,28 @@ async def infer(
 
 
 async def transcribe_route(model: SpeechToText, request: Request, query: dict[str, str]) -> Response:
-    """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=]: a
-    recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded."""
+    """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=&words=true]:
+    a recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded;
+    with words=true each segment's words and their times too."""
     stream = query.pop("stream", "false").lower() in ("1", "true", "yes")
+    words = query.pop("words", "false").lower() in ("1", "true", "yes")
     response_format = query.pop("response_format", "verbose_json")
     if response_format not in FORMATS:
         raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}, got {response_format[:40]!r}")
     unknown = sorted(set(query) - {"language", "task", "prompt"})
     if unknown:
         raise BadRequest(
-            f"unknown query parameter {unknown[0]!r} (known: stream, language, task, prompt, response_format)"
+            f"unknown query parameter {unknown[0]!r} (known: stream, language, task, prompt, response_format, words)"
         )
-    wanted = dataclasses.replace(options(dict(query)), words=response_format in SUBTITLES)
+    wanted = dataclasses.replace(options(dict(query)), words=words or response_format in SUBTITLES)
     model.check(wanted)
     samples = await asyncio.to_thread(decode_recording, request.body, model)
     segments = model.transcribe(samples, wanted)
     duration = round(len(samples) / SAMPLE_RATE, 3)
     if stream:
-        return Response(200, content_type="application/x-ndjson", stream=_lines(segments, model.name, duration))
-    return render([s async for s in segments], response_format, wanted.task, duration)
+        return Response(200, content_type="application/x-ndjson", stream=_lines(segments, model.name, duration, words))
+    shown = ("segment", "word") if words else ("segment",)
+    return render([s async for s in segments], response_format, wanted.task, duration, shown)
 
 
 def render(
@@ -286,13 +289,18 @@ def as_json(segments: list[Segment]) -> dict[str, Any]:
     }
 
 
-async def _lines(segments: AsyncIterator[Segment], model: str, duration: float) -> AsyncGenerator[bytes, None]:
+async def _lines(
+    segments: AsyncIterator[Segment], model: str, duration: float, words: bool
+) -> AsyncGenerator[bytes, None]:
     """NDJSON: a line per segment as soon as it is decoded, then a summary (or an error) line."""
     count = 0
     try:
         async for s in segments:
             count += 1
-            yield json_line({"start": s.start, "end": s.end, "text": s.text, "language": s.language})
+            line: dict[str, Any] = {"start": s.start, "end": s.end, "text": s.text, "language": s.language}
+            if words:
+                line["words"] = [word_json(w) for w in s.words]
+            yield json_line(line)
     except ApiError as exc:
         yield json_line({"error": exc.message})
         return
