@@ -160,6 +160,18 @@ def test_subtitles_of_a_long_recording_are_cues_of_at_most_7_s_and_two_lines(ope
         assert not any(start < g0 - 0.3 and g1 + 0.3 < end for g0, g1 in gaps), (start, end)
 
 
+def test_a_long_sentence_without_a_pause_is_cut_into_cues_of_at_most_7_s(openai_client: openai.OpenAI) -> None:
+    run_on = " and ".join(words(s) for s in ENGLISH[6:12])  # about 15 s of speech, no sentence end
+    spoken = recording([run_on])[0]
+    vtt = openai_client.audio.transcriptions.create(
+        model=TINY, file=("e.wav", encode_wav(spoken, RATE)), response_format="vtt"
+    )
+    cues = vtt.removeprefix("WEBVTT\n\n").strip().split("\n\n")
+    lengths = [_seconds(end) - _seconds(start) for start, end in (c.split("\n")[0].split(" --> ") for c in cues)]
+    assert len(spoken) / RATE > 12 and len(cues) >= 2 and max(lengths) <= 7.0, vtt
+    assert all(len(c.split("\n")[1:]) <= 2 for c in cues), vtt
+
+
 def _seconds(clock: str) -> float:
     h, m, s = clock.replace(",", ".").split(":")
     return int(h) * 3600 + int(m) * 60 + float(s)
