@@ -248,30 +248,43 @@ class WhisperEngine:
                     if not self._looping(again, prompts[at : at + 1]):
                         ids[at] = again[0]  # where every temperature loops too, the first answer stays
                         break
+            words = self._words(model, features, encoded, group, languages, ids)
             for at, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
                 duration = len(shard.samples) / SAMPLE_RATE
-                words = self._words(model, features[at], shard, language, tokens) if shard.words else []
-                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration), words)
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration), words.get(at, []))
         return [a for a in answers if a is not None]
 
     def _words(
-        self, model: ctranslate2.models.Whisper, features: np.ndarray, shard: Shard, language: str, ids: list[int]
-    ) -> list[Word]:
-        """Each decoded word's times in the shard, from CTranslate2's alignment (as faster-whisper's
-        word_timestamps): the shard's features again, its text without timestamps."""
-        text = [t for t in ids if t < self.tokens.eot]
-        if not text:
-            return []
-        frames = min(len(shard.samples) // HOP, WINDOW_FRAMES)
-        (aligned,) = model.align(
-            ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None])),
-            self.tokens.start(shard, language),
-            [text],
-            frames,
-        )
+        self,
+        model: ctranslate2.models.Whisper,
+        features: np.ndarray,
+        encoded: ctranslate2.StorageView,
+        group: list[Shard],
+        languages: list[str],
+        ids: list[list[int]],
+    ) -> dict[int, list[Word]]:
+        """Each decoded word's times in its shard, for the shards that ask, from CTranslate2's alignment
+        (as faster-whisper's word_timestamps): one call per start sequence (language and task), on the
+        encoder's output where every shard of the group is in it, else on those shards' features."""
         eot = self.tokens.eot
-        words, word_tokens = split_words(text + [eot], self.tokens.tokenizer.decode, eot, language)
-        return timed_words(words, word_tokens, aligned.alignments, aligned.text_token_probs, eot)
+        texts = [[t for t in tokens if t < eot] for tokens in ids]
+        by_start: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for at, (shard, language) in enumerate(zip(group, languages)):
+            if shard.words and texts[at]:
+                by_start[tuple(self.tokens.start(shard, language))].append(at)
+        found: dict[int, list[Word]] = {}
+        for start, members in by_start.items():
+            inputs = (
+                encoded
+                if len(members) == len(group)
+                else ctranslate2.StorageView.from_array(np.ascontiguousarray(features[members]))
+            )
+            frames = [min(len(group[at].samples) // HOP, WINDOW_FRAMES) for at in members]
+            aligned = model.align(inputs, list(start), [texts[at] for at in members], frames)
+            for at, result in zip(members, aligned):
+                words, word_tokens = split_words(texts[at] + [eot], self.tokens.tokenizer.decode, eot, languages[at])
+                found[at] = timed_words(words, word_tokens, result.alignments, result.text_token_probs, eot)
+        return found
 
     def _generate(
         self,
