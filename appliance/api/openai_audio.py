@@ -145,7 +145,8 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
     try:
         model.check(options)
     except ApiError as exc:
-        raise ApiError(exc.message, exc.status, param="language" if language else "model") from None
+        param = "temperature" if not 0.0 <= temperature <= 1.0 else "language" if language else "model"
+        raise ApiError(exc.message, exc.status, param=param) from None
     return await counted(model.stats, _transcribed(model, audio, options, response_format, stream, granularities))
 
 
