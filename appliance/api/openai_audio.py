@@ -24,12 +24,12 @@ from python_multipart.multipart import parse_options_header
 
 from appliance.api import openai_models
 from appliance.api.bodies import openai_errors
-from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
+from appliance.kinds.capabilities import Transcriber
 from appliance.kinds.counting import counted
-from appliance.kinds.speech_api import FORMATS, SUBTITLES, Options, Segment, decode_recording, render, word_json
-from appliance.kinds.speech_to_text import SpeechToText
+from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, SUBTITLES, Options, Segment, render, word_json
+from appliance.kinds.streaming import guarded, query_flag
 from appliance.protocol.messages import Request, Response
 
 FIELDS = {
@@ -137,9 +137,10 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
                 param="timestamp_granularities[]",
             )
     _check_chunking(fields.get("chunking_strategy", "auto"))
-    stream = fields.get("stream", "false").lower()
-    if stream not in ("true", "false"):
-        raise BadRequest(f"stream must be true or false, got {stream[:20]!r}", param="stream")
+    try:
+        stream = query_flag(fields, "stream", where="form field")
+    except ApiError as exc:
+        raise ApiError(exc.message, exc.status, param="stream") from None
     words = "word" in granularities or response_format in SUBTITLES  # subtitles are cut at the words
     options = Options(language, task, fields.get("prompt", ""), temperature, words)
     try:
@@ -151,12 +152,13 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
 
 
 async def _transcribed(
-    model: SpeechToText, audio: bytes, options: Options, response_format: str, stream: str, granularities: list[str]
+    model: Transcriber, audio: bytes, options: Options, response_format: str, stream: bool, granularities: list[str]
 ) -> Response:
-    samples = await asyncio.to_thread(decode_recording, audio, model)
+    samples = await asyncio.to_thread(model.recording, audio)
     segments = model.transcribe(samples, options)
-    if stream == "true":
-        return Response(200, content_type="text/event-stream", stream=_events(segments, "word" in granularities))
+    if stream:
+        events = _events(segments, model.name, "word" in granularities)
+        return Response(200, content_type="text/event-stream", stream=events)
     found = [s async for s in segments]
     shown = tuple(granularities) or ("segment",)
     return render(found, response_format, options.task, len(samples) / SAMPLE_RATE, shown)
@@ -176,28 +178,34 @@ def _check_chunking(value: str) -> None:
         )
 
 
-async def _events(segments: AsyncIterator[Segment], words: bool) -> AsyncGenerator[bytes, None]:
+def _events(segments: AsyncIterator[Segment], model: str, words: bool) -> AsyncGenerator[bytes, None]:
     """Server-sent events as OpenAI streams a transcription: a delta per segment (with its words when
     asked), then the whole text (and every word)."""
-    texts, every = [], []
-    try:
-        async for segment in segments:
-            texts.append(segment.text)
-            delta: dict[str, Any] = {
-                "type": "transcript.text.delta",
-                "delta": (" " if len(texts) > 1 else "") + segment.text,
-            }
-            if words:
-                delta["words"] = [word_json(w) for w in segment.words]
-                every += delta["words"]
-            yield _event(delta)
-    except ApiError as exc:
-        yield _event({"type": "error", "error": {"message": exc.message}})
-        return
-    done: dict[str, Any] = {"type": "transcript.text.done", "text": " ".join(texts)}
-    if words:
-        done["words"] = every
-    yield _event(done)
+    texts: list[str] = []
+    every: list[dict[str, Any]] = []
+
+    def delta(segment: Segment) -> bytes:
+        texts.append(segment.text)
+        doc: dict[str, Any] = {"type": "transcript.text.delta", "delta": (" " if len(texts) > 1 else "") + segment.text}
+        if words:
+            doc["words"] = [word_json(w) for w in segment.words]
+            every.extend(doc["words"])
+        return _event(doc)
+
+    def done(count: int) -> bytes:
+        doc: dict[str, Any] = {"type": "transcript.text.done", "text": " ".join(texts)}
+        if words:
+            doc["words"] = every
+        return _event(doc)
+
+    return guarded(
+        segments,
+        delta,
+        lambda message: _event({"type": "error", "error": {"message": message}}),
+        f"streamed transcription by {model}",
+        {"MODEL": model},
+        done,
+    )
 
 
 def _event(doc: dict[str, Any]) -> bytes:

@@ -23,9 +23,10 @@ import soundfile
 from appliance.api.bodies import json_body, openai_errors
 from appliance.api.routes import Route
 from appliance.audio_av import Encoder
-from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
-from appliance.kinds.speech import MAX_SPEED, MIN_SPEED, SpeechModel
+from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, Speaker
+from appliance.kinds.streaming import guarded
 from appliance.kinds.text import checked_text
 from appliance.protocol.messages import Request, Response
 
@@ -57,7 +58,7 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
 
 async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     doc = json_body(request.body)
-    voices = [m for m in models if isinstance(m, SpeechModel)]
+    voices: list[Speaker] = [m for m in models if isinstance(m, Speaker)]
     model = _model(voices, doc.get("model"), doc.get("voice"))
     text = checked_text(doc.get("input"), "input")
     audio_format = doc.get("response_format", "mp3")
@@ -80,13 +81,16 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
         whole = np.concatenate(samples) if samples else np.zeros(0, np.int16)
         body = _flac(whole, rate) if audio_format == "flac" else wav_header(rate, 2 * len(whole)) + _pcm(whole)
         return Response(200, body, FORMATS[audio_format], headers)
+    # each sentence's audio as soon as it is ready; a failure ends the stream early (the status has
+    # been sent), logged; a client gone mid-stream drops the shards not yet started
     encoder = Encoder(audio_format, rate) if audio_format != "pcm" else None
-    return Response(
-        200, content_type=FORMATS[audio_format], headers=headers, stream=_stream(encoder, pieces, model.name)
+    body = guarded(
+        _encoded(encoder, pieces), lambda b: b, lambda message: b"", f"speech from {model.name}", {"MODEL": model.name}
     )
+    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=body)
 
 
-def _model(voices: list[SpeechModel], name: object, voice: object) -> SpeechModel:
+def _model(voices: list[Speaker], name: object, voice: object) -> Speaker:
     if not voices:
         raise NotFound("this firmware has no speech model")
     served = ", ".join(m.voice_name for m in voices)
@@ -126,11 +130,8 @@ def _flac(samples: np.ndarray, rate: int) -> bytes:
     return out.getvalue()
 
 
-async def _stream(
-    encoder: Encoder | None, pieces: AsyncGenerator[np.ndarray, None], model: str
-) -> AsyncGenerator[bytes, None]:
-    """Each sentence's audio as soon as it is ready (encoded off the loop where it is encoded); a
-    failure ends the stream early (the status has been sent), logged."""
+async def _encoded(encoder: Encoder | None, pieces: AsyncGenerator[np.ndarray, None]) -> AsyncGenerator[bytes, None]:
+    """Each sentence's samples in the answer's format, encoded off the loop; the encoder's tail at the end."""
     try:
         async for samples in pieces:
             data = _pcm(samples) if encoder is None else await asyncio.to_thread(encoder.encode, samples)
@@ -138,9 +139,5 @@ async def _stream(
                 yield data
         if encoder is not None:
             yield await asyncio.to_thread(encoder.finish)
-    except ApiError as exc:
-        log.warning("speech from %s ended early: %s", model, exc.message)
-    except Exception:
-        log.exception("speech from %s crashed while streaming", model)
     finally:
-        await pieces.aclose()  # a client gone mid-stream: its shards not yet started are dropped now
+        await pieces.aclose()
