@@ -20,8 +20,7 @@ from appliance.api.routes import Route
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.firmware import Manifest
 from appliance.kinds.base import ServedModel
-from appliance.kinds.speech import SpeechModel
-from appliance.kinds.speech_to_text import SpeechToText
+from appliance.kinds.capabilities import Speaker, Transcriber
 from appliance.protocol.messages import Request, Response, json_response
 
 TRANSCRIPTION_ALIASES = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
@@ -46,9 +45,9 @@ def routes(models: Mapping[str, ServedModel], manifest: Manifest) -> list[Route]
 def _names(models: Mapping[str, ServedModel]) -> list[str]:
     """The served models, then OpenAI's names some served model answers to."""
     aliases: list[str] = []
-    if any(isinstance(m, SpeechToText) for m in models.values()):
+    if any(isinstance(m, Transcriber) for m in models.values()):
         aliases += TRANSCRIPTION_ALIASES
-    if any(isinstance(m, SpeechModel) for m in models.values()):
+    if any(isinstance(m, Speaker) for m in models.values()):
         aliases += SPEECH_ALIASES
     return [*models, *(a for a in aliases if a not in models)]
 
@@ -65,14 +64,14 @@ def _created(manifest: Manifest) -> int:
         return 0
 
 
-def speech_to_text(models: Mapping[str, ServedModel], name: str, task: str, language: str | None) -> SpeechToText:
+def speech_to_text(models: Mapping[str, ServedModel], name: str, task: str, language: str | None) -> Transcriber:
     """The model a transcription or translation names (a served one, or the best for an OpenAI name)."""
     if not name:
         raise BadRequest("the form needs a 'model' field", param="model")
     chosen = models.get(name)
-    speech = [m for m in models.values() if isinstance(m, SpeechToText)]
+    speech = [m for m in models.values() if isinstance(m, Transcriber)]
     if chosen is not None:
-        if not isinstance(chosen, SpeechToText):
+        if not isinstance(chosen, Transcriber):
             raise BadRequest(f"model {name!r} is a {chosen.spec.kind} model, not speech_to_text", param="model")
         return chosen
     if name not in TRANSCRIPTION_ALIASES:
@@ -86,11 +85,10 @@ def speech_to_text(models: Mapping[str, ServedModel], name: str, task: str, lang
     if not able:
         what = "translate" if task == "translate" else f"transcribe {language!r}"
         raise BadRequest(f"no served speech_to_text model can {what} (served: {', '.join(m.name for m in speech)})")
-    return max(able, key=lambda m: m.engine.weight_bytes)
+    return max(able, key=lambda m: m.weight_bytes)
 
 
-def _can(model: SpeechToText, task: str, language: str | None) -> bool:
-    tokens = model.engine.tokens
-    if not tokens.multilingual:
+def _can(model: Transcriber, task: str, language: str | None) -> bool:
+    if not model.multilingual:
         return task == "transcribe" and language == "en"
-    return language is None or language in tokens.languages
+    return language is None or language in model.languages

@@ -84,10 +84,10 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     # each sentence's audio as soon as it is ready; a failure ends the stream early (the status has
     # been sent), logged; a client gone mid-stream drops the shards not yet started
     encoder = Encoder(audio_format, rate) if audio_format != "pcm" else None
-    body = guarded(
+    stream = guarded(
         _encoded(encoder, pieces), lambda b: b, lambda message: b"", f"speech from {model.name}", {"MODEL": model.name}
     )
-    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=body)
+    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=stream)
 
 
 def _model(voices: list[Speaker], name: object, voice: object) -> Speaker:

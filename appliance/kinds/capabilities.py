@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from appliance.engine.stats import RequestTimes
+from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.firmware import ModelSpec
 from appliance.kinds.speech_api import Options, Segment
 
@@ -23,6 +23,9 @@ class Transcriber(Protocol):
     """Speech to text (kind speech_to_text)."""
 
     spec: ModelSpec
+    stats: ModelStats  # the task APIs count their requests in it
+    languages: list[str]  # the language codes it knows (a multilingual model)
+    weight_bytes: int  # how large it is: OpenAI's model names take the largest that can serve
 
     @property
     def name(self) -> str: ...

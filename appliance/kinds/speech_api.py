@@ -163,7 +163,11 @@ def transcribe_query(query: dict[str, str]) -> tuple[bool, str, Options]:
             f"unknown query parameter {unknown[0][:40]!r} (known: stream, {', '.join(TRANSCRIBE_QUERY)}, "
             "response_format, words)"
         )
-    return stream, response_format, dataclasses.replace(options(dict(query)), words=words or response_format in SUBTITLES)
+    return (
+        stream,
+        response_format,
+        dataclasses.replace(options(dict(query)), words=words or response_format in SUBTITLES),
+    )
 
 
 def segment_json(s: Segment) -> dict[str, Any]:

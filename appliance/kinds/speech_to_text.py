@@ -87,6 +87,7 @@ class SpeechToText(EngineModel):
             self.baked.fallback_cpu_threshold,
             cuda.memory_used if cuda.cuda is not None else None,
         )
+        self.languages, self.weight_bytes = self.engine.tokens.languages, self.engine.weight_bytes
         self.stats = ModelStats()
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
             self.engine.run, self.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6

@@ -8,10 +8,32 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from appliance.kinds.speech_api import Segment, Word
+
+class Word(Protocol):
+    """A word with its times (speech_api.Word)."""
+
+    @property
+    def start(self) -> float: ...
+    @property
+    def end(self) -> float: ...
+    @property
+    def word(self) -> str: ...
+
+
+class Segment(Protocol):
+    """A segment with its text and words (speech_api.Segment)."""
+
+    @property
+    def start(self) -> float: ...
+    @property
+    def end(self) -> float: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def words(self) -> Sequence[Word]: ...
+
 
 MAX_CUE_S = 7.0
 LINE_CHARS = 42  # the common broadcast limit per line
