@@ -9,6 +9,7 @@ worker thread (CTranslate2 releases the GIL while it computes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from collections import Counter, defaultdict
@@ -19,17 +20,14 @@ from pathlib import Path
 import ctranslate2
 import numpy as np
 import tokenizers
-from numpy.lib.stride_tricks import sliding_window_view
 
-from appliance.engine.whisper_words import Word, split_words, timed_words
+from appliance.engine import nvidia_libs, whisper_windows
+from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel, mel_filters
+from appliance.engine.whisper_words import Word, aligned_words
 from appliance.errors import ApplianceError, BadRequest
 
 log = logging.getLogger("appliance")
 
-SAMPLE_RATE = 16000
-WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's one input window: 30 s
-N_FFT, HOP = 400, 160
-WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000 mel frames
 TOKEN_SECONDS = 0.02  # an encoder position, and a timestamp token's step
 MAX_PROMPT_TOKENS = 223  # Whisper's limit for previous text: half its 448-token context, less the start
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
@@ -37,48 +35,6 @@ TASKS = ("transcribe", "translate")
 MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold: above it, a decode repeats itself
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 MAX_LENGTH = 448  # Whisper's decoder context, CTranslate2's default max_length
-
-
-def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
-    """Slaney-scale triangular filters [n_mels, n_fft // 2 + 1], as librosa builds Whisper's."""
-    fft_freqs = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, log_step = min_log_hz / f_sp, np.log(6.4) / 27.0
-    mels = np.linspace(0.0, _hz_to_mel(sample_rate / 2), n_mels + 2)
-    freqs = f_sp * mels
-    log_region = mels >= min_log_mel
-    freqs[log_region] = min_log_hz * np.exp(log_step * (mels[log_region] - min_log_mel))
-    ramps = freqs[:, None] - fft_freqs[None, :]
-    widths = np.diff(freqs)
-    lower = -ramps[:-2] / widths[:-1, None]
-    upper = ramps[2:] / widths[1:, None]
-    weights = np.maximum(0.0, np.minimum(lower, upper))
-    weights *= (2.0 / (freqs[2:] - freqs[:-2]))[:, None]  # equal energy per band
-    return weights.astype(np.float32)
-
-
-def _hz_to_mel(hz: float) -> float:
-    """Slaney's mel scale: linear below 1 kHz, logarithmic above."""
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    if hz < min_log_hz:
-        return hz / f_sp
-    return min_log_hz / f_sp + float(np.log(hz / min_log_hz) / (np.log(6.4) / 27.0))
-
-
-def log_mel(shards: list[np.ndarray], filters: np.ndarray) -> np.ndarray:
-    """Whisper's input for each shard of at most 30 s: [batch, n_mels, 3000] log-mel features of the
-    shard padded with silence to 30 s (the model was trained on full windows only)."""
-    window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)  # periodic Hann, as torch.stft uses
-    out = np.empty((len(shards), filters.shape[0], WINDOW_FRAMES), np.float32)
-    for i, samples in enumerate(shards):
-        padded = np.zeros(WINDOW_SAMPLES + N_FFT, np.float32)
-        padded[N_FFT // 2 : N_FFT // 2 + len(samples)] = samples[:WINDOW_SAMPLES]
-        padded[: N_FFT // 2] = padded[N_FFT // 2 + 1 : N_FFT + 1][::-1]  # centred frames, reflected start
-        frames = sliding_window_view(padded, N_FFT)[::HOP][:WINDOW_FRAMES]
-        power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2
-        mel = np.log10(np.maximum(filters @ power.T, 1e-10))
-        out[i] = (np.maximum(mel, mel.max() - 8.0) + 4.0) / 4.0
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +56,7 @@ class Piece:
     start: float
     end: float
     text: str
+    words: tuple[tuple[float, str], ...] = ()  # in a shared window: each word and where it was heard
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,32 +88,52 @@ class WhisperTokens:
 
     def prompt(self, shard: Shard, language: str) -> list[int]:
         previous = [self.sot_prev, *shard.prompt] if shard.prompt else []
-        return previous + self.start(shard, language)
-
-    def start(self, shard: Shard, language: str) -> list[int]:
-        """<|startoftranscript|>, and the language and task for a multilingual model."""
         start = [self.sot]
         if self.multilingual:
             start += [self._special(language), self._special(shard.task)]
-        return start
+        return previous + start
 
-    def pieces(self, ids: list[int], duration: float) -> list[Piece]:
-        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`."""
+    def pieces(self, ids: list[int], duration: float, heard: list[float] | None = None) -> list[Piece]:
+        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`.
+        `heard`: where each text token was heard (and, last, where the text ended), from the decoder's
+        cross-attention: a piece then spans its first token to the one after its last, as heard."""
         pieces: list[Piece] = []
         text: list[int] = []
-        start = 0.0
+        start, count = 0.0, 0
+
+        def close(end: float) -> None:
+            if heard is None:
+                pieces.append(Piece(start, max(start, end), self.tokenizer.decode(text).strip()))
+            else:
+                a, b = heard[count - len(text)], heard[count]
+                words = self._words(text, heard[count - len(text) : count])
+                pieces.append(Piece(a, max(a, b), self.tokenizer.decode(text).strip(), words))
+            text.clear()
+
         for token in ids:
             if token >= self.timestamp_begin:
                 time = min((token - self.timestamp_begin) * TOKEN_SECONDS, duration)
                 if text:
-                    pieces.append(Piece(start, max(time, start), self.tokenizer.decode(text).strip()))
-                    text = []
+                    close(time)
                 start = time
             elif token < self.eot:
                 text.append(token)
+                count += 1
         if text:
-            pieces.append(Piece(start, max(duration, start), self.tokenizer.decode(text).strip()))
+            close(duration)
         return [p for p in pieces if p.text]
+
+    def _words(self, tokens: list[int], heard: list[float]) -> tuple[tuple[float, str], ...]:
+        """Tokens joined into words (a word starts at a token with a leading space), each at the time
+        its first token was heard."""
+        words: list[tuple[float, str]] = []
+        for token, time in zip(tokens, heard):
+            piece = self.tokenizer.decode([token])
+            if not words or piece.startswith(" "):
+                words.append((time, piece))
+            else:
+                words[-1] = (words[-1][0], words[-1][1] + piece)
+        return tuple(words)
 
 
 class WhisperEngine:
@@ -172,9 +149,17 @@ class WhisperEngine:
         beam_size: int,
         fallback_threshold: float = 1.0,
         memory_used: Callable[[], float] | None = None,
+        window_samples: int = WINDOW_SAMPLES,
+        separator_s: float = whisper_windows.SEPARATOR_S,
     ) -> None:
+        """`window_samples`: the most audio one window holds when shards share it (the firmware's
+        baked shard size); `separator_s`: the silence between two shards sharing a window."""
         if device not in ("cpu", "cuda", "auto"):
             raise ApplianceError(f"engine.device: no engine for {device!r}")
+        if device != "cpu":
+            _, failed = nvidia_libs.preload()
+            for line in failed:
+                log.warning("engine.device = %r: %s", device, line)
         gpus = ctranslate2.get_cuda_device_count() if device != "cpu" else 0
         if device == "cuda" and not gpus:
             raise ApplianceError('engine.device = "cuda": CTranslate2 finds no CUDA device here')
@@ -185,6 +170,9 @@ class WhisperEngine:
         self.name = "ctranslate2-cuda" if self.gpu else "ctranslate2-cpu"
         self.beam_size, self.fallback_threshold, self.memory_used = beam_size, fallback_threshold, memory_used
         self.fallbacks: Counter[str] = Counter()
+        self.window_samples, self.separator = min(window_samples, WINDOW_SAMPLES), int(separator_s * SAMPLE_RATE)
+        # shards, the windows they ran in, and those decoded alone again after sharing one
+        self.windows: Counter[str] = Counter()
         model = self.cpu
         languages = [self._language_name(t) for t in _language_tokens(directory)]
         self.tokens = WhisperTokens(directory / "tokenizer.json", model.is_multilingual, languages)
@@ -213,13 +201,53 @@ class WhisperEngine:
         """Decode a batch; the answers in the shards' order."""
         model = self._model(len(shards))
         try:
-            return self._run(model, shards)
+            return self._shared(model, shards)
         except RuntimeError as exc:
             if model is self.cpu or "out of memory" not in str(exc).lower():
                 raise
             self.fallbacks["out_of_memory"] += 1
             log.warning("engine %s: out of GPU memory on a batch of %d, ran it on the CPU", self.name, len(shards))
-            return self._run(self.cpu, shards)
+            return self._shared(self.cpu, shards)
+
+    def _window_key(self, shard: Shard) -> tuple[str, str, float] | None:
+        """Shards that may share a window: no prompt (it conditions the whole window), a known language."""
+        language = shard.language if self.tokens.multilingual else "en"
+        return None if shard.prompt or language is None else (language, shard.task, shard.temperature)
+
+    def _shared(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
+        """The batch's shards packed into shared windows (whisper_windows.py), each decoded once; the
+        text split back by its timestamps, and the shards it cannot split decoded alone."""
+        windows = whisper_windows.pack(
+            [len(s.samples) for s in shards], [self._window_key(s) for s in shards], self.window_samples, self.separator
+        )
+        windows.sort(key=lambda w: len(w.members) == 1)  # shared windows first
+        inputs = [
+            shards[w.members[0]]
+            if len(w.members) == 1
+            else dataclasses.replace(shards[w.members[0]], samples=w.audio([s.samples for s in shards]))
+            for w in windows
+        ]
+        answers: list[Decoded | None] = [None] * len(shards)
+        alone: list[int] = []
+        shared = sum(len(w.members) > 1 for w in windows)
+        for window, decoded in zip(windows, self._run(model, inputs, shared)):
+            if len(window.members) == 1:
+                answers[window.members[0]] = decoded
+                continue
+            found = whisper_windows.split(
+                window,
+                [(p.start, p.end, p.text) for p in decoded.pieces],
+                SAMPLE_RATE,
+                [p.words for p in decoded.pieces],
+            )
+            for member, pieces in found.pieces.items():
+                answers[member] = Decoded(decoded.language, [Piece(*p) for p in pieces])
+            alone += sorted(found.alone)
+        if alone:
+            for member, decoded in zip(alone, self._run(model, [shards[i] for i in alone])):
+                answers[member] = decoded
+        self.windows.update(shards=len(shards), windows=len(windows), alone=len(alone))
+        return [a for a in answers if a is not None]
 
     def _model(self, batch: int) -> ctranslate2.models.Whisper:
         if self.gpu is None:
@@ -229,12 +257,14 @@ class WhisperEngine:
             return self.cpu
         return self.gpu
 
-    def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
-        groups: dict[tuple[int, float], list[int]] = defaultdict(list)
+    def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard], shared: int = 0) -> list[Decoded]:
+        """The first `shared` shards are shared windows: their pieces are timed by where the decoder
+        heard each token (Whisper's own timestamps drift by seconds over a window of many sentences)."""
+        groups: dict[tuple[int, float, str | None], list[int]] = defaultdict(list)
         for i, shard in enumerate(shards):
-            groups[(len(shard.prompt), shard.temperature)].append(i)
+            groups[(len(shard.prompt), shard.temperature, shard.language)].append(i)
         answers: list[Decoded | None] = [None] * len(shards)
-        for (_, temperature), members in groups.items():
+        for (_, temperature, _), members in groups.items():
             group = [shards[i] for i in members]
             features = log_mel([s.samples for s in group], self.filters)
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
@@ -248,43 +278,43 @@ class WhisperEngine:
                     if not self._looping(again, prompts[at : at + 1]):
                         ids[at] = again[0]  # where every temperature loops too, the first answer stays
                         break
-            words = self._words(model, features, encoded, group, languages, ids)
-            for at, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
+            heard = self._heard(model, encoded, group, languages, ids) if members[0] < shared else None
+            asked = [
+                self.tokens.prompt(dataclasses.replace(s, prompt=()), lang) if s.words else None
+                for s, lang in zip(group, languages)
+            ]
+            frames = [min(len(s.samples) // HOP, WINDOW_FRAMES) for s in group]
+            words = aligned_words(
+                model, (features, encoded), asked, ids, frames, self.tokens.eot, self.tokens.tokenizer.decode, languages
+            )
+            for k, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
                 duration = len(shard.samples) / SAMPLE_RATE
-                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration), words.get(at, []))
+                times = heard[k] if heard is not None and i < shared else None
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration, times), words.get(k, []))
         return [a for a in answers if a is not None]
 
-    def _words(
+    def _heard(
         self,
         model: ctranslate2.models.Whisper,
-        features: np.ndarray,
         encoded: ctranslate2.StorageView,
         group: list[Shard],
         languages: list[str],
         ids: list[list[int]],
-    ) -> dict[int, list[Word]]:
-        """Each decoded word's times in its shard, for the shards that ask, from CTranslate2's alignment
-        (as faster-whisper's word_timestamps): one call per start sequence (language and task), on the
-        encoder's output where every shard of the group is in it, else on those shards' features."""
-        eot = self.tokens.eot
-        texts = [[t for t in tokens if t < eot] for tokens in ids]
-        by_start: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for at, (shard, language) in enumerate(zip(group, languages)):
-            if shard.words and texts[at]:
-                by_start[tuple(self.tokens.start(shard, language))].append(at)
-        found: dict[int, list[Word]] = {}
-        for start, members in by_start.items():
-            inputs = (
-                encoded
-                if len(members) == len(group)
-                else ctranslate2.StorageView.from_array(np.ascontiguousarray(features[members]))
-            )
-            frames = [min(len(group[at].samples) // HOP, WINDOW_FRAMES) for at in members]
-            aligned = model.align(inputs, list(start), [texts[at] for at in members], frames)
-            for at, result in zip(members, aligned):
-                words, word_tokens = split_words(texts[at] + [eot], self.tokens.tokenizer.decode, eot, languages[at])
-                found[at] = timed_words(words, word_tokens, result.alignments, result.text_token_probs, eot)
-        return found
+    ) -> list[list[float] | None]:
+        """Where each text token of each decode was heard, and where its text ended (seconds): the
+        first encoder position CTranslate2's alignment (cross-attention, as faster-whisper's word
+        timestamps) gives each token; None for a decode with no text."""
+        texts = [[t for t in tokens if t < self.tokens.eot] for tokens in ids]
+        start = self.tokens.prompt(dataclasses.replace(group[0], prompt=()), languages[0])
+        frames = [max(1, len(s.samples) // HOP) for s in group]
+        results = model.align(encoded, start, [t or [self.tokens.eot] for t in texts], frames)
+        out: list[list[float] | None] = []
+        for text, result in zip(texts, results):
+            first: dict[int, float] = {}
+            for token, position in result.alignments:
+                first.setdefault(token, position * TOKEN_SECONDS)
+            out.append([first.get(k, 0.0) for k in range(len(text) + 1)] if text else None)
+        return out
 
     def _generate(
         self,

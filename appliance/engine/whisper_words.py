@@ -8,9 +8,11 @@ languages written without them); punctuation joins the word it belongs to. Plain
 from __future__ import annotations
 
 import string
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import ctranslate2
 import numpy as np
 
 TOKEN_SECONDS = 0.02  # an alignment step: one encoder position
@@ -25,6 +27,40 @@ class Word:
     end: float
     text: str  # as Whisper writes it, with its leading space
     probability: float
+
+
+def aligned_words(
+    model: ctranslate2.models.Whisper,
+    inputs: tuple[np.ndarray, ctranslate2.StorageView],
+    starts: list[list[int] | None],
+    ids: list[list[int]],
+    frames: list[int],
+    eot: int,
+    decode: Callable[[list[int]], str],
+    languages: list[str],
+) -> dict[int, list[Word]]:
+    """The words of each decode of a batch whose start sequence is given (None: no words asked),
+    from one `Whisper.align` call per start sequence (language and task): on the encoder's output
+    (`inputs`: the batch's features and its encoding) where every decode of the batch is in it, else
+    on those decodes' features."""
+    features, encoded = inputs
+    texts = [[t for t in decoded if t < eot] for decoded in ids]
+    by_start: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for at, start in enumerate(starts):
+        if start is not None and texts[at]:
+            by_start[tuple(start)].append(at)
+    found: dict[int, list[Word]] = {}
+    for start_ids, members in by_start.items():
+        batch = (
+            encoded
+            if len(members) == len(ids)
+            else ctranslate2.StorageView.from_array(np.ascontiguousarray(features[members]))
+        )
+        aligned = model.align(batch, list(start_ids), [texts[at] for at in members], [frames[at] for at in members])
+        for at, result in zip(members, aligned):
+            words, word_tokens = split_words(texts[at] + [eot], decode, eot, languages[at])
+            found[at] = timed_words(words, word_tokens, result.alignments, result.text_token_probs, eot)
+    return found
 
 
 def split_words(
