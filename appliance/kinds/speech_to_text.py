@@ -22,7 +22,6 @@ from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
-from appliance.engine.whisper_words import Word as EngineWord
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
@@ -31,8 +30,8 @@ from appliance.kinds.audio_in import audio_input, decode_upload
 from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
 from appliance.kinds.counting import counted
 from appliance.kinds.segments import SegmentTracker
-from appliance.kinds.speech_api import Options, Segment, Word
-from appliance.kinds.speech_shards import Packer, ShardPlan
+from appliance.kinds.speech_api import Options, Segment
+from appliance.kinds.speech_shards import Packer, ShardPlan, placed_words
 from appliance.kinds.streaming import ndjson
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
@@ -217,7 +216,7 @@ class SpeechToText(EngineModel):
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
-        placed = _placed_words(plan, runs, decoded.words, offset)
+        placed = placed_words(plan, runs, decoded.words, offset, SAMPLE_RATE)
         out = []
         for (first, last, text), words in zip(runs, placed):
             start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
@@ -369,33 +368,6 @@ def _consume_error(task: asyncio.Task[list[Segment]]) -> None:
 def vad_key(model: str, key: object, stream: LiveStream) -> object:
     """The key of a live stream's sequence in its VAD's table."""
     return (model, key, stream.serial)
-
-
-def _placed_words(
-    plan: ShardPlan, runs: list[tuple[int, int, str]], words: list[EngineWord], offset: int
-) -> list[tuple[Word, ...]]:
-    """The shard's words in recording time, each in the segment (run of spans) it was heard in, inside
-    that segment's times and in order (the VAD's edges are the segment's, as for its text)."""
-    placed: list[list[Word]] = [[] for _ in runs]
-    if not runs:
-        return []
-    for word in words:
-        index, start, end = plan.place(word.start, word.end, SAMPLE_RATE)
-        run = min(range(len(runs)), key=lambda r: max(runs[r][0] - index, index - runs[r][1], 0))
-        low, high = plan.spans[runs[run][0]].start, plan.spans[runs[run][1]].end
-        start = max(low, min(start, high))
-        if placed[run]:
-            start = max(start, round(placed[run][-1].end * SAMPLE_RATE) - offset)
-        end = max(start, min(end, high))
-        placed[run].append(
-            Word(
-                round((offset + start) / SAMPLE_RATE, 3),
-                round((offset + end) / SAMPLE_RATE, 3),
-                word.text,
-                word.probability,
-            )
-        )
-    return [tuple(found) for found in placed]
 
 
 def _integer(params: Mapping[str, Parameter], key: str) -> int:
