@@ -6,13 +6,16 @@ import datetime
 import ipaddress
 import socket
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from appliance.config import Config
 from appliance.durable import make_directories, replace_file
+from appliance.errors import ApplianceError
 
 
 def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 3650) -> str:
@@ -58,3 +61,33 @@ def _is_ip(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def certificate_identity(cert_path: Path) -> tuple[bytes, str]:
+    """The certificates of `cert_path` as PEM (only they: a file that also holds a key does not give it
+    away) and the SHA-256 fingerprint of the first, the box's own, as lower-case hex."""
+    try:
+        certificates = x509.load_pem_x509_certificates(cert_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{cert_path}: no PEM certificate to read ({exc})") from None
+    pem = b"".join(c.public_bytes(serialization.Encoding.PEM) for c in certificates)
+    return pem, certificates[0].fingerprint(hashes.SHA256()).hex()
+
+
+def colon_hex(fingerprint: str) -> str:
+    """AB:CD:...: a fingerprint as browsers and phones show it."""
+    return ":".join(fingerprint[i : i + 2] for i in range(0, len(fingerprint), 2)).upper()
+
+
+def tls_identity(config: Config) -> tuple[bytes, dict[str, Any]]:
+    """The PEM the box serves at /tls/certificate.pem, and /status's `tls`: the file and its fingerprint."""
+    try:
+        pem, fingerprint = certificate_identity(config.quic.certificate)
+    except ValueError as exc:
+        raise ApplianceError(f"quic.certificate: {exc}") from None
+    return pem, {
+        "certificate": str(config.quic.certificate),
+        "sha256": colon_hex(fingerprint),
+        "mutual_tls": bool(config.quic.client_ca.name),
+        "https_port": config.https.port if config.https.enabled else None,
+    }

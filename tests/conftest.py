@@ -21,7 +21,7 @@ import pytest
 
 from appliance import firmware
 from appliance import keys as signing
-from appliance.bench.daemon import free_udp_port
+from appliance.bench.daemon import free_tcp_port, free_udp_port
 from appliance.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +126,9 @@ class Daemon:
         pin_dir: Path | None = None,
         max_body_bytes: int = 8 << 20,
         workers: int = 1,
+        https: str | None = None,
     ) -> None:
+        """`https`: serve HTTPS on TCP (needs tls) with these lines in its [https] table."""
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
@@ -141,6 +143,9 @@ class Daemon:
             else ""
         )
         self.cafile = str(tls[0]) if tls else None
+        self.https_port = free_tcp_port() if https is not None else None
+        if https is not None:
+            quic += f"[https]\nenabled = true\nport = {self.https_port}\n{https}"
         self.config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {max_body_bytes}\nshutdown_grace_s = 5.0\nworkers = {workers}\n{extra_server}'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
@@ -168,6 +173,10 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise AssertionError(f"daemon not ready in {timeout} s: {self.log.read_text()}")
+
+    @property
+    def https_url(self) -> str:
+        return f"https://127.0.0.1:{self.https_port}"
 
     def client(self, transport: str = "unix") -> Client:
         if transport == "quic":

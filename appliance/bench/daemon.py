@@ -1,4 +1,4 @@
-"""The daemon under test, in a process of its own with a config of its own; free UDP ports."""
+"""The daemon under test, in a process of its own with a config of its own; free UDP and TCP ports."""
 
 from __future__ import annotations
 
@@ -16,7 +16,15 @@ from appliance.tls import init_self_signed
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    return _free_port(socket.SOCK_DGRAM)
+
+
+def free_tcp_port() -> int:
+    return _free_port(socket.SOCK_STREAM)
+
+
+def _free_port(kind: socket.SocketKind) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
