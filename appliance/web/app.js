@@ -426,6 +426,7 @@ async function main() {
   if (!page.languages.length) {
     say("text-message", "This firmware has no translation models: there is nothing to translate between.", "error");
   }
+  await refreshStatus(); // again, now with the models' kinds
   page.ready = true;
 }
 
