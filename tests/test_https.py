@@ -36,7 +36,9 @@ FRAME = np.zeros(512, np.float32)
 
 @pytest.fixture(scope="session")
 def interpreter_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bundle(keys, tmp_path_factory.mktemp("fw") / "interpreter", spec=ROOT / "firmware" / "interpreter.toml")
+    return build_bundle(
+        keys, tmp_path_factory.mktemp("fw") / "interpreter", spec=ROOT / "firmware" / "interpreter.toml"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +216,11 @@ def test_mutual_tls_over_https_refuses_clients_without_a_signed_certificate(star
     for certificate in (None, (rogue_cert, rogue_key)):
         with pytest.raises((ssl.SSLError, ConnectionError)):  # refused in the handshake, before any request
             https_get(daemon, "/v2/health/ready", certificate)
-    result = subprocess.run(["curl", "-sS", "--cacert", daemon.cafile, daemon.https_url + "/v2/health/ready"], capture_output=True, text=True)
+    result = subprocess.run(
+        ["curl", "-sS", "--cacert", daemon.cafile, daemon.https_url + "/v2/health/ready"],
+        capture_output=True,
+        text=True,
+    )
     # TLS 1.3 checks the client's certificate after the client's side of the handshake: curl sees the
     # handshake fail (35), an empty reply (52) or a receive error (56), and never an HTTP answer
     assert result.returncode in (35, 52, 56) and not result.stdout, result

@@ -120,9 +120,7 @@ def test_typed_text_is_translated_and_spoken_and_a_missing_voice_is_said(page) -
     assert "médic" in translated and "hospital" in translated, translated  # Portuguese, by the box's Bergamot
     page.click("#speak-output")  # this firmware has an English voice only
     wait_until(page, "document.getElementById('text-message').textContent.includes('no voice')")
-    assert page.text_content("#text-message") == (
-        "This box has no voice for Portuguese (its voices: English (joe))."
-    )
+    assert page.text_content("#text-message") == ("This box has no voice for Portuguese (its voices: English (joe)).")
     page.click("#speak-input")  # the English text, in the English voice
     wait_until(page, "window.appliancePage.playedSamples > 22050")  # more than a second of it played
     assert "error" not in page.get_attribute("#text-message", "class")

@@ -14,6 +14,7 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
                                           a recording in, speech segments out; see kinds/vad_api.py)
     POST /v2/repository/index             Triton's model repository index: what this firmware serves
     POST /v2/repository/models/{name}/load | unload   refused: the signed firmware decides what is served
+    GET  /v1/realtime                     a WebSocket: OpenAI's Realtime API, transcription (api/realtime.py)
     GET  /metrics
     GET  /status                          firmware, engines, QUIC peers from the connection cache, TLS
     GET  / and /page/{file}               the box's own page (api/page.py); /tls/certificate.pem
@@ -31,7 +32,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
-from appliance.api import libretranslate, openai_audio, openai_speech, page, repository
+from appliance.api import libretranslate, openai_audio, openai_speech, page, realtime, repository
 from appliance.api import metrics as prometheus
 from appliance.api.routes import Route
 from appliance.config import Live
@@ -95,6 +96,7 @@ class Api:
             *openai_speech.routes(models),
             *libretranslate.routes(models),
             *openai_audio.routes(models),
+            *realtime.routes(models),
             *page.routes(lambda: self.certificate_pem),
         ]
 

@@ -118,6 +118,16 @@ class VadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WebSocketConfig:
+    """Limits of every WebSocket (/v1/realtime), on both transports."""
+
+    max_message_bytes: int = 1 << 20  # a bigger message from the client closes it with 1009
+    buffered_bytes: int = 4 << 20  # a connection's messages held in each direction; then reading pauses
+    idle_timeout_s: float = 120.0  # no message from the client this long closes it with 1001
+    ping_interval_s: float = 20.0  # the box pings a quiet client this often; a pong not back by the next closes it
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -132,6 +142,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
     vad: VadConfig = field(default_factory=VadConfig)
+    websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sources: tuple[Path, ...] = field(default=(), compare=False)  # where it came from, not what it is
 
@@ -269,6 +280,10 @@ def _check_values(config: Config) -> None:
         "conncache.peer_burst": config.conncache.peer_burst,
         "conncache.idle_timeout_s": config.conncache.idle_timeout_s,
         "sequences.idle_timeout_s": config.sequences.idle_timeout_s,
+        "websocket.max_message_bytes": config.websocket.max_message_bytes,
+        "websocket.buffered_bytes": config.websocket.buffered_bytes,
+        "websocket.idle_timeout_s": config.websocket.idle_timeout_s,
+        "websocket.ping_interval_s": config.websocket.ping_interval_s,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -313,6 +328,9 @@ LIVE_KEYS = frozenset(
         "vad.min_speech_ms",
         "vad.min_silence_ms",
         "vad.speech_pad_ms",
+        "websocket.max_message_bytes",
+        "websocket.idle_timeout_s",
+        "websocket.ping_interval_s",
         "log.level",
     }
 )

@@ -241,9 +241,9 @@ class SpeechPipeline:
             return _tensors([d async for d in self.recording(samples, plan, times)]), None
         samples = speech_api.audio_input(request, self.stt)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
-        closed, _, serial = await self.stt.live_chunk(samples, inner, False, plan.options, times)
-        done = [d for s in closed if (d := await self.interpret(s, plan)) is not None]
-        opened = None
+        chunk = await self.stt.live_chunk(samples, inner, False, plan.options, times)
+        done = [d for s in chunk.segments if (d := await self.interpret(s, plan)) is not None]
+        opened, serial = None, chunk.serial
         if serial is not None and not sequence.end:
             self.sequences.opened[sequence.id] = serial
             opened = Opened(self.name, sequence.id, serial)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from appliance.audio import decode_audio
+from appliance.config import VadConfig
 from appliance.engine.stats import RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest, NotFound, TooManyRequests
@@ -80,6 +81,20 @@ class LiveStream:
     position: int = 0  # samples received
     last_used: float = 0.0
     in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LiveChunk:
+    """What one chunk of a live stream produced (SpeechToText.live_chunk)."""
+
+    closed: list[tuple[tuple[int, int], list[Segment]]]  # each span the VAD closed (stream samples), decoded
+    open_start: int | None  # where the speech being heard began, if a span is open
+    partial: str | None  # its text so far, where asked for
+    serial: int | None  # the stream's serial, when this chunk opened it
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for _, found in self.closed for s in found]
 
 
 def metadata(model: SpeechToText) -> dict[str, Any]:
@@ -203,10 +218,11 @@ async def infer(
         return tensors([s async for s in model.transcribe(samples, wanted, times)]), None
     samples = audio_input(request, model)
     partial = request.parameters.get("partial", False)
-    final, text, serial = await model.live_chunk(samples, sequence, partial, wanted, times)
-    outputs = tensors(final)
-    if text is not None:
-        outputs["partial"] = np.array([text.encode()], dtype=object)
+    chunk = await model.live_chunk(samples, sequence, partial, wanted, times)
+    outputs = tensors(chunk.segments)
+    if chunk.partial is not None:
+        outputs["partial"] = np.array([chunk.partial.encode()], dtype=object)
+    serial = chunk.serial
     opened = Opened(model.name, sequence.id, serial) if serial is not None and not sequence.end else None
     return outputs, opened
 
@@ -305,7 +321,7 @@ class LiveTable:
     def vad_key(self, key: object, stream: LiveStream) -> object:
         return (self.model.name, key, stream.serial)
 
-    def start(self, key: object, now: float, client: str, wanted: Options) -> LiveStream:
+    def start(self, key: object, now: float, client: str, wanted: Options, vad: VadConfig | None = None) -> LiveStream:
         settings = self.model.live.config.sequences
         if (old := self._live.get(key)) is not None:
             self._owner(key, old, client)
@@ -318,8 +334,8 @@ class LiveTable:
             raise TooManyRequests(f"sequence table full ({settings.max_live} live streams): end one or retry later")
         if self._per_client[client] >= settings.max_per_client:
             raise TooManyRequests(f"this client holds {settings.max_per_client} live streams, its share: end one")
-        vad = self.model.vad
-        tracker = SegmentTracker(vad.frames.frame_samples, vad.frames.sample_rate, self.model.live.config.vad)
+        rules = vad or self.model.live.config.vad
+        tracker = SegmentTracker(self.model.vad.frames.frame_samples, self.model.vad.frames.sample_rate, rules)
         self._serials += 1
         stream = LiveStream(wanted, tracker, client, self._serials, last_used=now)
         self._live[key] = stream

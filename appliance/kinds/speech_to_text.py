@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.config import Live
+from appliance.config import Live, VadConfig
 from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.stats import ModelStats, RequestTimes
@@ -24,7 +24,7 @@ from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.base import SequenceCall, ServedModel, Task
-from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
+from appliance.kinds.speech_api import LiveChunk, LiveStream, LiveTable, Options, Segment
 from appliance.kinds.speech_shards import Packer, ShardPlan
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
@@ -186,14 +186,21 @@ class SpeechToText:
         return out
 
     async def live_chunk(
-        self, samples: np.ndarray, sequence: SequenceCall, partial: bool, options: Options, times: RequestTimes
-    ) -> tuple[list[Segment], str | None, int | None]:
-        """One chunk of a live stream: the segments the VAD closed with it (decoded), the open
-        segment's text so far when `partial`, and the stream's serial when this chunk opened it."""
+        self,
+        samples: np.ndarray,
+        sequence: SequenceCall,
+        partial: bool,
+        options: Options,
+        times: RequestTimes,
+        vad: VadConfig | None = None,
+    ) -> LiveChunk:
+        """One chunk of a live stream: the spans the VAD closed with it (each decoded), the open
+        span's start and its text so far when `partial`, and the stream's serial when this chunk
+        opened it. `vad`: the stream's own segment rules (when it starts), else the config's [vad]."""
         now = self.clock()
         if sequence.start:
             self.check(options)
-            stream = self.sequences.start(sequence.id, now, sequence.client, options)
+            stream = self.sequences.start(sequence.id, now, sequence.client, options, vad)
         else:
             stream = self.sequences.get(sequence.id, now, sequence.client)
         serial = stream.serial if sequence.start else None
@@ -208,14 +215,13 @@ class SpeechToText:
                 closed += stream.tracker.finish(stream.position)
             audio = np.concatenate(stream.audio)
             decoded = await asyncio.gather(*(self._decode_live(stream, audio, span, times) for span in closed))
-            text = None
-            if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
-                text = " ".join(
-                    s.text for s in await self._decode_live(stream, audio, (open_start, stream.position), times)
-                )
+            text, open_start = None, None if sequence.end else stream.tracker.open_start
+            if partial and open_start is not None:
+                found = await self._decode_live(stream, audio, (open_start, stream.position), times)
+                text = " ".join(s.text for s in found)
             if closed:  # what comes next starts at or after the padded end of the last closed segment
                 stream.audio, stream.base = [audio[closed[-1][1] - stream.base :]], closed[-1][1]
-            return [s for found in decoded for s in found], text, serial
+            return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial)
         finally:
             stream.in_flight -= 1
             if sequence.end:

@@ -7,6 +7,12 @@ The assembler (assembler.py) decides the limits: head size while it arrives, bod
 shared body budget, head and body timeouts; idle keep-alive connections close after
 keepalive_timeout_s, and a client that pipelines more than pipeline_depth requests is not read
 until they are answered.
+
+Upgrade: only a WebSocket opening handshake (a GET with `Connection: upgrade` and `Upgrade:
+websocket`) switches protocols, in its turn after the requests before it, when the API answers it
+with a session; the bytes after it are the WebSocket's (transport/websocket.py). Any other Upgrade
+is ignored as RFC 9110 7.8 allows: the request is served as plain HTTP, body and all, and the
+connection goes on.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from http import HTTPStatus
 import httptools
 
 from appliance.config import Live, ServerConfig
-from appliance.protocol.messages import Handler, Opened, Request, Response
+from appliance.protocol.messages import Close, Handler, Opened, Request, Response, error_response
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
 log = logging.getLogger("appliance.http")
 TIMEOUT_CHECK_S = 0.5
@@ -124,6 +131,9 @@ class HttpConnection(asyncio.Protocol):
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
         self._writable.set()
+        self._upgrade: Request | None = None  # a WebSocket handshake read, waiting for its turn
+        self._trailing = b""  # what the client sent after it: the WebSocket's first bytes
+        self.websocket: WebSocketPump | None = None  # after the switch, the connection's protocol
 
     @property
     def in_flight(self) -> int:
@@ -143,6 +153,8 @@ class HttpConnection(asyncio.Protocol):
         if self in self.server.connections:
             self.server.connections.discard(self)
             self.server.closed(self.client)
+        if self.websocket is not None:
+            self.websocket.lost()
         self._writable.set()  # a task waiting to write finds the transport closed and ends
         self._release(self._assembler.body_bytes if self._assembler else 0)
         self._assembler = None
@@ -159,9 +171,17 @@ class HttpConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         """A half-close after whole requests: answer them, then close (True keeps the transport open)."""
         self._half_closed = True
-        return self.server.half_close and not self._rejected and bool(self.busy or self.queue)
+        return (
+            self.server.half_close and not self._rejected and self.websocket is None and bool(self.busy or self.queue)
+        )
 
     def data_received(self, data: bytes) -> None:
+        if self.websocket is not None:
+            self.websocket.data_received(data)
+            return
+        if self._upgrade is not None:  # read before the switch (reading is paused soon after)
+            self._trailing += data
+            return
         if self._rejected:
             return
         in_head = self._assembler if self._assembler is not None and not self._assembler.head_complete else None
@@ -177,8 +197,8 @@ class HttpConnection(asyncio.Protocol):
             else:  # a bug of ours, not the client's
                 log.exception("HTTP/1.1 request assembly crashed")
                 self._reject(Rejection(500, "internal error (logged)"))
-        except httptools.HttpParserUpgrade:
-            self._reject(Rejection(400, "protocol upgrade is not supported"))
+        except httptools.HttpParserUpgrade as upgrade:
+            self._upgraded(data[upgrade.args[0] :] if upgrade.args else b"")
         except httptools.HttpParserError as exc:
             self._reject(Rejection(400, f"malformed HTTP request: {exc}"))
         else:
@@ -186,7 +206,22 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()  # answered requests resume it
                 self._paused = True
 
+    def _upgraded(self, rest: bytes) -> None:
+        """llhttp stopped after a request with Upgrade. A WebSocket handshake: what follows is the
+        WebSocket's, kept until the switch. Any other: ignored, and HTTP goes on with a fresh parser."""
+        if self._upgrade is not None:
+            self._trailing = rest
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        self.parser = httptools.HttpRequestParser(self)
+        if rest:
+            self.data_received(rest)
+
     def check_timeouts(self, now: float) -> None:
+        if self.websocket is not None:
+            self.websocket.check_timeouts(now)
+            return
         if self._rejected:
             return
         if self._assembler is not None:
@@ -219,6 +254,10 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request = self._step().request()
         self._assembler = None
+        if self.parser.should_upgrade() and is_upgrade(request.method, request.headers):
+            self._upgrade = request
+            self._enqueue(request, False)
+            return
         self._enqueue(request, self.parser.should_keep_alive())
 
     def _step(self) -> RequestAssembler:
@@ -245,6 +284,9 @@ class HttpConnection(asyncio.Protocol):
                 if isinstance(entry, Response):  # a rejection: the last answer on this connection
                     self.transport.write(encode_response(entry, False, self.server.extra_headers()))
                     self._linger()
+                    return
+                if entry is self._upgrade:
+                    await self._switch(entry)
                     return
                 try:
                     response = await self.server.api.handle(entry)
@@ -279,6 +321,36 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(b"0\r\n\r\n")
         return True
 
+    async def _switch(self, request: Request) -> None:
+        """The WebSocket handshake's turn: the API's session, or its refusal and the connection closes."""
+        assert self.transport is not None
+        key, version = request.headers.get("sec-websocket-key", ""), request.headers.get("sec-websocket-version")
+        if not key or version != "13":
+            response = error_response(400, "a WebSocket handshake needs Sec-WebSocket-Key and Sec-WebSocket-Version 13")
+            response.headers.append(("Sec-WebSocket-Version", "13"))
+        else:
+            try:
+                response = await self.server.api.handle(request)
+            finally:
+                self._release(len(request.body))
+        if self.transport.is_closing():
+            return
+        if response.session is None:
+            self.transport.write(encode_response(response, False, self.server.extra_headers()))
+            self.transport.close()
+            return
+        head = f"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept_token(key)}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in response.headers)
+        self.transport.write((head + "\r\n").encode("latin-1"))
+        transport = self.transport
+        stream = StreamIO(
+            transport.write, transport.pause_reading, transport.resume_reading, transport.close, self._writable
+        )
+        self.websocket = WebSocketPump(stream, lambda: self.server.live.config.websocket, response.session)
+        trailing, self._trailing, self._upgrade = self._trailing, b"", None
+        self.websocket.start(trailing)
+        transport.resume_reading()
+
     def _reject(self, rejection: Rejection) -> None:
         """Stop reading; the rejection is answered after the requests before it, then the connection closes."""
         self._rejected = True
@@ -303,5 +375,7 @@ class HttpConnection(asyncio.Protocol):
         self.server.budget.give(count)
 
     def close(self) -> None:
-        if self.transport is not None:
+        if self.websocket is not None:
+            self.websocket.close(Close(1001, "the server is going away"))
+        elif self.transport is not None:
             self.transport.close()

@@ -1,0 +1,183 @@
+"""GET /v1/realtime (a WebSocket): OpenAI's Realtime API, transcription session, on any speech_to_text
+model (`?model=` or session.audio.input.transcription.model; OpenAI's names take the first one).
+
+The pump between the session's events (realtime_session.py, no I/O) and the model: with server VAD,
+the audio goes as a live stream of CHUNK samples through SpeechToText.live_chunk (the same VAD state,
+sequence table and urgent batch lane as Triton-style live sequences), each closed span is a turn;
+without, the buffer is transcribed at each commit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import partial
+
+import numpy as np
+
+from appliance.api.openai_audio import pick_model
+from appliance.api.realtime_session import (
+    MAX_BUFFER_S,
+    SAMPLE_RATE,
+    Audio,
+    Clear,
+    Commit,
+    RealtimeError,
+    Restart,
+    Step,
+    TranscriptionSession,
+    default_settings,
+)
+from appliance.api.routes import Route
+from appliance.engine.stats import RequestTimes
+from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.kinds.base import SequenceCall, ServedModel
+from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options
+from appliance.kinds.speech_to_text import SpeechToText
+from appliance.protocol.messages import Close, Request, Response, SessionIO
+
+CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
+PARTIAL_EVERY = 8  # chunks (about 1 s): how often the open turn's text so far is decoded
+FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
+
+
+def routes(models: dict[str, ServedModel]) -> list[Route]:
+    async def realtime(request: Request, params: dict[str, str]) -> Response:
+        if request.headers.get("upgrade", "").lower() != "websocket":
+            raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
+        intent = params.get("query:intent", "transcription")
+        if intent != "transcription":
+            raise BadRequest(f"intent {intent[:40]!r} is not served: use intent=transcription")
+        speech = [m for m in models.values() if isinstance(m, SpeechToText)]
+        if not speech:
+            raise NotFound("this firmware serves no speech_to_text model")
+        model = pick_model(models, params.get("query:model", speech[0].name), "transcribe")
+        return Response(101, session=partial(transcription, models, model.name, request.client))
+
+    return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
+
+
+async def transcription(models: dict[str, ServedModel], model: str, client: str, io: SessionIO) -> Close:
+    names = tuple(m.name for m in models.values() if isinstance(m, SpeechToText))
+    session = TranscriptionSession(default_settings(model), names)
+    turns = Turns(models, session, client)
+    await io.send(_json(session.created()))
+    try:
+        while True:
+            message = await io.receive()
+            steps: list[Step]
+            if isinstance(message, bytes):
+                steps = [session.error(RealtimeError("events are JSON text messages, not binary", "invalid_event"))]
+            else:
+                steps = session.receive(message)
+            for step in steps:
+                try:
+                    events = [step] if isinstance(step, dict) else await turns.apply(step)
+                except ApiError as exc:
+                    events = [session.error(exc)]
+                for event in events:
+                    await io.send(_json(event))
+    finally:
+        turns.close()
+
+
+class Turns:
+    """One session's audio on its model: a live stream under server VAD, else a buffer."""
+
+    def __init__(self, models: dict[str, ServedModel], session: TranscriptionSession, client: str) -> None:
+        self.models, self.session, self.client = models, session, client
+        self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
+        self.pending_samples = 0
+        self.stream = 0  # the live stream's number within the session
+        self.started = False  # whether the live stream is open on the model
+        self.offset = 0  # the session's sample position where the live stream began
+        self.chunks = 0
+        self.model = self._model()
+
+    def _model(self) -> SpeechToText:
+        return pick_model(self.models, self.session.settings.model, "transcribe")
+
+    @property
+    def key(self) -> str:
+        return f"realtime:{self.session.id}:{self.stream}"
+
+    def options(self) -> Options:
+        s = self.session.settings
+        return Options(s.language, "transcribe", s.prompt)
+
+    async def apply(self, step: Audio | Commit | Clear | Restart) -> list[dict]:
+        if isinstance(step, Audio):
+            return await self.feed(step.samples)
+        if isinstance(step, Commit):
+            return await self.commit(step.item_id)
+        self.close()
+        self.pending, self.pending_samples, self.offset = [], 0, self.session.heard_samples
+        if isinstance(step, Restart):
+            self.model = self._model()
+        return []
+
+    async def feed(self, samples: np.ndarray) -> list[dict]:
+        self.pending.append(samples)
+        self.pending_samples += len(samples)
+        if self.session.settings.vad is None:
+            if self.pending_samples > MAX_BUFFER_S * SAMPLE_RATE:
+                self.pending, self.pending_samples = [], 0
+                raise RealtimeError(
+                    f"the input buffer holds more than {MAX_BUFFER_S:g} s: commit sooner", "buffer_too_large"
+                )
+            return []
+        events: list[dict] = []
+        while self.pending_samples >= CHUNK:
+            audio = np.concatenate(self.pending)
+            self.pending, self.pending_samples = [audio[CHUNK:]], len(audio) - CHUNK
+            events += await self._chunk(audio[:CHUNK], end=False)
+        return events
+
+    async def commit(self, item: str) -> list[dict]:
+        audio = np.concatenate(self.pending) if self.pending else np.zeros(0, np.float32)
+        self.pending, self.pending_samples = [], 0
+        if self.session.settings.vad is None:
+            if not len(audio):
+                raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
+            padded = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
+            text = " ".join([s.text async for s in self.model.transcribe(padded, self.options())])
+            return self.session.turn_closed(None, text, item)
+        if not self.started and not len(audio):
+            raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
+        audio = np.concatenate([audio, np.zeros(-len(audio) % FRAME, np.float32)])
+        chunk = await self._send(audio, end=True)
+        self.started, self.stream, self.offset = False, self.stream + 1, self.session.heard_samples
+        text = " ".join(s.text for s in chunk.segments)
+        end = chunk.closed[-1][0][1] + self.offset if chunk.closed else None
+        return self.session.turn_closed(end, text, item)
+
+    async def _chunk(self, samples: np.ndarray, end: bool) -> list[dict]:
+        chunk = await self._send(samples, end)
+        events: list[dict] = []
+        for (start, stop), segments in chunk.closed:
+            events += self.session.turn_heard(start + self.offset)
+            events += self.session.turn_closed(stop + self.offset, " ".join(s.text for s in segments))
+        if chunk.open_start is not None:
+            events += self.session.turn_heard(chunk.open_start + self.offset)
+            if chunk.partial is not None:
+                events += self.session.partial(chunk.partial)
+        return events
+
+    async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
+        self.chunks += 1
+        call = SequenceCall(self.key, start=not self.started, end=end, client=self.client)
+        want_partial = not end and self.chunks % PARTIAL_EVERY == 0
+        vad = self.session.settings.vad
+        chunk = await self.model.live_chunk(samples, call, want_partial, self.options(), RequestTimes(), vad)
+        self.started = not end
+        return chunk
+
+    def close(self) -> None:
+        """End the live stream without decoding what it holds (the client left, or cleared)."""
+        if self.started:
+            self.model.sequences.end(self.key)
+            self.started, self.stream = False, self.stream + 1
+
+
+def _json(event: dict) -> str:
+    return json.dumps(event, separators=(",", ":"))
