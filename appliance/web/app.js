@@ -1,5 +1,6 @@
 // The box's own page: plain JavaScript, no build step, no network beyond the box itself.
-// Talk: the microphone as PCM16 at 24 kHz over the OpenAI Realtime interpreter session (/v1/realtime);
+// Talk: the microphone as PCM16 at 24 kHz over an OpenAI Realtime session (/v1/realtime, GA events):
+// each turn the box hears is translated (/translate) and said in the other language (/v1/audio/speech).
 // Type: /translate (LibreTranslate's route) and /v1/audio/speech; Status: /status and /v2/health/ready.
 "use strict";
 
@@ -61,12 +62,19 @@ function voicesOf(model) {
   return [{ model: model.name, voice: p.voice || model.name, language: String(p.language || "") }];
 }
 
-async function loadVoices() {
+async function loadModels() {
   const { models } = await json("/v2/models");
-  const speech = models.filter((m) => m.kind === "speech_synthesis");
-  const docs = await Promise.all(speech.map((m) => json(`/v2/models/${encodeURIComponent(m.name)}`)));
-  page.voices = docs.flatMap(voicesOf).filter((v) => v.language);
+  const described = (kind) =>
+    Promise.all(models.filter((m) => m.kind === kind).map((m) => json(`/v2/models/${encodeURIComponent(m.name)}`)));
+  const [voices, listeners] = await Promise.all([described("speech_synthesis"), described("speech_to_text")]);
+  page.voices = voices.flatMap(voicesOf).filter((v) => v.language);
+  page.listeners = listeners.map((m) => ({ model: m.name, multilingual: Boolean(m.parameters?.multilingual) }));
   page.kinds = Object.fromEntries(models.map((m) => [m.name, m.kind]));
+}
+
+// The speech model that hears `language`: the first for English, else the first multilingual one.
+function listenerFor(language) {
+  return (page.listeners || []).find((l) => l.multilingual || language === "en");
 }
 
 function fillPair(sourceId, targetId) {
@@ -194,28 +202,24 @@ function base64Of(int16) {
   return btoa(text);
 }
 
-function samplesOf(base64) {
-  const text = atob(base64);
-  const bytes = new Uint8Array(text.length - (text.length % 2));
-  for (let i = 0; i < bytes.length; i++) bytes[i] = text.charCodeAt(i);
-  return new Int16Array(bytes.buffer);
-}
-
 class Interpreter {
   constructor() {
     this.socket = null;
     this.microphone = null;
     this.context = null;
     this.stopping = false;
-    this.translated = "";
+    this.turns = Promise.resolve(); // each heard turn is translated and said in order
   }
 
   async start(source, target) {
     this.stopping = false;
-    const voice = voiceFor(target);
-    if (!voice) {
-      say("talk-message", `This box has no voice for ${languageName(target)} (its voices: ${voiceNames()}): the translation is shown as text only.`, "error");
-    }
+    const listener = listenerFor(source);
+    if (!listener) throw new Error(`this box cannot hear ${languageName(source)}: its speech models are English only`);
+    this.source = source;
+    this.target = target;
+    this.voice = voiceFor(target);
+    const notice = `This box has no voice for ${languageName(target)} (its voices: ${voiceNames()}): the translation is shown as text only.`;
+    say("talk-voice", this.voice ? "" : notice, "error");
     player.open();
     try {
       this.microphone = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1 } });
@@ -223,31 +227,29 @@ class Interpreter {
       throw new Error(`no microphone (${exc.message}); the page needs HTTPS and the microphone permission`);
     }
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    this.socket = new WebSocket(`${scheme}://${location.host}/v1/realtime`);
+    const model = encodeURIComponent(listener.model);
+    this.socket = new WebSocket(`${scheme}://${location.host}/v1/realtime?intent=transcription&model=${model}`);
     this.socket.addEventListener("message", (event) => this.received(JSON.parse(event.data)));
-    this.socket.addEventListener("close", (event) => this.closed(event));
     await new Promise((resolve, reject) => {
       this.socket.addEventListener("open", resolve, { once: true });
-      this.socket.addEventListener("error", () => reject(new Error("the box refused the interpreter session")), { once: true });
+      this.socket.addEventListener("close", () => reject(new Error("the box refused the interpreter session")), { once: true });
     });
+    this.socket.addEventListener("close", (event) => this.closed(event));
     this.send({
       type: "session.update",
       session: {
-        type: "realtime",
-        instructions: `Interpret from ${languageName(source)} into ${languageName(target)}.`,
-        output_modalities: voice ? ["audio"] : ["text"],
+        type: "transcription",
         audio: {
           input: {
             format: { type: "audio/pcm", rate: RATE },
-            transcription: { language: source },
+            transcription: { model: listener.model, language: source },
             turn_detection: { type: "server_vad" },
           },
-          output: { format: { type: "audio/pcm", rate: RATE }, language: target, ...(voice ? { voice: voice.voice } : {}) },
         },
       },
     });
     await this.capture();
-    if (voice) say("talk-message", `Listening: speak ${languageName(source)}.`);
+    say("talk-message", `Listening: speak ${languageName(source)}.`);
   }
 
   async capture() {
@@ -278,32 +280,30 @@ class Interpreter {
 
   received(event) {
     page.events.push(event.type);
-    switch (event.type) {
-      case "input_audio_buffer.speech_started":
-        say("talk-message", "Hearing you…");
-        break;
-      case "conversation.item.input_audio_transcription.completed":
-        $("talk-heard").textContent += `${event.transcript.trim()}\n`;
-        break;
-      case "response.output_audio_transcript.delta":
-      case "response.output_text.delta":
-        this.translated += event.delta;
-        $("talk-translated").textContent = this.translated;
-        break;
-      case "response.output_audio_transcript.done":
-      case "response.output_text.done":
-        this.translated = `${this.translated.trimEnd()}\n`;
-        $("talk-translated").textContent = this.translated;
-        break;
-      case "response.output_audio.delta":
-        player.play(samplesOf(event.delta), RATE);
-        break;
-      case "response.done":
-        if (!this.stopping) say("talk-message", "Listening.");
-        break;
-      case "error":
-        say("talk-message", `The box says: ${event.error?.message || "an error"}`, "error");
-        break;
+    if (event.type === "input_audio_buffer.speech_started") {
+      say("talk-message", "Hearing you…");
+    } else if (event.type === "conversation.item.input_audio_transcription.completed" && event.transcript.trim()) {
+      $("talk-heard").textContent += `${event.transcript.trim()}\n`;
+      const text = event.transcript.trim();
+      this.turns = this.turns.then(() => this.interpret(text));
+    } else if (event.type === "error") {
+      say("talk-message", `The box says: ${event.error?.message || "an error"}`, "error");
+    }
+  }
+
+  async interpret(text) {
+    say("talk-message", "Translating…");
+    try {
+      const doc = await json("/translate", {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify({ q: text, source: this.source, target: this.target, format: "text" }),
+      });
+      $("talk-translated").textContent += `${doc.translatedText}\n`;
+      if (this.voice) await speak(doc.translatedText, this.target, "talk-message");
+      if (!this.stopping) say("talk-message", "Listening.");
+    } catch (exc) {
+      say("talk-message", `Could not translate: ${exc.message}`, "error");
     }
   }
 
@@ -417,7 +417,7 @@ async function main() {
   await refreshStatus();
   setInterval(refreshStatus, STATUS_EVERY_MS);
   try {
-    [page.languages] = await Promise.all([json("/languages"), loadVoices()]);
+    [page.languages] = await Promise.all([json("/languages"), loadModels()]);
   } catch (exc) {
     say("text-message", `Could not read the box's languages: ${exc.message}`, "error");
   }
