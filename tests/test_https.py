@@ -28,7 +28,7 @@ from test_quic import make_ca_and_client
 from tritonclient.utils import InferenceServerException
 
 from appliance.audio import encode_wav
-from appliance.client import Client
+from appliance.client import Call, Client
 
 SENTENCE = "The doctor works at the hospital every morning."
 FRAME = np.zeros(512, np.float32)
@@ -247,3 +247,15 @@ def test_with_mutual_tls_a_sequence_belongs_to_the_certificate_across_connection
     again.infer("silero_vad", vad_input(FRAME), sequence_id=77, sequence_end=True)
     again.close()
     stranger.close()
+
+
+@pytest.mark.parametrize("transport", ["unix", "quic"])
+def test_the_page_and_the_certificate_are_served_on_every_transport(daemon: Daemon, transport: str) -> None:
+    with daemon.client(transport) as client:
+        page = client.send(Call("GET", "/"))
+        assert page.status == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        script = client.send(Call("GET", "/page/app.js"))
+        assert script.status == 200 and b"/v1/realtime" in script.body
+        assert client.send(Call("GET", "/page/../../etc/passwd")).status == 404
+        assert client.send(Call("GET", "/tls/certificate.pem")).body == Path(daemon.cafile).read_bytes()
