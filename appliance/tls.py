@@ -11,16 +11,18 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance.config import Config
 from appliance.durable import make_directories, replace_file
 from appliance.errors import ApplianceError
 
 
-def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 3650) -> str:
+def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 825) -> str:
     """Write a P-256 key (0600) and a self-signed certificate (0644) for the box, in directories made 0755,
-    whatever the umask; return the certificate's SHA-256 fingerprint."""
+    whatever the umask; return the certificate's SHA-256 fingerprint. It is its own CA (a phone installs
+    it as one, docs/https.md) and meets what iOS asks of a server certificate it trusts: at most 825
+    days, serverAuth in its extended key usage, the names in subjectAltName."""
     key = ec.generate_private_key(ec.SECP256R1())
     hostname = socket.gethostname()
     dns = sorted({hostname, "localhost", *[n for n in names if not _is_ip(n)]})
@@ -42,6 +44,10 @@ def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: in
             critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+        )  # digitalSignature (the TLS handshake), keyCertSign and cRLSign (its own CA)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(key, hashes.SHA256())
     )
     make_directories(key_path.parent)

@@ -259,3 +259,10 @@ def test_the_page_and_the_certificate_are_served_on_every_transport(daemon: Daem
         assert script.status == 200 and b"/v1/realtime" in script.body
         assert client.send(Call("GET", "/page/../../etc/passwd")).status == 404
         assert client.send(Call("GET", "/tls/certificate.pem")).body == Path(daemon.cafile).read_bytes()
+
+
+def test_https_that_cannot_start_is_one_line_and_the_start_failure_code(start_daemon, tls, tmp_path: Path) -> None:
+    daemon = start_daemon(tls=(tls[0], tmp_path / "missing-key.pem"), https="", wait=False)
+    assert daemon.proc.wait(60) == 3  # exitcodes.START_FAILED: systemd does not restart it
+    lines = [line for line in daemon.log.read_text().splitlines() if "start failed" in line]
+    assert len(lines) == 1 and "missing-key.pem" in lines[0], daemon.log.read_text()
