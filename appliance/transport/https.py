@@ -54,7 +54,9 @@ def listen_https(config: Config) -> socket.socket:
     try:
         server_context(config.quic)
     except (OSError, ValueError) as exc:
-        raise ApplianceError(f"https: cannot use {config.quic.certificate} and {config.quic.private_key}: {exc}")
+        raise ApplianceError(
+            f"https: cannot use {config.quic.certificate} and {config.quic.private_key}: {exc}"
+        ) from None
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds again at once
     try:
