@@ -266,3 +266,24 @@ def test_https_that_cannot_start_is_one_line_and_the_start_failure_code(start_da
     assert daemon.proc.wait(60) == 3  # exitcodes.START_FAILED: systemd does not restart it
     lines = [line for line in daemon.log.read_text().splitlines() if "start failed" in line]
     assert len(lines) == 1 and "missing-key.pem" in lines[0], daemon.log.read_text()
+
+
+def test_alt_svc_is_left_out_when_turned_off(start_daemon, tls) -> None:
+    daemon = start_daemon(tls=tls, https="alt_svc = false\n")
+    status, headers, _ = curl(daemon, "/v2/health/ready")
+    assert status == 200 and "alt-svc" not in headers
+
+
+def test_a_realtime_session_over_wss_with_the_box_certificate(start_daemon, tls, interpreter_bundle) -> None:
+    """The `websockets` client over TLS: the WebSocket upgrade rides the HTTPS listener too (in the
+    engine process: /v1/realtime is not served through protocol workers yet)."""
+    from websockets.sync.client import connect
+
+    daemon = start_daemon(bundle_dir=interpreter_bundle, tls=tls, https="")
+    context = ssl.create_default_context(cafile=daemon.cafile)
+    uri = f"wss://127.0.0.1:{daemon.https_port}/v1/realtime?intent=transcription"
+    with connect(uri, ssl=context, open_timeout=30) as ws:
+        assert json.loads(ws.recv(30))["type"] == "session.created"
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "not base64!"}))
+        error = json.loads(ws.recv(30))
+        assert error["type"] == "error" and error["error"]["message"] == "'audio' is not valid base64"
