@@ -321,6 +321,7 @@ class Interpreter {
     this.stopping = true;
     this.socket?.close(1000, "stopped");
     this.release();
+    player.stop(); // what is still queued to be said is not said
     say("talk-message", "Stopped.");
   }
 
