@@ -172,6 +172,8 @@ def test_spoken_english_is_heard_and_translated_and_the_missing_voice_is_said(pa
     assert "médic" in translated and "hospital" in translated, translated
     events = page.evaluate("window.appliancePage.events")
     assert "input_audio_buffer.speech_started" in events and "session.updated" in events
+    page.click("#talk-stop")
+    assert text(page, "#talk-message") == "Stopped." and page.is_enabled("#talk-start")
 
 
 def test_spoken_portuguese_is_said_in_english(driver, daemon: Daemon, tmp_path: Path) -> None:
