@@ -69,6 +69,14 @@ def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def interpreter_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The interpreter firmware (VAD, Whisper tiny.en and base, the joe voice, en<->pt, the pipeline)."""
+    return build_bundle(
+        keys, tmp_path_factory.mktemp("fw") / "interpreter", spec=ROOT / "firmware" / "interpreter.toml"
+    )
+
+
+@pytest.fixture(scope="session")
 def bundles(keys: Keys, bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """1.0.0 (the default), 1.1.0, and 1.2.0 signed by the vendor's key but with a model that cannot load."""
     work = tmp_path_factory.mktemp("bundles")

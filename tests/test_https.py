@@ -21,7 +21,7 @@ import openai
 import pytest
 import soundfile
 import tritonclient.http as httpclient
-from conftest import ROOT, Daemon, Keys, build_bundle
+from conftest import ROOT, Daemon
 from libretranslatepy import LibreTranslateAPI
 from speech import RATE, recording
 from test_quic import make_ca_and_client
@@ -32,13 +32,6 @@ from appliance.client import Call, Client
 
 SENTENCE = "The doctor works at the hospital every morning."
 FRAME = np.zeros(512, np.float32)
-
-
-@pytest.fixture(scope="session")
-def interpreter_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bundle(
-        keys, tmp_path_factory.mktemp("fw") / "interpreter", spec=ROOT / "firmware" / "interpreter.toml"
-    )
 
 
 @pytest.fixture(scope="module")

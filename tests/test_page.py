@@ -22,7 +22,7 @@ from conftest import Daemon
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from speech import RATE, recording
-from test_https import SENTENCE, interpreter_bundle  # noqa: F401 - the session's interpreter firmware
+from test_https import SENTENCE
 
 from appliance.audio import encode_wav
 
@@ -33,7 +33,7 @@ TIMEOUT_MS = 120_000
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, keys, interpreter_bundle, tls) -> Iterator[Daemon]:  # noqa: F811
+def daemon(tmp_path_factory, keys, interpreter_bundle, tls) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("page"), interpreter_bundle, keys.trusted, tls=tls, https="")
     yield d.wait_ready(180)
     assert d.stop() == 0, d.log.read_text()
@@ -199,7 +199,7 @@ def test_the_page_says_so_when_the_interpreter_socket_drops(
     browser,
     start_daemon,
     tls,
-    interpreter_bundle,  # noqa: F811
+    interpreter_bundle,
     tmp_path,
 ) -> None:
     daemon = start_daemon(bundle_dir=interpreter_bundle, tls=tls, https="")
