@@ -280,3 +280,27 @@ def test_a_realtime_session_over_wss_with_the_box_certificate(start_daemon, tls,
         ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "not base64!"}))
         error = json.loads(ws.recv(30))
         assert error["type"] == "error" and error["error"]["message"] == "'audio' is not valid base64"
+
+
+def executions(daemon: Daemon, model: str) -> int:
+    with daemon.client() as client:
+        response = client.send(Call("GET", f"/v2/models/{model}/stats"))
+    return int(response.json()["model_stats"][0]["execution_count"])
+
+
+def test_a_client_that_leaves_a_streamed_answer_stops_its_production(daemon: Daemon) -> None:
+    """Cancellation over TLS and through a protocol worker: 60 sentences asked, one piece read, gone."""
+    text = " ".join(f"This is sentence number {n} of a long story." for n in range(60))
+    before = executions(daemon, "joe")
+    context = ssl.create_default_context(cafile=daemon.cafile)
+    connection = http.client.HTTPSConnection("127.0.0.1", daemon.https_port, context=context, timeout=60)
+    body = json.dumps({"model": "tts-1", "voice": "joe", "input": text, "response_format": "pcm"})
+    connection.request("POST", "/v1/audio/speech", body, {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.read1(1 << 16)
+    connection.close()
+    time.sleep(3)
+    settled = executions(daemon, "joe")
+    time.sleep(2)
+    assert executions(daemon, "joe") == settled  # nothing more is made for nobody
+    assert settled - before < 30, settled - before  # of 60 (one engine call each when alone; 3 here once)
