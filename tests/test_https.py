@@ -89,7 +89,9 @@ def test_curl_over_https_on_every_route_family(daemon: Daemon, tmp_path: Path) -
         answers[path] = headers, body
     assert json.loads(answers["/v2/models/silero_vad/infer"][1])["outputs"][0]["name"] == "speech_prob"
     assert json.loads(answers["/v2/models/silero_vad/segments"][1])["segments"]
-    assert "appliance_requests_total" in answers["/metrics"][1].decode()
+    metrics = answers["/metrics"][1].decode()
+    assert "appliance_requests_total" in metrics
+    assert 'appliance_worker_https_connections{worker="1"}' in metrics
     translated = json.loads(answers["/translate"][1])["translatedText"].lower()
     assert "médic" in translated and "hospital" in translated, translated  # Portuguese for doctor, hospital
     audio, rate = soundfile.read(io.BytesIO(answers["/v1/audio/speech"][1]))
