@@ -3,10 +3,10 @@ API core, restart one that dies, and stop them all.
 
 Every worker accepts on the one Unix socket (systemd's, or the daemon's own) and on the one HTTPS TCP
 socket where that is served, and, where QUIC is served across workers, reads its own UDP socket of the
-SO_REUSEPORT group. The engine process keeps every
-socket open, so a restarted worker gets the same ones back: a crash loses only that worker's
-connections, and datagrams for its QUIC connections wait in its socket meanwhile. Sequences live in the
-engine process: a sequence opened through one worker continues through any other."""
+SO_REUSEPORT group. The engine process keeps every socket open, so a restarted worker gets the same
+ones back: a crash loses only that worker's connections, and datagrams for its QUIC connections wait in
+its socket meanwhile. Sequences live in the engine process: a sequence opened through one worker
+continues through any other."""
 
 from __future__ import annotations
 
