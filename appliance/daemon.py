@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import logging
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
+from appliance.api import wyoming
 from appliance.api.core import Api
 from appliance.config import Config, Live, ServerConfig, worker_count
 from appliance.errors import ApplianceError
@@ -88,6 +90,8 @@ class Daemon:
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
+        self.wyoming: asyncio.Server | None = None
+        self.wyoming_socket: Path | None = None
 
     @property
     def config(self) -> Config:
@@ -112,6 +116,12 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, self.live)
+        if config.wyoming.enabled:
+            self.wyoming_socket = Path(str(config.wyoming.socket)) if str(config.wyoming.socket) != "." else None
+            self.wyoming_socket = self.wyoming_socket or config.server.socket.with_name("wyoming.sock")
+            wyoming_sock = bind_unix_socket(dataclasses.replace(config.server, socket=self.wyoming_socket))
+            self.wyoming = await wyoming.listen(wyoming_sock, self.models, self.live, self.api.metrics)
+            log.info("Wyoming on %s", self.wyoming_socket)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -356,7 +366,7 @@ class Daemon:
         deadline = time.monotonic() + grace
         if self.supervisor is not None:  # each worker drains its own connections within the grace time
             await self.supervisor.stop(grace + 1.0)
-        for listener in (server, self.https_listener):
+        for listener in (server, self.https_listener, self.wyoming):
             if listener is not None:
                 listener.close()
         while (self._in_flight() or live()) and time.monotonic() < deadline:
@@ -379,9 +389,10 @@ class Daemon:
         return in_flight + (self.supervisor.in_flight if self.supervisor else 0)
 
     def _remove_socket(self) -> None:
-        if self.bound_socket is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.bound_socket.unlink()
+        for path in (self.bound_socket, self.wyoming_socket):
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def _stop_deadline_s(self) -> float:
         return self.config.server.shutdown_grace_s + STOP_MARGIN_S

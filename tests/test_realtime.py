@@ -8,16 +8,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import soxr
 from conftest import ROOT, Daemon, Keys, build_bundle
 from speech import RATE, recording
+from tcp_forward import tcp_to_unix
 from test_speech_to_text import CLEAR, wer
 from websockets.asyncio.client import ClientConnection, unix_connect
 from websockets.exceptions import ConnectionClosed
@@ -117,6 +120,20 @@ def test_live_turns_and_transcripts(daemon: Daemon, frame_ms: int, rate: int) ->
     # the event order a client relies on: started < stopped < committed < completed for each item
     order = [e["type"].rsplit(".", 1)[-1] for e in events if e.get("item_id") == completed[0]["item_id"]]
     assert order[0] == "speech_started" and order[-1] == "completed", order
+    count, total = live_latency(daemon, "realtime")
+    assert count >= len(sentences) and 0 < total / count < 10, (count, total)
+    print(f"realtime: end of sentence to completed, mean {total / count:.3f} s over {count} turns")
+
+
+def live_latency(daemon: Daemon, protocol: str) -> tuple[int, float]:
+    """The box's own end-of-sentence to final-transcript histogram: its count and sum."""
+    with daemon.client() as client:
+        text = client.metrics()
+    labels = f'{{model="{TINY}",protocol="{protocol}"}}'
+    count = re.search(rf"appliance_live_transcript_latency_seconds_count{re.escape(labels)} (\d+)", text)
+    total = re.search(rf"appliance_live_transcript_latency_seconds_sum{re.escape(labels)} ([0-9.]+)", text)
+    assert count and total, text[-2000:]
+    return int(count[1]), float(total[1])
 
 
 def test_manual_commit_and_clear(daemon: Daemon) -> None:
@@ -192,3 +209,29 @@ def test_plain_get_is_426(daemon: Daemon) -> None:
     with daemon.client() as client:
         answer = client.send(Call("GET", "/v1/realtime"))
     assert answer.status == 426 and b"WebSocket" in answer.body
+
+
+def test_openai_realtime_client_over_a_tcp_bridge(daemon: Daemon) -> None:
+    """The `openai` package's own realtime client (its websockets connection, its event models)."""
+    samples, _ = recording(CLEAR[5:6], gap_s=1.2, lead_s=0.5)
+    audio = pcm(np.concatenate([samples, np.zeros(RATE, np.float32)]), 24000)
+    step = 24000 * 2 // 10  # 100 ms appends, sent as fast as the client goes
+
+    async def run() -> str:
+        with tcp_to_unix(daemon.socket) as address:
+            client = openai.AsyncOpenAI(api_key="on-box", base_url=f"http://{address}/v1", max_retries=0)
+            async with client.realtime.connect(extra_query={"intent": "transcription"}) as connection:
+                await connection.session.update(
+                    session={"type": "transcription", "audio": {"input": {"turn_detection": TURN_DETECTION}}}
+                )
+                for offset in range(0, len(audio), step):
+                    piece = base64.b64encode(audio[offset : offset + step]).decode()
+                    await connection.input_audio_buffer.append(audio=piece)
+                async for event in connection:
+                    if event.type == "conversation.item.input_audio_transcription.completed":
+                        return event.transcript
+                    assert event.type != "error", event
+        raise AssertionError("no transcript")
+
+    transcript = asyncio.run(asyncio.wait_for(run(), 120))
+    assert wer(CLEAR[5], transcript) == 0.0, transcript

@@ -96,7 +96,7 @@ class Api:
             *openai_speech.routes(models),
             *libretranslate.routes(models),
             *openai_audio.routes(models),
-            *realtime.routes(models),
+            *realtime.routes(models, self.metrics),
             *page.routes(lambda: self.certificate_pem),
         ]
 

@@ -58,6 +58,14 @@ class Metrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, int], int] = {}
         self.latency: dict[str, Histogram] = {}
+        self.live_latency: dict[tuple[str, str], Histogram] = {}  # by model and protocol
+
+    def observe_live(self, model: str, protocol: str, seconds: float) -> None:
+        """A live turn: from the audio that ended it reaching the box to its final transcript sent."""
+        histogram = self.live_latency.get((model, protocol))
+        if histogram is None:
+            histogram = self.live_latency[(model, protocol)] = Histogram(LATENCY_BUCKETS)
+        histogram.observe(seconds)
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         key = (endpoint, status)
@@ -95,6 +103,13 @@ def render(
     ]
     for endpoint, histogram in sorted(metrics.latency.items()):
         out += histogram.lines("appliance_request_duration_seconds", f'endpoint="{endpoint}"')
+    out += [
+        "# HELP appliance_live_transcript_latency_seconds End of a live turn's audio (its last chunk"
+        " received) to its final transcript sent, by model and protocol (realtime, wyoming).",
+        "# TYPE appliance_live_transcript_latency_seconds histogram",
+    ]
+    for (name, protocol), histogram in sorted(metrics.live_latency.items()):
+        out += histogram.lines("appliance_live_transcript_latency_seconds", f'model="{name}",protocol="{protocol}"')
     sections: dict[str, list[str]] = {
         "appliance_batch_size": [
             "# HELP appliance_batch_size Sequences per engine call.",

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections import deque
 from functools import partial
 
 import numpy as np
 
+from appliance.api.metrics import Metrics
 from appliance.api.openai_audio import pick_model
 from appliance.api.realtime_session import (
+    COMPLETED,
     MAX_BUFFER_S,
     SAMPLE_RATE,
     Audio,
@@ -41,7 +45,7 @@ PARTIAL_EVERY = 8  # chunks (about 1 s): how often the open turn's text so far i
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
 
 
-def routes(models: dict[str, ServedModel]) -> list[Route]:
+def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
     async def realtime(request: Request, params: dict[str, str]) -> Response:
         if request.headers.get("upgrade", "").lower() != "websocket":
             raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
@@ -52,12 +56,14 @@ def routes(models: dict[str, ServedModel]) -> list[Route]:
         if not speech:
             raise NotFound("this firmware serves no speech_to_text model")
         model = pick_model(models, params.get("query:model", speech[0].name), "transcribe")
-        return Response(101, session=partial(transcription, models, model.name, request.client))
+        return Response(101, session=partial(transcription, models, metrics, model.name, request.client))
 
     return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
 
 
-async def transcription(models: dict[str, ServedModel], model: str, client: str, io: SessionIO) -> Close:
+async def transcription(
+    models: dict[str, ServedModel], metrics: Metrics, model: str, client: str, io: SessionIO
+) -> Close:
     names = tuple(m.name for m in models.values() if isinstance(m, SpeechToText))
     session = TranscriptionSession(default_settings(model), names)
     turns = Turns(models, session, client)
@@ -77,6 +83,8 @@ async def transcription(models: dict[str, ServedModel], model: str, client: str,
                     events = [session.error(exc)]
                 for event in events:
                     await io.send(_json(event))
+                    if event["type"] == COMPLETED and (arrived := turns.arrived.pop(event["item_id"], None)):
+                        metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
     finally:
         turns.close()
 
@@ -93,6 +101,9 @@ class Turns:
         self.offset = 0  # the session's sample position where the live stream began
         self.chunks = 0
         self.model = self._model()
+        # when the audio up to each session position arrived (append by append), to time the turns
+        self.arrivals: deque[tuple[int, float]] = deque()
+        self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
 
     def _model(self) -> SpeechToText:
         return pick_model(self.models, self.session.settings.model, "transcribe")
@@ -117,6 +128,7 @@ class Turns:
         return []
 
     async def feed(self, samples: np.ndarray) -> list[dict]:
+        self.arrivals.append((self.session.heard_samples, time.monotonic()))
         self.pending.append(samples)
         self.pending_samples += len(samples)
         if self.session.settings.vad is None:
@@ -149,6 +161,7 @@ class Turns:
         self.started, self.stream, self.offset = False, self.stream + 1, self.session.heard_samples
         text = " ".join(s.text for s in chunk.segments)
         end = chunk.closed[-1][0][1] + self.offset if chunk.closed else None
+        self._timed(item, self.session.heard_samples)
         return self.session.turn_closed(end, text, item)
 
     async def _chunk(self, samples: np.ndarray, end: bool) -> list[dict]:
@@ -156,12 +169,22 @@ class Turns:
         events: list[dict] = []
         for (start, stop), segments in chunk.closed:
             events += self.session.turn_heard(start + self.offset)
-            events += self.session.turn_closed(stop + self.offset, " ".join(s.text for s in segments))
+            closed = self.session.turn_closed(stop + self.offset, " ".join(s.text for s in segments))
+            pad = self.session.settings.vad.speech_pad_ms * SAMPLE_RATE // 1000 if self.session.settings.vad else 0
+            self._timed(closed[-1]["item_id"], stop + self.offset - pad)  # where the speech itself ended
+            events += closed
         if chunk.open_start is not None:
             events += self.session.turn_heard(chunk.open_start + self.offset)
             if chunk.partial is not None:
                 events += self.session.partial(chunk.partial)
         return events
+
+    def _timed(self, item: str, end_sample: int) -> None:
+        """The turn ends at `end_sample`: note when the append that carried it arrived."""
+        while len(self.arrivals) > 1 and self.arrivals[1][0] < end_sample:
+            self.arrivals.popleft()
+        if self.arrivals:  # the append that began before end_sample and ran to or past it
+            self.arrived[item] = self.arrivals[0][1]
 
     async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
         self.chunks += 1

@@ -128,6 +128,15 @@ class WebSocketConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WyomingConfig:
+    """Home Assistant's Wyoming protocol (api/wyoming.py); it has no authentication."""
+
+    enabled: bool = True
+    socket: Path = Path("")  # "" (unset): wyoming.sock beside server.socket, with its mode and group
+    max_payload_bytes: int = 1 << 20  # an event's data or payload; a bigger one is an error and a close
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -143,6 +152,7 @@ class Config:
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
     vad: VadConfig = field(default_factory=VadConfig)
     websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
+    wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sources: tuple[Path, ...] = field(default=(), compare=False)  # where it came from, not what it is
 
@@ -284,6 +294,7 @@ def _check_values(config: Config) -> None:
         "websocket.buffered_bytes": config.websocket.buffered_bytes,
         "websocket.idle_timeout_s": config.websocket.idle_timeout_s,
         "websocket.ping_interval_s": config.websocket.ping_interval_s,
+        "wyoming.max_payload_bytes": config.wyoming.max_payload_bytes,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -329,7 +340,9 @@ LIVE_KEYS = frozenset(
         "vad.min_silence_ms",
         "vad.speech_pad_ms",
         "websocket.max_message_bytes",
+        "websocket.buffered_bytes",
         "websocket.idle_timeout_s",
+        "wyoming.max_payload_bytes",
         "websocket.ping_interval_s",
         "log.level",
     }

@@ -37,6 +37,7 @@ from appliance.front.channel import (
     serve_tickets,
     unpack_body,
 )
+from appliance.front.sessions import EngineEnd, run_session, to_session
 from appliance.protocol.peers import Peer, Totals
 from appliance.transport.quic_guards import TicketStore
 
@@ -64,6 +65,7 @@ class WorkerSlot:
     heard: float = 0.0  # time.monotonic() of its last message
     reported: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # its requests being served
+    sessions: dict[int, EngineEnd] = field(default_factory=dict)  # its WebSocket sessions, by request
     crashes: list[float] = field(default_factory=list)
     restarts: int = 0
     last_exit: str = ""  # how its last process ended
@@ -193,9 +195,11 @@ class Supervisor:
             if kind == "request":
                 _, rid, request, body = message
                 request = dataclasses.replace(request, body=unpack_body(body))
-                task = asyncio.get_running_loop().create_task(self._answer(channel, owner, rid, request))
+                task = asyncio.get_running_loop().create_task(self._answer(slot, channel, owner, rid, request))
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
+            elif kind in ("session_in", "session_ack"):
+                to_session(slot.sessions, message)
             elif kind == "cancel":
                 if (running := slot.tasks.get(message[1])) is not None:
                     running.cancel()
@@ -209,11 +213,14 @@ class Supervisor:
                 slot.report = message[1]
                 slot.reported.set()
 
-    async def _answer(self, channel: Channel, owner: str, rid: int, request: Any) -> None:
+    async def _answer(self, slot: WorkerSlot, channel: Channel, owner: str, rid: int, request: Any) -> None:
         response = await self.api.handle(request)
-        stream, body = response.stream, pack_body(response.body, owner)
-        reply = dataclasses.replace(response, body=b"", stream=None)
-        channel.send(("response", rid, reply, body, stream is not None, self.api.keep_connections()))
+        stream, session, body = response.stream, response.session, pack_body(response.body, owner)
+        reply = dataclasses.replace(response, body=b"", stream=None, session=None)
+        mode = "stream" if stream is not None else "session" if session is not None else ""
+        channel.send(("response", rid, reply, body, mode, self.api.keep_connections()))
+        if session is not None:
+            await run_session(slot.sessions, channel, rid, session)
         if stream is None:
             return
         async with contextlib.aclosing(stream) as pieces:

@@ -61,6 +61,16 @@ def peer_uid(sock: socket.socket | None) -> str:
     return f"uid:{uid}"
 
 
+def head_without_upgrade(request: Request) -> bytes:
+    """The request's head again, its Upgrade dropped: what HTTP/1.1 makes of an upgrade it ignores."""
+    headers = {k: v for k, v in request.headers.items() if k != "upgrade"}
+    tokens = [t.strip() for t in headers.pop("connection", "").split(",") if t.strip().lower() not in ("upgrade", "")]
+    if tokens:
+        headers["connection"] = ", ".join(tokens)
+    lines = [f"{request.method} {request.target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
 class Http1Server:
     """Shared state of all connections: the API, the live settings, the body budget, who is connected.
     The Unix socket's; a TCP listener's (https.py) overrides who a client is, its connection limit,
@@ -133,6 +143,7 @@ class HttpConnection(asyncio.Protocol):
         self._writable.set()
         self._upgrade: Request | None = None  # a WebSocket handshake read, waiting for its turn
         self._trailing = b""  # what the client sent after it: the WebSocket's first bytes
+        self._replay = b""  # the head of a request whose Upgrade is ignored, to parse again with its body
         self.websocket: WebSocketPump | None = None  # after the switch, the connection's protocol
 
     @property
@@ -215,6 +226,7 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         self.parser = httptools.HttpRequestParser(self)
+        rest, self._replay = self._replay + rest, b""
         if rest:
             self.data_received(rest)
 
@@ -254,10 +266,16 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request = self._step().request()
         self._assembler = None
-        if self.parser.should_upgrade() and is_upgrade(request.method, request.headers):
-            self._upgrade = request
-            self._enqueue(request, False)
-            return
+        if self.parser.should_upgrade():
+            if is_upgrade(request.method, request.headers):
+                self._upgrade = request
+                self._enqueue(request, False)
+                return
+            if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+                # llhttp ends an Upgrade request at its head and takes the body for the new protocol:
+                # the request is parsed again without Upgrade, body and all (_upgraded)
+                self._replay = head_without_upgrade(request)
+                return
         self._enqueue(request, self.parser.should_keep_alive())
 
     def _step(self) -> RequestAssembler:
