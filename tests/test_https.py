@@ -269,12 +269,11 @@ def test_alt_svc_is_left_out_when_turned_off(start_daemon, tls) -> None:
     assert status == 200 and "alt-svc" not in headers
 
 
-def test_a_realtime_session_over_wss_with_the_box_certificate(start_daemon, tls, interpreter_bundle) -> None:
-    """The `websockets` client over TLS: the WebSocket upgrade rides the HTTPS listener too (in the
-    engine process: /v1/realtime is not served through protocol workers yet)."""
+def test_a_realtime_session_over_wss_with_the_box_certificate(daemon: Daemon) -> None:
+    """The `websockets` client over TLS: the WebSocket upgrade rides the HTTPS listener too (here
+    through a protocol worker; the page's tests take the engine process's listener)."""
     from websockets.sync.client import connect
 
-    daemon = start_daemon(bundle_dir=interpreter_bundle, tls=tls, https="")
     context = ssl.create_default_context(cafile=daemon.cafile)
     uri = f"wss://127.0.0.1:{daemon.https_port}/v1/realtime?intent=transcription"
     with connect(uri, ssl=context, open_timeout=30) as ws:
