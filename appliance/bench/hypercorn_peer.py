@@ -22,12 +22,17 @@ def start_hypercorn(
     model: Path, daemon: DaemonProcess, workdir: Path, quic: str = "", bind: str = "127.0.0.1:0"
 ) -> subprocess.Popen[bytes]:
     """Hypercorn serving asgi_peer with the daemon's certificate: HTTP/3 on `quic` (where given), and
-    HTTPS (HTTP/1.1 and HTTP/2 over TLS) on the TCP address `bind`."""
+    HTTPS (HTTP/1.1 and HTTP/2 over TLS) on the TCP address `bind`. Its connections are kept however
+    many requests they carry (Hypercorn closes one after 1000 by default; the daemon never does)."""
+    config = workdir / "hypercorn.toml"
+    config.write_text("keep_alive_max_requests = 1000000000\n")
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "hypercorn",
+            "--config",
+            str(config),
             *(["--quic-bind", quic] if quic else []),
             "--bind",
             bind,
