@@ -25,7 +25,8 @@ def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: in
     days, serverAuth in its extended key usage, the names in subjectAltName."""
     key = ec.generate_private_key(ec.SECP256R1())
     hostname = socket.gethostname()
-    dns = sorted({hostname, "localhost", *[n for n in names if not _is_ip(n)]})
+    # HOSTNAME.local too: what a phone on the LAN reaches the box by, where mDNS announces it
+    dns = sorted({hostname, f"{hostname.split('.')[0]}.local", "localhost", *[n for n in names if not _is_ip(n)]})
     ips = sorted({"127.0.0.1", "::1", *[n for n in names if _is_ip(n)]})
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)])
     now = datetime.datetime.now(datetime.UTC)
