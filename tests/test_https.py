@@ -305,3 +305,13 @@ def test_a_client_that_leaves_a_streamed_answer_stops_its_production(daemon: Dae
     time.sleep(2)
     assert executions(daemon, "joe") == settled  # nothing more is made for nobody
     assert settled - before < 30, settled - before  # of 60 (one engine call each when alone; 3 here once)
+
+
+def test_a_client_that_offers_http2_is_answered_in_http11(daemon: Daemon) -> None:
+    """ALPN: the box takes http/1.1 only (docs/https.md says why); curl --http2 falls back to it."""
+    result = subprocess.run(
+        ["curl", "-sS", "-i", "--http2", "--cacert", daemon.cafile, daemon.https_url + "/v2/health/ready"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("HTTP/1.1 200 OK"), result
