@@ -189,6 +189,9 @@ def test_spoken_portuguese_is_said_in_english(driver, daemon: Daemon, tmp_path: 
             # this one is for the way back, a translation said by the box's voice and played by the page
             heard, translated = text(tab, "#talk-heard").strip(), text(tab, "#talk-translated").strip()
             assert heard and translated and translated != heard, (heard, translated)
+            mode = tab.evaluate("window.appliancePage.mode")  # the box's interpreter session, where it has one
+            print(f"Talk, Portuguese to English: a {mode} session")
+            assert mode in ("interpreter", "transcription")
             wait_until(tab, "window.appliancePage.playedSamples > 22050")  # more than a second of English played
             assert text(tab, "#talk-voice") == ""
     finally:

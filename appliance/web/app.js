@@ -1,6 +1,8 @@
 // The box's own page: plain JavaScript, no build step, no network beyond the box itself.
 // Talk: the microphone as PCM16 at 24 kHz over an OpenAI Realtime session (/v1/realtime, GA events):
-// each turn the box hears is translated (/translate) and said in the other language (/v1/audio/speech).
+// the box's interpreter session (its speech pipeline hears, translates and speaks each turn:
+// response.output_audio.delta), or a transcription session whose turns the page translates (/translate)
+// and has said (/v1/audio/speech).
 // Type: /translate (LibreTranslate's route) and /v1/audio/speech; Status: /status and /v2/health/ready.
 "use strict";
 
@@ -69,6 +71,7 @@ async function loadModels() {
   const [voices, listeners] = await Promise.all([described("speech_synthesis"), described("speech_to_text")]);
   page.voices = voices.flatMap(voicesOf).filter((v) => v.language);
   page.listeners = listeners.map((m) => ({ model: m.name, multilingual: Boolean(m.parameters?.multilingual) }));
+  page.pipelines = models.filter((m) => m.kind === "speech_pipeline").map((m) => m.name);
   page.kinds = Object.fromEntries(models.map((m) => [m.name, m.kind]));
 }
 
@@ -195,6 +198,13 @@ async function translateText() {
 
 // --- Talk: the Realtime interpreter session -------------------------------------------------------
 
+function samplesOf(base64) {
+  const text = atob(base64);
+  const bytes = new Uint8Array(text.length - (text.length % 2));
+  for (let i = 0; i < bytes.length; i++) bytes[i] = text.charCodeAt(i);
+  return new Int16Array(bytes.buffer);
+}
+
 function base64Of(int16) {
   const bytes = new Uint8Array(int16.buffer, int16.byteOffset, int16.byteLength);
   let text = "";
@@ -226,30 +236,47 @@ class Interpreter {
     } catch (exc) {
       throw new Error(`no microphone (${exc.message}); the page needs HTTPS and the microphone permission`);
     }
-    const scheme = location.protocol === "https:" ? "wss" : "ws";
-    const model = encodeURIComponent(listener.model);
-    this.socket = new WebSocket(`${scheme}://${location.host}/v1/realtime?intent=transcription&model=${model}`);
-    this.socket.addEventListener("message", (event) => this.received(JSON.parse(event.data)));
-    await new Promise((resolve, reject) => {
-      this.socket.addEventListener("open", resolve, { once: true });
-      this.socket.addEventListener("close", () => reject(new Error("the box refused the interpreter session")), { once: true });
-    });
+    // The box's interpreter session where it has one (a speech pipeline, a voice for the target): it
+    // hears, translates and speaks each turn itself. Else a transcription session, each turn translated
+    // and said from here.
+    const pipeline = this.voice && page.pipelines?.[0];
+    this.mode = "";
+    if (pipeline) {
+      const query = new URLSearchParams({ model: pipeline, source, target });
+      if (await this.open(`/v1/realtime?${query}`)) this.mode = "interpreter";
+    }
+    if (!this.mode) {
+      const query = new URLSearchParams({ intent: "transcription", model: listener.model });
+      if (!(await this.open(`/v1/realtime?${query}`))) throw new Error("the box refused the interpreter session");
+      this.mode = "transcription";
+    }
+    page.mode = this.mode;
     this.socket.addEventListener("close", (event) => this.closed(event));
-    this.send({
-      type: "session.update",
-      session: {
-        type: "transcription",
-        audio: {
-          input: {
-            format: { type: "audio/pcm", rate: RATE },
-            transcription: { model: listener.model, language: source },
-            turn_detection: { type: "server_vad" },
-          },
-        },
-      },
-    });
+    const input = { format: { type: "audio/pcm", rate: RATE }, turn_detection: { type: "server_vad" } };
+    if (this.mode === "interpreter") {
+      const output = { format: { type: "audio/pcm", rate: RATE } };
+      this.send({ type: "session.update", session: { type: "realtime", audio: { input, output } } });
+    } else {
+      input.transcription = { model: listener.model, language: source };
+      this.send({ type: "session.update", session: { type: "transcription", audio: { input } } });
+    }
     await this.capture();
     say("talk-message", `Listening: speak ${languageName(source)}.`);
+  }
+
+  // A WebSocket to `path`: true once open, false if the box refused it.
+  async open(path) {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    const socket = new WebSocket(`${scheme}://${location.host}${path}`);
+    const opened = await new Promise((resolve) => {
+      socket.addEventListener("open", () => resolve(true), { once: true });
+      socket.addEventListener("close", () => resolve(false), { once: true });
+    });
+    if (opened) {
+      this.socket = socket;
+      socket.addEventListener("message", (event) => this.received(JSON.parse(event.data)));
+    }
+    return opened;
   }
 
   async capture() {
@@ -285,7 +312,13 @@ class Interpreter {
     } else if (event.type === "conversation.item.input_audio_transcription.completed" && event.transcript.trim()) {
       $("talk-heard").textContent += `${event.transcript.trim()}\n`;
       const text = event.transcript.trim();
-      this.turns = this.turns.then(() => this.interpret(text));
+      if (this.mode === "transcription") this.turns = this.turns.then(() => this.interpret(text));
+    } else if (event.type === "response.output_audio.delta") {
+      player.play(samplesOf(event.delta), RATE);
+    } else if (event.type === "response.output_audio_transcript.done" || event.type === "response.output_text.done") {
+      $("talk-translated").textContent += `${event.transcript ?? event.text}\n`;
+    } else if (event.type === "response.done" && !this.stopping) {
+      say("talk-message", "Listening.");
     } else if (event.type === "error") {
       say("talk-message", `The box says: ${event.error?.message || "an error"}`, "error");
     }
