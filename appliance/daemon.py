@@ -90,8 +90,7 @@ class Daemon:
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
-        self.wyoming: asyncio.Server | None = None
-        self.wyoming_socket: Path | None = None
+        self.wyoming: wyoming.Listeners | None = None
 
     @property
     def config(self) -> Config:
@@ -116,12 +115,8 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         self.api = Api(manifest, self.models, self.live)
-        if config.wyoming.enabled:
-            self.wyoming_socket = Path(str(config.wyoming.socket)) if str(config.wyoming.socket) != "." else None
-            self.wyoming_socket = self.wyoming_socket or config.server.socket.with_name("wyoming.sock")
-            wyoming_sock = bind_unix_socket(dataclasses.replace(config.server, socket=self.wyoming_socket))
-            self.wyoming = await wyoming.listen(wyoming_sock, self.models, self.live, self.api.metrics)
-            log.info("Wyoming on %s", self.wyoming_socket)
+        bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
+        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -340,11 +335,11 @@ class Daemon:
             log.error("reload failed, keeping the running config: %s", exc)
             systemd.ready(f"{self.status_text()}; last reload failed: {exc}")
             return
-        applied, live, restart = config_files.apply_live(self.config, new)
-        self.live.config = applied  # every component reads its settings from here at its next use
-        logging.getLogger().setLevel(applied.log.level.upper())
-        if live:
-            log.info("reload: applied %s", ", ".join(live))
+        running, reloaded, restart = config_files.apply_reload(self.config, new)
+        self.live.config = running  # every component reads its settings from here at its next use
+        logging.getLogger().setLevel(running.log.level.upper())
+        if reloaded:
+            log.info("reload: applied %s", ", ".join(reloaded))
         if restart:
             log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
         if self.supervisor is not None:
@@ -366,9 +361,11 @@ class Daemon:
         deadline = time.monotonic() + grace
         if self.supervisor is not None:  # each worker drains its own connections within the grace time
             await self.supervisor.stop(grace + 1.0)
-        for listener in (server, self.https_listener, self.wyoming):
+        for listener in (server, self.https_listener):
             if listener is not None:
                 listener.close()
+        if self.wyoming is not None:
+            await self.wyoming.close()
         while (self._in_flight() or live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._in_flight() or live():
@@ -389,7 +386,7 @@ class Daemon:
         return in_flight + (self.supervisor.in_flight if self.supervisor else 0)
 
     def _remove_socket(self) -> None:
-        for path in (self.bound_socket, self.wyoming_socket):
+        for path in (self.bound_socket, self.wyoming.path if self.wyoming else None):
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

@@ -129,9 +129,9 @@ def live_latency(daemon: Daemon, protocol: str) -> tuple[int, float]:
     """The box's own end-of-sentence to final-transcript histogram: its count and sum."""
     with daemon.client() as client:
         text = client.metrics()
-    labels = f'{{model="{TINY}",protocol="{protocol}"}}'
-    count = re.search(rf"appliance_live_transcript_latency_seconds_count{re.escape(labels)} (\d+)", text)
-    total = re.search(rf"appliance_live_transcript_latency_seconds_sum{re.escape(labels)} ([0-9.]+)", text)
+    labels = f'{{model="{TINY}",protocol="{protocol}",until="transcript"}}'
+    count = re.search(rf"appliance_live_latency_seconds_count{re.escape(labels)} (\d+)", text)
+    total = re.search(rf"appliance_live_latency_seconds_sum{re.escape(labels)} ([0-9.]+)", text)
     assert count and total, text[-2000:]
     return int(count[1]), float(total[1])
 

@@ -19,10 +19,12 @@ from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
-from wyoming.client import AsyncUnixClient
+from wyoming.client import AsyncTcpClient, AsyncUnixClient
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize
+from zeroconf import IPVersion, ServiceStateChange
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 TINY = "whisper_tiny_en"
 
@@ -30,7 +32,11 @@ TINY = "whisper_tiny_en"
 @pytest.fixture(scope="module")
 def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     bundle = build_bundle(keys, tmp_path_factory.mktemp("fw") / "interp", spec=ROOT / "firmware" / "interpreter.toml")
-    extra = "[wyoming]\nmax_payload_bytes = 65536\n"
+    with socket.socket() as probe:  # a free TCP port for the LAN listener
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    extra = f'[wyoming]\nmax_payload_bytes = 65536\ntcp = "127.0.0.1:{port}"\n'
+
     d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, extra=extra, workers=2).wait_ready(240)
     yield d
     assert d.stop() == 0, d.log.read_text()
@@ -74,6 +80,41 @@ def test_describe_lists_models_and_voices(daemon: Daemon) -> None:
     assert info.asr[0].supports_transcript_streaming
     voices = {v.name: v.languages for program in info.tts for v in program.voices}
     assert voices == {"joe": ["en"]}, voices
+
+
+def tcp_port(daemon: Daemon) -> int:
+    return int(re.search(r'tcp = "127.0.0.1:(\d+)"', daemon.config.read_text())[1])  # type: ignore[index]
+
+
+def test_tcp_listener_announced_by_zeroconf(daemon: Daemon) -> None:
+    async def run() -> tuple[int | None, Info]:
+        zeroconf = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+        try:
+            browser_found: list[str] = []
+
+            def seen(zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+                browser_found.append(name)
+
+            browser = AsyncServiceBrowser(zeroconf.zeroconf, "_wyoming._tcp.local.", handlers=[seen])
+            for _ in range(50):
+                if browser_found:
+                    break
+                await asyncio.sleep(0.1)
+            await browser.async_cancel()
+            assert browser_found, "no _wyoming._tcp.local. service announced"
+            info = AsyncServiceInfo("_wyoming._tcp.local.", browser_found[0])
+            assert await info.async_request(zeroconf.zeroconf, 3000)
+        finally:
+            await zeroconf.async_close()
+        async with AsyncTcpClient("127.0.0.1", tcp_port(daemon)) as client:
+            await client.write_event(Describe().event())
+            event = await asyncio.wait_for(client.read_event(), 30)
+        assert event is not None
+        return info.port, Info.from_event(event)
+
+    port, info = asyncio.run(run())
+    assert port == tcp_port(daemon)
+    assert TINY in {m.name for program in info.asr for m in program.models}
 
 
 def test_transcription_of_chunks(daemon: Daemon) -> None:
@@ -128,7 +169,7 @@ def test_eight_concurrent_clients_share_engine_calls(daemon: Daemon) -> None:
     with daemon.client() as client:
         metrics = client.metrics()
     count = re.search(
-        rf'appliance_live_transcript_latency_seconds_count{{model="{TINY}",protocol="wyoming"}} (\d+)', metrics
+        rf'appliance_live_latency_seconds_count{{model="{TINY}",protocol="wyoming",until="transcript"}} (\d+)', metrics
     )
     assert count and int(count[1]) >= 8, metrics[-1500:]
 

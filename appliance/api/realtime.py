@@ -13,6 +13,7 @@ import json
 import re
 import time
 from collections import deque
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -33,10 +34,12 @@ from appliance.api.realtime_session import (
     default_settings,
 )
 from appliance.api.routes import Route
+from appliance.audio import StreamResampler, to_pcm16
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import SequenceCall, ServedModel
-from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options
+from appliance.kinds.pipeline import Plan, SpeechPipeline
+from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
 from appliance.kinds.speech_to_text import SpeechToText
 from appliance.protocol.messages import Close, Request, Response, SessionIO
 
@@ -49,25 +52,49 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
     async def realtime(request: Request, params: dict[str, str]) -> Response:
         if request.headers.get("upgrade", "").lower() != "websocket":
             raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
+        pipeline = models.get(params.get("query:model", ""))
+        if isinstance(pipeline, SpeechPipeline):  # the interpreter session: translated speech back
+            plan = pipeline.plan(params.get("query:target"), params.get("query:source"))  # a 400 before the switch
+            interpret = Interpreter(pipeline, plan)
+            return Response(
+                101, session=partial(transcription, models, metrics, pipeline.stt.name, request.client, interpret)
+            )
         intent = params.get("query:intent", "transcription")
         if intent != "transcription":
-            raise BadRequest(f"intent {intent[:40]!r} is not served: use intent=transcription")
+            raise BadRequest(
+                f"intent {intent[:40]!r} is not served: use intent=transcription, or ?model= a speech pipeline"
+            )
         speech = [m for m in models.values() if isinstance(m, SpeechToText)]
         if not speech:
             raise NotFound("this firmware serves no speech_to_text model")
         model = pick_model(models, params.get("query:model", speech[0].name), "transcribe")
-        return Response(101, session=partial(transcription, models, metrics, model.name, request.client))
+        return Response(101, session=partial(transcription, models, metrics, model.name, request.client, None))
 
     return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
 
 
+@dataclass(frozen=True, slots=True)
+class Interpreter:
+    """An interpreter session's pipeline and plan (target language, the voice)."""
+
+    pipeline: SpeechPipeline
+    plan: Plan
+
+
 async def transcription(
-    models: dict[str, ServedModel], metrics: Metrics, model: str, client: str, io: SessionIO
+    models: dict[str, ServedModel],
+    metrics: Metrics,
+    model: str,
+    client: str,
+    interpreter: Interpreter | None,
+    io: SessionIO,
 ) -> Close:
     names = tuple(m.name for m in models.values() if isinstance(m, SpeechToText))
-    session = TranscriptionSession(default_settings(model), names)
-    turns = Turns(models, session, client)
+    kind, target = ("realtime", interpreter.plan.target) if interpreter else ("transcription", "")
+    session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
+    turns = Turns(models, session, client, interpreter)
     await io.send(_json(session.created()))
+    first_audio: float | None = None  # the last turn's end, until its translation's first audio is sent
     try:
         while True:
             message = await io.receive()
@@ -85,6 +112,11 @@ async def transcription(
                     await io.send(_json(event))
                     if event["type"] == COMPLETED and (arrived := turns.arrived.pop(event["item_id"], None)):
                         metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
+                        first_audio = arrived
+                    elif event["type"] == "response.output_audio.delta" and first_audio is not None:
+                        name = interpreter.pipeline.name if interpreter else turns.model.name
+                        metrics.observe_live(name, "realtime", time.monotonic() - first_audio, "first_audio")
+                        first_audio = None
     finally:
         turns.close()
 
@@ -92,8 +124,14 @@ async def transcription(
 class Turns:
     """One session's audio on its model: a live stream under server VAD, else a buffer."""
 
-    def __init__(self, models: dict[str, ServedModel], session: TranscriptionSession, client: str) -> None:
-        self.models, self.session, self.client = models, session, client
+    def __init__(
+        self,
+        models: dict[str, ServedModel],
+        session: TranscriptionSession,
+        client: str,
+        interpreter: Interpreter | None = None,
+    ) -> None:
+        self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
         self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
         self.pending_samples = 0
         self.stream = 0  # the live stream's number within the session
@@ -106,13 +144,18 @@ class Turns:
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
 
     def _model(self) -> SpeechToText:
-        return pick_model(self.models, self.session.settings.model, "transcribe")
+        model = pick_model(self.models, self.session.settings.model, "transcribe")
+        if not isinstance(model, SpeechToText):  # a live stream needs the kind's VAD-fed sequences
+            raise RealtimeError(f"model {model.name} takes no live streams", "model_not_found")
+        return model
 
     @property
     def key(self) -> str:
         return f"realtime:{self.session.id}:{self.stream}"
 
     def options(self) -> Options:
+        if self.interpreter is not None:
+            return self.interpreter.plan.options
         s = self.session.settings
         return Options(s.language, "transcribe", s.prompt)
 
@@ -152,8 +195,9 @@ class Turns:
             if not len(audio):
                 raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
             padded = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
-            text = " ".join([s.text async for s in self.model.transcribe(padded, self.options())])
-            return self.session.turn_closed(None, text, item)
+            found = [s async for s in self.model.transcribe(padded, self.options())]
+            closed = self.session.turn_closed(None, " ".join(s.text for s in found), item)
+            return closed + await self._interpret(item, found)
         if not self.started and not len(audio):
             raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
         audio = np.concatenate([audio, np.zeros(-len(audio) % FRAME, np.float32)])
@@ -162,7 +206,7 @@ class Turns:
         text = " ".join(s.text for s in chunk.segments)
         end = chunk.closed[-1][0][1] + self.offset if chunk.closed else None
         self._timed(item, self.session.heard_samples)
-        return self.session.turn_closed(end, text, item)
+        return self.session.turn_closed(end, text, item) + await self._interpret(item, chunk.segments)
 
     async def _chunk(self, samples: np.ndarray, end: bool) -> list[dict]:
         chunk = await self._send(samples, end)
@@ -172,11 +216,27 @@ class Turns:
             closed = self.session.turn_closed(stop + self.offset, " ".join(s.text for s in segments))
             pad = self.session.settings.vad.speech_pad_ms * SAMPLE_RATE // 1000 if self.session.settings.vad else 0
             self._timed(closed[-1]["item_id"], stop + self.offset - pad)  # where the speech itself ended
-            events += closed
+            events += closed + await self._interpret(closed[-1]["item_id"], segments)
         if chunk.open_start is not None:
             events += self.session.turn_heard(chunk.open_start + self.offset)
             if chunk.partial is not None:
                 events += self.session.partial(chunk.partial)
+        return events
+
+    async def _interpret(self, item: str, segments: list[Segment]) -> list[dict]:
+        """An interpreter turn: each segment translated and spoken, at the session's output rate."""
+        if self.interpreter is None:
+            return []
+        events: list[dict] = []
+        for segment in segments:
+            done = await self.interpreter.pipeline.interpret(segment, self.interpreter.plan)
+            if done is None:
+                continue
+            resampler = StreamResampler(self.interpreter.plan.voice.sample_rate, self.session.settings.output_rate)
+            samples = done.audio.astype(np.float32) / 32768.0
+            pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
+            step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
+            events += self.session.response(item, done.text, [pcm[i : i + step] for i in range(0, len(pcm), step)])
         return events
 
     def _timed(self, item: str, end_sample: int) -> None:

@@ -48,6 +48,7 @@ class Settings:
     prompt: str = ""
     vad: VadConfig | None = None  # None: no server VAD, the client commits its turns
     turn_detection: dict[str, Any] | None = None  # as the client sees it
+    output_rate: int = 24000  # an interpreter session's translated speech
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,8 @@ Step = dict[str, Any] | Audio | Commit | Clear | Restart  # a dict is a server e
 class TranscriptionSession:
     settings: Settings
     models: tuple[str, ...]  # the speech_to_text models a session may name
+    kind: str = "transcription"  # or "realtime": the interpreter session (translated speech back)
+    target: str = ""  # the interpreter's target language
     id: str = field(default_factory=lambda: "sess_" + secrets.token_hex(12))
     _events: itertools.count[int] = field(default_factory=itertools.count)
     _items: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -102,6 +105,17 @@ class TranscriptionSession:
 
     def describe(self) -> dict[str, Any]:
         s = self.settings
+        if self.kind == "realtime":
+            audio_in = {"format": {"type": "audio/pcm", "rate": s.rate}, "turn_detection": s.turn_detection}
+            output = {"format": {"type": "audio/pcm", "rate": s.output_rate}, "language": self.target}
+            return {
+                "type": "realtime",
+                "object": "realtime.session",
+                "id": self.id,
+                "model": s.model,
+                "output_modalities": ["audio"],
+                "audio": {"input": audio_in, "output": output},
+            }
         return {
             "type": "transcription",
             "object": "realtime.transcription_session",
@@ -151,10 +165,12 @@ class TranscriptionSession:
 
     def _update(self, event: dict[str, Any]) -> list[Step]:
         session = _object(event.get("session"), "session")
-        kind = session.get("type", "transcription")
-        if kind != "transcription":
+        kind = session.get("type", self.kind)
+        if kind != self.kind:
             raise RealtimeError(
-                f"session.type {str(kind)[:40]!r} is not served: use 'transcription'", param="session.type"
+                f"session.type {str(kind)[:40]!r}: this session is {self.kind!r} (the URL decides: "
+                "?intent=transcription, or ?model= a speech pipeline for 'realtime')",
+                param="session.type",
             )
         audio = _object(session.get("audio", {}), "session.audio")
         given = _object(audio.get("input", {}), "session.audio.input")
@@ -167,6 +183,9 @@ class TranscriptionSession:
             )
         if "turn_detection" in given:
             settings = _turn_detection(settings, given["turn_detection"])
+        output = _object(audio.get("output", {}), "session.audio.output")
+        if self.kind == "realtime" and "format" in output:
+            settings = dataclasses.replace(settings, output_rate=_rate(output["format"], "output"))
         steps: list[Step] = []
         if settings != self.settings:
             if settings.rate != self.settings.rate:
@@ -238,6 +257,35 @@ class TranscriptionSession:
         events.append(self.event(COMPLETED, item_id=item, content_index=0, transcript=transcript.strip(), usage=usage))
         return events
 
+    def response(self, item: str, text: str, audio: list[bytes]) -> list[dict[str, Any]]:
+        """An interpreter turn's answer: the translated speech (PCM16 at the output rate, in pieces)
+        and its transcript, as a Realtime response with one assistant message."""
+        response_id = f"resp_{self.id[5:13]}{next(self._items):04d}"
+        out_item = f"item_{self.id[5:13]}{next(self._items):04d}"
+        where = {"response_id": response_id, "item_id": out_item, "output_index": 0, "content_index": 0}
+        message = {"id": out_item, "object": "realtime.item", "type": "message", "role": "assistant"}
+        part = {"type": "output_audio", "transcript": text}
+        done = {**message, "status": "completed", "content": [part]}
+        head = {"id": response_id, "object": "realtime.response", "output_modalities": ["audio"]}
+        return [
+            self.event("response.created", response={**head, "status": "in_progress", "output": []}),
+            self.event(
+                "response.output_item.added",
+                response_id=response_id,
+                output_index=0,
+                item={**message, "status": "in_progress", "content": []},
+            ),
+            self.event("response.output_audio_transcript.delta", **where, delta=text),
+            *(self.event("response.output_audio.delta", **where, delta=base64.b64encode(p).decode()) for p in audio),
+            self.event("response.output_audio.done", **where),
+            self.event("response.output_audio_transcript.done", **where, transcript=text),
+            self.event("response.output_item.done", response_id=response_id, output_index=0, item=done),
+            self.event(
+                "response.done",
+                response={**head, "status": "completed", "output": [done], "metadata": {"input_item_id": item}},
+            ),
+        ]
+
     def _pad_ms(self) -> int:
         return self.settings.vad.speech_pad_ms if self.settings.vad is not None else 0
 
@@ -259,8 +307,8 @@ def _object(value: Any, name: str) -> dict[str, Any]:
     return value
 
 
-def _rate(value: Any) -> int:
-    fmt = _object(value, "session.audio.input.format")
+def _rate(value: Any, side: str = "input") -> int:
+    fmt = _object(value, f"session.audio.{side}.format")
     if fmt.get("type", "audio/pcm") != "audio/pcm":
         raise RealtimeError(
             f"audio format {str(fmt.get('type'))[:40]!r} is not served: send audio/pcm (PCM16)",

@@ -26,8 +26,12 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import ifaddr
 import numpy as np
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -35,11 +39,13 @@ from wyoming.error import Error
 from wyoming.event import Event, async_write_event
 from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+from zeroconf import InterfaceChoice, IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from appliance import __version__
 from appliance.api.metrics import Metrics
 from appliance.audio import StreamResampler, pcm16
-from appliance.config import Live
+from appliance.config import Config, Live
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.speech import SpeechModel
@@ -48,6 +54,7 @@ from appliance.kinds.speech_to_text import SpeechToText
 
 log = logging.getLogger("appliance.wyoming")
 MAX_HEADER_BYTES = 64 << 10
+SERVICE = "_wyoming._tcp.local."
 SAMPLE_RATE = 16000
 ATTRIBUTION = Attribution(name="appliance", url="https://github.com/")
 
@@ -274,12 +281,73 @@ async def serve_client(
         writer.close()
 
 
-async def listen(sock: socket.socket, models: dict[str, ServedModel], live: Live, metrics: Metrics) -> asyncio.Server:
-    """Serve Wyoming on a bound, listening socket; each client in its own task."""
+@dataclass
+class Listeners:
+    """Where Wyoming is served: the Unix socket, and TCP with its mDNS announcement where it is on."""
 
+    unix: asyncio.Server
+    path: Path
+    tcp: asyncio.Server | None = None
+    zeroconf: AsyncZeroconf | None = None
+
+    async def close(self) -> None:
+        for server in (self.unix, self.tcp):
+            if server is not None:
+                server.close()
+        if self.zeroconf is not None:
+            await self.zeroconf.async_close()  # says goodbye on the LAN
+
+
+async def start(
+    config: Config, bind: Callable[[Path], socket.socket], models: dict[str, ServedModel], live: Live, metrics: Metrics
+) -> Listeners | None:
+    """[wyoming]: the Unix socket (`bind` makes it as the API's is made), and TCP where asked for."""
+    settings = config.wyoming
+    if not settings.enabled:
+        return None
+    path = Path(str(settings.socket)) if str(settings.socket) != "." else config.server.socket.with_name("wyoming.sock")
+    listeners = Listeners(await listen(bind(path), models, live, metrics), path)
+    log.info("Wyoming on %s", path)
+    if settings.tcp:
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, models, live, metrics)
+        log.info("Wyoming on TCP %s, announced as %s (no authentication)", settings.tcp, SERVICE)
+    return listeners
+
+
+def _client(models: dict[str, ServedModel], live: Live, metrics: Metrics) -> Any:
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         config = live.config
         max_samples = config.server.max_body_bytes // 2  # as much as the API takes as 16 kHz PCM16
         await serve_client(models, metrics, config.wyoming.max_payload_bytes, max_samples, reader, writer)
 
-    return await asyncio.start_unix_server(client, sock=sock, limit=MAX_HEADER_BYTES)
+    return client
+
+
+async def listen(sock: socket.socket, models: dict[str, ServedModel], live: Live, metrics: Metrics) -> asyncio.Server:
+    """Serve Wyoming on a bound, listening Unix socket; each client in its own task."""
+    return await asyncio.start_unix_server(_client(models, live, metrics), sock=sock, limit=MAX_HEADER_BYTES)
+
+
+async def listen_tcp(
+    address: str, models: dict[str, ServedModel], live: Live, metrics: Metrics
+) -> tuple[asyncio.Server, AsyncZeroconf]:
+    """[wyoming] tcp = "HOST:PORT": Wyoming on the LAN, announced by mDNS as _wyoming._tcp.local. on
+    the listening address's interface (all of them for 0.0.0.0) so Home Assistant discovers it."""
+    host, _, port = address.rpartition(":")
+    server = await asyncio.start_server(_client(models, live, metrics), host, int(port), limit=MAX_HEADER_BYTES)
+    bound = server.sockets[0].getsockname()
+    interfaces = InterfaceChoice.All if host in ("0.0.0.0", "") else [host]
+    zeroconf = AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
+    name = socket.gethostname().split(".")[0] or "appliance"
+    addresses = [socket.inet_aton(a) for a in ([host] if host not in ("0.0.0.0", "") else _addresses())]
+    info = AsyncServiceInfo(
+        SERVICE, f"appliance-{name}.{SERVICE}", addresses=addresses, port=bound[1], server=f"appliance-{name}.local."
+    )
+    await zeroconf.async_register_service(info)
+    return server, zeroconf
+
+
+def _addresses() -> list[str]:
+    """This host's IPv4 addresses but loopback, for an announcement on every interface."""
+    found = {a.ip for adapter in ifaddr.get_adapters() for a in adapter.ips if isinstance(a.ip, str)}
+    return sorted(a for a in found if not a.startswith("127.")) or ["127.0.0.1"]

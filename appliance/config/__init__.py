@@ -134,6 +134,7 @@ class WyomingConfig:
     enabled: bool = True
     socket: Path = Path("")  # "" (unset): wyoming.sock beside server.socket, with its mode and group
     max_payload_bytes: int = 1 << 20  # an event's data or payload; a bigger one is an error and a close
+    tcp: str = ""  # "HOST:PORT": also on TCP for the LAN, announced by zeroconf (off when empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +308,9 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
     if not 0 < config.https.port < 65536:
         raise ApplianceError(f"{source}: https.port: {config.https.port} is not a TCP port")
+    host, _, port = config.wyoming.tcp.rpartition(":")
+    if config.wyoming.tcp and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if not 0.0 < config.vad.threshold < 1.0:
@@ -317,7 +321,7 @@ def _check_values(config: Config) -> None:
 
 
 # What SIGHUP can change in a running daemon; every other key needs a restart.
-LIVE_KEYS = frozenset(
+RELOADABLE_KEYS = frozenset(
     {
         "server.max_body_bytes",
         "server.max_header_bytes",
@@ -349,28 +353,28 @@ LIVE_KEYS = frozenset(
 )
 
 
-def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
-    """The running config with every changed LIVE_KEYS value taken from `new`; and the keys that
-    changed and applied live, and those that changed and need a restart."""
-    live, restart, sections = [], [], {}
+def apply_reload(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
+    """The running config with every changed RELOADABLE_KEYS value taken from `new`; and the keys that
+    changed and were reloaded, and those that changed and need a restart."""
+    reloaded, restart, sections = [], [], {}
     for section in SECTIONS:
         before, after = getattr(old, section), getattr(new, section)
         changes = {}
         for f in dataclasses.fields(before):
             if getattr(before, f.name) != getattr(after, f.name):
                 name = f"{section}.{f.name}"
-                if name in LIVE_KEYS:
-                    live.append(name)
+                if name in RELOADABLE_KEYS:
+                    reloaded.append(name)
                     changes[f.name] = getattr(after, f.name)
                 else:
                     restart.append(name)
         sections[section] = dataclasses.replace(before, **changes)
-    return dataclasses.replace(old, **sections), live, restart
+    return dataclasses.replace(old, **sections), reloaded, restart
 
 
 class Live:
     """The running config, one holder for the whole daemon. SIGHUP replaces `config` as a whole (keys
-    that need a restart keep their running values, see apply_live); each component reads the setting
+    that need a restart keep their running values, see apply_reload); each component reads the setting
     it needs when it uses it, so none keeps a stale copy."""
 
     def __init__(self, config: Config) -> None:

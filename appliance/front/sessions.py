@@ -14,12 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from appliance.protocol.messages import Close, Message, Session, SessionIO
 
-if TYPE_CHECKING:
-    from appliance.front.channel import Channel
+
+class Channel(Protocol):
+    """What a session needs of the worker channel (channel.py Channel, which imports this module)."""
+
+    def send(self, message: tuple[Any, ...]) -> None: ...
+
+    async def drain(self) -> None: ...
+
 
 log = logging.getLogger("appliance.websocket")
 WINDOW_BYTES = 1 << 20
