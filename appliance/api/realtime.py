@@ -2,7 +2,7 @@
 model (`?model=` or session.audio.input.transcription.model; OpenAI's names take the first one).
 
 The pump between the session's events (realtime_session.py, no I/O) and the model: with server VAD,
-the audio goes as a live stream of CHUNK samples through SpeechToText.live_chunk (the same VAD state,
+the audio goes as a live stream of CHUNK samples through LiveTranscriber.live_chunk (the same VAD state,
 sequence table and urgent batch lane as Triton-style live sequences), each closed span is a turn;
 without, the buffer is transcribed at each commit.
 """
@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -38,9 +39,8 @@ from appliance.audio import StreamResampler, to_pcm16
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import SequenceCall, ServedModel
-from appliance.kinds.pipeline import Plan, SpeechPipeline
+from appliance.kinds.capabilities import Interpreting, LiveTranscriber
 from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
-from appliance.kinds.speech_to_text import SpeechToText
 from appliance.protocol.messages import Close, Request, Response, SessionIO
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
@@ -53,7 +53,7 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
         if request.headers.get("upgrade", "").lower() != "websocket":
             raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
         pipeline = models.get(params.get("query:model", ""))
-        if isinstance(pipeline, SpeechPipeline):  # the interpreter session: translated speech back
+        if isinstance(pipeline, Interpreting):  # the interpreter session: translated speech back
             plan = pipeline.plan(params.get("query:target"), params.get("query:source"))  # a 400 before the switch
             interpret = Interpreter(pipeline, plan)
             return Response(
@@ -64,7 +64,7 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
             raise BadRequest(
                 f"intent {intent[:40]!r} is not served: use intent=transcription, or ?model= a speech pipeline"
             )
-        speech = [m for m in models.values() if isinstance(m, SpeechToText)]
+        speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
         if not speech:
             raise NotFound("this firmware serves no speech_to_text model")
         model = pick_model(models, params.get("query:model", speech[0].name), "transcribe")
@@ -77,8 +77,8 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
 class Interpreter:
     """An interpreter session's pipeline and plan (target language, the voice)."""
 
-    pipeline: SpeechPipeline
-    plan: Plan
+    pipeline: Interpreting
+    plan: Any  # the pipeline's Plan: options, target, voice
 
 
 async def transcription(
@@ -89,7 +89,7 @@ async def transcription(
     interpreter: Interpreter | None,
     io: SessionIO,
 ) -> Close:
-    names = tuple(m.name for m in models.values() if isinstance(m, SpeechToText))
+    names = tuple(m.name for m in models.values() if isinstance(m, LiveTranscriber))
     kind, target = ("realtime", interpreter.plan.target) if interpreter else ("transcription", "")
     session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
     turns = Turns(models, session, client, interpreter)
@@ -143,9 +143,9 @@ class Turns:
         self.arrivals: deque[tuple[int, float]] = deque()
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
 
-    def _model(self) -> SpeechToText:
+    def _model(self) -> LiveTranscriber:
         model = pick_model(self.models, self.session.settings.model, "transcribe")
-        if not isinstance(model, SpeechToText):  # a live stream needs the kind's VAD-fed sequences
+        if not isinstance(model, LiveTranscriber):  # a live stream needs the kind's VAD-fed sequences
             raise RealtimeError(f"model {model.name} takes no live streams", "model_not_found")
         return model
 

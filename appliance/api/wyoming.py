@@ -48,9 +48,8 @@ from appliance.audio import StreamResampler, pcm16
 from appliance.config import Config, Live
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
-from appliance.kinds.speech import SpeechModel
+from appliance.kinds.capabilities import LiveTranscriber, Speaker
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
-from appliance.kinds.speech_to_text import SpeechToText
 
 log = logging.getLogger("appliance.wyoming")
 MAX_HEADER_BYTES = 64 << 10
@@ -68,8 +67,8 @@ class WyomingHandler:
 
     def __init__(self, models: dict[str, ServedModel], max_payload: int, max_samples: int) -> None:
         self.models, self.max_payload, self.max_samples = models, max_payload, max_samples
-        self.speech = [m for m in models.values() if isinstance(m, SpeechToText)]
-        self.voices = [m for m in models.values() if isinstance(m, SpeechModel)]
+        self.speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
+        self.voices = [m for m in models.values() if isinstance(m, Speaker)]
         self.transcribe: Transcribe | None = None
         self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
         self.samples = 0
@@ -87,11 +86,11 @@ class WyomingHandler:
                 models=[
                     AsrModel(
                         name=m.name,
-                        description=f"{m.name} ({m.engine_name})",
+                        description=m.name,
                         attribution=ATTRIBUTION,
                         installed=True,
                         version=__version__,
-                        languages=list(m.engine.tokens.languages) if m.engine.tokens.multilingual else ["en"],
+                        languages=m.languages,
                     )
                     for m in self.speech
                 ],
@@ -112,7 +111,7 @@ class WyomingHandler:
                         attribution=ATTRIBUTION,
                         installed=True,
                         version=__version__,
-                        languages=[v.voice.language],
+                        languages=[v.language],
                     )
                     for v in self.voices
                 ],
@@ -172,7 +171,7 @@ class WyomingHandler:
         self.audio.append(resampled)
         return []
 
-    def _model(self) -> SpeechToText:
+    def _model(self) -> LiveTranscriber:
         name = self.transcribe.name if self.transcribe else None
         for model in self.speech:
             if model.name == name:

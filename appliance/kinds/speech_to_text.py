@@ -126,6 +126,10 @@ class SpeechToText(EngineModel):
         return self.engine.tokens.multilingual
 
     @property
+    def languages(self) -> list[str]:
+        return list(self.engine.tokens.languages) if self.multilingual else ["en"]
+
+    @property
     def queue_depth(self) -> int:
         return self.batcher.waiting
 
