@@ -130,7 +130,7 @@ def _read_mono(f: sf.SoundFile, sample_rate: int) -> np.ndarray:
 
 def encode_wav(samples: np.ndarray, sample_rate: int) -> bytes:
     """float32 samples -> PCM16 mono WAV bytes (the tests and the GPU checks send these)."""
-    pcm = np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()
+    pcm = to_pcm16(samples)
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as w:
         w.setnchannels(1)
@@ -146,3 +146,33 @@ def to_frames(samples: np.ndarray, frame_samples: int) -> np.ndarray:
     frames = np.zeros((count, frame_samples), np.float32)
     frames.reshape(-1)[: len(samples)] = samples
     return frames
+
+
+class StreamResampler:
+    """Live audio from one rate to another, piece by piece (soxr keeps the filter's state between
+    pieces, so the joins are seamless); `flush` gives what the filter still holds."""
+
+    def __init__(self, from_rate: int, to_rate: int) -> None:
+        self._soxr = None if from_rate == to_rate else soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32")
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        return samples if self._soxr is None else self._soxr.resample_chunk(samples)
+
+    def flush(self) -> np.ndarray:
+        return (
+            np.zeros(0, np.float32)
+            if self._soxr is None
+            else self._soxr.resample_chunk(np.zeros(0, np.float32), last=True)
+        )
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    """Little-endian PCM16 bytes -> float32 samples in [-1, 1)."""
+    if len(data) % 2:
+        raise BadRequest(f"PCM16 audio has 2 bytes a sample; got {len(data)} bytes")
+    return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
+
+
+def to_pcm16(samples: np.ndarray) -> bytes:
+    """float32 samples -> little-endian PCM16 bytes (clipped)."""
+    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()

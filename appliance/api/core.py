@@ -14,9 +14,11 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
                                           a recording in, speech segments out; see kinds/vad_api.py)
     POST /v2/repository/index             Triton's model repository index: what this firmware serves
     POST /v2/repository/models/{name}/load | unload   refused: the signed firmware decides what is served
+    GET  /v1/realtime                     a WebSocket: OpenAI's Realtime API, transcription (api/realtime.py)
     GET  /metrics
     GET  /v1/models[/{id}]                OpenAI's model list (api/openai_models.py)
-    GET  /status                          firmware, engines, QUIC peers from the connection cache
+    GET  /status                          firmware, engines, QUIC peers from the connection cache, TLS
+    GET  / and /page/{file}               the box's own page (api/page.py); /tls/certificate.pem
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from appliance import __version__
-from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, repository
+from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, page, realtime, repository
 from appliance.api import metrics as prometheus
 from appliance.api.routes import Route
 from appliance.config import Live
@@ -69,6 +71,8 @@ class Api:
         self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
         self.workers: Callable[[], list[dict[str, Any]]] | None = None  # the protocol workers, where there are
         self.quic: dict[str, Any] | None = None  # where QUIC serves: how many workers read its port, and why
+        self.tls: dict[str, Any] | None = None  # where QUIC or HTTPS serves: the certificate and its fingerprint
+        self.certificate_pem = b""  # the box's certificate, for clients to trust (GET /tls/certificate.pem)
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self._routes: list[Route] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
@@ -95,6 +99,8 @@ class Api:
             *libretranslate.routes(models),
             *openai_audio.routes(models),
             *openai_models.routes(models, manifest),
+            *realtime.routes(models, self.metrics),
+            *page.routes(lambda: self.certificate_pem),
         ]
 
     async def handle(self, request: Request) -> Response:
@@ -265,6 +271,7 @@ class Api:
                 ],
                 "workers": self.workers() if self.workers else None,
                 "quic": self.quic,
+                "tls": self.tls,
                 "conncache": None
                 if cache is None
                 else {

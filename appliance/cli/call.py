@@ -226,10 +226,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         print(
             f"worker {worker['worker']} pid {worker['pid']}: {worker['in_flight']} requests in flight, "
-            f"{worker['connections']} Unix connections, {len(worker['quic_peers'])} QUIC connections, "
+            f"{worker['connections']} Unix connections, {worker.get('tcp_connections', 0)} HTTPS connections, "
+            f"{len(worker['quic_peers'])} QUIC connections, "
             f"{worker['quic_datagrams']} datagrams ({worker['quic_stray_datagrams']} stray), "
             f"restarts {worker['restarts']}"
         )
+    if tls := status.get("tls"):
+        https = f"https on TCP port {tls['https_port']}" if tls["https_port"] else "https off"
+        mutual = ", mutual TLS" if tls["mutual_tls"] else ""
+        print(f"tls: certificate {tls['certificate']} ({https}{mutual})")
+        print(f"tls: SHA-256 fingerprint {tls['sha256']}")
     if quic := status.get("quic"):
         print(f"quic: {quic['workers']} QUIC workers" + (f" ({quic['reason']})" if quic["reason"] else ""))
     cache = status["conncache"]

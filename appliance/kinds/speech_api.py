@@ -69,6 +69,20 @@ class Segment:
     words: tuple[Word, ...] = ()  # where the request asked for them
 
 
+@dataclass(frozen=True, slots=True)
+class LiveChunk:
+    """What one chunk of a live stream produced (SpeechToText.live_chunk)."""
+
+    closed: list[tuple[tuple[int, int], list[Segment]]]  # each span the VAD closed (stream samples), decoded
+    open_start: int | None  # where the speech being heard began, if a span is open
+    partial: str | None  # its text so far, where asked for
+    serial: int | None  # the stream's serial, when this chunk opened it
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for _, found in self.closed for s in found]
+
+
 def metadata(spec: ModelSpec, engine_name: str, multilingual: bool) -> dict[str, Any]:
     return {
         "platform": "ctranslate2",
