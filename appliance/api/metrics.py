@@ -209,6 +209,8 @@ WORKER_METRICS = (
     ("appliance_worker_requests_in_flight", "gauge", "Requests the worker is serving.", lambda w: w.get("in_flight", 0)),
     ("appliance_worker_unix_connections", "gauge", "Unix socket connections the worker holds.",
      lambda w: w.get("connections", 0)),
+    ("appliance_worker_https_connections", "gauge", "HTTPS (TLS on TCP) connections the worker holds.",
+     lambda w: w.get("tcp_connections", 0)),
     ("appliance_worker_quic_connections", "gauge", "QUIC connections the worker holds.",
      lambda w: len(w.get("quic_peers", []))),
     ("appliance_worker_quic_datagrams_total", "counter", "Datagrams received on the worker's UDP socket.",

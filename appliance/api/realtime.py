@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from appliance.api.metrics import Metrics
-from appliance.api.openai_audio import pick_model
+from appliance.api.openai_models import speech_to_text
 from appliance.api.realtime_session import (
     COMPLETED,
     MAX_BUFFER_S,
@@ -67,7 +67,7 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
         speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
         if not speech:
             raise NotFound("this firmware serves no speech_to_text model")
-        model = pick_model(models, params.get("query:model", speech[0].name), "transcribe")
+        model = speech_to_text(models, params.get("query:model", speech[0].name), "transcribe", None)
         return Response(101, session=partial(transcription, models, metrics, model.name, request.client, None))
 
     return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
@@ -144,7 +144,7 @@ class Turns:
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
 
     def _model(self) -> LiveTranscriber:
-        model = pick_model(self.models, self.session.settings.model, "transcribe")
+        model = speech_to_text(self.models, self.session.settings.model, "transcribe", None)
         if not isinstance(model, LiveTranscriber):  # a live stream needs the kind's VAD-fed sequences
             raise RealtimeError(f"model {model.name} takes no live streams", "model_not_found")
         return model

@@ -64,6 +64,18 @@ class QuicConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpsConfig:
+    """HTTPS on TCP for LAN clients and browsers (HTTP/1.1 over TLS). TLS from [quic]'s certificate,
+    private_key and client_ca: the box has one identity, whichever transport reaches it."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8443
+    max_connections: int = 256  # TLS connections, apart from the Unix socket's server.max_connections
+    alt_svc: bool = True  # where QUIC serves, every answer says so (Alt-Svc: h3=":PORT"): browsers move to it
+
+
+@dataclass(frozen=True, slots=True)
 class ConnCacheConfig:
     """The QUIC listener's per-peer table (eBPF in the kernel, or user space) and flood budget."""
 
@@ -134,6 +146,7 @@ class LogConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     quic: QuicConfig = field(default_factory=QuicConfig)
+    https: HttpsConfig = field(default_factory=HttpsConfig)
     conncache: ConnCacheConfig = field(default_factory=ConnCacheConfig)
     firmware: FirmwareConfig = field(default_factory=FirmwareConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -279,6 +292,7 @@ def _check_values(config: Config) -> None:
         "quic.handshake_timeout_s": config.quic.handshake_timeout_s,
         "quic.max_handshakes_per_source": config.quic.max_handshakes_per_source,
         "quic.max_streams_per_connection": config.quic.max_streams_per_connection,
+        "https.max_connections": config.https.max_connections,
         "engine.threads": config.engine.threads,
         "sequences.max_live": config.sequences.max_live,
         "sequences.max_per_client": config.sequences.max_per_client,
@@ -302,6 +316,8 @@ def _check_values(config: Config) -> None:
         )
     if not 0 < config.quic.port < 65536:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
+    if not 0 < config.https.port < 65536:
+        raise ApplianceError(f"{source}: https.port: {config.https.port} is not a TCP port")
     host, _, port = config.wyoming.tcp.rpartition(":")
     if config.wyoming.tcp and not (host and port.isdigit() and 0 < int(port) < 65536):
         raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
@@ -326,6 +342,8 @@ RELOADABLE_KEYS = frozenset(
         "server.body_timeout_s",
         "server.keepalive_timeout_s",
         "server.pipeline_depth",
+        "https.max_connections",
+        "https.alt_svc",
         "engine.queue_delay_us",
         "sequences.idle_timeout_s",
         "sequences.max_live",

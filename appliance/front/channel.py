@@ -56,6 +56,7 @@ class WorkerReport:
     pid: int
     in_flight: int
     connections: int  # on the Unix socket
+    tcp_connections: int  # HTTPS
     quic_peers: list[str]  # the address of each of its QUIC connections
     quic_datagrams: int  # received on its UDP socket
     quic_stray_datagrams: int  # of those, short-header ones for a connection it does not have

@@ -1,11 +1,12 @@
 """The engine process's side of the protocol workers: start them, answer their requests with the one
 API core, restart one that dies, and stop them all.
 
-Every worker accepts on the one Unix socket (systemd's, or the daemon's own) and, where QUIC is served
-across workers, reads its own UDP socket of the SO_REUSEPORT group. The engine process keeps every
-socket open, so a restarted worker gets the same ones back: a crash loses only that worker's
-connections, and datagrams for its QUIC connections wait in its socket meanwhile. Sequences live in the
-engine process: a sequence opened through one worker continues through any other."""
+Every worker accepts on the one Unix socket (systemd's, or the daemon's own) and on the one HTTPS TCP
+socket where that is served, and, where QUIC is served across workers, reads its own UDP socket of the
+SO_REUSEPORT group. The engine process keeps every socket open, so a restarted worker gets the same
+ones back: a crash loses only that worker's connections, and datagrams for its QUIC connections wait in
+its socket meanwhile. Sequences live in the engine process: a sequence opened through one worker
+continues through any other."""
 
 from __future__ import annotations
 
@@ -80,8 +81,12 @@ class Supervisor:
         count: int,
         conncache: str,
         firmware_label: str,
+        tcp_sock: socket.socket | None = None,
+        quic_port: int | None = None,
     ) -> None:
+        """`tcp_sock`: the HTTPS listener every worker accepts on; `quic_port`: what its Alt-Svc advertises."""
         self.api, self.config_paths, self.unix_sock = api, config_paths, unix_sock
+        self.tcp_sock, self.quic_port = tcp_sock, quic_port
         self.conncache, self.firmware_label = conncache, firmware_label
         self.slots = [WorkerSlot(i, quic[i] if i < len(quic) else None) for i in range(count)]
         self.stopping = False
@@ -139,6 +144,10 @@ class Supervisor:
             f"--firmware={self.firmware_label}",
             *(f"--config={p}" for p in self.config_paths or []),
         ]
+        if self.tcp_sock is not None:
+            fds.append(self.tcp_sock.fileno())
+            args.append(f"--tcp-fd={self.tcp_sock.fileno()}")
+            args += [f"--quic-port={self.quic_port}"] if self.quic_port is not None else []
         tickets: socket.socket | None = None  # the engine's end of a QUIC worker's ticket lookups
         tickets_worker: socket.socket | None = None
         if slot.quic is not None:

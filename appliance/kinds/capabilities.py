@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from appliance.config import VadConfig
-from appliance.engine.stats import RequestTimes
+from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.firmware import ModelSpec
 from appliance.kinds.base import SequenceCall
 from appliance.kinds.speech_api import LiveChunk, Options, Segment
@@ -25,6 +25,8 @@ class Transcriber(Protocol):
     """Speech to text (kind speech_to_text)."""
 
     spec: ModelSpec
+    stats: ModelStats  # the task APIs count their requests in it
+    weight_bytes: int  # how large it is: OpenAI's model names take the largest that can serve
 
     @property
     def name(self) -> str: ...
@@ -32,6 +34,11 @@ class Transcriber(Protocol):
     @property
     def multilingual(self) -> bool:
         """It hears other languages than English, and translates them to English."""
+        ...
+
+    @property
+    def languages(self) -> list[str]:
+        """The language codes it hears (["en"] for an English-only model)."""
         ...
 
     def check(self, options: Options) -> None:
@@ -52,11 +59,6 @@ class LiveTranscriber(Transcriber, Protocol):
     """Speech to text that also takes live streams, chunk by chunk, behind its VAD (/v1/realtime)."""
 
     sequences: Any  # its live streams (end(key) drops one without decoding it)
-
-    @property
-    def languages(self) -> list[str]:
-        """The language codes it hears."""
-        ...
 
     async def live_chunk(
         self,

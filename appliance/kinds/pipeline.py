@@ -176,7 +176,9 @@ class SpeechPipeline:
             raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
         multilingual = self.stt.multilingual
         by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
-        return Plan(Options(language=source, task="translate" if by_whisper else "transcribe"), target, voice)
+        options = Options(language=source, task="translate" if by_whisper else "transcribe")
+        self.stt.check(options)  # a source Whisper does not know is a 400 here, before the answer starts
+        return Plan(options, target, voice)
 
     async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
         """One segment through translation and speech; None where there is nothing to say."""

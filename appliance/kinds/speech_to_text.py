@@ -28,9 +28,10 @@ from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.audio_in import audio_input, decode_upload
 from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
+from appliance.kinds.counting import counted
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import LiveChunk, Options, Segment
-from appliance.kinds.speech_shards import Packer, ShardPlan
+from appliance.kinds.speech_shards import Packer, ShardPlan, placed_words
 from appliance.kinds.streaming import ndjson
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
@@ -93,6 +94,7 @@ class SpeechToText(EngineModel):
             cuda.memory_used if cuda.cuda is not None else None,
             window_samples=self.max_samples,
         )
+        self.weight_bytes = self.engine.weight_bytes
         self.stats = ModelStats()
         self.cutting = 0  # recordings in their VAD: their shards are on the way to the batcher
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
@@ -143,7 +145,7 @@ class SpeechToText(EngineModel):
 
     def _shard(self, audio: np.ndarray, options: Options) -> Shard:
         prompt = self.engine.tokens.encode(options.prompt) if options.prompt else ()
-        return Shard(audio, options.language, options.task, prompt, options.temperature)
+        return Shard(audio, options.language, options.task, prompt, options.temperature, options.words)
 
     async def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
@@ -218,10 +220,11 @@ class SpeechToText(EngineModel):
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
+        placed = placed_words(plan, runs, decoded.words, offset, SAMPLE_RATE)
         out = []
-        for first, last, text in runs:
+        for (first, last, text), words in zip(runs, placed):
             start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
-            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language, words))
         # Whisper read up to its last timestamp: the spans that start after it were not heard
         reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
         heard = sum(1 for span in plan.spans if span.offset < reached)
@@ -337,8 +340,12 @@ class SpeechToText(EngineModel):
         return outputs, opened
 
     async def _transcribe_route(self, request: Request, query: dict[str, str]) -> Response:
-        """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=]: a
-        recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded."""
+        """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=&words=true]:
+        a recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded;
+        counted in the statistics as a request of this model."""
+        return await counted(self.stats, self._transcribed(request, query))
+
+    async def _transcribed(self, request: Request, query: dict[str, str]) -> Response:
         stream, response_format, wanted = speech_api.transcribe_query(query)
         self.check(wanted)
         samples = await asyncio.to_thread(self.recording, request.body)
@@ -352,7 +359,8 @@ class SpeechToText(EngineModel):
                 f"streamed transcription by {self.name}",
                 {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
             )
-        return speech_api.render([s async for s in segments], response_format, wanted.task, duration)
+        shown = ("segment", "word") if wanted.words else ("segment",)
+        return speech_api.render([s async for s in segments], response_format, wanted.task, duration, shown)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())

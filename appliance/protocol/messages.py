@@ -89,8 +89,22 @@ def json_response(status: int, doc: Any) -> Response:
     return Response(status, json.dumps(doc, separators=(",", ":")).encode())
 
 
-def error_response(status: int, message: str) -> Response:
+def error_response(status: int, message: str, target: str = "") -> Response:
+    """The error document: OpenAI's shape under /v1/ (its clients show only its `message`), else KServe's."""
+    if target.startswith("/v1/"):
+        return json_response(status, openai_error(status, message))
     return json_response(status, {"error": message})
+
+
+OPENAI_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 429: "rate_limit_exceeded"}
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """{"error": {message, type, param, code}}, as OpenAI's API answers."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or OPENAI_CODES.get(status)}}
 
 
 def json_line(doc: Any) -> bytes:

@@ -1,4 +1,4 @@
-"""HTTP/1.1 over a stream socket (the Unix API socket): parse with httptools, call Api.handle, write.
+"""HTTP/1.1 over a stream socket (the Unix API socket; TLS on TCP, https.py): parse with httptools, call Api.handle, write.
 
 One protocol object per connection. Requests on a keep-alive connection are answered in order,
 also after the client half-closes; malformed HTTP gets a 400 naming the problem, in its turn after
@@ -24,13 +24,13 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from http import HTTPStatus
 
 import httptools
 
 from appliance.config import Live, ServerConfig
-from appliance.protocol.messages import Close, Handler, Request, Response, error_response
+from appliance.protocol.messages import Close, Handler, Opened, Request, Response, error_response
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
@@ -39,12 +39,13 @@ TIMEOUT_CHECK_S = 0.5
 LINGER_S = 2.0  # after a rejection, how long the rest of what the client sends is read and dropped
 
 
-def encode_response(response: Response, keep_alive: bool) -> bytes:
-    """The status line and headers, and the body unless it is streamed (then chunked follows)."""
+def encode_response(response: Response, keep_alive: bool, extra: Iterable[tuple[str, str]] = ()) -> bytes:
+    """The status line and headers (the transport's `extra` ones last), and the body unless it is
+    streamed (then chunked follows)."""
     reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
     length = "transfer-encoding: chunked" if response.stream else f"content-length: {len(response.body)}"
     head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
-    head += [f"{k}: {v}" for k, v in response.headers]
+    head += [f"{k}: {v}" for k, v in (*response.headers, *extra)]
     if not keep_alive:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
@@ -71,7 +72,11 @@ def head_without_upgrade(request: Request) -> bytes:
 
 
 class Http1Server:
-    """Shared state of all connections: the API, the live settings, the body budget, who is connected."""
+    """Shared state of all connections: the API, the live settings, the body budget, who is connected.
+    The Unix socket's; a TCP listener's (https.py) overrides who a client is, its connection limit,
+    the headers every answer carries, and what a closed connection leaves behind."""
+
+    half_close = True  # a client may half-close after its requests and still read the answers
 
     def __init__(self, api: Handler, live: Live, budget: BodyBudget) -> None:
         self.api, self.live, self.budget = api, live, budget
@@ -81,6 +86,23 @@ class Http1Server:
     @property
     def limits(self) -> ServerConfig:
         return self.live.config.server
+
+    @property
+    def max_connections(self) -> int:
+        return self.limits.max_connections
+
+    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
+        """Who the client is (Request.client) and its address (Request.peer)."""
+        return peer_uid(transport.get_extra_info("socket")), ""
+
+    def extra_headers(self) -> Iterable[tuple[str, str]]:
+        return ()
+
+    def opened(self, client: str, opened: Opened) -> None:
+        """A request of `client` opened a sequence (the Unix socket's user keeps it past the connection)."""
+
+    def closed(self, client: str) -> None:
+        """A connection of `client` ended."""
 
     def protocol(self) -> HttpConnection:
         if self._timeouts is None:
@@ -114,7 +136,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue: deque[tuple[Request | Response, bool]] = deque()
         self.busy = False
         self._assembler: RequestAssembler | None = None  # a request under way (begun, not complete)
-        self.client = ""
+        self.client = self.peer = ""
         self._idle_since = time.monotonic()
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
@@ -132,14 +154,16 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio callbacks ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.client = peer_uid(transport.get_extra_info("socket"))
-        if len(self.server.connections) >= self.server.limits.max_connections:
-            self._reject(limit_bit(503, f"too many connections (limit {self.server.limits.max_connections})"))
+        self.client, self.peer = self.server.identify(transport)
+        if len(self.server.connections) >= self.server.max_connections:
+            self._reject(limit_bit(503, f"too many connections (limit {self.server.max_connections})"))
             return
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            self.server.closed(self.client)
         if self.websocket is not None:
             self.websocket.lost()
         self._writable.set()  # a task waiting to write finds the transport closed and ends
@@ -158,7 +182,9 @@ class HttpConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         """A half-close after whole requests: answer them, then close (True keeps the transport open)."""
         self._half_closed = True
-        return not self._rejected and self.websocket is None and bool(self.busy or self.queue)
+        return (
+            self.server.half_close and not self._rejected and self.websocket is None and bool(self.busy or self.queue)
+        )
 
     def data_received(self, data: bytes) -> None:
         if self.websocket is not None:
@@ -221,7 +247,9 @@ class HttpConnection(asyncio.Protocol):
 
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
     def on_message_begin(self) -> None:
-        self._assembler = RequestAssembler(self.server.limits, budget=self.server.budget, client=self.client)
+        self._assembler = RequestAssembler(
+            self.server.limits, peer=self.peer, budget=self.server.budget, client=self.client
+        )
 
     def on_url(self, url: bytes) -> None:
         self._step().add_target(url)
@@ -272,7 +300,7 @@ class HttpConnection(asyncio.Protocol):
                     self._paused = False
                     self.transport.resume_reading()
                 if isinstance(entry, Response):  # a rejection: the last answer on this connection
-                    self.transport.write(encode_response(entry, keep_alive=False))
+                    self.transport.write(encode_response(entry, False, self.server.extra_headers()))
                     self._linger()
                     return
                 if entry is self._upgrade:
@@ -282,11 +310,13 @@ class HttpConnection(asyncio.Protocol):
                     response = await self.server.api.handle(entry)
                 finally:
                     self._release(len(entry.body))
+                if response.opened is not None:
+                    self.server.opened(self.client, response.opened)
                 if self.transport.is_closing():
                     return
                 keep_alive = keep_alive and (self.server.api.keep_connections() or bool(self.queue))
                 keep_alive = keep_alive and not (self._half_closed and not self.queue)
-                self.transport.write(encode_response(response, keep_alive))
+                self.transport.write(encode_response(response, keep_alive, self.server.extra_headers()))
                 if response.stream is not None and not await self._write_chunks(response.stream):
                     return
                 if not keep_alive:
@@ -324,7 +354,7 @@ class HttpConnection(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if response.session is None:
-            self.transport.write(encode_response(response, keep_alive=False))
+            self.transport.write(encode_response(response, False, self.server.extra_headers()))
             self.transport.close()
             return
         head = f"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept_token(key)}\r\n"
