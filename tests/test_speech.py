@@ -185,7 +185,7 @@ def test_kserve_bytes_in_bytes_out(client: Client) -> None:
         ("/translate", {"q": "hello", "source": "auto", "target": "pt"}, 400, "detect"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "  "}, 400, "empty"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "a" * (1 << 20)}, 413, "characters"),
-        ("/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": "hi"}, 400, "unknown voice"),
+        ("/v1/audio/speech", {"model": "tts-1", "voice": "darth", "input": "hi"}, 400, "unknown voice"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "hi", "speed": 9}, 400, "speed"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "... !!"}, 400, "nothing to say"),
     ],
@@ -282,4 +282,4 @@ def test_the_openai_client_speaks_and_streams(speech_daemon: Daemon) -> None:
         pieces = list(response.iter_bytes())
     assert len(pieces) >= 2 and 4.0 < len(b"".join(pieces)) / 2 / 22050 < 12.0
     with pytest.raises(openai.BadRequestError, match="unknown voice"):
-        client.audio.speech.create(model="tts-1", voice="alloy", input="Hello.")
+        client.audio.speech.create(model="tts-1", voice="darth", input="Hello.")

@@ -9,8 +9,11 @@ from appliance.engine.choice import load_engine
 from appliance.engine.interface import Engine
 from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds.base import ServedModel
+from appliance.kinds.kokoro import KokoroSpeaker
+from appliance.kinds.language_id import LanguageIdentifier
 from appliance.kinds.onnx import OnnxModel
 from appliance.kinds.pipeline import SpeechPipeline
+from appliance.kinds.speakers import PiperSpeaker
 from appliance.kinds.speech import SpeechModel
 from appliance.kinds.speech_to_text import SpeechToText
 from appliance.kinds.translation import TranslationModel
@@ -33,7 +36,13 @@ KINDS: dict[str, Factory] = {
     "onnx": lambda spec, bundle, live, loaded: OnnxModel(
         spec, bundle.manifest.baked, _engine_for(spec, bundle, live), live
     ),
-    "speech_synthesis": lambda spec, bundle, live, loaded: SpeechModel(spec, bundle, live),
+    "speech_synthesis": lambda spec, bundle, live, loaded: SpeechModel(
+        spec, bundle, live, PiperSpeaker(spec, bundle, live)
+    ),
+    "kokoro_speech": lambda spec, bundle, live, loaded: SpeechModel(
+        spec, bundle, live, KokoroSpeaker(spec, bundle, live)
+    ),
+    "language_identification": lambda spec, bundle, live, loaded: LanguageIdentifier(spec, bundle, live),
     "text_translation": lambda spec, bundle, live, loaded: TranslationModel(spec, bundle, live),
     "speech_to_text": SpeechToText,
     "speech_pipeline": SpeechPipeline,

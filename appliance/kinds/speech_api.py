@@ -65,6 +65,7 @@ class Segment:
     end: float
     text: str
     language: str
+    language_probability: float = 1.0  # Whisper's, where it detected the language
 
 
 @dataclass(slots=True, eq=False)
