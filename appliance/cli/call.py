@@ -144,7 +144,9 @@ def _interpret(client: Client, args: argparse.Namespace) -> None:
         shown = (
             line["source_text"] if line["text"] == line["source_text"] else f"{line['source_text']} -> {line['text']}"
         )
-        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({line['language']}) {shown}", flush=True)
+        heard = f"{line['language']} {line.get('language_probability', 1.0):.2f}"  # Whisper's language, its probability
+        note = f"  [{line['note']}]" if line.get("note") else ""
+        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({heard}) {shown}{note}", flush=True)
     import numpy as np  # lazy: as for `call probs`
     import soundfile
 
