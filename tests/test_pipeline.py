@@ -1,10 +1,13 @@
-"""Speech in, translated speech out: the interpreter firmware (VAD, Whisper, Bergamot pairs, the Piper voice
-and the pipeline over them) on a real daemon; the box's speech checked by the box's own Whisper."""
+"""Speech in, translated speech out: the interpreter firmware (VAD, Whisper, Bergamot pairs, the Piper voice,
+the Kokoro Portuguese voices, language identification and the pipeline over them) on a real daemon; the
+box's English speech checked by the box's own Whisper, its Portuguese by an independent faster-whisper
+run; Portuguese and Spanish test speech from Kokoro run outside the box (tests/kokoro.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 from pathlib import Path
 
@@ -14,6 +17,8 @@ import pytest
 import soundfile
 import soxr
 from conftest import ROOT, Daemon, Keys, cli
+from faster_whisper import WhisperModel
+from kokoro import Kokoro, whisper_base
 from speech import RATE, say
 
 from appliance.audio import encode_wav
@@ -111,7 +116,7 @@ def test_kserve_recording_and_live_stream(client: Client) -> None:
 
 def test_bad_input(client: Client) -> None:
     wav = encode_wav(recording(ENGLISH[:1]), RATE)
-    for target, status, says in (("pt", 400, "no voice speaks 'pt'"), ("xx", 400, "no voice")):
+    for target, status, says in (("de", 400, "no voice speaks 'de' (targets: en, pt)"), ("xx", 400, "no voice")):
         response = client.send(Call("POST", f"/v2/models/interpreter/interpret?to={target}", wav))
         assert response.status == status and says in response.json()["error"]
     response = client.send(Call("POST", "/v2/models/interpreter/interpret?from=en&to=en&speed=2", wav))
@@ -128,3 +133,89 @@ def test_cli_interpret(interpreter: Daemon, tmp_path: Path) -> None:
     assert "hospital" in result.stdout.lower()
     with soundfile.SoundFile(tmp_path / "out.wav") as out:
         assert out.samplerate == 22050 and out.frames > 22050
+
+
+PORTUGUESE = ["O trem sai às três da tarde.", "Meu irmão trabalha no hospital."]
+SPANISH = ["El tren sale a las tres de la tarde.", "Mi hermano trabaja en el hospital."]
+
+
+@pytest.fixture(scope="module")
+def kokoro(tmp_path_factory: pytest.TempPathFactory) -> Kokoro:
+    return Kokoro(tmp_path_factory.mktemp("kokoro"))
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory: pytest.TempPathFactory) -> WhisperModel:
+    """faster-whisper on the Whisper base directory the firmware's whisper_base is: a run of its own."""
+    return WhisperModel(str(whisper_base(tmp_path_factory.mktemp("whisper"))), device="cpu", compute_type="int8")
+
+
+def spoken_by(kokoro: Kokoro, sentences: list[str], voice: str) -> bytes:
+    gap = np.zeros(RATE, np.float32)
+    return encode_wav(
+        np.concatenate([gap, *(np.concatenate([kokoro.speech16k(s, voice), gap]) for s in sentences)]), RATE
+    )
+
+
+def transcribed(whisper: WhisperModel, segments: list[dict], language: str) -> str:
+    audio = np.frombuffer(b"".join(base64.b64decode(s["audio"]) for s in segments), "<i2").astype(np.float32)
+    rate = segments[0]["sample_rate"]
+    heard, _ = whisper.transcribe(soxr.resample(audio / 32768, rate, RATE), language=language, beam_size=5)
+    return " ".join(s.text for s in heard).lower()
+
+
+def test_english_speech_answers_portuguese_speech(client: Client, whisper: WhisperModel) -> None:
+    *segments, summary = client.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter", "pt")
+    assert summary["done"] and segments and all(s["sample_rate"] == 24000 for s in segments)
+    assert all(s["language"] == "en" and s["language_probability"] > 0.5 and "note" not in s for s in segments)
+    text = " ".join(s["text"] for s in segments).lower()
+    assert sum(w in text for w in ("trem", "tarde", "irmão", "hospital")) >= 3, text
+    heard = transcribed(whisper, segments, "pt")  # the Portuguese speech, by an independent Whisper
+    assert sum(w in heard for w in ("trem", "tarde", "irmão", "hospital")) >= 3, heard
+
+
+@pytest.mark.parametrize(
+    ("sentences", "voice", "language"), [(PORTUGUESE, "pm_alex", "pt"), (SPANISH, "ef_dora", "es")]
+)
+def test_portuguese_and_spanish_speech_answer_english_speech(
+    client: Client, kokoro: Kokoro, whisper: WhisperModel, sentences: list[str], voice: str, language: str
+) -> None:
+    *segments, summary = client.stream_interpret(spoken_by(kokoro, sentences, voice), "interpreter", "en")
+    assert summary["done"] and segments and all(s["sample_rate"] == 22050 for s in segments)
+    assert all(s["language"] == language for s in segments), segments
+    text = words(" ".join(s["text"] for s in segments))
+    assert sum(w in text for w in KEY_WORDS) >= 3, text
+    heard = words(transcribed(whisper, segments, "en"))
+    assert sum(w in heard for w in KEY_WORDS) >= 3, heard
+
+
+def test_a_segment_with_no_path_says_so_and_is_not_spoken(client: Client, kokoro: Kokoro) -> None:
+    """Spanish speech to Portuguese: no es->pt pair; each line names what Whisper heard, the stream goes on."""
+    *segments, summary = client.stream_interpret(spoken_by(kokoro, SPANISH, "ef_dora"), "interpreter", "pt")
+    assert summary["done"] and segments
+    for s in segments:
+        assert s["language"] == "es" and s["text"] == "" and s["audio"] == "" and s["source_text"], s
+        assert "heard 'es': no path from it to 'pt' (from: en); not spoken" in s["note"], s
+
+
+def test_the_config_lists_each_target_with_its_voice_and_paths(client: Client) -> None:
+    targets = client.get("/v2/models/interpreter/config")["targets"]
+    assert {t: v["voice"] for t, v in targets.items()} == {"en": "joe", "pt": "pf_dora"}
+    assert {"from": "en", "through": ["whisper_base", "en-pt"]} in targets["pt"]["paths"]
+    assert {"from": "any", "through": ["whisper_base (translate)"]} in targets["en"]["paths"]
+    assert client.get("/v2/models/interpreter")["parameters"]["targets"] == targets
+
+
+def test_libretranslate_source_auto(client: Client) -> None:
+    call = Call(
+        "POST", "/translate", json.dumps({"q": "Eu gostaria de um café, por favor.", "source": "auto", "target": "en"}).encode(),
+        (("content-type", "application/json"),),
+    )  # fmt: skip
+    doc = checked(client.send(call)).json()
+    assert doc["detectedLanguage"]["language"] == "pt" and doc["detectedLanguage"]["confidence"] > 50, doc
+    assert "coffee" in doc["translatedText"].lower()
+    q = ["Where is the train station?", "Meu irmão trabalha no hospital."]
+    call = Call("POST", "/translate", json.dumps({"q": q, "source": "auto", "target": "pt"}).encode())
+    doc = checked(client.send(call)).json()
+    assert [d["language"] for d in doc["detectedLanguage"]] == ["en", "pt"], doc
+    assert "estação" in doc["translatedText"][0].lower() and doc["translatedText"][1] == q[1]

@@ -79,8 +79,7 @@ def test_kokoro_through_the_daemon_equals_onnxruntime_alone(client: Client, koko
         alone = kokoro.samples(kokoro.tokens(sentence, voice), voice)
         expected = np.clip(np.round(alone * 32767), -32767, 32767)
         assert out.dtype == np.int16 and len(out) == len(expected) > 24000, (voice, len(out), len(expected))
-        assert np.max(np.abs(out.astype(np.int64) - expected)) <= 64, voice  # rounding, threads' float order
-        assert np.corrcoef(out, expected)[0, 1] > 0.9999, voice
+        assert np.max(np.abs(out.astype(np.int64) - expected)) <= 1, voice  # measured: 0 (the same ids and style)
 
 
 def test_each_language_is_heard_by_an_independent_whisper(client: Client, whisper: WhisperModel) -> None:
@@ -137,7 +136,11 @@ def test_detect_short_sentences_in_every_language(client: Client) -> None:
         ("/v1/audio/speech", {"model": "kokoro", "voice": "pf_dora", "input": ""}, "input is empty"),
         ("/v1/audio/speech", {"model": "kokoro", "voice": "pf_dora", "input": " ... "}, "nothing to say"),
         ("/detect", {"q": "  "}, "q is empty"),
-        ("/translate", {"q": "Eu gostaria de um café, por favor.", "source": "auto", "target": "en"}, "no translation from 'pt' to 'en'"),
+        (
+            "/translate",
+            {"q": "Eu gostaria de um café, por favor.", "source": "auto", "target": "en"},
+            "no translation from 'pt' to 'en'",
+        ),
     ],
 )
 def test_bad_input(client: Client, path: str, body: dict, says: str) -> None:
