@@ -70,12 +70,7 @@ class KokoroSpeaker:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.lanes, thread_name_prefix="kokoro")
 
     def ids(self, voice: str, phonemes: list[str]) -> list[int]:
-        """[0, tokens..., 0]: espeak-ng's tied phonemes as Kokoro's symbols, unknown symbols dropped."""
-        text = "".join(phonemes)
-        for tied, symbol in TIED.items():
-            text = text.replace(tied, symbol)
-        text = text.replace("^", "").replace("-", "")
-        return [PAD, *(self.vocab[c] for c in text if c in self.vocab), PAD]
+        return kokoro_ids(self.vocab, phonemes)
 
     def run(self, shards: list[Shard]) -> list[np.ndarray]:
         alone = len(shards) == 1
@@ -97,6 +92,15 @@ class KokoroSpeaker:
         else:
             out = self.engine.run(feeds, 1)
         return to_int16(out[AUDIO].reshape(-1))
+
+
+def kokoro_ids(vocab: dict[str, int], phonemes: list[str]) -> list[int]:
+    """[0, tokens..., 0]: espeak-ng's tied phonemes as Kokoro's symbols, unknown symbols dropped."""
+    text = "".join(phonemes)
+    for tied, symbol in TIED.items():
+        text = text.replace(tied, symbol)
+    text = text.replace("^", "").replace("-", "")
+    return [PAD, *(vocab[c] for c in text if c in vocab), PAD]
 
 
 def to_int16(audio: np.ndarray) -> np.ndarray:
