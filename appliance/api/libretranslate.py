@@ -52,7 +52,9 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
 def _detector(models: Iterable[ServedModel]) -> LanguageIdentifier:
     found = next((m for m in models if isinstance(m, LanguageIdentifier)), None)
     if found is None:
-        raise BadRequest("this firmware has no language identification model to detect languages: give the source's code")
+        raise BadRequest(
+            "this firmware has no language identification model to detect languages: give the source's code"
+        )
     return found
 
 
