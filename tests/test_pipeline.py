@@ -131,6 +131,7 @@ def test_cli_interpret(interpreter: Daemon, tmp_path: Path) -> None:
     source.write_bytes(encode_wav(recording(ENGLISH), RATE))
     result = cli("call", "interpret", source, "-o", tmp_path / "out.wav", "--socket", interpreter.socket)
     assert "hospital" in result.stdout.lower()
+    assert re.search(r"\(en (0\.[5-9]\d|1\.00)\)", result.stdout), result.stdout  # Whisper's language, its probability
     with soundfile.SoundFile(tmp_path / "out.wav") as out:
         assert out.samplerate == 22050 and out.frames > 22050
 

@@ -197,3 +197,10 @@ def test_a_tampered_voice_file_fails_verify(keys: Keys, bundle: Path, tmp_path: 
     result = cli("firmware", "verify", copy, "--trusted-keys", keys.trusted, check=False)
     assert result.returncode != 0 and "models/kokoro/voices/if_sara.bin" in result.stderr, result.stderr
     assert re.search(r"sha256|hash", result.stderr)
+
+
+def test_cli_speak_picks_the_voice_of_the_text(voices: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "es.wav"
+    cli("call", "speak", "La biblioteca cierra a las seis.", "-o", out, "--socket", voices.socket)
+    with soundfile.SoundFile(out) as wav:
+        assert wav.samplerate == 24000 and wav.frames > 24000

@@ -113,14 +113,16 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
     audio_format = args.format or "wav"
     if audio_format not in SPEAK_FORMATS:
         raise ApplianceError(f"speak: --format {audio_format} is not an audio format ({', '.join(SPEAK_FORMATS)})")
-    voice = args.voice or _first_of_kind(client, "speech_synthesis")
+    voice = args.voice or "alloy"  # an OpenAI name: the box picks its voice of the text's language
     try:
         with open(args.output, "wb") as out:
             for piece in client.stream_speech(
                 " ".join(args.args), voice, response_format=audio_format, speed=args.speed
             ):
                 out.write(piece)
-            if audio_format == "wav" and out.seekable():  # streamed with unknown sizes: a file knows them at the end
+            if (
+                audio_format == "wav" and out.seekable() and out.tell() >= 44
+            ):  # streamed with unknown sizes: a file knows them at the end
                 size = out.tell()
                 out.seek(4)
                 out.write((size - 8).to_bytes(4, "little"))
@@ -307,7 +309,7 @@ def add_parsers(sub: Any) -> None:
         help=f"speak: {'|'.join(SPEAK_FORMATS)} (default wav); transcribe: {'|'.join(speech.FORMATS)} (default text)",
     )
     call.add_argument("-o", "--output", metavar="FILE", help="speak: the audio file to write")
-    call.add_argument("--voice", help="speak: the voice (default: the firmware's first speech model)")
+    call.add_argument("--voice", help="speak: the voice (default: the firmware's voice of the text's language)")
     call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
     call.add_argument("--to", metavar="LANG", help="translate, interpret: the target language code")
     call.add_argument("--from", dest="source", metavar="LANG", help="translate, interpret: the source language code")
