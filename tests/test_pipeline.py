@@ -220,3 +220,33 @@ def test_libretranslate_source_auto(client: Client) -> None:
     doc = checked(client.send(call)).json()
     assert [d["language"] for d in doc["detectedLanguage"]] == ["en", "pt"], doc
     assert "estação" in doc["translatedText"][0].lower() and doc["translatedText"][1] == q[1]
+
+
+def test_a_target_no_translation_reaches_is_a_400_naming_those_that_have_one(
+    keys: Keys, tmp_path: Path, tls: tuple[Path, Path]
+) -> None:
+    """The interpreter firmware with a Spanish voice instead of the Portuguese ones and no pairs: es has a
+    voice but no path (Whisper translates to English only)."""
+    pins = {  # pf_dora's style table (pinned in the spec) -> ef_dora's
+        "pf_dora": "3da7b5b2d91847ebf5646f57631af6ececae3c29a89cd300f06edf9aa6cfe9ee",
+        "ef_dora": "f66ec66bd295acb18372e37008533a9a3228483ccd294e7538d5d9294ac9a532",
+    }
+    spec = SPEC.read_text().replace('"../build/', f'"{ROOT}/build/').replace(pins["pf_dora"], pins["ef_dora"])
+    spec = spec.replace("voices/pf_dora.bin", "voices/ef_dora.bin")  # the assembled file and its source
+    spec = spec.replace('voices = ["pf_dora", "pm_alex"]', 'voices = ["ef_dora"]')
+    spec = spec.replace('voices = ["joe", "pf_dora"], translations = ["en-pt", "pt-en"]', 'voices = ["joe", "ef_dora"]')
+    (tmp_path / "es.toml").write_text(spec)
+    cli("firmware", "build", tmp_path / "es.toml", "--key", keys.private, "--out", tmp_path / "bundle")
+    (tmp_path / "d").mkdir()
+    daemon = Daemon(tmp_path / "d", tmp_path / "bundle", keys.trusted).wait_ready(180)
+    try:
+        with daemon.client("unix") as client:
+            targets = client.get("/v2/models/interpreter/config")["targets"]
+            assert targets["es"] == {"voice": "ef_dora", "model": "kokoro", "paths": []}, targets
+            assert targets["en"]["paths"], targets
+            wav = encode_wav(recording(ENGLISH[:1]), RATE)
+            response = client.send(Call("POST", "/v2/models/interpreter/interpret?to=es", wav))
+            error = response.json()["error"]
+            assert response.status == 400 and "no path to 'es'" in error and "(targets: en)" in error, error
+    finally:
+        assert daemon.stop() == 0, daemon.log.read_text()

@@ -193,6 +193,8 @@ class SpeechPipeline:
                 paths.append({"from": "any", "through": [f"{self.stt.name} (translate)"]})
             if language != "en" and not multilingual:
                 paths = [p for p in paths if p["from"] == "en"]
+            if not self.reachable(language):  # heard and spoken in it alone is no interpretation: a 400
+                paths = []
             out[language] = {"voice": voice.name, "model": model.name, "paths": paths}
         return out
 
