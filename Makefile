@@ -85,7 +85,7 @@ venv: $(VENV)/.installed
 $(DEV_KEY): | venv
 	$(APPLIANCE) keys new --out $(DEV_KEY) --trust-dir $(TRUSTED)
 
-# build/firmware/NAME from firmware/NAME.toml: interpreter (VAD, Whisper, the Piper voice, Bergamot en<->pt,
+# build/firmware/NAME from firmware/NAME.toml: interpreter (VAD, Whisper, the Piper voice, Kokoro pt-BR, Bergamot en<->pt,
 # the pipeline), default (VAD only).
 build/firmware/%/manifest.json: firmware/%.toml $(DEV_KEY) | venv kokoro-voices
 	$(APPLIANCE) firmware build $< --key $(DEV_KEY) --out build/firmware/$*
