@@ -23,9 +23,8 @@ from appliance.api.bodies import json_or_form
 from appliance.api.routes import Route
 from appliance.errors import BadRequest
 from appliance.kinds.base import ServedModel
-from appliance.kinds.language_id import LanguageIdentifier
+from appliance.kinds.capabilities import LanguageDetector, Translator
 from appliance.kinds.text import MAX_TEXT_CHARS, checked_text
-from appliance.kinds.translation import TranslationModel
 from appliance.protocol.messages import Request, Response, json_response
 
 DETECT_CANDIDATES = 3  # /detect's answers, best first
@@ -49,8 +48,8 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
     ]
 
 
-def _detector(models: Iterable[ServedModel]) -> LanguageIdentifier:
-    found = next((m for m in models if isinstance(m, LanguageIdentifier)), None)
+def _detector(models: Iterable[ServedModel]) -> LanguageDetector:
+    found = next((m for m in models if isinstance(m, LanguageDetector)), None)
     if found is None:
         raise BadRequest(
             "this firmware has no language identification model to detect languages: give the source's code"
@@ -58,7 +57,7 @@ def _detector(models: Iterable[ServedModel]) -> LanguageIdentifier:
     return found
 
 
-def _detected(detector: LanguageIdentifier, text: str, candidates: int = 1) -> list[dict[str, object]]:
+def _detected(detector: LanguageDetector, text: str, candidates: int = 1) -> list[dict[str, object]]:
     return [{"language": code, "confidence": round(p * 100, 1)} for code, p in detector.detect(text, candidates)]
 
 
@@ -69,8 +68,8 @@ async def detect(models: Iterable[ServedModel], request: Request) -> Response:
     return json_response(200, _detected(detector, text, DETECT_CANDIDATES))
 
 
-def _pairs(models: Iterable[ServedModel]) -> dict[tuple[str, str], TranslationModel]:
-    return {(m.source, m.target): m for m in models if isinstance(m, TranslationModel)}
+def _pairs(models: Iterable[ServedModel]) -> dict[tuple[str, str], Translator]:
+    return {(m.source, m.target): m for m in models if isinstance(m, Translator)}
 
 
 async def languages(models: Iterable[ServedModel], request: Request) -> Response:
@@ -108,7 +107,7 @@ async def translate(models: Iterable[ServedModel], request: Request) -> Response
     return json_response(200, answer)
 
 
-def _pair(pairs: dict[tuple[str, str], TranslationModel], source: str, target: str) -> TranslationModel | None:
+def _pair(pairs: dict[tuple[str, str], Translator], source: str, target: str) -> Translator | None:
     """The pair from source to target; None where they are one language (the text comes back as it is)."""
     if source == target and any(target in pair for pair in pairs):
         return None
@@ -119,5 +118,5 @@ def _pair(pairs: dict[tuple[str, str], TranslationModel], source: str, target: s
     return model
 
 
-async def _translate(model: TranslationModel | None, text: str) -> str:
+async def _translate(model: Translator | None, text: str) -> str:
     return text if model is None else await model.translate(text)

@@ -17,17 +17,17 @@ import io
 import logging
 import re
 import struct
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import soundfile
 
 from appliance.api.bodies import json_body, openai_errors
 from appliance.api.routes import Route
-from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
-from appliance.kinds.language_id import LanguageIdentifier
-from appliance.kinds.speech import MAX_SPEED, MIN_SPEED, SpeechModel
+from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, LanguageDetector, Speaker
+from appliance.kinds.streaming import guarded
 from appliance.kinds.text import checked_text
 from appliance.protocol.messages import Request, Response, json_response
 
@@ -54,7 +54,7 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
 
 async def voices_listing(models: Iterable[ServedModel]) -> Response:
     """Every voice of the firmware, in its order, with its language and model, and each language's default."""
-    voices = [v for m in models if isinstance(m, SpeechModel) for v in m.listing()]
+    voices = [v for m in models if isinstance(m, Speaker) for v in m.listing()]
     defaults: dict[str, str] = {}
     for v in voices:
         defaults.setdefault(v["language"], v["name"])
@@ -64,7 +64,7 @@ async def voices_listing(models: Iterable[ServedModel]) -> Response:
 async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     doc = json_body(request.body)
     served = list(models)
-    voices = [m for m in served if isinstance(m, SpeechModel)]
+    voices: list[Speaker] = [m for m in served if isinstance(m, Speaker)]
     text = checked_text(doc.get("input"), "input")
     model, voice, headers = _model(voices, doc.get("model"), doc.get("voice"), text, served)
     audio_format = doc.get("response_format", "wav")
@@ -80,13 +80,23 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     if audio_format == "flac":
         samples = [p async for p in pieces]
         return Response(200, _flac(samples, rate), FORMATS["flac"], headers)
+    # the header, then each sentence's samples as soon as it is ready; a failure ends the stream early
+    # (the status has been sent), logged; a client gone mid-stream drops the shards not yet started
     first = wav_header(rate, STREAMED_UNKNOWN) if audio_format == "wav" else b""
-    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=_stream(first, pieces, model.name))
+    body = guarded(
+        pieces,
+        lambda s: s.astype("<i2").tobytes(),
+        lambda message: b"",
+        f"speech from {model.name}",
+        {"MODEL": model.name},
+        head=first,
+    )
+    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=body)
 
 
 def _model(
-    voices: list[SpeechModel], name: object, voice: object, text: str, models: list[ServedModel]
-) -> tuple[SpeechModel, str, list[tuple[str, str]]]:
+    voices: list[Speaker], name: object, voice: object, text: str, models: list[ServedModel]
+) -> tuple[Speaker, str, list[tuple[str, str]]]:
     """The speech model and voice a request names, and the headers that say which spoke and why."""
     if not voices:
         raise NotFound("this firmware has no speech model")
@@ -103,7 +113,7 @@ def _model(
             return m, m.voice_name, [("x-voice", m.voice_name)]
     if voice.lower() not in OPENAI_VOICES:
         raise BadRequest(f"unknown voice {voice[:80]!r} (voices: {_names(candidates)})")
-    detector = next((m for m in models if isinstance(m, LanguageIdentifier)), None)
+    detector = next((m for m in models if isinstance(m, LanguageDetector)), None)
     if detector is None:
         return candidates[0], candidates[0].voice_name, [("x-voice", candidates[0].voice_name)]
     language, confidence = detector.detect(text)[0]
@@ -115,7 +125,7 @@ def _model(
     return candidates[0], candidates[0].voice_name, [("x-voice", candidates[0].voice_name), *headers]
 
 
-def _names(voices: list[SpeechModel]) -> str:
+def _names(voices: list[Speaker]) -> str:
     return ", ".join(v for m in voices for v in m.voices)
 
 
@@ -138,19 +148,3 @@ def _flac(pieces: list[np.ndarray], rate: int) -> bytes:
     out = io.BytesIO()
     soundfile.write(out, np.concatenate(pieces) if pieces else np.zeros(0, np.int16), rate, format="FLAC")
     return out.getvalue()
-
-
-async def _stream(first: bytes, pieces: AsyncGenerator[np.ndarray, None], model: str) -> AsyncGenerator[bytes, None]:
-    """The header, then each sentence's samples as soon as it is ready; a failure ends the stream
-    early (the status has been sent), logged."""
-    if first:
-        yield first
-    try:
-        async for samples in pieces:
-            yield samples.astype("<i2").tobytes()
-    except ApiError as exc:
-        log.warning("speech from %s ended early: %s", model, exc.message)
-    except Exception:
-        log.exception("speech from %s crashed while streaming", model)
-    finally:
-        await pieces.aclose()  # a client gone mid-stream: its shards not yet started are dropped now

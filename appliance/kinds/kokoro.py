@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -26,7 +27,10 @@ from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.errors import ApplianceError
 from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.voices import STYLE_DIM, STYLE_ROWS, language_of, voice_file
-from appliance.kinds.speakers import Shard, SpokenVoice, lanes_for
+from appliance.kinds.base import ServedModel
+from appliance.kinds.capabilities import SpokenVoice
+from appliance.kinds.speakers import Shard, lanes_for
+from appliance.kinds.speech import SpeechModel
 
 SAMPLE_RATE = 24000
 TOKENS, STYLE, SPEED, AUDIO = "tokens", "style", "speed", "audio"
@@ -37,6 +41,13 @@ TIED = {
     "a^ɪ": "I", "a^ʊ": "W", "d^z": "ʣ", "d^ʒ": "ʤ", "e^ɪ": "A", "o^ʊ": "O", "ə^ʊ": "Q", "s^s": "S",
     "t^s": "ʦ", "t^ʃ": "ʧ", "ɔ^ɪ": "Y",
 }  # fmt: skip
+
+
+class KokoroModel(SpeechModel):
+    """Kind kokoro_speech: Kokoro's voices served as a speech model."""
+
+    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> None:
+        super().__init__(spec, bundle, live, loaded, KokoroSpeaker(spec, bundle, live))
 
 
 class KokoroSpeaker:

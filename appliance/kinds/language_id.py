@@ -20,7 +20,7 @@ from appliance.config import Live
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task
 from appliance.kinds.text import MAX_TEXT_CHARS, checked_text, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
@@ -32,7 +32,7 @@ MOST_LABELS = 176  # lid.176's languages
 
 
 class LanguageIdentifier:
-    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live) -> None:
+    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> None:
         self.spec, self.baked, self.live = spec, bundle.manifest.baked, live
         self.tasks: Mapping[str, Task] = {}
         self.sequences = NoSequences()

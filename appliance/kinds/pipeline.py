@@ -22,20 +22,19 @@ from typing import Any
 
 import numpy as np
 
-from appliance.audio import decode_audio
 from appliance.config import Live
+from appliance.engine.sequences import ScopedSequences
 from appliance.engine.stats import ModelStats, RequestTimes
-from appliance.errors import ApiError, ApplianceError, BadRequest
+from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds import speech_api
+from appliance.kinds.audio_in import decode_upload
 from appliance.kinds.base import SequenceCall, ServedModel, Task
-from appliance.kinds.speakers import SpokenVoice
-from appliance.kinds.speech import SpeechModel
-from appliance.kinds.speech_api import Options, Segment
+from appliance.kinds.capabilities import Speaker, SpokenVoice, Translator
+from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.kinds.speech_to_text import SpeechToText
-from appliance.kinds.translation import TranslationModel
+from appliance.kinds.streaming import ndjson
 from appliance.kinds.triton_config import model_config
-from appliance.protocol.messages import Opened, Request, Response, json_line
+from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 OUTPUTS = ("audio", "text", "source_text", "start", "end")
@@ -73,32 +72,8 @@ class Plan:
 
     options: Options  # the speech_to_text model's: its language where known, transcribe or translate
     target: str
-    speaker: SpeechModel  # the model whose `voice` speaks the target
+    speaker: Speaker  # the model whose `voice` speaks the target
     voice: str
-
-
-class _Sequences:
-    """The pipeline's live streams: the speech_to_text model's, under keys of the pipeline's own."""
-
-    def __init__(self, pipeline: SpeechPipeline) -> None:
-        self.pipeline = pipeline
-        self.opened: dict[object, int] = {}  # sequence id -> serial, while the speech model holds it
-
-    def key(self, sequence_id: object) -> object:
-        return (self.pipeline.name, sequence_id)
-
-    def __len__(self) -> int:
-        self.opened = {k: s for k, s in self.opened.items() if self.holds(k, s)}
-        return len(self.opened)
-
-    def holds(self, key: object, serial: int) -> bool:
-        return self.pipeline.stt.sequences.holds(self.key(key), serial)
-
-    def end_opened(self, key: object, serial: int) -> bool:
-        return self.pipeline.stt.sequences.end_opened(self.key(key), serial)
-
-    def expire(self, now: float) -> int:
-        return 0  # the speech_to_text model expires its streams, these among them
 
 
 class SpeechPipeline:
@@ -112,12 +87,12 @@ class SpeechPipeline:
         voices = [_voice(spec, loaded, str(name)) for name in names]
         # the first voice of a language speaks it
         self.voices = {v.language: (model, v) for model, v in reversed(voices)}
-        self.pairs = {(t.source, t.target): t for t in (_loaded(spec, loaded, n, TranslationModel) for n in pairs)}
+        self.pairs = {(t.source, t.target): t for t in (_loaded(spec, loaded, n, Translator) for n in pairs)}
         if not self.voices:
             raise ApplianceError(f"model {spec.name}: parameters.voices names no voice")
         self.default_target = voices[0][1].language
         self.stats = ModelStats()
-        self.sequences = _Sequences(self)
+        self.sequences = ScopedSequences(self.stt.sequences, self.name)  # live streams: the stt model's
         self.tasks: Mapping[str, Task] = {"interpret": self._interpret_route}
 
     @property
@@ -180,7 +155,7 @@ class SpeechPipeline:
     def targets(self) -> dict[str, dict[str, Any]]:
         """Each target language: its voice and the paths that reach it (speech heard in which language,
         through which models); a target no path reaches is listed with none."""
-        multilingual = self.stt.engine.tokens.multilingual
+        multilingual = self.stt.multilingual
         out = {}
         for language, (model, voice) in sorted(self.voices.items()):
             paths = [{"from": language, "through": [self.stt.name]}]  # heard in it: transcribed, spoken
@@ -200,7 +175,7 @@ class SpeechPipeline:
 
     def reachable(self, target: str) -> bool:
         """A target with a path from speech in another language (a pair, or Whisper's translation)."""
-        multilingual = self.stt.engine.tokens.multilingual
+        multilingual = self.stt.multilingual
         return any(t == target for _, t in self.pairs) or (target == "en" and multilingual)
 
     def _outputs(self) -> list[TensorSpec]:
@@ -238,7 +213,7 @@ class SpeechPipeline:
         source = source.lower() if source else None
         if source is not None and source != target and (source, target) not in self.pairs and target != "en":
             raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
-        multilingual = self.stt.engine.tokens.multilingual
+        multilingual = self.stt.multilingual
         by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
         options = Options(language=source, task="translate" if by_whisper else "transcribe")
         return Plan(options, target, spoken[0], spoken[1].name)
@@ -284,16 +259,13 @@ class SpeechPipeline:
             raise BadRequest("parameters.target and parameters.source must be language codes")
         plan = self.plan(*languages)
         if sequence is None:
-            samples = await asyncio.to_thread(speech_api.audio_input, request, self.stt)
+            samples = await asyncio.to_thread(self.stt.samples, request)
             return _tensors([d async for d in self.recording(samples, plan, times)]), None
-        samples = speech_api.audio_input(request, self.stt)
+        samples = self.stt.samples(request)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
         closed, _, serial = await self.stt.live_chunk(samples, inner, False, plan.options, times)
         done = [d for s in closed if (d := await self.interpret(s, plan)) is not None]
-        opened = None
-        if serial is not None and not sequence.end:
-            self.sequences.opened[sequence.id] = serial
-            opened = Opened(self.name, sequence.id, serial)
+        opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return _tensors(done), opened
 
     async def _interpret_route(self, request: Request, query: dict[str, str]) -> Response:
@@ -304,21 +276,24 @@ class SpeechPipeline:
         if unknown:
             raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: to, from)")
         plan = self.plan(query.get("to"), query.get("from"))  # a 400 before any work
-        samples = await asyncio.to_thread(decode_audio, request.body, 16000, speech_api.max_seconds(self.stt))
-        return Response(200, content_type="application/x-ndjson", stream=self._lines(samples, plan))
+        samples = await asyncio.to_thread(decode_upload, request.body, SAMPLE_RATE, self.live)
+        duration = round(len(samples) / SAMPLE_RATE, 3)
+        return ndjson(
+            self._recorded(samples, plan),
+            lambda done: done.as_json(plan.speaker.sample_rate),
+            lambda count: {"model_name": self.name, "duration": duration, "segments": count},
+            f"interpretation by {self.name}",
+            {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
+        )
 
-    async def _lines(self, samples: np.ndarray, plan: Plan) -> AsyncGenerator[bytes, None]:
-        started, times, count, ok = time.perf_counter_ns(), RequestTimes(), 0, False
+    async def _recorded(self, samples: np.ndarray, plan: Plan) -> AsyncGenerator[Interpreted, None]:
+        """`recording`, counted in the stats as one request when it ends (done, failed or abandoned)."""
+        started, times, ok = time.perf_counter_ns(), RequestTimes(), False
         interpreted = self.recording(samples, plan, times)
         try:
             async for done in interpreted:
-                count += 1
-                yield json_line(done.as_json(plan.speaker.sample_rate))
+                yield done
             ok = True
-            duration = round(len(samples) / 16000, 3)
-            yield json_line({"model_name": self.name, "duration": duration, "segments": count, "done": True})
-        except ApiError as exc:
-            yield json_line({"error": exc.message})
         finally:
             await interpreted.aclose()
             self.stats.record_request(ok, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)
@@ -331,9 +306,9 @@ def _loaded(spec: ModelSpec, loaded: Mapping[str, ServedModel], name: str, kind:
     return model
 
 
-def _voice(spec: ModelSpec, loaded: Mapping[str, ServedModel], name: str) -> tuple[SpeechModel, SpokenVoice]:
+def _voice(spec: ModelSpec, loaded: Mapping[str, ServedModel], name: str) -> tuple[Speaker, SpokenVoice]:
     """A voice the pipeline names: a voice of a speech model listed before it, or such a model (its first voice)."""
-    speakers = [m for m in loaded.values() if isinstance(m, SpeechModel)]
+    speakers = [m for m in loaded.values() if isinstance(m, Speaker)]
     for model in speakers:
         if name in model.voices:
             return model, model.voices[name]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -20,20 +19,14 @@ from appliance.engine.choice import load_engine
 from appliance.engine.interface import Engine
 from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.firmware import Bundle, ModelSpec
+from appliance.kinds.capabilities import SpokenVoice
 from appliance.kinds.phonemes import Voice
 from appliance.kinds.voice_graph import VoiceGraph
 
 Shard = tuple[list[int], float, str]  # phoneme ids, speed, voice name
 
 
-@dataclass(frozen=True, slots=True)
-class SpokenVoice:
-    name: str
-    language: str  # two-letter code ("pt")
-    espeak_voice: str  # the espeak-ng voice that makes its phonemes ("pt-br")
-
-
-class Speaker(Protocol):
+class VoiceBackend(Protocol):
     engine: Engine
     sample_rate: int
     backend: str  # Triton's backend name, for the model config

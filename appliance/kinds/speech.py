@@ -24,62 +24,47 @@ from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
+from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, SpokenVoice
 from appliance.kinds.phonemes import Phonemes, phonemize
-from appliance.kinds.speakers import Shard, Speaker, SpokenVoice
+from appliance.kinds.speakers import PiperSpeaker, Shard, VoiceBackend
 from appliance.kinds.text import ShardLimits, checked_text, clauses, grouped_by_sentence, plan_shards, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
 
-MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range for `speed`
 TEXT, AUDIO = "text", "audio"  # the KServe tensors
 VOICE = "voice"  # the KServe parameter naming one of the model's voices
 
 
-class SpeechModel:
-    """A speaker's voices served: KServe infer (a BYTES text in, INT16 audio out) and the OpenAI speech
-    route (api/openai_speech.py) through `prepare` and `synthesize`."""
+class SpeechModel(QueuedModel):
+    """A voice backend's voices served (kind speech_synthesis: a Piper voice): KServe infer (a BYTES text
+    in, INT16 audio out) and the OpenAI speech route (api/openai_speech.py) through `prepare` and
+    `synthesize`."""
 
-    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live, speaker: Speaker) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        bundle: Bundle,
+        live: Live,
+        loaded: Mapping[str, ServedModel],
+        speaker: VoiceBackend | None = None,
+    ) -> None:
+        speaker = speaker or PiperSpeaker(spec, bundle, live)
         self.spec, self.baked, self.live = spec, bundle.manifest.baked, live
         self.limits = ShardLimits.of(spec)
         self.tasks: Mapping[str, Task] = {}
         self.sequences = NoSequences()
         self.stats = ModelStats()
-        self.speaker, self.sample_rate = speaker, speaker.sample_rate
+        self.speaker, self.engine, self.sample_rate = speaker, speaker.engine, speaker.sample_rate
         self.voices: Mapping[str, SpokenVoice] = speaker.voices
         self.voice_name = next(iter(self.voices))  # the model's default voice
+        self.language = self.voices[self.voice_name].language
         # one shard of a request per batch: a lone request's first sentence runs alone on every thread
         # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[Shard, np.ndarray] = BatchQueue(
             speaker.run, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6, 1
         )
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.speaker.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return getattr(self.speaker.engine, "fallbacks", {})  # only the GPU engines fall back
-
-    @property
-    def queue_depth(self) -> int:
-        return self.queue.waiting
-
-    def start(self) -> None:
-        self.queue.start()
-
-    async def stop(self, timeout_s: float) -> bool:
-        return await self.queue.stop(timeout_s)
-
-    def expire_idle(self) -> int:
-        return 0
 
     async def probe(self) -> None:
         shards = await self.prepare("Ready.")

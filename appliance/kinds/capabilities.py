@@ -1,0 +1,110 @@
+"""What a model can do for the task APIs (OpenAI's audio and speech routes, LibreTranslate's, the
+speech pipeline), as protocols: they find models by what they do, never by their kind's class, so a
+new kind that transcribes, speaks or translates serves them unchanged, and importing an API loads no
+kind's engine (a VAD-only firmware never imports CTranslate2, fxtranslate or sentencepiece).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from appliance.engine.stats import RequestTimes
+from appliance.firmware import ModelSpec
+from appliance.kinds.speech_api import Options, Segment
+
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # a Speaker's range for `speed` (OpenAI's)
+
+
+@dataclass(frozen=True, slots=True)
+class SpokenVoice:
+    """One voice of a Speaker."""
+
+    name: str
+    language: str  # two-letter code ("pt")
+    espeak_voice: str  # the espeak-ng voice that makes its phonemes ("pt-br")
+
+
+@runtime_checkable
+class Transcriber(Protocol):
+    """Speech to text (kind speech_to_text)."""
+
+    spec: ModelSpec
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def multilingual(self) -> bool:
+        """It hears other languages than English, and translates them to English."""
+        ...
+
+    def check(self, options: Options) -> None:
+        """A 400 for options it cannot serve (a language it does not know, translate on an English-only model)."""
+        ...
+
+    def recording(self, body: bytes) -> np.ndarray:
+        """An uploaded recording as the samples it hears (blocking: call it off the event loop)."""
+        ...
+
+    def transcribe(
+        self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
+    ) -> AsyncIterator[Segment]: ...
+
+
+@runtime_checkable
+class Speaker(Protocol):
+    """Text to speech (kinds speech_synthesis, kokoro_speech): `prepare` a text's shards in one of its
+    voices, `synthesize` them at a speed."""
+
+    spec: ModelSpec
+    voice_name: str  # its default voice
+    language: str  # its default voice's language (ISO 639-1)
+    sample_rate: int
+    voices: Mapping[str, SpokenVoice]  # by name, in the firmware's order
+
+    @property
+    def name(self) -> str: ...
+
+    def voice(self, name: object | None) -> SpokenVoice:
+        """One of its voices by name (None: the default); a 400 naming them for another."""
+        ...
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Its voices with their language, model and rate (GET /v1/audio/voices, the metadata)."""
+        ...
+
+    async def prepare(self, text: str, voice: str | None = None) -> list[list[int]]: ...
+
+    def synthesize(
+        self, shards: list[list[int]], speed: float, times: RequestTimes | None = None, voice: str | None = None
+    ) -> AsyncGenerator[np.ndarray, None]: ...
+
+
+@runtime_checkable
+class LanguageDetector(Protocol):
+    """Text in, its likeliest languages out (kind language_identification)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def detect(self, text: str, candidates: int = 1) -> list[tuple[str, float]]:
+        """Language codes with their probability (0 to 1), best first."""
+        ...
+
+
+@runtime_checkable
+class Translator(Protocol):
+    """Text from one language to another (kind text_translation)."""
+
+    spec: ModelSpec
+    source: str
+    target: str
+
+    @property
+    def name(self) -> str: ...
+
+    async def translate(self, text: str, times: RequestTimes | None = None) -> str: ...
