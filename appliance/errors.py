@@ -8,10 +8,11 @@ class ApplianceError(Exception):
 class ApiError(Exception):
     status: int = 400
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, param: str | None = None) -> None:
         super().__init__(message)
         if status is not None:
             self.status = status
+        self.param = param  # the request field at fault, where one is (OpenAI's errors name it)
 
     @property
     def message(self) -> str:

@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import jiwer
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
-from conftest import ROOT, Daemon, Keys, cli
+from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
 from faster_whisper import WhisperModel
 from kokoro import Kokoro
 from speech import RATE, say
@@ -259,3 +260,19 @@ def test_a_target_no_translation_reaches_is_a_400_naming_those_that_have_one(
             assert response.status == 400 and "no path to 'es'" in error and "(targets: en)" in error, error
     finally:
         assert daemon.stop() == 0, daemon.log.read_text()
+
+
+def test_cli_interpret_checks_every_parameter_before_the_answer_starts(interpreter: Daemon, tmp_path: Path) -> None:
+    source = tmp_path / "in.wav"
+    source.write_bytes(encode_wav(recording(ENGLISH[:1]), RATE))
+    result = cli("call", "interpret", source, "-o", tmp_path / "zz.wav", "--from", "zz", "--socket", interpreter.socket, check=False)  # fmt: skip
+    assert result.returncode == 1 and result.stderr == (
+        "appliance: error: the daemon answered HTTP 400: language 'zz' is not one of Whisper's (99 codes)\n"
+    )
+    assert not (tmp_path / "zz.wav").exists()
+    out = subprocess.run(  # `-o -`: the WAV to stdout (the texts go to stderr then)
+        [*APPLIANCE, "call", "interpret", str(source), "-o", "-", "--socket", str(interpreter.socket)],
+        capture_output=True, cwd=ROOT, timeout=300, check=True,
+    )  # fmt: skip
+    with soundfile.SoundFile(io.BytesIO(out.stdout)) as wav:
+        assert wav.samplerate == 22050 and wav.frames > 22050

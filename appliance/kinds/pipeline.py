@@ -216,6 +216,7 @@ class SpeechPipeline:
         multilingual = self.stt.multilingual
         by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
         options = Options(language=source, task="translate" if by_whisper else "transcribe")
+        self.stt.check(options)  # a source Whisper does not know is a 400 here, before the answer starts
         return Plan(options, target, spoken[0], spoken[1].name)
 
     async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
@@ -263,8 +264,9 @@ class SpeechPipeline:
             return _tensors([d async for d in self.recording(samples, plan, times)]), None
         samples = self.stt.samples(request)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
-        closed, _, serial = await self.stt.live_chunk(samples, inner, False, plan.options, times)
-        done = [d for s in closed if (d := await self.interpret(s, plan)) is not None]
+        chunk = await self.stt.live_chunk(samples, inner, False, plan.options, times)
+        done = [d for s in chunk.segments if (d := await self.interpret(s, plan)) is not None]
+        serial = chunk.serial
         opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return _tensors(done), opened
 
