@@ -97,7 +97,7 @@ class SpeechModel(QueuedModel):
                 "kind": self.spec.kind,
                 "engine": self.engine_name,
                 "voice": self.voice_name,
-                "language": self.voice.language,  # what it speaks (the box's page picks a voice by it)
+                "language": self.language,  # what it speaks (the box's page picks a voice by it)
                 "voices": self.listing(),
                 "sample_rate": self.sample_rate,
                 "speed": [MIN_SPEED, MAX_SPEED],
