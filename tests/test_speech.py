@@ -351,10 +351,10 @@ def test_the_openai_client_with_its_defaults_gets_mp3_and_every_format_reads(
 
 
 def test_cli_speak_errors_in_one_line_and_to_stdout(speech_daemon: Daemon, tmp_path: Path) -> None:
-    out = tmp_path / "alloy.wav"
-    wrong = cli("call", "speak", "Hi", "--voice", "alloy", "-o", out, "--socket", speech_daemon.socket, check=False)
+    out = tmp_path / "darth.wav"
+    wrong = cli("call", "speak", "Hi", "--voice", "darth", "-o", out, "--socket", speech_daemon.socket, check=False)
     assert wrong.returncode == 1 and wrong.stderr == (
-        "appliance: error: the daemon answered HTTP 400: unknown voice 'alloy' (voices: joe)\n"
+        "appliance: error: the daemon answered HTTP 400: unknown voice 'darth' (voices: joe)\n"
     )
     assert not out.exists()
     piped = subprocess.run(
