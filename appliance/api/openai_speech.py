@@ -5,7 +5,11 @@ opus, aac, flac, wav or pcm), `speed` (0.25 to 4), `stream_format` (`audio`; `ss
 other fields (`instructions`: the voices here take no direction) are ignored. `model` is a speech model of
 this firmware or one of OpenAI's model names (then `voice` picks the model). mp3, opus (Ogg), aac
 (ADTS) and pcm (16-bit mono at the voice's rate, also in the `x-sample-rate` header) stream as each
-sentence is ready; wav and flac are sent whole, their headers carrying the true sizes.
+sentence is ready; wav and flac are sent whole, their headers carrying the true sizes. `voice` is one of
+the firmware's voices, or one of OpenAI's names (alloy, nova, ...: what OpenAI's clients send by default):
+then the firmware's default voice of the text's language (the language identification model's answer;
+the first voice of a language is its default), or the first voice where the firmware has none of that
+language. The `x-voice` header says which voice spoke. `GET /v1/audio/voices` lists the voices.
 """
 
 from __future__ import annotations
@@ -25,15 +29,16 @@ from appliance.api.routes import Route
 from appliance.audio_av import Encoder
 from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
-from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, Speaker
+from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, LanguageDetector, Speaker
 from appliance.kinds.streaming import guarded
 from appliance.kinds.text import checked_text
-from appliance.protocol.messages import Request, Response
+from appliance.protocol.messages import Request, Response, json_response
 
 log = logging.getLogger("appliance.api")
 
 KIND = "speech_synthesis"
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
 FORMATS = {
     "mp3": "audio/mpeg",
     "opus": "audio/ogg; codecs=opus",
@@ -52,15 +57,26 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
             re.compile(r"/v1/audio/speech"),
             "openai_speech",
             lambda r, p: openai_errors(speech(models.values(), r)),
-        )
+        ),
+        ("GET", re.compile(r"/v1/audio/voices"), "openai_voices", lambda r, p: voices_listing(models.values())),
     ]
+
+
+async def voices_listing(models: Iterable[ServedModel]) -> Response:
+    """Every voice of the firmware, in its order, with its language and model, and each language's default."""
+    voices = [v for m in models if isinstance(m, Speaker) for v in m.listing()]
+    defaults: dict[str, str] = {}
+    for v in voices:
+        defaults.setdefault(v["language"], v["name"])
+    return json_response(200, {"voices": voices, "defaults": defaults})
 
 
 async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     doc = json_body(request.body)
-    voices: list[Speaker] = [m for m in models if isinstance(m, Speaker)]
-    model = _model(voices, doc.get("model"), doc.get("voice"))
+    served = list(models)
+    voices: list[Speaker] = [m for m in served if isinstance(m, Speaker)]
     text = checked_text(doc.get("input"), "input")
+    model, voice, headers = _model(voices, doc.get("model"), doc.get("voice"), text, served)
     audio_format = doc.get("response_format", "mp3")
     if audio_format not in FORMATS:
         raise BadRequest(f"response_format {str(audio_format)[:40]!r} is not served (use one of: {', '.join(FORMATS)})")
@@ -69,10 +85,10 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     speed = doc.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
         raise BadRequest(f"speed must be a number from {MIN_SPEED} to {MAX_SPEED}, got {str(speed)[:40]}")
-    shards = await model.prepare(text)  # a text with nothing to say is a 400 here, before any audio
-    pieces = model.synthesize(shards, float(speed))
+    shards = await model.prepare(text, voice)  # a text with nothing to say is a 400 here, before any audio
+    pieces = model.synthesize(shards, float(speed), voice=voice)
     rate = model.sample_rate
-    headers = [("x-sample-rate", str(rate))]
+    headers = [("x-sample-rate", str(rate)), *headers]
     if audio_format in WHOLE:
         try:
             samples = [p async for p in pieces]
@@ -90,19 +106,39 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=stream)
 
 
-def _model(voices: list[Speaker], name: object, voice: object) -> Speaker:
+def _model(
+    voices: list[Speaker], name: object, voice: object, text: str, models: list[ServedModel]
+) -> tuple[Speaker, str, list[tuple[str, str]]]:
+    """The speech model and voice a request names, and the headers that say which spoke and why."""
     if not voices:
         raise NotFound("this firmware has no speech model")
-    served = ", ".join(m.voice_name for m in voices)
     if not isinstance(name, str) or not isinstance(voice, str):
-        raise BadRequest(f"'model' and 'voice' must be strings (voices: {served})")
+        raise BadRequest(f"'model' and 'voice' must be strings (voices: {_names(voices)})")
     by_name = [m for m in voices if m.name == name]
     if not by_name and name not in OPENAI_MODELS:
         raise NotFound(f"unknown speech model {name[:80]!r} (speech models: {', '.join(m.name for m in voices)})")
-    chosen = [m for m in by_name or voices if voice in (m.voice_name, m.name)]
-    if not chosen:
-        raise BadRequest(f"unknown voice {voice[:80]!r} (voices: {served})")
-    return chosen[0]
+    candidates = by_name or voices
+    for m in candidates:
+        if voice in m.voices:
+            return m, voice, [("x-voice", voice)]
+        if voice == m.name:
+            return m, m.voice_name, [("x-voice", m.voice_name)]
+    if voice.lower() not in OPENAI_VOICES:
+        raise BadRequest(f"unknown voice {voice[:80]!r} (voices: {_names(candidates)})")
+    detector = next((m for m in models if isinstance(m, LanguageDetector)), None)
+    if detector is None:
+        return candidates[0], candidates[0].voice_name, [("x-voice", candidates[0].voice_name)]
+    language, confidence = detector.detect(text)[0]
+    headers = [("x-detected-language", f"{language}; confidence={confidence}")]
+    for m in candidates:
+        for v in m.voices.values():
+            if v.language == language:  # the first voice of a language is its default
+                return m, v.name, [("x-voice", v.name), *headers]
+    return candidates[0], candidates[0].voice_name, [("x-voice", candidates[0].voice_name), *headers]
+
+
+def _names(voices: list[Speaker]) -> str:
+    return ", ".join(v for m in voices for v in m.voices)
 
 
 def wav_header(rate: int, data_bytes: int) -> bytes:

@@ -19,9 +19,9 @@ KERNEL_OPTIONS = "rw console=ttyS0,115200 panic=10"
 KERNEL_IN_ROOT = "/boot/vmlinuz"
 INITRD_IN_ROOT = "/boot/initrd.img"
 # Partition sizes in MiB (image/build.sh makes its file systems these sizes). The data partition holds the
-# firmware store: the interpreter firmware (about 320 MiB) as current and previous, plus a third release
-# while `appliance update` installs one (the old previous goes only once the new one passed its
-# self-test), with over a quarter of it to spare; tests/test_image.py checks that they fit.
+# firmware store: the interpreter firmware (about 410 MiB with the Kokoro voices) as current and previous,
+# plus a third release while `appliance update` installs one (the old previous goes only once the new one
+# passed its self-test), with a tenth of it to spare (167 MiB measured); tests/test_image.py checks that they fit.
 ESP_MIB, ROOT_MIB, DATA_MIB = 256, 2048, 1536
 
 

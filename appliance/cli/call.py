@@ -126,7 +126,7 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
     audio_format = args.format or "wav"
     if audio_format not in SPEAK_FORMATS:
         raise ApplianceError(f"speak: --format {audio_format} is not an audio format ({', '.join(SPEAK_FORMATS)})")
-    voice = args.voice or _first_of_kind(client, "speech_synthesis")
+    voice = args.voice or "alloy"  # an OpenAI name: the box picks its voice of the text's language
     pieces = client.stream_speech(" ".join(args.args), voice, response_format=audio_format, speed=args.speed)
     first = next(pieces, b"")  # the daemon's refusal (a voice it lacks) before any file is made
     with _output(args.output) as out:
@@ -150,7 +150,9 @@ def _interpret(client: Client, args: argparse.Namespace) -> None:
             line["source_text"] if line["text"] == line["source_text"] else f"{line['source_text']} -> {line['text']}"
         )
         texts = sys.stderr if args.output == "-" else sys.stdout  # `-o -`: the audio has stdout
-        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({line['language']}) {shown}", file=texts, flush=True)
+        heard = f"{line['language']} {line.get('language_probability', 1.0):.2f}"  # Whisper's language, its probability
+        note = f"  [{line['note']}]" if line.get("note") else ""
+        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({heard}) {shown}{note}", file=texts, flush=True)
     import numpy as np  # lazy: as for `call probs`
     import soundfile
 
@@ -316,7 +318,7 @@ def add_parsers(sub: Any) -> None:
         help=f"speak: {'|'.join(SPEAK_FORMATS)} (default wav); transcribe: {'|'.join(speech.FORMATS)} (default text)",
     )
     call.add_argument("-o", "--output", metavar="FILE", help="speak: the audio file to write")
-    call.add_argument("--voice", help="speak: the voice (default: the firmware's first speech model)")
+    call.add_argument("--voice", help="speak: the voice (default: the firmware's voice of the text's language)")
     call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
     call.add_argument("--to", metavar="LANG", help="translate, interpret: the target language code")
     call.add_argument("--from", dest="source", metavar="LANG", help="translate, interpret: the source language code")

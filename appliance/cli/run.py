@@ -26,13 +26,14 @@ BENCH_PARTS = {
     "https": {"vad"},
     "transcription": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
+    "voices": {"kokoro_speech"},
 }
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import https, speech, transcription, workers
+    from appliance.bench import https, speech, transcription, voices, workers
     from appliance.bench.run import run
     from appliance.config import EngineConfig
 
@@ -70,6 +71,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.update(speech.run(args.bundle, args.trusted_keys, Path(tmp)))
         print(f"appliance bench: {args.bundle}, speech and translation")
         print("\n".join(speech.report(results)))
+    if "voices" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["voices"] = voices.run(args.bundle, args.trusted_keys, Path(tmp))
+        print(f"appliance bench: {args.bundle}, Kokoro voices")
+        print("\n".join(voices.report(results["voices"])))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -64,6 +64,7 @@ class Decoded:
     language: str
     pieces: list[Piece]
     words: list[Word] = field(default_factory=list)  # where the shard asked for them
+    language_probability: float = 1.0  # Whisper's own, where it detected the language (1.0 where it was told)
 
 
 class WhisperTokens:
@@ -241,7 +242,9 @@ class WhisperEngine:
                 [p.words for p in decoded.pieces],
             )
             for member, pieces in found.pieces.items():
-                answers[member] = Decoded(decoded.language, [Piece(*p) for p in pieces])
+                answers[member] = Decoded(
+                    decoded.language, [Piece(*p) for p in pieces], language_probability=decoded.language_probability
+                )
             alone += sorted(found.alone)
         if alone:
             for member, decoded in zip(alone, self._run(model, [shards[i] for i in alone])):
@@ -268,7 +271,8 @@ class WhisperEngine:
             group = [shards[i] for i in members]
             features = log_mel([s.samples for s in group], self.filters)
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
-            languages = self._languages(model, encoded, group)
+            detected = self._languages(model, encoded, group)
+            languages = [language for language, _ in detected]
             prompts = [self.tokens.prompt(s, language) for s, language in zip(group, languages)]
             ids = self._generate(model, encoded, prompts, temperature)
             for at in self._looping(ids, prompts):  # openai-whisper's fallback: sample at rising temperatures
@@ -290,7 +294,9 @@ class WhisperEngine:
             for k, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
                 duration = len(shard.samples) / SAMPLE_RATE
                 times = heard[k] if heard is not None and i < shared else None
-                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration, times), words.get(k, []))
+                answers[i] = Decoded(
+                    language, self.tokens.pieces(tokens, duration, times), words.get(k, []), detected[k][1]
+                )
         return [a for a in answers if a is not None]
 
     def _heard(
@@ -346,13 +352,17 @@ class WhisperEngine:
 
     def _languages(
         self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]
-    ) -> list[str]:
+    ) -> list[tuple[str, float]]:
+        """Each shard's language and its probability: the caller's (1.0), else Whisper's detection."""
         if not self.tokens.multilingual:
-            return ["en"] * len(group)
+            return [("en", 1.0)] * len(group)
         if all(s.language for s in group):
-            return [s.language or "" for s in group]
+            return [(s.language or "", 1.0) for s in group]
         detected = model.detect_language(encoded)
-        return [s.language or self._language_name(d[0][0]) for s, d in zip(group, detected)]
+        return [
+            (s.language, 1.0) if s.language else (self._language_name(d[0][0]), round(float(d[0][1]), 3))
+            for s, d in zip(group, detected)
+        ]
 
 
 def _language_tokens(directory: Path) -> list[str]:

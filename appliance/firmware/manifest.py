@@ -65,6 +65,21 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
         "max_batch": ParameterSchema(int, 16, bounds=(1, 256)),
     },
+    # Kokoro-82M: one graph, many voices (style tables voices/NAME.bin, firmware/voices.py); shards of at most
+    # max_tokens_per_shard phoneme tokens (Kokoro takes 510), up to max_batch of them side by side
+    "kokoro_speech": {
+        "graph": ParameterSchema(str),
+        "vocab": ParameterSchema(str),
+        "voices": ParameterSchema(list),
+        "max_tokens_per_shard": ParameterSchema(int, 510, bounds=(8, 510)),
+        "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
+        "max_batch": ParameterSchema(int, 8, bounds=(1, 256)),
+    },
+    # text in, its language out: a fastText model (the model's file); `languages` limits the answers to
+    # those (empty: every language the model knows)
+    "language_identification": {
+        "languages": ParameterSchema(list, []),
+    },
     # a Bergamot (Marian) model for one language pair: its files in the model's directory; shards of at
     # most max_tokens_per_shard SentencePiece pieces, up to max_batch of them in one engine call
     "text_translation": {

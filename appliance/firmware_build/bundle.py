@@ -22,7 +22,7 @@ from appliance import keys
 from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt
 from appliance.errors import ApplianceError
-from appliance.firmware import graphs
+from appliance.firmware import graphs, voices
 from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
 from appliance.firmware.manifest import (
     DATATYPES,
@@ -116,6 +116,7 @@ def _copy_model(m: Reader, name: str, spec_path: Path, staging: Path, progress: 
         parts = [_resolve_source(p, spec_path, f"{a.where}.parts[{i}]") for i, p in enumerate(a.get("parts", list))]
         pin = a.get("sha256", str)
         a.done()
+        make_directories((staging / relative).parent)  # a file of a folder the source lacks (voices/NAME.bin)
         with progress.phase(f"assemble {relative}", sum(p.stat().st_size for p in parts)) as advance:
             write_blocks((block for part in parts for block in file_blocks(part)), staging / relative, advance)
         _check_pin(staging / relative, pin, a.where)
@@ -202,6 +203,17 @@ def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> li
     return [relative, *(str(p.relative_to(staging)) for p in binaries)]
 
 
+def _check_kokoro(model: ModelSpec, directory: Path, where: str) -> None:
+    """Every voice a Kokoro model names: a voice of a served language, with a style table of the right size."""
+    names = model.parameters["voices"]
+    assert isinstance(names, list)
+    if not names:
+        raise ApplianceError(f"{where}.parameters.voices: a Kokoro model names at least one voice")
+    for name in names:
+        voices.language_of(str(name), f"{where}.parameters.voices")
+        voices.check_style_table(directory / voices.voice_file(str(name)), where)
+
+
 def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = QUIET) -> Manifest:
     """Build and sign a bundle from a firmware spec; the output directory is replaced atomically."""
     try:
@@ -242,6 +254,8 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
                 model = _checked_tensors(model, staging / relative, m.where, exact=model.kind == "vad")
             if model.kind == "speech_synthesis":
                 graphs.expose_durations(staging / relative / str(model.parameters["graph"]), m.where)
+            if model.kind == "kokoro_speech":
+                _check_kokoro(model, staging / relative, m.where)
             models.append(model)
             files += copied
             if "cuda" in targets and model.kind == "vad":  # the CUDA kernels are the VAD's

@@ -24,6 +24,8 @@ KINDS: dict[str, str] = {
     "vad": "vad:VadModel",
     "onnx": "onnx:OnnxModel",
     "speech_synthesis": "speech:SpeechModel",
+    "kokoro_speech": "kokoro:KokoroModel",
+    "language_identification": "language_id:LanguageIdentifier",
     "text_translation": "translation:TranslationModel",
     "speech_to_text": "speech_to_text:SpeechToText",
     "speech_pipeline": "pipeline:SpeechPipeline",

@@ -6,7 +6,8 @@ kind's engine (a VAD-only firmware never imports CTranslate2, fxtranslate or sen
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -18,6 +19,15 @@ from appliance.kinds.base import SequenceCall
 from appliance.kinds.speech_api import LiveChunk, Options, Segment
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # a Speaker's range for `speed` (OpenAI's)
+
+
+@dataclass(frozen=True, slots=True)
+class SpokenVoice:
+    """One voice of a Speaker."""
+
+    name: str
+    language: str  # two-letter code ("pt")
+    espeak_voice: str  # the espeak-ng voice that makes its phonemes ("pt-br")
 
 
 @runtime_checkable
@@ -93,21 +103,43 @@ class Interpreting(Protocol):
 
 @runtime_checkable
 class Speaker(Protocol):
-    """Text to speech (kind speech_synthesis): `prepare` a text's shards, `synthesize` them at a speed."""
+    """Text to speech (kinds speech_synthesis, kokoro_speech): `prepare` a text's shards in one of its
+    voices, `synthesize` them at a speed."""
 
     spec: ModelSpec
-    voice_name: str
-    language: str  # the language it speaks (ISO 639-1)
+    voice_name: str  # its default voice
+    language: str  # its default voice's language (ISO 639-1)
     sample_rate: int
+    voices: Mapping[str, SpokenVoice]  # by name, in the firmware's order
 
     @property
     def name(self) -> str: ...
 
-    async def prepare(self, text: str) -> list[list[int]]: ...
+    def voice(self, name: object | None) -> SpokenVoice:
+        """One of its voices by name (None: the default); a 400 naming them for another."""
+        ...
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Its voices with their language, model and rate (GET /v1/audio/voices, the metadata)."""
+        ...
+
+    async def prepare(self, text: str, voice: str | None = None) -> list[list[int]]: ...
 
     def synthesize(
-        self, shards: list[list[int]], speed: float, times: RequestTimes | None = None
+        self, shards: list[list[int]], speed: float, times: RequestTimes | None = None, voice: str | None = None
     ) -> AsyncGenerator[np.ndarray, None]: ...
+
+
+@runtime_checkable
+class LanguageDetector(Protocol):
+    """Text in, its likeliest languages out (kind language_identification)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def detect(self, text: str, candidates: int = 1) -> list[tuple[str, float]]:
+        """Language codes with their probability (0 to 1), best first."""
+        ...
 
 
 @runtime_checkable

@@ -79,14 +79,16 @@ class Phonemes:
     ends_sentence: bool
 
 
-async def phonemize(clauses: list[Clause], espeak_voice: str) -> list[Phonemes]:
-    """Each clause's phonemes, as Piper would make them; clauses with nothing to say are dropped."""
+async def phonemize(clauses: list[Clause], espeak_voice: str, tie: bool = False) -> list[Phonemes]:
+    """Each clause's phonemes, as Piper would make them; clauses with nothing to say are dropped.
+    `tie`: a ^ joins the letters of one phoneme (Kokoro's affricates and diphthongs, kinds/kokoro.py)."""
     sayable = [c for c in clauses if any(ch.isalnum() for ch in c.text)]
     if not sayable:
         return []
-    lines = await _espeak([c.text + c.terminator for c in sayable], espeak_voice)
+    flags = ["--tie=^"] if tie else []
+    lines = await _espeak([c.text + c.terminator for c in sayable], espeak_voice, flags)
     if len(lines) != len(sayable):  # a clause answered with an empty line of its own: ask one at a time
-        lines = [" ".join(await _espeak([c.text + c.terminator], espeak_voice)) for c in sayable]
+        lines = [" ".join(await _espeak([c.text + c.terminator], espeak_voice, flags)) for c in sayable]
     out = []
     for clause, ipa in zip(sayable, lines):
         text = LANGUAGE_FLAG.sub("", ipa) + clause.terminator + (" " if clause.terminator in (",", ";", ":") else "")
@@ -94,11 +96,11 @@ async def phonemize(clauses: list[Clause], espeak_voice: str) -> list[Phonemes]:
     return out
 
 
-async def _espeak(texts: list[str], espeak_voice: str) -> list[str]:
+async def _espeak(texts: list[str], espeak_voice: str, flags: list[str]) -> list[str]:
     """The IPA of each text (its clauses joined by spaces), from one espeak-ng process."""
     try:
         process = await asyncio.create_subprocess_exec(
-            ESPEAK, "-q", "--ipa", "-v", espeak_voice,
+            ESPEAK, "-q", "--ipa", *flags, "-v", espeak_voice,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
     except OSError as exc:

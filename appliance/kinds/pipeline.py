@@ -29,7 +29,7 @@ from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.audio_in import decode_upload
 from appliance.kinds.base import SequenceCall, ServedModel, Task
-from appliance.kinds.capabilities import Speaker, Translator
+from appliance.kinds.capabilities import Speaker, SpokenVoice, Translator
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.kinds.speech_to_text import SpeechToText
 from appliance.kinds.streaming import ndjson
@@ -38,6 +38,8 @@ from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 OUTPUTS = ("audio", "text", "source_text", "start", "end")
+# Below this probability Whisper's language detection is a guess: the answer line says so.
+LOW_LANGUAGE_PROBABILITY = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,18 +49,21 @@ class Interpreted:
     segment: Segment  # its times, its text as heard (or as Whisper translated it), its language
     text: str  # in the target language
     audio: np.ndarray  # INT16 at the voice's rate
+    note: str = ""  # why it is not spoken, or why to doubt it (the language Whisper heard)
 
     def as_json(self, sample_rate: int) -> dict[str, Any]:
         s = self.segment
-        return {
+        line = {
             "start": s.start,
             "end": s.end,
             "language": s.language,
+            "language_probability": s.language_probability,
             "source_text": s.text,
             "text": self.text,
             "sample_rate": sample_rate,
             "audio": base64.b64encode(self.audio.astype("<i2").tobytes()).decode(),
         }
+        return {**line, "note": self.note} if self.note else line
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +72,8 @@ class Plan:
 
     options: Options  # the speech_to_text model's: its language where known, transcribe or translate
     target: str
-    voice: Speaker
+    speaker: Speaker  # the model whose `voice` speaks the target
+    voice: str
 
 
 class SpeechPipeline:
@@ -78,12 +84,13 @@ class SpeechPipeline:
         names = params["voices"]
         pairs = params["translations"]
         assert isinstance(names, list) and isinstance(pairs, list)
-        voices = [_loaded(spec, loaded, name, Speaker) for name in names]
-        self.voices = {v.language: v for v in reversed(voices)}  # the first voice of a language speaks
+        voices = [_voice(spec, loaded, str(name)) for name in names]
+        # the first voice of a language speaks it
+        self.voices = {v.language: (model, v) for model, v in reversed(voices)}
         self.pairs = {(t.source, t.target): t for t in (_loaded(spec, loaded, n, Translator) for n in pairs)}
         if not self.voices:
             raise ApplianceError(f"model {spec.name}: parameters.voices names no voice")
-        self.default_target = voices[0].language
+        self.default_target = voices[0][1].language
         self.stats = ModelStats()
         self.sequences = ScopedSequences(self.stt.sequences, self.name)  # live streams: the stt model's
         self.tasks: Mapping[str, Task] = {"interpret": self._interpret_route}
@@ -131,7 +138,7 @@ class SpeechPipeline:
             "parameters": {
                 "kind": self.spec.kind,
                 "steps": self._steps(),
-                "targets": sorted(self.voices),
+                "targets": self.targets(),
                 "stateful": True,
             },
         }
@@ -142,7 +149,34 @@ class SpeechPipeline:
             inputs=[TensorSpec("audio", "FP32", (-1,))], outputs=self._outputs(), dynamic_batching=False, stateful=True,
         )  # fmt: skip
         config["ensemble_scheduling"] = {"step": [{"model_name": name} for name in self._steps()]}
+        config["targets"] = self.targets()
         return config
+
+    def targets(self) -> dict[str, dict[str, Any]]:
+        """Each target language: its voice and the paths that reach it (speech heard in which language,
+        through which models); a target no path reaches is listed with none."""
+        multilingual = self.stt.multilingual
+        out = {}
+        for language, (model, voice) in sorted(self.voices.items()):
+            paths = [{"from": language, "through": [self.stt.name]}]  # heard in it: transcribed, spoken
+            paths += [
+                {"from": s, "through": [self.stt.name, pair.name]}
+                for (s, t), pair in self.pairs.items()
+                if t == language
+            ]
+            if language == "en" and multilingual:
+                paths.append({"from": "any", "through": [f"{self.stt.name} (translate)"]})
+            if language != "en" and not multilingual:
+                paths = [p for p in paths if p["from"] == "en"]
+            if not self.reachable(language):  # heard and spoken in it alone is no interpretation: a 400
+                paths = []
+            out[language] = {"voice": voice.name, "model": model.name, "paths": paths}
+        return out
+
+    def reachable(self, target: str) -> bool:
+        """A target with a path from speech in another language (a pair, or Whisper's translation)."""
+        multilingual = self.stt.multilingual
+        return any(t == target for _, t in self.pairs) or (target == "en" and multilingual)
 
     def _outputs(self) -> list[TensorSpec]:
         return [
@@ -156,7 +190,7 @@ class SpeechPipeline:
             self.stt.vad.name,
             self.stt.name,
             *(m.name for m in self.pairs.values()),
-            *(v.name for v in self.voices.values()),
+            *dict.fromkeys(model.name for model, _ in self.voices.values()),
         ]
 
     # --- the work -------------------------------------------------------------------------------
@@ -168,9 +202,14 @@ class SpeechPipeline:
         and no pair covers the source the caller names; else it transcribes (in `source` where named)
         and a pair translates each segment whose language is not the target's."""
         target = (target or self.default_target).lower()
-        voice = self.voices.get(target)
-        if voice is None:
-            raise BadRequest(f"no voice speaks {target[:20]!r} (targets: {', '.join(sorted(self.voices))})")
+        spoken = self.voices.get(target)
+        reachable = [t for t in sorted(self.voices) if self.reachable(t)]
+        if spoken is None:
+            raise BadRequest(f"no voice speaks {target[:20]!r} (targets: {', '.join(reachable)})")
+        if not self.reachable(target):
+            raise BadRequest(
+                f"no path to {target!r}: no translation reaches it in this firmware (targets: {', '.join(reachable)})"
+            )
         source = source.lower() if source else None
         if source is not None and source != target and (source, target) not in self.pairs and target != "en":
             raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
@@ -178,7 +217,7 @@ class SpeechPipeline:
         by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
         options = Options(language=source, task="translate" if by_whisper else "transcribe")
         self.stt.check(options)  # a source Whisper does not know is a 400 here, before the answer starts
-        return Plan(options, target, voice)
+        return Plan(options, target, spoken[0], spoken[1].name)
 
     async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
         """One segment through translation and speech; None where there is nothing to say."""
@@ -186,18 +225,24 @@ class SpeechPipeline:
         if not heard:
             return None
         language = "en" if plan.options.task == "translate" else segment.language
+        silent = np.zeros(0, np.int16)
+        doubt = ""
+        if segment.language_probability < LOW_LANGUAGE_PROBABILITY:
+            doubt = f"Whisper heard {segment.language!r} with probability {segment.language_probability:.2f} only"
         text = heard
         if language != plan.target:
             pair = self.pairs.get((language, plan.target))
-            if pair is None:
-                raise BadRequest(f"no translation from {language!r} to {plan.target!r} in this firmware")
+            if pair is None:  # the segment alone is not spoken; the stream goes on
+                sources = ", ".join(sorted(s for s, t in self.pairs if t == plan.target)) or "none"
+                note = f"heard {language!r}: no path from it to {plan.target!r} (from: {sources}); not spoken"
+                return Interpreted(segment, "", silent, f"{doubt}; {note}" if doubt else note)
             text = await pair.translate(heard)
         try:
-            shards = await plan.voice.prepare(text)
+            shards = await plan.speaker.prepare(text, plan.voice)
         except BadRequest:  # nothing a voice can say ("..."): the text alone
-            return Interpreted(segment, text, np.zeros(0, np.int16))
-        pieces = [p async for p in plan.voice.synthesize(shards, 1.0)]
-        return Interpreted(segment, text, np.concatenate(pieces))
+            return Interpreted(segment, text, silent, doubt)
+        pieces = [p async for p in plan.speaker.synthesize(shards, 1.0, voice=plan.voice)]
+        return Interpreted(segment, text, np.concatenate(pieces), doubt)
 
     async def recording(
         self, samples: np.ndarray, plan: Plan, times: RequestTimes
@@ -237,7 +282,7 @@ class SpeechPipeline:
         duration = round(len(samples) / SAMPLE_RATE, 3)
         return ndjson(
             self._recorded(samples, plan),
-            lambda done: done.as_json(plan.voice.sample_rate),
+            lambda done: done.as_json(plan.speaker.sample_rate),
             lambda count: {"model_name": self.name, "duration": duration, "segments": count},
             f"interpretation by {self.name}",
             {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
@@ -261,6 +306,18 @@ def _loaded(spec: ModelSpec, loaded: Mapping[str, ServedModel], name: str, kind:
     if not isinstance(model, kind):
         raise ApplianceError(f"model {spec.name}: {name!r} is not a {kind.__name__} model listed before it")
     return model
+
+
+def _voice(spec: ModelSpec, loaded: Mapping[str, ServedModel], name: str) -> tuple[Speaker, SpokenVoice]:
+    """A voice the pipeline names: a voice of a speech model listed before it, or such a model (its first voice)."""
+    speakers = [m for m in loaded.values() if isinstance(m, Speaker)]
+    for model in speakers:
+        if name in model.voices:
+            return model, model.voices[name]
+    for model in speakers:
+        if model.name == name:
+            return model, model.voice(None)
+    raise ApplianceError(f"model {spec.name}: {name!r} is not a voice of a speech model listed before it")
 
 
 def _tensors(done: list[Interpreted]) -> dict[str, np.ndarray]:

@@ -67,6 +67,7 @@ class Segment:
     text: str
     language: str
     words: tuple[Word, ...] = ()  # where the request asked for them
+    language_probability: float = 1.0  # Whisper's, where it detected the language
 
 
 @dataclass(frozen=True, slots=True)

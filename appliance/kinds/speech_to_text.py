@@ -224,7 +224,9 @@ class SpeechToText(EngineModel):
         out = []
         for (first, last, text), words in zip(runs, placed):
             start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
-            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language, words))
+            out.append(
+                Segment(round(start, 3), round(end, 3), text, decoded.language, words, decoded.language_probability)
+            )
         # Whisper read up to its last timestamp: the spans that start after it were not heard
         reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
         heard = sum(1 for span in plan.spans if span.offset < reached)
