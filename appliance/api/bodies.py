@@ -44,4 +44,6 @@ async def openai_errors(answering: Awaitable[Response]) -> Response:
         return await answering
     except ApiError as exc:
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return json_response(exc.status, {"error": {"message": exc.message, "type": kind, "code": None}})
+        response = json_response(exc.status, {"error": {"message": exc.message, "type": kind, "code": None}})
+        response.headers += exc.headers
+        return response

@@ -21,11 +21,12 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -113,8 +114,12 @@ class Api:
                     break
             else:
                 raise NotFound(f"no route for {url.path}")
+        except asyncio.CancelledError:  # the client went away (protocol/flow.py): counted, not answered
+            self.metrics.cancelled += 1
+            raise
         except ApiError as exc:
             response = error_response(exc.status, exc.message)
+            response.headers += exc.headers
         except Exception:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
             response = error_response(500, "internal error (logged)")
@@ -132,7 +137,21 @@ class Api:
                 extra=self._log_fields(request, params),
             )
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
+        if response.stream is not None:
+            response.stream = self._counted(response.stream)
         return response
+
+    async def _counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        """A streamed answer; one its client left before the end counts as cancelled."""
+        whole = False
+        try:
+            async with contextlib.aclosing(stream) as pieces:
+                async for piece in pieces:
+                    yield piece
+            whole = True
+        finally:
+            if not whole:
+                self.metrics.cancelled += 1
 
     @staticmethod
     def _log_fields(request: Request, params: dict[str, str]) -> dict[str, str]:

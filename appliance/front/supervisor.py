@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,6 +36,8 @@ from appliance.front.channel import (
     serve_tickets,
     unpack_body,
 )
+from appliance.protocol.flow import SendWindow
+from appliance.protocol.messages import error_response
 from appliance.protocol.peers import Peer, Totals
 from appliance.transport.quic_guards import TicketStore
 
@@ -63,6 +65,7 @@ class WorkerSlot:
     heard: float = 0.0  # time.monotonic() of its last message
     reported: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # its requests being served
+    windows: dict[int, SendWindow] = field(default_factory=dict)  # its streams' bytes not yet credited back
     crashes: list[float] = field(default_factory=list)
     restarts: int = 0
     last_exit: str = ""  # how its last process ended
@@ -184,9 +187,12 @@ class Supervisor:
             if kind == "request":
                 _, rid, request, body = message
                 request = dataclasses.replace(request, body=unpack_body(body))
-                task = asyncio.get_running_loop().create_task(self._answer(channel, owner, rid, request))
+                task = asyncio.get_running_loop().create_task(self._answer(slot, channel, owner, rid, request))
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
+            elif kind == "credit":
+                if (window := slot.windows.get(message[1])) is not None:
+                    window.taken(message[2])
             elif kind == "cancel":
                 if (running := slot.tasks.get(message[1])) is not None:
                     running.cancel()
@@ -200,18 +206,36 @@ class Supervisor:
                 slot.report = message[1]
                 slot.reported.set()
 
-    async def _answer(self, channel: Channel, owner: str, rid: int, request: Any) -> None:
-        response = await self.api.handle(request)
-        stream, body = response.stream, pack_body(response.body, owner)
-        reply = dataclasses.replace(response, body=b"", stream=None)
-        channel.send(("response", rid, reply, body, stream is not None, self.api.keep_connections()))
-        if stream is None:
-            return
-        async with contextlib.aclosing(stream) as pieces:
-            async for piece in pieces:
-                channel.send(("chunk", rid, piece))
-                await channel.drain()  # a worker whose client reads slowly slows the producer
-        channel.send(("end", rid))
+    async def _answer(self, slot: WorkerSlot, channel: Channel, owner: str, rid: int, request: Any) -> None:
+        """Answer one request; a streamed body moves by the worker's credit: the next piece is pulled
+        from the engine side only once the worker's transport took all but a window of it."""
+        stream: AsyncGenerator[bytes, None] | None = None
+        answered = False
+        window = slot.windows[rid] = SendWindow(self.api.live.config.server.stream_window_bytes)
+        try:
+            response = await self.api.handle(request)
+            stream, body = response.stream, pack_body(response.body, owner)
+            reply = dataclasses.replace(response, body=b"", stream=None)
+            channel.send(("response", rid, reply, body, stream is not None, self.api.keep_connections()))
+            answered = True
+            if stream is None:
+                return
+            async with contextlib.aclosing(stream) as pieces:
+                async for piece in pieces:
+                    channel.send(("chunk", rid, piece))
+                    window.add(len(piece))
+                    await window.wait()  # the generator stays suspended while the client does not read
+                    await channel.drain()
+        except Exception:  # not the API's errors (it answers those): ours, logged; the worker waits no longer
+            log.exception("request %d of worker %d crashed", rid, slot.index)
+            if not answered:
+                failed = error_response(500, "internal error (logged)")
+                channel.send(("response", rid, failed, pack_body(failed.body, owner), False, True))
+        finally:
+            window.close()
+            slot.windows.pop(rid, None)
+            if stream is not None:
+                channel.send(("end", rid))  # also after a failure or a cancel: nobody waits for more
 
     # --- what the daemon asks ---
     def reports(self) -> list[WorkerReport]:

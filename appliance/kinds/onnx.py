@@ -20,6 +20,7 @@ from appliance.config import Live
 from appliance.engine.dynamic import DynamicBatcher, Job
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.scheduler import Sequence, SequenceTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
@@ -68,7 +69,8 @@ class OnnxModel:
         self.batcher = DynamicBatcher(engine, self.max_batch_size, spec.state)
         self.stats = self.batcher.stats
         # every call of a real graph is heavy: always on the engine thread, so requests gather meanwhile
-        self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6, 1)
+        self.policy = QueuePolicy(spec.name, lambda: live.config.engine, self.stats)
+        self.engine_loop = EngineLoop(self.batcher, self.policy, 1)
         self.state_rows = StateRows(spec) if self.stateful else None
         self.sequences: SequenceTable | NoSequences = (
             SequenceTable(self.state_rows, lambda: live.config.sequences) if self.state_rows else NoSequences()
@@ -182,6 +184,7 @@ class OnnxModel:
         rows = next(iter(feeds.values())).shape[0] if self.max_batch_size else 1
         job = Job(feeds, rows, done, sequence, times=times or RequestTimes())  # the batcher fills in `times`
         future.add_done_callback(lambda f: setattr(job, "cancelled", f.cancelled()))
+        self.engine_loop.admit()
         self.engine_loop.submit(job)
         finished = await future
         return finished.outputs

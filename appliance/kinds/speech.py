@@ -10,17 +10,20 @@ as soon as it is done, so speech streams before the whole text is synthesised.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import numpy as np
 
 from appliance.config import Live
-from appliance.engine.batch_queue import BatchQueue
+from appliance.engine.batch_queue import BatchQueue, Done
 from appliance.engine.choice import load_engine
 from appliance.engine.onnx_cpu import OnnxCpuEngine
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
@@ -34,6 +37,7 @@ from appliance.protocol.tensors import InferRequest
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range for `speed`
 TEXT, AUDIO = "text", "audio"  # the KServe tensors
+SHARDS_AHEAD = 2  # of a request's sentences, queued ahead of the one its client is taking
 IDS_AROUND = 3  # BOS, its pad and EOS around a shard's phonemes; each phoneme takes itself and a pad
 
 
@@ -60,7 +64,11 @@ class SpeechModel:
         # one shard of a request per batch: a lone request's first sentence runs alone on every thread
         # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(
-            self.graph.run, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6, 1
+            self.graph.run,
+            self.limits.max_batch,
+            self.stats,
+            QueuePolicy(spec.name, lambda: live.config.engine, self.stats),
+            1,
         )
 
     @property
@@ -143,24 +151,34 @@ class SpeechModel:
             raise BadRequest("the text has nothing to say (no letters or digits)")
         return ids
 
-    async def synthesize(
+    def synthesize(
         self, shards: list[list[int]], speed: float, times: RequestTimes | None = None
     ) -> AsyncGenerator[np.ndarray, None]:
         """Each shard's samples (INT16 at the voice's rate) in order, each as soon as it is ready.
-        Without `times` the request is recorded in the stats here (the API's infer records its own)."""
+        Without `times` the request is recorded in the stats here (the API's infer records its own).
+        A full queue refuses the request here (QueueFull), before any audio."""
+        return self._synthesized(shards, speed, self.queue.new_owner(), times)
+
+    async def _synthesized(
+        self, shards: list[list[int]], speed: float, owner: int, times: RequestTimes | None
+    ) -> AsyncGenerator[np.ndarray, None]:
         started, record = time.perf_counter_ns(), times is None
         times = times or RequestTimes()
-        futures = self.queue.submit([(ids, speed) for ids in shards], group=speed)
+        ahead: deque[asyncio.Future[Done[np.ndarray]]] = deque()
         ok = False
         try:
-            for index, future in enumerate(futures):
-                done = await future
+            for index in range(len(shards)):
+                # the next SHARDS_AHEAD sentences are queued, no more: a client that does not read
+                # (its transport stops pulling) stops the synthesis for it
+                while (submitted := index + len(ahead)) < min(len(shards), index + SHARDS_AHEAD):
+                    ahead += self.queue.submit([(shards[submitted], speed)], speed, owner=owner, first_index=submitted)
+                done = await ahead.popleft()
                 if index == 0:
                     times.queue_ns = done.queued_ns
                 yield done.result
             ok = True
         finally:
-            for future in futures:
+            for future in ahead:
                 future.cancel()  # the client went away: shards not yet started are dropped
             elapsed = time.perf_counter_ns() - started
             times.compute_infer_ns = elapsed - times.queue_ns

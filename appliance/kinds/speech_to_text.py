@@ -17,6 +17,7 @@ import numpy as np
 from appliance.config import Live
 from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
 from appliance.errors import ApplianceError, BadRequest
@@ -64,7 +65,7 @@ class SpeechToText:
         )
         self.stats = ModelStats()
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
-            self.engine.run, self.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
+            self.engine.run, self.max_batch, self.stats, QueuePolicy(spec.name, lambda: live.config.engine, self.stats)
         )
         self.sequences = LiveTable(self)
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}

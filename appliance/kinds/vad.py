@@ -17,6 +17,7 @@ from appliance.audio import to_frames
 from appliance.config import Live
 from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, SequenceTable, Work
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
@@ -44,7 +45,9 @@ class VadModel:
         self.tasks: Mapping[str, Task] = {"segments": self._segments_route}
         self.frames = FrameModel(spec, engine)
         self.batcher = Batcher(self.frames, baked.max_batch)
-        self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
+        self.engine_loop = EngineLoop(
+            self.batcher, QueuePolicy(spec.name, lambda: live.config.engine, self.batcher.stats)
+        )
         self.sequences = SequenceTable(self.frames, lambda: live.config.sequences)
         self.stats = self.batcher.stats
 
@@ -159,7 +162,8 @@ class VadModel:
         """A whole recording, cut into shards of at most the baked frames, all run as one batch;
         yields its probabilities in order, in pieces of at most `chunk_frames` (a shard when None)
         as soon as each is computed, so a caller can stream long results as they are produced.
-        Framing and planning count as the request's compute_input in `times`."""
+        Framing and planning count as the request's compute_input in `times`; a full queue refuses it."""
+        self.engine_loop.admit()
         framing = time.perf_counter_ns()
         if len(samples) > OFF_LOOP_SAMPLES:  # framing a long recording takes long: not on the loop live streams need
             frames, plan = await asyncio.to_thread(self._shards, samples)

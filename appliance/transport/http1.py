@@ -6,7 +6,9 @@ the requests before it, and the connection is closed, leaving every other connec
 The assembler (assembler.py) decides the limits: head size while it arrives, body size and the
 shared body budget, head and body timeouts; idle keep-alive connections close after
 keepalive_timeout_s, and a client that pipelines more than pipeline_depth requests is not read
-until they are answered.
+until they are answered. Flow control and cancellation as protocol/flow.py says: a streamed answer's
+next piece is pulled only while the write buffer is under server.stream_window_bytes, and a client
+that closes its connection has the request being served cancelled.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from http import HTTPStatus
 import httptools
 
 from appliance.config import Live, ServerConfig
+from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Handler, Request, Response
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
 
@@ -102,6 +105,8 @@ class HttpConnection(asyncio.Protocol):
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
         self._writable.set()
+        self._serving: asyncio.Task[None] | None = None
+        self._window: SendWindow | None = None  # the streamed answer being written, if one is
 
     @property
     def in_flight(self) -> int:
@@ -111,6 +116,7 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio callbacks ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=self.server.limits.stream_window_bytes)  # type: ignore[union-attr]
         self.client = peer_uid(transport.get_extra_info("socket"))
         if len(self.server.connections) >= self.server.limits.max_connections:
             self._reject(limit_bit(503, f"too many connections (limit {self.server.limits.max_connections})"))
@@ -120,6 +126,8 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self._writable.set()  # a task waiting to write finds the transport closed and ends
+        if self._serving is not None and not self._serving.done():
+            self._serving.cancel()  # the client is gone: nobody reads the answer (its shards leave the queues)
         self._release(self._assembler.body_bytes if self._assembler else 0)
         self._assembler = None
         self._release(sum(len(r.body) for r, _ in self.queue if isinstance(r, Request)))
@@ -131,6 +139,8 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writable.set()
+        if self._window is not None and self.transport is not None:
+            self._window.hold(self.transport.get_write_buffer_size())
 
     def eof_received(self) -> bool:
         """A half-close after whole requests: answer them, then close (True keeps the transport open)."""
@@ -204,7 +214,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue.append((entry, keep_alive))
         if not self.busy:
             self.busy = True
-            asyncio.get_running_loop().create_task(self._serve())
+            self._serving = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
         try:
@@ -239,13 +249,20 @@ class HttpConnection(asyncio.Protocol):
             self._idle_since = time.monotonic()
 
     async def _write_chunks(self, stream: AsyncGenerator[bytes, None]) -> bool:
-        """Send each piece as it is produced; False if the client went away meanwhile."""
-        async with contextlib.aclosing(stream) as pieces:
-            async for piece in pieces:
-                await self._writable.wait()
-                if self.transport is None or self.transport.is_closing():
-                    return False
-                self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        """Send each piece as it is produced, the next pulled only once the write buffer is under the
+        window; False if the client went away meanwhile."""
+        window = self._window = SendWindow(self.server.limits.stream_window_bytes)
+        try:
+            async with contextlib.aclosing(stream) as pieces:
+                async for piece in pieces:
+                    if self.transport is None or self.transport.is_closing():
+                        return False
+                    self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    window.hold(self.transport.get_write_buffer_size())
+                    await self._writable.wait()
+        finally:
+            window.close()
+            self._window = None
         if self.transport is None or self.transport.is_closing():
             return False
         self.transport.write(b"0\r\n\r\n")
