@@ -24,6 +24,7 @@ from appliance.errors import ApplianceError
 from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor, quic_sockets, worker_keys
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
+from appliance.tasks import LOOP_LAG, spawn
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import ConnectionCache, open_cache
 from appliance.transport.h3 import H3Server
@@ -33,10 +34,13 @@ log = logging.getLogger("appliance")
 
 EXIT_START_FAILED = exitcodes.START_FAILED
 EXIT_ABANDONED = 1  # stopped, but work was abandoned in a wedged engine
+EXIT_TASK_FAILED = 1  # stopped because a task it needs crashed (logged)
 EXPIRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
 ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to finish its batch
 STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process exits, blocked or not
+START_STEP_S = 600.0  # each step of the start (a model loaded, one warmed up) extends systemd's timeout this much
+STOP_WHILE_STARTING_S = 1.0  # a stop during start-up: the process exits this soon, loading or not
 
 
 def bind_unix_socket(server: ServerConfig) -> socket.socket:
@@ -84,6 +88,7 @@ class Daemon:
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
+        self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
 
     @property
     def config(self) -> Config:
@@ -96,8 +101,12 @@ class Daemon:
         manifest = bundle.manifest
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
-        self.models = load_models(bundle, self.live)
+        systemd.extend_start(START_STEP_S, "loading models")
+        self.models = load_models(
+            bundle, self.live, lambda name: systemd.extend_start(START_STEP_S, f"model {name} loaded; loading the next")
+        )
         for model in self.models.values():
+            systemd.extend_start(START_STEP_S, f"warming up model {model.name}")
             model.start()
             try:
                 await model.probe()
@@ -225,25 +234,46 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, self._overdue)
+        starting = loop.create_task(self.start())  # awaited below: its failure is a failed start, one line
+        stop = spawn(self.stopping.wait(), "the stop signal")
+        await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()  # a stop during start-up: no need to finish warming up
+            log.info("stopped during start-up")
         try:
-            server = await self.start()
-        except BaseException:
+            server = await starting
+        except BaseException as exc:
             if self.supervisor is not None:
                 self.supervisor.abort()
             await self._stop_models()
             self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
+            if isinstance(exc, asyncio.CancelledError) and self.stopping.is_set():
+                return 0
             raise
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
-        tasks = [loop.create_task(self._expire_idle_sequences()), loop.create_task(self._report_status())]
+        tasks = [
+            spawn(self._expire_idle_sequences(), "the idle sequence expiry", self._fail),
+            spawn(self._report_status(), "the status report", self._fail),
+            spawn(LOOP_LAG.run(), "the event loop lag probe", self._fail),
+        ]
         if self.h3 is not None:
-            tasks.append(loop.create_task(self.h3.sweep_connection_cache()))
+            tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._fail))
         if (interval := systemd.watchdog_interval()) is not None:
-            tasks.append(loop.create_task(self._watchdog(interval)))
-        await self.stopping.wait()
+            tasks.append(spawn(self._watchdog(interval), "the watchdog", self._fail))
+        await stop
+        if self.failed:
+            await self.shutdown(server)
+            return EXIT_TASK_FAILED
         await self.shutdown(server)
         for task in tasks:
             task.cancel()
         return 0
+
+    def _fail(self, _: BaseException) -> None:
+        """A task the daemon cannot serve without died (spawn logged it): stop, and exit non-zero so
+        that systemd restarts the daemon."""
+        self.failed = True
+        self.stopping.set()
 
     async def _expire_idle_sequences(self) -> None:
         while True:
@@ -339,10 +369,12 @@ class Daemon:
             await self.supervisor.stop(grace + 1.0)
         if server is not None:
             server.close()
-        while (self._in_flight() or live()) and time.monotonic() < deadline:
+        while (self._in_flight() or api.streaming()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._in_flight() or live():
+        if self._in_flight() or api.streaming():
             log.warning("grace time over: %d requests and %d sequences abandoned", self._in_flight(), live())
+        elif idle := live():
+            log.info("stopping: %d idle sequences ended", idle)
         if self.http is not None:
             self.http.close_all()
         if self.h3 is not None:
@@ -363,11 +395,18 @@ class Daemon:
                 self.bound_socket.unlink()
 
     def _stop_deadline_s(self) -> float:
+        if self.api is None or not self.api.ready:  # still starting: nothing is served yet, nothing to drain
+            return STOP_WHILE_STARTING_S
         return self.config.server.shutdown_grace_s + STOP_MARGIN_S
 
     def _overdue(self) -> None:
         """From the signal thread: the stop did not end in time, so the event loop itself is blocked
-        (an engine call that never returns, run on the loop). Say what is lost and exit."""
+        (an engine call that never returns, run on the loop), or a stop came while models were still
+        loading or warming up (nothing served yet). Say what is lost and exit."""
+        if self.api is None or not self.api.ready:
+            log.info("stopped during start-up (models were loading or warming up)")
+            logging.shutdown()
+            os._exit(0)
         in_flight = self._in_flight()
         sequences = sum(len(m.sequences) for m in self.models.values())
         log.error(

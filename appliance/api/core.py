@@ -46,6 +46,7 @@ from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_inf
 
 log = logging.getLogger("appliance.api")
 OFF_LOOP_BYTES = 1 << 20
+STREAMING_S = 1.0  # a sequence that had a request this recently is streaming (a stop waits for it)
 
 # Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
 EXTENSIONS = [
@@ -172,8 +173,14 @@ class Api:
         return task if any(task in m.tasks for m in self.models.values()) else "unknown"
 
     def keep_connections(self) -> bool:
-        """While draining, a connection stays open only as long as some sequence may still stream on it."""
-        return not self.draining or any(len(m.sequences) for m in self.models.values())
+        """While draining, a connection stays open only as long as some sequence is still streaming on it."""
+        return not self.draining or self.streaming() > 0
+
+    def streaming(self) -> int:
+        """Open sequences that are streaming: a request in flight, or one in the last STREAMING_S. A
+        stop waits for these alone; idle ones end with it at once."""
+        now = time.monotonic()
+        return sum(m.sequences.streaming(now, STREAMING_S) for m in self.models.values())
 
     # --- metadata and health ----------------------------------------------------------------------
 

@@ -185,6 +185,9 @@ class SequenceTable:
         self._drop(key)
         return True
 
+    def streaming(self, now: float, within_s: float) -> int:
+        return sum(1 for s in self._live.values() if s.in_flight or now - s.last_used <= within_s)
+
     def expire(self, now: float) -> int:
         idle = [k for k, s in self._live.items() if not s.in_flight and now - s.last_used > self.idle_timeout_s]
         for key in idle:

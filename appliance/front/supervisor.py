@@ -39,6 +39,7 @@ from appliance.front.channel import (
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import error_response
 from appliance.protocol.peers import Peer, Totals
+from appliance.tasks import spawn
 from appliance.transport.quic_guards import TicketStore
 
 log = logging.getLogger("appliance.workers")
@@ -93,9 +94,8 @@ class Supervisor:
     # --- start ---
     async def start(self) -> None:
         """Start every worker; return once each has reported (it accepts on its sockets)."""
-        loop = asyncio.get_running_loop()
-        self._runners = [loop.create_task(self._keep_running(s)) for s in self.slots]
-        self._watcher = loop.create_task(self._kill_wedged())
+        self._runners = [spawn(self._keep_running(s), f"the supervision of worker {s.index}") for s in self.slots]
+        self._watcher = spawn(self._kill_wedged(), "the wedged-worker watch")
         deadline = time.monotonic() + STARTUP_S
         while not all(s.reported.is_set() for s in self.slots):
             failed = [s for s in self.slots if s.restarts and not s.reported.is_set()]
@@ -187,7 +187,7 @@ class Supervisor:
             if kind == "request":
                 _, rid, request, body = message
                 request = dataclasses.replace(request, body=unpack_body(body))
-                task = asyncio.get_running_loop().create_task(self._answer(slot, channel, owner, rid, request))
+                task = spawn(self._answer(slot, channel, owner, rid, request), f"request {rid} of worker {slot.index}")
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
             elif kind == "credit":

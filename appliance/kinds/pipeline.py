@@ -93,6 +93,9 @@ class _Sequences:
     def expire(self, now: float) -> int:
         return 0  # the speech_to_text model expires its streams, these among them
 
+    def streaming(self, now: float, within_s: float) -> int:
+        return 0  # the speech_to_text model counts its streams, these among them
+
 
 class SpeechPipeline:
     def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> None:

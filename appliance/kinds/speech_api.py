@@ -348,6 +348,9 @@ class LiveTable:
         self._drop(key)
         return True
 
+    def streaming(self, now: float, within_s: float) -> int:
+        return sum(1 for s in self._live.values() if s.in_flight or now - s.last_used <= within_s)
+
     def expire(self, now: float) -> int:
         timeout = self.model.live.config.sequences.idle_timeout_s
         idle = [k for k, s in self._live.items() if not s.in_flight and now - s.last_used > timeout]

@@ -214,8 +214,10 @@ class SpeechToText:
                 text = " ".join(
                     s.text for s in await self._decode_live(stream, audio, (open_start, stream.position), times)
                 )
-            if closed:  # what comes next starts at or after the padded end of the last closed segment
-                stream.audio, stream.base = [audio[closed[-1][1] - stream.base :]], closed[-1][1]
+            # keep only what a segment still to come can include: after a closed segment its padded
+            # end, in silence the VAD's padding, so a chunk's cost does not grow with the stream's age
+            keep = max(stream.tracker.needed_from(), closed[-1][1] if closed else 0, stream.base)
+            stream.audio, stream.base = [audio[keep - stream.base :]], keep
             return [s for found in decoded for s in found], text, serial
         finally:
             stream.in_flight -= 1

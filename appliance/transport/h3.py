@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives import hashes
 from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Handler, Opened, Request, Response
+from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
@@ -141,7 +142,7 @@ class H3Server:
         self._quic_server.admit = self.cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
-        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+        self._reaper = spawn(self._reap(), "the HTTP/3 stream reaper")
 
     @property
     def datagrams(self) -> int:
@@ -348,7 +349,9 @@ class H3Protocol(QuicConnectionProtocol):
     def _dispatch(self, stream_id: int, request: Request) -> None:
         self.in_flight += 1
         request = dataclasses.replace(request, client=self._client())
-        task = self._serving[stream_id] = asyncio.get_running_loop().create_task(self._serve(stream_id, request))
+        task = self._serving[stream_id] = spawn(
+            self._serve(stream_id, request), f"HTTP/3 stream {stream_id} of {self.peer}"
+        )
         task.add_done_callback(lambda _: self._serving.pop(stream_id, None))
 
     def _client(self) -> str:

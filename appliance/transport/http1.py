@@ -28,6 +28,7 @@ import httptools
 from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Handler, Request, Response
+from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
 
 log = logging.getLogger("appliance.http")
@@ -70,7 +71,7 @@ class Http1Server:
 
     def protocol(self) -> HttpConnection:
         if self._timeouts is None:
-            self._timeouts = asyncio.get_running_loop().create_task(self._enforce_timeouts())
+            self._timeouts = spawn(self._enforce_timeouts(), "the HTTP/1.1 timeouts")
         return HttpConnection(self)
 
     @property
@@ -214,7 +215,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue.append((entry, keep_alive))
         if not self.busy:
             self.busy = True
-            self._serving = asyncio.get_running_loop().create_task(self._serve())
+            self._serving = spawn(self._serve(), f"HTTP/1.1 connection of {self.client}")
 
     async def _serve(self) -> None:
         try:
