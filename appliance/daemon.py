@@ -24,7 +24,7 @@ from appliance.errors import ApplianceError
 from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor, quic_sockets, worker_keys
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
-from appliance.tasks import LOOP_LAG, spawn
+from appliance.tasks import LOOP_LAG, arm_failpoints, spawn
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import ConnectionCache, open_cache
 from appliance.transport.h3 import H3Server
@@ -116,6 +116,7 @@ class Daemon:
                 first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
+        arm_failpoints()  # warmed up: a test's failpoints may fire from now on
         self.api = Api(manifest, self.models, self.live)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:

@@ -2,7 +2,8 @@
 weak one), and logs its failure once with its name and traceback; `on_failure` hears it (an engine
 loop fails its pending requests and is restarted). `LoopLag` measures how late the event loop runs
 its callbacks (CPU work on the loop shows here first). `failpoint` lets a test make a named place
-fail, through APPLIANCE_TEST_FAILPOINTS (comma-separated names; each fails once): read only in tests."""
+fail, through APPLIANCE_TEST_FAILPOINTS (comma-separated names; each fails once, after the start):
+set only by tests."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 log = logging.getLogger("appliance.tasks")
 
 _OWNED: set[asyncio.Task[Any]] = set()
-_FAILPOINTS = {name for name in os.environ.get("APPLIANCE_TEST_FAILPOINTS", "").split(",") if name}
+_FAILPOINTS: set[str] = set()
 
 
 def spawn(
@@ -36,6 +37,11 @@ def spawn(
 
     task.add_done_callback(finished)
     return task
+
+
+def arm_failpoints() -> None:
+    """The daemon is ready: the failpoints a test named may fire from now on (not in the warm-up)."""
+    _FAILPOINTS.update(name for name in os.environ.get("APPLIANCE_TEST_FAILPOINTS", "").split(",") if name)
 
 
 def failpoint(name: str) -> None:
