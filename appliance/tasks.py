@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 log = logging.getLogger("appliance.tasks")
 
@@ -37,6 +37,20 @@ def spawn(
 
     task.add_done_callback(finished)
     return task
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+OFF_LOOP_BYTES = 1 << 20  # work on more than this (a body, an output) leaves the event loop
+
+
+async def off_loop(size: int, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """`function(*args)` on a thread when it works on `size` bytes past OFF_LOOP_BYTES (JSON of a
+    long output, a FLAC encoding), so the loop keeps serving everyone else; inline when small (a
+    thread's hand-over costs more than the work)."""
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(function, *args, **kwargs)
+    return function(*args, **kwargs)
 
 
 def arm_failpoints() -> None:

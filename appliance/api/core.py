@@ -30,6 +30,8 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+import numpy as np
+
 from appliance import __version__
 from appliance.api import libretranslate, openai_audio, openai_speech, repository
 from appliance.api import metrics as prometheus
@@ -43,9 +45,9 @@ from appliance.protocol.encoding import accepted_coding, compress
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
 from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
+from appliance.tasks import off_loop
 
 log = logging.getLogger("appliance.api")
-OFF_LOOP_BYTES = 1 << 20
 STREAMING_S = 1.0  # a sequence that had a request this recently is streaming (a stop waits for it)
 
 # Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
@@ -290,10 +292,7 @@ class Api:
     async def _infer(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
         json_length = request.headers.get(HEADER_LENGTH)
-        if len(request.body) > OFF_LOOP_BYTES:  # a large JSON body takes long to decode: not on the loop
-            infer = await asyncio.to_thread(decode_infer, request.body, json_length)
-        else:
-            infer = decode_infer(request.body, json_length)
+        infer = await off_loop(len(request.body), decode_infer, request.body, json_length)
         sequence = _sequence_call(infer.parameters)
         if self.draining and sequence is not None and sequence.start:
             raise Unavailable("shutting down: no new sequences; open ones may finish")
@@ -314,7 +313,10 @@ class Api:
         out_params: dict[str, Any] = {}
         if sequence is not None:
             out_params = {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}
-        body, header_length = encode_infer(model.name, self.manifest.version, infer, outputs, out_params)
+        size = sum(a.nbytes for a in outputs.values() if isinstance(a, np.ndarray))  # JSON of 10 M samples: seconds
+        body, header_length = await off_loop(
+            size, encode_infer, model.name, self.manifest.version, infer, outputs, out_params
+        )
         headers = [] if header_length is None else [("Inference-Header-Content-Length", str(header_length))]
         content_type = "application/json" if header_length is None else "application/octet-stream"
         return Response(200, body, content_type, headers, opened=opened)
@@ -332,10 +334,7 @@ class Api:
 
 async def _compressed(response: Response, coding: str) -> Response:
     """The response in the coding the client accepts (streamed bodies go as they are)."""
-    if len(response.body) > OFF_LOOP_BYTES:
-        body = await asyncio.to_thread(compress, response.body, coding)
-    else:
-        body = compress(response.body, coding)
+    body = await off_loop(len(response.body), compress, response.body, coding)
     headers = [*response.headers, ("Content-Encoding", coding)]
     return dataclasses.replace(response, body=body, headers=headers)
 

@@ -25,6 +25,7 @@ from appliance.kinds.base import ServedModel
 from appliance.kinds.speech import MAX_SPEED, MIN_SPEED, SpeechModel
 from appliance.kinds.text import checked_text
 from appliance.protocol.messages import Request, Response
+from appliance.tasks import off_loop
 
 log = logging.getLogger("appliance.api")
 
@@ -62,7 +63,8 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     headers = [("x-sample-rate", str(rate))]
     if audio_format == "flac":
         samples = [p async for p in pieces]
-        return Response(200, _flac(samples, rate), FORMATS["flac"], headers)
+        flac = await off_loop(sum(p.nbytes for p in samples), _flac, samples, rate)
+        return Response(200, flac, FORMATS["flac"], headers)
     first = wav_header(rate, STREAMED_UNKNOWN) if audio_format == "wav" else b""
     return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=_stream(first, pieces, model.name))
 

@@ -70,11 +70,12 @@ class BatchQueue(Generic[T, R]):
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or self._running > 0
+        return self.waiting > 0 or self._running > 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Shards waiting for a batch (those whose caller went away are not: the next batch drops them)."""
+        return sum(not s.future.done() for s in self._waiting)
 
     def start(self) -> None:
         self._task = spawn(self._run(), f"the batch queue of model {self.policy.model}", self._crashed)
@@ -121,11 +122,16 @@ class BatchQueue(Generic[T, R]):
         futures: list[asyncio.Future[Done[R]]] = []
         for index, payload in enumerate(payloads, first_index):
             future: asyncio.Future[Done[R]] = loop.create_future()
+            future.add_done_callback(self._count_cancelled)
             order = (-1 if urgent else index, next(self._arrivals))
             self._waiting.append(_Shard(payload, group, owner, order, future))
             futures.append(future)
         self._wake.set()
         return futures
+
+    def _count_cancelled(self, future: asyncio.Future[Done[R]]) -> None:
+        if future.cancelled():  # its caller went away: the shard leaves the queue, or its result is dropped
+            self.stats.dropped += 1
 
     def new_owner(self, urgent: bool = False) -> int:
         """A new request's id among the shards; refused (QueueFull) when the queue is at its bound."""
@@ -137,9 +143,9 @@ class BatchQueue(Generic[T, R]):
         """The next batch: one group, lowest shard index first, at most per_request of one request."""
         now, kept = time.perf_counter_ns(), []
         for shard in self._waiting:
-            if shard.future.done():  # its caller went away
-                self.stats.dropped += 1
-            elif (overdue := self.policy.overdue(shard.queued_ns, now)) is not None and shard.order[0] >= 0:
+            if shard.future.done():  # its caller went away (counted then)
+                continue
+            if (overdue := self.policy.overdue(shard.queued_ns, now)) is not None and shard.order[0] >= 0:
                 shard.future.set_exception(overdue)
             else:
                 kept.append(shard)
@@ -180,9 +186,7 @@ class BatchQueue(Generic[T, R]):
                             shard.future.set_exception(exc)
                 else:
                     for shard, result in zip(batch, results):
-                        if shard.future.done():  # its caller went away while it ran: the result is dropped
-                            self.stats.dropped += 1
-                        else:
+                        if not shard.future.done():  # else its caller went away while it ran: dropped
                             shard.future.set_result(Done(result, started - shard.queued_ns))
                 finally:
                     self._running = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import socket
 import struct
 import time
@@ -45,6 +46,17 @@ def encode_response(response: Response, keep_alive: bool) -> bytes:
     if not keep_alive:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
+
+
+def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the peer closed both directions, not only its sending side: on a Unix socket the kernel
+    says so with POLLHUP (TCP cannot tell them apart until a write fails)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
 def peer_uid(sock: socket.socket | None) -> str:
@@ -144,9 +156,11 @@ class HttpConnection(asyncio.Protocol):
             self._window.hold(self.transport.get_write_buffer_size())
 
     def eof_received(self) -> bool:
-        """A half-close after whole requests: answer them, then close (True keeps the transport open)."""
+        """A half-close after whole requests: answer them, then close (True keeps the transport open).
+        A client that closed its socket altogether is gone: the transport closes, and connection_lost
+        cancels what is being served for it."""
         self._half_closed = True
-        return not self._rejected and bool(self.busy or self.queue)
+        return not self._rejected and bool(self.busy or self.queue) and not _peer_closed(self.transport)
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
