@@ -21,7 +21,8 @@ from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api.core import Api
 from appliance.config import Config, Live, ServerConfig, worker_count
 from appliance.errors import ApplianceError
-from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor, quic_sockets, worker_keys
+from appliance.front.quic_sockets import quic_sockets, worker_keys
+from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.tasks import LOOP_LAG, arm_failpoints, spawn

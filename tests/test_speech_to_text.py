@@ -342,13 +342,14 @@ def test_a_ten_minute_transcription_abandoned_after_2_s_stops_within_one_engine_
     sock.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
     time.sleep(2.0)
     sock.close()
-    deadline = time.monotonic() + 120
-    while whisper_metric(unix, "appliance_queue_depth") > 0:  # the engine call under way ends
-        assert time.monotonic() < deadline, "the abandoned transcription is still queued"
-        time.sleep(0.2)
-    spent = daemon.cpu_seconds()
-    time.sleep(3.0)
-    assert daemon.cpu_seconds() - spent < 1.0, "the engine went on working for a client that left"
+    deadline = time.monotonic() + 90
+    while True:  # until the engine is quiet: a second with under 0.3 s of CPU
+        spent = daemon.cpu_seconds()
+        time.sleep(1.0)
+        if daemon.cpu_seconds() - spent < 0.3:
+            break
+        assert time.monotonic() < deadline, "the engine is still busy 90 s after its only client left"
+    assert whisper_metric(unix, "appliance_queue_depth") == 0
     ran = whisper_metric(unix, "nv_inference_count") - before
     assert ran <= 2 * 8, f"{ran} shards of the abandoned recording ran (max_batch 8: one call, and one starting)"
     assert whisper_metric(unix, "appliance_cancelled_work_total") > 0
