@@ -341,6 +341,10 @@ def test_a_ten_minute_transcription_abandoned_after_2_s_stops_within_one_engine_
     head = f"POST /v2/models/{BASE}/transcribe HTTP/1.1\r\nhost: box\r\ncontent-type: audio/flac\r\n"
     sock.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
     time.sleep(2.0)
+    deadline = time.monotonic() + 60
+    while whisper_metric(unix, "appliance_queue_depth") == 0:  # until its shards wait for Whisper
+        assert time.monotonic() < deadline, "no shard of the recording reached Whisper"
+        time.sleep(0.05)
     sock.close()
     deadline = time.monotonic() + 90
     while True:  # until the engine is quiet: a second with under 0.3 s of CPU

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
 from appliance.engine.queue_policy import QueuePolicy
@@ -56,6 +58,7 @@ class EngineLoop(Generic[W]):
         self.batcher, self.policy = batcher, policy  # read per batch: the live config's
         self.offload_min_batch = offload_min_batch
         self._wake = asyncio.Event()
+        self._requests = 0  # admitted and not answered yet
         self._task: asyncio.Task[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
 
@@ -84,10 +87,17 @@ class EngineLoop(Generic[W]):
         self._thread.shutdown(wait=finished, cancel_futures=True)
         return finished
 
-    def admit(self) -> None:
-        """A new request, before it submits its works: refused (QueueFull) when the queue is at its bound.
-        A live stream's frames are not refused (its sequence was admitted when it opened)."""
-        self.policy.admit(self.batcher.waiting)
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """One request's stay in the queue, from before it submits its works to its answer: refused
+        (QueueFull) when max_queue_size requests are in already. A live stream's frames are not
+        refused (its sequence was admitted when it opened)."""
+        self.policy.admit(self._requests)
+        self._requests += 1
+        try:
+            yield
+        finally:
+            self._requests -= 1
 
     def submit(self, work: W) -> None:
         self.batcher.submit(work)

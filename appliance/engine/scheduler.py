@@ -283,7 +283,7 @@ class Batcher:
                 inferred = time.perf_counter_ns()
                 probs = self.model.absorb(sequences, feeds, out)
             except Exception as exc:  # an engine failure fails this batch, not the daemon
-                log.exception("engine %s failed a batch", self.model.engine.name)
+                log.debug("engine %s failed a batch", self.model.engine.name, exc_info=True)  # its 500 is logged
                 error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
                 failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()

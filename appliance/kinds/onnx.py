@@ -184,9 +184,9 @@ class OnnxModel:
         rows = next(iter(feeds.values())).shape[0] if self.max_batch_size else 1
         job = Job(feeds, rows, done, sequence, times=times or RequestTimes())  # the batcher fills in `times`
         future.add_done_callback(lambda f: setattr(job, "cancelled", f.cancelled()))
-        self.engine_loop.admit()
-        self.engine_loop.submit(job)
-        finished = await future
+        with self.engine_loop.admitted():
+            self.engine_loop.submit(job)
+            finished = await future
         return finished.outputs
 
     def _checked_feeds(self, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
