@@ -43,7 +43,11 @@ def speech_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def speech_daemon(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, keys: Keys, speech_bundle: Path, tls
 ):
-    d = Daemon(tmp_path_factory.mktemp("speechd"), speech_bundle, keys.trusted, tls=tls, workers=request.param)
+    # a QUIC client that stops is not dropped for idleness while a test watches the engine stall
+    quic = "idle_timeout_s = 300.0\n"
+    d = Daemon(
+        tmp_path_factory.mktemp("speechd"), speech_bundle, keys.trusted, tls=tls, workers=request.param, extra_quic=quic
+    )
     d.wait_ready(180)
     yield d
     assert d.stop() == 0, d.log.read_text()
@@ -207,7 +211,6 @@ def test_a_client_that_leaves_a_long_request_cancels_it(speech_daemon: Daemon, t
     time.sleep(3)
     assert shards_run(speech_daemon) == stalled, "the engine went on for a client that left"
     assert stalled - before['nv_inference_count{model="joe",version="1.0.0"}'] < 100
-
 
 
 def vad_step(sequence_id: int, start: bool = False) -> dict:
