@@ -308,3 +308,17 @@ def test_the_queue_policy_is_in_the_models_triton_config(speech_daemon: Daemon) 
         "allow_timeout_override": False,
         "max_queue_size": 128,
     }
+
+
+def test_a_stop_during_start_up_stops_at_once(start_daemon, speech_bundle: Path) -> None:
+    """SIGTERM while the models load or warm up: exit 0 within a second or two, no waiting for the
+    warm-up to end nor the grace time."""
+    daemon = start_daemon(bundle_dir=speech_bundle, wait=False)
+    wait_until(lambda: "verified" in daemon.log.read_text(), 60, "the start began")
+    assert "ready: serving" not in daemon.log.read_text()
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(30) == 0, daemon.log.read_text()
+    took = time.monotonic() - started
+    assert took < 3.0, f"the stop during start-up took {took:.1f} s"
+    assert "stopped during start-up" in daemon.log.read_text()
