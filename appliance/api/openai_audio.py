@@ -26,6 +26,7 @@ from appliance.kinds.base import ServedModel
 from appliance.kinds.speech_api import FORMATS, Options, Segment, decode_recording, render
 from appliance.kinds.speech_to_text import SpeechToText
 from appliance.protocol.messages import Request, Response
+from appliance.tasks import off_loop
 
 FIELDS = {
     "file",
@@ -112,7 +113,7 @@ def pick_model(models: dict[str, ServedModel], name: str, task: str) -> SpeechTo
 
 
 async def answer(models: dict[str, ServedModel], request: Request, task: str) -> Response:
-    fields, audio = parse_form(request)
+    fields, audio = await off_loop(len(request.body), parse_form, request)  # a 64 MiB form: not on the loop
     model = pick_model(models, fields.get("model", ""), task)
     if task == "translate" and "language" in fields:
         raise BadRequest("translations take no 'language': the speech's language is detected, the text is English")
