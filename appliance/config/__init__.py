@@ -288,7 +288,7 @@ def _check_values(config: Config) -> None:
 
 
 # What SIGHUP can change in a running daemon; every other key needs a restart.
-LIVE_KEYS = frozenset(
+RELOADABLE_KEYS = frozenset(
     {
         "server.max_body_bytes",
         "server.max_header_bytes",
@@ -317,28 +317,28 @@ LIVE_KEYS = frozenset(
 )
 
 
-def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
-    """The running config with every changed LIVE_KEYS value taken from `new`; and the keys that
-    changed and applied live, and those that changed and need a restart."""
-    live, restart, sections = [], [], {}
+def apply_reload(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
+    """The running config with every changed RELOADABLE_KEYS value taken from `new`; and the keys that
+    changed and were reloaded, and those that changed and need a restart."""
+    reloaded, restart, sections = [], [], {}
     for section in SECTIONS:
         before, after = getattr(old, section), getattr(new, section)
         changes = {}
         for f in dataclasses.fields(before):
             if getattr(before, f.name) != getattr(after, f.name):
                 name = f"{section}.{f.name}"
-                if name in LIVE_KEYS:
-                    live.append(name)
+                if name in RELOADABLE_KEYS:
+                    reloaded.append(name)
                     changes[f.name] = getattr(after, f.name)
                 else:
                     restart.append(name)
         sections[section] = dataclasses.replace(before, **changes)
-    return dataclasses.replace(old, **sections), live, restart
+    return dataclasses.replace(old, **sections), reloaded, restart
 
 
 class Live:
     """The running config, one holder for the whole daemon. SIGHUP replaces `config` as a whole (keys
-    that need a restart keep their running values, see apply_live); each component reads the setting
+    that need a restart keep their running values, see apply_reload); each component reads the setting
     it needs when it uses it, so none keeps a stale copy."""
 
     def __init__(self, config: Config) -> None:

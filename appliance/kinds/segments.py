@@ -102,11 +102,3 @@ class SegmentTracker:
             return None
         end_so_far = self._silence_from or self._position
         return self._start if end_so_far - self._start > self.min_speech else None
-
-
-def speech_segments(
-    probs: np.ndarray, frame_samples: int, sample_rate: int, total_samples: int, params: SegmentParams
-) -> list[tuple[int, int]]:
-    """Return (start, end) sample positions of speech in a whole recording."""
-    tracker = SegmentTracker(frame_samples, sample_rate, params)
-    return tracker.feed(probs) + tracker.finish(total_samples)

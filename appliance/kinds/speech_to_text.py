@@ -2,7 +2,8 @@
 packed into shards of at most the baked `max_tokens_per_shard` (20 ms each, Whisper's 30 s window at
 most), and every shard of every waiting request runs in one engine call (engine/batch_queue.py,
 live streams' shards first); the text comes back in order with segment times. Live streams feed the
-VAD chunk by chunk and decode each segment as soon as the VAD closes it. Its tensors and routes are in speech_api.py.
+VAD chunk by chunk and decode each segment as soon as the VAD closes it. Its tensors, config, query
+and answers are the codec in speech_api.py; its routes and live streams are here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,23 +20,44 @@ from appliance.config import Live
 from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.queue_policy import QueuePolicy
+from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
-from appliance.kinds.base import SequenceCall, ServedModel, Task
-from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
+from appliance.kinds.audio_in import audio_input, decode_upload
+from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
+from appliance.kinds.segments import SegmentTracker
+from appliance.kinds.speech_api import Options, Segment
 from appliance.kinds.speech_shards import Packer, ShardPlan
+from appliance.kinds.streaming import ndjson
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
+assert SAMPLE_RATE == speech_api.SAMPLE_RATE
 
 
-class SpeechToText:
+@dataclass(slots=True, eq=False)
+class LiveStream:
+    """A live stream (an entry of the model's OwnedTable): its VAD's segment tracker, the audio not yet
+    decoded, and a sequence of the VAD under its own key (`vad_key`), ended when the stream is dropped."""
+
+    options: Options
+    tracker: SegmentTracker
+    audio: list[np.ndarray] = field(default_factory=list)
+    base: int = 0  # sample position of audio[0]'s first sample
+    position: int = 0  # samples received
+    client: str = ""
+    serial: int = 0
+    last_used: float = 0.0
+    in_flight: int = 0
+
+
+class SpeechToText(EngineModel):
     def __init__(
         self,
         spec: ModelSpec,
@@ -50,9 +73,9 @@ class SpeechToText:
             raise ApplianceError(
                 f"model {spec.name}: parameters.vad {params['vad']!r} is not a VAD model listed before it"
             )
-        self.vad = vad
-        self.max_samples = _integer(params, "max_tokens_per_shard") * SHARD_SAMPLES_PER_TOKEN
-        self.split_algorithm = str(params["split_algorithm"])
+        self.vad: VadModel = vad
+        self.max_samples: int = _integer(params, "max_tokens_per_shard") * SHARD_SAMPLES_PER_TOKEN
+        self.split_algorithm: str = str(params["split_algorithm"])
         self.max_batch = _integer(params, "max_batch")
         engine = live.config.engine
         self.engine = WhisperEngine(
@@ -64,23 +87,14 @@ class SpeechToText:
             cuda.memory_used if cuda.cuda is not None else None,
         )
         self.stats = ModelStats()
-        self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
-            self.engine.run, self.max_batch, self.stats, QueuePolicy(spec.name, lambda: live.config.engine, self.stats)
+        policy = QueuePolicy(spec.name, lambda: live.config.engine, self.stats)
+        self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(self.engine.run, self.max_batch, self.stats, policy)
+        self.sequences: OwnedTable[LiveStream] = OwnedTable(
+            lambda: live.config.sequences,
+            "streams",
+            lambda key, stream: vad.sequences.end(vad_key(spec.name, key, stream)),
         )
-        self.sequences = LiveTable(self)
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return self.engine.fallbacks
 
     def start(self) -> None:
         self.batcher.start()
@@ -92,14 +106,18 @@ class SpeechToText:
         await self.batcher.submit([Shard(np.zeros(SAMPLE_RATE, np.float32))])[0]
 
     def metadata(self) -> dict[str, Any]:
-        return speech_api.metadata(self)
+        return speech_api.metadata(self.spec, self.engine_name, self.multilingual)
+
+    @property
+    def multilingual(self) -> bool:
+        return self.engine.tokens.multilingual
 
     @property
     def queue_depth(self) -> int:
         return self.batcher.waiting
 
     def config(self) -> dict[str, Any]:
-        return speech_api.config(self)
+        return speech_api.config(self.spec, self.baked, self.live)
 
     def check(self, options: Options) -> None:
         self.engine.check(options.language, options.task)
@@ -160,7 +178,7 @@ class SpeechToText:
         samples: np.ndarray,
         options: Options,
         times: RequestTimes,
-        live: bool = False,
+        urgent: bool = False,
         offset: int = 0,
     ) -> list[Segment]:
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
@@ -168,7 +186,7 @@ class SpeechToText:
         times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
         second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
         shard = self._shard(plan.audio(samples), options)
-        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=live)[0]
+        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=urgent)[0]
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
@@ -194,13 +212,14 @@ class SpeechToText:
         now = self.clock()
         if sequence.start:
             self.check(options)
-            stream = self.sequences.start(sequence.id, now, sequence.client, options)
+            tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, self.live.config.vad)
+            stream = self.sequences.open(sequence.id, now, sequence.client, lambda: LiveStream(options, tracker))
         else:
             stream = self.sequences.get(sequence.id, now, sequence.client)
         serial = stream.serial if sequence.start else None
         stream.in_flight += 1
         try:
-            key = self.sequences.vad_key(sequence.id, stream)
+            key = vad_key(self.name, sequence.id, stream)
             probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
             stream.audio.append(samples)
             stream.position += len(samples)
@@ -232,16 +251,55 @@ class SpeechToText:
         found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, stream.base) for p in plans))
         return [s for segments in found for s in segments]
 
+    def samples(self, request: InferRequest) -> np.ndarray:
+        """An infer request's audio: samples, or one encoded file (decoded: call it off the event loop)."""
+        return audio_input(request.inputs, self.name, SAMPLE_RATE, self.live)
+
+    def recording(self, body: bytes) -> np.ndarray:
+        """An uploaded recording as 16 kHz samples, at least MIN_SAMPLES long (call it off the event loop)."""
+        return speech_api.long_enough(decode_upload(body, SAMPLE_RATE, self.live))
+
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
-        return await speech_api.infer(self, request, sequence, times)
+        wanted = speech_api.options(request.parameters)
+        if sequence is None:
+            samples = speech_api.long_enough(await asyncio.to_thread(self.samples, request))
+            return speech_api.tensors([s async for s in self.transcribe(samples, wanted, times)]), None
+        samples = self.samples(request)
+        partial = request.parameters.get("partial", False)
+        final, text, serial = await self.live_chunk(samples, sequence, partial, wanted, times)
+        outputs = speech_api.tensors(final)
+        if text is not None:
+            outputs["partial"] = np.array([text.encode()], dtype=object)
+        opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
+        return outputs, opened
 
     async def _transcribe_route(self, request: Request, query: dict[str, str]) -> Response:
-        return await speech_api.transcribe_route(self, request, query)
+        """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=]: a
+        recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded."""
+        stream, response_format, wanted = speech_api.transcribe_query(query)
+        self.check(wanted)
+        samples = await asyncio.to_thread(self.recording, request.body)
+        segments = self.transcribe(samples, wanted)
+        duration = round(len(samples) / SAMPLE_RATE, 3)
+        if stream:
+            return ndjson(
+                segments,
+                speech_api.segment_json,
+                lambda count: {"model_name": self.name, "duration": duration, "segments": count},
+                f"streamed transcription by {self.name}",
+                {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
+            )
+        return speech_api.render([s async for s in segments], response_format, wanted.task, duration)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def vad_key(model: str, key: object, stream: LiveStream) -> object:
+    """The key of a live stream's sequence in its VAD's table."""
+    return (model, key, stream.serial)
 
 
 def _integer(params: Mapping[str, Parameter], key: str) -> int:

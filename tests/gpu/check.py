@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "tests"))
 
+from live_streams import LiveStreams  # noqa: E402
+from speech import speech_segments  # noqa: E402
 from streams import CONTEXT, FRAME, RATE, run_streams  # noqa: E402
 
 from appliance import firmware  # noqa: E402
@@ -35,8 +37,8 @@ from appliance.audio import encode_wav  # noqa: E402
 from appliance.engine.choice import CpuFallback  # noqa: E402
 from appliance.engine.interface import GpuOutOfMemory  # noqa: E402
 from appliance.engine.onnx_cpu import OnnxCpuEngine  # noqa: E402
-from appliance.engine.reference import ReferenceVad  # noqa: E402
-from appliance.kinds.segments import SegmentParams, speech_segments  # noqa: E402
+from appliance.engine.reference import ReferenceVad, load_weights  # noqa: E402
+from appliance.kinds.segments import SegmentParams  # noqa: E402
 
 REALTIME_FPS = 10_000 * 1000 / 32  # 10,000 streams of one 32 ms frame each
 results: list[tuple[str, bool, str]] = []
@@ -76,11 +78,11 @@ def streams_of(audio: np.ndarray, count: int, frames: int) -> np.ndarray:
 
 
 def compare_with_reference(bundle: firmware.Bundle, audio: np.ndarray) -> None:
-    from appliance.engine.cuda import CudaVadEngine, LiveStreams
+    from appliance.engine.cuda import CudaVadEngine
 
     model = bundle.manifest.models[0]
     gpu = CudaVadEngine(bundle, model)
-    reference = ReferenceVad.from_onnx(bundle.artifact(model.file))
+    reference = ReferenceVad(load_weights(bundle.artifact(model.file)))
     pcm = np.clip(np.round(audio * 32768), -32768, 32767).astype(np.int16)
     frames = streams_of(pcm.astype(np.float32) / 32768, 64, len(audio) // FRAME)
     ours, truth = run_streams(gpu, frames), run_streams(reference, frames)
@@ -120,7 +122,7 @@ def check_fallback(bundle: firmware.Bundle, audio: np.ndarray) -> None:
     threshold = bundle.manifest.baked.fallback_cpu_threshold
     engine = CpuFallback(gpu, cpu, threshold, memory_used)
     frames = streams_of(audio, 8, 120)
-    truth = run_streams(ReferenceVad.from_onnx(bundle.artifact(model.file)), frames)
+    truth = run_streams(ReferenceVad(load_weights(bundle.artifact(model.file))), frames)
 
     # One run over all frames; GPU memory is filled past the threshold for the middle third.
     state, context = np.zeros((2, 8, 128), np.float32), np.zeros((8, CONTEXT), np.float32)
@@ -233,7 +235,7 @@ def timed(step, repeats: int, budget_s: float) -> float:
 
 
 def benchmark(bundle: firmware.Bundle) -> list[tuple[int, float, float]]:
-    from appliance.engine.cuda import CudaVadEngine, LiveStreams
+    from appliance.engine.cuda import CudaVadEngine
 
     model = bundle.manifest.models[0]
     gpu = CudaVadEngine(bundle, model)
