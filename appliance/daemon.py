@@ -18,7 +18,7 @@ from pathlib import Path
 
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
-from appliance.api.core import Api
+from appliance.api.core import Api, streaming
 from appliance.config import Config, Live, ServerConfig, worker_count
 from appliance.errors import ApplianceError
 from appliance.front.quic_sockets import quic_sockets, worker_keys
@@ -371,9 +371,9 @@ class Daemon:
             await self.supervisor.stop(grace + 1.0)
         if server is not None:
             server.close()
-        while (self._in_flight() or api.streaming()) and time.monotonic() < deadline:
+        while (self._in_flight() or streaming(self.models.values())) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._in_flight() or api.streaming():
+        if self._in_flight() or streaming(self.models.values()):
             log.warning("grace time over: %d requests and %d sequences abandoned", self._in_flight(), live())
         elif idle := live():
             log.info("stopping: %d idle sequences ended", idle)

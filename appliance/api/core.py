@@ -141,20 +141,8 @@ class Api:
             )
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
         if response.stream is not None:
-            response.stream = self._counted(response.stream)
+            response.stream = _counted(response.stream, self.metrics)
         return response
-
-    async def _counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-        """A streamed answer; one its client left before the end counts as cancelled."""
-        whole = False
-        try:
-            async with contextlib.aclosing(stream) as pieces:
-                async for piece in pieces:
-                    yield piece
-            whole = True
-        finally:
-            if not whole:
-                self.metrics.cancelled += 1
 
     @staticmethod
     def _log_fields(request: Request, params: dict[str, str]) -> dict[str, str]:
@@ -176,13 +164,7 @@ class Api:
 
     def keep_connections(self) -> bool:
         """While draining, a connection stays open only as long as some sequence is still streaming on it."""
-        return not self.draining or self.streaming() > 0
-
-    def streaming(self) -> int:
-        """Open sequences that are streaming: a request in flight, or one in the last STREAMING_S. A
-        stop waits for these alone; idle ones end with it at once."""
-        now = time.monotonic()
-        return sum(m.sequences.streaming(now, STREAMING_S) for m in self.models.values())
+        return not self.draining or streaming(self.models.values()) > 0
 
     # --- metadata and health ----------------------------------------------------------------------
 
@@ -330,6 +312,26 @@ class Api:
                 f"{''.join(', ' + t for t in model.tasks)})"
             )
         return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
+
+
+def streaming(models: Iterable[ServedModel]) -> int:
+    """Open sequences that are streaming: a request in flight, or one in the last STREAMING_S. A stop
+    waits for these alone; idle ones end with it at once."""
+    now = time.monotonic()
+    return sum(m.sequences.streaming(now, STREAMING_S) for m in models)
+
+
+async def _counted(stream: AsyncGenerator[bytes, None], metrics: prometheus.Metrics) -> AsyncGenerator[bytes, None]:
+    """A streamed answer; one its client left before the end counts as cancelled."""
+    whole = False
+    try:
+        async with contextlib.aclosing(stream) as pieces:
+            async for piece in pieces:
+                yield piece
+        whole = True
+    finally:
+        if not whole:
+            metrics.cancelled += 1
 
 
 async def _compressed(response: Response, coding: str) -> Response:
