@@ -388,6 +388,7 @@ def test_a_silent_live_stream_costs_the_same_at_any_age(daemon: Daemon, unix: Cl
         out = unix.live(chunk, TINY, 90210, start=i == 0, end=i == count - 1)
         costs.append(time.perf_counter() - started)
         assert not len(out["text"]), out
-    first, last = float(np.median(costs[20:220])), float(np.median(costs[-200:]))
+    # the 10th percentile of each stretch: what a chunk costs, less what other work on this machine adds
+    first, last = float(np.percentile(costs[20:220], 10)), float(np.percentile(costs[-200:], 10))
     assert last <= 2 * first, f"a chunk took {first * 1e3:.1f} ms at first and {last * 1e3:.1f} ms after 15 minutes"
     assert daemon.rss_kib() - grown_from < 32 << 10
