@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from speech import speech_segments
 
 from appliance.config import SequenceConfig
@@ -11,7 +13,7 @@ from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable, ScopedSequences
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
-from appliance.kinds.segments import SegmentParams
+from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import plan_shards
 from appliance.protocol.messages import Opened
 from appliance.transport.owners import SequenceOwners
@@ -220,3 +222,29 @@ def test_every_kind_in_the_registry_is_a_factory_of_the_registry_signature() -> 
     for kind in KINDS:
         parameters = list(inspect.signature(factory(kind)).parameters)
         assert parameters[:4] == ["spec", "bundle", "live", "loaded"], (kind, parameters)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 0.2, 0.4, 0.9]), min_size=1, max_size=300),
+    st.sampled_from([32, 100, 300]),
+    st.sampled_from([0, 30, 200]),
+)
+def test_the_span_a_live_stream_decodes_ahead_is_the_one_the_vad_closes(
+    probs: list[float], min_silence_ms: int, pad_ms: int
+) -> None:
+    """SegmentTracker.closing(): while the silence after speech is waited out, the span it names is
+    the one feed returns when that silence lasts; speech that comes back withdraws it."""
+    params = SegmentParams(min_speech_ms=64, min_silence_ms=min_silence_ms, speech_pad_ms=pad_ms)
+    tracker = SegmentTracker(512, 16000, params)
+    predicted = None
+    for p in probs:
+        closed = tracker.feed(np.array([p], np.float32))
+        if closed and predicted is not None:
+            assert closed[0] == predicted
+        closing = tracker.closing()
+        if p >= params.threshold:
+            assert closing is None  # speech goes on: nothing to decode ahead
+        if p >= params.threshold or closed:
+            predicted = None
+        predicted = closing or predicted  # until the close (the release may come frames after it)

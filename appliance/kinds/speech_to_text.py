@@ -55,6 +55,13 @@ class LiveStream:
     serial: int = 0
     last_used: float = 0.0
     in_flight: int = 0
+    # the decode of the span the VAD is about to close, started while it waits out min_silence_ms
+    ahead: tuple[tuple[int, int], asyncio.Task[list[Segment]]] | None = None
+
+    def drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead[1].cancel()
+            self.ahead = None
 
 
 class SpeechToText(EngineModel):
@@ -85,14 +92,21 @@ class SpeechToText(EngineModel):
             _integer(params, "beam_size"),
             self.baked.fallback_cpu_threshold,
             cuda.memory_used if cuda.cuda is not None else None,
+            window_samples=self.max_samples,
         )
         self.stats = ModelStats()
-        policy = QueuePolicy(spec.name, lambda: live.config.engine, self.stats)
-        self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(self.engine.run, self.max_batch, self.stats, policy)
+        self.cutting = 0  # recordings in their VAD: their shards are on the way to the batcher
+        self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
+            self.engine.run,
+            self.max_batch,
+            self.stats,
+            QueuePolicy(spec.name, lambda: live.config.engine, self.stats),
+            coming=lambda: self.cutting > 0,
+        )
         self.sequences: OwnedTable[LiveStream] = OwnedTable(
             lambda: live.config.sequences,
             "streams",
-            lambda key, stream: vad.sequences.end(vad_key(spec.name, key, stream)),
+            lambda key, stream: _dropped(stream, vad, vad_key(spec.name, key, stream)),
         )
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
 
@@ -132,23 +146,34 @@ class SpeechToText(EngineModel):
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
     ) -> AsyncIterator[Segment]:
         """The segments of a recording, in order, each as soon as it and those before it are decoded.
-        The VAD and Whisper overlap: a shard goes to the engine as soon as the VAD has filled it."""
+        The VAD and Whisper overlap a batch at a time: the shards the VAD fills go to the engine
+        together, once it has filled `max_batch` of them or the recording ends (the VAD is some 50
+        times faster than Whisper, and one engine call of several windows costs less than each alone)."""
         self.check(options)
         spent = times or RequestTimes()
         packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
         shards: asyncio.Queue[asyncio.Task[list[Segment]] | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        held: list[ShardPlan] = []
 
-        def send(plans: list[ShardPlan]) -> None:
-            for plan in plans:
-                shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent)))
+        def send(plans: list[ShardPlan], last: bool = False) -> None:
+            held.extend(plans)
+            if len(held) >= self.max_batch or last:
+                for plan in held:
+                    shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent)))
+                held.clear()
 
         async def cut() -> None:
+            self.cutting += 1
+            cutting_here = True
             try:
                 async for segment in self.vad.segments(samples, self.live.config.vad):
                     send(packer.add(segment))
-                send(packer.finish())
+                self.cutting, cutting_here = self.cutting - 1, False  # before its last shards are sent
+                send(packer.finish(), last=True)
             finally:
+                if cutting_here:
+                    self.cutting -= 1
                 shards.put_nowait(None)
 
         cutting = loop.create_task(cut())
@@ -226,29 +251,56 @@ class SpeechToText(EngineModel):
             closed = stream.tracker.feed(probs)
             if sequence.end:
                 closed += stream.tracker.finish(stream.position)
-            audio = np.concatenate(stream.audio)
-            decoded = await asyncio.gather(*(self._decode_live(stream, audio, span, times) for span in closed))
+            audio, base = np.concatenate(stream.audio), stream.base
+            decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
             text = None
             if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
                 text = " ".join(
-                    s.text for s in await self._decode_live(stream, audio, (open_start, stream.position), times)
+                    s.text for s in await self._decode_live(stream, audio, base, (open_start, stream.position), times)
                 )
             # keep only what a segment still to come can include: after a closed segment its padded
             # end, in silence the VAD's padding, so a chunk's cost does not grow with the stream's age
-            keep = max(stream.tracker.needed_from(), closed[-1][1] if closed else 0, stream.base)
-            stream.audio, stream.base = [audio[keep - stream.base :]], keep
+            keep = max(stream.tracker.needed_from(), closed[-1][1] if closed else 0, base)
+            stream.audio, stream.base = [audio[keep - base :]], keep
+            audio, base = stream.audio[0], stream.base
+            self._decode_ahead(stream, audio, base, sequence.end)
             return [s for found in decoded for s in found], text, serial
         finally:
             stream.in_flight -= 1
             if sequence.end:
                 self.sequences.end(sequence.id)
 
-    async def _decode_live(
-        self, stream: LiveStream, audio: np.ndarray, span: tuple[int, int], times: RequestTimes
+    async def _final(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
     ) -> list[Segment]:
-        """A span of a live stream's kept audio (positions in the stream), decoded ahead of recordings."""
-        plans = self._plans(audio, (span[0] - stream.base, span[1] - stream.base))
-        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, stream.base) for p in plans))
+        """A closed segment's text: the decode started before the close, where it was of this very span."""
+        if stream.ahead is not None and stream.ahead[0] == span:
+            task, stream.ahead = stream.ahead[1], None
+            return await task
+        return await self._decode_live(stream, audio, base, span, times)
+
+    def _decode_ahead(self, stream: LiveStream, audio: np.ndarray, base: int, ending: bool) -> None:
+        """Start decoding the span the VAD will close if the silence it hears goes on (the final text
+        is then mostly done at the close); drop a decode the speech went on past."""
+        closing = None if ending else stream.tracker.closing()
+        if closing is not None and not base <= closing[0] < closing[1] <= base + len(audio):
+            closing = None  # its padding not heard yet
+        if stream.ahead is not None and stream.ahead[0] == closing:
+            return
+        stream.drop_ahead()
+        if closing is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._decode_live(stream, audio, base, closing, RequestTimes()), name="live-ahead"
+            )
+            task.add_done_callback(_consume_error)  # a dropped one's error matters to no one
+            stream.ahead = (closing, task)
+
+    async def _decode_live(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
+    ) -> list[Segment]:
+        """A span of a live stream's kept `audio` (from stream position `base`), decoded ahead of recordings."""
+        plans = self._plans(audio, (span[0] - base, span[1] - base))
+        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, base) for p in plans))
         return [s for segments in found for s in segments]
 
     def samples(self, request: InferRequest) -> np.ndarray:
@@ -295,6 +347,17 @@ class SpeechToText(EngineModel):
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def _dropped(stream: LiveStream, vad: VadModel, key: object) -> None:
+    """A live stream dropped (ended, expired, replaced): its decode ahead and its VAD sequence go."""
+    stream.drop_ahead()
+    vad.sequences.end(key)
+
+
+def _consume_error(task: asyncio.Task[list[Segment]]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def vad_key(model: str, key: object, stream: LiveStream) -> object:
