@@ -15,6 +15,7 @@ import socket
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
@@ -89,6 +90,7 @@ class Daemon:
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
+        self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
 
     @property
@@ -253,7 +255,7 @@ class Daemon:
                 return 0
             raise
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
-        tasks = [
+        tasks = self.tasks = [
             spawn(self._expire_idle_sequences(), "the idle sequence expiry", self._fail),
             spawn(self._report_status(), "the status report", self._fail),
             spawn(LOOP_LAG.run(), "the event loop lag probe", self._fail),
@@ -377,6 +379,8 @@ class Daemon:
             log.warning("grace time over: %d requests and %d sequences abandoned", self._in_flight(), live())
         elif idle := live():
             log.info("stopping: %d idle sequences ended", idle)
+        for task in self.tasks:  # drained: the sweep and the rest must not outlive the sockets they read
+            task.cancel()
         if self.http is not None:
             self.http.close_all()
         if self.h3 is not None:

@@ -375,6 +375,8 @@ def test_a_ten_minute_transcription_abandoned_after_2_s_stops_within_one_engine_
     ran = whisper_metric(unix, "nv_inference_count") - before
     assert ran <= 2 * 8, f"{ran} shards of the abandoned recording ran (max_batch 8: one call, and one starting)"
     assert whisper_metric(unix, "appliance_cancelled_work_total") > 0
+    time.sleep(5.0)  # nothing of it comes back later (a VAD left cutting would send more shards)
+    assert whisper_metric(unix, "nv_inference_count") - before == ran, "shards of the abandoned recording ran later"
 
 
 def test_a_silent_live_stream_costs_the_same_at_any_age(daemon: Daemon, unix: Client) -> None:

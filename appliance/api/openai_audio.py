@@ -24,7 +24,7 @@ from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Transcriber
 from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, Options, Segment, render
-from appliance.kinds.streaming import guarded, query_flag
+from appliance.kinds.streaming import guarded, query_flag, whole
 from appliance.protocol.messages import Request, Response
 from appliance.tasks import off_loop
 
@@ -133,7 +133,7 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
     segments = model.transcribe(samples, options)
     if stream:
         return Response(200, content_type="text/event-stream", stream=_events(segments, model.name))
-    found = [s async for s in segments]
+    found = await whole(segments)
     return render(found, response_format, task, len(samples) / SAMPLE_RATE)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import Options, Segment
 from appliance.kinds.speech_shards import Packer, ShardPlan
-from appliance.kinds.streaming import ndjson
+from appliance.kinds.streaming import ndjson, whole
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
@@ -144,7 +144,7 @@ class SpeechToText(EngineModel):
 
     async def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
-    ) -> AsyncIterator[Segment]:
+    ) -> AsyncGenerator[Segment, None]:
         """The segments of a recording, in order, each as soon as it and those before it are decoded.
         The VAD and Whisper overlap a batch at a time: the shards the VAD fills go to the engine
         together, once it has filled `max_batch` of them or the recording ends (the VAD is some 50
@@ -317,7 +317,7 @@ class SpeechToText(EngineModel):
         wanted = speech_api.options(request.parameters)
         if sequence is None:
             samples = speech_api.long_enough(await asyncio.to_thread(self.samples, request))
-            return speech_api.tensors([s async for s in self.transcribe(samples, wanted, times)]), None
+            return speech_api.tensors(await whole(self.transcribe(samples, wanted, times))), None
         samples = self.samples(request)
         partial = request.parameters.get("partial", False)
         final, text, serial = await self.live_chunk(samples, sequence, partial, wanted, times)
@@ -343,7 +343,7 @@ class SpeechToText(EngineModel):
                 f"streamed transcription by {self.name}",
                 {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
             )
-        return speech_api.render([s async for s in segments], response_format, wanted.task, duration)
+        return speech_api.render(await whole(segments), response_format, wanted.task, duration)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
