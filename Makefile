@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APPLIANCE := $(VENV)/bin/appliance
 APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap \
-	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2
+	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl
 # The disk image: file systems without mounts, GPT, and the qemu + OVMF boot tests.
 IMAGE_PACKAGES := e2fsprogs dosfstools mtools fdisk qemu-system-x86 qemu-utils ovmf
 IMAGE := build/image/out

@@ -1,8 +1,11 @@
 """Audio in: any accepted recording -> float32 mono at the model's rate; framing (pure functions).
 
-One decoder serves every route that takes audio. libsndfile (the `soundfile` wheel) decodes and
-sniffs the container from the bytes, whatever the content type says; soxr resamples. Both run block by
-block, so memory stays near the size of the result, and a result too long is refused from the header.
+One decoder serves every route that takes audio; the container is sniffed from the bytes, whatever
+the content type says. libsndfile (the `soundfile` wheel) reads WAV, FLAC and Ogg, checked to the
+chunk; FFmpeg's decoders (the `av` wheel, audio_av.py) read the rest of what OpenAI accepts: MP3,
+MP4/M4A, WebM/Matroska, MPEG. soxr resamples. Both run block by block, so memory stays near the size
+of the result, and a result too long is refused from the header (or, where none declares it, once
+decoding passes the limit).
 """
 
 from __future__ import annotations
@@ -15,12 +18,18 @@ import numpy as np
 import soundfile as sf
 import soxr
 
+from appliance import audio_av
 from appliance.errors import ApiError, BadRequest
 
-ACCEPTED = "send WAV (PCM 8/16/24/32-bit or float, 8 to 384 kHz, 1 to 8 channels), FLAC or Ogg (Vorbis, Opus)"
+ACCEPTED = (
+    "send WAV (PCM 8/16/24/32-bit or float, 8 to 384 kHz, 1 to 8 channels), FLAC, Ogg (Vorbis, Opus), "
+    "MP3, MP4/M4A (AAC, ALAC), WebM (Opus, Vorbis) or MPEG audio"
+)
 CONTAINERS = frozenset({"WAV", "WAVEX", "FLAC", "OGG"})  # libsndfile's names; WAVEX is WAVE_FORMAT_EXTENSIBLE
+FFMPEG_READS = frozenset({"MP3"})  # what libsndfile recognises but FFmpeg decodes here (its MP3 reader is younger)
 MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 384000, 8
 BLOCK_FRAMES = 1 << 16  # per read: at most 8 channels x 64 Ki frames x 4 bytes = 2 MiB in flight
+UNRECOGNISED = 1  # libsndfile's SF_ERR_UNRECOGNISED_FORMAT: the bytes are no container it knows
 UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's count for a stream whose header gives no length
 # A RIFF or data size this large is a writer's "length unknown" (sox, espeak-ng --stdout, ffmpeg to a
 # pipe): the chunk runs to the end of the file. No body the daemon accepts comes near 2 GiB.
@@ -40,21 +49,35 @@ def decode_audio(data: bytes, sample_rate: int, max_seconds: float | None = None
     413 before anything is decoded."""
     if not data:
         raise unsupported("the body is empty")
+    if _mpeg_audio(data):  # straight to FFmpeg: libsndfile's mpg123 would print its notes to stderr
+        return audio_av.decode(data, sample_rate, max_seconds, unsupported, _check_format)
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            _check_header(f, data, max_seconds)
-            return _read_mono(f, sample_rate)
+            if f.format not in FFMPEG_READS:
+                _check_header(f, data, max_seconds)
+                return _read_mono(f, sample_rate)
     except sf.LibsndfileError as exc:
-        raise unsupported(exc.error_string.removeprefix("Error : ")) from None
+        if exc.code != UNRECOGNISED:
+            raise unsupported(exc.error_string.removeprefix("Error : ")) from None
+    return audio_av.decode(data, sample_rate, max_seconds, unsupported, _check_format)
+
+
+def _mpeg_audio(data: bytes) -> bool:
+    """An MP3's start: an ID3 tag, or an MPEG audio frame's 11-bit sync."""
+    return data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
+
+
+def _check_format(rate: int, channels: int) -> None:
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise unsupported(f"{rate} Hz is outside {MIN_RATE} to {MAX_RATE} Hz")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise unsupported(f"{channels} channels (1 to {MAX_CHANNELS} are accepted)")
 
 
 def _check_header(f: sf.SoundFile, data: bytes, max_seconds: float | None) -> None:
     if f.format not in CONTAINERS:
         raise unsupported(f"{f.format_info} is not an accepted container")
-    if not MIN_RATE <= f.samplerate <= MAX_RATE:
-        raise unsupported(f"{f.samplerate} Hz is outside {MIN_RATE} to {MAX_RATE} Hz")
-    if not 1 <= f.channels <= MAX_CHANNELS:
-        raise unsupported(f"{f.channels} channels (1 to {MAX_CHANNELS} are accepted)")
+    _check_format(f.samplerate, f.channels)
     if f.frames == UNKNOWN_FRAMES:
         raise unsupported(f"the {f.format} header does not declare the length")
     if f.format in ("WAV", "WAVEX"):
@@ -107,7 +130,7 @@ def _read_mono(f: sf.SoundFile, sample_rate: int) -> np.ndarray:
 
 def encode_wav(samples: np.ndarray, sample_rate: int) -> bytes:
     """float32 samples -> PCM16 mono WAV bytes (the tests and the GPU checks send these)."""
-    pcm = np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()
+    pcm = to_pcm16(samples)
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as w:
         w.setnchannels(1)
@@ -123,3 +146,33 @@ def to_frames(samples: np.ndarray, frame_samples: int) -> np.ndarray:
     frames = np.zeros((count, frame_samples), np.float32)
     frames.reshape(-1)[: len(samples)] = samples
     return frames
+
+
+class StreamResampler:
+    """Live audio from one rate to another, piece by piece (soxr keeps the filter's state between
+    pieces, so the joins are seamless); `flush` gives what the filter still holds."""
+
+    def __init__(self, from_rate: int, to_rate: int) -> None:
+        self._soxr = None if from_rate == to_rate else soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32")
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        return samples if self._soxr is None else self._soxr.resample_chunk(samples)
+
+    def flush(self) -> np.ndarray:
+        return (
+            np.zeros(0, np.float32)
+            if self._soxr is None
+            else self._soxr.resample_chunk(np.zeros(0, np.float32), last=True)
+        )
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    """Little-endian PCM16 bytes -> float32 samples in [-1, 1)."""
+    if len(data) % 2:
+        raise BadRequest(f"PCM16 audio has 2 bytes a sample; got {len(data)} bytes")
+    return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
+
+
+def to_pcm16(samples: np.ndarray) -> bytes:
+    """float32 samples -> little-endian PCM16 bytes (clipped)."""
+    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
+from appliance.api import wyoming
 from appliance.api.core import Api, streaming
 from appliance.config import Config, Live, ServerConfig, worker_count
 from appliance.errors import ApplianceError
@@ -27,10 +29,12 @@ from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.tasks import LOOP_LAG, arm_failpoints, spawn
+from appliance.tls import tls_identity
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import ConnectionCache, open_cache
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
+from appliance.transport.https import HttpsServer, listen_https
 
 log = logging.getLogger("appliance")
 
@@ -84,6 +88,8 @@ class Daemon:
         self.api: Api | None = None
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
+        self.https: HttpsServer | None = None  # server.workers = 1: the TLS listener in this process
+        self.https_listener: asyncio.base_events.Server | None = None
         self.supervisor: Supervisor | None = None
         self.cache: ConnectionCache | None = None  # the QUIC listener's (all QUIC workers share its pins)
         self.quic_reason = ""  # why QUIC runs in one worker where more were asked for
@@ -92,6 +98,7 @@ class Daemon:
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
         self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
+        self.wyoming: wyoming.Listeners | None = None
 
     @property
     def config(self) -> Config:
@@ -100,6 +107,10 @@ class Daemon:
     # --- start ---
     async def start(self) -> asyncio.base_events.Server | None:
         config = self.config
+        starting = durable.starting_marker(config.server.socket)
+        with contextlib.suppress(OSError):  # only a hint for `call health`: a read-only /run goes without
+            durable.make_directories(starting.parent)
+            starting.write_text(f"{os.getpid()}\n")
         bundle = firmware.verify(config.firmware.bundle, config.firmware.trusted_keys)
         manifest = bundle.manifest
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
@@ -121,15 +132,21 @@ class Daemon:
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         arm_failpoints()  # warmed up: a test's failpoints may fire from now on
         self.api = Api(manifest, self.models, self.live)
+        bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
+        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
             self.bound_socket = config.server.socket
+        starting.unlink(missing_ok=True)
+        if config.https.enabled or config.quic.enabled:  # /status and /tls/certificate.pem show who the box is
+            self.api.certificate_pem, self.api.tls = tls_identity(config)
+        tcp_sock = listen_https(config) if config.https.enabled else None
         workers = worker_count(config.server)
         if workers == 1:
-            server = await self._serve_here(sock, quic_sock)
+            server = await self._serve_here(sock, quic_sock, tcp_sock)
         else:
-            await self._start_workers(sock, quic_sock, workers, f"{manifest.name} {manifest.version}")
+            await self._start_workers(sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}")
             server = None
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
@@ -143,7 +160,9 @@ class Daemon:
         systemd.ready(self.status_text())
         return server
 
-    async def _serve_here(self, sock: socket.socket, quic_sock: socket.socket | None) -> asyncio.base_events.Server:
+    async def _serve_here(
+        self, sock: socket.socket, quic_sock: socket.socket | None, tcp_sock: socket.socket | None
+    ) -> asyncio.base_events.Server:
         """server.workers = 1: the transports run in this process, on its event loop."""
         assert self.api is not None
         config = self.config
@@ -162,14 +181,22 @@ class Daemon:
             self._log_conncache()
         elif quic_sock is not None:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
+        if tcp_sock is not None:
+            self.https = HttpsServer(self.api, self.live, budget, self.h3.port if self.h3 else None)
+            self.https_listener = await self.https.start(tcp_sock)
         return server
 
     async def _start_workers(
-        self, sock: socket.socket, quic_sock: socket.socket | None, workers: int, firmware_label: str
+        self,
+        sock: socket.socket,
+        quic_sock: socket.socket | None,
+        tcp_sock: socket.socket | None,
+        workers: int,
+        firmware_label: str,
     ) -> None:
         """server.workers > 1: protocol worker processes run the transports; this process serves them."""
         assert self.api is not None
-        config, quic_slots, conncache = self.config, [], "user:"
+        config, quic_slots, conncache, quic_port = self.config, [], "user:", None
         if config.quic.enabled:
             try:
                 socks, self.quic_reason = quic_sockets(config.quic, quic_sock, workers)
@@ -186,10 +213,10 @@ class Daemon:
                 log.warning("quic: one QUIC worker (of %d): %s", workers, self.quic_reason)
             quic_slots = [QuicSlot(s, k) for s, k in zip(socks, keys, strict=False)]
             self.api.quic = {"workers": len(socks), "reason": self.quic_reason}
-            port = socks[0].getsockname()[1]
+            quic_port = socks[0].getsockname()[1]
             log.info(
                 "quic: HTTP/3 on UDP port %d%s, read by %d QUIC workers",
-                port,
+                quic_port,
                 " (socket from systemd)" if quic_sock else "",
                 len(socks),
             )
@@ -198,7 +225,9 @@ class Daemon:
             conncache = "ebpf" if self.cache.backend == "ebpf" else f"user:{self.cache.reason}"
         elif quic_sock is not None:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
-        self.supervisor = Supervisor(self.api, self.config_paths, sock, quic_slots, workers, conncache, firmware_label)
+        self.supervisor = Supervisor(
+            self.api, self.config_paths, sock, quic_slots, workers, conncache, firmware_label, tcp_sock, quic_port
+        )
         self.api.workers = self.supervisor.status
         if self.cache is not None:
             self.api.peer_table = (
@@ -371,8 +400,11 @@ class Daemon:
         deadline = time.monotonic() + grace
         if self.supervisor is not None:  # each worker drains its own connections within the grace time
             await self.supervisor.stop(grace + 1.0)
-        if server is not None:
-            server.close()
+        for listener in (server, self.https_listener):
+            if listener is not None:
+                listener.close()
+        if self.wyoming is not None:
+            await self.wyoming.close()
         while (self._in_flight() or streaming(self.models.values())) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._in_flight() or streaming(self.models.values()):
@@ -381,8 +413,9 @@ class Daemon:
             log.info("stopping: %d idle sequences ended", idle)
         for task in self.tasks:  # drained: the sweep and the rest must not outlive the sockets they read
             task.cancel()
-        if self.http is not None:
-            self.http.close_all()
+        for http in (self.http, self.https):
+            if http is not None:
+                http.close_all()
         if self.h3 is not None:
             self.h3.close()
         elif self.cache is not None:
@@ -392,13 +425,14 @@ class Daemon:
         log.info("stopped")
 
     def _in_flight(self) -> int:
-        in_flight = (self.http.in_flight if self.http else 0) + (self.h3.in_flight if self.h3 else 0)
+        in_flight = sum(t.in_flight for t in (self.http, self.h3, self.https) if t is not None)
         return in_flight + (self.supervisor.in_flight if self.supervisor else 0)
 
     def _remove_socket(self) -> None:
-        if self.bound_socket is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.bound_socket.unlink()
+        for path in (self.bound_socket, self.wyoming.path if self.wyoming else None):
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def _stop_deadline_s(self) -> float:
         if self.api is None or not self.api.ready:  # still starting: nothing is served yet, nothing to drain

@@ -10,6 +10,12 @@ PARTIAL = ".partial"  # what is being written, before its rename into place
 FILE_MODE, DIRECTORY_MODE = 0o644, 0o755
 
 
+def starting_marker(socket: Path) -> Path:
+    """The file a starting daemon keeps beside its socket-to-be, holding its pid, until the socket is
+    bound: `appliance call health` tells "still starting" from "not running" by it."""
+    return socket.with_name(socket.name + ".starting")
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file, or a directory (which makes the renames and links in it durable)."""
     fd = os.open(path, os.O_RDONLY)

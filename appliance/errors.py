@@ -8,10 +8,17 @@ class ApplianceError(Exception):
 class ApiError(Exception):
     status: int = 400
 
-    def __init__(self, message: str, status: int | None = None, headers: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        param: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
         if status is not None:
             self.status = status
+        self.param = param  # the request field at fault, where one is (OpenAI's errors name it)
         self.headers = list(headers)  # answered with the error (Retry-After, say)
 
     @property
@@ -40,4 +47,4 @@ class QueueFull(Unavailable):
     refused at once with a 503 and Retry-After, as Triton's default_queue_policy refuses."""
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message, 503, (("Retry-After", str(retry_after_s)),))
+        super().__init__(message, 503, headers=(("Retry-After", str(retry_after_s)),))

@@ -6,21 +6,27 @@ import datetime
 import ipaddress
 import socket
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from appliance.config import Config
 from appliance.durable import make_directories, replace_file
+from appliance.errors import ApplianceError
 
 
-def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 3650) -> str:
+def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: int = 825) -> str:
     """Write a P-256 key (0600) and a self-signed certificate (0644) for the box, in directories made 0755,
-    whatever the umask; return the certificate's SHA-256 fingerprint."""
+    whatever the umask; return the certificate's SHA-256 fingerprint. It is its own CA (a phone installs
+    it as one, docs/https.md) and meets what iOS asks of a server certificate it trusts: at most 825
+    days, serverAuth in its extended key usage, the names in subjectAltName."""
     key = ec.generate_private_key(ec.SECP256R1())
     hostname = socket.gethostname()
-    dns = sorted({hostname, "localhost", *[n for n in names if not _is_ip(n)]})
+    # HOSTNAME.local too: what a phone on the LAN reaches the box by, where mDNS announces it
+    dns = sorted({hostname, f"{hostname.split('.')[0]}.local", "localhost", *[n for n in names if not _is_ip(n)]})
     ips = sorted({"127.0.0.1", "::1", *[n for n in names if _is_ip(n)]})
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)])
     now = datetime.datetime.now(datetime.UTC)
@@ -39,6 +45,10 @@ def init_self_signed(cert_path: Path, key_path: Path, names: list[str], days: in
             critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+        )  # digitalSignature (the TLS handshake), keyCertSign and cRLSign (its own CA)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(key, hashes.SHA256())
     )
     make_directories(key_path.parent)
@@ -58,3 +68,33 @@ def _is_ip(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def certificate_identity(cert_path: Path) -> tuple[bytes, str]:
+    """The certificates of `cert_path` as PEM (only they: a file that also holds a key does not give it
+    away) and the SHA-256 fingerprint of the first, the box's own, as lower-case hex."""
+    try:
+        certificates = x509.load_pem_x509_certificates(cert_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{cert_path}: no PEM certificate to read ({exc})") from None
+    pem = b"".join(c.public_bytes(serialization.Encoding.PEM) for c in certificates)
+    return pem, certificates[0].fingerprint(hashes.SHA256()).hex()
+
+
+def colon_hex(fingerprint: str) -> str:
+    """AB:CD:...: a fingerprint as browsers and phones show it."""
+    return ":".join(fingerprint[i : i + 2] for i in range(0, len(fingerprint), 2)).upper()
+
+
+def tls_identity(config: Config) -> tuple[bytes, dict[str, Any]]:
+    """The PEM the box serves at /tls/certificate.pem, and /status's `tls`: the file and its fingerprint."""
+    try:
+        pem, fingerprint = certificate_identity(config.quic.certificate)
+    except ValueError as exc:
+        raise ApplianceError(f"quic.certificate: {exc}") from None
+    return pem, {
+        "certificate": str(config.quic.certificate),
+        "sha256": colon_hex(fingerprint),
+        "mutual_tls": bool(config.quic.client_ca.name),
+        "https_port": config.https.port if config.https.enabled else None,
+    }

@@ -21,7 +21,7 @@ import pytest
 
 from appliance import firmware
 from appliance import keys as signing
-from appliance.bench.daemon import free_udp_port
+from appliance.bench.daemon import free_tcp_port, free_udp_port
 from appliance.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,6 +120,14 @@ def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def interpreter_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The interpreter firmware (VAD, Whisper tiny.en and base, the joe voice, en<->pt, the pipeline)."""
+    return build_bundle(
+        keys, tmp_path_factory.mktemp("fw") / "interpreter", spec=ROOT / "firmware" / "interpreter.toml"
+    )
+
+
+@pytest.fixture(scope="session")
 def bundles(keys: Keys, bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """1.0.0 (the default), 1.1.0, and 1.2.0 signed by the vendor's key but with a model that cannot load."""
     work = tmp_path_factory.mktemp("bundles")
@@ -177,7 +185,9 @@ class Daemon:
         pin_dir: Path | None = None,
         max_body_bytes: int = 8 << 20,
         workers: int = 1,
+        https: str | None = None,
     ) -> None:
+        """`https`: serve HTTPS on TCP (needs tls) with these lines in its [https] table."""
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
@@ -192,6 +202,9 @@ class Daemon:
             else ""
         )
         self.cafile = str(tls[0]) if tls else None
+        self.https_port = free_tcp_port() if https is not None else None
+        if https is not None:
+            quic += f"[https]\nenabled = true\nport = {self.https_port}\n{https}"
         self.config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {max_body_bytes}\nshutdown_grace_s = 5.0\nworkers = {workers}\n{extra_server}'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
@@ -219,6 +232,10 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise AssertionError(f"daemon not ready in {timeout} s: {self.log.read_text()}")
+
+    @property
+    def https_url(self) -> str:
+        return f"https://127.0.0.1:{self.https_port}"
 
     def client(self, transport: str = "unix") -> Client:
         if transport == "quic":

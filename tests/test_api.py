@@ -47,7 +47,9 @@ def noise(frames: int, seed: int = 0) -> np.ndarray:
 def test_health_server_and_model_metadata(client: Client, keys) -> None:
     assert client.health() == {"live": True, "ready": True}
     server = client.server()
-    assert server["name"] == "appliance" and "binary_tensor_data" in server["extensions"]
+    assert (
+        server["name"] == "triton" and server["server"] == "appliance" and "binary_tensor_data" in server["extensions"]
+    )
     assert server["firmware"]["name"] == "voice-vad"
     model = client.model("silero_vad")
     assert model["inputs"][0]["name"] == "audio" and model["outputs"][0]["name"] == "speech_prob"
@@ -209,7 +211,7 @@ def infer_body(doc: dict) -> Call:
             "not a multiple of 512",
         ),
         (Call("POST", "/v2/models/silero_vad/infer", b"{not json"), 400, "not valid JSON"),
-        (Call("POST", "/v2/models/nope/infer", b"{}"), 404, "unknown model 'nope'"),
+        (Call("POST", "/v2/models/nope/infer", b"{}"), 404, "Request for unknown model: 'nope' is not found"),
         (Call("GET", "/v2/models/silero_vad/infer"), 405, "GET is not allowed"),
         (Call("GET", "/v3/whatever"), 404, "no route for /v3/whatever"),
         (

@@ -11,6 +11,7 @@ import json
 import struct
 from collections.abc import Iterator
 
+import av
 import numpy as np
 import pytest
 import soundfile as sf
@@ -143,7 +144,7 @@ def test_broken_audio_is_a_one_line_400_and_the_daemon_keeps_serving(
     assert response.status == 400, response.body
     error = response.json()["error"]
     assert "\n" not in error and error.startswith(f"audio not supported: {reason}; send WAV ("), error
-    assert error.endswith("FLAC or Ogg (Vorbis, Opus)"), error
+    assert error.endswith("WebM (Opus, Vorbis) or MPEG audio"), error
     assert_same_segments(spans(unix.segments(encode_wav(speech, RATE), **QUERY)), reference)
     assert "Traceback" not in daemon.log.read_text()
 
@@ -198,3 +199,36 @@ def test_cli_call_vad_and_probs_on_a_flac_file(daemon, speech, tmp_path) -> None
     assert_same_segments(spans(result), want)
     probs = json.loads(cli("call", "probs", flac, "--socket", daemon.socket).stdout)
     assert abs(len(probs) - -(-len(speech) // 512)) <= 1 and max(probs) > 0.5
+
+
+class _Pipe:
+    """A write-only output, as a browser's MediaRecorder streams: a WebM muxer writes no duration to it."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+
+def test_a_webm_that_declares_no_length_is_decoded_under_the_budget() -> None:
+    pipe = _Pipe()
+    with av.open(pipe, "w", format="webm") as container:
+        stream = container.add_stream("libopus", rate=48000)
+        stream.layout = "mono"
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=48000)
+        frame = av.AudioFrame.from_ndarray(np.full((1, 5 * RATE), 0.1, np.float32), format="flt", layout="mono")
+        frame.rate = RATE
+        for piece in resampler.resample(frame) + resampler.resample(None):
+            container.mux(stream.encode(piece))
+        container.mux(stream.encode(None))
+    webm = b"".join(pipe.parts)
+    with av.open(io.BytesIO(webm)) as container:
+        assert container.duration is None  # nothing to check before decoding
+    assert len(decode_audio(webm, RATE, 10.0)) == 5 * RATE
+    with pytest.raises(ApiError) as refused:
+        decode_audio(webm, RATE, 2.0)
+    assert refused.value.status == 413 and refused.value.message == (
+        "audio too long: WebM/Matroska (opus) decodes to more than 2.0 s; at most 2.0 s is accepted"
+    )

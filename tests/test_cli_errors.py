@@ -171,7 +171,7 @@ def test_vad_without_a_file(tmp_path: Path) -> None:
     result = run("call", "vad", "--socket", tmp_path / "unused.sock")
     assert result.returncode == exitcodes.USAGE
     assert one_line(result) == (
-        "appliance: error: usage: appliance call vad FILE [--model NAME] [--stream] (WAV, FLAC or Ogg)"
+        "appliance: error: usage: appliance call vad FILE [--model NAME] [--stream] (WAV, FLAC, Ogg, MP3, M4A, WebM)"
     )
 
 
@@ -230,9 +230,54 @@ def test_python_client_raises_distinct_types(tmp_path: Path, daemon: Daemon) -> 
     assert unreachable_error.value.path == str(tmp_path / "none.sock") and unreachable_error.value.status == 0
     with daemon.client() as client, pytest.raises(ServerError) as server_error:
         client.model("nope")
-    assert server_error.value.status == 404 and "unknown model 'nope'" in server_error.value.message
+    assert (
+        server_error.value.status == 404
+        and "Request for unknown model: 'nope' is not found" in server_error.value.message
+    )
     assert isinstance(server_error.value, ClientError) and not isinstance(server_error.value, OSError)
     quiet = Client(quic=f"127.0.0.1:{free_udp_port()}", cafile=daemon.cafile, connect_timeout=0.5)
     with quiet, pytest.raises(NoAnswer) as no_answer:
         quiet.send(Call("GET", "/v2/health/ready"))
     assert isinstance(no_answer.value, (ConnectError, TimeoutError)) and "within 0.5 s" in str(no_answer.value)
+
+
+def test_keys_new_over_an_existing_key_is_one_line(tmp_path: Path) -> None:
+    key = tmp_path / "signing.key"
+    assert run("keys", "new", "--out", key).returncode == 0
+    before = key.read_bytes()
+    again = run("keys", "new", "--out", key)
+    assert again.returncode == exitcodes.USAGE and one_line(again) == (
+        f"appliance: error: {key} exists: a new key would replace the one firmware may be signed with; "
+        "remove it or give another path"
+    )
+    assert key.read_bytes() == before
+
+
+def test_health_while_the_daemon_starts_says_still_starting_naming_its_socket(tmp_path: Path) -> None:
+    path = tmp_path / "api.sock"
+    (tmp_path / "api.sock.starting").write_text(f"{os.getpid()}\n")  # what a starting daemon keeps there
+    result = run("call", "health", "--socket", path)
+    assert result.returncode == exitcodes.DAEMON_ERROR and one_line(result) == (
+        f"appliance: error: the daemon at {path} is still starting (pid {os.getpid()}): "
+        "it serves once its models are loaded and warm"
+    )
+    (tmp_path / "api.sock.starting").write_text("999999999\n")  # a daemon that died while starting
+    assert one_line(run("call", "health", "--socket", path)) == unreachable(
+        path, "no such file (is the daemon running, and is this its socket?)"
+    )
+
+
+def test_a_starting_daemon_keeps_its_marker_until_the_socket_is_bound(tmp_path: Path, bundle: Path, keys) -> None:
+    daemon = Daemon(tmp_path, bundle, keys.trusted)
+    marker = daemon.socket.with_name(daemon.socket.name + ".starting")
+    seen = False
+    deadline = time.monotonic() + 60
+    while not daemon.socket.exists() and time.monotonic() < deadline:
+        if marker.exists() and not daemon.socket.exists():
+            seen = True
+            if "still starting" in run("call", "health", "--socket", daemon.socket).stderr:
+                break
+        time.sleep(0.01)
+    daemon.wait_ready()
+    assert seen and not marker.exists()
+    assert daemon.stop() == 0

@@ -45,6 +45,9 @@ def test_merged_in_order_and_relative_paths_resolved(tmp_path: Path) -> None:
         ('[quic]\nretry = "yes"\n', "quic.retry: expected bool"),
         ("[server]\nworkers = 17\n", "server.workers: 17 is not from 0 (by cores) to 16"),
         ("[server]\nworkers = -1\n", "server.workers: -1 is not from 0 (by cores) to 16"),
+        ("[https]\nport = 70000\n", "https.port: 70000 is not a TCP port"),
+        ("[https]\nmax_connections = 0\n", "https.max_connections: must be positive"),
+        ('[https]\nalt_svc = "h3"\n', "https.alt_svc: expected bool"),
     ],
 )
 def test_bad_config_names_file_key_and_reason(tmp_path: Path, text: str, expected: str) -> None:

@@ -193,15 +193,23 @@ def test_a_request_over_max_batch_is_a_400_naming_both_numbers(served: Daemon) -
     with served.client() as c:
         status, answer = post_infer(c, "mlp", {"x": np.zeros((MAX_BATCH + 1, 8), np.int32)})
     assert status == 400
-    assert answer["error"] == f"a batch of {MAX_BATCH + 1} rows is more than model mlp's max_batch_size {MAX_BATCH}"
+    assert (
+        answer["error"] == f"inference request batch-size must be <= {MAX_BATCH} for 'mlp' (got {MAX_BATCH + 1} rows)"
+    )
 
 
 @pytest.mark.parametrize(
     ("inputs", "message"),
     [
-        ({"x": np.zeros((1, 8), np.float32)}, "input x: model mlp takes INT32, got FP32"),
-        ({"x": np.zeros((1, 7), np.int32)}, "input x: shape [1, 7] does not fit the model's [-1, 8]"),
-        ({"z": np.zeros((1, 8), np.int32)}, "model mlp takes inputs x: missing x"),
+        (
+            {"x": np.zeros((1, 8), np.float32)},
+            "inference input 'x' data-type is 'FP32', but model 'mlp' expects 'INT32'",
+        ),
+        (
+            {"x": np.zeros((1, 7), np.int32)},
+            "unexpected shape for input 'x' for model 'mlp'. Expected [-1,8], got [1,7]",
+        ),
+        ({"z": np.zeros((1, 8), np.int32)}, "unexpected inference input 'z' for model 'mlp'"),
     ],
 )
 def test_inputs_that_do_not_fit_the_graph_are_a_400(served: Daemon, inputs: dict, message: str) -> None:

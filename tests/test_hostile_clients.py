@@ -1,13 +1,16 @@
-"""Hostile and careless HTTP/1.1 clients on the Unix socket: each attack runs against a real daemon
-with short limits, and afterwards (or throughout) a good client is still served."""
+"""Hostile and careless HTTP/1.1 clients on the Unix socket and on the HTTPS listener (TLS on TCP):
+each attack runs against a real daemon with short limits, once per transport with the same results,
+and afterwards (or throughout) a good client is still served."""
 
 from __future__ import annotations
 
 import json
 import signal
 import socket
+import ssl
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -26,12 +29,25 @@ HEALTH = b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n\r\n"
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, keys, bundle, tls):
     """The daemon under attack, with short limits and good clients on both transports throughout."""
-    d = Daemon(tmp_path_factory.mktemp("hostile"), bundle, keys.trusted, extra_server=LIMITS, tls=tls).wait_ready()
+    d = Daemon(tmp_path_factory.mktemp("hostile"), bundle, keys.trusted, extra_server=LIMITS, tls=tls, https="")
+    d.wait_ready()
     with good_clients_throughout(d):
         yield d
 
 
-def connect(daemon) -> socket.socket:
+@pytest.fixture(params=["unix", "https"])
+def connect(request: pytest.FixtureRequest) -> Callable[[Daemon], socket.socket]:
+    """A raw connection to the daemon's Unix socket, or a TLS one to its HTTPS port (handshake done)."""
+    return lambda daemon: open_connection(daemon, request.param)
+
+
+def open_connection(daemon: Daemon, transport: str) -> socket.socket:
+    if transport == "https":
+        context = ssl.create_default_context(cafile=daemon.cafile)
+        tcp = socket.create_connection(("127.0.0.1", daemon.https_port), timeout=10)
+        sock = context.wrap_socket(tcp, server_hostname="127.0.0.1")
+        sock.settimeout(10)
+        return sock
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(str(daemon.socket))
@@ -47,10 +63,13 @@ def send(sock: socket.socket, data: bytes) -> None:
 
 
 def read_all(sock: socket.socket) -> bytes:
-    """Everything until the daemon closes the connection."""
+    """Everything until the daemon closes the connection (over TLS, with or without close_notify)."""
     out = b""
-    while chunk := sock.recv(1 << 16):
-        out += chunk
+    try:
+        while chunk := sock.recv(1 << 16):
+            out += chunk
+    except (ssl.SSLEOFError, ConnectionResetError):
+        pass
     return out
 
 
@@ -71,7 +90,7 @@ def assert_served(daemon) -> None:
         assert client.health()["ready"]
 
 
-def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(daemon) -> None:
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(daemon, connect) -> None:
     sock = connect(daemon)
     started = time.monotonic()
     assert read_all(sock) == b""
@@ -79,7 +98,7 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(daem
     assert_served(daemon)
 
 
-def test_a_head_that_never_ends_gets_408(daemon) -> None:
+def test_a_head_that_never_ends_gets_408(daemon, connect) -> None:
     sock = connect(daemon)
     sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n")
     [(status, body)] = responses(read_all(sock))
@@ -88,7 +107,7 @@ def test_a_head_that_never_ends_gets_408(daemon) -> None:
     assert_served(daemon)
 
 
-def test_a_stalled_body_gets_408_and_its_bytes_go_back_to_the_budget(daemon) -> None:
+def test_a_stalled_body_gets_408_and_its_bytes_go_back_to_the_budget(daemon, connect) -> None:
     for _ in range(3):  # more than the budget in total: each stalled body's bytes are given back
         sock = connect(daemon)
         sock.sendall(b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 700000\r\n\r\n" + b"x" * 600_000)
@@ -97,7 +116,7 @@ def test_a_stalled_body_gets_408_and_its_bytes_go_back_to_the_budget(daemon) -> 
     assert_served(daemon)
 
 
-def test_stalled_uploads_together_meet_the_body_budget(daemon) -> None:
+def test_stalled_uploads_together_meet_the_body_budget(daemon, connect) -> None:
     first = connect(daemon)
     first.sendall(b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 900000\r\n\r\n" + b"x" * 700_000)
     time.sleep(0.2)
@@ -109,7 +128,7 @@ def test_stalled_uploads_together_meet_the_body_budget(daemon) -> None:
     assert_served(daemon)
 
 
-def test_an_endless_header_line_is_refused_as_it_arrives(daemon) -> None:
+def test_an_endless_header_line_is_refused_as_it_arrives(daemon, connect) -> None:
     sock = connect(daemon)
     send(sock, b"GET /" + b"a" * (4 << 20))  # 4 MiB of one line, never finished: refused as it arrives
     [(status, body)] = responses(read_all(sock))
@@ -117,7 +136,7 @@ def test_an_endless_header_line_is_refused_as_it_arrives(daemon) -> None:
     assert_served(daemon)
 
 
-def test_a_good_request_then_garbage_are_answered_in_order(daemon) -> None:
+def test_a_good_request_then_garbage_are_answered_in_order(daemon, connect) -> None:
     sock = connect(daemon)
     sock.sendall(HEALTH + b"\x00\x01 not http\r\n\r\n")
     answers = responses(read_all(sock))
@@ -127,13 +146,14 @@ def test_a_good_request_then_garbage_are_answered_in_order(daemon) -> None:
 
 
 def test_a_client_that_half_closes_after_its_request_gets_the_answer(daemon) -> None:
-    sock = connect(daemon)
+    """The Unix socket only: asyncio's TLS has no half-close (docs/https.md)."""
+    sock = open_connection(daemon, "unix")
     sock.sendall(HEALTH * 2)
     sock.shutdown(socket.SHUT_WR)
     assert [status for status, _ in responses(read_all(sock))] == [200, 200]
 
 
-def test_pipelined_requests_are_all_answered_in_order_with_reading_paused(daemon) -> None:
+def test_pipelined_requests_are_all_answered_in_order_with_reading_paused(daemon, connect) -> None:
     sock = connect(daemon)
     count = 2000  # far more than pipeline_depth: the daemon stops reading until it has answered
     sender = threading.Thread(target=sock.sendall, args=(HEALTH * count,))
@@ -147,7 +167,7 @@ def test_pipelined_requests_are_all_answered_in_order_with_reading_paused(daemon
     assert [status for status, _ in responses(raw)] == [200] * count
 
 
-def test_an_idle_keep_alive_connection_is_closed(daemon) -> None:
+def test_an_idle_keep_alive_connection_is_closed(daemon, connect) -> None:
     sock = connect(daemon)
     sock.sendall(HEALTH)
     time.sleep(0.3)
@@ -156,8 +176,8 @@ def test_an_idle_keep_alive_connection_is_closed(daemon) -> None:
     assert [status for status, _ in responses(raw)] == [200] and 1.0 < time.monotonic() - started < 5
 
 
-def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon) -> None:
-    daemon = start_daemon()
+def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon, tls, connect) -> None:
+    daemon = start_daemon(tls=tls, https="")
     wav = encode_wav(np.zeros(16000 * 5, np.float32), 16000)
     sock = connect(daemon)
     sock.sendall(b"POST /v2/models/silero_vad/segments HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(wav) + wav[:1000])
@@ -170,7 +190,7 @@ def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon) -> None:
     assert daemon.proc.wait(30) == 0
 
 
-def test_a_client_that_pipelines_and_never_reads_holds_little(daemon) -> None:
+def test_a_client_that_pipelines_and_never_reads_holds_little(daemon, connect) -> None:
     sock = connect(daemon)
     rss_before = daemon.rss_kib()
     sender = threading.Thread(target=send, args=(sock, HEALTH * 100_000))  # about 4 MiB of requests, never read
@@ -183,8 +203,9 @@ def test_a_client_that_pipelines_and_never_reads_holds_little(daemon) -> None:
     sock.close()
 
 
-def test_idle_connections_cannot_hold_every_slot(start_daemon) -> None:
-    daemon = start_daemon(extra_server="max_connections = 50\nheader_timeout_s = 1.0\n")
+def test_idle_connections_cannot_hold_every_slot(start_daemon, tls, connect) -> None:
+    limits = "max_connections = 50\nheader_timeout_s = 1.0\n"
+    daemon = start_daemon(extra_server=limits, tls=tls, https="max_connections = 50\n")
     idle = [connect(daemon) for _ in range(50)]  # every slot, and never a request
     time.sleep(0.2)
     refused = connect(daemon)
@@ -193,3 +214,12 @@ def test_idle_connections_cannot_hold_every_slot(start_daemon) -> None:
     time.sleep(1.5)  # the idle ones had the head's time and are gone
     assert_served(daemon)
     assert all(read_all(sock) == b"" for sock in idle)
+
+
+def test_a_tcp_client_that_never_starts_tls_is_closed_after_the_header_timeout(daemon) -> None:
+    """Slowloris below TLS: a TCP connection with no ClientHello has the head's time for its handshake."""
+    sock = socket.create_connection(("127.0.0.1", daemon.https_port), timeout=10)
+    started = time.monotonic()
+    assert read_all(sock) == b""
+    assert 0.9 < time.monotonic() - started < 5
+    assert_served(daemon)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import subprocess
 from pathlib import Path
 
 import jiwer
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
-from conftest import ROOT, Daemon, Keys, cli
+from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
 from faster_whisper import WhisperModel
 from speech import RATE, say
 
@@ -136,3 +137,19 @@ def test_cli_interpret(interpreter: Daemon, tmp_path: Path) -> None:
     assert "hospital" in result.stdout.lower()
     with soundfile.SoundFile(tmp_path / "out.wav") as out:
         assert out.samplerate == 22050 and out.frames > 22050
+
+
+def test_cli_interpret_checks_every_parameter_before_the_answer_starts(interpreter: Daemon, tmp_path: Path) -> None:
+    source = tmp_path / "in.wav"
+    source.write_bytes(encode_wav(recording(ENGLISH[:1]), RATE))
+    result = cli("call", "interpret", source, "-o", tmp_path / "zz.wav", "--from", "zz", "--socket", interpreter.socket, check=False)  # fmt: skip
+    assert result.returncode == 1 and result.stderr == (
+        "appliance: error: the daemon answered HTTP 400: language 'zz' is not one of Whisper's (99 codes)\n"
+    )
+    assert not (tmp_path / "zz.wav").exists()
+    out = subprocess.run(  # `-o -`: the WAV to stdout (the texts go to stderr then)
+        [*APPLIANCE, "call", "interpret", str(source), "-o", "-", "--socket", str(interpreter.socket)],
+        capture_output=True, cwd=ROOT, timeout=300, check=True,
+    )  # fmt: skip
+    with soundfile.SoundFile(io.BytesIO(out.stdout)) as wav:
+        assert wav.samplerate == 22050 and wav.frames > 22050

@@ -6,15 +6,18 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
+import wave
 from pathlib import Path
 
+import av
 import httpx2
 import numpy as np
 import openai
 import pytest
 import soundfile
 import soxr
-from conftest import ROOT, Daemon, Keys, cli
+from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
 
 from appliance.client import Call, Client
 from appliance.kinds.text import Clause, plan_shards, sentences
@@ -109,7 +112,7 @@ def test_formats_and_speed(client: Client) -> None:
     slow, _ = decoded(client.speech("The quick brown fox jumps over the lazy dog.", voice="joe", speed=0.5))
     assert len(slow) > 2.5 * len(fast)
     status, doc = post_json(
-        client, "/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "Hi.", "response_format": "mp3"}
+        client, "/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "Hi.", "response_format": "ogg"}
     )
     assert status == 400 and "response_format" in message(doc) and doc["error"]["type"] == "invalid_request_error"
 
@@ -219,7 +222,7 @@ def test_invalid_utf8_is_a_400(client: Client, path: str) -> None:
 def test_cli_speak_and_translate(speech_daemon: Daemon, tmp_path: Path) -> None:
     out = tmp_path / "hello.wav"
     cli("call", "speak", "Hello there. How are you today?", "-o", out, "--socket", speech_daemon.socket)
-    with soundfile.SoundFile(out) as wav:  # the streamed header's sizes were fixed at the end
+    with soundfile.SoundFile(out) as wav:  # the header carries the true sizes
         assert wav.samplerate == 22050 and wav.frames == (out.stat().st_size - 44) // 2
     result = cli("call", "translate", "--to", "pt", "Good morning.", "--socket", speech_daemon.socket)
     assert result.stdout.strip() == "Bom dia."
@@ -308,3 +311,55 @@ def test_the_openai_client_speaks_and_streams(speech_daemon: Daemon) -> None:
     assert len(pieces) >= 2 and 4.0 < len(b"".join(pieces)) / 2 / 22050 < 12.0
     with pytest.raises(openai.BadRequestError, match="unknown voice"):
         client.audio.speech.create(model="tts-1", voice="alloy", input="Hello.")
+
+
+def av_decoded(body: bytes) -> tuple[np.ndarray, int, str]:
+    """FFmpeg's own reading of an answer (PyAV directly, not the box's decoder): mono float, rate, codec."""
+    with av.open(io.BytesIO(body)) as container:
+        stream = container.streams.audio[0]
+        frames = [f.to_ndarray().reshape(-1) for f in container.decode(stream)]
+        return np.concatenate(frames).astype(np.float32), stream.rate, stream.codec_context.name
+
+
+def test_the_openai_client_with_its_defaults_gets_mp3_and_every_format_reads(
+    speech_daemon: Daemon, tmp_path: Path
+) -> None:
+    """The SDK's default response_format is mp3; opus and aac stream sentence by sentence; a WAV
+    written whole carries its true sizes (Python's wave and libsndfile read the same length)."""
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=str(speech_daemon.socket)), timeout=300)
+    client = openai.OpenAI(api_key="on-box", base_url="http://appliance/v1", http_client=http, max_retries=0)
+    answer = client.audio.speech.create(model="tts-1", voice="joe", input=PARAGRAPH)
+    assert answer.response.headers["content-type"] == "audio/mpeg"
+    audio, rate, codec = av_decoded(answer.content)
+    assert codec in ("mp3", "mp3float") and rate == 22050 and 4.0 < len(audio) / rate < 12.0
+    with speech_daemon.client("unix") as box:
+        assert speech_fraction(box, audio, rate) > 0.6
+    for audio_format, codec_name, expected_rate in (("opus", "opus", 48000), ("aac", "aac", 22050)):
+        with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="joe", input=PARAGRAPH, response_format=audio_format
+        ) as response:
+            pieces = list(response.iter_bytes())
+        assert len(pieces) >= 2, audio_format  # streamed as the sentences are ready, not one body at the end
+        audio, rate, codec = av_decoded(b"".join(pieces))
+        assert codec == codec_name and rate == expected_rate and 4.0 < len(audio) / rate < 12.0, audio_format
+    path = tmp_path / "hello.wav"
+    client.audio.speech.create(model="tts-1", voice="joe", input=PARAGRAPH, response_format="wav").write_to_file(path)
+    with wave.open(str(path)) as w:
+        frames = w.getnframes()
+        assert w.getframerate() == 22050 and frames * 2 + 44 == path.stat().st_size
+    assert soundfile.info(str(path)).frames == frames and 4.0 < frames / 22050 < 12.0
+
+
+def test_cli_speak_errors_in_one_line_and_to_stdout(speech_daemon: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "alloy.wav"
+    wrong = cli("call", "speak", "Hi", "--voice", "alloy", "-o", out, "--socket", speech_daemon.socket, check=False)
+    assert wrong.returncode == 1 and wrong.stderr == (
+        "appliance: error: the daemon answered HTTP 400: unknown voice 'alloy' (voices: joe)\n"
+    )
+    assert not out.exists()
+    piped = subprocess.run(
+        [*APPLIANCE, "call", "speak", PARAGRAPH, "-o", "-", "--format", "mp3", "--socket", str(speech_daemon.socket)],
+        capture_output=True, cwd=ROOT, timeout=300, check=True,
+    )  # fmt: skip
+    audio, rate, codec = av_decoded(piped.stdout)
+    assert codec in ("mp3", "mp3float") and 4.0 < len(audio) / rate < 12.0 and not (ROOT / "-").exists()

@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from appliance.errors import ApiError, BadRequest
-from appliance.protocol.messages import Request, Response, json_response
+from appliance.protocol.messages import Request, Response, json_response, openai_error
 
 FORM = "application/x-www-form-urlencoded"
 
@@ -39,11 +39,10 @@ def json_or_form(request: Request) -> dict[str, Any]:
 
 
 async def openai_errors(answering: Awaitable[Response]) -> Response:
-    """An error in OpenAI's shape, {"error": {"message", "type"}}, so its clients show the message."""
+    """An error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so its clients show the message."""
     try:
         return await answering
     except ApiError as exc:
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        response = json_response(exc.status, {"error": {"message": exc.message, "type": kind, "code": None}})
+        response = json_response(exc.status, openai_error(exc.status, exc.message, exc.param))
         response.headers += exc.headers
         return response

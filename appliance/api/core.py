@@ -14,8 +14,11 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
                                           a recording in, speech segments out; see kinds/vad_api.py)
     POST /v2/repository/index             Triton's model repository index: what this firmware serves
     POST /v2/repository/models/{name}/load | unload   refused: the signed firmware decides what is served
+    GET  /v1/realtime                     a WebSocket: OpenAI's Realtime API, transcription (api/realtime.py)
     GET  /metrics
-    GET  /status                          firmware, engines, QUIC peers from the connection cache
+    GET  /v1/models[/{id}]                OpenAI's model list (api/openai_models.py)
+    GET  /status                          firmware, engines, QUIC peers from the connection cache, TLS
+    GET  / and /page/{file}               the box's own page (api/page.py); /tls/certificate.pem
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 
 from appliance import __version__
-from appliance.api import libretranslate, openai_audio, openai_speech, repository
+from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, page, realtime, repository
 from appliance.api import metrics as prometheus
 from appliance.api.routes import Route
 from appliance.config import Live
@@ -49,6 +52,7 @@ from appliance.tasks import off_loop
 
 log = logging.getLogger("appliance.api")
 STREAMING_S = 1.0  # a sequence that had a request this recently is streaming (a stop waits for it)
+COMPRESSED_ENDPOINTS = ("infer", "metrics")
 
 # Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
 EXTENSIONS = [
@@ -71,6 +75,8 @@ class Api:
         self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
         self.workers: Callable[[], list[dict[str, Any]]] | None = None  # the protocol workers, where there are
         self.quic: dict[str, Any] | None = None  # where QUIC serves: how many workers read its port, and why
+        self.tls: dict[str, Any] | None = None  # where QUIC or HTTPS serves: the certificate and its fingerprint
+        self.certificate_pem = b""  # the box's certificate, for clients to trust (GET /tls/certificate.pem)
         model = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
         self._routes: list[Route] = [
             ("GET", re.compile(r"/v2/?"), "server", self._server),
@@ -96,6 +102,9 @@ class Api:
             *openai_speech.routes(models),
             *libretranslate.routes(models),
             *openai_audio.routes(models),
+            *openai_models.routes(models, manifest),
+            *realtime.routes(models, self.metrics),
+            *page.routes(lambda: self.certificate_pem),
         ]
 
     async def handle(self, request: Request) -> Response:
@@ -121,13 +130,17 @@ class Api:
             self.metrics.cancelled += 1
             raise
         except ApiError as exc:
-            response = error_response(exc.status, exc.message)
+            response = error_response(exc.status, exc.message, url.path)
             response.headers += exc.headers
         except Exception:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
-            response = error_response(500, "internal error (logged)")
-        coding = accepted_coding(request.headers.get("accept-encoding", ""))
-        if coding is not None and response.body and response.stream is None:
+            response = error_response(500, "internal error (logged)", url.path)
+        # as Triton does: only an infer answer is compressed, and only when asked (its clients read
+        # every other answer as it comes; tritonclient.http.aio turns off aiohttp's decompression);
+        # and /metrics, as Prometheus exposers (Triton's too) do for the scrapers that ask
+        compressible = endpoint in COMPRESSED_ENDPOINTS
+        coding = accepted_coding(request.headers.get("accept-encoding", "")) if compressible else None
+        if coding is not None and response.body and response.stream is None and response.status == 200:
             response = await _compressed(response, coding)
         if response.status >= 400:  # the client's mistakes at debug level; ours are errors
             log.log(
@@ -175,7 +188,13 @@ class Api:
     async def _server(self, request: Request, params: dict[str, str]) -> Response:
         return json_response(
             200,
-            {"name": "appliance", "version": __version__, "extensions": EXTENSIONS, "firmware": self.firmware_info()},
+            {
+                "name": "triton",  # Triton's clients check this name (NVIDIA's examples do)
+                "version": __version__,
+                "extensions": EXTENSIONS,
+                "server": "appliance",
+                "firmware": self.firmware_info(),
+            },
         )
 
     async def _live(self, request: Request, params: dict[str, str]) -> Response:
@@ -206,10 +225,14 @@ class Api:
     def _model(self, params: dict[str, str]) -> ServedModel:
         model = self.models.get(params["model"])
         if model is None:
-            raise NotFound(f"unknown model {params['model']!r} (this firmware serves: {', '.join(self.models)})")
+            raise NotFound(  # Triton's text: its clients match on the start
+                f"Request for unknown model: '{params['model']}' is not found (this firmware serves: {', '.join(self.models)})"
+            )
         version = params.get("version")
         if version is not None and version != self.manifest.version:
-            raise NotFound(f"model {model.name} has no version {version!r} (serving {self.manifest.version})")
+            raise NotFound(
+                f"Request for unknown model: '{model.name}' version {version} is not found (serving {self.manifest.version})"
+            )
         return model
 
     async def _model_metadata(self, request: Request, params: dict[str, str]) -> Response:
@@ -258,6 +281,7 @@ class Api:
                 ],
                 "workers": self.workers() if self.workers else None,
                 "quic": self.quic,
+                "tls": self.tls,
                 "conncache": None
                 if cache is None
                 else {

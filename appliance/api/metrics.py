@@ -61,6 +61,15 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = {}
         self.latency: dict[str, Histogram] = {}
         self.cancelled = 0  # requests whose client went away before their answer was whole
+        self.live_latency: dict[tuple[str, str, str], Histogram] = {}  # by model, protocol and until what
+
+    def observe_live(self, model: str, protocol: str, seconds: float, until: str = "transcript") -> None:
+        """A live turn: from the audio that ended it reaching the box to its final transcript sent
+        (`until` "transcript"), or to the first audio of its translation ("first_audio")."""
+        histogram = self.live_latency.get((model, protocol, until))
+        if histogram is None:
+            histogram = self.live_latency[(model, protocol, until)] = Histogram(LATENCY_BUCKETS)
+        histogram.observe(seconds)
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         key = (endpoint, status)
@@ -98,6 +107,15 @@ def render(
     ]
     for endpoint, histogram in sorted(metrics.latency.items()):
         out += histogram.lines("appliance_request_duration_seconds", f'endpoint="{endpoint}"')
+    out += [
+        "# HELP appliance_live_latency_seconds End of a live turn's speech (the chunk that carried it"
+        " received) to its final transcript sent (until=transcript) or its translation's first audio"
+        " sent (until=first_audio), by model and protocol (realtime, wyoming).",
+        "# TYPE appliance_live_latency_seconds histogram",
+    ]
+    for (name, protocol, until), histogram in sorted(metrics.live_latency.items()):
+        labels = f'model="{name}",protocol="{protocol}",until="{until}"'
+        out += histogram.lines("appliance_live_latency_seconds", labels)
     sections: dict[str, list[str]] = {
         "appliance_batch_size": [
             "# HELP appliance_batch_size Sequences per engine call.",
@@ -195,6 +213,8 @@ WORKER_METRICS = (
     ("appliance_worker_requests_in_flight", "gauge", "Requests the worker is serving.", lambda w: w.get("in_flight", 0)),
     ("appliance_worker_unix_connections", "gauge", "Unix socket connections the worker holds.",
      lambda w: w.get("connections", 0)),
+    ("appliance_worker_https_connections", "gauge", "HTTPS (TLS on TCP) connections the worker holds.",
+     lambda w: w.get("tcp_connections", 0)),
     ("appliance_worker_quic_connections", "gauge", "QUIC connections the worker holds.",
      lambda w: len(w.get("quic_peers", []))),
     ("appliance_worker_quic_datagrams_total", "counter", "Datagrams received on the worker's UDP socket.",

@@ -2,9 +2,12 @@
 
 A multipart form (python-multipart parses it): `file`, `model`, `language` (transcriptions only),
 `prompt`, `response_format` (json | text | verbose_json | srt | vtt), `temperature`, `stream` (true:
-server-sent events, a `transcript.text.delta` per segment as it is decoded, then `transcript.text.done`).
-`model` names a speech_to_text model of the firmware; OpenAI's own names (whisper-1, ...) take the
-first one that can do the task, so the official client works unchanged.
+server-sent events, a `transcript.text.delta` per segment as it is decoded, then `transcript.text.done`),
+`timestamp_granularities[]` (segment, word: word timestamps with probabilities in verbose_json and in
+the stream's events), `chunking_strategy` (`auto` or a server_vad object: the box always cuts at its
+VAD's silences) and `include[]` (accepted; `logprobs` are not served). `model` names a speech_to_text
+model of the firmware or one of OpenAI's names (openai_models.py picks the best served model for it).
+Errors are in OpenAI's shape, naming the field at fault.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from python_multipart import FormParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
+from appliance.api import openai_models
 from appliance.api.bodies import openai_errors
-from appliance.errors import BadRequest, NotFound
+from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Transcriber
-from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, Options, Segment, render
+from appliance.kinds.counting import counted
+from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, SUBTITLES, Options, Segment, render, word_json
 from appliance.kinds.streaming import guarded, query_flag, whole
 from appliance.protocol.messages import Request, Response
 from appliance.tasks import off_loop
@@ -37,7 +42,11 @@ FIELDS = {
     "temperature",
     "stream",
     "timestamp_granularities[]",
+    "chunking_strategy",
+    "include[]",
 }
+REPEATED = ("timestamp_granularities[]", "include[]")  # list fields: one part per element
+GRANULARITIES = ("segment", "word")
 MAX_FIELD_BYTES = 64 * 1024  # any form field but the file
 
 Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
@@ -58,13 +67,15 @@ def routes(models: dict[str, ServedModel]) -> list[tuple[str, re.Pattern[str], s
     ]
 
 
-def parse_form(request: Request) -> tuple[dict[str, str], bytes]:
-    """The form's text fields and the file's bytes; a 400 naming what is wrong with the form."""
+def parse_form(request: Request) -> tuple[dict[str, str], dict[str, list[str]], bytes]:
+    """The form's text fields, its list fields (REPEATED) and the file's bytes; a 400 naming what is
+    wrong with the form."""
     content_type = request.headers.get("content-type", "")
     kind, options = parse_options_header(content_type)
     if kind != b"multipart/form-data" or b"boundary" not in options:
         raise BadRequest(f"send multipart/form-data with a boundary (got content-type {content_type[:60]!r})")
     fields: dict[str, str] = {}
+    lists: dict[str, list[str]] = {name: [] for name in REPEATED}
     files: list[bytes] = []
 
     def on_field(field: Any) -> None:
@@ -72,7 +83,10 @@ def parse_form(request: Request) -> tuple[dict[str, str], bytes]:
         value = field.value or b""
         if len(value) > MAX_FIELD_BYTES:
             raise BadRequest(f"form field {name!r} is longer than {MAX_FIELD_BYTES} bytes")
-        fields[name] = value.decode(errors="replace")
+        if name in lists:
+            lists[name].append(value.decode(errors="replace"))
+        else:
+            fields[name] = value.decode(errors="replace")
 
     def on_file(file: Any) -> None:
         if file.field_name != b"file":
@@ -89,61 +103,101 @@ def parse_form(request: Request) -> tuple[dict[str, str], bytes]:
     except FormParserError as exc:
         raise BadRequest(f"malformed multipart form: {' '.join(str(exc).split())}") from None
     if not files:
-        raise BadRequest("the form has no 'file' part: send the audio as the file field")
+        raise BadRequest("the form has no 'file' part: send the audio as the file field", param="file")
     unknown = sorted(set(fields) - FIELDS)
     if unknown:
-        raise BadRequest(f"unknown form field {unknown[0]!r} (known: {', '.join(sorted(FIELDS))})")
-    return fields, files[0]
-
-
-def pick_model(models: dict[str, ServedModel], name: str, task: str) -> Transcriber:
-    speech = [m for m in models.values() if isinstance(m, Transcriber)]
-    if not name:
-        raise BadRequest("the form needs a 'model' field")
-    chosen = models.get(name)
-    if chosen is not None:
-        if not isinstance(chosen, Transcriber):
-            raise BadRequest(f"model {name!r} is a {chosen.spec.kind} model, not speech_to_text")
-        return chosen
-    able = [m for m in speech if task == "transcribe" or m.multilingual]
-    if name.startswith(("whisper", "gpt-")) and able:  # OpenAI's names: the box's first model that can
-        return able[0]
-    served = ", ".join(m.name for m in speech) or "none"
-    raise NotFound(f"no speech_to_text model {name!r} (served: {served})")
+        raise BadRequest(f"unknown form field {unknown[0]!r} (known: {', '.join(sorted(FIELDS))})", param=unknown[0])
+    return fields, lists, files[0]
 
 
 async def answer(models: dict[str, ServedModel], request: Request, task: str) -> Response:
-    fields, audio = await off_loop(len(request.body), parse_form, request)  # a 64 MiB form: not on the loop
-    model = pick_model(models, fields.get("model", ""), task)
+    fields, lists, audio = await off_loop(len(request.body), parse_form, request)  # a 64 MiB form: not on the loop
     if task == "translate" and "language" in fields:
-        raise BadRequest("translations take no 'language': the speech's language is detected, the text is English")
+        raise BadRequest(
+            "translations take no 'language': the speech's language is detected, the text is English", param="language"
+        )
+    language = fields.get("language", "").lower() or None
+    model = openai_models.speech_to_text(models, fields.get("model", ""), task, language)
     response_format = fields.get("response_format", "json")
     if response_format not in FORMATS:
-        raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}, got {response_format!r}")
+        raise BadRequest(
+            f"response_format must be one of {', '.join(FORMATS)}, got {response_format[:40]!r}",
+            param="response_format",
+        )
     try:
         temperature = float(fields.get("temperature", "0"))
     except ValueError:
-        raise BadRequest(f"temperature must be a number, got {fields['temperature'][:40]!r}") from None
-    if fields.get("timestamp_granularities[]", "segment") != "segment":
-        raise BadRequest("timestamp_granularities: only 'segment' is served (no word timestamps)")
-    stream = query_flag(fields, "stream", where="form field")
-    options = Options(fields.get("language") or None, task, fields.get("prompt", ""), temperature)
-    model.check(options)
+        raise BadRequest(
+            f"temperature must be a number, got {fields['temperature'][:40]!r}", param="temperature"
+        ) from None
+    granularities = lists["timestamp_granularities[]"]
+    for granularity in granularities:
+        if granularity not in GRANULARITIES:
+            raise BadRequest(
+                f"timestamp_granularities[] must be segment or word, got {granularity[:40]!r}",
+                param="timestamp_granularities[]",
+            )
+    _check_chunking(fields.get("chunking_strategy", "auto"))
+    try:
+        stream = query_flag(fields, "stream", where="form field")
+    except ApiError as exc:
+        raise ApiError(exc.message, exc.status, param="stream") from None
+    words = "word" in granularities or response_format in SUBTITLES  # subtitles are cut at the words
+    options = Options(language, task, fields.get("prompt", ""), temperature, words)
+    try:
+        model.check(options)
+    except ApiError as exc:
+        param = "temperature" if not 0.0 <= temperature <= 1.0 else "language" if language else "model"
+        raise ApiError(exc.message, exc.status, param=param) from None
+    return await counted(model.stats, _transcribed(model, audio, options, response_format, stream, granularities))
+
+
+async def _transcribed(
+    model: Transcriber, audio: bytes, options: Options, response_format: str, stream: bool, granularities: list[str]
+) -> Response:
     samples = await asyncio.to_thread(model.recording, audio)
     segments = model.transcribe(samples, options)
     if stream:
-        return Response(200, content_type="text/event-stream", stream=_events(segments, model.name))
+        events = _events(segments, model.name, "word" in granularities)
+        return Response(200, content_type="text/event-stream", stream=events)
     found = await whole(segments)
-    return render(found, response_format, task, len(samples) / SAMPLE_RATE)
+    shown = tuple(granularities) or ("segment",)
+    return render(found, response_format, options.task, len(samples) / SAMPLE_RATE, shown)
 
 
-def _events(segments: AsyncIterator[Segment], model: str) -> AsyncGenerator[bytes, None]:
-    """Server-sent events as OpenAI streams a transcription: a delta per segment, then the whole text."""
+def _check_chunking(value: str) -> None:
+    """`auto`, or OpenAI's server_vad object (its thresholds are the box's [vad] config here)."""
+    if value == "auto":
+        return
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or doc.get("type") != "server_vad":
+        raise BadRequest(
+            f"chunking_strategy must be 'auto' or a server_vad object, got {value[:60]!r}", param="chunking_strategy"
+        )
+
+
+def _events(segments: AsyncIterator[Segment], model: str, words: bool) -> AsyncGenerator[bytes, None]:
+    """Server-sent events as OpenAI streams a transcription: a delta per segment (with its words when
+    asked), then the whole text (and every word)."""
     texts: list[str] = []
+    every: list[dict[str, Any]] = []
 
     def delta(segment: Segment) -> bytes:
         texts.append(segment.text)
-        return _event({"type": "transcript.text.delta", "delta": (" " if len(texts) > 1 else "") + segment.text})
+        doc: dict[str, Any] = {"type": "transcript.text.delta", "delta": (" " if len(texts) > 1 else "") + segment.text}
+        if words:
+            doc["words"] = [word_json(w) for w in segment.words]
+            every.extend(doc["words"])
+        return _event(doc)
+
+    def done(count: int) -> bytes:
+        doc: dict[str, Any] = {"type": "transcript.text.done", "text": " ".join(texts)}
+        if words:
+            doc["words"] = every
+        return _event(doc)
 
     return guarded(
         segments,
@@ -151,7 +205,7 @@ def _events(segments: AsyncIterator[Segment], model: str) -> AsyncGenerator[byte
         lambda message: _event({"type": "error", "error": {"message": message}}),
         f"streamed transcription by {model}",
         {"MODEL": model},
-        lambda count: _event({"type": "transcript.text.done", "text": " ".join(texts)}),
+        done,
     )
 
 

@@ -1,25 +1,28 @@
 """OpenAI's text-to-speech route, `POST /v1/audio/speech`, on the firmware's speech models.
 
-The body is OpenAI's: `model`, `input`, `voice`, `response_format` (wav, pcm or flac here),
-`speed` (0.25 to 4). `model` is a speech model of this firmware or one of OpenAI's model names
-(then `voice` picks the model). WAV and PCM are streamed as each sentence is ready: a WAV header
-whose sizes say "unknown length" (0xFFFFFFFF, as streaming encoders write it), then 16-bit mono
-samples at the voice's rate (in the `x-sample-rate` header too). FLAC is sent whole.
+The body is OpenAI's: `model`, `input`, `voice`, `response_format` (mp3, the default as OpenAI's,
+opus, aac, flac, wav or pcm), `speed` (0.25 to 4), `stream_format` (`audio`; `sse` is not served),
+other fields (`instructions`: the voices here take no direction) are ignored. `model` is a speech model of
+this firmware or one of OpenAI's model names (then `voice` picks the model). mp3, opus (Ogg), aac
+(ADTS) and pcm (16-bit mono at the voice's rate, also in the `x-sample-rate` header) stream as each
+sentence is ready; wav and flac are sent whole, their headers carrying the true sizes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 
 import numpy as np
 import soundfile
 
 from appliance.api.bodies import json_body, openai_errors
 from appliance.api.routes import Route
+from appliance.audio_av import Encoder
 from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, Speaker
@@ -32,8 +35,15 @@ log = logging.getLogger("appliance.api")
 
 KIND = "speech_synthesis"
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
-STREAMED_UNKNOWN = 0xFFFFFFFF
+FORMATS = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg; codecs=opus",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+}
+WHOLE = ("wav", "flac")  # formats whose header holds the sizes: sent once all is synthesized
 
 
 def routes(models: Mapping[str, ServedModel]) -> list[Route]:
@@ -52,9 +62,11 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     voices: list[Speaker] = [m for m in models if isinstance(m, Speaker)]
     model = _model(voices, doc.get("model"), doc.get("voice"))
     text = checked_text(doc.get("input"), "input")
-    audio_format = doc.get("response_format", "wav")
+    audio_format = doc.get("response_format", "mp3")
     if audio_format not in FORMATS:
         raise BadRequest(f"response_format {str(audio_format)[:40]!r} is not served (use one of: {', '.join(FORMATS)})")
+    if doc.get("stream_format", "audio") != "audio":
+        raise BadRequest(f"stream_format {str(doc['stream_format'])[:40]!r} is not served (only 'audio')")
     speed = doc.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
         raise BadRequest(f"speed must be a number from {MIN_SPEED} to {MAX_SPEED}, got {str(speed)[:40]}")
@@ -62,22 +74,21 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     pieces = model.synthesize(shards, float(speed))
     rate = model.sample_rate
     headers = [("x-sample-rate", str(rate))]
-    if audio_format == "flac":
-        samples = [p async for p in pieces]
-        flac = await off_loop(sum(p.nbytes for p in samples), _flac, samples, rate)
-        return Response(200, flac, FORMATS["flac"], headers)
-    # the header, then each sentence's samples as soon as it is ready; a failure ends the stream early
-    # (the status has been sent), logged; a client gone mid-stream drops the shards not yet started
-    first = wav_header(rate, STREAMED_UNKNOWN) if audio_format == "wav" else b""
-    body = guarded(
-        pieces,
-        lambda s: s.astype("<i2").tobytes(),
-        lambda message: b"",
-        f"speech from {model.name}",
-        {"MODEL": model.name},
-        head=first,
+    if audio_format in WHOLE:
+        try:
+            samples = [p async for p in pieces]
+        finally:
+            await pieces.aclose()
+        whole = np.concatenate(samples) if samples else np.zeros(0, np.int16)
+        body = _flac(whole, rate) if audio_format == "flac" else wav_header(rate, 2 * len(whole)) + _pcm(whole)
+        return Response(200, body, FORMATS[audio_format], headers)
+    # each sentence's audio as soon as it is ready; a failure ends the stream early (the status has
+    # been sent), logged; a client gone mid-stream drops the shards not yet started
+    encoder = Encoder(audio_format, rate) if audio_format != "pcm" else None
+    stream = guarded(
+        _encoded(encoder, pieces), lambda b: b, lambda message: b"", f"speech from {model.name}", {"MODEL": model.name}
     )
-    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=body)
+    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=stream)
 
 
 def _model(voices: list[Speaker], name: object, voice: object) -> Speaker:
@@ -96,8 +107,8 @@ def _model(voices: list[Speaker], name: object, voice: object) -> Speaker:
 
 
 def wav_header(rate: int, data_bytes: int) -> bytes:
-    """A 16-bit mono PCM WAV header; STREAMED_UNKNOWN sizes where the length is not known yet."""
-    riff = STREAMED_UNKNOWN if data_bytes == STREAMED_UNKNOWN else 36 + data_bytes
+    """A 16-bit mono PCM WAV header for `data_bytes` of samples."""
+    riff = 36 + data_bytes
     fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
     return (
         b"RIFF"
@@ -110,7 +121,24 @@ def wav_header(rate: int, data_bytes: int) -> bytes:
     )
 
 
-def _flac(pieces: list[np.ndarray], rate: int) -> bytes:
+def _pcm(samples: np.ndarray) -> bytes:
+    return samples.astype("<i2").tobytes()
+
+
+def _flac(samples: np.ndarray, rate: int) -> bytes:
     out = io.BytesIO()
-    soundfile.write(out, np.concatenate(pieces) if pieces else np.zeros(0, np.int16), rate, format="FLAC")
+    soundfile.write(out, samples, rate, format="FLAC")
     return out.getvalue()
+
+
+async def _encoded(encoder: Encoder | None, pieces: AsyncGenerator[np.ndarray, None]) -> AsyncGenerator[bytes, None]:
+    """Each sentence's samples in the answer's format, encoded off the loop; the encoder's tail at the end."""
+    try:
+        async for samples in pieces:
+            data = _pcm(samples) if encoder is None else await asyncio.to_thread(encoder.encode, samples)
+            if data:
+                yield data
+        if encoder is not None:
+            yield await asyncio.to_thread(encoder.finish)
+    finally:
+        await pieces.aclose()

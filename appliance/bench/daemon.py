@@ -1,4 +1,4 @@
-"""The daemon under test, in a process of its own with a config of its own; free UDP ports."""
+"""The daemon under test, in a process of its own with a config of its own; free UDP and TCP ports."""
 
 from __future__ import annotations
 
@@ -16,15 +16,26 @@ from appliance.tls import init_self_signed
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    return _free_port(socket.SOCK_DGRAM)
+
+
+def free_tcp_port() -> int:
+    return _free_port(socket.SOCK_STREAM)
+
+
+def _free_port(kind: socket.SocketKind) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class DaemonProcess:
-    def __init__(self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "", workers: int = 1) -> None:
+    def __init__(
+        self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "", workers: int = 1, https: bool = False
+    ) -> None:
         """`conncache`: lines of its [conncache] table, then any tables of its own ([engine] ...);
-        `workers`: server.workers (1: the transports in the engine process, as the older figures)."""
+        `workers`: server.workers (1: the transports in the engine process, as the older figures);
+        `https`: HTTPS on a free TCP port too (`https_port`)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "api.sock"
         self.cert, key = workdir / "cert.pem", workdir / "key.pem"
@@ -32,6 +43,9 @@ class DaemonProcess:
         self.quic = f"127.0.0.1:{free_udp_port()}"
         if "pin_dir" not in conncache:  # its own: a daemon already serving here (make run) holds the default
             conncache = f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}-{workdir.name}"\n{conncache}'
+        self.https_port = free_tcp_port() if https else None
+        if https:
+            conncache += f"[https]\nenabled = true\nport = {self.https_port}\n"
         config = workdir / "bench.toml"
         config.write_text(
             f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {256 << 20}\nworkers = {workers}\n'

@@ -18,6 +18,36 @@ from appliance.client import infer_call
 from appliance.client.quic import QuicSession
 
 
+def start_hypercorn(
+    model: Path, daemon: DaemonProcess, workdir: Path, quic: str = "", bind: str = "127.0.0.1:0"
+) -> subprocess.Popen[bytes]:
+    """Hypercorn serving asgi_peer with the daemon's certificate: HTTP/3 on `quic` (where given), and
+    HTTPS (HTTP/1.1 and HTTP/2 over TLS) on the TCP address `bind`. Its connections are kept however
+    many requests they carry (Hypercorn closes one after 1000 by default; the daemon never does)."""
+    config = workdir / "hypercorn.toml"
+    config.write_text("keep_alive_max_requests = 1000000000\n")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hypercorn",
+            "--config",
+            str(config),
+            *(["--quic-bind", quic] if quic else []),
+            "--bind",
+            bind,
+            "--certfile",
+            str(daemon.cert),
+            "--keyfile",
+            str(workdir / "key.pem"),
+            "--log-level",
+            "warning",
+            "appliance.bench.asgi_peer:app",
+        ],
+        env={**os.environ, "APPLIANCE_BENCH_MODEL": str(model)},
+    )
+
+
 def hypercorn_peer(
     model: Path, daemon: DaemonProcess, frame: np.ndarray, seconds: float, workdir: Path
 ) -> dict[str, Any] | str:
@@ -25,27 +55,7 @@ def hypercorn_peer(
     if importlib.util.find_spec("hypercorn") is None:
         return "not installed (pip install 'hypercorn[h3]')"
     address = f"127.0.0.1:{free_udp_port()}"
-    key = workdir / "key.pem"
-    env = {**os.environ, "APPLIANCE_BENCH_MODEL": str(model)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hypercorn",
-            "--quic-bind",
-            address,
-            "--bind",
-            "127.0.0.1:0",
-            "--certfile",
-            str(daemon.cert),
-            "--keyfile",
-            str(key),
-            "--log-level",
-            "warning",
-            "appliance.bench.asgi_peer:app",
-        ],
-        env=env,
-    )
+    proc = start_hypercorn(model, daemon, workdir, quic=address)
     try:
 
         async def run() -> dict[str, Any]:

@@ -70,6 +70,8 @@ def _client_failure(exc: ClientError, args: argparse.Namespace) -> tuple[str, in
     if isinstance(exc, ServerError):
         return f"the daemon answered {exc}", exitcodes.DAEMON_ERROR
     message = str(exc)
+    if isinstance(exc, SocketUnreachable) and exc.starting:
+        return message, exitcodes.DAEMON_ERROR if getattr(args, "what", "") == "health" else exitcodes.UNREACHABLE
     if isinstance(exc, SocketUnreachable):
         message += "; point at the daemon's socket with --socket PATH or APPLIANCE_SOCKET=PATH"
     elif isinstance(exc, CertificateRejected):

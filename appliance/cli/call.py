@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import io
+import itertools
 import json
 import logging
 import shutil
+import sys
 import textwrap
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 from appliance import exitcodes
 from appliance.cli import speech
-from appliance.cli.options import command, default_socket, print_json
-from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MODEL, Client, describe_path, parse_quic_address
+from appliance.cli.options import command, default_socket, print_json, read_input
+from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MODEL, Client, parse_quic_address
 from appliance.errors import ApiError, ApplianceError
 
 # `appliance call WHAT`: what each does (the choices and the help text come from here).
@@ -27,7 +32,7 @@ CALL_ACTIONS = {
     "model": "one model's metadata: tensors, baked parameters, signing key id (GET /v2/models/NAME; "
     "NAME defaults to silero_vad)",
     "metrics": "the Prometheus metrics text (GET /metrics)",
-    "vad": "speech segments of an audio FILE (WAV, FLAC or Ogg) as JSON (POST /v2/models/MODEL/segments); "
+    "vad": "speech segments of an audio FILE (WAV, FLAC, Ogg, MP3, M4A, WebM) as JSON (POST /v2/models/MODEL/segments); "
     "with --stream one line per segment as soon as it is final",
     "probs": "the speech probability of every 512-sample frame of an audio FILE (POST /v2/models/MODEL/infer)",
     "speak": "TEXT spoken by a voice of the firmware into -o FILE (POST /v1/audio/speech), written as each "
@@ -40,7 +45,7 @@ CALL_ACTIONS = {
     "live": "sends an audio FILE as a live stream in real time, 256 ms chunks (Triton sequence), and prints "
     "each segment's text as soon as it is final",
 }
-SPEAK_FORMATS = ("wav", "pcm", "flac")
+SPEAK_FORMATS = ("wav", "mp3", "opus", "aac", "flac", "pcm")
 SOCKET_HELP = "the daemon's Unix socket ($APPLIANCE_SOCKET, else ./run/api.sock if present)"
 
 
@@ -72,13 +77,19 @@ def cmd_call(args: argparse.Namespace) -> int:
             print(client.metrics(), end="")
         elif args.what in ("transcribe", "live"):
             if not args.args:
-                raise ApplianceError(f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC or Ogg)")
-            run = speech.transcribe if args.what == "transcribe" else speech.live
-            run(client, args, _read_input(args.args[0]))
+                raise ApplianceError(
+                    f"usage: appliance call {args.what} FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)"
+                )
+            if args.what == "live":
+                speech.live(client, args, args.args[0])
+            else:
+                speech.transcribe(client, args, read_input(args.args[0]))
         elif args.what == "vad":
             if not args.args:
-                raise ApplianceError("usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC or Ogg)")
-            audio = _read_input(args.args[0])
+                raise ApplianceError(
+                    "usage: appliance call vad FILE [--model NAME] [--stream]  (WAV, FLAC, Ogg, MP3, M4A, WebM)"
+                )
+            audio = read_input(args.args[0])
             if args.stream:
                 for line in client.stream_segments(audio, model=args.model or DEFAULT_MODEL):
                     print(json.dumps(line), flush=True)
@@ -86,13 +97,15 @@ def cmd_call(args: argparse.Namespace) -> int:
                 print_json(client.segments(audio, model=args.model or DEFAULT_MODEL))
         elif args.what == "probs":
             if not args.args:
-                raise ApplianceError("usage: appliance call probs FILE [--model NAME]  (WAV, FLAC or Ogg)")
+                raise ApplianceError(
+                    "usage: appliance call probs FILE [--model NAME]  (WAV, FLAC, Ogg, MP3, M4A, WebM)"
+                )
             from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for `call probs`
 
             model = args.model or DEFAULT_MODEL
             rate = client.model(model)["parameters"]["sample_rate"]
             try:  # decoded here, as the daemon decodes for segments, and sent as tensors
-                samples = decode_audio(_read_input(args.args[0]), rate)
+                samples = decode_audio(read_input(args.args[0]), rate)
             except ApiError as exc:
                 raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
             print_json([round(float(p), 4) for p in client.speech_probs(samples, model=model)])
@@ -114,26 +127,18 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
     if audio_format not in SPEAK_FORMATS:
         raise ApplianceError(f"speak: --format {audio_format} is not an audio format ({', '.join(SPEAK_FORMATS)})")
     voice = args.voice or _first_of_kind(client, "speech_synthesis")
-    try:
-        with open(args.output, "wb") as out:
-            for piece in client.stream_speech(
-                " ".join(args.args), voice, response_format=audio_format, speed=args.speed
-            ):
-                out.write(piece)
-            if audio_format == "wav" and out.seekable():  # streamed with unknown sizes: a file knows them at the end
-                size = out.tell()
-                out.seek(4)
-                out.write((size - 8).to_bytes(4, "little"))
-                out.seek(40)
-                out.write((size - 44).to_bytes(4, "little"))
-    except OSError as exc:
-        raise ApplianceError(f"cannot write {args.output}: {(exc.strerror or str(exc)).lower()}") from None
+    pieces = client.stream_speech(" ".join(args.args), voice, response_format=audio_format, speed=args.speed)
+    first = next(pieces, b"")  # the daemon's refusal (a voice it lacks) before any file is made
+    with _output(args.output) as out:
+        for piece in itertools.chain([first], pieces):
+            out.write(piece)
+            out.flush()
 
 
 def _interpret(client: Client, args: argparse.Namespace) -> None:
     if not args.args or not args.output:
         raise ApplianceError("usage: appliance call interpret FILE -o OUT.wav [--to LANG] [--from LANG] [--model NAME]")
-    audio = _read_input(args.args[0])
+    audio = read_input(args.args[0])
     model = args.model or _first_of_kind(client, "speech_pipeline")
     pieces, rate = [], 22050
     for line in client.stream_interpret(audio, model, args.to, args.source):
@@ -144,14 +149,28 @@ def _interpret(client: Client, args: argparse.Namespace) -> None:
         shown = (
             line["source_text"] if line["text"] == line["source_text"] else f"{line['source_text']} -> {line['text']}"
         )
-        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({line['language']}) {shown}", flush=True)
+        texts = sys.stderr if args.output == "-" else sys.stdout  # `-o -`: the audio has stdout
+        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({line['language']}) {shown}", file=texts, flush=True)
     import numpy as np  # lazy: as for `call probs`
     import soundfile
 
+    wav = io.BytesIO()  # libsndfile seeks back to write the sizes: a pipe cannot be written that way
+    soundfile.write(wav, np.frombuffer(b"".join(pieces), "<i2"), rate, subtype="PCM_16", format="WAV")
+    with _output(args.output) as out:
+        out.write(wav.getvalue())
+
+
+@contextlib.contextmanager
+def _output(path: str) -> Iterator[BinaryIO]:
+    """-o FILE opened for writing, or standard output for `-o -`; a file that cannot be written is one line."""
+    if path == "-":
+        yield sys.stdout.buffer
+        return
     try:
-        soundfile.write(args.output, np.frombuffer(b"".join(pieces), "<i2"), rate, subtype="PCM_16")
-    except (OSError, soundfile.LibsndfileError) as exc:
-        raise ApplianceError(f"cannot write {args.output}: {exc}") from None
+        with open(path, "wb") as out:
+            yield out
+    except OSError as exc:
+        raise ApplianceError(f"cannot write {path}: {(exc.strerror or str(exc)).lower()}") from None
 
 
 def _first_of_kind(client: Client, kind: str) -> str:
@@ -184,21 +203,7 @@ def quic_address(text: str) -> str:
 
 def _check_readable(path: str, what: str = "") -> None:
     """A file argument that cannot be read is a local input error (exit 2) naming it and why."""
-    _read_input(path, what, size=0)
-
-
-def _read_input(path: str, what: str = "", size: int = -1) -> bytes:
-    """A file argument's bytes; ApplianceError (exit 2) naming the file and why it cannot be read."""
-    name = f"{what} {path}" if what else path
-    try:
-        with open(path, "rb") as file:
-            return file.read(size)
-    except IsADirectoryError:
-        raise ApplianceError(f"cannot read {name}: it is a directory, not a file") from None
-    except FileNotFoundError:
-        raise ApplianceError(f"cannot read {name}: {describe_path(path)}") from None
-    except OSError as exc:
-        raise ApplianceError(f"cannot read {name}: {(exc.strerror or str(exc)).lower()}") from None
+    read_input(path, what, size=0)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -221,10 +226,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         print(
             f"worker {worker['worker']} pid {worker['pid']}: {worker['in_flight']} requests in flight, "
-            f"{worker['connections']} Unix connections, {len(worker['quic_peers'])} QUIC connections, "
+            f"{worker['connections']} Unix connections, {worker.get('tcp_connections', 0)} HTTPS connections, "
+            f"{len(worker['quic_peers'])} QUIC connections, "
             f"{worker['quic_datagrams']} datagrams ({worker['quic_stray_datagrams']} stray), "
             f"restarts {worker['restarts']}"
         )
+    if tls := status.get("tls"):
+        https = f"https on TCP port {tls['https_port']}" if tls["https_port"] else "https off"
+        mutual = ", mutual TLS" if tls["mutual_tls"] else ""
+        print(f"tls: certificate {tls['certificate']} ({https}{mutual})")
+        print(f"tls: SHA-256 fingerprint {tls['sha256']}")
     if quic := status.get("quic"):
         print(f"quic: {quic['workers']} QUIC workers" + (f" ({quic['reason']})" if quic["reason"] else ""))
     cache = status["conncache"]

@@ -11,6 +11,7 @@ from appliance.cli.options import add_config, command
 from appliance.config import QuicConfig
 from appliance.config.text import to_toml
 from appliance.durable import make_directories
+from appliance.errors import ApplianceError
 from appliance.tls import init_self_signed
 
 
@@ -18,7 +19,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
     make_directories(args.out.parent)  # 0755, as the trust directory; the key itself is 0600, the public half 0644
     if args.trust_dir is not None:
         make_directories(args.trust_dir)
-    kid = keys.new_key_pair(args.out, args.trust_dir)
+    try:
+        kid = keys.new_key_pair(args.out, args.trust_dir)
+    except FileExistsError:
+        raise ApplianceError(
+            f"{args.out} exists: a new key would replace the one firmware may be signed with; remove it or give another path"
+        ) from None
     print(
         f"key {kid}: private {args.out}, public {args.out.with_suffix('.pub')}"
         + (f", trusted in {args.trust_dir}" if args.trust_dir else "")

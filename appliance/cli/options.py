@@ -8,6 +8,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from appliance.client import describe_path
+from appliance.durable import starting_marker
+from appliance.errors import ApplianceError
+
 DEV_SOCKET = Path("run/api.sock")
 INSTALLED_SOCKET = Path("/run/appliance/api.sock")
 TRUSTED_KEYS = Path("/etc/appliance/trusted-keys")
@@ -21,7 +25,8 @@ CONFIG_HELP = (
 def default_socket() -> str:
     if env := os.environ.get("APPLIANCE_SOCKET"):
         return env
-    return str(DEV_SOCKET if DEV_SOCKET.exists() else INSTALLED_SOCKET)
+    development = DEV_SOCKET.exists() or starting_marker(DEV_SOCKET).exists()  # `make run` serves there
+    return str(DEV_SOCKET if development else INSTALLED_SOCKET)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -59,3 +64,17 @@ def print_json(doc: Any) -> None:
 def tell(line: str) -> None:
     """A line of a long job on stdout, at once (the journal shows it before the restart or reboot it announces)."""
     print(line, flush=True)
+
+
+def read_input(path: str, what: str = "", size: int = -1) -> bytes:
+    """A file argument's bytes; ApplianceError (exit 2) naming the file and why it cannot be read."""
+    name = f"{what} {path}" if what else path
+    try:
+        with open(path, "rb") as file:
+            return file.read(size)
+    except IsADirectoryError:
+        raise ApplianceError(f"cannot read {name}: it is a directory, not a file") from None
+    except FileNotFoundError:
+        raise ApplianceError(f"cannot read {name}: {describe_path(path)}") from None
+    except OSError as exc:
+        raise ApplianceError(f"cannot read {name}: {(exc.strerror or str(exc)).lower()}") from None

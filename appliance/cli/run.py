@@ -23,6 +23,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 BENCH_PARTS = {
     "vad": {"vad"},
     "workers": {"vad"},
+    "https": {"vad"},
     "transcription": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
 }
@@ -31,7 +32,7 @@ BENCH_PARTS = {
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import speech, transcription, workers
+    from appliance.bench import https, speech, transcription, workers
     from appliance.bench.run import run
     from appliance.config import EngineConfig
 
@@ -52,6 +53,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["workers"] = workers.workers_scaling(args.bundle, args.trusted_keys, Path(tmp), args.seconds)
         print(f"appliance bench: {args.bundle}, protocol workers")
         print("\n".join(workers.report(results["workers"])))
+    if "https" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["https"] = https.https_bench(args.bundle, args.trusted_keys, Path(tmp), args.seconds)
+        print(f"appliance bench: {args.bundle}, HTTPS on TCP against QUIC and the Unix socket")
+        print("\n".join(https.report(results["https"])))
     if "transcription" in wanted:
         with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
             results["transcription"] = transcription.transcription_bench(
@@ -87,7 +93,7 @@ def add_bench(sub: Any) -> None:
         "--part",
         default="all",
         help="what to measure, by the firmware's models: all, or a comma-separated list of vad (the VAD, the "
-        "transports, one's own model), workers (protocol workers, 2 against 1), transcription (speech to text against faster-whisper), speech (speech, "
+        "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the Unix socket and Hypercorn over TLS), transcription (speech to text against faster-whisper), speech (speech, "
         "translation and the pipeline)",
     )
     bench.set_defaults(func=cmd_bench)

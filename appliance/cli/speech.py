@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import sys
 import time
+import wave
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import numpy as np
 
+from appliance.cli.options import read_input
 from appliance.client import Client
 from appliance.errors import ApiError, ApplianceError
 
@@ -36,25 +42,68 @@ def transcribe(client: Client, args: argparse.Namespace, audio: bytes) -> None:
     print(body if not body.endswith("\n") else body[:-1])
 
 
-def live(client: Client, args: argparse.Namespace, audio: bytes) -> None:
-    """Sends the file as a live stream, in real time, 256 ms at a time; prints each segment when final."""
-    from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for the calls that decode
-
-    try:
-        samples = decode_audio(audio, RATE)
-    except ApiError as exc:
-        raise ApplianceError(f"{args.args[0]}: {exc.message}") from None
-    samples = np.pad(samples, (0, -len(samples) % CHUNK_SAMPLES))
+def live(client: Client, args: argparse.Namespace, source: str) -> None:
+    """Sends a recording as a live stream, in real time, 256 ms at a time; prints each segment when
+    final. `source` is a file, or `-`: standard input as it arrives, a WAV (16-bit PCM, any rate and
+    channels) or raw 16-bit mono PCM at 16 kHz (`arecord -f S16_LE -r 16000 -c 1 | appliance call live -`)."""
     model, sequence = model_for(args), int(time.time() * 1000) % (1 << 62) or 1
     extra = {"task": "translate"} if args.translate else {}
     if args.language:
         extra["language"] = args.language
-    started = time.monotonic()
-    count = len(samples) // CHUNK_SAMPLES
-    for i in range(count):
-        due = started + (i + 1) * CHUNK_SAMPLES / RATE  # a chunk is sent once it has been "heard"
+    chunks = stdin_chunks(cast(io.BufferedReader, sys.stdin.buffer)) if source == "-" else file_chunks(source)
+    started, first = time.monotonic(), True
+    chunk = next(chunks, None)
+    sent = 0
+    while chunk is not None:
+        following = next(chunks, None)  # one ahead: the last chunk ends the sequence
+        sent += 1
+        due = started + sent * CHUNK_SAMPLES / RATE  # a chunk is sent once it has been "heard"
         time.sleep(max(0.0, due - time.monotonic()))
-        chunk = samples[i * CHUNK_SAMPLES : (i + 1) * CHUNK_SAMPLES]
-        out = client.live(chunk, model, sequence, start=i == 0, end=i == count - 1, **extra)
+        out = client.live(chunk, model, sequence, start=first, end=following is None, **extra)
+        first = False
         for text, start, end in zip(out["text"], out["start"], out["end"]):
             print(f"[{float(start):8.2f} -> {float(end):8.2f}] {bytes(text).decode()}", flush=True)
+        chunk = following
+
+
+def file_chunks(path: str) -> Iterator[np.ndarray]:
+    from appliance.audio import decode_audio  # lazy: libsndfile and soxr load only for the calls that decode
+
+    try:
+        samples = decode_audio(read_input(path), RATE)
+    except ApiError as exc:
+        raise ApplianceError(f"{path}: {exc.message}") from None
+    samples = np.pad(samples, (0, -len(samples) % CHUNK_SAMPLES))
+    for i in range(len(samples) // CHUNK_SAMPLES):
+        yield samples[i * CHUNK_SAMPLES : (i + 1) * CHUNK_SAMPLES]
+
+
+def stdin_chunks(reader: io.BufferedReader) -> Iterator[np.ndarray]:
+    """Standard input as 16 kHz chunks of CHUNK_SAMPLES, each as soon as it has arrived."""
+    import soxr  # lazy: as decode_audio
+
+    rate, channels = RATE, 1
+    read: Callable[[int], bytes] = lambda frames: reader.read(frames * 2)  # noqa: E731 raw PCM16 mono at 16 kHz
+    if reader.peek(4)[:4] == b"RIFF":
+        try:
+            wav = wave.open(reader, "rb")
+        except (wave.Error, EOFError) as exc:
+            raise ApplianceError(f"standard input: not a WAV this can read ({exc}); send 16-bit PCM") from None
+        if wav.getsampwidth() != 2:
+            raise ApplianceError(f"standard input: a {8 * wav.getsampwidth()}-bit WAV; send 16-bit PCM")
+        rate, channels = wav.getframerate(), wav.getnchannels()
+        read = wav.readframes
+    resampler = None if rate == RATE else soxr.ResampleStream(rate, RATE, 1)
+    frames = int(rate * CHUNK_SAMPLES / RATE)
+    pending = np.zeros(0, np.float32)
+    while data := read(frames):
+        pcm = np.frombuffer(data[: len(data) // (2 * channels) * 2 * channels], "<i2").astype(np.float32) / 32768.0
+        mono = pcm.reshape(-1, channels).mean(axis=1, dtype=np.float32)
+        pending = np.concatenate([pending, mono if resampler is None else resampler.resample_chunk(mono)])
+        while len(pending) >= CHUNK_SAMPLES:
+            yield pending[:CHUNK_SAMPLES]
+            pending = pending[CHUNK_SAMPLES:]
+    if resampler is not None:
+        pending = np.concatenate([pending, resampler.resample_chunk(np.zeros(0, np.float32), last=True)])
+    if len(pending):
+        yield np.pad(pending, (0, CHUNK_SAMPLES - len(pending)))

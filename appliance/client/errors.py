@@ -9,6 +9,8 @@ import os
 import pwd
 import stat
 
+STARTING = ".starting"  # beside the socket while the daemon starts (appliance/durable.py starting_marker)
+
 
 class ClientError(Exception):
     """Anything a call could not do; `ServerError` and `ConnectError` below say which.
@@ -44,11 +46,12 @@ class ConnectError(ClientError, ConnectionError):
 
 
 class SocketUnreachable(ConnectError):
-    """Connecting to the Unix socket failed; the message names `path` and what is there."""
+    """Connecting to the Unix socket failed; the message names `path` and what is there, and
+    `starting` is the pid of a daemon that is still starting there (0: none is)."""
 
-    def __init__(self, message: str, path: str) -> None:
+    def __init__(self, message: str, path: str, starting: int = 0) -> None:
         super().__init__(message)
-        self.path = path
+        self.path, self.starting = path, starting
 
 
 class NoAnswer(ConnectError, TimeoutError):
@@ -110,6 +113,19 @@ def _owner(st: os.stat_result) -> str:
     return f"{user}:{group}"
 
 
+def starting_daemon(path: str) -> int:
+    """The pid of a daemon still starting on this socket (its marker, durable.starting_marker), or 0."""
+    try:
+        with open(path + STARTING, encoding="ascii") as marker:
+            pid = int(marker.read().strip())
+        os.kill(pid, 0)
+    except PermissionError:
+        return pid  # alive, another user's
+    except (OSError, ValueError):
+        return 0
+    return pid
+
+
 def unix_connect_error(path: str, exc: OSError, timeout: float) -> SocketUnreachable:
     """Why connecting to the daemon's Unix socket failed, naming the path and what is there."""
     there = describe_path(path)
@@ -123,6 +139,9 @@ def unix_connect_error(path: str, exc: OSError, timeout: float) -> SocketUnreach
             f"a socket is there but this user may not connect to it (permission denied: owner {_owner(st)}, "
             f"mode {stat.S_IMODE(st.st_mode):04o}; the daemon's socket_group may)"
         )
+    elif there.startswith("no such file") and (pid := starting_daemon(path)):
+        message = f"the daemon at {path} is still starting (pid {pid}): it serves once its models are loaded and warm"
+        return SocketUnreachable(message, path, pid)
     elif there.startswith("no such file") or there.endswith("which does not exist"):
         reason = f"{there} (is the daemon running, and is this its socket?)"
     elif there.startswith("a ") and there != "a socket":

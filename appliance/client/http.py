@@ -77,10 +77,14 @@ class ResponseReader:
 def checked(response: HttpResponse) -> HttpResponse:
     if response.status >= 400:
         try:
-            message = response.json()["error"]
+            error = response.json()["error"]
+            # KServe's {"error": "..."}, or OpenAI's {"error": {"message": "...", "type": ...}}
+            message = error["message"] if isinstance(error, dict) else error
+            if not isinstance(message, str):
+                raise TypeError
         except (ValueError, KeyError, TypeError):
             message = response.body.decode("utf-8", "replace")
-        raise ServerError(response.status, message)
+        raise ServerError(response.status, " ".join(message.split()))
     return response
 
 

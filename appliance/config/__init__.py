@@ -68,6 +68,18 @@ class QuicConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpsConfig:
+    """HTTPS on TCP for LAN clients and browsers (HTTP/1.1 over TLS). TLS from [quic]'s certificate,
+    private_key and client_ca: the box has one identity, whichever transport reaches it."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8443
+    max_connections: int = 256  # TLS connections, apart from the Unix socket's server.max_connections
+    alt_svc: bool = True  # where QUIC serves, every answer says so (Alt-Svc: h3=":PORT"): browsers move to it
+
+
+@dataclass(frozen=True, slots=True)
 class ConnCacheConfig:
     """The QUIC listener's per-peer table (eBPF in the kernel, or user space) and flood budget."""
 
@@ -114,6 +126,26 @@ class VadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WebSocketConfig:
+    """Limits of every WebSocket (/v1/realtime), on both transports."""
+
+    max_message_bytes: int = 1 << 20  # a bigger message from the client closes it with 1009
+    buffered_bytes: int = 4 << 20  # a connection's messages held in each direction; then reading pauses
+    idle_timeout_s: float = 120.0  # no message from the client this long closes it with 1001
+    ping_interval_s: float = 20.0  # the box pings a quiet client this often; a pong not back by the next closes it
+
+
+@dataclass(frozen=True, slots=True)
+class WyomingConfig:
+    """Home Assistant's Wyoming protocol (api/wyoming.py); it has no authentication."""
+
+    enabled: bool = True
+    socket: Path = Path("")  # "" (unset): wyoming.sock beside server.socket, with its mode and group
+    max_payload_bytes: int = 1 << 20  # an event's data or payload; a bigger one is an error and a close
+    tcp: str = ""  # "HOST:PORT": also on TCP for the LAN, announced by zeroconf (off when empty)
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -122,11 +154,14 @@ class LogConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     quic: QuicConfig = field(default_factory=QuicConfig)
+    https: HttpsConfig = field(default_factory=HttpsConfig)
     conncache: ConnCacheConfig = field(default_factory=ConnCacheConfig)
     firmware: FirmwareConfig = field(default_factory=FirmwareConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
     vad: VadConfig = field(default_factory=VadConfig)
+    websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
+    wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sources: tuple[Path, ...] = field(default=(), compare=False)  # where it came from, not what it is
 
@@ -268,6 +303,7 @@ def _check_values(config: Config) -> None:
         "quic.handshake_timeout_s": config.quic.handshake_timeout_s,
         "quic.max_handshakes_per_source": config.quic.max_handshakes_per_source,
         "quic.max_streams_per_connection": config.quic.max_streams_per_connection,
+        "https.max_connections": config.https.max_connections,
         "engine.threads": config.engine.threads,
         "sequences.max_live": config.sequences.max_live,
         "sequences.max_per_client": config.sequences.max_per_client,
@@ -276,6 +312,11 @@ def _check_values(config: Config) -> None:
         "conncache.peer_burst": config.conncache.peer_burst,
         "conncache.idle_timeout_s": config.conncache.idle_timeout_s,
         "sequences.idle_timeout_s": config.sequences.idle_timeout_s,
+        "websocket.max_message_bytes": config.websocket.max_message_bytes,
+        "websocket.buffered_bytes": config.websocket.buffered_bytes,
+        "websocket.idle_timeout_s": config.websocket.idle_timeout_s,
+        "websocket.ping_interval_s": config.websocket.ping_interval_s,
+        "wyoming.max_payload_bytes": config.wyoming.max_payload_bytes,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -286,6 +327,11 @@ def _check_values(config: Config) -> None:
         )
     if not 0 < config.quic.port < 65536:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
+    if not 0 < config.https.port < 65536:
+        raise ApplianceError(f"{source}: https.port: {config.https.port} is not a TCP port")
+    host, _, port = config.wyoming.tcp.rpartition(":")
+    if config.wyoming.tcp and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if config.engine.queue_timeout_s < 0:
@@ -311,6 +357,8 @@ RELOADABLE_KEYS = frozenset(
         "server.pipeline_depth",
         "server.stream_window_bytes",
         "server.request_timeout_s",
+        "https.max_connections",
+        "https.alt_svc",
         "engine.queue_delay_us",
         "engine.max_queue_size",
         "engine.queue_timeout_s",
@@ -322,6 +370,11 @@ RELOADABLE_KEYS = frozenset(
         "vad.min_speech_ms",
         "vad.min_silence_ms",
         "vad.speech_pad_ms",
+        "websocket.max_message_bytes",
+        "websocket.buffered_bytes",
+        "websocket.idle_timeout_s",
+        "wyoming.max_payload_bytes",
+        "websocket.ping_interval_s",
         "log.level",
     }
 )

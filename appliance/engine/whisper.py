@@ -14,23 +14,20 @@ import logging
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ctranslate2
 import numpy as np
 import tokenizers
-from numpy.lib.stride_tricks import sliding_window_view
 
 from appliance.engine import nvidia_libs, whisper_windows
+from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel, mel_filters
+from appliance.engine.whisper_words import Word, aligned_words
 from appliance.errors import ApplianceError, BadRequest
 
 log = logging.getLogger("appliance")
 
-SAMPLE_RATE = 16000
-WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's one input window: 30 s
-N_FFT, HOP = 400, 160
-WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000 mel frames
 TOKEN_SECONDS = 0.02  # an encoder position, and a timestamp token's step
 MAX_PROMPT_TOKENS = 223  # Whisper's limit for previous text: half its 448-token context, less the start
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
@@ -38,48 +35,6 @@ TASKS = ("transcribe", "translate")
 MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold: above it, a decode repeats itself
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 MAX_LENGTH = 448  # Whisper's decoder context, CTranslate2's default max_length
-
-
-def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
-    """Slaney-scale triangular filters [n_mels, n_fft // 2 + 1], as librosa builds Whisper's."""
-    fft_freqs = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, log_step = min_log_hz / f_sp, np.log(6.4) / 27.0
-    mels = np.linspace(0.0, _hz_to_mel(sample_rate / 2), n_mels + 2)
-    freqs = f_sp * mels
-    log_region = mels >= min_log_mel
-    freqs[log_region] = min_log_hz * np.exp(log_step * (mels[log_region] - min_log_mel))
-    ramps = freqs[:, None] - fft_freqs[None, :]
-    widths = np.diff(freqs)
-    lower = -ramps[:-2] / widths[:-1, None]
-    upper = ramps[2:] / widths[1:, None]
-    weights = np.maximum(0.0, np.minimum(lower, upper))
-    weights *= (2.0 / (freqs[2:] - freqs[:-2]))[:, None]  # equal energy per band
-    return weights.astype(np.float32)
-
-
-def _hz_to_mel(hz: float) -> float:
-    """Slaney's mel scale: linear below 1 kHz, logarithmic above."""
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    if hz < min_log_hz:
-        return hz / f_sp
-    return min_log_hz / f_sp + float(np.log(hz / min_log_hz) / (np.log(6.4) / 27.0))
-
-
-def log_mel(shards: list[np.ndarray], filters: np.ndarray) -> np.ndarray:
-    """Whisper's input for each shard of at most 30 s: [batch, n_mels, 3000] log-mel features of the
-    shard padded with silence to 30 s (the model was trained on full windows only)."""
-    window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)  # periodic Hann, as torch.stft uses
-    out = np.empty((len(shards), filters.shape[0], WINDOW_FRAMES), np.float32)
-    for i, samples in enumerate(shards):
-        padded = np.zeros(WINDOW_SAMPLES + N_FFT, np.float32)
-        padded[N_FFT // 2 : N_FFT // 2 + len(samples)] = samples[:WINDOW_SAMPLES]
-        padded[: N_FFT // 2] = padded[N_FFT // 2 + 1 : N_FFT + 1][::-1]  # centred frames, reflected start
-        frames = sliding_window_view(padded, N_FFT)[::HOP][:WINDOW_FRAMES]
-        power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2
-        mel = np.log10(np.maximum(filters @ power.T, 1e-10))
-        out[i] = (np.maximum(mel, mel.max() - 8.0) + 4.0) / 4.0
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +46,7 @@ class Shard:
     task: str = "transcribe"
     prompt: tuple[int, ...] = ()  # previous-text tokens (the OpenAI `prompt`)
     temperature: float = 0.0
+    words: bool = False  # word timestamps too (one alignment pass more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +63,7 @@ class Piece:
 class Decoded:
     language: str
     pieces: list[Piece]
+    words: list[Word] = field(default_factory=list)  # where the shard asked for them
 
 
 class WhisperTokens:
@@ -220,6 +177,9 @@ class WhisperEngine:
         languages = [self._language_name(t) for t in _language_tokens(directory)]
         self.tokens = WhisperTokens(directory / "tokenizer.json", model.is_multilingual, languages)
         self.filters = mel_filters(model.n_mels)
+        self.weight_bytes = (
+            (directory / "model.bin").stat().st_size
+        )  # a larger Whisper hears better: OpenAI's names pick by it
 
     @staticmethod
     def _language_name(token: str) -> str:
@@ -319,10 +279,18 @@ class WhisperEngine:
                         ids[at] = again[0]  # where every temperature loops too, the first answer stays
                         break
             heard = self._heard(model, encoded, group, languages, ids) if members[0] < shared else None
+            asked = [
+                self.tokens.prompt(dataclasses.replace(s, prompt=()), lang) if s.words else None
+                for s, lang in zip(group, languages)
+            ]
+            frames = [min(len(s.samples) // HOP, WINDOW_FRAMES) for s in group]
+            words = aligned_words(
+                model, (features, encoded), asked, ids, frames, self.tokens.eot, self.tokens.tokenizer.decode, languages
+            )
             for k, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
                 duration = len(shard.samples) / SAMPLE_RATE
                 times = heard[k] if heard is not None and i < shared else None
-                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration, times))
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration, times), words.get(k, []))
         return [a for a in answers if a is not None]
 
     def _heard(

@@ -15,7 +15,9 @@ Messages, worker to engine:
     ("still_open", rid, [Opened])                 which of these sequences are still open
     ("report", WorkerReport)                      once a second: the heartbeat, in-flight, QUIC peers
 engine to worker:
-    ("response", rid, Response, Body, streamed, keep)   keep: the engine's api.keep_connections()
+    ("response", rid, Response, Body, mode, keep)  mode: "" (whole), "stream" (chunks follow) or
+                                                  "session" (a WebSocket, sessions.py); keep: the
+                                                  engine's api.keep_connections()
     ("chunk", rid, bytes) / ("end", rid)          a streamed body, piece by piece, while the worker's
                                                   credit lasts (protocol/flow.py: the window per stream)
     ("open", rid, [bool])                         the answer to still_open
@@ -39,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.protocol.messages import Opened, Request, Response, error_response
+from appliance.front.sessions import WorkerEnd
+from appliance.protocol.messages import Close, Opened, Request, Response, Session, SessionIO, error_response
 from appliance.protocol.peers import Peer, Totals
 
 INLINE_BYTES = 64 << 10
@@ -55,6 +58,7 @@ class WorkerReport:
     pid: int
     in_flight: int
     connections: int  # on the Unix socket
+    tcp_connections: int  # HTTPS
     quic_peers: list[str]  # the address of each of its QUIC connections
     quic_datagrams: int  # received on its UDP socket
     quic_stray_datagrams: int  # of those, short-header ones for a connection it does not have
@@ -205,6 +209,7 @@ class RemoteApi:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[bytes | None]] = {}
+        self._sessions: dict[int, WorkerEnd] = {}
         self._keep = True
         self._owner = str(os.getpid())  # names the shared-memory bodies this worker writes
 
@@ -226,14 +231,27 @@ class RemoteApi:
     async def handle(self, request: Request) -> Response:
         body = pack_body(request.body, self._owner)
         try:
-            rid, (response, streamed) = await self._ask(
+            rid, (response, mode) = await self._ask(
                 "request", dataclasses.replace(request, body=b""), body, timeout_s=self.request_timeout_s()
             )
         except TimeoutError:
             return error_response(504, f"the engine did not answer within {self.request_timeout_s():g} s")
-        if streamed:
+        if mode == "stream":
             response.stream = self._stream(rid)
+        elif mode == "session":
+            response.session = self._session(rid)
         return response
+
+    def _session(self, rid: int) -> Session:
+        end = self._sessions[rid]  # made as the answer arrived: the session's messages follow it at once
+
+        async def run(io: SessionIO) -> Close:
+            try:
+                return await end(io)
+            finally:
+                self._sessions.pop(rid, None)
+
+        return run
 
     async def _stream(self, rid: int) -> AsyncGenerator[bytes, None]:
         pieces, ended = self._streams[rid], False
@@ -263,16 +281,25 @@ class RemoteApi:
         """One message from the engine, in order."""
         kind, rid = message[0], message[1]
         if kind == "response":
-            _, _, response, body, streamed, self._keep = message
+            _, _, response, body, mode, self._keep = message
             response.body = unpack_body(body)
-            if streamed:
+            if mode == "stream":
                 self._streams[rid] = asyncio.Queue()
+            elif mode == "session":
+                self._sessions[rid] = WorkerEnd(self.channel, rid)
             answer = self._waiting.get(rid)
             if answer is not None and not answer.done():
-                answer.set_result((response, streamed))
-            elif streamed:
+                answer.set_result((response, mode))
+            elif mode:
                 self._streams.pop(rid, None)
+                self._sessions.pop(rid, None)
                 self.channel.send(("cancel", rid))
+        elif kind in ("session_out", "session_end", "session_ack"):
+            if (end := self._sessions.get(rid)) is not None:
+                if kind == "session_ack":
+                    end.credit.give(message[2])
+                else:
+                    end.outbox.put_nowait(message[2])
         elif kind in ("chunk", "end"):
             queue = self._streams.get(rid)
             if queue is not None:
@@ -291,3 +318,5 @@ class RemoteApi:
                 answer.set_exception(ConnectionError("the engine process is gone"))
         for queue in self._streams.values():
             queue.put_nowait(None)
+        for end in self._sessions.values():
+            end.outbox.put_nowait(Close(1011, "the engine process is gone"))

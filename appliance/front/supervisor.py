@@ -1,11 +1,12 @@
 """The engine process's side of the protocol workers: start them, answer their requests with the one
 API core, restart one that dies, and stop them all.
 
-Every worker accepts on the one Unix socket (systemd's, or the daemon's own) and, where QUIC is served
-across workers, reads its own UDP socket of the SO_REUSEPORT group. The engine process keeps every
-socket open, so a restarted worker gets the same ones back: a crash loses only that worker's
-connections, and datagrams for its QUIC connections wait in its socket meanwhile. Sequences live in the
-engine process: a sequence opened through one worker continues through any other."""
+Every worker accepts on the one Unix socket (systemd's, or the daemon's own) and on the one HTTPS TCP
+socket where that is served, and, where QUIC is served across workers, reads its own UDP socket of the
+SO_REUSEPORT group. The engine process keeps every socket open, so a restarted worker gets the same
+ones back: a crash loses only that worker's connections, and datagrams for its QUIC connections wait in
+its socket meanwhile. Sequences live in the engine process: a sequence opened through one worker
+continues through any other."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from appliance.front.channel import (
 )
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import error_response
+from appliance.front.sessions import EngineEnd, run_session, to_session
 from appliance.protocol.peers import Peer, Totals
 from appliance.tasks import spawn
 from appliance.transport.quic_guards import TicketStore
@@ -65,6 +67,7 @@ class WorkerSlot:
     reported: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # its requests being served
     windows: dict[int, SendWindow] = field(default_factory=dict)  # its streams' bytes not yet credited back
+    sessions: dict[int, EngineEnd] = field(default_factory=dict)  # its WebSocket sessions, by request
     crashes: list[float] = field(default_factory=list)
     restarts: int = 0
     last_exit: str = ""  # how its last process ended
@@ -80,8 +83,12 @@ class Supervisor:
         count: int,
         conncache: str,
         firmware_label: str,
+        tcp_sock: socket.socket | None = None,
+        quic_port: int | None = None,
     ) -> None:
+        """`tcp_sock`: the HTTPS listener every worker accepts on; `quic_port`: what its Alt-Svc advertises."""
         self.api, self.config_paths, self.unix_sock = api, config_paths, unix_sock
+        self.tcp_sock, self.quic_port = tcp_sock, quic_port
         self.conncache, self.firmware_label = conncache, firmware_label
         self.slots = [WorkerSlot(i, quic[i] if i < len(quic) else None) for i in range(count)]
         self.stopping = False
@@ -138,6 +145,10 @@ class Supervisor:
             f"--firmware={self.firmware_label}",
             *(f"--config={p}" for p in self.config_paths or []),
         ]
+        if self.tcp_sock is not None:
+            fds.append(self.tcp_sock.fileno())
+            args.append(f"--tcp-fd={self.tcp_sock.fileno()}")
+            args += [f"--quic-port={self.quic_port}"] if self.quic_port is not None else []
         tickets: socket.socket | None = None  # the engine's end of a QUIC worker's ticket lookups
         tickets_worker: socket.socket | None = None
         if slot.quic is not None:
@@ -191,6 +202,8 @@ class Supervisor:
             elif kind == "credit":
                 if (window := slot.windows.get(message[1])) is not None:
                     window.taken(message[2])
+            elif kind in ("session_in", "session_ack"):
+                to_session(slot.sessions, message)
             elif kind == "cancel":
                 if (running := slot.tasks.get(message[1])) is not None:
                     running.cancel()
@@ -212,10 +225,13 @@ class Supervisor:
         window = slot.windows[rid] = SendWindow(self.api.live.config.server.stream_window_bytes)
         try:
             response = await self.api.handle(request)
-            stream, body = response.stream, pack_body(response.body, owner)
-            reply = dataclasses.replace(response, body=b"", stream=None)
-            channel.send(("response", rid, reply, body, stream is not None, self.api.keep_connections()))
+            stream, session, body = response.stream, response.session, pack_body(response.body, owner)
+            reply = dataclasses.replace(response, body=b"", stream=None, session=None)
+            mode = "stream" if stream is not None else "session" if session is not None else ""
+            channel.send(("response", rid, reply, body, mode, self.api.keep_connections()))
             answered = True
+            if session is not None:
+                await run_session(slot.sessions, channel, rid, session)
             if stream is None:
                 return
             async with contextlib.aclosing(stream) as pieces:
@@ -228,7 +244,7 @@ class Supervisor:
             log.exception("request %d of worker %d crashed", rid, slot.index)
             if not answered:
                 failed = error_response(500, "internal error (logged)")
-                channel.send(("response", rid, failed, pack_body(failed.body, owner), False, True))
+                channel.send(("response", rid, failed, pack_body(failed.body, owner), "", True))
         finally:
             window.close()
             slot.windows.pop(rid, None)

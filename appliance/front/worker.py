@@ -29,6 +29,7 @@ from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import KernelCache, UserSpaceCache
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
+from appliance.transport.https import HttpsServer
 
 log = logging.getLogger("appliance.worker")
 
@@ -43,6 +44,7 @@ class Worker:
         self.failed = False
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
+        self.https: HttpsServer | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -52,6 +54,10 @@ class Worker:
         budget = BodyBudget(lambda: self.live.config.server)  # this worker's share of the body budget
         self.http = Http1Server(api, self.live, budget)
         server = await loop.create_unix_server(self.http.protocol, sock=socket.socket(fileno=self.args.unix_fd))
+        listeners = [server]
+        if self.args.tcp_fd is not None:
+            self.https = HttpsServer(api, self.live, budget, self.args.quic_port)
+            listeners.append(await self.https.start(socket.socket(fileno=self.args.tcp_fd)))
         tasks = []
         if self.args.udp_fd is not None:
             settings = lambda: self.live.config.conncache  # noqa: E731
@@ -69,7 +75,8 @@ class Worker:
         if engine_gone.done():
             log.error("worker %d: the engine process is gone; exiting", self.args.slot)
             return 1
-        server.close()
+        for listener in listeners:
+            listener.close()
         await self._drain(api)
         for task in (*tasks, engine_gone):
             task.cancel()
@@ -93,6 +100,7 @@ class Worker:
                 pid=os.getpid(),
                 in_flight=self._in_flight(),
                 connections=len(http.connections),
+                tcp_connections=len(self.https.connections) if self.https is not None else 0,
                 quic_peers=sorted(c.peer for c in h3.connections) if h3 is not None else [],
                 quic_datagrams=h3.datagrams if h3 is not None else 0,
                 quic_stray_datagrams=h3.stray_datagrams if h3 is not None else 0,
@@ -112,7 +120,7 @@ class Worker:
 
     def _in_flight(self) -> int:
         assert self.http is not None
-        return self.http.in_flight + (self.h3.in_flight if self.h3 is not None else 0)
+        return sum(t.in_flight for t in (self.http, self.h3, self.https) if t is not None)
 
     async def _drain(self, api: RemoteApi) -> None:
         assert self.http is not None
@@ -120,6 +128,8 @@ class Worker:
         while (self._in_flight() or api.keep_connections()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self.http.close_all()
+        if self.https is not None:
+            self.https.close_all()
         if self.h3 is not None:
             self.h3.close()
 
@@ -149,6 +159,8 @@ def main() -> int:
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--unix-fd", type=int, required=True)
     parser.add_argument("--udp-fd", type=int)
+    parser.add_argument("--tcp-fd", type=int, help="the HTTPS listener")
+    parser.add_argument("--quic-port", type=int, help="where QUIC serves, for HTTPS's Alt-Svc")
     parser.add_argument("--worker-key", type=int)
     parser.add_argument("--tickets-fd", type=int)
     parser.add_argument("--conncache", default="user:", help="ebpf (the engine's pins), or user:REASON")

@@ -6,14 +6,16 @@ kind's engine (a VAD-only firmware never imports CTranslate2, fxtranslate or sen
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from typing import Protocol, runtime_checkable
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from appliance.engine.stats import RequestTimes
+from appliance.config import VadConfig
+from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.firmware import ModelSpec
-from appliance.kinds.speech_api import Options, Segment
+from appliance.kinds.base import SequenceCall
+from appliance.kinds.speech_api import LiveChunk, Options, Segment
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # a Speaker's range for `speed` (OpenAI's)
 
@@ -23,6 +25,8 @@ class Transcriber(Protocol):
     """Speech to text (kind speech_to_text)."""
 
     spec: ModelSpec
+    stats: ModelStats  # the task APIs count their requests in it
+    weight_bytes: int  # how large it is: OpenAI's model names take the largest that can serve
 
     @property
     def name(self) -> str: ...
@@ -30,6 +34,11 @@ class Transcriber(Protocol):
     @property
     def multilingual(self) -> bool:
         """It hears other languages than English, and translates them to English."""
+        ...
+
+    @property
+    def languages(self) -> list[str]:
+        """The language codes it hears (["en"] for an English-only model)."""
         ...
 
     def check(self, options: Options) -> None:
@@ -43,6 +52,43 @@ class Transcriber(Protocol):
     def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
     ) -> AsyncGenerator[Segment, None]: ...
+
+
+@runtime_checkable
+class LiveTranscriber(Transcriber, Protocol):
+    """Speech to text that also takes live streams, chunk by chunk, behind its VAD (/v1/realtime)."""
+
+    sequences: Any  # its live streams (end(key) drops one without decoding it)
+
+    async def live_chunk(
+        self,
+        samples: np.ndarray,
+        sequence: SequenceCall,
+        partial: bool,
+        options: Options,
+        times: RequestTimes,
+        vad: VadConfig | None = None,
+    ) -> LiveChunk: ...
+
+
+@runtime_checkable
+class Interpreting(Protocol):
+    """Speech in, translated speech out, segment by segment (kind speech_pipeline)."""
+
+    spec: ModelSpec
+    stt: LiveTranscriber
+
+    @property
+    def name(self) -> str: ...
+
+    def plan(self, target: str | None, source: str | None = None) -> Any:
+        """How speech goes through the stages (pipeline.py Plan: options, target, voice); a 400 for a
+        target no voice speaks. Typed loosely here: the pipeline module imports this one."""
+        ...
+
+    async def interpret(self, segment: Segment, plan: Any) -> Any:
+        """One segment translated and spoken (pipeline.py Interpreted: text, audio), or None."""
+        ...
 
 
 @runtime_checkable

@@ -187,19 +187,20 @@ class OnnxModel(EngineModel):
 
     def _checked_feeds(self, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The request's inputs checked against the graph: names, datatypes, shapes, rows."""
-        expected = {t.name for t in self.inputs}
-        if set(given) != expected:
-            missing, extra = sorted(expected - set(given)), sorted(set(given) - expected)
-            problem = f"missing {', '.join(missing)}" if missing else f"unknown {', '.join(extra)}"
-            raise BadRequest(f"model {self.name} takes inputs {', '.join(sorted(expected))}: {problem}")
+        check_input_names(self.name, [t.name for t in self.inputs], given)
         feeds, rows = {}, set()
         for t in self.inputs:
             array = given[t.name]
             datatype = "BYTES" if array.dtype == object else DATATYPES_OF.get(array.dtype.str)
             if datatype != t.datatype:
-                raise BadRequest(f"input {t.name}: model {self.name} takes {t.datatype}, got {datatype}")
+                raise BadRequest(
+                    f"inference input '{t.name}' data-type is '{datatype}', but model '{self.name}' expects '{t.datatype}'"
+                )
             if array.ndim != len(t.shape) or any(d >= 0 and d != n for d, n in zip(t.shape, array.shape)):
-                raise BadRequest(f"input {t.name}: shape {list(array.shape)} does not fit the model's {list(t.shape)}")
+                raise BadRequest(
+                    f"unexpected shape for input '{t.name}' for model '{self.name}'. "
+                    f"Expected {_dims(t.shape)}, got {_dims(array.shape)}"
+                )
             if t.datatype == "BYTES":  # ONNX Runtime takes strings as str
                 try:
                     array = np.vectorize(lambda b: b.decode(), otypes=[object])(array)
@@ -213,13 +214,31 @@ class OnnxModel(EngineModel):
             (count,) = rows
             if count > self.max_batch_size:
                 raise BadRequest(
-                    f"a batch of {count} rows is more than model {self.name}'s max_batch_size {self.max_batch_size}"
+                    f"inference request batch-size must be <= {self.max_batch_size} for '{self.name}' (got {count} rows)"
                 )
             if count < 1:
                 raise BadRequest(f"model {self.name}: a request carries at least one row, got 0")
             if self.stateful and count != 1:
                 raise BadRequest(f"model {self.name} keeps state per sequence: a request carries one row, got {count}")
         return feeds
+
+
+def check_input_names(model: str, expected: list[str], given: Mapping[str, object]) -> None:
+    """The request names exactly the model's inputs; Triton's texts where not (its clients match them)."""
+    unknown = [name for name in given if name not in expected]
+    if unknown:
+        raise BadRequest(f"unexpected inference input '{unknown[0]}' for model '{model}'")
+    missing = [name for name in expected if name not in given]
+    if missing:
+        raise BadRequest(
+            f"expected {len(expected)} inputs but got {len(given)} inputs for model '{model}'. "
+            f"Got input(s) {sorted(given)}, but missing required input(s) {missing}. Please provide all required input(s)."
+        )
+
+
+def _dims(shape: tuple[int, ...] | list[int]) -> str:
+    """Dimensions as Triton prints them: [-1,16]."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 DATATYPES_OF = {dtype.str: name for name, dtype in NUMPY_OF.items() if name != "BYTES"}

@@ -177,7 +177,9 @@ class SpeechPipeline:
             raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
         multilingual = self.stt.multilingual
         by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
-        return Plan(Options(language=source, task="translate" if by_whisper else "transcribe"), target, voice)
+        options = Options(language=source, task="translate" if by_whisper else "transcribe")
+        self.stt.check(options)  # a source Whisper does not know is a 400 here, before the answer starts
+        return Plan(options, target, voice)
 
     async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
         """One segment through translation and speech; None where there is nothing to say."""
@@ -219,8 +221,9 @@ class SpeechPipeline:
             return _tensors([d async for d in self.recording(samples, plan, times)]), None
         samples = self.stt.samples(request)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
-        closed, _, serial = await self.stt.live_chunk(samples, inner, False, plan.options, times)
-        done = [d for s in closed if (d := await self.interpret(s, plan)) is not None]
+        chunk = await self.stt.live_chunk(samples, inner, False, plan.options, times)
+        done = [d for s in chunk.segments if (d := await self.interpret(s, plan)) is not None]
+        serial = chunk.serial
         opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return _tensors(done), opened
 

@@ -85,6 +85,7 @@ class SpeechModel(QueuedModel):
                 "kind": self.spec.kind,
                 "engine": self.engine_name,
                 "voice": self.voice_name,
+                "language": self.voice.language,  # what it speaks (the box's page picks a voice by it)
                 "sample_rate": self.sample_rate,
                 "speed": [MIN_SPEED, MAX_SPEED],
                 "baked": {**dataclasses.asdict(self.baked), **dataclasses.asdict(self.limits)},

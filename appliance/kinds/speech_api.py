@@ -11,6 +11,7 @@ sequence parameters each 256 ms chunk answers the segments the VAD closed since 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from appliance.config import Live
 from appliance.errors import BadRequest
 from appliance.firmware import Baked, ModelSpec, TensorSpec
+from appliance.kinds import subtitles
 from appliance.kinds.audio_in import AUDIO_INPUT
 from appliance.kinds.streaming import query_flag
 from appliance.kinds.triton_config import model_config
@@ -26,6 +28,7 @@ from appliance.protocol.messages import Response, json_response
 
 SAMPLE_RATE = 16000  # what Whisper hears (engine/whisper.py's SAMPLE_RATE is this one)
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")  # OpenAI's response formats
+SUBTITLES = ("srt", "vtt")  # cut at the words' times: these formats ask for them
 MIN_SAMPLES = 512  # one VAD frame, 32 ms: anything shorter holds no speech to find
 OUTPUTS = ("text", "start", "end")
 TRANSCRIBE_QUERY = ("language", "task", "prompt")  # besides stream and response_format
@@ -46,6 +49,15 @@ class Options:
     task: str = "transcribe"
     prompt: str = ""
     temperature: float = 0.0
+    words: bool = False  # word timestamps too
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    start: float  # seconds in the recording
+    end: float
+    word: str
+    probability: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +66,21 @@ class Segment:
     end: float
     text: str
     language: str
+    words: tuple[Word, ...] = ()  # where the request asked for them
+
+
+@dataclass(frozen=True, slots=True)
+class LiveChunk:
+    """What one chunk of a live stream produced (SpeechToText.live_chunk)."""
+
+    closed: list[tuple[tuple[int, int], list[Segment]]]  # each span the VAD closed (stream samples), decoded
+    open_start: int | None  # where the speech being heard began, if a span is open
+    partial: str | None  # its text so far, where asked for
+    serial: int | None  # the stream's serial, when this chunk opened it
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for _, found in self.closed for s in found]
 
 
 def metadata(spec: ModelSpec, engine_name: str, multilingual: bool) -> dict[str, Any]:
@@ -137,25 +164,42 @@ def tensors(segments: list[Segment]) -> dict[str, np.ndarray]:
 
 
 def transcribe_query(query: dict[str, str]) -> tuple[bool, str, Options]:
-    """The transcribe route's query: `stream`, `response_format` (verbose_json by default), the options."""
+    """The transcribe route's query: `stream`, `response_format` (verbose_json by default), the options
+    (`words`: word timestamps, also taken for subtitles, which are cut at them)."""
     stream = query_flag(query, "stream")
+    words = query_flag(query, "words")
     response_format = query.pop("response_format", "verbose_json")
     if response_format not in FORMATS:
         raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}, got {response_format[:40]!r}")
     unknown = sorted(set(query) - set(TRANSCRIBE_QUERY))
     if unknown:
         raise BadRequest(
-            f"unknown query parameter {unknown[0][:40]!r} (known: stream, {', '.join(TRANSCRIBE_QUERY)}, response_format)"
+            f"unknown query parameter {unknown[0][:40]!r} (known: stream, {', '.join(TRANSCRIBE_QUERY)}, "
+            "response_format, words)"
         )
-    return stream, response_format, options(dict(query))
+    return (
+        stream,
+        response_format,
+        dataclasses.replace(options(dict(query)), words=words or response_format in SUBTITLES),
+    )
 
 
 def segment_json(s: Segment) -> dict[str, Any]:
-    """A streamed segment: one NDJSON line."""
-    return {"start": s.start, "end": s.end, "text": s.text, "language": s.language}
+    """A streamed segment: one NDJSON line (with its words where they were asked for)."""
+    line: dict[str, Any] = {"start": s.start, "end": s.end, "text": s.text, "language": s.language}
+    if s.words:
+        line["words"] = [word_json(w) for w in s.words]
+    return line
 
 
-def render(segments: list[Segment], response_format: str, task: str, duration: float) -> Response:
+def word_json(word: Word) -> dict[str, Any]:
+    return {"word": word.word.strip(), "start": word.start, "end": word.end, "probability": word.probability}
+
+
+def render(
+    segments: list[Segment], response_format: str, task: str, duration: float, shown: tuple[str, ...] = ("segment",)
+) -> Response:
+    """The answer in OpenAI's response_format; verbose_json holds the `shown` granularities (segment, word)."""
     doc = as_json(segments)
     if response_format == "json":
         return json_response(200, {"text": doc["text"]})
@@ -166,24 +210,18 @@ def render(segments: list[Segment], response_format: str, task: str, duration: f
             {"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text, "tokens": [], "temperature": 0.0}
             for i, s in enumerate(segments)
         ]
-        verbose = {"task": task, "language": doc["language"], "duration": round(duration, 3), "text": doc["text"]}
-        return json_response(200, {**verbose, "segments": rows})
-    return Response(200, subtitles(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
-
-
-def subtitles(segments: list[Segment], response_format: str) -> str:
-    """SRT (numbered cues, comma decimals) or WebVTT (a header, dot decimals)."""
-    comma = response_format == "srt"
-
-    def clock(seconds: float) -> str:
-        ms = round(seconds * 1000)
-        text = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
-        return text.replace(".", ",") if comma else text
-
-    cues = [f"{clock(s.start)} --> {clock(s.end)}\n{s.text}\n" for s in segments]
-    if comma:
-        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
-    return "WEBVTT\n\n" + "\n".join(cues)
+        verbose: dict[str, Any] = {
+            "task": task,
+            "language": doc["language"],
+            "duration": round(duration, 3),
+            "text": doc["text"],
+        }
+        if "word" in shown:
+            verbose["words"] = [word_json(w) for s in segments for w in s.words]
+        if "segment" in shown:
+            verbose["segments"] = rows
+        return json_response(200, verbose)
+    return Response(200, subtitles.render(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
 
 
 def as_json(segments: list[Segment]) -> dict[str, Any]:

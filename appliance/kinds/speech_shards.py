@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from appliance.engine.whisper_words import Word as EngineWord
 from appliance.kinds.shards import frame_energy, plan_shards
+from appliance.kinds.speech_api import Word
 
 GAP_S = 0.3  # silence put between two segments in one shard
 CUT_FRAME = 320  # 20 ms, one encoder position: the grain of a cut inside speech
@@ -53,6 +55,22 @@ class ShardPlan:
         distance = [abs(middle - (s.offset + (s.end - s.start) / 2)) for s in self.spans]
         nearest = int(np.argmin(distance))
         return nearest, nearest
+
+    def place(self, start: float, end: float, rate: int) -> tuple[int, int, int]:
+        """A word's times in the shard -> the span it was heard in (the one nearest its middle) and its
+        start and end in the recording, inside that span: a word never runs across the VAD's silence."""
+        middle = (start + end) / 2 * rate
+
+        def distance(span: Span) -> float:
+            return max(span.offset - middle, middle - (span.offset + span.end - span.start), 0.0)
+
+        index = min(range(len(self.spans)), key=lambda i: distance(self.spans[i]))
+        span = self.spans[index]
+
+        def inside(seconds: float) -> int:
+            return span.start + int(min(max(seconds * rate - span.offset, 0.0), span.end - span.start))
+
+        return index, inside(start), inside(end)
 
     def align(self, pieces: list[tuple[float, float, str]], rate: int) -> list[tuple[int, int, str]]:
         """Whisper's timed pieces -> (first span, last span, text), one per run of spans the
@@ -110,3 +128,30 @@ def _split(samples: np.ndarray, start: int, end: int, max_samples: int, algorith
     frames.reshape(-1)[: end - start] = samples[start:end]
     cuts = plan_shards(frame_energy(frames), max_samples // CUT_FRAME, algorithm)
     return [(start + a * CUT_FRAME, min(end, start + b * CUT_FRAME)) for a, b in cuts]
+
+
+def placed_words(
+    plan: ShardPlan, runs: list[tuple[int, int, str]], words: list[EngineWord], offset: int, rate: int
+) -> list[tuple[Word, ...]]:
+    """The shard's words in recording time, each in the segment (run of spans) it was heard in, inside
+    that segment's times and in order (the VAD's edges are the segment's, as for its text)."""
+    placed: list[list[Word]] = [[] for _ in runs]
+    if not runs:
+        return []
+    for word in words:
+        index, start, end = plan.place(word.start, word.end, rate)
+        run = min(range(len(runs)), key=lambda r: max(runs[r][0] - index, index - runs[r][1], 0))
+        low, high = plan.spans[runs[run][0]].start, plan.spans[runs[run][1]].end
+        start = max(low, min(start, high))
+        if placed[run]:
+            start = max(start, round(placed[run][-1].end * rate) - offset)
+        end = max(start, min(end, high))
+        placed[run].append(
+            Word(
+                round((offset + start) / rate, 3),
+                round((offset + end) / rate, 3),
+                word.text,
+                word.probability,
+            )
+        )
+    return [tuple(found) for found in placed]

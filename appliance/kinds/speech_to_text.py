@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.config import Live
+from appliance.config import Live, VadConfig
 from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.queue_policy import QueuePolicy
@@ -29,9 +29,10 @@ from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
 from appliance.kinds.audio_in import audio_input, decode_upload
 from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
+from appliance.kinds.counting import counted
 from appliance.kinds.segments import SegmentTracker
-from appliance.kinds.speech_api import Options, Segment
-from appliance.kinds.speech_shards import Packer, ShardPlan
+from appliance.kinds.speech_api import LiveChunk, Options, Segment
+from appliance.kinds.speech_shards import Packer, ShardPlan, placed_words
 from appliance.kinds.streaming import ndjson, whole
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
@@ -94,6 +95,7 @@ class SpeechToText(EngineModel):
             cuda.memory_used if cuda.cuda is not None else None,
             window_samples=self.max_samples,
         )
+        self.weight_bytes = self.engine.weight_bytes
         self.stats = ModelStats()
         self.cutting = 0  # recordings in their VAD: their shards are on the way to the batcher
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
@@ -127,6 +129,10 @@ class SpeechToText(EngineModel):
         return self.engine.tokens.multilingual
 
     @property
+    def languages(self) -> list[str]:
+        return list(self.engine.tokens.languages) if self.multilingual else ["en"]
+
+    @property
     def queue_depth(self) -> int:
         return self.batcher.waiting
 
@@ -140,7 +146,7 @@ class SpeechToText(EngineModel):
 
     def _shard(self, audio: np.ndarray, options: Options) -> Shard:
         prompt = self.engine.tokens.encode(options.prompt) if options.prompt else ()
-        return Shard(audio, options.language, options.task, prompt, options.temperature)
+        return Shard(audio, options.language, options.task, prompt, options.temperature, options.words)
 
     async def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
@@ -215,10 +221,11 @@ class SpeechToText(EngineModel):
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
+        placed = placed_words(plan, runs, decoded.words, offset, SAMPLE_RATE)
         out = []
-        for first, last, text in runs:
+        for (first, last, text), words in zip(runs, placed):
             start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
-            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language))
+            out.append(Segment(round(start, 3), round(end, 3), text, decoded.language, words))
         # Whisper read up to its last timestamp: the spans that start after it were not heard
         reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
         heard = sum(1 for span in plan.spans if span.offset < reached)
@@ -230,14 +237,22 @@ class SpeechToText(EngineModel):
         return out
 
     async def live_chunk(
-        self, samples: np.ndarray, sequence: SequenceCall, partial: bool, options: Options, times: RequestTimes
-    ) -> tuple[list[Segment], str | None, int | None]:
-        """One chunk of a live stream: the segments the VAD closed with it (decoded), the open
-        segment's text so far when `partial`, and the stream's serial when this chunk opened it."""
+        self,
+        samples: np.ndarray,
+        sequence: SequenceCall,
+        partial: bool,
+        options: Options,
+        times: RequestTimes,
+        vad: VadConfig | None = None,
+    ) -> LiveChunk:
+        """One chunk of a live stream: the spans the VAD closed with it (each decoded), the open
+        span's start and its text so far when `partial`, and the stream's serial when this chunk
+        opened it. `vad`: the stream's own segment rules (when it starts), else the config's [vad]."""
         now = self.clock()
         if sequence.start:
             self.check(options)
-            tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, self.live.config.vad)
+            rules = vad or self.live.config.vad
+            tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, rules)
             stream = self.sequences.open(sequence.id, now, sequence.client, lambda: LiveStream(options, tracker))
         else:
             stream = self.sequences.get(sequence.id, now, sequence.client)
@@ -253,18 +268,17 @@ class SpeechToText(EngineModel):
                 closed += stream.tracker.finish(stream.position)
             audio, base = np.concatenate(stream.audio), stream.base
             decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
-            text = None
-            if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
-                text = " ".join(
-                    s.text for s in await self._decode_live(stream, audio, base, (open_start, stream.position), times)
-                )
+            text, open_start = None, None if sequence.end else stream.tracker.open_start
+            if partial and open_start is not None:
+                found = await self._decode_live(stream, audio, base, (open_start, stream.position), times)
+                text = " ".join(s.text for s in found)
             # keep only what a segment still to come can include: after a closed segment its padded
             # end, in silence the VAD's padding, so a chunk's cost does not grow with the stream's age
             keep = max(stream.tracker.needed_from(), closed[-1][1] if closed else 0, base)
             stream.audio, stream.base = [audio[keep - base :]], keep
             audio, base = stream.audio[0], stream.base
             self._decode_ahead(stream, audio, base, sequence.end)
-            return [s for found in decoded for s in found], text, serial
+            return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial)
         finally:
             stream.in_flight -= 1
             if sequence.end:
@@ -320,16 +334,21 @@ class SpeechToText(EngineModel):
             return speech_api.tensors(await whole(self.transcribe(samples, wanted, times))), None
         samples = self.samples(request)
         partial = request.parameters.get("partial", False)
-        final, text, serial = await self.live_chunk(samples, sequence, partial, wanted, times)
-        outputs = speech_api.tensors(final)
-        if text is not None:
-            outputs["partial"] = np.array([text.encode()], dtype=object)
+        chunk = await self.live_chunk(samples, sequence, partial, wanted, times)
+        outputs = speech_api.tensors(chunk.segments)
+        if chunk.partial is not None:
+            outputs["partial"] = np.array([chunk.partial.encode()], dtype=object)
+        serial = chunk.serial
         opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return outputs, opened
 
     async def _transcribe_route(self, request: Request, query: dict[str, str]) -> Response:
-        """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=]: a
-        recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded."""
+        """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=&words=true]:
+        a recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded;
+        counted in the statistics as a request of this model."""
+        return await counted(self.stats, self._transcribed(request, query))
+
+    async def _transcribed(self, request: Request, query: dict[str, str]) -> Response:
         stream, response_format, wanted = speech_api.transcribe_query(query)
         self.check(wanted)
         samples = await asyncio.to_thread(self.recording, request.body)
@@ -343,7 +362,8 @@ class SpeechToText(EngineModel):
                 f"streamed transcription by {self.name}",
                 {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
             )
-        return speech_api.render(await whole(segments), response_format, wanted.task, duration)
+        shown = ("segment", "word") if wanted.words else ("segment",)
+        return speech_api.render(await whole(segments), response_format, wanted.task, duration, shown)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())

@@ -207,13 +207,20 @@ class VadModel(EngineModel):
     async def segments(
         self, samples: np.ndarray, params: SegmentParams, chunk_frames: int | None = None
     ) -> AsyncIterator[tuple[int, int]]:
-        """Speech segments (sample positions), each yielded as soon as it is final."""
+        """Speech segments (sample positions), each yielded as soon as it is final. Each call is a
+        request in the statistics (the segments route's, or a transcription's), a success once it ends."""
         tracker = SegmentTracker(self.frames.frame_samples, self.frames.sample_rate, params)
-        async for probs in self.recording_chunks(samples, chunk_frames):
-            for segment in tracker.feed(probs):
+        started, times, ok = time.perf_counter_ns(), RequestTimes(), False
+        try:
+            async for probs in self.recording_chunks(samples, chunk_frames, times):
+                for segment in tracker.feed(probs):
+                    yield segment
+            for segment in tracker.finish(len(samples)):
                 yield segment
-        for segment in tracker.finish(len(samples)):
-            yield segment
+            ok = True
+        finally:
+            times.queued_since(started, time.perf_counter_ns())
+            self.stats.record_request(ok, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+Message = str | bytes  # one WebSocket message: text or binary
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,30 @@ class Response:
     stream: AsyncGenerator[bytes, None] | None = None  # set: the body is sent piece by piece as produced, `body` unused
     # the stateful sequence this request opened: a transport whose client vanishes ends it (api.end_opened)
     opened: Opened | None = None
+    # set (with status 101): the request was a WebSocket upgrade and this runs its messages (see Session)
+    session: Session | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """How a session ends: a WebSocket close code (RFC 6455 7.4) and a reason of at most 123 bytes."""
+
+    code: int = 1000
+    reason: str = ""
+
+
+class SessionIO(Protocol):
+    """A session's side of a WebSocket. `receive` waits for the client's next message; `send`
+    returns once the message is accepted within the connection's buffer bound (a client that stops
+    reading stops the session's sender). A client that goes away cancels the session's task."""
+
+    async def receive(self) -> Message: ...
+
+    async def send(self, message: Message) -> None: ...
+
+
+# A WebSocket's application: runs until it returns how to close, or is cancelled when the client leaves.
+Session = Callable[[SessionIO], Awaitable[Close]]
 
 
 class Handler(Protocol):
@@ -63,8 +89,22 @@ def json_response(status: int, doc: Any) -> Response:
     return Response(status, json.dumps(doc, separators=(",", ":")).encode())
 
 
-def error_response(status: int, message: str) -> Response:
+def error_response(status: int, message: str, target: str = "") -> Response:
+    """The error document: OpenAI's shape under /v1/ (its clients show only its `message`), else KServe's."""
+    if target.startswith("/v1/"):
+        return json_response(status, openai_error(status, message))
     return json_response(status, {"error": message})
+
+
+OPENAI_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 429: "rate_limit_exceeded"}
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """{"error": {message, type, param, code}}, as OpenAI's API answers."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or OPENAI_CODES.get(status)}}
 
 
 def json_line(doc: Any) -> bytes:

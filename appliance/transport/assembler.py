@@ -41,15 +41,15 @@ LIMITS_BITTEN = LimitLog()
 class Rejection(Exception):
     """The request cannot be served; `response` says why. The transport answers and forgets it."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, target: str = "") -> None:
         super().__init__(message)
-        self.response = error_response(status, message)
+        self.response = error_response(status, message, target)
 
 
-def limit_bit(status: int, message: str) -> Rejection:
+def limit_bit(status: int, message: str, target: str = "") -> Rejection:
     """A rejection because a limit bit (logged, rate-limited), not because the request was malformed."""
     LIMITS_BITTEN.bit(status, message)
-    return Rejection(status, message)
+    return Rejection(status, message, target)
 
 
 class BodyBudget:
@@ -110,7 +110,9 @@ class RequestAssembler:
         length = self._headers.get("content-length", "")
         if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > self.limits.max_body_bytes):
             shown = length if len(length) <= 18 else f"{length[:18]}... ({len(length)} digits)"
-            raise limit_bit(413, f"body of {shown} bytes exceeds the limit of {self.limits.max_body_bytes} bytes")
+            raise limit_bit(
+                413, f"body of {shown} bytes exceeds the limit of {self.limits.max_body_bytes} bytes", self.target
+            )
         coding = self._headers.get("content-encoding", "")
         if coding.strip().lower() not in IDENTITY:
             try:
@@ -125,14 +127,16 @@ class RequestAssembler:
         self.last_heard = time.monotonic()
         self.wire_bytes += len(piece)
         if self.wire_bytes > self.limits.max_body_bytes:
-            raise limit_bit(413, f"body exceeds the limit of {self.limits.max_body_bytes} bytes")
+            raise limit_bit(413, f"body exceeds the limit of {self.limits.max_body_bytes} bytes", self.target)
         if self._decoder is None:
             self._hold(piece)
             return
         try:
             pieces = self._decoder.feed(piece, self.limits.max_body_bytes - self.body_bytes)
         except DecodedTooLarge:
-            raise limit_bit(413, f"body decompressed exceeds the limit of {self.limits.max_body_bytes} bytes") from None
+            raise limit_bit(
+                413, f"body decompressed exceeds the limit of {self.limits.max_body_bytes} bytes", self.target
+            ) from None
         except ApiError as exc:
             raise Rejection(exc.status, exc.message) from None
         for decoded in pieces:

@@ -1,4 +1,4 @@
-"""HTTP/1.1 over a stream socket (the Unix API socket): parse with httptools, call Api.handle, write.
+"""HTTP/1.1 over a stream socket (the Unix API socket; TLS on TCP, https.py): parse with httptools, call Api.handle, write.
 
 One protocol object per connection. Requests on a keep-alive connection are answered in order,
 also after the client half-closes; malformed HTTP gets a 400 naming the problem, in its turn after
@@ -9,6 +9,12 @@ keepalive_timeout_s, and a client that pipelines more than pipeline_depth reques
 until they are answered. Flow control and cancellation as protocol/flow.py says: a streamed answer's
 next piece is pulled only while the write buffer is under server.stream_window_bytes, and a client
 that closes its connection has the request being served cancelled.
+
+Upgrade: only a WebSocket opening handshake (a GET with `Connection: upgrade` and `Upgrade:
+websocket`) switches protocols, in its turn after the requests before it, when the API answers it
+with a session; the bytes after it are the WebSocket's (transport/websocket.py). Any other Upgrade
+is ignored as RFC 9110 7.8 allows: the request is served as plain HTTP, body and all, and the
+connection goes on.
 """
 
 from __future__ import annotations
@@ -21,28 +27,30 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from http import HTTPStatus
 
 import httptools
 
 from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow
-from appliance.protocol.messages import Handler, Request, Response
+from appliance.protocol.messages import Close, Handler, Opened, Request, Response, error_response
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
 log = logging.getLogger("appliance.http")
 TIMEOUT_CHECK_S = 0.5
 LINGER_S = 2.0  # after a rejection, how long the rest of what the client sends is read and dropped
 
 
-def encode_response(response: Response, keep_alive: bool) -> bytes:
-    """The status line and headers, and the body unless it is streamed (then chunked follows)."""
+def encode_response(response: Response, keep_alive: bool, extra: Iterable[tuple[str, str]] = ()) -> bytes:
+    """The status line and headers (the transport's `extra` ones last), and the body unless it is
+    streamed (then chunked follows)."""
     reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
     length = "transfer-encoding: chunked" if response.stream else f"content-length: {len(response.body)}"
     head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
-    head += [f"{k}: {v}" for k, v in response.headers]
+    head += [f"{k}: {v}" for k, v in (*response.headers, *extra)]
     if not keep_alive:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
@@ -69,8 +77,22 @@ def peer_uid(sock: socket.socket | None) -> str:
     return f"uid:{uid}"
 
 
+def head_without_upgrade(request: Request) -> bytes:
+    """The request's head again, its Upgrade dropped: what HTTP/1.1 makes of an upgrade it ignores."""
+    headers = {k: v for k, v in request.headers.items() if k != "upgrade"}
+    tokens = [t.strip() for t in headers.pop("connection", "").split(",") if t.strip().lower() not in ("upgrade", "")]
+    if tokens:
+        headers["connection"] = ", ".join(tokens)
+    lines = [f"{request.method} {request.target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
 class Http1Server:
-    """Shared state of all connections: the API, the live settings, the body budget, who is connected."""
+    """Shared state of all connections: the API, the live settings, the body budget, who is connected.
+    The Unix socket's; a TCP listener's (https.py) overrides who a client is, its connection limit,
+    the headers every answer carries, and what a closed connection leaves behind."""
+
+    half_close = True  # a client may half-close after its requests and still read the answers
 
     def __init__(self, api: Handler, live: Live, budget: BodyBudget) -> None:
         self.api, self.live, self.budget = api, live, budget
@@ -80,6 +102,23 @@ class Http1Server:
     @property
     def limits(self) -> ServerConfig:
         return self.live.config.server
+
+    @property
+    def max_connections(self) -> int:
+        return self.limits.max_connections
+
+    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
+        """Who the client is (Request.client) and its address (Request.peer)."""
+        return peer_uid(transport.get_extra_info("socket")), ""
+
+    def extra_headers(self) -> Iterable[tuple[str, str]]:
+        return ()
+
+    def opened(self, client: str, opened: Opened) -> None:
+        """A request of `client` opened a sequence (the Unix socket's user keeps it past the connection)."""
+
+    def closed(self, client: str) -> None:
+        """A connection of `client` ended."""
 
     def protocol(self) -> HttpConnection:
         if self._timeouts is None:
@@ -113,13 +152,17 @@ class HttpConnection(asyncio.Protocol):
         self.queue: deque[tuple[Request | Response, bool]] = deque()
         self.busy = False
         self._assembler: RequestAssembler | None = None  # a request under way (begun, not complete)
-        self.client = ""
+        self.client = self.peer = ""
         self._idle_since = time.monotonic()
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
         self._writable.set()
         self._serving: asyncio.Task[None] | None = None
         self._window: SendWindow | None = None  # the streamed answer being written, if one is
+        self._upgrade: Request | None = None  # a WebSocket handshake read, waiting for its turn
+        self._trailing = b""  # what the client sent after it: the WebSocket's first bytes
+        self._replay = b""  # the head of a request whose Upgrade is ignored, to parse again with its body
+        self.websocket: WebSocketPump | None = None  # after the switch, the connection's protocol
 
     @property
     def in_flight(self) -> int:
@@ -130,14 +173,18 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=self.server.limits.stream_window_bytes)  # type: ignore[union-attr]
-        self.client = peer_uid(transport.get_extra_info("socket"))
-        if len(self.server.connections) >= self.server.limits.max_connections:
-            self._reject(limit_bit(503, f"too many connections (limit {self.server.limits.max_connections})"))
+        self.client, self.peer = self.server.identify(transport)
+        if len(self.server.connections) >= self.server.max_connections:
+            self._reject(limit_bit(503, f"too many connections (limit {self.server.max_connections})"))
             return
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            self.server.closed(self.client)
+        if self.websocket is not None:
+            self.websocket.lost()
         self._writable.set()  # a task waiting to write finds the transport closed and ends
         if self._serving is not None and not self._serving.done():
             self._serving.cancel()  # the client is gone: nobody reads the answer (its shards leave the queues)
@@ -160,9 +207,21 @@ class HttpConnection(asyncio.Protocol):
         A client that closed its socket altogether is gone: the transport closes, and connection_lost
         cancels what is being served for it."""
         self._half_closed = True
-        return not self._rejected and bool(self.busy or self.queue) and not _peer_closed(self.transport)
+        return (
+            self.server.half_close
+            and not self._rejected
+            and self.websocket is None
+            and bool(self.busy or self.queue)
+            and not _peer_closed(self.transport)
+        )
 
     def data_received(self, data: bytes) -> None:
+        if self.websocket is not None:
+            self.websocket.data_received(data)
+            return
+        if self._upgrade is not None:  # read before the switch (reading is paused soon after)
+            self._trailing += data
+            return
         if self._rejected:
             return
         in_head = self._assembler if self._assembler is not None and not self._assembler.head_complete else None
@@ -178,8 +237,8 @@ class HttpConnection(asyncio.Protocol):
             else:  # a bug of ours, not the client's
                 log.exception("HTTP/1.1 request assembly crashed")
                 self._reject(Rejection(500, "internal error (logged)"))
-        except httptools.HttpParserUpgrade:
-            self._reject(Rejection(400, "protocol upgrade is not supported"))
+        except httptools.HttpParserUpgrade as upgrade:
+            self._upgraded(data[upgrade.args[0] :] if upgrade.args else b"")
         except httptools.HttpParserError as exc:
             self._reject(Rejection(400, f"malformed HTTP request: {exc}"))
         else:
@@ -187,7 +246,23 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()  # answered requests resume it
                 self._paused = True
 
+    def _upgraded(self, rest: bytes) -> None:
+        """llhttp stopped after a request with Upgrade. A WebSocket handshake: what follows is the
+        WebSocket's, kept until the switch. Any other: ignored, and HTTP goes on with a fresh parser."""
+        if self._upgrade is not None:
+            self._trailing = rest
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        self.parser = httptools.HttpRequestParser(self)
+        rest, self._replay = self._replay + rest, b""
+        if rest:
+            self.data_received(rest)
+
     def check_timeouts(self, now: float) -> None:
+        if self.websocket is not None:
+            self.websocket.check_timeouts(now)
+            return
         if self._rejected:
             return
         if self._assembler is not None:
@@ -201,7 +276,9 @@ class HttpConnection(asyncio.Protocol):
 
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
     def on_message_begin(self) -> None:
-        self._assembler = RequestAssembler(self.server.limits, budget=self.server.budget, client=self.client)
+        self._assembler = RequestAssembler(
+            self.server.limits, peer=self.peer, budget=self.server.budget, client=self.client
+        )
 
     def on_url(self, url: bytes) -> None:
         self._step().add_target(url)
@@ -218,6 +295,16 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request = self._step().request()
         self._assembler = None
+        if self.parser.should_upgrade():
+            if is_upgrade(request.method, request.headers):
+                self._upgrade = request
+                self._enqueue(request, False)
+                return
+            if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+                # llhttp ends an Upgrade request at its head and takes the body for the new protocol:
+                # the request is parsed again without Upgrade, body and all (_upgraded)
+                self._replay = head_without_upgrade(request)
+                return
         self._enqueue(request, self.parser.should_keep_alive())
 
     def _step(self) -> RequestAssembler:
@@ -242,18 +329,23 @@ class HttpConnection(asyncio.Protocol):
                     self._paused = False
                     self.transport.resume_reading()
                 if isinstance(entry, Response):  # a rejection: the last answer on this connection
-                    self.transport.write(encode_response(entry, keep_alive=False))
+                    self.transport.write(encode_response(entry, False, self.server.extra_headers()))
                     self._linger()
+                    return
+                if entry is self._upgrade:
+                    await self._switch(entry)
                     return
                 try:
                     response = await self.server.api.handle(entry)
                 finally:
                     self._release(len(entry.body))
+                if response.opened is not None:
+                    self.server.opened(self.client, response.opened)
                 if self.transport.is_closing():
                     return
                 keep_alive = keep_alive and (self.server.api.keep_connections() or bool(self.queue))
                 keep_alive = keep_alive and not (self._half_closed and not self.queue)
-                self.transport.write(encode_response(response, keep_alive))
+                self.transport.write(encode_response(response, keep_alive, self.server.extra_headers()))
                 if response.stream is not None and not await self._write_chunks(response.stream):
                     return
                 if not keep_alive:
@@ -283,6 +375,36 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(b"0\r\n\r\n")
         return True
 
+    async def _switch(self, request: Request) -> None:
+        """The WebSocket handshake's turn: the API's session, or its refusal and the connection closes."""
+        assert self.transport is not None
+        key, version = request.headers.get("sec-websocket-key", ""), request.headers.get("sec-websocket-version")
+        if not key or version != "13":
+            response = error_response(400, "a WebSocket handshake needs Sec-WebSocket-Key and Sec-WebSocket-Version 13")
+            response.headers.append(("Sec-WebSocket-Version", "13"))
+        else:
+            try:
+                response = await self.server.api.handle(request)
+            finally:
+                self._release(len(request.body))
+        if self.transport.is_closing():
+            return
+        if response.session is None:
+            self.transport.write(encode_response(response, False, self.server.extra_headers()))
+            self.transport.close()
+            return
+        head = f"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept_token(key)}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in response.headers)
+        self.transport.write((head + "\r\n").encode("latin-1"))
+        transport = self.transport
+        stream = StreamIO(
+            transport.write, transport.pause_reading, transport.resume_reading, transport.close, self._writable
+        )
+        self.websocket = WebSocketPump(stream, lambda: self.server.live.config.websocket, response.session)
+        trailing, self._trailing, self._upgrade = self._trailing, b"", None
+        self.websocket.start(trailing)
+        transport.resume_reading()
+
     def _reject(self, rejection: Rejection) -> None:
         """Stop reading; the rejection is answered after the requests before it, then the connection closes."""
         self._rejected = True
@@ -307,5 +429,7 @@ class HttpConnection(asyncio.Protocol):
         self.server.budget.give(count)
 
     def close(self) -> None:
-        if self.transport is not None:
+        if self.websocket is not None:
+            self.websocket.close(Close(1001, "the server is going away"))
+        elif self.transport is not None:
             self.transport.close()

@@ -1,0 +1,266 @@
+"""GET /v1/realtime (a WebSocket): OpenAI's Realtime API, transcription session, on any speech_to_text
+model (`?model=` or session.audio.input.transcription.model; OpenAI's names take the first one).
+
+The pump between the session's events (realtime_session.py, no I/O) and the model: with server VAD,
+the audio goes as a live stream of CHUNK samples through LiveTranscriber.live_chunk (the same VAD state,
+sequence table and urgent batch lane as Triton-style live sequences), each closed span is a turn;
+without, the buffer is transcribed at each commit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from appliance.api.metrics import Metrics
+from appliance.api.openai_models import speech_to_text
+from appliance.api.realtime_session import (
+    COMPLETED,
+    MAX_BUFFER_S,
+    SAMPLE_RATE,
+    Audio,
+    Clear,
+    Commit,
+    RealtimeError,
+    Restart,
+    Step,
+    TranscriptionSession,
+    default_settings,
+)
+from appliance.api.routes import Route
+from appliance.audio import StreamResampler, to_pcm16
+from appliance.engine.stats import RequestTimes
+from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.kinds.base import SequenceCall, ServedModel
+from appliance.kinds.capabilities import Interpreting, LiveTranscriber
+from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
+from appliance.protocol.messages import Close, Request, Response, SessionIO
+
+CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
+PARTIAL_EVERY = 8  # chunks (about 1 s): how often the open turn's text so far is decoded
+FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
+
+
+def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
+    async def realtime(request: Request, params: dict[str, str]) -> Response:
+        if request.headers.get("upgrade", "").lower() != "websocket":
+            raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
+        pipeline = models.get(params.get("query:model", ""))
+        if isinstance(pipeline, Interpreting):  # the interpreter session: translated speech back
+            plan = pipeline.plan(params.get("query:target"), params.get("query:source"))  # a 400 before the switch
+            interpret = Interpreter(pipeline, plan)
+            return Response(
+                101, session=partial(transcription, models, metrics, pipeline.stt.name, request.client, interpret)
+            )
+        intent = params.get("query:intent", "transcription")
+        if intent != "transcription":
+            raise BadRequest(
+                f"intent {intent[:40]!r} is not served: use intent=transcription, or ?model= a speech pipeline"
+            )
+        speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
+        if not speech:
+            raise NotFound("this firmware serves no speech_to_text model")
+        model = speech_to_text(models, params.get("query:model", speech[0].name), "transcribe", None)
+        return Response(101, session=partial(transcription, models, metrics, model.name, request.client, None))
+
+    return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
+
+
+@dataclass(frozen=True, slots=True)
+class Interpreter:
+    """An interpreter session's pipeline and plan (target language, the voice)."""
+
+    pipeline: Interpreting
+    plan: Any  # the pipeline's Plan: options, target, voice
+
+
+async def transcription(
+    models: dict[str, ServedModel],
+    metrics: Metrics,
+    model: str,
+    client: str,
+    interpreter: Interpreter | None,
+    io: SessionIO,
+) -> Close:
+    names = tuple(m.name for m in models.values() if isinstance(m, LiveTranscriber))
+    kind, target = ("realtime", interpreter.plan.target) if interpreter else ("transcription", "")
+    session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
+    turns = Turns(models, session, client, interpreter)
+    await io.send(_json(session.created()))
+    first_audio: float | None = None  # the last turn's end, until its translation's first audio is sent
+    try:
+        while True:
+            message = await io.receive()
+            steps: list[Step]
+            if isinstance(message, bytes):
+                steps = [session.error(RealtimeError("events are JSON text messages, not binary", "invalid_event"))]
+            else:
+                steps = session.receive(message)
+            for step in steps:
+                try:
+                    events = [step] if isinstance(step, dict) else await turns.apply(step)
+                except ApiError as exc:
+                    events = [session.error(exc)]
+                for event in events:
+                    await io.send(_json(event))
+                    if event["type"] == COMPLETED and (arrived := turns.arrived.pop(event["item_id"], None)):
+                        metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
+                        first_audio = arrived
+                    elif event["type"] == "response.output_audio.delta" and first_audio is not None:
+                        name = interpreter.pipeline.name if interpreter else turns.model.name
+                        metrics.observe_live(name, "realtime", time.monotonic() - first_audio, "first_audio")
+                        first_audio = None
+    finally:
+        turns.close()
+
+
+class Turns:
+    """One session's audio on its model: a live stream under server VAD, else a buffer."""
+
+    def __init__(
+        self,
+        models: dict[str, ServedModel],
+        session: TranscriptionSession,
+        client: str,
+        interpreter: Interpreter | None = None,
+    ) -> None:
+        self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
+        self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
+        self.pending_samples = 0
+        self.stream = 0  # the live stream's number within the session
+        self.started = False  # whether the live stream is open on the model
+        self.offset = 0  # the session's sample position where the live stream began
+        self.chunks = 0
+        self.model = self._model()
+        # when the audio up to each session position arrived (append by append), to time the turns
+        self.arrivals: deque[tuple[int, float]] = deque()
+        self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
+
+    def _model(self) -> LiveTranscriber:
+        model = speech_to_text(self.models, self.session.settings.model, "transcribe", None)
+        if not isinstance(model, LiveTranscriber):  # a live stream needs the kind's VAD-fed sequences
+            raise RealtimeError(f"model {model.name} takes no live streams", "model_not_found")
+        return model
+
+    @property
+    def key(self) -> str:
+        return f"realtime:{self.session.id}:{self.stream}"
+
+    def options(self) -> Options:
+        if self.interpreter is not None:
+            return self.interpreter.plan.options
+        s = self.session.settings
+        return Options(s.language, "transcribe", s.prompt)
+
+    async def apply(self, step: Audio | Commit | Clear | Restart) -> list[dict]:
+        if isinstance(step, Audio):
+            return await self.feed(step.samples)
+        if isinstance(step, Commit):
+            return await self.commit(step.item_id)
+        self.close()
+        self.pending, self.pending_samples, self.offset = [], 0, self.session.heard_samples
+        if isinstance(step, Restart):
+            self.model = self._model()
+        return []
+
+    async def feed(self, samples: np.ndarray) -> list[dict]:
+        self.arrivals.append((self.session.heard_samples, time.monotonic()))
+        self.pending.append(samples)
+        self.pending_samples += len(samples)
+        if self.session.settings.vad is None:
+            if self.pending_samples > MAX_BUFFER_S * SAMPLE_RATE:
+                self.pending, self.pending_samples = [], 0
+                raise RealtimeError(
+                    f"the input buffer holds more than {MAX_BUFFER_S:g} s: commit sooner", "buffer_too_large"
+                )
+            return []
+        events: list[dict] = []
+        while self.pending_samples >= CHUNK:
+            audio = np.concatenate(self.pending)
+            self.pending, self.pending_samples = [audio[CHUNK:]], len(audio) - CHUNK
+            events += await self._chunk(audio[:CHUNK], end=False)
+        return events
+
+    async def commit(self, item: str) -> list[dict]:
+        audio = np.concatenate(self.pending) if self.pending else np.zeros(0, np.float32)
+        self.pending, self.pending_samples = [], 0
+        if self.session.settings.vad is None:
+            if not len(audio):
+                raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
+            padded = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
+            found = [s async for s in self.model.transcribe(padded, self.options())]
+            closed = self.session.turn_closed(None, " ".join(s.text for s in found), item)
+            return closed + await self._interpret(item, found)
+        if not self.started and not len(audio):
+            raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
+        audio = np.concatenate([audio, np.zeros(-len(audio) % FRAME, np.float32)])
+        chunk = await self._send(audio, end=True)
+        self.started, self.stream, self.offset = False, self.stream + 1, self.session.heard_samples
+        text = " ".join(s.text for s in chunk.segments)
+        end = chunk.closed[-1][0][1] + self.offset if chunk.closed else None
+        self._timed(item, self.session.heard_samples)
+        return self.session.turn_closed(end, text, item) + await self._interpret(item, chunk.segments)
+
+    async def _chunk(self, samples: np.ndarray, end: bool) -> list[dict]:
+        chunk = await self._send(samples, end)
+        events: list[dict] = []
+        for (start, stop), segments in chunk.closed:
+            events += self.session.turn_heard(start + self.offset)
+            closed = self.session.turn_closed(stop + self.offset, " ".join(s.text for s in segments))
+            pad = self.session.settings.vad.speech_pad_ms * SAMPLE_RATE // 1000 if self.session.settings.vad else 0
+            self._timed(closed[-1]["item_id"], stop + self.offset - pad)  # where the speech itself ended
+            events += closed + await self._interpret(closed[-1]["item_id"], segments)
+        if chunk.open_start is not None:
+            events += self.session.turn_heard(chunk.open_start + self.offset)
+            if chunk.partial is not None:
+                events += self.session.partial(chunk.partial)
+        return events
+
+    async def _interpret(self, item: str, segments: list[Segment]) -> list[dict]:
+        """An interpreter turn: each segment translated and spoken, at the session's output rate."""
+        if self.interpreter is None:
+            return []
+        events: list[dict] = []
+        for segment in segments:
+            done = await self.interpreter.pipeline.interpret(segment, self.interpreter.plan)
+            if done is None:
+                continue
+            resampler = StreamResampler(self.interpreter.plan.voice.sample_rate, self.session.settings.output_rate)
+            samples = done.audio.astype(np.float32) / 32768.0
+            pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
+            step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
+            events += self.session.response(item, done.text, [pcm[i : i + step] for i in range(0, len(pcm), step)])
+        return events
+
+    def _timed(self, item: str, end_sample: int) -> None:
+        """The turn ends at `end_sample`: note when the append that carried it arrived."""
+        while len(self.arrivals) > 1 and self.arrivals[1][0] < end_sample:
+            self.arrivals.popleft()
+        if self.arrivals:  # the append that began before end_sample and ran to or past it
+            self.arrived[item] = self.arrivals[0][1]
+
+    async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
+        self.chunks += 1
+        call = SequenceCall(self.key, start=not self.started, end=end, client=self.client)
+        want_partial = not end and self.chunks % PARTIAL_EVERY == 0
+        vad = self.session.settings.vad
+        chunk = await self.model.live_chunk(samples, call, want_partial, self.options(), RequestTimes(), vad)
+        self.started = not end
+        return chunk
+
+    def close(self) -> None:
+        """End the live stream without decoding what it holds (the client left, or cleared)."""
+        if self.started:
+            self.model.sequences.end(self.key)
+            self.started, self.stream = False, self.stream + 1
+
+
+def _json(event: dict) -> str:
+    return json.dumps(event, separators=(",", ":"))

@@ -1,0 +1,352 @@
+"""Home Assistant's Wyoming protocol (PyPI `wyoming`: its event classes and writer) on a Unix socket
+next to the API socket, served from the engine process: the same models, the same batches.
+
+    describe                                   -> info: every speech_to_text model (its languages)
+                                                  as one asr program, every voice as a tts program
+    transcribe, audio-start, audio-chunk..., audio-stop
+                                               -> transcript-start, transcript-chunk per segment as
+                                                  it is decoded, transcript-stop, then transcript
+    synthesize (or synthesize-start/-chunk.../-stop)
+                                               -> audio-start, audio-chunk per sentence, audio-stop
+                                                  (then synthesize-stopped for the streamed form)
+
+Wyoming has no authentication: whoever reaches the socket may use it (its mode and group are the API
+socket's). Events are read with bounds of our own (the package's reader has none): a header line of at
+most MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes, a recording of at most
+the API's body limit; a broken or oversized event is answered by one `error` event and the connection
+closes; a client that disconnects mid-stream cancels its work. Concurrent clients' recordings share
+engine calls (the speech_to_text batch queue), where wyoming-faster-whisper holds a lock per model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ifaddr
+import numpy as np
+from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.error import Error
+from wyoming.event import Event, async_write_event
+from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+from zeroconf import InterfaceChoice, IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+from appliance import __version__
+from appliance.api.metrics import Metrics
+from appliance.audio import StreamResampler, pcm16
+from appliance.config import Config, Live
+from appliance.errors import ApiError, BadRequest
+from appliance.kinds.base import ServedModel
+from appliance.kinds.capabilities import LiveTranscriber, Speaker
+from appliance.kinds.speech_api import MIN_SAMPLES, Options
+
+log = logging.getLogger("appliance.wyoming")
+MAX_HEADER_BYTES = 64 << 10
+SERVICE = "_wyoming._tcp.local."
+SAMPLE_RATE = 16000
+ATTRIBUTION = Attribution(name="appliance", url="https://github.com/")
+
+
+class WyomingError(Exception):
+    """The client broke the protocol or a bound: one `error` event, then the connection closes."""
+
+
+class WyomingHandler:
+    """One client's connection: events in order, each answered as the protocol says."""
+
+    def __init__(self, models: dict[str, ServedModel], max_payload: int, max_samples: int) -> None:
+        self.models, self.max_payload, self.max_samples = models, max_payload, max_samples
+        self.speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
+        self.voices = [m for m in models.values() if isinstance(m, Speaker)]
+        self.transcribe: Transcribe | None = None
+        self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
+        self.samples = 0
+        self.resampler: StreamResampler | None = None
+        self.synthesis: list[str] | None = None  # streamed synthesis: the text so far
+
+    def info(self) -> Info:
+        asr = [
+            AsrProgram(
+                name="appliance-asr",
+                description="Whisper behind the box's VAD, batched across clients",
+                attribution=ATTRIBUTION,
+                installed=True,
+                version=__version__,
+                models=[
+                    AsrModel(
+                        name=m.name,
+                        description=m.name,
+                        attribution=ATTRIBUTION,
+                        installed=True,
+                        version=__version__,
+                        languages=m.languages,
+                    )
+                    for m in self.speech
+                ],
+                supports_transcript_streaming=True,
+            )
+        ]
+        tts = [
+            TtsProgram(
+                name="appliance-tts",
+                description="Piper voices on the box",
+                attribution=ATTRIBUTION,
+                installed=True,
+                version=__version__,
+                voices=[
+                    TtsVoice(
+                        name=v.name,
+                        description=v.voice_name,
+                        attribution=ATTRIBUTION,
+                        installed=True,
+                        version=__version__,
+                        languages=[v.language],
+                    )
+                    for v in self.voices
+                ],
+                supports_synthesize_streaming=True,
+            )
+        ]
+        return Info(asr=asr if self.speech else [], tts=tts if self.voices else [])
+
+    async def handle(self, event: Event) -> list[Event]:
+        """The answers to one event (sent in order; transcript events stream through `send`)."""
+        if Describe.is_type(event.type):
+            return [self.info().event()]
+        if Transcribe.is_type(event.type):
+            self.transcribe = Transcribe.from_event(event)
+            return []
+        if AudioStart.is_type(event.type):
+            start = AudioStart.from_event(event)
+            if start.width != 2 or not 1 <= start.channels <= 8 or not 8000 <= start.rate <= 192000:
+                raise BadRequest("audio-start: send 16-bit PCM (width 2), 1 to 8 channels, 8 to 192 kHz")
+            self.audio, self.samples = [], 0
+            self.resampler = StreamResampler(start.rate, SAMPLE_RATE)
+            self._format = start
+            return []
+        if AudioChunk.is_type(event.type):
+            return self._chunk(AudioChunk.from_event(event))
+        if AudioStop.is_type(event.type):
+            return []  # the caller runs finish_transcription: its answers stream
+        if Synthesize.is_type(event.type):
+            if self.synthesis is not None:
+                return []  # the streamed form's closing synthesize, for old servers: already spoken
+            return await self.speak(Synthesize.from_event(event).text)
+        if SynthesizeStart.is_type(event.type):
+            self.synthesis = []
+            return []
+        if SynthesizeChunk.is_type(event.type):
+            if self.synthesis is None:
+                raise BadRequest("synthesize-chunk before synthesize-start")
+            self.synthesis.append(SynthesizeChunk.from_event(event).text)
+            return []
+        if SynthesizeStop.is_type(event.type):
+            text, self.synthesis = "".join(self.synthesis or []), None
+            return [*(await self.speak(text) if text.strip() else []), SynthesizeStopped().event()]
+        return []  # Wyoming: events a server does not know are ignored (ping, etc.)
+
+    def _chunk(self, chunk: AudioChunk) -> list[Event]:
+        if self.audio is None or self.resampler is None:
+            raise BadRequest("audio-chunk before audio-start")
+        if chunk.width != 2:
+            raise BadRequest("audio-chunk: only 16-bit PCM (width 2) is served")
+        samples = pcm16(chunk.audio[: len(chunk.audio) - len(chunk.audio) % (2 * chunk.channels)])
+        if chunk.channels > 1:
+            samples = samples.reshape(-1, chunk.channels).mean(axis=1, dtype=np.float32)
+        resampled = self.resampler.feed(samples)
+        self.samples += len(resampled)
+        if self.samples > self.max_samples:
+            raise ApiError(f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", 413)
+        self.audio.append(resampled)
+        return []
+
+    def _model(self) -> LiveTranscriber:
+        name = self.transcribe.name if self.transcribe else None
+        for model in self.speech:
+            if model.name == name:
+                return model
+        if not self.speech:
+            raise BadRequest("this firmware serves no speech_to_text model")
+        return self.speech[0]
+
+    async def finish_transcription(self, send: Any) -> str:
+        """audio-stop: the recording's segments, each sent as it is decoded, then the whole transcript."""
+        if self.audio is None or self.resampler is None:
+            raise BadRequest("audio-stop before audio-start")
+        audio = np.concatenate([*self.audio, self.resampler.flush()])
+        self.audio, self.resampler = None, None
+        model = self._model()
+        language = self.transcribe.language if self.transcribe else None
+        self.transcribe = None
+        audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
+        texts = []
+        await send(TranscriptStart(language=language).event())
+        async for segment in model.transcribe(audio, Options(language or None)):
+            texts.append(segment.text.strip())
+            await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
+        await send(TranscriptStop().event())
+        await send(Transcript(text=" ".join(texts), language=language).event())
+        return model.name
+
+    async def speak(self, text: str) -> list[Event]:
+        if not self.voices:
+            raise BadRequest("this firmware serves no voice")
+        voice = self.voices[0]
+        rate = voice.sample_rate
+        events = [AudioStart(rate=rate, width=2, channels=1).event()]
+        async for piece in voice.synthesize(await voice.prepare(text), 1.0):
+            events.append(AudioChunk(rate=rate, width=2, channels=1, audio=piece.astype("<i2").tobytes()).event())
+        return [*events, AudioStop().event()]
+
+
+async def read_event(reader: asyncio.StreamReader, max_payload: int) -> Event | None:
+    """One event, bounded before anything is read into memory; None at the end of the stream."""
+    try:
+        line = await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise WyomingError("the connection ended inside an event header") from None
+    except asyncio.LimitOverrunError:
+        raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes") from None
+    try:
+        header = json.loads(line)
+    except ValueError as exc:
+        raise WyomingError(f"an event header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise WyomingError("an event header is a JSON object with a string 'type'")
+    data = header.get("data") or {}
+    lengths = [header.get("data_length") or 0, header.get("payload_length") or 0]
+    if not isinstance(data, dict) or not all(isinstance(n, int) and 0 <= n <= max_payload for n in lengths):
+        raise WyomingError(f"data must be an object, data_length and payload_length integers of at most {max_payload}")
+    try:
+        if lengths[0]:
+            extra = json.loads(await reader.readexactly(lengths[0]))
+            if not isinstance(extra, dict):
+                raise WyomingError("an event's data is a JSON object")
+            data = {**data, **extra}
+        payload = await reader.readexactly(lengths[1]) if lengths[1] else None
+    except asyncio.IncompleteReadError:
+        raise WyomingError("the connection ended inside an event") from None
+    except ValueError as exc:
+        raise WyomingError(f"an event's data is not JSON: {exc}") from None
+    return Event(type=header["type"], data=data, payload=payload)
+
+
+async def serve_client(
+    models: dict[str, ServedModel],
+    metrics: Metrics,
+    max_payload: int,
+    max_samples: int,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+) -> None:
+    handler = WyomingHandler(models, max_payload, max_samples)
+
+    async def send(event: Event) -> None:
+        await async_write_event(event, writer)  # drains: a client that does not read stops us
+
+    try:
+        while (event := await read_event(reader, max_payload)) is not None:
+            try:
+                for answer in await handler.handle(event):
+                    await send(answer)
+                if AudioStop.is_type(event.type):
+                    stopped = time.monotonic()
+                    model = await handler.finish_transcription(send)
+                    metrics.observe_live(model, "wyoming", time.monotonic() - stopped)
+            except (ApiError, ValueError, KeyError, TypeError) as exc:  # a bad event's fields: one error, go on
+                message = exc.message if isinstance(exc, ApiError) else f"bad {event.type} event: {exc}"
+                await send(Error(text=message, code=type(exc).__name__).event())
+    except WyomingError as exc:
+        with contextlib.suppress(ConnectionError):
+            await send(Error(text=str(exc), code="protocol").event())
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass  # the client left; what it asked for is cancelled with this task
+    except Exception:
+        log.exception("Wyoming client crashed")
+    finally:
+        writer.close()
+
+
+@dataclass
+class Listeners:
+    """Where Wyoming is served: the Unix socket, and TCP with its mDNS announcement where it is on."""
+
+    unix: asyncio.Server
+    path: Path
+    tcp: asyncio.Server | None = None
+    zeroconf: AsyncZeroconf | None = None
+
+    async def close(self) -> None:
+        for server in (self.unix, self.tcp):
+            if server is not None:
+                server.close()
+        if self.zeroconf is not None:
+            await self.zeroconf.async_close()  # says goodbye on the LAN
+
+
+async def start(
+    config: Config, bind: Callable[[Path], socket.socket], models: dict[str, ServedModel], live: Live, metrics: Metrics
+) -> Listeners | None:
+    """[wyoming]: the Unix socket (`bind` makes it as the API's is made), and TCP where asked for."""
+    settings = config.wyoming
+    if not settings.enabled:
+        return None
+    path = Path(str(settings.socket)) if str(settings.socket) != "." else config.server.socket.with_name("wyoming.sock")
+    listeners = Listeners(await listen(bind(path), models, live, metrics), path)
+    log.info("Wyoming on %s", path)
+    if settings.tcp:
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, models, live, metrics)
+        log.info("Wyoming on TCP %s, announced as %s (no authentication)", settings.tcp, SERVICE)
+    return listeners
+
+
+def _client(models: dict[str, ServedModel], live: Live, metrics: Metrics) -> Any:
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        config = live.config
+        max_samples = config.server.max_body_bytes // 2  # as much as the API takes as 16 kHz PCM16
+        await serve_client(models, metrics, config.wyoming.max_payload_bytes, max_samples, reader, writer)
+
+    return client
+
+
+async def listen(sock: socket.socket, models: dict[str, ServedModel], live: Live, metrics: Metrics) -> asyncio.Server:
+    """Serve Wyoming on a bound, listening Unix socket; each client in its own task."""
+    return await asyncio.start_unix_server(_client(models, live, metrics), sock=sock, limit=MAX_HEADER_BYTES)
+
+
+async def listen_tcp(
+    address: str, models: dict[str, ServedModel], live: Live, metrics: Metrics
+) -> tuple[asyncio.Server, AsyncZeroconf]:
+    """[wyoming] tcp = "HOST:PORT": Wyoming on the LAN, announced by mDNS as _wyoming._tcp.local. on
+    the listening address's interface (all of them for 0.0.0.0) so Home Assistant discovers it."""
+    host, _, port = address.rpartition(":")
+    server = await asyncio.start_server(_client(models, live, metrics), host, int(port), limit=MAX_HEADER_BYTES)
+    bound = server.sockets[0].getsockname()
+    interfaces = InterfaceChoice.All if host in ("0.0.0.0", "") else [host]
+    zeroconf = AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
+    name = socket.gethostname().split(".")[0] or "appliance"
+    addresses = [socket.inet_aton(a) for a in ([host] if host not in ("0.0.0.0", "") else _addresses())]
+    info = AsyncServiceInfo(
+        SERVICE, f"appliance-{name}.{SERVICE}", addresses=addresses, port=bound[1], server=f"appliance-{name}.local."
+    )
+    await zeroconf.async_register_service(info)
+    return server, zeroconf
+
+
+def _addresses() -> list[str]:
+    """This host's IPv4 addresses but loopback, for an announcement on every interface."""
+    found = {a.ip for adapter in ifaddr.get_adapters() for a in adapter.ips if isinstance(a.ip, str)}
+    return sorted(a for a in found if not a.startswith("127.")) or ["127.0.0.1"]

@@ -1,0 +1,136 @@
+"""HTTPS on TCP for LAN clients and browsers: the Unix socket's HTTP/1.1 (http1.py) over asyncio's TLS.
+
+The same parser, limits, body budget, flow control and cancellation as the Unix socket; what differs
+is said here: TLS from [quic]'s certificate and key (mutual TLS with its client_ca), the client's
+identity (its verified certificate, else the connection itself), its own connection limit
+(https.max_connections), and `Alt-Svc: h3=":PORT"` on every answer where QUIC serves, so browsers
+and other capable clients move to HTTP/3. A TLS handshake must end within server.header_timeout_s.
+Without mutual TLS a sequence belongs to the connection that opened it: when that connection ends,
+nobody can continue it, so its sequences end with it. With mutual TLS it belongs to the certificate,
+as on QUIC, and outlives the connection (idle expiry ends it).
+
+TLS has no half-close in asyncio: a client that ends its side (close_notify, or a TCP FIN) closes the
+connection, and answers not yet written are dropped (the Unix socket answers them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import socket
+import ssl
+from collections.abc import Iterable
+
+from appliance.config import Config, Live, QuicConfig
+from appliance.errors import ApplianceError
+from appliance.protocol.messages import Handler, Opened
+from appliance.transport.assembler import BodyBudget
+from appliance.transport.http1 import Http1Server
+from appliance.transport.owners import SequenceOwners
+
+log = logging.getLogger("appliance.https")
+ALPN = ["http/1.1"]
+FORGET_ENDED_S = 10.0  # how often sequences ended by other ways leave the owners table
+
+
+def server_context(quic: QuicConfig) -> ssl.SSLContext:
+    """TLS 1.2 or later with the box's certificate; a client certificate required where client_ca is set."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(quic.certificate, quic.private_key)
+    context.set_alpn_protocols(ALPN)
+    if quic.client_ca.name:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(quic.client_ca)
+    return context
+
+
+def listen_https(config: Config) -> socket.socket:
+    """The TCP listening socket on https.host and https.port, which every protocol worker accepts on;
+    the TLS files are read once here too, so that a bad key is a start-up error, not a worker's crash."""
+    host, port = config.https.host, config.https.port
+    try:
+        server_context(config.quic)
+    except (OSError, ValueError) as exc:
+        raise ApplianceError(
+            f"https: cannot use {config.quic.certificate} and {config.quic.private_key}: {exc}"
+        ) from None
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds again at once
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ApplianceError(f"https: cannot listen on TCP {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    log.info("https: HTTP/1.1 over TLS on TCP %s:%d", host, sock.getsockname()[1])
+    return sock
+
+
+def certificate_client(ssl_object: ssl.SSLObject | None) -> str:
+    """ "cert:FINGERPRINT" of a verified client certificate, as QUIC names it: one owner on both."""
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    return f"cert:{hashlib.sha256(der).hexdigest()[:32]}" if der else ""
+
+
+class HttpsServer(Http1Server):
+    """Shared state of all TLS connections of one process (the engine's, or a protocol worker's)."""
+
+    half_close = False
+
+    def __init__(self, api: Handler, live: Live, budget: BodyBudget, quic_port: int | None) -> None:
+        """`quic_port`: where QUIC serves (advertised in Alt-Svc), or None."""
+        super().__init__(api, live, budget)
+        self.quic_port = quic_port
+        self.mutual = bool(live.config.quic.client_ca.name)  # the listener's TLS changes only with a restart
+        self.owners = SequenceOwners()  # without mutual TLS: the sequences each open connection opened
+        self._forget: asyncio.Task[None] | None = None
+
+    async def start(self, sock: socket.socket) -> asyncio.base_events.Server:
+        loop = asyncio.get_running_loop()
+        self._forget = loop.create_task(self._forget_ended())
+        return await loop.create_server(
+            self.protocol,
+            sock=sock,
+            ssl=server_context(self.live.config.quic),
+            ssl_handshake_timeout=self.limits.header_timeout_s,
+        )
+
+    @property
+    def max_connections(self) -> int:
+        return self.live.config.https.max_connections
+
+    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
+        host, port = transport.get_extra_info("peername")[:2]
+        peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        client = certificate_client(transport.get_extra_info("ssl_object")) if self.mutual else ""
+        return client or f"tcp:{secrets.token_hex(8)}", peer
+
+    def extra_headers(self) -> Iterable[tuple[str, str]]:
+        if self.quic_port is None or not self.live.config.https.alt_svc:
+            return ()
+        return (("alt-svc", f'h3=":{self.quic_port}"; ma=86400'),)
+
+    def opened(self, client: str, opened: Opened) -> None:
+        if not self.mutual:
+            self.owners.record(client, opened)
+
+    def closed(self, client: str) -> None:
+        if not self.mutual:
+            self.api.end_opened(self.owners.release(client))
+
+    async def _forget_ended(self) -> None:
+        """Sequences ended by sequence_end or idle expiry leave the table while their connection lives on."""
+        while True:
+            await asyncio.sleep(FORGET_ENDED_S)
+            held = self.owners.held()
+            ended = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if not is_open}
+            self.owners.forget_ended(lambda opened: opened not in ended)  # one opened meanwhile stays
+
+    def close_all(self) -> None:
+        if self._forget is not None:
+            self._forget.cancel()
+        super().close_all()

@@ -1,0 +1,123 @@
+"""The live protocols' cores without a daemon: the Realtime session state machine over plain events,
+and the WebSocket pump driven in memory by wsproto's own client side (no sockets, no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+from wsproto.connection import Connection, ConnectionType
+from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessage
+
+from appliance.api.realtime_session import Audio, Commit, TranscriptionSession, default_settings
+from appliance.config import WebSocketConfig
+from appliance.protocol.messages import Close, SessionIO
+from appliance.transport.websocket import StreamIO, WebSocketPump
+
+
+def session() -> TranscriptionSession:
+    return TranscriptionSession(default_settings("whisper_tiny_en"), ("whisper_tiny_en",))
+
+
+def test_append_resamples_24k_to_16k_and_counts_the_clock() -> None:
+    s = session()
+    pcm = (np.sin(np.arange(24000) / 10) * 8000).astype("<i2").tobytes()
+    steps = s.receive(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}))
+    audio = [step for step in steps if isinstance(step, Audio)]
+    assert audio and 0 <= 16000 - sum(len(a.samples) for a in audio) < 500  # soxr holds its filter's delay
+    assert s.heard_samples == sum(len(a.samples) for a in audio)
+
+
+def test_turn_events_chain_their_items() -> None:
+    s = session()
+    started = s.turn_heard(16000)[0]
+    assert started["audio_start_ms"] == 1000 - 300  # OpenAI's default prefix padding
+    assert s.partial("hello")[0]["delta"] == "hello"
+    assert s.partial("hello there")[0]["delta"] == " there"
+    assert s.partial("jello there") == []  # a revision is not sent as a delta
+    first = s.turn_closed(32000, "hello there")
+    assert [e["type"].rsplit(".", 1)[-1] for e in first] == ["speech_stopped", "committed", "completed"]
+    assert first[0]["item_id"] == started["item_id"] == first[2]["item_id"]
+    s.turn_heard(48000)
+    second = s.turn_closed(64000, "again")
+    assert second[1]["previous_item_id"] == started["item_id"]
+
+
+def test_bad_events_name_their_field_and_client_event() -> None:
+    s = session()
+    bad = s.receive(
+        json.dumps(
+            {
+                "type": "session.update",
+                "event_id": "c1",
+                "session": {"audio": {"input": {"turn_detection": {"threshold": 2}}}},
+            }
+        )
+    )
+    assert bad[0]["error"]["param"] == "session.audio.input.turn_detection.threshold"
+    assert bad[0]["error"]["event_id"] == "c1"
+    odd = s.receive(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00").decode()}))
+    assert odd[0]["error"]["param"] == "audio"
+    assert isinstance(s.receive(json.dumps({"type": "input_audio_buffer.commit"}))[0], Commit)
+
+
+class Wire:
+    """The pump's stream, in memory: what it writes reaches a wsproto client."""
+
+    def __init__(self) -> None:
+        self.client = Connection(ConnectionType.CLIENT)
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.paused = self.closed = False
+
+    def io(self) -> StreamIO:
+        return StreamIO(self.client.receive_data, self.pause, self.resume, self.close, self.writable)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_pump_echoes_pings_bounds_messages_and_pauses_reading() -> None:
+    async def run() -> None:
+        wire = Wire()
+        got: list[object] = []
+
+        async def echo(io: SessionIO) -> Close:
+            while True:
+                message = await io.receive()
+                got.append(message)
+                await io.send(message)
+
+        limits = WebSocketConfig(max_message_bytes=1000, buffered_bytes=1500)
+        pump = WebSocketPump(wire.io(), lambda: limits, echo)
+        pump.start()
+        pump.data_received(wire.client.send(TextMessage(data="hello")))
+        pump.data_received(wire.client.send(Ping(b"x")))
+        await asyncio.sleep(0)
+        events = list(wire.client.events())
+        assert any(isinstance(e, Pong) for e in events)
+        assert [e.data for e in events if isinstance(e, TextMessage)] == ["hello"] and got == ["hello"]
+        # two messages the session has not read yet pass buffered_bytes: reading pauses
+        got.clear()
+        stuck = WebSocketPump(wire.io(), lambda: limits, lambda io: asyncio.Event().wait())  # type: ignore[arg-type,return-value]
+        stuck.start()
+        stuck.data_received(wire.client.send(BytesMessage(data=b"a" * 900)))
+        stuck.data_received(wire.client.send(BytesMessage(data=b"b" * 900)))
+        assert wire.paused
+        stuck.lost()
+        # a message over max_message_bytes closes with 1009 before it is whole
+        pump.data_received(wire.client.send(BytesMessage(data=b"z" * 600, message_finished=False)))
+        pump.data_received(wire.client.send(BytesMessage(data=b"z" * 600, message_finished=False)))
+        closes = [e for e in wire.client.events() if isinstance(e, CloseConnection)]
+        assert closes and closes[0].code == 1009
+        pump.lost()
+
+    asyncio.run(run())

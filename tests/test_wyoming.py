@@ -1,0 +1,207 @@
+"""Wyoming (Home Assistant's voice protocol) on the box's Unix socket, driven by the `wyoming`
+package's own client: describe/info, transcription of real espeak-ng speech sent as audio chunks
+(word error rate against the known sentences), synthesis, 8 concurrent clients sharing engine calls,
+a client leaving mid-stream, garbage and oversized events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, Daemon, Keys, build_bundle
+from speech import RATE, recording
+from test_speech_to_text import CLEAR, wer
+from wyoming.asr import Transcribe, Transcript
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.client import AsyncTcpClient, AsyncUnixClient
+from wyoming.event import Event
+from wyoming.info import Describe, Info
+from wyoming.tts import Synthesize
+from zeroconf import IPVersion, ServiceStateChange
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+TINY = "whisper_tiny_en"
+
+
+@pytest.fixture(scope="module")
+def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    bundle = build_bundle(keys, tmp_path_factory.mktemp("fw") / "interp", spec=ROOT / "firmware" / "interpreter.toml")
+    with socket.socket() as probe:  # a free TCP port for the LAN listener
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    extra = f'[wyoming]\nmax_payload_bytes = 65536\ntcp = "127.0.0.1:{port}"\n'
+
+    d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, extra=extra, workers=2).wait_ready(240)
+    yield d
+    assert d.stop() == 0, d.log.read_text()
+
+
+def wyoming_socket(daemon: Daemon) -> Path:
+    return daemon.socket.with_name("wyoming.sock")
+
+
+async def transcribe(daemon: Daemon, samples: np.ndarray, chunk_ms: int = 100) -> tuple[str, list[str]]:
+    """The transcript of `samples` and the types of every event before it."""
+    pcm = np.clip(np.round(samples * 32768), -32768, 32767).astype("<i2").tobytes()
+    step = RATE * 2 * chunk_ms // 1000
+    async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+        await client.write_event(Transcribe(name=TINY, language="en").event())
+        await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
+        for offset in range(0, len(pcm), step):
+            await client.write_event(
+                AudioChunk(rate=RATE, width=2, channels=1, audio=pcm[offset : offset + step]).event()
+            )
+        await client.write_event(AudioStop().event())
+        seen = []
+        while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
+            if Transcript.is_type(event.type):
+                return Transcript.from_event(event).text, seen
+            seen.append(event.type)
+    raise AssertionError(f"no transcript; events: {seen}")
+
+
+def test_describe_lists_models_and_voices(daemon: Daemon) -> None:
+    async def run() -> Info:
+        async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+            await client.write_event(Describe().event())
+            event = await asyncio.wait_for(client.read_event(), 30)
+            assert event is not None and Info.is_type(event.type), event
+            return Info.from_event(event)
+
+    info = asyncio.run(run())
+    models = {m.name: m.languages for program in info.asr for m in program.models}
+    assert models[TINY] == ["en"] and "es" in models["whisper_base"], models
+    assert info.asr[0].supports_transcript_streaming
+    voices = {v.name: v.languages for program in info.tts for v in program.voices}
+    assert voices == {"joe": ["en"]}, voices
+
+
+def tcp_port(daemon: Daemon) -> int:
+    return int(re.search(r'tcp = "127.0.0.1:(\d+)"', daemon.config.read_text())[1])  # type: ignore[index]
+
+
+def test_tcp_listener_announced_by_zeroconf(daemon: Daemon) -> None:
+    async def run() -> tuple[int | None, Info]:
+        zeroconf = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+        try:
+            browser_found: list[str] = []
+
+            def seen(zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+                browser_found.append(name)
+
+            browser = AsyncServiceBrowser(zeroconf.zeroconf, "_wyoming._tcp.local.", handlers=[seen])
+            for _ in range(50):
+                if browser_found:
+                    break
+                await asyncio.sleep(0.1)
+            await browser.async_cancel()
+            assert browser_found, "no _wyoming._tcp.local. service announced"
+            info = AsyncServiceInfo("_wyoming._tcp.local.", browser_found[0])
+            assert await info.async_request(zeroconf.zeroconf, 3000)
+        finally:
+            await zeroconf.async_close()
+        async with AsyncTcpClient("127.0.0.1", tcp_port(daemon)) as client:
+            await client.write_event(Describe().event())
+            event = await asyncio.wait_for(client.read_event(), 30)
+        assert event is not None
+        return info.port, Info.from_event(event)
+
+    port, info = asyncio.run(run())
+    assert port == tcp_port(daemon)
+    assert TINY in {m.name for program in info.asr for m in program.models}
+
+
+def test_transcription_of_chunks(daemon: Daemon) -> None:
+    samples, _ = recording(CLEAR[:3])
+    text, seen = asyncio.run(transcribe(daemon, samples))
+    assert wer(CLEAR[:3], text) <= 0.10, text
+    assert seen[0] == "transcript-start" and seen[-1] == "transcript-stop" and "transcript-chunk" in seen, seen
+
+
+def test_synthesis(daemon: Daemon) -> None:
+    async def run() -> tuple[list[Event], bytes]:
+        async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+            await client.write_event(Synthesize(text="Turn off the lights in the kitchen please.").event())
+            events, audio = [], b""
+            while (event := await asyncio.wait_for(client.read_event(), 60)) is not None:
+                events.append(event)
+                if AudioChunk.is_type(event.type):
+                    audio += AudioChunk.from_event(event).audio
+                if AudioStop.is_type(event.type):
+                    return events, audio
+        raise AssertionError(events)
+
+    events, audio = asyncio.run(run())
+    start = AudioStart.from_event(events[0])
+    seconds = len(audio) / 2 / start.rate
+    samples = np.frombuffer(audio, "<i2").astype(np.float32) / 32768
+    assert start.width == 2 and start.channels == 1 and 1.0 < seconds < 6.0, seconds
+    assert float(np.sqrt(np.mean(samples**2))) > 0.02  # speech, not silence
+
+
+def batched_calls(daemon: Daemon, model: str) -> int:
+    """Engine calls of `model` that ran more than one shard, from /metrics."""
+    with daemon.client() as client:
+        text = client.metrics()
+    found = {}
+    for le, count in re.findall(rf'appliance_batch_size_bucket\{{model="{model}",[^}}]*le="([^"]+)"\}} (\d+)', text):
+        found[le] = int(count)
+    return found["+Inf"] - found["1"]
+
+
+def test_eight_concurrent_clients_share_engine_calls(daemon: Daemon) -> None:
+    clips = [recording([CLEAR[i % len(CLEAR)]], gap_s=0.5, lead_s=0.3)[0] for i in range(8)]
+    before = batched_calls(daemon, TINY)
+
+    async def run() -> list[str]:
+        return [text for text, _ in await asyncio.gather(*(transcribe(daemon, clip) for clip in clips))]
+
+    texts = asyncio.run(run())
+    for i, text in enumerate(texts):
+        assert wer(CLEAR[i % len(CLEAR)], text) == 0.0, (i, text)
+    assert batched_calls(daemon, TINY) > before  # some engine call ran shards of several clients
+    with daemon.client() as client:
+        metrics = client.metrics()
+    count = re.search(
+        rf'appliance_live_latency_seconds_count{{model="{TINY}",protocol="wyoming",until="transcript"}} (\d+)', metrics
+    )
+    assert count and int(count[1]) >= 8, metrics[-1500:]
+
+
+def test_client_leaving_mid_stream_and_bad_events(daemon: Daemon) -> None:
+    path = wyoming_socket(daemon)
+
+    async def leave() -> None:
+        async with AsyncUnixClient(path) as client:
+            await client.write_event(Transcribe(name=TINY).event())
+            await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
+            await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=b"\x00\x10" * RATE).event())
+
+    asyncio.run(leave())
+
+    def raw(data: bytes) -> list[dict]:
+        """The JSON documents (event headers and their data) the box answers, until it closes."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(path))
+            sock.sendall(data)
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+        return [json.loads(line) for line in received.splitlines() if line.startswith(b"{")]
+
+    assert raw(b"this is not json\n")[0]["type"] == "error"
+    over = json.dumps(
+        {"type": "audio-chunk", "data": {"rate": 16000, "width": 2, "channels": 1}, "payload_length": 10**9}
+    )
+    answer = raw(over.encode() + b"\n")
+    assert answer[0]["type"] == "error" and "payload_length" in answer[1]["text"], answer
+    assert raw(b"x" * (70 << 10))[0]["type"] == "error"  # a header line past the bound
+    samples, _ = recording(CLEAR[:1], gap_s=0.3, lead_s=0.3)
+    assert wer(CLEAR[0], asyncio.run(transcribe(daemon, samples))[0]) == 0.0  # served on
