@@ -29,7 +29,6 @@ from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, Speaker
 from appliance.kinds.streaming import guarded
 from appliance.kinds.text import checked_text
 from appliance.protocol.messages import Request, Response
-from appliance.tasks import off_loop
 
 log = logging.getLogger("appliance.api")
 

@@ -35,9 +35,9 @@ from appliance.front.channel import (
     serve_tickets,
     unpack_body,
 )
+from appliance.front.sessions import EngineEnd, run_session, to_session
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import error_response
-from appliance.front.sessions import EngineEnd, run_session, to_session
 from appliance.protocol.peers import Peer, Totals
 from appliance.tasks import spawn
 from appliance.transport.quic_guards import TicketStore

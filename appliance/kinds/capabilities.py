@@ -6,7 +6,7 @@ kind's engine (a VAD-only firmware never imports CTranslate2, fxtranslate or sen
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
