@@ -16,16 +16,19 @@ import socket
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api import wyoming
-from appliance.api.core import Api
+from appliance.api.core import Api, streaming
 from appliance.config import Config, Live, ServerConfig, worker_count
 from appliance.errors import ApplianceError
-from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor, quic_sockets, worker_keys
+from appliance.front.quic_sockets import quic_sockets, worker_keys
+from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
+from appliance.tasks import LOOP_LAG, arm_failpoints, spawn
 from appliance.tls import tls_identity
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import ConnectionCache, open_cache
@@ -37,10 +40,13 @@ log = logging.getLogger("appliance")
 
 EXIT_START_FAILED = exitcodes.START_FAILED
 EXIT_ABANDONED = 1  # stopped, but work was abandoned in a wedged engine
+EXIT_TASK_FAILED = 1  # stopped because a task it needs crashed (logged)
 EXPIRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
 ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to finish its batch
 STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process exits, blocked or not
+START_STEP_S = 600.0  # each step of the start (a model loaded, one warmed up) extends systemd's timeout this much
+STOP_WHILE_STARTING_S = 1.0  # a stop during start-up: the process exits this soon, loading or not
 
 
 def bind_unix_socket(server: ServerConfig) -> socket.socket:
@@ -90,6 +96,8 @@ class Daemon:
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
+        self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
+        self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
         self.wyoming: wyoming.Listeners | None = None
 
     @property
@@ -107,8 +115,12 @@ class Daemon:
         manifest = bundle.manifest
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
-        self.models = load_models(bundle, self.live)
+        systemd.extend_start(START_STEP_S, "loading models")
+        self.models = load_models(
+            bundle, self.live, lambda name: systemd.extend_start(START_STEP_S, f"model {name} loaded; loading the next")
+        )
         for model in self.models.values():
+            systemd.extend_start(START_STEP_S, f"warming up model {model.name}")
             model.start()
             try:
                 await model.probe()
@@ -118,6 +130,7 @@ class Daemon:
                 first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
+        arm_failpoints()  # warmed up: a test's failpoints may fire from now on
         self.api = Api(manifest, self.models, self.live)
         bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
         self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics)
@@ -254,25 +267,46 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, self._overdue)
+        starting = loop.create_task(self.start())  # awaited below: its failure is a failed start, one line
+        stop = spawn(self.stopping.wait(), "the stop signal")
+        await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()  # a stop during start-up: no need to finish warming up
+            log.info("stopped during start-up")
         try:
-            server = await self.start()
-        except BaseException:
+            server = await starting
+        except BaseException as exc:
             if self.supervisor is not None:
                 self.supervisor.abort()
             await self._stop_models()
             self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
+            if isinstance(exc, asyncio.CancelledError) and self.stopping.is_set():
+                return 0
             raise
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
-        tasks = [loop.create_task(self._expire_idle_sequences()), loop.create_task(self._report_status())]
+        tasks = self.tasks = [
+            spawn(self._expire_idle_sequences(), "the idle sequence expiry", self._fail),
+            spawn(self._report_status(), "the status report", self._fail),
+            spawn(LOOP_LAG.run(), "the event loop lag probe", self._fail),
+        ]
         if self.h3 is not None:
-            tasks.append(loop.create_task(self.h3.sweep_connection_cache()))
+            tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._fail))
         if (interval := systemd.watchdog_interval()) is not None:
-            tasks.append(loop.create_task(self._watchdog(interval)))
-        await self.stopping.wait()
+            tasks.append(spawn(self._watchdog(interval), "the watchdog", self._fail))
+        await stop
+        if self.failed:
+            await self.shutdown(server)
+            return EXIT_TASK_FAILED
         await self.shutdown(server)
         for task in tasks:
             task.cancel()
         return 0
+
+    def _fail(self, _: BaseException) -> None:
+        """A task the daemon cannot serve without died (spawn logged it): stop, and exit non-zero so
+        that systemd restarts the daemon."""
+        self.failed = True
+        self.stopping.set()
 
     async def _expire_idle_sequences(self) -> None:
         while True:
@@ -371,10 +405,14 @@ class Daemon:
                 listener.close()
         if self.wyoming is not None:
             await self.wyoming.close()
-        while (self._in_flight() or live()) and time.monotonic() < deadline:
+        while (self._in_flight() or streaming(self.models.values())) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._in_flight() or live():
+        if self._in_flight() or streaming(self.models.values()):
             log.warning("grace time over: %d requests and %d sequences abandoned", self._in_flight(), live())
+        elif idle := live():
+            log.info("stopping: %d idle sequences ended", idle)
+        for task in self.tasks:  # drained: the sweep and the rest must not outlive the sockets they read
+            task.cancel()
         for http in (self.http, self.https):
             if http is not None:
                 http.close_all()
@@ -397,11 +435,18 @@ class Daemon:
                     path.unlink()
 
     def _stop_deadline_s(self) -> float:
+        if self.api is None or not self.api.ready:  # still starting: nothing is served yet, nothing to drain
+            return STOP_WHILE_STARTING_S
         return self.config.server.shutdown_grace_s + STOP_MARGIN_S
 
     def _overdue(self) -> None:
         """From the signal thread: the stop did not end in time, so the event loop itself is blocked
-        (an engine call that never returns, run on the loop). Say what is lost and exit."""
+        (an engine call that never returns, run on the loop), or a stop came while models were still
+        loading or warming up (nothing served yet). Say what is lost and exit."""
+        if self.api is None or not self.api.ready:
+            log.info("stopped during start-up (models were loading or warming up)")
+            logging.shutdown()
+            os._exit(0)
         in_flight = self._in_flight()
         sequences = sum(len(m.sequences) for m in self.models.values())
         log.error(

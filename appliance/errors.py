@@ -8,11 +8,18 @@ class ApplianceError(Exception):
 class ApiError(Exception):
     status: int = 400
 
-    def __init__(self, message: str, status: int | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        param: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
         if status is not None:
             self.status = status
         self.param = param  # the request field at fault, where one is (OpenAI's errors name it)
+        self.headers = list(headers)  # answered with the error (Retry-After, say)
 
     @property
     def message(self) -> str:
@@ -33,3 +40,11 @@ class TooManyRequests(ApiError):
 
 class Unavailable(ApiError):
     status = 503
+
+
+class QueueFull(Unavailable):
+    """A model's queue is at its bound (engine.max_queue_size) or a request waited past its timeout:
+    refused at once with a 503 and Retry-After, as Triton's default_queue_policy refuses."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, 503, headers=(("Retry-After", str(retry_after_s)),))

@@ -43,6 +43,11 @@ def reloading() -> None:
     )
 
 
+def extend_start(seconds: float, text: str) -> None:
+    """The start made progress: systemd waits up to `seconds` more for the next step (or READY=1)."""
+    notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}", f"STATUS={text}")
+
+
 def watchdog_ping() -> None:
     notify("WATCHDOG=1")
 

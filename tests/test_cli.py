@@ -246,6 +246,8 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "pipeline_depth": 5,
         "shutdown_grace_s": 0.1,
         "workers": 3,
+        "stream_window_bytes": 4097,
+        "request_timeout_s": 12.5,
     },
     "quic": {
         "enabled": True,
@@ -275,7 +277,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "pin_dir": "bpf/pins",
     },
     "firmware": {"bundle": "../fw/current", "trusted_keys": "keys dir/trusted"},
-    "engine": {"device": "auto", "threads": 8, "queue_delay_us": 250},
+    "engine": {"device": "auto", "threads": 8, "queue_delay_us": 250, "max_queue_size": 7, "queue_timeout_s": 0.5},
     "sequences": {"idle_timeout_s": 0.3333333333333333, "max_live": 5, "max_per_client": 3},
     "vad": {"threshold": 0.123456789012345, "min_speech_ms": 1, "min_silence_ms": 2, "speech_pad_ms": 0},
     "log": {"level": "debug"},

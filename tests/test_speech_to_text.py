@@ -7,7 +7,9 @@ from __future__ import annotations
 import io
 import re
 import shutil
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,18 +122,24 @@ def test_spanish_speech_translated_to_english(openai_client: openai.OpenAI) -> N
     assert {"music", "brother", "red"} <= set(text.split()), answer.text
 
 
-def test_ten_minute_recording_streams_every_sentence_in_order_with_times(unix: Client) -> None:
+@pytest.fixture(scope="module")
+def ten_minutes() -> tuple[np.ndarray, list[str], list[tuple[float, float]]]:
+    """Ten minutes of speech: the sentences in turn, pauses of 0.8 to 3 s between; when each is said."""
     rng = np.random.default_rng(7)
     sentences: list[str] = []
     parts, spans, position = [], [], 0
-    while position < 600 * RATE:  # ten minutes: the sentences in turn, pauses of 0.8 to 3 s between
+    while position < 600 * RATE:
         text = ENGLISH[len(sentences) % len(ENGLISH)]
         sentences.append(text)
         voice, gap = say(text), int(rng.uniform(0.8, 3.0) * RATE)
         spans.append((position / RATE, (position + len(voice)) / RATE))
         parts += [voice, np.zeros(gap, np.float32)]
         position += len(voice) + gap
-    samples = np.concatenate(parts)
+    return np.concatenate(parts), sentences, spans
+
+
+def test_ten_minute_recording_streams_every_sentence_in_order_with_times(unix: Client, ten_minutes) -> None:
+    samples, sentences, spans = ten_minutes
     assert len(samples) >= 600 * RATE
     lines = list(unix.stream_transcribe(flac(samples), TINY))
     segments, summary = lines[:-1], lines[-1]
@@ -331,3 +339,61 @@ def test_a_build_refuses_assembled_weights_whose_hash_is_not_pinned(keys: Keys, 
     )
     assert result.returncode != 0 and result.stderr.strip().splitlines()[-1].endswith("the spec pins " + "0" * 64)
     assert not (tmp_path / "out").exists()
+
+
+def whisper_metric(client: Client, name: str, model: str = BASE) -> float:
+    for line in client.metrics().splitlines():
+        if line.startswith(f'{name}{{model="{model}"'):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for {model}")
+
+
+def test_a_ten_minute_transcription_abandoned_after_2_s_stops_within_one_engine_call(
+    daemon: Daemon, unix: Client, ten_minutes
+) -> None:
+    """Its client leaves after 2 s: its shards leave the queue, at most the engine call under way runs
+    on (its results dropped), and the engine's CPU time stops rising."""
+    body = flac(ten_minutes[0])
+    before = whisper_metric(unix, "nv_inference_count")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(daemon.socket))
+    head = f"POST /v2/models/{BASE}/transcribe HTTP/1.1\r\nhost: box\r\ncontent-type: audio/flac\r\n"
+    sock.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(2.0)
+    deadline = time.monotonic() + 60
+    while whisper_metric(unix, "appliance_queue_depth") == 0:  # until its shards wait for Whisper
+        assert time.monotonic() < deadline, "no shard of the recording reached Whisper"
+        time.sleep(0.05)
+    sock.close()
+    deadline = time.monotonic() + 90
+    while True:  # until the engine is quiet: a second with under 0.3 s of CPU
+        spent = daemon.cpu_seconds()
+        time.sleep(1.0)
+        if daemon.cpu_seconds() - spent < 0.3:
+            break
+        assert time.monotonic() < deadline, "the engine is still busy 90 s after its only client left"
+    assert whisper_metric(unix, "appliance_queue_depth") == 0
+    ran = whisper_metric(unix, "nv_inference_count") - before
+    assert ran <= 2 * 8, f"{ran} shards of the abandoned recording ran (max_batch 8: one call, and one starting)"
+    assert whisper_metric(unix, "appliance_cancelled_work_total") > 0
+    time.sleep(5.0)  # nothing of it comes back later (a VAD left cutting would send more shards)
+    assert whisper_metric(unix, "nv_inference_count") - before == ran, "shards of the abandoned recording ran later"
+
+
+def test_a_silent_live_stream_costs_the_same_at_any_age(daemon: Daemon, unix: Client) -> None:
+    """Fifteen minutes of near silence fed as fast as the answers come: the audio the stream keeps is
+    bounded, so its last chunks cost no more than twice its first, and the daemon does not grow."""
+    chunk = (np.random.default_rng(3).standard_normal(CHUNK) * 1e-4).astype(np.float32)
+    count = 15 * 60 * RATE // CHUNK
+    grown_from, costs = 0, []
+    for i in range(count):
+        if i == 220:  # after the first stretch: the engines' arenas have grown to what a chunk needs
+            grown_from = daemon.rss_kib()
+        started = time.perf_counter()
+        out = unix.live(chunk, TINY, 90210, start=i == 0, end=i == count - 1)
+        costs.append(time.perf_counter() - started)
+        assert not len(out["text"]), out
+    # the 10th percentile of each stretch: what a chunk costs, less what other work on this machine adds
+    first, last = float(np.percentile(costs[20:220], 10)), float(np.percentile(costs[-200:], 10))
+    assert last <= 2 * first, f"a chunk took {first * 1e3:.1f} ms at first and {last * 1e3:.1f} ms after 15 minutes"
+    assert daemon.rss_kib() - grown_from < 32 << 10

@@ -32,7 +32,8 @@ from appliance.config import Config, ConnCacheConfig, Live
 from appliance.protocol.messages import Request, Response
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import STEERING_MAP, ConnectionCache, KernelCache, open_cache
-from appliance.transport.h3 import H3Server, tag_cid, tag_connection_ids
+from appliance.transport.h3 import H3Server
+from appliance.transport.steering_ids import tag_cid, tag_connection_ids
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")
 PROBE = b"\x40" + bytes(8) + b"probe"  # short header, key 0: never a worker's, so the kernel's hash picks

@@ -257,3 +257,15 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "DeviceAllow=/dev/nvidiactl rw",
     ):
         assert line in service
+
+
+def test_each_start_step_extends_systemds_start_timeout(activate) -> None:
+    """EXTEND_TIMEOUT_USEC with every step of the start (loading, each model loaded, each warm-up),
+    all before READY=1: a slow machine making progress is not killed at TimeoutStartSec."""
+    d = activate()
+    with d.client() as client:
+        assert client.health()["ready"]
+    ready = d.notify.wait_for("READY=1")
+    extends = [t for t in d.notify.times("EXTEND_TIMEOUT_USEC=600000000") if t <= ready]
+    assert len(extends) >= 3, d.notify.messages  # loading, silero_vad loaded, warming up silero_vad
+    assert "warming up model silero_vad" in d.notify.statuses()

@@ -43,4 +43,6 @@ async def openai_errors(answering: Awaitable[Response]) -> Response:
     try:
         return await answering
     except ApiError as exc:
-        return json_response(exc.status, openai_error(exc.status, exc.message, exc.param))
+        response = json_response(exc.status, openai_error(exc.status, exc.message, exc.param))
+        response.headers += exc.headers
+        return response

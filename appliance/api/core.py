@@ -24,13 +24,16 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+import numpy as np
 
 from appliance import __version__
 from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, page, realtime, repository
@@ -45,9 +48,10 @@ from appliance.protocol.encoding import accepted_coding, compress
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
 from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
+from appliance.tasks import off_loop
 
 log = logging.getLogger("appliance.api")
-OFF_LOOP_BYTES = 1 << 20
+STREAMING_S = 1.0  # a sequence that had a request this recently is streaming (a stop waits for it)
 COMPRESSED_ENDPOINTS = ("infer", "metrics")
 
 # Triton's names for the protocol extensions served here (`segments` and `metrics` are routes of ours)
@@ -122,8 +126,12 @@ class Api:
                     break
             else:
                 raise NotFound(f"no route for {url.path}")
+        except asyncio.CancelledError:  # the client went away (protocol/flow.py): counted, not answered
+            self.metrics.cancelled += 1
+            raise
         except ApiError as exc:
             response = error_response(exc.status, exc.message, url.path)
+            response.headers += exc.headers
         except Exception:
             log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
             response = error_response(500, "internal error (logged)", url.path)
@@ -145,6 +153,8 @@ class Api:
                 extra=self._log_fields(request, params),
             )
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
+        if response.stream is not None:
+            response.stream = _counted(response.stream, self.metrics)
         return response
 
     @staticmethod
@@ -166,8 +176,8 @@ class Api:
         return task if any(task in m.tasks for m in self.models.values()) else "unknown"
 
     def keep_connections(self) -> bool:
-        """While draining, a connection stays open only as long as some sequence may still stream on it."""
-        return not self.draining or any(len(m.sequences) for m in self.models.values())
+        """While draining, a connection stays open only as long as some sequence is still streaming on it."""
+        return not self.draining or streaming(self.models.values()) > 0
 
     # --- metadata and health ----------------------------------------------------------------------
 
@@ -288,10 +298,7 @@ class Api:
     async def _infer(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
         json_length = request.headers.get(HEADER_LENGTH)
-        if len(request.body) > OFF_LOOP_BYTES:  # a large JSON body takes long to decode: not on the loop
-            infer = await asyncio.to_thread(decode_infer, request.body, json_length)
-        else:
-            infer = decode_infer(request.body, json_length)
+        infer = await off_loop(len(request.body), decode_infer, request.body, json_length)
         sequence = _sequence_call(infer.parameters)
         if self.draining and sequence is not None and sequence.start:
             raise Unavailable("shutting down: no new sequences; open ones may finish")
@@ -312,7 +319,10 @@ class Api:
         out_params: dict[str, Any] = {}
         if sequence is not None:
             out_params = {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}
-        body, header_length = encode_infer(model.name, self.manifest.version, infer, outputs, out_params)
+        size = sum(a.nbytes for a in outputs.values() if isinstance(a, np.ndarray))  # JSON of 10 M samples: seconds
+        body, header_length = await off_loop(
+            size, encode_infer, model.name, self.manifest.version, infer, outputs, out_params
+        )
         headers = [] if header_length is None else [("Inference-Header-Content-Length", str(header_length))]
         content_type = "application/json" if header_length is None else "application/octet-stream"
         return Response(200, body, content_type, headers, opened=opened)
@@ -328,12 +338,29 @@ class Api:
         return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
 
 
+def streaming(models: Iterable[ServedModel]) -> int:
+    """Open sequences that are streaming: a request in flight, or one in the last STREAMING_S. A stop
+    waits for these alone; idle ones end with it at once."""
+    now = time.monotonic()
+    return sum(m.sequences.streaming(now, STREAMING_S) for m in models)
+
+
+async def _counted(stream: AsyncGenerator[bytes, None], metrics: prometheus.Metrics) -> AsyncGenerator[bytes, None]:
+    """A streamed answer; one its client left before the end counts as cancelled."""
+    whole = False
+    try:
+        async with contextlib.aclosing(stream) as pieces:
+            async for piece in pieces:
+                yield piece
+        whole = True
+    finally:
+        if not whole:
+            metrics.cancelled += 1
+
+
 async def _compressed(response: Response, coding: str) -> Response:
     """The response in the coding the client accepts (streamed bodies go as they are)."""
-    if len(response.body) > OFF_LOOP_BYTES:
-        body = await asyncio.to_thread(compress, response.body, coding)
-    else:
-        body = compress(response.body, coding)
+    body = await off_loop(len(response.body), compress, response.body, coding)
     headers = [*response.headers, ("Content-Encoding", coding)]
     return dataclasses.replace(response, body=body, headers=headers)
 

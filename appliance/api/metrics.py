@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from appliance.kinds.base import ServedModel
+from appliance.protocol import flow
 from appliance.protocol.peers import PeerTable
+from appliance.tasks import LAG_BUCKETS, LOOP_LAG
 
 LATENCY_BUCKETS = (
     0.0001,
@@ -58,6 +60,7 @@ class Metrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, int], int] = {}
         self.latency: dict[str, Histogram] = {}
+        self.cancelled = 0  # requests whose client went away before their answer was whole
         self.live_latency: dict[tuple[str, str, str], Histogram] = {}  # by model, protocol and until what
 
     def observe_live(self, model: str, protocol: str, seconds: float, until: str = "transcript") -> None:
@@ -155,6 +158,7 @@ def render(
     for lines in sections.values():
         out += lines
     out += _triton_lines(models, version)
+    out += _flow_lines(metrics, models)
     if conncache is not None:
         out += _conncache_lines(conncache)
     if workers:
@@ -218,7 +222,57 @@ WORKER_METRICS = (
     ("appliance_worker_quic_stray_datagrams_total", "counter",
      "Short-header datagrams for a connection the worker does not hold (steering missed, or a restart).",
      lambda w: w.get("quic_stray_datagrams", 0)),
+    ("appliance_worker_stream_held_bytes", "gauge",
+     "Bytes of streamed answers the worker holds for clients that have not taken them.",
+     lambda w: w.get("held_bytes", 0)),
+    ("appliance_worker_stream_held_bytes_max", "gauge", "The most bytes the worker holds for one streamed answer.",
+     lambda w: w.get("held_largest_bytes", 0)),
+    ("appliance_worker_event_loop_lag_seconds", "gauge", "How late the worker's event loop ran a timer lately.",
+     lambda w: w.get("loop_lag_s", 0.0)),
 )  # fmt: skip
+
+
+MODEL_FLOW_METRICS = (
+    ("appliance_queue_refused_total", "counter",
+     "Requests refused at a full queue (engine.max_queue_size), answered 503 with Retry-After.", lambda m: m.stats.refused),
+    ("appliance_queue_timed_out_total", "counter",
+     "Requests that waited past engine.queue_timeout_s, answered 503 with Retry-After.", lambda m: m.stats.timed_out),
+    ("appliance_cancelled_work_total", "counter",
+     "Shards or frames whose client went away: dropped from the queue, or their results dropped.",
+     lambda m: m.stats.dropped),
+    ("appliance_engine_loop_crashes_total", "counter",
+     "Times the model's engine loop or batch queue crashed (its requests got a 500) and was restarted.",
+     lambda m: m.stats.crashes),
+)  # fmt: skip
+
+
+def _flow_lines(metrics: Metrics, models: list[ServedModel]) -> list[str]:
+    """Flow control, cancellation, queue policy and the event loop's lag of the engine process
+    (protocol/flow.py; each worker's own are in its appliance_worker_ lines)."""
+    held = flow.held()
+    out = [
+        "# HELP appliance_requests_cancelled_total Requests whose client went away before their answer was whole.",
+        "# TYPE appliance_requests_cancelled_total counter",
+        f"appliance_requests_cancelled_total {metrics.cancelled}",
+        "# HELP appliance_stream_held_bytes Bytes of streamed answers held for clients that have not taken them.",
+        "# TYPE appliance_stream_held_bytes gauge",
+        f"appliance_stream_held_bytes {held.total}",
+        "# HELP appliance_stream_held_bytes_max The most bytes held for one streamed answer (bound: stream_window_bytes).",
+        "# TYPE appliance_stream_held_bytes_max gauge",
+        f"appliance_stream_held_bytes_max {held.largest}",
+        "# HELP appliance_event_loop_lag_seconds How late the event loop ran a timer lately (CPU work on the loop).",
+        "# TYPE appliance_event_loop_lag_seconds gauge",
+        f"appliance_event_loop_lag_seconds {LOOP_LAG.last:.6f}",
+        "# HELP appliance_event_loop_lag_duration_seconds The event loop's lag, every 0.1 s.",
+        "# TYPE appliance_event_loop_lag_duration_seconds histogram",
+    ]
+    lag = Histogram(LAG_BUCKETS)
+    lag.counts, lag.sum, lag.count = list(LOOP_LAG.counts), LOOP_LAG.sum, LOOP_LAG.count
+    out += lag.lines("appliance_event_loop_lag_duration_seconds")
+    for name, kind, help_text, value in MODEL_FLOW_METRICS:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        out += [f'{name}{{model="{m.name}"}} {value(m)}' for m in models]
+    return out
 
 
 def _worker_lines(workers: list[dict[str, Any]]) -> list[str]:

@@ -29,8 +29,9 @@ from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Transcriber
 from appliance.kinds.counting import counted
 from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, SUBTITLES, Options, Segment, render, word_json
-from appliance.kinds.streaming import guarded, query_flag
+from appliance.kinds.streaming import guarded, query_flag, whole
 from appliance.protocol.messages import Request, Response
+from appliance.tasks import off_loop
 
 FIELDS = {
     "file",
@@ -110,7 +111,7 @@ def parse_form(request: Request) -> tuple[dict[str, str], dict[str, list[str]], 
 
 
 async def answer(models: dict[str, ServedModel], request: Request, task: str) -> Response:
-    fields, lists, audio = parse_form(request)
+    fields, lists, audio = await off_loop(len(request.body), parse_form, request)  # a 64 MiB form: not on the loop
     if task == "translate" and "language" in fields:
         raise BadRequest(
             "translations take no 'language': the speech's language is detected, the text is English", param="language"
@@ -159,7 +160,7 @@ async def _transcribed(
     if stream:
         events = _events(segments, model.name, "word" in granularities)
         return Response(200, content_type="text/event-stream", stream=events)
-    found = [s async for s in segments]
+    found = await whole(segments)
     shown = tuple(granularities) or ("segment",)
     return render(found, response_format, options.task, len(samples) / SAMPLE_RATE, shown)
 

@@ -205,6 +205,7 @@ def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame
     latencies = []
     with Client(socket_path) as live:
         live.speech_probs(frame, sequence_id="live-during-recording", start=True)
+        lag_before = live.metrics()
         threading.Thread(target=segment, daemon=True).start()
         while not finished.is_set():
             t = time.perf_counter()
@@ -212,10 +213,36 @@ def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame
             latencies.append(time.perf_counter() - t)
             time.sleep(max(0.0, frame_s - latencies[-1]))
         live.speech_probs(frame, sequence_id="live-during-recording", end=True)
+        lag_ms = loop_lag_p99_ms(lag_before, live.metrics())
     ms = np.asarray(latencies) * 1e3
     return {
         "p99_ms": round(float(np.percentile(ms, 99)), 1),
         "max_ms": round(float(ms.max()), 1),
         "frames": len(ms),
         "recording_s": round(took[0], 2),
+        "loop_lag_p99_ms": lag_ms,
     }
+
+
+LAG_BUCKET = "appliance_event_loop_lag_duration_seconds_bucket"
+
+
+def loop_lag_p99_ms(before: str, after: str) -> float:
+    """The engine process's event-loop lag between two /metrics scrapes, 99th percentile: the upper
+    bound of the histogram bucket it falls in (inf past the last)."""
+
+    def buckets(text: str) -> dict[float, float]:
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(LAG_BUCKET):
+                bound = line.split('le="', 1)[1].split('"', 1)[0]
+                out[float(bound)] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    start, end = buckets(before), buckets(after)
+    counts = {bound: end[bound] - start.get(bound, 0.0) for bound in sorted(end)}
+    total = counts.get(float("inf"), 0.0)
+    for bound, cumulative in counts.items():
+        if total and cumulative >= 0.99 * total:
+            return round(bound * 1e3, 1)
+    return 0.0

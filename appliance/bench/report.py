@@ -51,6 +51,7 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  live stream during a 34 min recording  p99 {live['p99_ms']} ms (max {live['max_ms']} ms, {live['frames']} frames; "
         f"recording took {live['recording_s']} s)   target <= {TARGETS['live_p99_ms']:.0f} ms   {mark[ok['live_p99_ms']]}"
     )
+    lines.append(f"  event-loop lag meanwhile           p99 <= {live['loop_lag_p99_ms']} ms (the histogram's bucket)")
     lines.append(f"  daemon resident memory             {r['rss_mib']} MiB   target < 250 MiB   {mark[ok['rss_mib']]}")
     lines.append("  one-frame binary infer, by transport (median / p99 latency, requests per second):")
     rows = [(f"daemon {name.replace('_', ', ')} streams", v) for name, v in r["transports"].items()]

@@ -40,6 +40,10 @@ class ServerConfig:
     # protocol worker processes running the transports (0: chosen by the machine's cores, see
     # worker_count); 1: the transports run in the engine process itself
     workers: int = 0
+    # of one streamed answer, the bytes held for a client that has not taken them, at each hop (the
+    # worker channel's credit, HTTP/3's stream send buffer, HTTP/1.1's write buffer): see protocol/flow.py
+    stream_window_bytes: int = 256 << 10
+    request_timeout_s: float = 3600.0  # a worker waits this long for the engine's answer to a request
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,10 @@ class EngineConfig:
     device: str = "cpu"
     threads: int = 2  # intra-op threads for large batches; small ones run on one
     queue_delay_us: int = 0
+    # each model's queue, as Triton's dynamic_batching.default_queue_policy: requests waiting past
+    # max_queue_size are refused, and those waiting longer than queue_timeout_s get a 503 (0: no timeout)
+    max_queue_size: int = 128
+    queue_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +294,9 @@ def _check_values(config: Config) -> None:
         "server.body_timeout_s": config.server.body_timeout_s,
         "server.keepalive_timeout_s": config.server.keepalive_timeout_s,
         "server.pipeline_depth": config.server.pipeline_depth,
+        "server.stream_window_bytes": config.server.stream_window_bytes,
+        "server.request_timeout_s": config.server.request_timeout_s,
+        "engine.max_queue_size": config.engine.max_queue_size,
         "quic.idle_timeout_s": config.quic.idle_timeout_s,
         "quic.max_connections": config.quic.max_connections,
         "quic.stream_idle_timeout_s": config.quic.stream_idle_timeout_s,
@@ -323,6 +334,8 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
+    if config.engine.queue_timeout_s < 0:
+        raise ApplianceError(f"{source}: engine.queue_timeout_s: must not be negative (0: no timeout)")
     if not 0.0 < config.vad.threshold < 1.0:
         raise ApplianceError(f"{source}: vad.threshold: must be between 0 and 1")
     for key in ("min_speech_ms", "min_silence_ms", "speech_pad_ms"):  # as a request's own values are checked
@@ -342,9 +355,13 @@ RELOADABLE_KEYS = frozenset(
         "server.body_timeout_s",
         "server.keepalive_timeout_s",
         "server.pipeline_depth",
+        "server.stream_window_bytes",
+        "server.request_timeout_s",
         "https.max_connections",
         "https.alt_svc",
         "engine.queue_delay_us",
+        "engine.max_queue_size",
+        "engine.queue_timeout_s",
         "sequences.idle_timeout_s",
         "sequences.max_live",
         "sequences.max_per_client",

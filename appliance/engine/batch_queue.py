@@ -8,7 +8,8 @@ waiting request's first shard goes before anyone's second: a new request's first
 held up behind a long text. Only shards of one `group` run together (speech at one speed: the
 graph takes one set of scales per call), and at most `per_request` shards of one request, where
 the kind sets it. Shards that arrive while a batch runs join the next one. A cancelled future
-(the client went away) drops its shard if it has not started.
+(the client went away) drops its shard if it has not started, and the results of one that ran meanwhile.
+The model's QueuePolicy bounds the requests waiting and how long a shard may wait (a 503 past either).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats
+from appliance.errors import Unavailable
+from appliance.tasks import failpoint, spawn
 
 COMING_WAIT_S = 0.2  # the longest a batch waits for shards `coming` says are on their way
 COMING_POLL_S = 0.005
@@ -53,14 +57,14 @@ class BatchQueue(Generic[T, R]):
         run_batch: Callable[[list[T]], list[R]],
         max_batch: int,
         stats: ModelStats,
-        queue_delay_s: Callable[[], float] = lambda: 0.0,
+        policy: QueuePolicy,
         per_request: int | None = None,
         coming: Callable[[], bool] = lambda: False,
     ) -> None:
         """`run_batch` runs on the queue's thread; each call is an execution in `stats`. `coming`: whether
         shards are about to arrive (speech to text: a recording is in its VAD); a batch that is not full
         and holds no urgent shard waits for them up to COMING_WAIT_S."""
-        self.run_batch, self.max_batch, self.stats, self.queue_delay_s = run_batch, max_batch, stats, queue_delay_s
+        self.run_batch, self.max_batch, self.stats, self.policy = run_batch, max_batch, stats, policy
         self.per_request, self.coming = per_request or max_batch, coming
         self._waiting: list[_Shard[T, R]] = []
         self._running = 0
@@ -71,14 +75,27 @@ class BatchQueue(Generic[T, R]):
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or self._running > 0
+        return self.waiting > 0 or self._running > 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Shards waiting for a batch (those whose caller went away are not: the next batch drops them)."""
+        return sum(not s.future.done() for s in self._waiting)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="batch-queue")
+        self._task = spawn(self._run(), f"the batch queue of model {self.policy.model}", self._crashed)
+
+    def _crashed(self, error: BaseException) -> None:
+        """The queue's loop died (a bug of ours, logged by spawn): its requests get a 500 naming the
+        model now instead of waiting forever, and a new loop serves the next ones."""
+        failed = Unavailable(f"model {self.policy.model}: its batch queue crashed (logged); retry", 500)
+        for shard in self._waiting:
+            if not shard.future.done():
+                shard.future.set_exception(failed)
+        self._waiting, self._running = [], 0
+        self.stats.crashes += 1
+        if self._task is not None:  # not stopped meanwhile
+            self.start()
 
     async def stop(self, timeout_s: float) -> bool:
         """Finish the batch under way; False when it did not finish within `timeout_s` (wedged)."""
@@ -88,25 +105,56 @@ class BatchQueue(Generic[T, R]):
         finished = not self._running
         if self._task is not None:
             self._task.cancel()
+            self._task = None
         self._thread.shutdown(wait=finished, cancel_futures=True)
         return finished
 
-    def submit(self, payloads: list[T], group: Hashable = None, urgent: bool = False) -> list[asyncio.Future[Done[R]]]:
+    def submit(
+        self,
+        payloads: list[T],
+        group: Hashable = None,
+        urgent: bool = False,
+        owner: int | None = None,
+        first_index: int = 0,
+    ) -> list[asyncio.Future[Done[R]]]:
         """Queue one request's shards, in order; a future per shard. `urgent` shards (a live stream's)
-        go before every waiting shard that is not."""
-        loop, owner = asyncio.get_running_loop(), next(self._owners)
+        go before every waiting shard that is not, and are never refused. A request that submits its
+        shards a few at a time passes its `owner` (from `new_owner`, which admits it) and the index of
+        the first; one that submits them at once is admitted here."""
+        loop = asyncio.get_running_loop()
+        if owner is None:
+            owner = self.new_owner(urgent)
         futures: list[asyncio.Future[Done[R]]] = []
-        for index, payload in enumerate(payloads):
+        for index, payload in enumerate(payloads, first_index):
             future: asyncio.Future[Done[R]] = loop.create_future()
+            future.add_done_callback(self._count_cancelled)
             order = (-1 if urgent else index, next(self._arrivals))
             self._waiting.append(_Shard(payload, group, owner, order, future))
             futures.append(future)
         self._wake.set()
         return futures
 
+    def _count_cancelled(self, future: asyncio.Future[Done[R]]) -> None:
+        if future.cancelled():  # its caller went away: the shard leaves the queue, or its result is dropped
+            self.stats.dropped += 1
+
+    def new_owner(self, urgent: bool = False) -> int:
+        """A new request's id among the shards; refused (QueueFull) when the queue is at its bound."""
+        if not urgent:
+            self.policy.admit(len({s.owner for s in self._waiting if not s.future.done()}))
+        return next(self._owners)
+
     def _take(self) -> list[_Shard[T, R]]:
         """The next batch: one group, lowest shard index first, at most per_request of one request."""
-        self._waiting = [s for s in self._waiting if not s.future.done()]
+        now, kept = time.perf_counter_ns(), []
+        for shard in self._waiting:
+            if shard.future.done():  # its caller went away (counted then)
+                continue
+            if (overdue := self.policy.overdue(shard.queued_ns, now)) is not None and shard.order[0] >= 0:
+                shard.future.set_exception(overdue)
+            else:
+                kept.append(shard)
+        self._waiting = kept
         if not self._waiting:
             return []
         self._waiting.sort(key=lambda s: s.order)
@@ -137,10 +185,11 @@ class BatchQueue(Generic[T, R]):
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if (delay := self.queue_delay_s()) > 0 and len(self._waiting) < self.max_batch:
+            if (delay := self.policy.delay_s()) > 0 and len(self._waiting) < self.max_batch:
                 await asyncio.sleep(delay)  # Triton's max queue delay: let others join
             await self._wait_for_coming()
             while batch := self._take():
+                failpoint(f"batch_queue:{self.policy.model}")
                 self._running = len(batch)
                 started = time.perf_counter_ns()
                 try:
@@ -151,7 +200,7 @@ class BatchQueue(Generic[T, R]):
                             shard.future.set_exception(exc)
                 else:
                     for shard, result in zip(batch, results):
-                        if not shard.future.done():
+                        if not shard.future.done():  # else its caller went away while it ran: dropped
                             shard.future.set_result(Done(result, started - shard.queued_ns))
                 finally:
                     self._running = 0

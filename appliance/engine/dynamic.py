@@ -16,6 +16,7 @@ through the same members (submit, fill, run_steps, finish, busy, waiting, max_ba
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -44,6 +45,9 @@ class Job:
     def shape_key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         """What must agree for two jobs to share an engine call: every input's shape past the batch axis."""
         return tuple((name, array.shape[1:], array.dtype.str) for name, array in sorted(self.feeds.items()))
+
+
+log = logging.getLogger("appliance.engine")
 
 
 class DynamicBatcher:
@@ -76,6 +80,7 @@ class DynamicBatcher:
         active, waiting = self._active, self._waiting
         while waiting and waiting[0].cancelled:
             job = waiting.popleft()
+            self.stats.dropped += 1
             job.on_done(job, Unavailable("cancelled by its caller"))
         if active or not waiting:
             return sum(job.rows for job in active)
@@ -87,6 +92,7 @@ class DynamicBatcher:
             while waiting and rows < self.max_batch:
                 job = waiting.popleft()
                 if job.cancelled:
+                    self.stats.dropped += 1
                     job.on_done(job, Unavailable("cancelled by its caller"))
                 elif rows + job.rows > self.max_batch:
                     skipped.append(job)
@@ -114,6 +120,7 @@ class DynamicBatcher:
             inferred = time.perf_counter_ns()
             self._split(jobs, outputs)
         except Exception as exc:  # an engine failure fails this batch, not the daemon
+            log.debug("engine %s failed a batch", self.engine.name, exc_info=True)  # its 500 is logged
             error = Unavailable(f"engine {self.engine.name} failed: {exc}", 500)
             return [(job, error) for job in jobs]
         done = time.perf_counter_ns()
@@ -152,3 +159,8 @@ class DynamicBatcher:
     def finish(finished: list[tuple[Job, BaseException | None]]) -> None:
         for job, error in finished:
             job.on_done(job, error)
+
+    def fail_all(self, error: BaseException) -> None:
+        jobs = [*self._active, *self._waiting]
+        self._active, self._waiting = [], deque()
+        self.finish([(job, error) for job in jobs])

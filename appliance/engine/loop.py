@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
+
+from appliance.engine.queue_policy import QueuePolicy
+from appliance.errors import Unavailable
+from appliance.tasks import failpoint, spawn
 
 W = TypeVar("W")
 
@@ -31,6 +36,10 @@ class Schedule(Protocol[W]):
 
     def finish(self, finished: list[tuple[W, BaseException | None]]) -> None: ...
 
+    def fail_all(self, error: BaseException) -> None:
+        """Every work waiting or in the batch ends with `error` (the loop driving it crashed)."""
+        ...
+
 
 class EngineLoop(Generic[W]):
     """Drives a Batcher on the event loop.
@@ -45,17 +54,25 @@ class EngineLoop(Generic[W]):
     OFFLOAD_MIN_BATCH = 4
     STEP_BUDGET_S = 0.004
 
-    def __init__(
-        self, batcher: Schedule[W], queue_delay_s: Callable[[], float], offload_min_batch: int = OFFLOAD_MIN_BATCH
-    ) -> None:
-        self.batcher, self.queue_delay_s = batcher, queue_delay_s  # read per batch: the live config's
+    def __init__(self, batcher: Schedule[W], policy: QueuePolicy, offload_min_batch: int = OFFLOAD_MIN_BATCH) -> None:
+        self.batcher, self.policy = batcher, policy  # read per batch: the live config's
         self.offload_min_batch = offload_min_batch
         self._wake = asyncio.Event()
+        self._requests = 0  # admitted and not answered yet
         self._task: asyncio.Task[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+        self._task = spawn(self._run(), f"the engine loop of model {self.policy.model}", self._crashed)
+
+    def _crashed(self, error: BaseException) -> None:
+        """The loop died (a bug of ours, logged by spawn): its works get a 500 naming the model now
+        instead of waiting forever, and a new loop serves the next ones."""
+        self.batcher.fail_all(Unavailable(f"model {self.policy.model}: its engine loop crashed (logged); retry", 500))
+        self.policy.stats.crashes += 1
+        if self._task is not None:  # not stopped meanwhile
+            self.start()
+            self._wake.set()
 
     async def stop(self, timeout_s: float) -> bool:
         """Finish the batches under way; False when the engine did not within `timeout_s` (a wedged
@@ -66,8 +83,21 @@ class EngineLoop(Generic[W]):
         finished = not self.batcher.busy
         if self._task is not None:
             self._task.cancel()
+            self._task = None
         self._thread.shutdown(wait=finished, cancel_futures=True)
         return finished
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """One request's stay in the queue, from before it submits its works to its answer: refused
+        (QueueFull) when max_queue_size requests are in already. A live stream's frames are not
+        refused (its sequence was admitted when it opened)."""
+        self.policy.admit(self._requests)
+        self._requests += 1
+        try:
+            yield
+        finally:
+            self._requests -= 1
 
     def submit(self, work: W) -> None:
         self.batcher.submit(work)
@@ -79,9 +109,10 @@ class EngineLoop(Generic[W]):
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if (delay := self.queue_delay_s()) > 0 and batcher.waiting < batcher.max_batch:
+            if (delay := self.policy.delay_s()) > 0 and batcher.waiting < batcher.max_batch:
                 await asyncio.sleep(delay)  # Triton's max queue delay: let others join
             while batcher.busy:
+                failpoint(f"engine_loop:{self.policy.model}")
                 if batcher.fill() >= self.offload_min_batch:
                     finished = await loop.run_in_executor(self._thread, batcher.run_steps, self.STEP_BUDGET_S)
                 else:

@@ -14,6 +14,7 @@ Batcher runs one engine call when asked. Open sequences are kept in engine/seque
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from appliance.engine.interface import Engine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, Unavailable
 from appliance.firmware import ModelSpec
+
+log = logging.getLogger("appliance.engine")
 
 
 class FrameModel:
@@ -97,7 +100,7 @@ class Work:
     on_done: Callable[[Work, BaseException | None], None]
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
-    cancelled: bool = False  # its caller went away before it started: never run it
+    cancelled: bool = False  # its caller went away: never run it, or no further
     urgent: bool = False  # a live stream's frames: they go before recordings, and may push one out of the batch
     times: RequestTimes | None = None  # its request's: each engine call it is in adds its compute times once
 
@@ -141,6 +144,10 @@ class Batcher:
         """Move waiting works into the batch (one per sequence, in order, live ones first, pushing
         recordings out for them); return the batch size."""
         active = self._active
+        for work in [w for w in active if w.cancelled]:  # its caller went away while it ran: stop it here
+            active.remove(work)
+            self.stats.dropped += 1
+            work.on_done(work, Unavailable("cancelled by its caller"))
         if self._urgent and len(active) >= self.max_batch:
             pushed = [w for w in active if not w.urgent][-len(self._urgent) :]
             active[:] = [w for w in active if w not in pushed]
@@ -151,6 +158,7 @@ class Batcher:
             while queue and len(active) < self.max_batch:
                 work = queue.popleft()
                 if work.cancelled:
+                    self.stats.dropped += 1
                     work.on_done(work, Unavailable("cancelled by its caller"))
                     continue
                 if id(work.sequence) in busy:
@@ -176,6 +184,7 @@ class Batcher:
                 inferred = time.perf_counter_ns()
                 probs = self.model.absorb(sequences, feeds, out)
             except Exception as exc:  # an engine failure fails this batch, not the daemon
+                log.debug("engine %s failed a batch", self.model.engine.name, exc_info=True)  # its 500 is logged
                 error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
                 failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()
@@ -204,3 +213,8 @@ class Batcher:
     def finish(finished: list[tuple[Work, BaseException | None]]) -> None:
         for work, error in finished:
             work.on_done(work, error)
+
+    def fail_all(self, error: BaseException) -> None:
+        works = [*self._active, *self._urgent, *self._bulk]
+        self._active, self._urgent, self._bulk = [], deque(), deque()
+        self.finish([(work, error) for work in works])

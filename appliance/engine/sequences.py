@@ -110,6 +110,10 @@ class OwnedTable(Generic[S]):
         self._drop(key)
         return True
 
+    def streaming(self, now: float, within_s: float) -> int:
+        """Entries with a request in flight or one within the last `within_s` (a stop waits for these)."""
+        return sum(1 for s in self._open.values() if s.in_flight or now - s.last_used <= within_s)
+
     def expire(self, now: float) -> int:
         timeout = self.idle_timeout_s
         idle = [k for k, s in self._open.items() if not s.in_flight and now - s.last_used > timeout]
@@ -153,3 +157,6 @@ class ScopedSequences:
 
     def expire(self, now: float) -> int:
         return 0  # the owning table expires them
+
+    def streaming(self, now: float, within_s: float) -> int:
+        return 0  # the owning table counts them

@@ -62,6 +62,10 @@ class ModelStats:
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStats] = field(default_factory=dict)
+    refused: int = 0  # requests refused at a full queue (engine.max_queue_size)
+    timed_out: int = 0  # requests that waited past engine.queue_timeout_s
+    dropped: int = 0  # shards or frames whose caller went away: left the queue, or their results dropped
+    crashes: int = 0  # times its engine loop or batch queue crashed and was restarted
 
     def record_execution(self, batch: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One engine call on `batch` rows."""

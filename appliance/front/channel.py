@@ -10,6 +10,7 @@ Both ends are our own processes, started together from one installed package: pi
 Messages, worker to engine:
     ("request", rid, Request, Body)               the transport's request; its body apart
     ("cancel", rid)                               the client went away: stop serving rid
+    ("credit", rid, n)                            its transport took n bytes of rid's stream: send more
     ("end_opened", [Opened])                      a vanished QUIC peer's sequences
     ("still_open", rid, [Opened])                 which of these sequences are still open
     ("report", WorkerReport)                      once a second: the heartbeat, in-flight, QUIC peers
@@ -17,7 +18,8 @@ engine to worker:
     ("response", rid, Response, Body, mode, keep)  mode: "" (whole), "stream" (chunks follow) or
                                                   "session" (a WebSocket, sessions.py); keep: the
                                                   engine's api.keep_connections()
-    ("chunk", rid, bytes) / ("end", rid)          a streamed body, piece by piece
+    ("chunk", rid, bytes) / ("end", rid)          a streamed body, piece by piece, while the worker's
+                                                  credit lasts (protocol/flow.py: the window per stream)
     ("open", rid, [bool])                         the answer to still_open
     ("keep", 0, bool)                             while draining: api.keep_connections(), as it changes
 """
@@ -34,13 +36,13 @@ import pickle
 import socket
 import struct
 import tempfile
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from appliance.front.sessions import WorkerEnd
-from appliance.protocol.messages import Close, Opened, Request, Response, Session, SessionIO
+from appliance.protocol.messages import Close, Opened, Request, Response, Session, SessionIO, error_response
 from appliance.protocol.peers import Peer, Totals
 
 INLINE_BYTES = 64 << 10
@@ -63,6 +65,9 @@ class WorkerReport:
     # the QUIC peers where this worker keeps the connection cache in user space (no eBPF); else None
     peers: dict[str, Peer] | None = None
     totals: Totals = field(default_factory=Totals)
+    held_bytes: int = 0  # of streamed answers, held for clients that have not taken them (protocol/flow.py)
+    held_largest_bytes: int = 0
+    loop_lag_s: float = 0.0  # its event loop's lag, lately
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,7 @@ class Channel:
         self.writer.close()
 
 
+STILL_OPEN_WAIT_S = 10.0  # the engine answers at once; a longer wait is a wedged engine
 TICKET_WAIT_S = 0.1  # a lookup not answered by then is a miss: the client does a full handshake
 SEQUENCE = struct.Struct("<Q")
 
@@ -198,8 +204,8 @@ def serve_tickets(sock: socket.socket, store: Any) -> None:
 class RemoteApi:
     """A worker's API: each request goes to the engine process and its answer comes back."""
 
-    def __init__(self, channel: Channel) -> None:
-        self.channel = channel
+    def __init__(self, channel: Channel, request_timeout_s: Callable[[], float] = lambda: 3600.0) -> None:
+        self.channel, self.request_timeout_s = channel, request_timeout_s
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[bytes | None]] = {}
@@ -207,15 +213,16 @@ class RemoteApi:
         self._keep = True
         self._owner = str(os.getpid())  # names the shared-memory bodies this worker writes
 
-    async def _ask(self, kind: str, *payload: Any) -> tuple[int, Any]:
-        """Send one question under a new id; its id and the engine's answer (deliver sets it)."""
+    async def _ask(self, kind: str, *payload: Any, timeout_s: float) -> tuple[int, Any]:
+        """Send one question under a new id; its id and the engine's answer (deliver sets it), or
+        TimeoutError after `timeout_s` (the engine is told to stop, as for a client gone)."""
         rid = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._waiting[rid] = answer
         self.channel.send((kind, rid, *payload))
         try:
-            return rid, await answer
-        except asyncio.CancelledError:
+            return rid, await asyncio.wait_for(answer, timeout_s)
+        except (asyncio.CancelledError, TimeoutError):
             self.channel.send(("cancel", rid))
             raise
         finally:
@@ -223,7 +230,12 @@ class RemoteApi:
 
     async def handle(self, request: Request) -> Response:
         body = pack_body(request.body, self._owner)
-        rid, (response, mode) = await self._ask("request", dataclasses.replace(request, body=b""), body)
+        try:
+            rid, (response, mode) = await self._ask(
+                "request", dataclasses.replace(request, body=b""), body, timeout_s=self.request_timeout_s()
+            )
+        except TimeoutError:
+            return error_response(504, f"the engine did not answer within {self.request_timeout_s():g} s")
         if mode == "stream":
             response.stream = self._stream(rid)
         elif mode == "session":
@@ -246,6 +258,7 @@ class RemoteApi:
         try:
             while (piece := await pieces.get()) is not None:
                 yield piece
+                self.channel.send(("credit", rid, len(piece)))  # the transport took it: the engine may send more
             ended = True
         finally:
             self._streams.pop(rid, None)
@@ -261,7 +274,7 @@ class RemoteApi:
     async def still_open(self, opened: list[Opened]) -> list[bool]:
         if not opened:
             return []
-        _, result = await self._ask("still_open", opened)
+        _, result = await self._ask("still_open", opened, timeout_s=STILL_OPEN_WAIT_S)
         return list(result)
 
     def deliver(self, message: tuple[Any, ...]) -> None:

@@ -15,20 +15,18 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from appliance.api.core import Api
-from appliance.config import QuicConfig
 from appliance.front.channel import (
     Channel,
     WorkerReport,
@@ -38,7 +36,10 @@ from appliance.front.channel import (
     unpack_body,
 )
 from appliance.front.sessions import EngineEnd, run_session, to_session
+from appliance.protocol.flow import SendWindow
+from appliance.protocol.messages import error_response
 from appliance.protocol.peers import Peer, Totals
+from appliance.tasks import spawn
 from appliance.transport.quic_guards import TicketStore
 
 log = logging.getLogger("appliance.workers")
@@ -65,6 +66,7 @@ class WorkerSlot:
     heard: float = 0.0  # time.monotonic() of its last message
     reported: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)  # its requests being served
+    windows: dict[int, SendWindow] = field(default_factory=dict)  # its streams' bytes not yet credited back
     sessions: dict[int, EngineEnd] = field(default_factory=dict)  # its WebSocket sessions, by request
     crashes: list[float] = field(default_factory=list)
     restarts: int = 0
@@ -97,9 +99,8 @@ class Supervisor:
     # --- start ---
     async def start(self) -> None:
         """Start every worker; return once each has reported (it accepts on its sockets)."""
-        loop = asyncio.get_running_loop()
-        self._runners = [loop.create_task(self._keep_running(s)) for s in self.slots]
-        self._watcher = loop.create_task(self._kill_wedged())
+        self._runners = [spawn(self._keep_running(s), f"the supervision of worker {s.index}") for s in self.slots]
+        self._watcher = spawn(self._kill_wedged(), "the wedged-worker watch")
         deadline = time.monotonic() + STARTUP_S
         while not all(s.reported.is_set() for s in self.slots):
             failed = [s for s in self.slots if s.restarts and not s.reported.is_set()]
@@ -195,9 +196,12 @@ class Supervisor:
             if kind == "request":
                 _, rid, request, body = message
                 request = dataclasses.replace(request, body=unpack_body(body))
-                task = asyncio.get_running_loop().create_task(self._answer(slot, channel, owner, rid, request))
+                task = spawn(self._answer(slot, channel, owner, rid, request), f"request {rid} of worker {slot.index}")
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
+            elif kind == "credit":
+                if (window := slot.windows.get(message[1])) is not None:
+                    window.taken(message[2])
             elif kind in ("session_in", "session_ack"):
                 to_session(slot.sessions, message)
             elif kind == "cancel":
@@ -214,20 +218,38 @@ class Supervisor:
                 slot.reported.set()
 
     async def _answer(self, slot: WorkerSlot, channel: Channel, owner: str, rid: int, request: Any) -> None:
-        response = await self.api.handle(request)
-        stream, session, body = response.stream, response.session, pack_body(response.body, owner)
-        reply = dataclasses.replace(response, body=b"", stream=None, session=None)
-        mode = "stream" if stream is not None else "session" if session is not None else ""
-        channel.send(("response", rid, reply, body, mode, self.api.keep_connections()))
-        if session is not None:
-            await run_session(slot.sessions, channel, rid, session)
-        if stream is None:
-            return
-        async with contextlib.aclosing(stream) as pieces:
-            async for piece in pieces:
-                channel.send(("chunk", rid, piece))
-                await channel.drain()  # a worker whose client reads slowly slows the producer
-        channel.send(("end", rid))
+        """Answer one request; a streamed body moves by the worker's credit: the next piece is pulled
+        from the engine side only once the worker's transport took all but a window of it."""
+        stream: AsyncGenerator[bytes, None] | None = None
+        answered = False
+        window = slot.windows[rid] = SendWindow(self.api.live.config.server.stream_window_bytes)
+        try:
+            response = await self.api.handle(request)
+            stream, session, body = response.stream, response.session, pack_body(response.body, owner)
+            reply = dataclasses.replace(response, body=b"", stream=None, session=None)
+            mode = "stream" if stream is not None else "session" if session is not None else ""
+            channel.send(("response", rid, reply, body, mode, self.api.keep_connections()))
+            answered = True
+            if session is not None:
+                await run_session(slot.sessions, channel, rid, session)
+            if stream is None:
+                return
+            async with contextlib.aclosing(stream) as pieces:
+                async for piece in pieces:
+                    channel.send(("chunk", rid, piece))
+                    window.add(len(piece))
+                    await window.wait()  # the generator stays suspended while the client does not read
+                    await channel.drain()
+        except Exception:  # not the API's errors (it answers those): ours, logged; the worker waits no longer
+            log.exception("request %d of worker %d crashed", rid, slot.index)
+            if not answered:
+                failed = error_response(500, "internal error (logged)")
+                channel.send(("response", rid, failed, pack_body(failed.body, owner), "", True))
+        finally:
+            window.close()
+            slot.windows.pop(rid, None)
+            if stream is not None:
+                channel.send(("end", rid))  # also after a failure or a cancel: nobody waits for more
 
     # --- what the daemon asks ---
     def reports(self) -> list[WorkerReport]:
@@ -308,54 +330,6 @@ class Supervisor:
             log.warning("workers %s still running at the deadline: killed", ", ".join(map(str, self.pids())))
             self.signal_all(signal.SIGKILL)
         await asyncio.gather(*self._runners, return_exceptions=True)
-
-
-def quic_sockets(quic: QuicConfig, from_systemd: socket.socket | None, count: int) -> tuple[list[socket.socket], str]:
-    """One UDP socket per worker on the QUIC port, all in one SO_REUSEPORT group: systemd's socket
-    (or our own) first. Fewer than `count` where the group cannot be made, with the reason."""
-    first = from_systemd
-    if first is None:
-        family = socket.AF_INET6 if ":" in quic.host else socket.AF_INET
-        first = socket.socket(family, socket.SOCK_DGRAM)
-        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        first.bind((quic.host, quic.port))
-    elif not first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
-        return [first], "the UDP socket from systemd is not SO_REUSEPORT (ReusePort=yes in appliance.socket)"
-    socks = [first]
-    _receive_buffer(first)
-    for _ in range(count - 1):
-        extra = socket.socket(first.family, socket.SOCK_DGRAM)
-        extra.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        _receive_buffer(extra)
-        try:
-            extra.bind(first.getsockname()[:2])
-        except OSError as exc:  # e.g. systemd made the first socket as another user: no group with it
-            extra.close()
-            for made in socks[1:]:
-                made.close()
-            return [first], f"cannot join the QUIC port's SO_REUSEPORT group: {exc.strerror or exc}"
-        socks.append(extra)
-    return socks, ""
-
-
-RECEIVE_BUFFER = 4 << 20  # per QUIC socket: a burst of datagrams waits while its worker is busy
-SO_RCVBUFFORCE = 33  # asm-generic/socket.h; Python's socket module does not name it
-
-
-def _receive_buffer(sock: socket.socket) -> None:
-    """SO_RCVBUFFORCE where allowed (CAP_NET_ADMIN: the unit grants it), else as much as rmem_max allows."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER)
-    except OSError:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
-
-
-def worker_keys(count: int) -> list[int]:
-    """Distinct random nonzero 32-bit keys, one per QUIC worker: its connection IDs start with it."""
-    keys: set[int] = set()
-    while len(keys) < count:
-        keys.add(secrets.randbits(32) or 1)
-    return list(keys)
 
 
 class ReportedPeers:

@@ -22,7 +22,9 @@ from appliance.config import Live
 from appliance.errors import ApplianceError
 from appliance.front.channel import Channel, RemoteApi, RemoteTickets, WorkerReport
 from appliance.logs import FIRMWARE_FIELD, configure_logging
+from appliance.protocol import flow
 from appliance.protocol.peers import Totals
+from appliance.tasks import LOOP_LAG, spawn
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import KernelCache, UserSpaceCache
 from appliance.transport.h3 import H3Server
@@ -39,6 +41,7 @@ class Worker:
     def __init__(self, args: argparse.Namespace, live: Live) -> None:
         self.args, self.live = args, live
         self.stopping = asyncio.Event()
+        self.failed = False
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
         self.https: HttpsServer | None = None
@@ -47,7 +50,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         signals.watch(loop, self.stopping.set, self.reload, self._deadline_s, self._overdue)
         channel = await Channel.open(self.args.channel_fd)
-        api = RemoteApi(channel)
+        api = RemoteApi(channel, lambda: self.live.config.server.request_timeout_s)
         budget = BodyBudget(lambda: self.live.config.server)  # this worker's share of the body budget
         self.http = Http1Server(api, self.live, budget)
         server = await loop.create_unix_server(self.http.protocol, sock=socket.socket(fileno=self.args.unix_fd))
@@ -63,8 +66,9 @@ class Worker:
             tickets = RemoteTickets(self.args.tickets_fd)
             self.h3 = H3Server(api, self.live, budget, worker_key=self.args.worker_key, tickets=tickets)
             await self.h3.start(socket.socket(fileno=self.args.udp_fd), cache=cache)
-            tasks.append(loop.create_task(self.h3.sweep_connection_cache()))
-        tasks.append(loop.create_task(self._report(channel)))
+            tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._stop_on_failure))
+        tasks.append(spawn(self._report(channel), f"worker {self.args.slot}'s report", self._stop_on_failure))
+        tasks.append(spawn(LOOP_LAG.run(), "the event loop lag probe"))
         engine_gone = loop.create_task(self._receive(channel, api))
         stop = loop.create_task(self.stopping.wait())
         await asyncio.wait([engine_gone, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -76,7 +80,7 @@ class Worker:
         await self._drain(api)
         for task in (*tasks, engine_gone):
             task.cancel()
-        return 0
+        return 1 if self.failed else 0
 
     async def _receive(self, channel: Channel, api: RemoteApi) -> None:
         while (message := await channel.receive()) is not None:
@@ -90,6 +94,7 @@ class Worker:
             assert http is not None
             cache = h3.cache if h3 is not None else None
             user_space = isinstance(cache, UserSpaceCache)
+            held = flow.held()
             report = WorkerReport(
                 slot=self.args.slot,
                 pid=os.getpid(),
@@ -101,9 +106,17 @@ class Worker:
                 quic_stray_datagrams=h3.stray_datagrams if h3 is not None else 0,
                 peers=cache.peers() if user_space and cache is not None else None,
                 totals=cache.totals() if user_space and cache is not None else Totals(),
+                held_bytes=held.total,
+                held_largest_bytes=held.largest,
+                loop_lag_s=LOOP_LAG.last,
             )
             channel.send(("report", report))
             await asyncio.sleep(REPORT_INTERVAL_S)
+
+    def _stop_on_failure(self, _: BaseException) -> None:
+        """A task the worker cannot serve without died (logged): stop, and the supervisor starts a new one."""
+        self.failed = True
+        self.stopping.set()
 
     def _in_flight(self) -> int:
         assert self.http is not None

@@ -39,11 +39,14 @@ def factory(kind: str) -> Factory:
     return found
 
 
-def load_models(bundle: Bundle, live: Live) -> dict[str, ServedModel]:
-    """Every model of the firmware, in its order."""
+def load_models(
+    bundle: Bundle, live: Live, loaded_one: Callable[[str], None] = lambda _: None
+) -> dict[str, ServedModel]:
+    """Every model of the firmware, in its order; `loaded_one(name)` after each (start-up progress)."""
     loaded: dict[str, ServedModel] = {}
     for spec in bundle.manifest.models:
         loaded[spec.name] = factory(spec.kind)(spec, bundle, live, loaded)
+        loaded_one(spec.name)
     return loaded
 
 

@@ -43,6 +43,11 @@ class OpenSequences(Protocol):
 
     def expire(self, now: float) -> int: ...
 
+    def streaming(self, now: float, within_s: float) -> int:
+        """Sequences with a request in flight or one within the last `within_s`: a stop waits for
+        these; the others are idle and end at once."""
+        ...
+
 
 class NoSequences:
     """The sequences of a stateless model: there are none, and none can open."""
@@ -57,6 +62,9 @@ class NoSequences:
         return False
 
     def expire(self, now: float) -> int:
+        return 0
+
+    def streaming(self, now: float, within_s: float) -> int:
         return 0
 
 

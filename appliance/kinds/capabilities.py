@@ -6,7 +6,7 @@ kind's engine (a VAD-only firmware never imports CTranslate2, fxtranslate or sen
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -61,7 +61,7 @@ class Transcriber(Protocol):
 
     def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
-    ) -> AsyncIterator[Segment]: ...
+    ) -> AsyncGenerator[Segment, None]: ...
 
 
 @runtime_checkable

@@ -20,6 +20,7 @@ from appliance.config import Live
 from appliance.engine.choice import load_engine
 from appliance.engine.dynamic import DynamicBatcher, Job
 from appliance.engine.loop import EngineLoop
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.scheduler import Sequence
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
@@ -76,7 +77,8 @@ class OnnxModel(EngineModel):
         self.batcher = DynamicBatcher(engine, self.max_batch_size, spec.state)
         self.stats = self.batcher.stats
         # every call of a real graph is heavy: always on the engine thread, so requests gather meanwhile
-        self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6, 1)
+        self.policy = QueuePolicy(spec.name, lambda: live.config.engine, self.stats)
+        self.engine_loop = EngineLoop(self.batcher, self.policy, 1)
         self.state_rows = StateRows(spec) if self.stateful else None
         self.sequences: OwnedTable[Sequence] | NoSequences = (
             OwnedTable(lambda: live.config.sequences) if self.state_rows else NoSequences()
@@ -178,8 +180,9 @@ class OnnxModel(EngineModel):
         rows = next(iter(feeds.values())).shape[0] if self.max_batch_size else 1
         job = Job(feeds, rows, done, sequence, times=times or RequestTimes())  # the batcher fills in `times`
         future.add_done_callback(lambda f: setattr(job, "cancelled", f.cancelled()))
-        self.engine_loop.submit(job)
-        finished = await future
+        with self.engine_loop.admitted():
+            self.engine_loop.submit(job)
+            finished = await future
         return finished.outputs
 
     def _checked_feeds(self, given: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

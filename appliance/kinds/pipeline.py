@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, Mapping
@@ -248,9 +249,10 @@ class SpeechPipeline:
         self, samples: np.ndarray, plan: Plan, times: RequestTimes
     ) -> AsyncGenerator[Interpreted, None]:
         """A whole recording's segments through every stage, each as soon as it is done."""
-        async for segment in self.stt.transcribe(samples, plan.options, times):
-            if (done := await self.interpret(segment, plan)) is not None:
-                yield done
+        async with contextlib.aclosing(self.stt.transcribe(samples, plan.options, times)) as segments:
+            async for segment in segments:  # closed at once when its client leaves
+                if (done := await self.interpret(segment, plan)) is not None:
+                    yield done
 
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes

@@ -95,6 +95,18 @@ class SegmentTracker:
             self._left = next_start - share if next_start is not None else None
         return final
 
+    def needed_from(self) -> int:
+        """The first sample position any segment still to come can include: what a live stream must
+        keep of its audio (the rest is silence beyond the padding, dropped at once)."""
+        earliest = self._position - self.frame_samples - self.pad  # speech starting at the next frame, padded
+        if self._start is not None:
+            earliest = min(earliest, self._start - self.pad)
+        if self._closed:
+            earliest = min(earliest, self._closed[0][0] - self.pad)
+        if self._left is not None:
+            earliest = min(earliest, self._left)
+        return max(0, earliest)
+
     def _kept_start(self) -> int | None:
         """Start of the speech being heard once it is long enough that it will be kept."""
         if self._start is None:

@@ -12,15 +12,18 @@ soon as it is done, so speech streams before the whole text is synthesised.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import numpy as np
 
 from appliance.config import Live
-from appliance.engine.batch_queue import BatchQueue
+from appliance.engine.batch_queue import BatchQueue, Done
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
@@ -35,6 +38,7 @@ from appliance.protocol.tensors import InferRequest
 
 TEXT, AUDIO = "text", "audio"  # the KServe tensors
 VOICE = "voice"  # the KServe parameter naming one of the model's voices
+SHARDS_AHEAD = 2  # of a request's sentences, queued ahead of the one its client is taking
 
 
 class SpeechModel(QueuedModel):
@@ -63,7 +67,11 @@ class SpeechModel(QueuedModel):
         # one shard of a request per batch: a lone request's first sentence runs alone on every thread
         # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[Shard, np.ndarray] = BatchQueue(
-            speaker.run, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6, 1
+            speaker.run,
+            self.limits.max_batch,
+            self.stats,
+            QueuePolicy(spec.name, lambda: live.config.engine, self.stats),
+            1,
         )
 
     async def probe(self) -> None:
@@ -156,25 +164,36 @@ class SpeechModel(QueuedModel):
             raise BadRequest("the text has nothing to say (no letters or digits)")
         return ids
 
-    async def synthesize(
+    def synthesize(
         self, shards: list[list[int]], speed: float, times: RequestTimes | None = None, voice: str | None = None
     ) -> AsyncGenerator[np.ndarray, None]:
         """Each shard's samples (INT16 at the voice's rate) in order, each as soon as it is ready.
-        Without `times` the request is recorded in the stats here (the API's infer records its own)."""
+        Without `times` the request is recorded in the stats here (the API's infer records its own).
+        An unknown voice is a 400 and a full queue refuses the request here (QueueFull), before any audio."""
+        return self._synthesized(shards, speed, self.voice(voice).name, self.queue.new_owner(), times)
+
+    async def _synthesized(
+        self, shards: list[list[int]], speed: float, name: str, owner: int, times: RequestTimes | None
+    ) -> AsyncGenerator[np.ndarray, None]:
         started, record = time.perf_counter_ns(), times is None
         times = times or RequestTimes()
-        name = self.voice(voice).name
-        futures = self.queue.submit([(ids, speed, name) for ids in shards], group=speed)
+        ahead: deque[asyncio.Future[Done[np.ndarray]]] = deque()
         ok = False
         try:
-            for index, future in enumerate(futures):
-                done = await future
+            for index in range(len(shards)):
+                # the next SHARDS_AHEAD sentences are queued, no more: a client that does not read
+                # (its transport stops pulling) stops the synthesis for it
+                while (submitted := index + len(ahead)) < min(len(shards), index + SHARDS_AHEAD):
+                    ahead += self.queue.submit(
+                        [(shards[submitted], speed, name)], speed, owner=owner, first_index=submitted
+                    )
+                done = await ahead.popleft()
                 if index == 0:
                     times.queue_ns = done.queued_ns
                 yield done.result
             ok = True
         finally:
-            for future in futures:
+            for future in ahead:
                 future.cancel()  # the client went away: shards not yet started are dropped
             elapsed = time.perf_counter_ns() - started
             times.compute_infer_ns = elapsed - times.queue_ns

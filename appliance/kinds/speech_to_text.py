@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 from appliance.config import Live, VadConfig
 from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
@@ -32,7 +33,7 @@ from appliance.kinds.counting import counted
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import LiveChunk, Options, Segment
 from appliance.kinds.speech_shards import Packer, ShardPlan, placed_words
-from appliance.kinds.streaming import ndjson
+from appliance.kinds.streaming import ndjson, whole
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
@@ -80,9 +81,9 @@ class SpeechToText(EngineModel):
             raise ApplianceError(
                 f"model {spec.name}: parameters.vad {params['vad']!r} is not a VAD model listed before it"
             )
-        self.vad = vad
-        self.max_samples = _integer(params, "max_tokens_per_shard") * SHARD_SAMPLES_PER_TOKEN
-        self.split_algorithm = str(params["split_algorithm"])
+        self.vad: VadModel = vad
+        self.max_samples: int = _integer(params, "max_tokens_per_shard") * SHARD_SAMPLES_PER_TOKEN
+        self.split_algorithm: str = str(params["split_algorithm"])
         self.max_batch = _integer(params, "max_batch")
         engine = live.config.engine
         self.engine = WhisperEngine(
@@ -101,7 +102,7 @@ class SpeechToText(EngineModel):
             self.engine.run,
             self.max_batch,
             self.stats,
-            lambda: live.config.engine.queue_delay_us / 1e6,
+            QueuePolicy(spec.name, lambda: live.config.engine, self.stats),
             coming=lambda: self.cutting > 0,
         )
         self.sequences: OwnedTable[LiveStream] = OwnedTable(
@@ -149,7 +150,7 @@ class SpeechToText(EngineModel):
 
     async def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
-    ) -> AsyncIterator[Segment]:
+    ) -> AsyncGenerator[Segment, None]:
         """The segments of a recording, in order, each as soon as it and those before it are decoded.
         The VAD and Whisper overlap a batch at a time: the shards the VAD fills go to the engine
         together, once it has filled `max_batch` of them or the recording ends (the VAD is some 50
@@ -273,9 +274,11 @@ class SpeechToText(EngineModel):
             if partial and open_start is not None:
                 found = await self._decode_live(stream, audio, base, (open_start, stream.position), times)
                 text = " ".join(s.text for s in found)
-            if closed:  # what comes next starts at or after the padded end of the last closed segment
-                stream.audio, stream.base = [audio[closed[-1][1] - base :]], closed[-1][1]
-                audio, base = stream.audio[0], stream.base
+            # keep only what a segment still to come can include: after a closed segment its padded
+            # end, in silence the VAD's padding, so a chunk's cost does not grow with the stream's age
+            keep = max(stream.tracker.needed_from(), closed[-1][1] if closed else 0, base)
+            stream.audio, stream.base = [audio[keep - base :]], keep
+            audio, base = stream.audio[0], stream.base
             self._decode_ahead(stream, audio, base, sequence.end)
             return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial)
         finally:
@@ -330,7 +333,7 @@ class SpeechToText(EngineModel):
         wanted = speech_api.options(request.parameters)
         if sequence is None:
             samples = speech_api.long_enough(await asyncio.to_thread(self.samples, request))
-            return speech_api.tensors([s async for s in self.transcribe(samples, wanted, times)]), None
+            return speech_api.tensors(await whole(self.transcribe(samples, wanted, times))), None
         samples = self.samples(request)
         partial = request.parameters.get("partial", False)
         chunk = await self.live_chunk(samples, sequence, partial, wanted, times)
@@ -362,7 +365,7 @@ class SpeechToText(EngineModel):
                 {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
             )
         shown = ("segment", "word") if wanted.words else ("segment",)
-        return speech_api.render([s async for s in segments], response_format, wanted.task, duration, shown)
+        return speech_api.render(await whole(segments), response_format, wanted.task, duration, shown)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())

@@ -9,6 +9,7 @@ behind it. `query_flag` is the one reading of a true/false query or form value (
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
@@ -21,6 +22,14 @@ log = logging.getLogger("appliance.api")
 T = TypeVar("T")
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
 NDJSON = "application/x-ndjson"
+
+
+async def whole(items: AsyncGenerator[T, None]) -> list[T]:
+    """Every item of an answer produced piece by piece (a transcription's segments), the generator
+    closed at once if the caller is cancelled (its client left): its work stops now, not when the
+    garbage collector finds the generator."""
+    async with contextlib.aclosing(items) as found:
+        return [item async for item in found]
 
 
 def query_flag(values: dict[str, str], name: str, default: bool = False, where: str = "query parameter") -> bool:

@@ -21,6 +21,7 @@ import sentencepiece
 from appliance.config import Live
 from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.bergamot import BergamotEngine
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
@@ -51,7 +52,10 @@ class TranslationModel(QueuedModel):
         self.engine = BergamotEngine((*files, shortlist), live.config.engine.threads)
         self.tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(file("source_vocab")))
         self.queue: BatchQueue[str, str] = BatchQueue(
-            self.engine.translate, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
+            self.engine.translate,
+            self.limits.max_batch,
+            self.stats,
+            QueuePolicy(spec.name, lambda: live.config.engine, self.stats),
         )
 
     async def stop(self, timeout_s: float) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from appliance.config import Live
+from appliance.engine.queue_policy import triton_queue_policy
 from appliance.firmware import Baked, ModelSpec, TensorSpec
 
 
@@ -52,6 +53,7 @@ def model_config(
         config["dynamic_batching"] = {
             "preferred_batch_size": [],
             "max_queue_delay_microseconds": live.config.engine.queue_delay_us,
+            "default_queue_policy": triton_queue_policy(live.config.engine),
         }
     if stateful:
         declared = {t.name: t for t in spec.inputs}

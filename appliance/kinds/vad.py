@@ -17,6 +17,7 @@ from appliance.audio import to_frames
 from appliance.config import Live
 from appliance.engine.choice import load_engine
 from appliance.engine.loop import EngineLoop
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
@@ -48,7 +49,9 @@ class VadModel(EngineModel):
         self.tasks: Mapping[str, Task] = {"segments": self._segments_route}
         self.frames = FrameModel(spec, engine)
         self.batcher = Batcher(self.frames, self.baked.max_batch)
-        self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
+        self.engine_loop = EngineLoop(
+            self.batcher, QueuePolicy(spec.name, lambda: live.config.engine, self.batcher.stats)
+        )
         self.sequences: OwnedTable[Sequence] = OwnedTable(lambda: live.config.sequences)
         self.stats = self.batcher.stats
 
@@ -166,29 +169,32 @@ class VadModel(EngineModel):
         """A whole recording, cut into shards of at most the baked frames, all run as one batch;
         yields its probabilities in order, in pieces of at most `chunk_frames` (a shard when None)
         as soon as each is computed, so a caller can stream long results as they are produced.
-        Framing and planning count as the request's compute_input in `times`."""
-        framing = time.perf_counter_ns()
-        if len(samples) > OFF_LOOP_SAMPLES:  # framing a long recording takes long: not on the loop live streams need
-            frames, plan = await asyncio.to_thread(self._shards, samples)
-        else:
-            frames, plan = self._shards(samples)
-        if times is not None:
-            times.compute_input_ns += time.perf_counter_ns() - framing
-        pieces: list[asyncio.Future[np.ndarray]] = []
-        for start, end in plan:
-            sequence = self.frames.new_sequence()
-            if start:  # the audio just before the cut is the shard's context, as it would be in one sequence
-                sequence.context = frames[start - 1, -self.frames.context_samples :].copy()
-            step = chunk_frames or max(end - start, 1)
-            pieces += [
-                self._submit(sequence, frames[i : min(i + step, end)], times=times) for i in range(start, end, step)
-            ]
-        try:
-            for piece in pieces:
-                yield await piece
-        finally:
-            for piece in pieces:
-                piece.cancel()
+        Framing and planning count as the request's compute_input in `times`; a full queue refuses it."""
+        with self.engine_loop.admitted():
+            framing = time.perf_counter_ns()
+            if (
+                len(samples) > OFF_LOOP_SAMPLES
+            ):  # framing a long recording takes long: not on the loop live streams need
+                frames, plan = await asyncio.to_thread(self._shards, samples)
+            else:
+                frames, plan = self._shards(samples)
+            if times is not None:
+                times.compute_input_ns += time.perf_counter_ns() - framing
+            pieces: list[asyncio.Future[np.ndarray]] = []
+            for start, end in plan:
+                sequence = self.frames.new_sequence()
+                if start:  # the audio just before the cut is the shard's context, as it would be in one sequence
+                    sequence.context = frames[start - 1, -self.frames.context_samples :].copy()
+                step = chunk_frames or max(end - start, 1)
+                pieces += [
+                    self._submit(sequence, frames[i : min(i + step, end)], times=times) for i in range(start, end, step)
+                ]
+            try:
+                for piece in pieces:
+                    yield await piece
+            finally:
+                for piece in pieces:
+                    piece.cancel()
 
     def _shards(self, samples: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
         frames = to_frames(samples, self.frames.frame_samples)

@@ -5,6 +5,11 @@ into Requests and the API's Responses back into frames. Per RFC 8470, a request 
 as 0-RTT early data is served at once only if it is safe to replay (GET, HEAD); any other
 waits until the handshake completes (with mutual TLS, every request waits for the client's
 certificate to be verified).
+
+Flow control and cancellation as protocol/flow.py says: a streamed answer's next piece is pulled only
+once the stream's send buffer (what the peer has not acknowledged, held by aioquic) is within
+server.stream_window_bytes, as HTTP/1.1 waits for its socket; a stream reset or STOP_SENDING by the
+client, or its connection's end, cancels the request being served on it.
 """
 
 from __future__ import annotations
@@ -22,54 +27,29 @@ from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, ProtocolNegotiated, QuicEvent
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    HandshakeCompleted,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 from cryptography.hazmat.primitives import hashes
 
 from appliance.config import Live, QuicConfig, ServerConfig
+from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Handler, Opened, Request, Response
+from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, Tickets, TicketStore
+from appliance.transport.steering_ids import tag_connection_ids
 
 log = logging.getLogger("appliance.h3")
 
 SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
-WORKER_KEY_LENGTH = 4  # bytes of a host connection ID that name its worker (bpf/quic_steering.c)
-
-
-def tag_cid(cid: bytes, key: int) -> bytes:
-    """`cid` with its first 4 bytes replaced by the worker's key, big-endian (as the steering program
-    reads the wire); idempotent, so tagging an already tagged ID changes nothing."""
-    return key.to_bytes(WORKER_KEY_LENGTH, "big") + cid[WORKER_KEY_LENGTH:]
-
-
-def tag_connection_ids(quic: QuicConnection, key: int) -> None:
-    """Make every connection ID this server-side connection chooses for itself start with `key`, so
-    that bpf/quic_steering.c hands its packets to this worker's socket whatever the client's address.
-
-    aioquic draws host IDs at random in two places: the first in QuicConnection.__init__, and the
-    rest in _replenish_connection_ids (announced later in NEW_CONNECTION_ID frames). QuicServer calls
-    our create_protocol right after constructing the connection, before anything is sent or the
-    IDs are registered, so the first is retagged here (it is also the handshake's source ID and the
-    initial_source_connection_id transport parameter) and the replenishing is wrapped. The ID of a
-    Retry is drawn by QuicServer itself and stays random: the Initial that answers it comes from
-    the same address and port, which the kernel's reuseport hash sends to this same socket."""
-    first = quic._host_cids[0]
-    first.cid = tag_cid(first.cid, key)
-    quic.host_cid = first.cid
-    quic._local_initial_source_connection_id = first.cid
-    replenish = quic._replenish_connection_ids
-
-    def replenish_tagged() -> None:
-        replenish()
-        for connection_id in quic._host_cids:
-            connection_id.cid = tag_cid(connection_id.cid, key)
-
-    quic._replenish_connection_ids = replenish_tagged  # type: ignore[method-assign]
-
-
 CONNCACHE_SWEEP_S = 1.0
 
 
@@ -128,7 +108,7 @@ class H3Server:
         self._quic_server.admit = self.cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
-        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+        self._reaper = spawn(self._reap(), "the HTTP/3 stream reaper")
 
     @property
     def datagrams(self) -> int:
@@ -160,7 +140,11 @@ class H3Server:
         while True:
             await asyncio.sleep(CONNCACHE_SWEEP_S)
             held = self.owners.held()
-            still = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if is_open}
+            try:
+                still = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if is_open}
+            except TimeoutError:
+                log.warning("conncache: the engine did not say which sequences are open; next sweep retries")
+                continue
             self.owners.forget_ended(still.__contains__)
             for peer in self.cache.sweep(self.peers_held() | self.owners.peers()):
                 opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
@@ -208,6 +192,8 @@ class H3Protocol(QuicConnectionProtocol):
         self.created = time.monotonic()
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
+        self._serving: dict[int, asyncio.Task[None]] = {}  # request streams being answered
+        self._windows: dict[int, SendWindow] = {}  # streams whose answer waits for the peer to take some
         self.peer = ""
         self._terminated = False
         if server.client_certificates is not None:
@@ -245,8 +231,13 @@ class H3Protocol(QuicConnectionProtocol):
             waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
             for stream_id, request in waiting:
                 self._dispatch(stream_id, request)
+        elif isinstance(event, (StreamReset, StopSendingReceived)):
+            if (serving := self._serving.get(event.stream_id)) is not None:
+                serving.cancel()  # the client gave up on this request: stop working for it
         elif isinstance(event, ConnectionTerminated):
             self._terminated = True
+            for serving in self._serving.values():
+                serving.cancel()
             self.server.connections.discard(self)
             held = sum(a.body_bytes for a in self._incoming.values() if a is not None)
             self.server.budget.give(held + sum(len(r.body) for _, r in self._waiting_for_handshake))
@@ -324,7 +315,10 @@ class H3Protocol(QuicConnectionProtocol):
     def _dispatch(self, stream_id: int, request: Request) -> None:
         self.in_flight += 1
         request = dataclasses.replace(request, client=self._client())
-        asyncio.get_running_loop().create_task(self._serve(stream_id, request))
+        task = self._serving[stream_id] = spawn(
+            self._serve(stream_id, request), f"HTTP/3 stream {stream_id} of {self.peer}"
+        )
+        task.add_done_callback(lambda _: self._serving.pop(stream_id, None))
 
     def _client(self) -> str:
         """Who this connection is (Request.client): its verified client certificate where mutual TLS
@@ -340,14 +334,33 @@ class H3Protocol(QuicConnectionProtocol):
             if response.opened is not None and self.peer:
                 self.server.owners.record(self.peer, response.opened)
             if self._respond(stream_id, response) and response.stream is not None:
+                window = self._windows[stream_id] = SendWindow(self.server.limits.stream_window_bytes)
                 async with contextlib.aclosing(response.stream) as pieces:
-                    async for piece in pieces:  # each piece goes out as produced
+                    async for piece in pieces:  # each piece goes out as produced, while the peer takes them
                         if self._terminated or not self._send_data(stream_id, piece, end_stream=False):
                             return
+                        window.hold(self._unacknowledged(stream_id))
+                        await window.wait()
                 self._send_data(stream_id, b"", end_stream=True)
         finally:
+            if (held := self._windows.pop(stream_id, None)) is not None:
+                held.close()
             self.in_flight -= 1
             self.server.budget.give(len(request.body))
+
+    def _unacknowledged(self, stream_id: int) -> int:
+        """Bytes of this stream aioquic holds for the peer: sent and not acknowledged, or not sent yet."""
+        stream = self._quic._streams.get(stream_id)
+        if stream is None:
+            return 0
+        return stream.sender._buffer_stop - stream.sender._buffer_start
+
+    def transmit(self) -> None:
+        """Send what is due; each answer that waits for its peer learns what the peer took meanwhile
+        (acknowledgements and MAX_STREAM_DATA arrive before aioquic's protocol calls this)."""
+        super().transmit()
+        for stream_id, window in self._windows.items():
+            window.hold(0 if self._terminated else self._unacknowledged(stream_id))
 
     def _respond(self, stream_id: int, response: Response) -> bool:
         """Send the headers, and the body unless it is streamed; False if the stream is gone."""

@@ -6,7 +6,9 @@ the requests before it, and the connection is closed, leaving every other connec
 The assembler (assembler.py) decides the limits: head size while it arrives, body size and the
 shared body budget, head and body timeouts; idle keep-alive connections close after
 keepalive_timeout_s, and a client that pipelines more than pipeline_depth requests is not read
-until they are answered.
+until they are answered. Flow control and cancellation as protocol/flow.py says: a streamed answer's
+next piece is pulled only while the write buffer is under server.stream_window_bytes, and a client
+that closes its connection has the request being served cancelled.
 
 Upgrade: only a WebSocket opening handshake (a GET with `Connection: upgrade` and `Upgrade:
 websocket`) switches protocols, in its turn after the requests before it, when the API answers it
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import socket
 import struct
 import time
@@ -30,7 +33,9 @@ from http import HTTPStatus
 import httptools
 
 from appliance.config import Live, ServerConfig
+from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response, error_response
+from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
@@ -49,6 +54,17 @@ def encode_response(response: Response, keep_alive: bool, extra: Iterable[tuple[
     if not keep_alive:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
+
+
+def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the peer closed both directions, not only its sending side: on a Unix socket the kernel
+    says so with POLLHUP (TCP cannot tell them apart until a write fails)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
 def peer_uid(sock: socket.socket | None) -> str:
@@ -106,7 +122,7 @@ class Http1Server:
 
     def protocol(self) -> HttpConnection:
         if self._timeouts is None:
-            self._timeouts = asyncio.get_running_loop().create_task(self._enforce_timeouts())
+            self._timeouts = spawn(self._enforce_timeouts(), "the HTTP/1.1 timeouts")
         return HttpConnection(self)
 
     @property
@@ -141,6 +157,8 @@ class HttpConnection(asyncio.Protocol):
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
         self._writable.set()
+        self._serving: asyncio.Task[None] | None = None
+        self._window: SendWindow | None = None  # the streamed answer being written, if one is
         self._upgrade: Request | None = None  # a WebSocket handshake read, waiting for its turn
         self._trailing = b""  # what the client sent after it: the WebSocket's first bytes
         self._replay = b""  # the head of a request whose Upgrade is ignored, to parse again with its body
@@ -154,6 +172,7 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio callbacks ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=self.server.limits.stream_window_bytes)  # type: ignore[union-attr]
         self.client, self.peer = self.server.identify(transport)
         if len(self.server.connections) >= self.server.max_connections:
             self._reject(limit_bit(503, f"too many connections (limit {self.server.max_connections})"))
@@ -167,6 +186,8 @@ class HttpConnection(asyncio.Protocol):
         if self.websocket is not None:
             self.websocket.lost()
         self._writable.set()  # a task waiting to write finds the transport closed and ends
+        if self._serving is not None and not self._serving.done():
+            self._serving.cancel()  # the client is gone: nobody reads the answer (its shards leave the queues)
         self._release(self._assembler.body_bytes if self._assembler else 0)
         self._assembler = None
         self._release(sum(len(r.body) for r, _ in self.queue if isinstance(r, Request)))
@@ -178,12 +199,20 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writable.set()
+        if self._window is not None and self.transport is not None:
+            self._window.hold(self.transport.get_write_buffer_size())
 
     def eof_received(self) -> bool:
-        """A half-close after whole requests: answer them, then close (True keeps the transport open)."""
+        """A half-close after whole requests: answer them, then close (True keeps the transport open).
+        A client that closed its socket altogether is gone: the transport closes, and connection_lost
+        cancels what is being served for it."""
         self._half_closed = True
         return (
-            self.server.half_close and not self._rejected and self.websocket is None and bool(self.busy or self.queue)
+            self.server.half_close
+            and not self._rejected
+            and self.websocket is None
+            and bool(self.busy or self.queue)
+            and not _peer_closed(self.transport)
         )
 
     def data_received(self, data: bytes) -> None:
@@ -287,7 +316,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue.append((entry, keep_alive))
         if not self.busy:
             self.busy = True
-            asyncio.get_running_loop().create_task(self._serve())
+            self._serving = spawn(self._serve(), f"HTTP/1.1 connection of {self.client}")
 
     async def _serve(self) -> None:
         try:
@@ -327,13 +356,20 @@ class HttpConnection(asyncio.Protocol):
             self._idle_since = time.monotonic()
 
     async def _write_chunks(self, stream: AsyncGenerator[bytes, None]) -> bool:
-        """Send each piece as it is produced; False if the client went away meanwhile."""
-        async with contextlib.aclosing(stream) as pieces:
-            async for piece in pieces:
-                await self._writable.wait()
-                if self.transport is None or self.transport.is_closing():
-                    return False
-                self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        """Send each piece as it is produced, the next pulled only once the write buffer is under the
+        window; False if the client went away meanwhile."""
+        window = self._window = SendWindow(self.server.limits.stream_window_bytes)
+        try:
+            async with contextlib.aclosing(stream) as pieces:
+                async for piece in pieces:
+                    if self.transport is None or self.transport.is_closing():
+                        return False
+                    self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    window.hold(self.transport.get_write_buffer_size())
+                    await self._writable.wait()
+        finally:
+            window.close()
+            self._window = None
         if self.transport is None or self.transport.is_closing():
             return False
         self.transport.write(b"0\r\n\r\n")

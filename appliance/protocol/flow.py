@@ -1,0 +1,79 @@
+"""The one flow-control and cancellation contract between the API core and every transport.
+
+A streamed answer (`Response.stream`) is an async generator that a transport pulls, and the engine
+side produces a piece only when it is pulled (a voice submits its next sentences as the earlier ones
+are taken). So a client that does not read stops the engine working for it, if every hop obeys:
+
+1. A hop holds at most `server.stream_window_bytes` of one answer that its peer has not taken, in a
+   `SendWindow`: it adds what it hands on, lowers it as the peer takes it, and pulls the next piece
+   only once `wait()` returns (held under the window). HTTP/1.1: the socket's write buffer (asyncio's
+   pause_writing/resume_writing, high-water mark the window); HTTP/3: the stream's unacknowledged
+   send buffer in aioquic; the worker channel: the bytes sent to a worker minus the credit it
+   returned ("credit" messages, one per piece its transport took).
+2. A client that goes away (HTTP/1.1 close, an HTTP/3 stream reset or STOP_SENDING, a QUIC connection
+   closed) has the task serving it cancelled: asyncio's CancelledError reaches the model kind, whose
+   waiting shards leave the queues and whose engine call under way has its results dropped; a
+   streamed answer's generator is closed (`aclose`). Through a worker, the worker sends "cancel".
+3. Every such cancellation is counted (`appliance_requests_cancelled_total`), and the bytes the
+   windows hold are shown (`appliance_stream_held_bytes`, `appliance_stream_held_bytes_max`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from dataclasses import dataclass
+
+_OPEN: weakref.WeakSet[SendWindow] = weakref.WeakSet()
+
+
+class SendWindow:
+    """What one hop holds of one streamed answer that its peer has not taken yet, and a wait until
+    that is within `limit` (uvicorn's flow_control.py, for the writing side)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+        self._room = asyncio.Event()
+        self._room.set()
+        self.closed = False
+        _OPEN.add(self)
+
+    def hold(self, held: int) -> None:
+        """The bytes held now, as the hop counts them (its buffer's length)."""
+        self.held = max(0, held)
+        if self.held > self.limit and not self.closed:
+            self._room.clear()
+        else:
+            self._room.set()
+
+    def add(self, count: int) -> None:
+        self.hold(self.held + count)
+
+    def taken(self, count: int) -> None:
+        self.hold(self.held - count)
+
+    async def wait(self) -> None:
+        """Return once the peer has taken enough (or the window closed: the caller checks its peer)."""
+        await self._room.wait()
+
+    def close(self) -> None:
+        self.closed = True
+        self._room.set()
+        _OPEN.discard(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The bytes all open windows of a process hold, and the largest one's."""
+
+    total: int = 0
+    largest: int = 0
+    streams: int = 0
+
+    def __add__(self, other: Held) -> Held:
+        return Held(self.total + other.total, max(self.largest, other.largest), self.streams + other.streams)
+
+
+def held() -> Held:
+    windows = [w.held for w in list(_OPEN)]
+    return Held(sum(windows), max(windows, default=0), len(windows))

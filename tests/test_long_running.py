@@ -1,0 +1,324 @@
+"""A box that listens all day (docs/long-running.md): flow control from the client to the engine and
+back, abandoned work cancelled, crashed engine loops failing fast, bounded queues, a quick stop. Real
+daemons (workers 1 and 2), real clients on both transports, the real Piper voice."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, Daemon, Keys, cli
+
+from appliance.client import Call, Client
+
+VAD = "silero_vad"
+SENTENCES = [
+    "The morning train to the coast leaves from the second platform at half past seven.",
+    "Please remember to take your ticket and your luggage with you when you leave.",
+    "A light rain is expected in the afternoon, so an umbrella may be useful today.",
+    "The museum opens its new exhibition of old maps and travel journals next week.",
+]
+LONG_TEXT = " ".join(SENTENCES[i % len(SENTENCES)] for i in range(800))[:60_000]  # 60,000 characters
+WINDOW = 256 << 10  # server.stream_window_bytes, its default
+RSS_GROWTH_KIB = 96 << 10  # what a process may grow by while one client holds a 60,000-character answer
+
+
+@pytest.fixture(scope="module")
+def speech_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The speech firmware (the Piper voice joe, the Bergamot pairs)."""
+    work = tmp_path_factory.mktemp("speechfw")
+    cli("firmware", "build", ROOT / "firmware" / "speech.toml", "--key", keys.private, "--out", work / "bundle")
+    return work / "bundle"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def speech_daemon(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, keys: Keys, speech_bundle: Path, tls
+):
+    # a QUIC client that stops is not dropped for idleness while a test watches the engine stall
+    quic = "idle_timeout_s = 300.0\n"
+    d = Daemon(
+        tmp_path_factory.mktemp("speechd"), speech_bundle, keys.trusted, tls=tls, workers=request.param, extra_quic=quic
+    )
+    d.wait_ready(180)
+    yield d
+    assert d.stop() == 0, d.log.read_text()
+
+
+def metrics(daemon: Daemon) -> dict[str, float]:
+    with daemon.client() as client:
+        text = client.metrics()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+def shards_run(daemon: Daemon, model: str = "joe") -> float:
+    return metrics(daemon)[f'nv_inference_count{{model="{model}",version="1.0.0"}}']
+
+
+def process_tree_rss_kib(daemon: Daemon) -> dict[int, int]:
+    """Resident memory of the daemon and each of its protocol workers."""
+    pids = [daemon.proc.pid]
+    children = Path(f"/proc/{daemon.proc.pid}/task/{daemon.proc.pid}/children")
+    pids += [int(p) for p in children.read_text().split()] if children.exists() else []
+    out = {}
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out[pid] = int(line.split()[1])
+    return out
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+def stalled_shards(daemon: Daemon, before: float) -> float:
+    """The voice's shard count once it stops rising for a client that does not read (unchanged over
+    4 s), then checked unchanged for 4 s more; a count that keeps rising fails within 60 s."""
+    deadline, last = time.monotonic() + 60, shards_run(daemon)
+    while True:
+        time.sleep(4)
+        now = shards_run(daemon)
+        if now == last:
+            break
+        assert time.monotonic() < deadline, f"the engine went on synthesising: {now - before:.0f} shards"
+        last = now
+    time.sleep(4)
+    assert shards_run(daemon) == last, "the engine went on synthesising for a client that does not read"
+    return last
+
+
+def unix_request(path: Path, method: str, target: str, body: bytes = b"") -> socket.socket:
+    """An HTTP/1.1 request sent on a raw Unix socket, its answer left unread."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the client holds little
+    sock.connect(str(path))
+    head = f"{method} {target} HTTP/1.1\r\nhost: box\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def speech_body(text: str = LONG_TEXT) -> bytes:
+    return json.dumps({"model": "joe", "voice": "joe", "input": text, "response_format": "pcm"}).encode()
+
+
+def warmed_rss(daemon: Daemon) -> dict[int, int]:
+    """Every process's resident memory once the voice has run sentences like those of LONG_TEXT (the
+    engine's arenas grow on the first ones: that is not what a slow client holds)."""
+    with daemon.client() as client:
+        client.speech(" ".join(SENTENCES * 3), voice="joe", model="joe", response_format="pcm")
+    return process_tree_rss_kib(daemon)
+
+
+def held_bound_checked(daemon: Daemon, before: dict[int, int]) -> None:
+    after = process_tree_rss_kib(daemon)
+    grown = {pid: after[pid] - before.get(pid, after[pid]) for pid in after}
+    assert all(g < RSS_GROWTH_KIB for g in grown.values()), f"RSS grew (KiB, by pid): {grown}"
+    samples = metrics(daemon)
+    largest = max(
+        v
+        for k, v in samples.items()
+        if k.startswith(("appliance_stream_held_bytes_max", "appliance_worker_stream_held_bytes_max"))
+    )
+    assert largest <= WINDOW + (1 << 20), f"{largest} bytes held for one answer"
+
+
+def test_a_slow_reader_over_the_unix_socket_stops_the_synthesis(speech_daemon: Daemon) -> None:
+    """A client that reads a few bytes of a 60,000-character answer and then nothing: the engine runs
+    a bounded number of sentences for it, every process's memory stays within the bound, and its
+    leaving is counted as a cancellation."""
+    before_rss, before_shards = warmed_rss(speech_daemon), shards_run(speech_daemon)
+    sock = unix_request(speech_daemon.socket, "POST", "/v1/audio/speech", speech_body())
+    try:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        for _ in range(20):  # a slow reader: a few bytes a while
+            sock.recv(64)
+            time.sleep(0.05)
+        stalled = stalled_shards(speech_daemon, before_shards)
+        # 800 sentences asked for: only those the windows hold (and SHARDS_AHEAD) ran
+        assert stalled - before_shards < 40, stalled - before_shards
+        held_bound_checked(speech_daemon, before_rss)
+        cancelled = metrics(speech_daemon)["appliance_requests_cancelled_total"]
+    finally:
+        sock.close()
+    wait_until(lambda: metrics(speech_daemon)["appliance_requests_cancelled_total"] > cancelled, 10, "cancel counted")
+
+
+QUIC_READER = """
+import os, signal, sys
+from appliance.client import Client
+with Client(quic=sys.argv[1], cafile=sys.argv[2], timeout=60) as client:
+    pieces = client.stream_speech(sys.argv[3], voice="joe", model="joe", response_format="pcm")
+    next(pieces)
+    print("reading", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # a client that stops reading (and acknowledging) altogether
+"""
+
+
+def test_an_http3_client_that_stops_reading_stops_the_synthesis(speech_daemon: Daemon) -> None:
+    before_rss, before_shards = warmed_rss(speech_daemon), shards_run(speech_daemon)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", QUIC_READER, f"127.0.0.1:{speech_daemon.quic_port}", speech_daemon.cafile, LONG_TEXT],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert reader.stdout is not None and reader.stdout.readline() == b"reading\n"
+        stalled = stalled_shards(speech_daemon, before_shards)
+        assert stalled - before_shards < 40, stalled - before_shards
+        held_bound_checked(speech_daemon, before_rss)
+    finally:
+        reader.kill()
+        reader.wait()
+
+
+@pytest.mark.parametrize("transport", ["unix", "quic"])
+def test_a_client_that_leaves_a_long_request_cancels_it(speech_daemon: Daemon, transport: str) -> None:
+    """A 60,000-character KServe infer (answered whole, at the end) whose client leaves after 2 s: the
+    request is cancelled (counted) and the engine stops within one engine call."""
+    doc = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [LONG_TEXT]}]}
+    before = metrics(speech_daemon)
+    call = Call("POST", "/v2/models/joe/infer", json.dumps(doc).encode(), (("content-type", "application/json"),))
+    client = (
+        Client(str(speech_daemon.socket), timeout=2)
+        if transport == "unix"
+        else Client(quic=f"127.0.0.1:{speech_daemon.quic_port}", cafile=speech_daemon.cafile, timeout=2)
+    )
+    with pytest.raises(Exception):  # noqa: B017 - the client gives up: NoAnswer, whatever its transport
+        client.send(call)
+    client.close()  # the connection goes: the daemon hears the client left
+    wait_until(
+        lambda: (
+            metrics(speech_daemon)["appliance_requests_cancelled_total"] > before["appliance_requests_cancelled_total"]
+        ),
+        10,
+        "cancelled",
+    )
+    time.sleep(1.0)  # one engine call under way finishes
+    stalled = shards_run(speech_daemon)
+    time.sleep(3)
+    assert shards_run(speech_daemon) == stalled, "the engine went on for a client that left"
+    assert stalled - before['nv_inference_count{model="joe",version="1.0.0"}'] < 100
+
+
+def vad_step(sequence_id: int, start: bool = False) -> dict:
+    audio = np.zeros(512, np.float32)
+    return {
+        "parameters": {"sequence_id": sequence_id, "sequence_start": start},
+        "inputs": [{"name": "audio", "shape": [512], "datatype": "FP32", "data": audio.tolist()}],
+    }
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_with_32_idle_sequences_exits_at_once(start_daemon, workers: int) -> None:
+    """Idle sequences do not hold the stop (shutdown_grace_s is 5 s here): it ends them at once."""
+    daemon = start_daemon(workers=workers)
+    with daemon.client() as client:
+        for sequence_id in range(1, 33):
+            response = client.send(
+                Call("POST", f"/v2/models/{VAD}/infer", json.dumps(vad_step(sequence_id, True)).encode())
+            )
+            assert response.status == 200, response.body
+        assert client.status()["models"][0]["live_sequences"] == 32
+    time.sleep(1.2)  # no request for a second: idle
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(10) == 0, daemon.log.read_text()
+    took = time.monotonic() - started
+    assert took < 3.0, f"exit took {took:.1f} s"
+    assert "32 idle sequences ended" in daemon.log.read_text()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_crashed_engine_loop_fails_its_requests_at_once_and_recovers(start_daemon, workers: int) -> None:
+    daemon = start_daemon(workers=workers, env={"APPLIANCE_TEST_FAILPOINTS": f"engine_loop:{VAD}"})
+    with daemon.client() as client:
+        call = Call("POST", f"/v2/models/{VAD}/infer", json.dumps(vad_step(0)).encode())
+        started = time.monotonic()
+        failed = client.send(call)
+        assert failed.status == 500 and VAD in failed.json()["error"], failed.body
+        assert "engine loop crashed" in failed.json()["error"]
+        assert time.monotonic() - started < 5
+        assert client.send(call).status == 200  # a new loop serves
+        assert metrics(daemon)[f'appliance_engine_loop_crashes_total{{model="{VAD}"}}'] == 1
+    log = daemon.log.read_text()
+    assert f"the engine loop of model {VAD} crashed" in log and "Traceback" in log
+    assert f"failpoint engine_loop:{VAD}" in log
+
+
+def long_noise_wav(seconds: float) -> bytes:
+    import io
+
+    import soundfile
+
+    rng = np.random.default_rng(7)
+    out = io.BytesIO()
+    soundfile.write(
+        out, (rng.standard_normal(int(seconds * 16000)) * 0.1).astype(np.float32), 16000, format="WAV", subtype="PCM_16"
+    )
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_overload_past_max_queue_size_is_refused_with_retry_after(start_daemon, workers: int) -> None:
+    """With engine.max_queue_size = 1, concurrent recordings past the bound get a 503 with Retry-After
+    at once, the others their answer, nothing else; a good client is still served afterwards."""
+    daemon = start_daemon("[engine]\nmax_queue_size = 1\n", workers=workers, max_body_bytes=32 << 20)
+    wav = long_noise_wav(120)
+    statuses: list[tuple[int, dict[str, str]]] = []
+
+    def upload() -> None:
+        with Client(str(daemon.socket), timeout=120) as client:
+            response = client.send(Call("POST", f"/v2/models/{VAD}/segments", wav, (("content-type", "audio/wav"),)))
+            statuses.append((response.status, response.headers))
+
+    threads = [threading.Thread(target=upload) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    codes = sorted(s for s, _ in statuses)
+    assert len(codes) == 12 and set(codes) <= {200, 503}, codes
+    assert 200 in codes and 503 in codes, codes
+    assert all(h.get("retry-after") == "1" for s, h in statuses if s == 503), statuses
+    samples = metrics(daemon)
+    assert samples[f'appliance_queue_refused_total{{model="{VAD}"}}'] == codes.count(503)
+    with daemon.client() as client:
+        assert client.speech_probs(np.zeros(512, np.float32)).shape == (1,)
+
+
+def test_the_queue_policy_is_in_the_models_triton_config(speech_daemon: Daemon) -> None:
+    with speech_daemon.client() as client:
+        policy = client.get("/v2/models/joe/config")["dynamic_batching"]["default_queue_policy"]
+    assert policy == {
+        "timeout_action": "REJECT",
+        "default_timeout_microseconds": 0,
+        "allow_timeout_override": False,
+        "max_queue_size": 128,
+    }
+
+
+def test_a_stop_during_start_up_stops_at_once(start_daemon, speech_bundle: Path) -> None:
+    """SIGTERM while the models load or warm up: exit 0 within a second or two, no waiting for the
+    warm-up to end nor the grace time."""
+    daemon = start_daemon(bundle_dir=speech_bundle, wait=False)
+    wait_until(lambda: "verified" in daemon.log.read_text(), 60, "the start began")
+    assert "ready: serving" not in daemon.log.read_text()
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(30) == 0, daemon.log.read_text()
+    took = time.monotonic() - started
+    assert took < 3.0, f"the stop during start-up took {took:.1f} s"
+    assert "stopped during start-up" in daemon.log.read_text()
