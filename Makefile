@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APPLIANCE := $(VENV)/bin/appliance
 APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap \
-	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl npm
+	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl
 # The disk image: file systems without mounts, GPT, and the qemu + OVMF boot tests.
 IMAGE_PACKAGES := e2fsprogs dosfstools mtools fdisk qemu-system-x86 qemu-utils ovmf
 IMAGE := build/image/out
@@ -98,7 +98,9 @@ KOKORO_JS := build/npm/kokoro-js-1.2.1
 KOKORO_JS_SHA256 := 1f0d0383ef0349af0bd9440d81dc12abbea3a5392eb645283eda876f537f5860
 kokoro-voices: $(KOKORO_JS)/package/voices/.unpacked
 
+# npm: the machine's own where it has one (Debian's npm conflicts with a Node.js installed from elsewhere).
 $(KOKORO_JS)/package/voices/.unpacked: | deps
+	command -v npm >/dev/null || $(MAKE) --no-print-directory deps APT_PACKAGES=npm
 	mkdir -p $(KOKORO_JS)
 	cd build/npm && npm pack --silent --cache .npm-cache kokoro-js@1.2.1 >/dev/null
 	echo "$(KOKORO_JS_SHA256)  build/npm/kokoro-js-1.2.1.tgz" | sha256sum -c --quiet
