@@ -278,7 +278,8 @@ class GoodUnixClient(threading.Thread):
 @contextlib.contextmanager
 def good_clients_throughout(daemon: Daemon) -> Iterator[None]:
     """A good client on each transport, a request every 50 ms, while the body runs attacks: none of
-    their requests may fail, and the daemon's resident memory may grow by at most 256 MiB. Stops it."""
+    their requests may fail, no worker may be killed, and the daemon's resident memory may grow by at
+    most 256 MiB. Stops it."""
     rss_before = daemon.rss_kib()
     unix = GoodUnixClient(daemon)
     unix.start()
@@ -291,3 +292,4 @@ def good_clients_throughout(daemon: Daemon) -> Iterator[None]:
     assert not unix.errors and not quic.errors, (unix.errors[:3], quic.errors[:3])
     assert unix.answered > 20 and quic.answered > 20, (unix.answered, quic.answered)
     assert growth_mib <= 256, f"resident memory grew by {growth_mib:.0f} MiB under attack"
+    assert "restarting it" not in daemon.log.read_text(), "a protocol worker died under attack"

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.connection import H3_ALPN
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -30,6 +30,7 @@ from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.protocol.messages import Handler, Opened, Request, Response
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
+from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, Tickets, TicketStore
 
@@ -202,7 +203,7 @@ class H3Protocol(QuicConnectionProtocol):
         self.server = server
         if server.worker_key is not None:
             tag_connection_ids(self._quic, server.worker_key)
-        self._http: H3Connection | None = None
+        self._http: BoundedH3Connection | None = None
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self.handshake_done = False
         self.created = time.monotonic()
@@ -239,7 +240,7 @@ class H3Protocol(QuicConnectionProtocol):
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._http = H3Connection(self._quic)
+            self._http = BoundedH3Connection(self._quic, self.server.limits.max_header_bytes)
         elif isinstance(event, HandshakeCompleted):
             self.handshake_done = True
             waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
@@ -260,6 +261,12 @@ class H3Protocol(QuicConnectionProtocol):
             self._h3_event_received(h3_event)
 
     def _h3_event_received(self, event: H3Event) -> None:
+        if isinstance(event, HeadersRefused):
+            if (dropped := self._incoming.get(event.stream_id)) is not None:  # trailers over the limit
+                self.server.budget.give(dropped.body_bytes)
+            self._incoming.pop(event.stream_id, None)
+            self._respond(event.stream_id, limit_bit(431, event.reason).response)
+            return
         if not isinstance(event, (HeadersReceived, DataReceived)):
             return
         stream_id = event.stream_id
