@@ -54,7 +54,7 @@ async def languages(models: Iterable[ServedModel], request: Request) -> Response
 
 
 async def translate(models: Iterable[ServedModel], request: Request) -> Response:
-    fields = json_or_form(request)
+    fields = await json_or_form(request)
     source, target, text_format = fields.get("source"), fields.get("target"), fields.get("format", "text")
     if text_format != "text":
         raise BadRequest(f"format {str(text_format)[:40]!r} is not served (only 'text')")

@@ -19,7 +19,7 @@ from python_multipart import FormParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
-from appliance.api.bodies import openai_errors
+from appliance.api.bodies import MAX_FORM_FIELDS, openai_errors, refused
 from appliance.engine.whisper import SAMPLE_RATE
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import ServedModel
@@ -65,8 +65,16 @@ def parse_form(request: Request) -> tuple[dict[str, str], bytes]:
         raise BadRequest(f"send multipart/form-data with a boundary (got content-type {content_type[:60]!r})")
     fields: dict[str, str] = {}
     files: list[bytes] = []
+    parts = 0
+
+    def count_part() -> None:
+        nonlocal parts
+        parts += 1
+        if parts > MAX_FORM_FIELDS:
+            raise refused(400, f"the form has more than {MAX_FORM_FIELDS} parts")
 
     def on_field(field: Any) -> None:
+        count_part()
         name = field.field_name.decode(errors="replace")
         value = field.value or b""
         if len(value) > MAX_FIELD_BYTES:
@@ -74,6 +82,7 @@ def parse_form(request: Request) -> tuple[dict[str, str], bytes]:
         fields[name] = value.decode(errors="replace")
 
     def on_file(file: Any) -> None:
+        count_part()
         if file.field_name != b"file":
             raise BadRequest(f"form field {file.field_name.decode(errors='replace')!r} is a file; only 'file' may be")
         file.file_object.seek(0)
@@ -112,7 +121,7 @@ def pick_model(models: dict[str, ServedModel], name: str, task: str) -> SpeechTo
 
 
 async def answer(models: dict[str, ServedModel], request: Request, task: str) -> Response:
-    fields, audio = parse_form(request)
+    fields, audio = await asyncio.to_thread(parse_form, request)  # a whole recording: off the loop
     model = pick_model(models, fields.get("model", ""), task)
     if task == "translate" and "language" in fields:
         raise BadRequest("translations take no 'language': the speech's language is detected, the text is English")

@@ -46,7 +46,7 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
 
 
 async def speech(models: Iterable[ServedModel], request: Request) -> Response:
-    doc = json_body(request.body)
+    doc = await json_body(request)
     voices = [m for m in models if isinstance(m, SpeechModel)]
     model = _model(voices, doc.get("model"), doc.get("voice"))
     text = checked_text(doc.get("input"), "input")
