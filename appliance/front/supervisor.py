@@ -29,9 +29,11 @@ from typing import Any
 from appliance.api.core import Api
 from appliance.config import QuicConfig
 from appliance.front.channel import (
+    Body,
     Channel,
     WorkerReport,
-    pack_body,
+    hand_over_failed,
+    packed,
     remove_leftovers,
     serve_tickets,
     unpack_body,
@@ -183,7 +185,11 @@ class Supervisor:
             kind = message[0]
             if kind == "request":
                 _, rid, request, body = message
-                request = dataclasses.replace(request, body=unpack_body(body))
+                try:
+                    request = dataclasses.replace(request, body=unpack_body(body))
+                except OSError as exc:
+                    channel.send(("response", rid, hand_over_failed(exc), Body(), False, self.api.keep_connections()))
+                    continue
                 task = asyncio.get_running_loop().create_task(self._answer(channel, owner, rid, request))
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
@@ -202,7 +208,8 @@ class Supervisor:
 
     async def _answer(self, channel: Channel, owner: str, rid: int, request: Any) -> None:
         response = await self.api.handle(request)
-        stream, body = response.stream, pack_body(response.body, owner)
+        response, body = packed(response, owner)
+        stream = response.stream
         reply = dataclasses.replace(response, body=b"", stream=None)
         channel.send(("response", rid, reply, body, stream is not None, self.api.keep_connections()))
         if stream is None:
