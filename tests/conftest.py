@@ -103,9 +103,64 @@ def terminate(proc: subprocess.Popen[bytes]) -> int:
 
 @pytest.fixture(scope="session")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The box's TLS identity; beside it, an operator CA and a client certificate it signed (a daemon
+    started with these trusts that CA for /status and /metrics, and its QUIC client presents that one)."""
     base = tmp_path_factory.mktemp("tls")
     cli("tls", "init", "--cert", base / "cert.pem", "--key", base / "key.pem")
+    make_ca_and_client(base, "operator")
     return base / "cert.pem", base / "key.pem"
+
+
+def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, str]:
+    """A CA and a client certificate it signed (or a self-signed rogue one); returns (ca, cert, key)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+        )
+        if ca:
+            builder = builder.add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )
+        else:
+            builder = builder.add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+            ).add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{subject}.local")]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert(f"{name}-ca", ca_key, f"{name}-ca", ca_key, True)
+    client = (
+        cert(f"{name}-client", client_key, f"{name}-ca", ca_key, False)
+        if signed
+        else cert(f"{name}-client", client_key, f"{name}-client", client_key, False)
+    )
+    paths = [base / f"{name}-ca.pem", base / f"{name}-client.pem", base / f"{name}-client.key"]
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(client.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        client_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return tuple(str(p) for p in paths)  # type: ignore[return-value]
 
 
 class Daemon:
@@ -126,15 +181,22 @@ class Daemon:
         pin_dir: Path | None = None,
         max_body_bytes: int = 8 << 20,
         workers: int = 1,
+        operator: bool = True,
     ) -> None:
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
+        # the `tls` fixture's operator CA, and the certificate it signed that client("quic") presents
+        operator_files = (
+            [tls[0].parent / f"operator-{n}" for n in ("ca.pem", "client.pem", "client.key")] if tls else []
+        )
+        self.operator = tuple(map(str, operator_files[1:])) if operator and tls and operator_files[0].exists() else None
+        operator_ca = f'operator_ca = "{operator_files[0]}"\n' if self.operator else ""
         self.pin_dir = pin_dir or Path("/sys/fs/bpf") / f"appliance-test-{workdir.parent.name}-{workdir.name}"
         quic = (
             (
                 f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
-                f'private_key = "{tls[1]}"\n{extra_quic}'
+                f'private_key = "{tls[1]}"\n{operator_ca}{extra_quic}'
                 f'[conncache]\npin_dir = "{self.pin_dir}"\n{extra_conncache}'
             )
             if tls
@@ -171,7 +233,7 @@ class Daemon:
 
     def client(self, transport: str = "unix") -> Client:
         if transport == "quic":
-            return Client(quic=f"127.0.0.1:{self.quic_port}", cafile=self.cafile, timeout=60)
+            return Client(quic=f"127.0.0.1:{self.quic_port}", cafile=self.cafile, certificate=self.operator, timeout=60)
         return Client(str(self.socket))
 
     def stop(self) -> int:

@@ -53,6 +53,8 @@ class QuicConfig:
     certificate: Path = Path("/var/lib/appliance/tls/cert.pem")
     private_key: Path = Path("/var/lib/appliance/tls/key.pem")
     client_ca: Path = Path("")  # "" (unset): no client certificates; set: mutual TLS, clients need one this CA signed
+    # set: clients whose certificate this CA signed are operators (/status, /metrics); others get 403 there
+    operator_ca: Path = Path("")
     idle_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 10.0  # a request stream that goes quiet this long gets a 408
     max_connections: int = 256

@@ -55,10 +55,15 @@ class BodyBudget:
 
 class RequestAssembler:
     def __init__(
-        self, limits: ServerConfig, peer: str = "", budget: BodyBudget | None = None, client: str = ""
+        self,
+        limits: ServerConfig,
+        peer: str = "",
+        budget: BodyBudget | None = None,
+        client: str = "",
+        operator: bool = False,
     ) -> None:
         self.limits = limits  # the live ones at the request's start: a reload applies from the next request
-        self.peer, self.client = peer, client  # see Request
+        self.peer, self.client, self.operator = peer, client, operator  # see Request
         self.budget = budget  # body bytes are taken from it as they arrive; the transport gives them back
         self.method = self.target = ""
         self.head_complete = False
@@ -127,7 +132,9 @@ class RequestAssembler:
                 self._decoder.finish()
             except ApiError as exc:
                 raise Rejection(exc.status, exc.message) from None
-        return Request(self.method, self.target, self._headers, b"".join(self._body), self.peer, self.client)
+        return Request(
+            self.method, self.target, self._headers, b"".join(self._body), self.peer, self.client, self.operator
+        )
 
     def quiet_since(self, moment: float) -> bool:
         return self.last_heard < moment

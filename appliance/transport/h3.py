@@ -92,7 +92,7 @@ class H3Server:
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
         self.tickets = tickets or TicketStore()
-        self.client_certificates = ClientCertificates(self.config.client_ca) if self.config.client_ca.name else None
+        self.client_certificates = ClientCertificates.of(self.config.client_ca, self.config.operator_ca)
         self.cache: ConnectionCache | None = None
         self.owners = SequenceOwners()  # the sequences each peer opened
         self._quic_server: GuardedQuicServer | None = None
@@ -206,6 +206,7 @@ class H3Protocol(QuicConnectionProtocol):
         self._http: BoundedH3Connection | None = None
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self.handshake_done = False
+        self.operator = False  # its certificate is one the operator CA signed (known once the handshake is done)
         self.created = time.monotonic()
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
@@ -243,6 +244,10 @@ class H3Protocol(QuicConnectionProtocol):
             self._http = BoundedH3Connection(self._quic, self.server.limits.max_header_bytes)
         elif isinstance(event, HandshakeCompleted):
             self.handshake_done = True
+            if self.server.client_certificates is not None:
+                context = self._quic.tls
+                leaf, chain = context._peer_certificate, context._peer_certificate_chain
+                self.operator = self.server.client_certificates.is_operator(leaf, chain)
             waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
             for stream_id, request in waiting:
                 self._dispatch(stream_id, request)
@@ -330,7 +335,7 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _dispatch(self, stream_id: int, request: Request) -> None:
         self.in_flight += 1
-        request = dataclasses.replace(request, client=self._client())
+        request = dataclasses.replace(request, client=self._client(), operator=self.operator)
         asyncio.get_running_loop().create_task(self._serve(stream_id, request))
 
     def _client(self) -> str:

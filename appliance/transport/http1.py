@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import struct
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
@@ -26,6 +24,7 @@ import httptools
 from appliance.config import Live, ServerConfig
 from appliance.protocol.messages import Handler, Request, Response
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.http")
 TIMEOUT_CHECK_S = 0.5
@@ -41,16 +40,6 @@ def encode_response(response: Response, keep_alive: bool) -> bytes:
     if not keep_alive:
         head.append("connection: close")
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
-
-
-def peer_uid(sock: socket.socket | None) -> str:
-    """The connecting process's user (SO_PEERCRED): processes of one user can already read each
-    other's memory, so the user, not the process, is who owns a sequence on the Unix socket."""
-    try:
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))  # type: ignore[union-attr]
-    except (OSError, AttributeError):  # not a Unix socket (a test's socketpair, another family)
-        return "unix"
-    return f"uid:{uid}"
 
 
 class Http1Server:
@@ -97,7 +86,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue: deque[tuple[Request | Response, bool]] = deque()
         self.busy = False
         self._assembler: RequestAssembler | None = None  # a request under way (begun, not complete)
-        self.client = ""
+        self.client, self.operator = "", False
         self._idle_since = time.monotonic()
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
@@ -111,7 +100,7 @@ class HttpConnection(asyncio.Protocol):
     # --- asyncio callbacks ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.client = peer_uid(transport.get_extra_info("socket"))
+        self.client, self.operator = unix_peer(transport.get_extra_info("socket"))
         if len(self.server.connections) >= self.server.limits.max_connections:
             self._reject(limit_bit(503, f"too many connections (limit {self.server.limits.max_connections})"))
             return
@@ -176,7 +165,9 @@ class HttpConnection(asyncio.Protocol):
 
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
     def on_message_begin(self) -> None:
-        self._assembler = RequestAssembler(self.server.limits, budget=self.server.budget, client=self.client)
+        self._assembler = RequestAssembler(
+            self.server.limits, budget=self.server.budget, client=self.client, operator=self.operator
+        )
 
     def on_url(self, url: bytes) -> None:
         self._step().add_target(url)
