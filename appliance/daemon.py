@@ -227,6 +227,7 @@ class Daemon:
         signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, self._overdue)
         try:
             server = await self.start()
+            signals.allow_reloads()  # one held during the start is applied now
         except BaseException:
             if self.supervisor is not None:
                 self.supervisor.abort()
@@ -318,6 +319,8 @@ class Daemon:
             log.info("reload: applied %s", ", ".join(live))
         if restart:
             log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
+        if not live and not restart:
+            log.info("reload: no setting changed")
         if self.supervisor is not None:
             self.supervisor.reload()
         note = f"; needs restart for {', '.join(restart)}" if restart else ""

@@ -99,6 +99,14 @@ def packed(response: Response, owner: str) -> tuple[Response, Body]:
         return hand_over_failed(exc), Body()
 
 
+def unpack_request(request: Request, body: Body) -> Request | Response:
+    """The request with its body; or, where the body cannot be read, the 500 to answer it with."""
+    try:
+        return dataclasses.replace(request, body=unpack_body(body))
+    except OSError as exc:
+        return hand_over_failed(exc)
+
+
 def unpack_body(body: Body) -> bytes:
     if not body.shm:
         return body.inline

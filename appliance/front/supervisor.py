@@ -26,18 +26,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from appliance import signals
 from appliance.api.core import Api
 from appliance.config import QuicConfig
-from appliance.front.channel import (
-    Body,
-    Channel,
-    WorkerReport,
-    hand_over_failed,
-    packed,
-    remove_leftovers,
-    serve_tickets,
-    unpack_body,
-)
+from appliance.front.channel import Channel, WorkerReport, packed, remove_leftovers, serve_tickets, unpack_request
+from appliance.protocol.messages import Request, Response
 from appliance.protocol.peers import Peer, Totals
 from appliance.transport.quic_guards import TicketStore
 
@@ -153,7 +146,7 @@ class Supervisor:
             ]
         slot.heard = time.monotonic()  # a worker has until REPORT_STALE_S from now to report
         try:
-            slot.process = subprocess.Popen(args, pass_fds=fds)
+            slot.process = signals.spawn_holding_reloads(args, fds)
         finally:
             worker_end.close()
             if tickets_worker is not None:
@@ -185,11 +178,7 @@ class Supervisor:
             kind = message[0]
             if kind == "request":
                 _, rid, request, body = message
-                try:
-                    request = dataclasses.replace(request, body=unpack_body(body))
-                except OSError as exc:
-                    channel.send(("response", rid, hand_over_failed(exc), Body(), False, self.api.keep_connections()))
-                    continue
+                request = unpack_request(request, body)  # or the 500 where its body cannot be read
                 task = asyncio.get_running_loop().create_task(self._answer(channel, owner, rid, request))
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
@@ -206,8 +195,8 @@ class Supervisor:
                 slot.report = message[1]
                 slot.reported.set()
 
-    async def _answer(self, channel: Channel, owner: str, rid: int, request: Any) -> None:
-        response = await self.api.handle(request)
+    async def _answer(self, channel: Channel, owner: str, rid: int, request: Request | Response) -> None:
+        response = request if isinstance(request, Response) else await self.api.handle(request)
         response, body = packed(response, owner)
         stream = response.stream
         reply = dataclasses.replace(response, body=b"", stream=None)

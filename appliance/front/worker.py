@@ -59,6 +59,7 @@ class Worker:
             await self.h3.start(socket.socket(fileno=self.args.udp_fd), cache=cache)
             tasks.append(loop.create_task(self.h3.sweep_connection_cache()))
         tasks.append(loop.create_task(self._report(channel)))
+        signals.allow_reloads()  # held since the engine spawned it (signals.py): one sent meanwhile applies now
         engine_gone = loop.create_task(self._receive(channel, api))
         stop = loop.create_task(self.stopping.wait())
         await asyncio.wait([engine_gone, stop], return_when=asyncio.FIRST_COMPLETED)
