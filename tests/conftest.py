@@ -163,6 +163,18 @@ def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, 
     return tuple(str(p) for p in paths)  # type: ignore[return-value]
 
 
+def process_tree_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of `pid` and its descendants (the protocol workers)."""
+    total, pids = 0.0, [pid]
+    while pids:
+        current = pids.pop()
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            pids += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+    return total
+
+
 class Daemon:
     """`appliance run` as a child process with its own config, Unix socket and (with tls) QUIC port."""
 

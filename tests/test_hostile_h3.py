@@ -10,12 +10,9 @@ the connection closed with H3_EXCESSIVE_LOAD).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import ssl
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from aioquic.asyncio import QuicConnectionProtocol, connect
@@ -24,7 +21,7 @@ from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, S
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StopSendingReceived
-from conftest import Daemon, good_clients_throughout
+from conftest import Daemon, good_clients_throughout, process_tree_cpu_s
 
 from appliance.transport.h3_bounds import MAX_REFUSALS, field_lines
 
@@ -199,18 +196,6 @@ def test_a_huge_headers_frame_is_refused_when_its_length_arrives(daemon) -> None
         assert status == 200 and not attacker.closed.done(), body
 
     attack(daemon, run)
-
-
-def process_tree_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of `pid` and its descendants (the protocol workers)."""
-    total, pids = 0.0, [pid]
-    while pids:
-        current = pids.pop()
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            pids += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
-    return total
 
 
 def test_bombs_from_many_connections_for_seconds_cost_little(daemon) -> None:

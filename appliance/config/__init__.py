@@ -70,7 +70,9 @@ class ConnCacheConfig:
     """The QUIC listener's per-peer table (eBPF in the kernel, or user space) and flood budget."""
 
     backend: str = "auto"  # "ebpf": failing to load the BPF program is a start-up error; "user": never try
-    max_entries: int = 65536  # peers (address and port) kept; the least recently seen is evicted
+    max_entries: int = 65536  # validated peers (address and port: their handshake completed) kept
+    # sources that have not completed a handshake, in a table of their own: a flood churns only this one
+    max_unvalidated: int = 4096
     peer_rate: float = 5000.0  # packets per second each peer may send ...
     peer_burst: float = 10000.0  # ... with bursts up to this many; the rest are dropped
     idle_timeout_s: float = 60.0  # a peer silent this long is forgotten and its sequences released
@@ -253,6 +255,7 @@ def _check_values(config: Config) -> None:
         "sequences.max_live": config.sequences.max_live,
         "sequences.max_per_client": config.sequences.max_per_client,
         "conncache.max_entries": config.conncache.max_entries,
+        "conncache.max_unvalidated": config.conncache.max_unvalidated,
         "conncache.peer_rate": config.conncache.peer_rate,
         "conncache.peer_burst": config.conncache.peer_burst,
         "conncache.idle_timeout_s": config.conncache.idle_timeout_s,

@@ -163,7 +163,8 @@ class H3Server:
             held = self.owners.held()
             still = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if is_open}
             self.owners.forget_ended(still.__contains__)
-            for peer in self.cache.sweep(self.peers_held() | self.owners.peers()):
+            live = self.peers_held()  # never closed because their peer left a table, only when idle
+            for peer in self.cache.sweep(live | self.owners.peers(), live):
                 opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
                 self.api.end_opened(opened)
                 log.info(
@@ -210,7 +211,7 @@ class H3Protocol(QuicConnectionProtocol):
         self.created = time.monotonic()
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
-        self.peer = ""
+        self.peer, self._addr = "", None
         self._terminated = False
         if server.client_certificates is not None:
             server.client_certificates.require(self._quic)
@@ -222,7 +223,7 @@ class H3Protocol(QuicConnectionProtocol):
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         first = not self.peer
         if first:
-            self.peer = peer_name(addr)
+            self.peer, self._addr = peer_name(addr), addr
         super().datagram_received(data, addr)
         host, limit = self.peer.rpartition(":")[0], self.server.live.config.quic.max_handshakes_per_source
         if first and self.server.handshaking_from(host) > limit:  # this one counts too
@@ -244,6 +245,8 @@ class H3Protocol(QuicConnectionProtocol):
             self._http = BoundedH3Connection(self._quic, self.server.limits.max_header_bytes)
         elif isinstance(event, HandshakeCompleted):
             self.handshake_done = True
+            if self.server.cache is not None and self._addr is not None:
+                self.server.cache.validate(self._addr)  # its address proven: into the long-lived table
             if self.server.client_certificates is not None:
                 context = self._quic.tls
                 leaf, chain = context._peer_certificate, context._peer_certificate_chain
