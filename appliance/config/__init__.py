@@ -31,6 +31,7 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20
     max_header_bytes: int = 16 << 10
     max_connections: int = 512
+    max_connections_per_peer: int = 128  # one user's share of max_connections (Unix socket; per worker)
     max_buffered_bytes: int = 256 << 20  # request bodies held by all clients of both transports together
     header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
     body_timeout_s: float = 30.0  # a request body may go quiet this long
@@ -63,6 +64,7 @@ class QuicConfig:
     retry_when_handshaking: int = 64  # this many handshakes in progress switch Retry on by itself (0: never)
     handshake_timeout_s: float = 5.0  # a handshake not complete by then is dropped, its slot freed
     max_handshakes_per_source: int = 16  # handshakes in progress from one address
+    max_connections_per_address: int = 64  # one address's share of max_connections (per worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,8 @@ def _check_values(config: Config) -> None:
         "server.max_body_bytes": config.server.max_body_bytes,
         "server.max_header_bytes": config.server.max_header_bytes,
         "server.max_connections": config.server.max_connections,
+        "server.max_connections_per_peer": config.server.max_connections_per_peer,
+        "quic.max_connections_per_address": config.quic.max_connections_per_address,
         "server.shutdown_grace_s": config.server.shutdown_grace_s,
         "server.max_buffered_bytes": config.server.max_buffered_bytes,
         "server.header_timeout_s": config.server.header_timeout_s,
@@ -285,6 +289,7 @@ LIVE_KEYS = frozenset(
         "server.max_body_bytes",
         "server.max_header_bytes",
         "server.max_connections",
+        "server.max_connections_per_peer",
         "server.shutdown_grace_s",
         "server.max_buffered_bytes",
         "server.header_timeout_s",

@@ -31,21 +31,22 @@ def limit_bit(status: int, message: str) -> Rejection:
 
 class BodyBudget:
     """Bytes of request bodies held by all connections of both transports, bounded as a whole:
-    many slow or stalled uploads cannot together take the box's memory."""
+    many slow or stalled uploads cannot together take the box's memory. With `shares` protocol
+    workers each holds its share, so that max_buffered_bytes bounds the daemon, not each worker."""
 
-    def __init__(self, limits: Callable[[], ServerConfig]) -> None:
-        self._limits, self.held = limits, 0
+    def __init__(self, limits: Callable[[], ServerConfig], shares: int = 1) -> None:
+        self._limits, self.shares, self.held = limits, shares, 0
 
     @property
     def limits(self) -> ServerConfig:
         return self._limits()
 
     def take(self, count: int) -> None:
-        if self.held + count > self.limits.max_buffered_bytes:
+        limit = self.limits.max_buffered_bytes // self.shares
+        if self.held + count > limit:
+            share = f" (this worker's share of {self.limits.max_buffered_bytes})" if self.shares > 1 else ""
             raise limit_bit(
-                503,
-                f"busy: request bodies held by all clients are at the limit of "
-                f"{self.limits.max_buffered_bytes} bytes; retry later",
+                503, f"busy: request bodies held by all clients are at the limit of {limit} bytes{share}; retry later"
             )
         self.held += count
 

@@ -145,6 +145,9 @@ class H3Server:
     def handshaking_from(self, host: str) -> int:
         return sum(not c.handshake_done and c.peer.rpartition(":")[0] == host for c in self.connections)
 
+    def connections_from(self, host: str) -> int:
+        return sum(c.peer.rpartition(":")[0] == host for c in self.connections)
+
     def peers_held(self) -> set[str]:
         """Peers with an open connection."""
         return {c.peer for c in self.connections if c.peer}
@@ -225,14 +228,20 @@ class H3Protocol(QuicConnectionProtocol):
         if first:
             self.peer, self._addr = peer_name(addr), addr
         super().datagram_received(data, addr)
-        host, limit = self.peer.rpartition(":")[0], self.server.live.config.quic.max_handshakes_per_source
-        if first and self.server.handshaking_from(host) > limit:  # this one counts too
-            LIMITS_BITTEN.bit("handshakes", f"more than {limit} QUIC handshakes in progress from {host}")
-            self._quic.close(
-                error_code=0x2, reason_phrase="too many handshakes from this address"
-            )  # CONNECTION_REFUSED
-            self.transmit()
-            self.server.connections.discard(self)
+        host, quic = self.peer.rpartition(":")[0], self.server.live.config.quic
+        if first and self.server.handshaking_from(host) > quic.max_handshakes_per_source:  # this one counts too
+            self._refuse(
+                "handshakes", f"more than {quic.max_handshakes_per_source} QUIC handshakes in progress from {host}"
+            )
+        elif first and self.server.connections_from(host) > quic.max_connections_per_address:
+            self._refuse("connections", f"more than {quic.max_connections_per_address} QUIC connections from {host}")
+
+    def _refuse(self, limit: str, reason: str) -> None:
+        """This connection would exceed its address's share: CONNECTION_REFUSED, logged (rate-limited)."""
+        LIMITS_BITTEN.bit(limit, reason)
+        self._quic.close(error_code=0x2, reason_phrase=reason)
+        self.transmit()
+        self.server.connections.discard(self)
 
     def close_quietly(self, reason: str) -> None:
         """Close a connection whose peer went silent: no one is listening for the reply."""

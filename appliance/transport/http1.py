@@ -104,6 +104,10 @@ class HttpConnection(asyncio.Protocol):
         if len(self.server.connections) >= self.server.limits.max_connections:
             self._reject(limit_bit(503, f"too many connections (limit {self.server.limits.max_connections})"))
             return
+        share = self.server.limits.max_connections_per_peer
+        if sum(c.client == self.client for c in self.server.connections) >= share:
+            self._reject(limit_bit(503, f"too many connections from {self.client} (its share is {share})"))
+            return
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
