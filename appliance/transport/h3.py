@@ -256,10 +256,9 @@ class H3Protocol(QuicConnectionProtocol):
             self.handshake_done = True
             if self.server.cache is not None and self._addr is not None:
                 self.server.cache.validate(self._addr)  # its address proven: into the long-lived table
-            if self.server.client_certificates is not None:
+            if (certificates := self.server.client_certificates) is not None:
                 context = self._quic.tls
-                leaf, chain = context._peer_certificate, context._peer_certificate_chain
-                self.operator = self.server.client_certificates.is_operator(leaf, chain)
+                self.operator = certificates.is_operator(context._peer_certificate, context._peer_certificate_chain)
             waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
             for stream_id, request in waiting:
                 self._dispatch(stream_id, request)
@@ -351,9 +350,10 @@ class H3Protocol(QuicConnectionProtocol):
         asyncio.get_running_loop().create_task(self._serve(stream_id, request))
 
     def _client(self) -> str:
-        """Who this connection is (Request.client): its verified client certificate where mutual TLS
-        is on, else the connection itself. Taken at dispatch: after the handshake for all but 0-RTT GETs."""
-        certificate = self._quic.tls._peer_certificate if self.server.client_certificates else None
+        """Who this connection is (Request.client): its verified certificate where mutual TLS is on (client_ca;
+        an operator's alone names no one), else the connection. Taken at dispatch: after the handshake."""
+        certificates = self.server.client_certificates
+        certificate = self._quic.tls._peer_certificate if certificates and certificates.clients else None
         if certificate is not None:
             return f"cert:{certificate.fingerprint(hashes.SHA256()).hex()[:32]}"
         return f"quic:{self._quic.original_destination_connection_id.hex()}"
