@@ -198,6 +198,21 @@ def test_a_huge_headers_frame_is_refused_when_its_length_arrives(daemon) -> None
     attack(daemon, run)
 
 
+def test_a_huge_control_frame_closes_the_connection(daemon) -> None:
+    """MAX_PUSH_ID (which aioquic waits for whole) announced as 16 MB on the client's control stream."""
+
+    async def run(attacker: Attacker) -> None:
+        await attacker.settings()
+        control = attacker.http._local_control_stream_id
+        head = encode_uint_var(FrameType.MAX_PUSH_ID) + encode_uint_var(16 << 20)
+        attacker._quic.send_stream_data(control, head + b"\x00" * 65536)
+        attacker.transmit()
+        closed = await attacker.closed
+        assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD, closed
+
+    attack(daemon, run)
+
+
 def test_bombs_from_many_connections_for_seconds_cost_little(daemon) -> None:
     """Eight attackers at once, each sending bombs until its connection is closed, again for 3 s;
     the good clients (the fixture's) keep being served. Prints the daemon's CPU per refused bomb."""

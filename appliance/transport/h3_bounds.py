@@ -13,15 +13,17 @@ BoundedH3Connection advertises SETTINGS_MAX_FIELD_SECTION_SIZE and holds every r
 - a decoded section over the limit is refused before aioquic validates it.
 A refused stream is answered 431 by the transport (a HeadersRefused event) and asked to stop sending
 (STOP_SENDING with H3_NO_ERROR, RFC 9114 section 4.1.1); what else arrives on it is dropped. A peer
-refused MAX_REFUSALS times has its connection closed with H3_EXCESSIVE_LOAD. No stream may block on
-the dynamic table (QPACK_BLOCKED_STREAMS 0): no partly decoded section waits in the decoder.
+refused MAX_REFUSALS times has its connection closed with H3_EXCESSIVE_LOAD, as is one whose control
+stream announces a SETTINGS or MAX_PUSH_ID frame longer than the limit (aioquic waits for such a frame
+whole). No stream may block on the dynamic table (QPACK_BLOCKED_STREAMS 0): no partly decoded section
+waits in the decoder.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aioquic.h3.connection import ErrorCode, FrameType, H3Connection, H3Stream, ProtocolError, Setting
+from aioquic.h3.connection import ErrorCode, FrameType, H3Connection, H3Stream, ProtocolError, Setting, StreamType
 from aioquic.h3.events import H3Event, Headers
 from aioquic.quic.connection import QuicConnection
 
@@ -135,6 +137,13 @@ class BoundedH3Connection(H3Connection):
             pending = max(stream.frame_size, len(stream.buffer))  # a frame still arriving
             if pending > self.max_field_section_size:
                 events.append(self._refuse(stream, f"HEADERS frame of {pending} bytes"))
+        return events
+
+    def _receive_stream_data_uni(self, stream: H3Stream, data: bytes, stream_ended: bool) -> list[H3Event]:
+        events = super()._receive_stream_data_uni(stream, data, stream_ended)
+        waiting = stream.frame_size if stream.frame_type in (FrameType.SETTINGS, FrameType.MAX_PUSH_ID) else None
+        if stream.stream_type == StreamType.CONTROL and (waiting or 0) > self.max_field_section_size:
+            raise ExcessiveLoad(f"a control frame of {waiting} bytes")  # aioquic would buffer it whole
         return events
 
     def _handle_request_or_push_frame(
