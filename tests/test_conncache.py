@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic import connection as quic_connection
+from aioquic.quic.configuration import QuicConfiguration
 from conftest import Bystander
 
 from appliance.client import Call, infer_call
@@ -233,3 +236,34 @@ def test_one_daemon_owns_a_pin_dir(start_daemon, tls) -> None:
     third = start_daemon(tls=tls, pin_dir=first.pin_dir, extra_conncache='backend = "ebpf"\n')
     with third.client() as client:  # the dead owner's directory is free again
         assert client.status()["conncache"]["backend"] == "ebpf"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_that_passes_retry_is_validated_before_its_handshake_ends(start_daemon, tls, backend: str) -> None:
+    """Its token proves its address: into the long-lived table at once, though it never finishes the
+    handshake; a source that only sends junk stays with the unvalidated ones."""
+    daemon = start_daemon(
+        tls=tls, extra_quic="retry = true\nhandshake_timeout_s = 30.0\n", extra_conncache=f'backend = "{backend}"\n'
+    )
+    connection = quic_connection.QuicConnection(configuration=QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN))
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as junk,
+    ):
+        client.bind(("127.0.0.8", 0))
+        client.settimeout(5)
+        junk.bind(("127.0.0.9", 0))
+        junk.sendto(b"\x40" + os.urandom(1199), ("127.0.0.1", daemon.quic_port))
+        connection.connect(("127.0.0.1", daemon.quic_port), now=time.time())
+        for data, addr in connection.datagrams_to_send(now=time.time()):
+            client.sendto(data, addr)
+        retry, _ = client.recvfrom(2048)
+        assert (retry[0] & 0x30) >> 4 == 3  # a Retry
+        connection.receive_datagram(retry, ("127.0.0.1", daemon.quic_port), now=time.time())
+        for data, addr in connection.datagrams_to_send(now=time.time()):  # the Initial again, with the token
+            client.sendto(data, addr)
+        client.recvfrom(2048)  # the server's handshake, never answered
+        table = peers(daemon)
+    [proven] = [p for name, p in table.items() if name.startswith("127.0.0.8:")]
+    [unproven] = [p for name, p in table.items() if name.startswith("127.0.0.9:")]
+    assert proven["validated"] and not unproven["validated"], (proven, unproven)

@@ -166,13 +166,11 @@ class UserSpaceCache(ConnectionCache):
         return True
 
     def validate(self, addr: tuple[Any, ...]) -> None:
-        address = peer_name(addr)
-        entry = self._fresh.pop(address, None)
-        if entry is None or address in self._validated:
-            return
-        if len(self._validated) >= self.config.max_entries:
-            self._validated.popitem(last=False)
-        self._validated[address] = entry
+        if (entry := self._fresh.pop(address := peer_name(addr), None)) is not None:  # else evicted meanwhile
+            if len(self._validated) >= self.config.max_entries:
+                self._validated.popitem(last=False)
+            self._validated[address] = entry
+            entry[0].validated = True
 
     def peers(self) -> dict[str, Peer]:
         return {address: peer for table in (self._validated, self._fresh) for address, (peer, _) in table.items()}
@@ -305,7 +303,8 @@ class KernelCache(ConnectionCache):
             name = peer_name((str(ipaddress.ip_address(addr[:4] if family == 4 else addr)), socket.ntohs(port)))
             first, last, packets, size_, drops, _, _, dcid_len, dcid = self.STATS.unpack_from(value)
             keys[name] = key
-            out[name] = Peer(name, first / 1e9, last / 1e9, packets, size_, drops, dcid[:dcid_len].hex())
+            dcid_hex, validated = dcid[:dcid_len].hex(), table is self._table
+            out[name] = Peer(name, first / 1e9, last / 1e9, packets, size_, drops, dcid_hex, validated)
         return out, keys
 
     def totals(self) -> Totals:

@@ -166,8 +166,7 @@ class H3Server:
             held = self.owners.held()
             still = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if is_open}
             self.owners.forget_ended(still.__contains__)
-            live = self.peers_held()  # never closed because their peer left a table, only when idle
-            for peer in self.cache.sweep(live | self.owners.peers(), live):
+            for peer in self.cache.sweep(self.peers_held() | self.owners.peers(), self.peers_held()):
                 opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
                 self.api.end_opened(opened)
                 log.info(
@@ -228,6 +227,8 @@ class H3Protocol(QuicConnectionProtocol):
         if first:
             self.peer, self._addr = peer_name(addr), addr
         super().datagram_received(data, addr)
+        if first and self._quic._retry_source_connection_id is not None and self.server.cache is not None:
+            self.server.cache.validate(addr)  # it passed Retry: its address is proven already
         host, quic = self.peer.rpartition(":")[0], self.server.live.config.quic
         if first and self.server.handshaking_from(host) > quic.max_handshakes_per_source:  # this one counts too
             self._refuse(
@@ -278,9 +279,8 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _h3_event_received(self, event: H3Event) -> None:
         if isinstance(event, HeadersRefused):
-            if (dropped := self._incoming.get(event.stream_id)) is not None:  # trailers over the limit
+            if (dropped := self._incoming.pop(event.stream_id, None)) is not None:  # trailers over the limit
                 self.server.budget.give(dropped.body_bytes)
-            self._incoming.pop(event.stream_id, None)
             self._respond(event.stream_id, limit_bit(431, event.reason).response)
             return
         if not isinstance(event, (HeadersReceived, DataReceived)):
