@@ -312,15 +312,13 @@ class Daemon:
             log.error("reload failed, keeping the running config: %s", exc)
             systemd.ready(f"{self.status_text()}; last reload failed: {exc}")
             return
-        applied, live, restart = config_files.apply_live(self.config, new)
-        self.live.config = applied  # every component reads its settings from here at its next use
-        logging.getLogger().setLevel(applied.log.level.upper())
-        if live:
-            log.info("reload: applied %s", ", ".join(live))
+        running, reloaded, restart = config_files.apply_reload(self.config, new)
+        self.live.config = running  # every component reads its settings from here at its next use
+        logging.getLogger().setLevel(running.log.level.upper())
+        if reloaded or not restart:
+            log.info("reload: applied %s", ", ".join(reloaded) or "nothing: no setting changed")
         if restart:
             log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
-        if not live and not restart:
-            log.info("reload: no setting changed")
         if self.supervisor is not None:
             self.supervisor.reload()
         note = f"; needs restart for {', '.join(restart)}" if restart else ""

@@ -1,4 +1,4 @@
-"""The `appliance` command's exit codes, one scheme for every subcommand (README: Exit codes).
+"""The `appliance` command's exit codes, one scheme for every subcommand (docs/api.md: exit codes).
 
 A module of its own, importing nothing, so the CLI and the daemon share it without a cycle.
 """

@@ -45,6 +45,7 @@ rm -rf "$stage/tmp/wheels"
 chroot "$stage" /opt/appliance/.venv/bin/python -c 'import onnxruntime, ctranslate2, fxtranslate, sentencepiece, tokenizers, soundfile, soxr'
 chroot "$stage" espeak-ng --version >/dev/null
 cp "$repo/README.md" "$stage/opt/appliance/README.md"
+cp -r "$repo/docs" "$stage/opt/appliance/docs"  # the pages the README links
 
 # Units, user, config, trusted keys. The config overrides live on the data partition.
 install -m 0644 "$repo"/image/{appliance.service,appliance.socket,appliance-selftest.service,appliance-rollback.service} \

@@ -29,6 +29,57 @@ APPLIANCE = [sys.executable, "-m", "appliance"]
 DEFAULT_SPEC = ROOT / "firmware" / "default.toml"
 
 
+AS_ROOT = os.geteuid() == 0  # CI (.ci/run) runs the suite as root on a machine `make deps` set up
+
+
+def root_can(reason: str) -> None:
+    """Something a root-only test needs is missing: a skip for a user, a failure as root, where CI runs the
+    suite on a machine `make deps` set up (so a root-only test never passes in CI by skipping)."""
+    if AS_ROOT:
+        pytest.fail(f"a root-only test cannot run although it runs as root: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def needs(missing: bool, reason: str) -> pytest.MarkDecorator:
+    """A test's prerequisite that `make deps` installs (a tool, a kernel feature): root_can(reason) at setup
+    where `missing`."""
+    return pytest.mark.needs(missing=missing, reason=reason)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs(missing, reason): a prerequisite; as root a missing one fails")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        if mark.kwargs["missing"]:
+            root_can(mark.kwargs["reason"])
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Which suites ran, which ran in part and which were skipped whole (and why), as whom."""
+    outcomes: dict[str, dict[str, int]] = {}
+    reasons: dict[str, set[str]] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", "call") != "call" and outcome == "passed":
+                continue
+            suite = report.nodeid.split("::", 1)[0]
+            outcomes.setdefault(suite, {}).setdefault(outcome, 0)
+            outcomes[suite][outcome] += 1
+            if outcome == "skipped" and isinstance(report.longrepr, tuple):
+                reasons.setdefault(suite, set()).add(report.longrepr[2].removeprefix("Skipped: "))
+    ran = [s for s, o in sorted(outcomes.items()) if set(o) != {"skipped"}]
+    skipped = [s for s, o in sorted(outcomes.items()) if set(o) == {"skipped"}]
+    write = terminalreporter.write_line
+    write(f"suites run as {'root' if AS_ROOT else 'uid ' + str(os.geteuid())}: {len(ran)} ran, {len(skipped)} skipped")
+    for suite in ran:
+        counts = ", ".join(f"{n} {what}" for what, n in sorted(outcomes[suite].items()))
+        write(f"  ran      {suite}: {counts}")
+    for suite in skipped:
+        write(f"  SKIPPED  {suite}: {'; '.join(sorted(reasons.get(suite, set())))}")
+
+
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run([*APPLIANCE, *map(str, args)], capture_output=True, text=True, cwd=ROOT)
     if check and result.returncode != 0:
@@ -252,15 +303,36 @@ class Daemon:
         return terminate(self.proc)
 
     def cpu_seconds(self) -> float:
-        """User plus system CPU time the daemon has used so far."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User plus system CPU time the daemon (the engine process and its workers) has used so far."""
+        ticks = 0
+        for pid in self.pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def pids(self) -> list[int]:
+        """The engine process and its descendants (the protocol workers, where server.workers > 1)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                todo += [int(child) for child in task.read_text().split()]
+        return found
 
     def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
+        """Resident memory of the whole daemon: with workers, the traffic is in them, not the engine."""
+        total = 0
+        for pid in self.pids():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except FileNotFoundError:  # a worker that exited since the walk
+                continue
+            total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        return total
 
 
 class Bystander:

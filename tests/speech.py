@@ -10,6 +10,8 @@ import wave
 
 import numpy as np
 
+from appliance.kinds.segments import SegmentParams, SegmentTracker
+
 RATE = 16000
 
 
@@ -46,3 +48,11 @@ SENTENCES = [
     "And here comes a second one that is a little longer than the first",
     "Good bye and thank you",
 ]
+
+
+def speech_segments(
+    probs: np.ndarray, frame_samples: int, sample_rate: int, total_samples: int, params: SegmentParams
+) -> list[tuple[int, int]]:
+    """(start, end) sample positions of speech in a whole recording: the tracker fed all at once."""
+    tracker = SegmentTracker(frame_samples, sample_rate, params)
+    return tracker.feed(probs) + tracker.finish(total_samples)

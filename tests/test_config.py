@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from conftest import cli
+
+from appliance.config import ServerConfig, worker_count
 
 
 def check(*files: Path):
@@ -40,8 +43,8 @@ def test_merged_in_order_and_relative_paths_resolved(tmp_path: Path) -> None:
         ('[conncache]\nbackend = "xdp"\n', "conncache.backend: 'xdp' is not one of auto, ebpf, user"),
         ("[conncache]\npeer_rate = 0\n", "conncache.peer_rate: must be positive"),
         ('[quic]\nretry = "yes"\n', "quic.retry: expected bool"),
-        ("[server]\nworkers = 17\n", "server.workers: 17 is not from 0 (one per core) to 16"),
-        ("[server]\nworkers = -1\n", "server.workers: -1 is not from 0 (one per core) to 16"),
+        ("[server]\nworkers = 17\n", "server.workers: 17 is not from 0 (by cores) to 16"),
+        ("[server]\nworkers = -1\n", "server.workers: -1 is not from 0 (by cores) to 16"),
     ],
 )
 def test_bad_config_names_file_key_and_reason(tmp_path: Path, text: str, expected: str) -> None:
@@ -70,3 +73,27 @@ def test_daemon_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
     result = cli("run", "--config", path, check=False)
     assert result.returncode == 3
     assert result.stderr.strip().count("\n") == 0 and "sequences.max_live: must be positive" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "expected"),
+    [(0, 2, 1), (0, 7, 1), (0, 8, 8), (0, 16, 16), (0, 64, 16), (2, 2, 2), (1, 16, 1)],
+    ids=[
+        "default-2-cores",
+        "default-7-cores",
+        "default-8-cores",
+        "default-16-cores",
+        "default-64-cores",
+        "set-2-on-2-cores",
+        "set-1-on-16-cores",
+    ],
+)
+def test_default_worker_count_is_the_documented_one(workers: int, cores: int, expected: int) -> None:
+    """docs/performance.md: server.workers = 0 is 1 below 8 cores (the crossing slows a small box's
+    Unix socket), one per core from 8, at most 16; a set count is kept as it is."""
+    assert worker_count(ServerConfig(workers=workers), cores) == expected
+
+
+def test_default_worker_count_reads_this_process_cores() -> None:
+    usable = len(os.sched_getaffinity(0))
+    assert worker_count(ServerConfig()) == (min(usable, 16) if usable >= 8 else 1)

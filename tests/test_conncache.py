@@ -181,21 +181,25 @@ def test_a_flood_from_one_peer_is_dropped_while_another_is_served(start_daemon, 
         flooder.bind(("127.0.0.2", 0))
         flood_peer = f"127.0.0.2:{flooder.getsockname()[1]}"
         datagram = b"\x40" + os.urandom(1199)
+        assert wait_until(lambda: bystander.answered >= 1), bystander.errors  # connected before the flood
+        answered_before = bystander.answered
         started, sent = time.monotonic(), 0
         while sent < 300_000 and time.monotonic() - started < 3.0:
             flooder.sendto(datagram, ("127.0.0.1", daemon.quic_port))
             sent += 1
         elapsed = time.monotonic() - started
+        during = bystander.answered - answered_before
     cpu = daemon.cpu_seconds() - cpu_before
     flood = peers(daemon)[flood_peer]
     allowed = burst + rate * (elapsed + 1.0)
     assert flood["packets"] <= allowed, (flood, allowed)
     assert flood["drops"] > 20 * flood["packets"], (flood, sent)  # user space: some also overflowed the socket buffer
     assert not bystander.errors, bystander.errors
-    # the kernel drops the flood before it queues; in user space every datagram still costs the
-    # daemon a wake-up and shares the socket buffer, so the other peer is slowed (its lost
-    # handshake packets wait out QUIC's backoff; a clean clone in CI saw 1 answer), not refused
-    assert bystander.answered >= (20 if backend == "ebpf" else 1), bystander.answered
+    # the other peer, connected before the flood, is answered during it: the kernel drops the flood before
+    # it queues; in user space every datagram still costs the daemon a wake-up and shares the socket
+    # buffer, so the other peer is slowed (its lost packets wait out QUIC's loss timer), not refused
+    print(f"{backend}: {during} answers to the other peer during a {elapsed:.2f} s flood of {sent}")
+    assert during >= (20 if backend == "ebpf" else 5), (during, sent, elapsed)
     with daemon.client() as client:
         assert f'appliance_quic_peer_dropped_total{{backend="{backend}",peer="127.0.0.2:' in client.metrics()
     if backend == "ebpf":  # every datagram met the filter, and the daemon barely noticed the flood

@@ -47,10 +47,24 @@ def test_inspect_shows_manifest_and_verification(bundle: Path, keys: Keys) -> No
     assert doc["trusted_keys"] == str(keys.trusted)
 
 
-def test_two_builds_with_other_baked_values_differ(keys: Keys, tmp_path: Path) -> None:
+def test_two_builds_with_other_baked_values_differ(bundle: Path, keys: Keys, tmp_path: Path, start_daemon) -> None:
     small = build_bundle(keys, tmp_path / "small", max_batch=8, split_algorithm="fixed")
-    manifest = json.loads((small / "manifest.json").read_text())
-    assert manifest["baked"]["max_batch"] == 8 and manifest["baked"]["split_algorithm"] == "fixed"
+    default, other = (json.loads((b / "manifest.json").read_text()) for b in (bundle, small))
+    assert {
+        k: (default["baked"][k], other["baked"][k])
+        for k in default["baked"]
+        if default["baked"][k] != other["baked"][k]
+    } == {
+        "max_batch": (64, 8),
+        "split_algorithm": ("semantic", "fixed"),
+    }
+    assert other["artifacts"] == default["artifacts"]  # the same model files: only the baked values differ
+    assert (small / "manifest.sig").read_bytes() != (bundle / "manifest.sig").read_bytes()
+    for built, max_batch in ((bundle, 64), (small, 8)):  # and each daemon serves what its firmware baked
+        assert "ok: voice-vad 1.0.0" in cli("firmware", "verify", built, "--trusted-keys", keys.trusted).stdout
+        with start_daemon(bundle_dir=built).client() as client:
+            parameters = client.get("/v2/models/silero_vad/config")["parameters"]
+            assert parameters["max_batch"] == {"string_value": str(max_batch)}, parameters
 
 
 @pytest.mark.parametrize(

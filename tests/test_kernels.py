@@ -16,7 +16,7 @@ from speech import RATE, SENTENCES, recording
 from streams import one_stream
 
 from appliance.engine.onnx_cpu import OnnxCpuEngine
-from appliance.engine.reference import ReferenceVad
+from appliance.engine.reference import ReferenceVad, load_weights
 from appliance.firmware import AudioSpec, Baked
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not installed")
@@ -27,7 +27,7 @@ def test_reference_matches_onnx_runtime_on_speech_and_silence(bundle: Path) -> N
     model = bundle / "models" / "silero_vad.onnx"
     speech, _ = recording(SENTENCES[:2])
     audio = np.concatenate([speech, np.zeros(3 * RATE, np.float32)])
-    reference = one_stream(ReferenceVad.from_onnx(model), audio)
+    reference = one_stream(ReferenceVad(load_weights(model)), audio)
     onnx_runtime = one_stream(OnnxCpuEngine(model, 1), audio)
     assert reference.max() > 0.9 and reference[-50:].max() < 0.1  # speech was heard, silence was not
     np.testing.assert_allclose(reference, onnx_runtime, atol=1e-4, rtol=0)
@@ -41,14 +41,14 @@ def test_reference_matches_onnx_runtime_on_a_batch_with_state(bundle: Path) -> N
         "state": (rng.standard_normal((2, 64, 128)) * 0.5).astype(np.float32),
         "sr": np.array(16000, np.int64),
     }
-    ours, theirs = ReferenceVad.from_onnx(model).run(feeds, 64), OnnxCpuEngine(model, 1).run(feeds, 64)
+    ours, theirs = ReferenceVad(load_weights(model)).run(feeds, 64), OnnxCpuEngine(model, 1).run(feeds, 64)
     np.testing.assert_allclose(ours["output"], theirs["output"], atol=1e-4, rtol=0)
     np.testing.assert_allclose(ours["stateN"], theirs["stateN"], atol=1e-4, rtol=0)
 
 
 @needs_nvcc
 def test_kernels_compile_for_sm_90_with_the_baked_values_in_the_binary(tmp_path: Path) -> None:
-    from appliance.firmware.kernels import compile_vad_kernels
+    from appliance.firmware_build.kernels import compile_vad_kernels
 
     small = compile_vad_kernels(Baked(1024, "semantic", 0.85, 64), AUDIO, tmp_path / "a")
     large = compile_vad_kernels(Baked(256, "fixed", 0.85, 8192), AUDIO, tmp_path / "b")

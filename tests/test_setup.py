@@ -11,16 +11,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, needs
 
 from appliance.bench.daemon import free_udp_port
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("unshare") is None,
-        reason="hiding /lib/modules and bpffs needs root and a mount namespace",
-    ),
+    pytest.mark.skipif(os.geteuid() != 0, reason="hiding /lib/modules and bpffs needs root and a mount namespace"),
+    needs(shutil.which("unshare") is None, "unshare (util-linux) is not installed (make deps)"),
 ]
 
 

@@ -17,7 +17,7 @@ import soxr
 from conftest import ROOT, Daemon, Keys, cli
 
 from appliance.client import Call, Client
-from appliance.kinds.text import clauses, plan_shards, sentences
+from appliance.kinds.text import Clause, plan_shards, sentences
 
 SPEECH_SPEC = ROOT / "firmware" / "speech.toml"
 PARAGRAPH = (
@@ -241,13 +241,38 @@ def test_sentences_and_clauses_as_espeak_cuts_them() -> None:
 
 
 def test_shards_semantic_and_fixed() -> None:
-    text = "One two three, four five six. Seven eight."
-    words = lambda run: sum(len(c.text.split()) for c in run)  # noqa: E731
-    cut = lambda run, n: [[c] for c in run]  # noqa: E731 - a clause is the smallest piece here
-    grouped = plan_shards(sentences(text), 4, "semantic", words, cut)
-    assert [[c.text for c in s] for s in grouped] == [["One two three"], ["four five six"], ["Seven eight"]]
-    assert plan_shards(sentences(text), 10, "semantic", words, cut) == [sentences(text)[0], sentences(text)[1]]
-    assert len(plan_shards(sentences(text), 10, "fixed", words, cut)) == len(clauses(text))
+    """The planner's cuts against shards written out by hand (a token is a word here; a cut splits
+    clauses into runs of whole words)."""
+
+    def words(run: list[Clause]) -> int:
+        return sum(len(c.text.split()) for c in run)
+
+    def cut(run: list[Clause], n: int) -> list[list[Clause]]:
+        flat = [w for c in run for w in c.text.split()]
+        return [[Clause(" ".join(flat[i : i + n]), "", False)] for i in range(0, len(flat), n)]
+
+    def texts(shards: list[list[Clause]]) -> list[list[str]]:
+        return [[c.text for c in shard] for shard in shards]
+
+    text = "One two three, four five six. Seven eight. Nine ten eleven twelve thirteen."
+    assert texts(plan_shards(sentences(text), 10, "semantic", words, cut)) == [
+        ["One two three", "four five six"],
+        ["Seven eight"],
+        ["Nine ten eleven twelve thirteen"],
+    ]  # one shard per sentence
+    assert texts(plan_shards(sentences(text), 4, "semantic", words, cut)) == [
+        ["One two three"],
+        ["four five six"],
+        ["Seven eight"],
+        ["Nine ten eleven twelve"],
+        ["thirteen"],
+    ]  # a sentence over the limit cut between its clauses; a clause over it cut at the limit
+    assert texts(plan_shards(sentences(text), 4, "fixed", words, cut)) == [
+        ["One two three four"],
+        ["five six Seven eight"],
+        ["Nine ten eleven twelve"],
+        ["thirteen"],
+    ]  # every clause, cut every 4 tokens wherever they fall
 
 
 def test_fixed_shards_at_the_limit(keys: Keys, start_daemon, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import openai
 import pytest
 import soundfile as sf
 from conftest import ROOT, Daemon, Keys, build_bundle, cli
+from promtext import sample
 from speech import RATE, recording, say
 
 from appliance.audio import encode_wav
@@ -230,6 +231,22 @@ def test_bad_audio_is_a_one_line_4xx_and_the_daemon_keeps_serving(
     assert "Traceback" not in daemon.log.read_text()
 
 
+def test_stream_means_one_thing_on_every_route(unix: Client, openai_client: openai.OpenAI) -> None:
+    """`stream` is true/1/yes or false/0/no on the VAD's and Whisper's routes and in OpenAI's form;
+    anything else is a 400 naming it, never a quiet false."""
+    wav = encode_wav(say(ENGLISH[0]), RATE)
+    for route in ("silero_vad/segments", f"{TINY}/transcribe"):
+        response = unix.send(Call("POST", f"/v2/models/{route}?stream=maybe", wav))
+        assert response.status == 400, (route, response.status, response.body)
+        assert response.json()["error"] == "query parameter stream: 'maybe' is not true or false"
+        for yes in ("1", "yes", "TRUE"):
+            response = unix.send(Call("POST", f"/v2/models/{route}?stream={yes}", wav))
+            assert response.status == 200 and response.headers["content-type"] == "application/x-ndjson", route
+            assert response.body.decode().splitlines()[-1].endswith('"done":true}'), response.body
+    with pytest.raises(openai.BadRequestError, match="form field stream: 'maybe' is not true or false"):
+        openai_client.audio.transcriptions.create(model=TINY, file=("e.wav", wav), extra_body={"stream": "maybe"})
+
+
 def test_openai_client_every_response_format_and_streaming(openai_client: openai.OpenAI) -> None:
     spoken = recording(CLEAR)[0]
     wav = encode_wav(spoken, RATE)
@@ -266,8 +283,9 @@ def test_health_and_vad_answer_while_a_long_transcription_runs(daemon: Daemon, u
     worker.start()
     try:
         with Client(str(daemon.socket)) as other:
-            while f'appliance_queue_depth{{model="{BASE}"}} 0' in other.metrics() and not done.is_set():
+            while sample(other.metrics(), "appliance_queue_depth", model=BASE) == 0 and not done.is_set():
                 pass  # until its shards are queued or running
+            assert not done.is_set(), "the transcription finished before its shards were seen queued"
             answered = 0
             while not done.is_set() and answered < 5:
                 assert other.health()["ready"]

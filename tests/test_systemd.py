@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, Keys, terminate
+from conftest import ROOT, Keys, needs, terminate
 
 from appliance.client import Client, ClientError
 
-pytestmark = pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd is not installed")
+pytestmark = needs(shutil.which("systemd-socket-activate") is None, "systemd is not installed (make deps)")
 
 
 class NotifyListener:

@@ -13,16 +13,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Keys, cli
+from conftest import ROOT, Keys, cli, needs
 
 NSPAWN_ROOT = ROOT / "build" / "nspawn-root"
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="systemd-nspawn needs root"),
-    pytest.mark.skipif(
+    needs(
         shutil.which("systemd-nspawn") is None or shutil.which("debootstrap") is None,
-        reason="systemd-container and debootstrap are not installed (make deps)",
+        "systemd-container and debootstrap are not installed (make deps)",
     ),
 ]
 

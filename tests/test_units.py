@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from speech import speech_segments
 
 from appliance.config import SequenceConfig
-from appliance.engine.scheduler import Batcher, FrameModel, SequenceTable, Work
+from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
+from appliance.engine.sequences import OwnedTable, ScopedSequences
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
-from appliance.kinds.segments import SegmentParams, speech_segments
+from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import plan_shards
 from appliance.protocol.messages import Opened
 from appliance.transport.owners import SequenceOwners
@@ -85,7 +89,7 @@ def test_batcher_batches_streams_and_keeps_each_sequence_in_order() -> None:
     model = frame_model(engine)
     batcher = Batcher(model, max_batch=4)
     finished = []
-    sequences = [model.new_sequence(i) for i in range(6)]
+    sequences = [model.new_sequence() for _ in range(6)]
     works = []
     for seq in sequences:
         for part in range(2):  # two requests per sequence: the second must see the first's state
@@ -116,20 +120,41 @@ def test_batcher_fails_the_batch_when_the_engine_raises() -> None:
     assert not batcher.busy and "device lost" in str(errors[0]) and errors[0].status == 500
 
 
+def sequence_table(max_live: int, dropped: list[object] | None = None) -> OwnedTable[Sequence]:
+    on_drop = None if dropped is None else lambda key, entry: dropped.append(key)
+    return OwnedTable(lambda: SequenceConfig(idle_timeout_s=10, max_live=max_live), on_drop=on_drop)
+
+
+def new_sequence() -> Sequence:
+    return frame_model(CountingEngine()).new_sequence()
+
+
 def test_sequence_table_limits_and_expiry_follow_the_clock() -> None:
-    table = SequenceTable(frame_model(CountingEngine()), lambda: SequenceConfig(idle_timeout_s=10, max_live=2))
-    table.start("a", now=0)
-    table.start("b", now=5)
+    dropped: list[object] = []
+    table = sequence_table(2, dropped)
+    table.open("a", 0, "", new_sequence)
+    table.open("b", 5, "", new_sequence)
     with pytest.raises(TooManyRequests):
-        table.start("c", now=6)
-    table.get("a", now=9)  # touching keeps it alive
-    assert table.expire(now=15.5) == 1  # b idle 10.5 s
-    table.start("c", now=16)
+        table.open("c", 6, "", new_sequence)
+    table.get("a", 9, "")  # touching keeps it alive
+    assert len(table) == len(table) == 2  # counting changes nothing
+    assert table.expire(now=15.5) == 1 and dropped == ["b"]  # b idle 10.5 s
+    table.open("c", 16, "", new_sequence)
     with pytest.raises(BadRequest, match="not open"):
-        table.get("b", now=16)
-    busy = table.get("a", now=16)
+        table.get("b", 16, "")
+    busy = table.get("a", 16, "")
     busy.in_flight = 1
     assert table.expire(now=100) == 1 and len(table) == 1  # a request in flight keeps its sequence
+    assert dropped == ["b", "c"]
+
+
+def test_a_scoped_view_counts_and_ends_only_its_own_entries() -> None:
+    table = sequence_table(8)
+    view = ScopedSequences(table, "pipeline")
+    table.open("raw", 0, "", new_sequence)
+    serial = table.open(view.key(1), 0, "", new_sequence).serial
+    assert len(view) == 1 and len(table) == 2 and view.holds(1, serial) and not view.holds("raw", serial)
+    assert view.end_opened(1, serial) and len(view) == 0 and len(table) == 1
 
 
 def test_sequence_owners_release_what_a_peer_opened_and_still_owns() -> None:
@@ -145,9 +170,11 @@ def test_sequence_owners_release_what_a_peer_opened_and_still_owns() -> None:
 
 
 def test_ending_an_opened_sequence_spares_a_reopened_one() -> None:
-    table = SequenceTable(frame_model(CountingEngine()), lambda: SequenceConfig(idle_timeout_s=10, max_live=4))
-    first = table.start("x", now=0).serial
-    second = table.start("x", now=1).serial  # the client reconnected and started it again
+    dropped: list[object] = []
+    table = sequence_table(4, dropped)
+    first = table.open("x", 0, "", new_sequence).serial
+    second = table.open("x", 1, "", new_sequence).serial  # the client reconnected and started it again
+    assert dropped == ["x"]  # the first one's state went with it
     assert not table.end_opened("x", first) and table.holds("x", second)
     assert table.end_opened("x", second) and len(table) == 0
 
@@ -165,7 +192,7 @@ def test_a_live_frame_goes_before_a_recording_that_fills_the_batch() -> None:
     batcher.fill()
     batcher.run_steps()  # one engine call: the recording is under way
     live = Work(
-        batcher.model.new_sequence(), np.zeros((1, 512), np.float32), lambda w, e: done.append("live"), live=True
+        batcher.model.new_sequence(), np.zeros((1, 512), np.float32), lambda w, e: done.append("live"), urgent=True
     )
     batcher.submit(live)
     assert batcher.run_steps(budget_s=10.0) == []  # returns at once: a live frame waits
@@ -184,3 +211,40 @@ def test_the_firmware_and_the_runtime_know_the_same_model_kinds() -> None:
     from appliance.kinds import KINDS
 
     assert set(KIND_PARAMETERS) == set(KINDS)
+
+
+def test_every_kind_in_the_registry_is_a_factory_of_the_registry_signature() -> None:
+    """Each KINDS entry imports and takes (spec, bundle, live, loaded), as load_models calls it."""
+    import inspect
+
+    from appliance.kinds import KINDS, factory
+
+    for kind in KINDS:
+        parameters = list(inspect.signature(factory(kind)).parameters)
+        assert parameters[:4] == ["spec", "bundle", "live", "loaded"], (kind, parameters)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 0.2, 0.4, 0.9]), min_size=1, max_size=300),
+    st.sampled_from([32, 100, 300]),
+    st.sampled_from([0, 30, 200]),
+)
+def test_the_span_a_live_stream_decodes_ahead_is_the_one_the_vad_closes(
+    probs: list[float], min_silence_ms: int, pad_ms: int
+) -> None:
+    """SegmentTracker.closing(): while the silence after speech is waited out, the span it names is
+    the one feed returns when that silence lasts; speech that comes back withdraws it."""
+    params = SegmentParams(min_speech_ms=64, min_silence_ms=min_silence_ms, speech_pad_ms=pad_ms)
+    tracker = SegmentTracker(512, 16000, params)
+    predicted = None
+    for p in probs:
+        closed = tracker.feed(np.array([p], np.float32))
+        if closed and predicted is not None:
+            assert closed[0] == predicted
+        closing = tracker.closing()
+        if p >= params.threshold:
+            assert closing is None  # speech goes on: nothing to decode ahead
+        if p >= params.threshold or closed:
+            predicted = None
+        predicted = closing or predicted  # until the close (the release may come frames after it)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import Bystander, Daemon, cli
+from conftest import Bystander, Daemon, cli, root_can
 
 from appliance.client import Client
 
@@ -109,7 +109,7 @@ def test_each_quic_connection_stays_on_one_worker_and_connections_spread(two_wor
     with daemon.client() as client:
         status = client.status()
     if status["quic"]["workers"] < 2:
-        pytest.skip(f"QUIC runs in one worker here: {status['quic']['reason']}")
+        root_can(f"QUIC runs in one worker here: {status['quic']['reason']}")
     hosts = [f"127.0.0.{n}" for n in range(2, 18)]
     clients = [
         Client(quic=f"127.0.0.1:{daemon.quic_port}", cafile=daemon.cafile, timeout=30, local_host=h) for h in hosts
@@ -141,9 +141,8 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(
     victim, survivor = before[0], before[1]
     kept = connection_on(daemon, survivor["pid"])
     assert kept.call("GET", "/v2/health/ready")[0] == 200
-    quic_multi = False
     with daemon.client() as client:
-        quic_multi = client.status()["quic"]["workers"] == 2
+        quic = client.status()["quic"]
     bystanders = [Bystander(daemon, local_host=f"127.0.0.{n}", pause_s=0.02) for n in range(20, 28)]
     for bystander in bystanders:
         bystander.__enter__()
@@ -164,11 +163,6 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(
             bystander.__exit__()
     after = workers_status(daemon)
     assert after[0]["restarts"] == 1 and after[1]["pid"] == survivor["pid"] and after[1]["restarts"] == 0
-    if quic_multi:  # QUIC clients of the surviving worker saw no error at all
-        spared = [b for b in bystanders if quic_on.get(b.local_host) == survivor["pid"]]
-        assert spared, f"no QUIC client was on the surviving worker: {quic_on}"
-        for bystander in spared:
-            assert not bystander.errors and bystander.answered > 5, (bystander.errors, bystander.answered)
     log = daemon.log.read_text()
     assert f"worker 0 (pid {victim['pid']}) exited with signal SIGKILL; restarting it" in log
     with daemon.client() as client:  # and the replacement serves; the metrics say what happened
@@ -176,6 +170,12 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(
         metrics = client.metrics()
     assert 'appliance_worker_restarts_total{worker="0"} 1' in metrics
     assert 'appliance_worker_restarts_total{worker="1"} 0' in metrics
+    if quic["workers"] != 2:  # the QUIC half needs the kernel's steering: a skip as a user, never silently dropped
+        root_can(f"QUIC runs in one worker here: {quic['reason']}")
+    spared = [b for b in bystanders if quic_on.get(b.local_host) == survivor["pid"]]  # saw no error at all
+    assert spared, f"no QUIC client was on the surviving worker: {quic_on}"
+    for bystander in spared:
+        assert not bystander.errors and bystander.answered > 5, (bystander.errors, bystander.answered)
 
 
 def test_a_sequence_opened_through_one_worker_continues_through_another(two_workers: Daemon) -> None:

@@ -18,8 +18,8 @@ from appliance.api.bodies import json_or_form
 from appliance.api.routes import Route
 from appliance.errors import BadRequest
 from appliance.kinds.base import ServedModel
+from appliance.kinds.capabilities import Translator
 from appliance.kinds.text import MAX_TEXT_CHARS, checked_text
-from appliance.kinds.translation import TranslationModel
 from appliance.protocol.messages import Request, Response, json_response
 
 # Names for the languages Bergamot models exist for; a code without one is shown as itself.
@@ -40,8 +40,8 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
     ]
 
 
-def _pairs(models: Iterable[ServedModel]) -> dict[tuple[str, str], TranslationModel]:
-    return {(m.source, m.target): m for m in models if isinstance(m, TranslationModel)}
+def _pairs(models: Iterable[ServedModel]) -> dict[tuple[str, str], Translator]:
+    return {(m.source, m.target): m for m in models if isinstance(m, Translator)}
 
 
 async def languages(models: Iterable[ServedModel], request: Request) -> Response:

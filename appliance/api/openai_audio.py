@@ -20,11 +20,11 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
 from appliance.api.bodies import MAX_FORM_FIELDS, openai_errors, refused
-from appliance.engine.whisper import SAMPLE_RATE
-from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
-from appliance.kinds.speech_api import FORMATS, Options, Segment, decode_recording, render
-from appliance.kinds.speech_to_text import SpeechToText
+from appliance.kinds.capabilities import Transcriber
+from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, Options, Segment, render
+from appliance.kinds.streaming import guarded, query_flag
 from appliance.protocol.messages import Request, Response
 
 FIELDS = {
@@ -104,16 +104,16 @@ def parse_form(request: Request) -> tuple[dict[str, str], bytes]:
     return fields, files[0]
 
 
-def pick_model(models: dict[str, ServedModel], name: str, task: str) -> SpeechToText:
-    speech = [m for m in models.values() if isinstance(m, SpeechToText)]
+def pick_model(models: dict[str, ServedModel], name: str, task: str) -> Transcriber:
+    speech = [m for m in models.values() if isinstance(m, Transcriber)]
     if not name:
         raise BadRequest("the form needs a 'model' field")
     chosen = models.get(name)
     if chosen is not None:
-        if not isinstance(chosen, SpeechToText):
+        if not isinstance(chosen, Transcriber):
             raise BadRequest(f"model {name!r} is a {chosen.spec.kind} model, not speech_to_text")
         return chosen
-    able = [m for m in speech if task == "transcribe" or m.engine.tokens.multilingual]
+    able = [m for m in speech if task == "transcribe" or m.multilingual]
     if name.startswith(("whisper", "gpt-")) and able:  # OpenAI's names: the box's first model that can
         return able[0]
     served = ", ".join(m.name for m in speech) or "none"
@@ -134,30 +134,33 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
         raise BadRequest(f"temperature must be a number, got {fields['temperature'][:40]!r}") from None
     if fields.get("timestamp_granularities[]", "segment") != "segment":
         raise BadRequest("timestamp_granularities: only 'segment' is served (no word timestamps)")
-    stream = fields.get("stream", "false").lower()
-    if stream not in ("true", "false"):
-        raise BadRequest(f"stream must be true or false, got {stream[:20]!r}")
+    stream = query_flag(fields, "stream", where="form field")
     options = Options(fields.get("language") or None, task, fields.get("prompt", ""), temperature)
     model.check(options)
-    samples = await asyncio.to_thread(decode_recording, audio, model)
+    samples = await asyncio.to_thread(model.recording, audio)
     segments = model.transcribe(samples, options)
-    if stream == "true":
-        return Response(200, content_type="text/event-stream", stream=_events(segments))
+    if stream:
+        return Response(200, content_type="text/event-stream", stream=_events(segments, model.name))
     found = [s async for s in segments]
     return render(found, response_format, task, len(samples) / SAMPLE_RATE)
 
 
-async def _events(segments: AsyncIterator[Segment]) -> AsyncGenerator[bytes, None]:
+def _events(segments: AsyncIterator[Segment], model: str) -> AsyncGenerator[bytes, None]:
     """Server-sent events as OpenAI streams a transcription: a delta per segment, then the whole text."""
-    texts = []
-    try:
-        async for segment in segments:
-            texts.append(segment.text)
-            yield _event({"type": "transcript.text.delta", "delta": (" " if len(texts) > 1 else "") + segment.text})
-    except ApiError as exc:
-        yield _event({"type": "error", "error": {"message": exc.message}})
-        return
-    yield _event({"type": "transcript.text.done", "text": " ".join(texts)})
+    texts: list[str] = []
+
+    def delta(segment: Segment) -> bytes:
+        texts.append(segment.text)
+        return _event({"type": "transcript.text.delta", "delta": (" " if len(texts) > 1 else "") + segment.text})
+
+    return guarded(
+        segments,
+        delta,
+        lambda message: _event({"type": "error", "error": {"message": message}}),
+        f"streamed transcription by {model}",
+        {"MODEL": model},
+        lambda count: _event({"type": "transcript.text.done", "text": " ".join(texts)}),
+    )
 
 
 def _event(doc: dict[str, Any]) -> bytes:

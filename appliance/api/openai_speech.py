@@ -13,16 +13,17 @@ import io
 import logging
 import re
 import struct
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import soundfile
 
 from appliance.api.bodies import json_body, openai_errors
 from appliance.api.routes import Route
-from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
-from appliance.kinds.speech import MAX_SPEED, MIN_SPEED, SpeechModel
+from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, Speaker
+from appliance.kinds.streaming import guarded
 from appliance.kinds.text import checked_text
 from appliance.protocol.messages import Request, Response
 
@@ -47,7 +48,7 @@ def routes(models: Mapping[str, ServedModel]) -> list[Route]:
 
 async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     doc = await json_body(request)
-    voices = [m for m in models if isinstance(m, SpeechModel)]
+    voices: list[Speaker] = [m for m in models if isinstance(m, Speaker)]
     model = _model(voices, doc.get("model"), doc.get("voice"))
     text = checked_text(doc.get("input"), "input")
     audio_format = doc.get("response_format", "wav")
@@ -63,11 +64,21 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     if audio_format == "flac":
         samples = [p async for p in pieces]
         return Response(200, _flac(samples, rate), FORMATS["flac"], headers)
+    # the header, then each sentence's samples as soon as it is ready; a failure ends the stream early
+    # (the status has been sent), logged; a client gone mid-stream drops the shards not yet started
     first = wav_header(rate, STREAMED_UNKNOWN) if audio_format == "wav" else b""
-    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=_stream(first, pieces, model.name))
+    body = guarded(
+        pieces,
+        lambda s: s.astype("<i2").tobytes(),
+        lambda message: b"",
+        f"speech from {model.name}",
+        {"MODEL": model.name},
+        head=first,
+    )
+    return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=body)
 
 
-def _model(voices: list[SpeechModel], name: object, voice: object) -> SpeechModel:
+def _model(voices: list[Speaker], name: object, voice: object) -> Speaker:
     if not voices:
         raise NotFound("this firmware has no speech model")
     served = ", ".join(m.voice_name for m in voices)
@@ -101,19 +112,3 @@ def _flac(pieces: list[np.ndarray], rate: int) -> bytes:
     out = io.BytesIO()
     soundfile.write(out, np.concatenate(pieces) if pieces else np.zeros(0, np.int16), rate, format="FLAC")
     return out.getvalue()
-
-
-async def _stream(first: bytes, pieces: AsyncGenerator[np.ndarray, None], model: str) -> AsyncGenerator[bytes, None]:
-    """The header, then each sentence's samples as soon as it is ready; a failure ends the stream
-    early (the status has been sent), logged."""
-    if first:
-        yield first
-    try:
-        async for samples in pieces:
-            yield samples.astype("<i2").tobytes()
-    except ApiError as exc:
-        log.warning("speech from %s ended early: %s", model, exc.message)
-    except Exception:
-        log.exception("speech from %s crashed while streaming", model)
-    finally:
-        await pieces.aclose()  # a client gone mid-stream: its shards not yet started are dropped now

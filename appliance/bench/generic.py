@@ -20,7 +20,7 @@ from appliance import keys
 from appliance.bench.daemon import DaemonProcess
 from appliance.client import Client
 from appliance.engine.onnx_cpu import session
-from appliance.firmware import build
+from appliance.firmware_build import bundle as build
 
 LAYERS = (1024, 2048, 2048, 512)  # 1024*2048 + 2048*2048 + 2048*512 = 7.3 M weights (29 MiB: about the L3 cache here)
 CLIENTS = 16

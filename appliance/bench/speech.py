@@ -54,7 +54,8 @@ SENTENCES = [
 CLIENTS = 8
 LIVE_CHUNK = 4096  # 256 ms at 16 kHz
 ROUNDS = 3  # of each measurement, the peer's and the daemon's alternating; the best of each counts
-TARGETS = {"speech_ratio": 2.0, "first_audio_ms": 300.0, "translation_ratio": 2.0}
+# issue 27: at 8 clients at least the engine alone (the box's overhead gone)
+TARGETS = {"speech_ratio": 1.0, "first_audio_ms": 300.0, "translation_ratio": 1.0}
 
 
 def timed_once(work: Callable[[], object]) -> float:

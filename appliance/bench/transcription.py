@@ -79,17 +79,22 @@ def transcription_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, thr
         list(batched.transcribe(clips[0], language="en")[0])
         # 1. one 60 s recording: alternate, best of 3 each
         ours, theirs, our_text, their_text = [], [], "", ""
+        our_cpu, their_cpu = [], []
         for _ in range(3):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), daemon.cpu_s()
             our_text = client.transcribe(wav, MODEL, response_format="text").body.decode()
             ours.append(time.perf_counter() - t)
-            t = time.perf_counter()
+            our_cpu.append(daemon.cpu_s() - c)
+            t, c = time.perf_counter(), time.process_time()
             their_text = " ".join(s.text for s in batched.transcribe(recording, language="en", batch_size=8)[0])
             theirs.append(time.perf_counter() - t)
+            their_cpu.append(time.process_time() - c)
         results["recording_60s"] = {
             "daemon_s": round(min(ours), 3),
             "batched_pipeline_s": round(min(theirs), 3),
             "speedup": round(min(theirs) / min(ours), 2),
+            "daemon_cpu_s": round(min(our_cpu), 2),
+            "batched_pipeline_cpu_s": round(min(their_cpu), 2),
             "text_difference_wer": round(float(jiwer.wer(words(their_text), words(our_text))), 3),
         }
 
@@ -98,18 +103,27 @@ def transcription_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, thr
             with Client(str(daemon.socket), timeout=600) as own:
                 own.transcribe(encode_wav(clips[i], RATE), MODEL)
 
+        c = daemon.cpu_s()
         together = concurrently(8, ask)
-        t = time.perf_counter()
-        for clip in clips:
+        together_cpu = daemon.cpu_s() - c
+        each = []
+        c = time.process_time()
+        for clip in clips:  # a 10 s clip is one window: its encode and decode
+            t = time.perf_counter()
             list(peer.transcribe(clip, language="en")[0])
-        in_turn = time.perf_counter() - t
+            each.append(time.perf_counter() - t)
+        in_turn, in_turn_cpu = sum(each), time.process_time() - c
         results["clients8_10s"] = {
             "daemon_s": round(together, 3),
             "transcribe_in_turn_s": round(in_turn, 3),
             "speedup": round(in_turn / together, 2),
+            "daemon_cpu_s": round(together_cpu, 2),
+            "transcribe_in_turn_cpu_s": round(in_turn_cpu, 2),
         }
-        # 3. a live stream in real time: when each sentence's final text arrives after the sentence ended
+        # 3. a live stream in real time: when each sentence's final text arrives after the sentence ended,
+        # against one window's encode and decode (faster-whisper's, a 10 s clip, median) in this run
         results["live"] = live_latency(client, *speech(40))
+        results["live"]["window_ms"] = round(statistics.median(each) * 1000)
         results["rss_mib"] = round(daemon.rss_mib(), 1)
         client.close()
     finally:
@@ -144,11 +158,14 @@ def report(s: dict[str, Any]) -> list[str]:
     return [
         f"  speech to text: {s['model']}, {s['compute_type']}, {s['threads']} threads, against faster-whisper on the same model",
         f"    60 s recording: daemon {rec['daemon_s']} s, BatchedInferencePipeline {rec['batched_pipeline_s']} s = "
-        f"{rec['speedup']}x   target >= 1.2x   {mark[rec['speedup'] >= 1.2]}   (texts differ by WER {rec['text_difference_wer']})",
+        f"{rec['speedup']}x   target >= 1.2x   {mark[rec['speedup'] >= 1.2]}   (texts differ by WER {rec['text_difference_wer']}; "
+        f"CPU {rec['daemon_cpu_s']} s against {rec['batched_pipeline_cpu_s']} s)",
         f"    8 clients x 10 s at once: daemon {many['daemon_s']} s, WhisperModel.transcribe in turn "
-        f"{many['transcribe_in_turn_s']} s = {many['speedup']}x   target >= 2x   {mark[many['speedup'] >= 2]}",
+        f"{many['transcribe_in_turn_s']} s = {many['speedup']}x   target >= 2x   {mark[many['speedup'] >= 2]}   "
+        f"(CPU {many['daemon_cpu_s']} s against {many['transcribe_in_turn_cpu_s']} s)",
         f"    live stream: final text {p50} ms (p50, max {live['max_ms']} ms, {live['segments']} segments) after the "
-        f"sentence ended   target <= 500 ms   {mark[p50 is not None and p50 <= 500]}",
+        f"sentence ended; one window's encode+decode {live['window_ms']} ms   target p50 <= 0.8x that = "
+        f"{0.8 * live['window_ms']:.0f} ms   {mark[p50 is not None and p50 <= 0.8 * live['window_ms']]}",
         f"    resident memory, VAD + both Whisper models: {s['rss_mib']} MiB   target <= 1024 MiB   "
         f"{mark[s['rss_mib'] <= 1024]}",
     ]

@@ -99,6 +99,15 @@ def workers_scaling(bundle: Path, trusted: Path, workdir: Path, seconds: float) 
             daemon.stop()
     out["ratio"] = {k: round(out["workers2"][k] / out["workers1"][k], 2) for k in out["workers1"]}
     out["crossing_us"] = round(out["workers2_one_frame_us"] - out["workers1_one_frame_us"], 1)
+    # the default (server.workers = 0: by this machine's cores) on the Unix socket, against workers = 1
+    daemon = DaemonProcess(bundle, trusted, workdir / "workers-default", workers=0)
+    try:
+        out["default_workers"] = len(daemon.status().get("workers") or []) or 1
+        out["default"] = {
+            f"unix_{streams}": round(requests_per_s(daemon, "unix", streams, frame, seconds)) for streams in STREAMS
+        }
+    finally:
+        daemon.stop()
     return out
 
 
@@ -118,6 +127,12 @@ def report(r: dict[str, Any]) -> list[str]:
         lines.append(
             f"    {transport:4} {streams:>2} streams   workers 1: {r['workers1'][key]:6} req/s   workers 2: "
             f"{r['workers2'][key]:6} req/s   = {ratio:.2f}x   target >= {RATIO_TARGET}x   {mark}"
+        )
+    for key, rate in r["default"].items():
+        ratio = rate / r["workers1"][key]
+        lines.append(
+            f"    unix {key.split('_')[1]:>2} streams   default workers ({r['default_workers']} on this machine): "
+            f"{rate:6} req/s against workers 1 = {ratio:.2f}x   target >= 1.0x   {'ok' if ratio >= 1.0 else 'MISSED'}"
         )
     for worker in r["status"].get("workers") or []:
         lines.append(

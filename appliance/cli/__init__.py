@@ -89,7 +89,7 @@ def _client_failure(exc: ClientError, args: argparse.Namespace) -> tuple[str, in
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes (appliance/exitcodes.py; README, "Calling the daemon"): 0 ok, 1 the daemon answered with an
+    """Exit codes (appliance/exitcodes.py; docs/api.md, "Calling the daemon"): 0 ok, 1 the daemon answered with an
     error, 2 usage or local input, 3 the daemon could not start, 4 the daemon could not be reached,
     141 stdout closed; each failure is one line on stderr."""
     command_line = parser()

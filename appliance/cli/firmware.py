@@ -17,7 +17,7 @@ from appliance.progress import Progress
 
 def cmd_firmware(args: argparse.Namespace) -> int:
     if args.action == "build":
-        from appliance.firmware.build import build  # lazy: onnx (and nvcc, TensorRT) only for a build
+        from appliance.firmware_build.bundle import build  # lazy: onnx (and nvcc, TensorRT) only for a build
 
         manifest = build(args.spec, args.key, args.out, Progress())
         print(f"built {manifest.name} {manifest.version} in {args.out} (signed by {manifest.signing_key_id})")

@@ -38,8 +38,8 @@ class ServerConfig:
     keepalive_timeout_s: float = 75.0  # an idle HTTP/1.1 connection is closed after this
     pipeline_depth: int = 32  # requests read ahead on one HTTP/1.1 connection; then reading pauses
     shutdown_grace_s: float = 30.0
-    # protocol worker processes running the transports (0: one per core, at most MAX_WORKERS); 1: the
-    # transports run in the engine process itself
+    # protocol worker processes running the transports (0: chosen by the machine's cores, see
+    # worker_count); 1: the transports run in the engine process itself
     workers: int = 0
 
 
@@ -216,11 +216,21 @@ def _baked_message(path: Path, key: str, data: dict[str, Any]) -> str:
 
 
 MAX_WORKERS = 16
+# server.workers = 0 runs workers only on a machine with at least this many cores: a worker's crossing
+# costs each request a round trip to the engine process (about 0.5 ms), which pays only where spare
+# cores parse and encrypt while the engine computes. On 2 cores workers = 2 served the Unix socket at
+# 0.58x workers = 1 (docs/performance.md).
+MIN_CORES_FOR_WORKERS = 8
 
 
-def worker_count(server: ServerConfig) -> int:
-    """How many protocol workers `server.workers` asks for on this machine."""
-    return server.workers or max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+def worker_count(server: ServerConfig, cores: int | None = None) -> int:
+    """How many protocol workers `server.workers` asks for on a machine of `cores` usable cores (this
+    process's, by default): 0 means one per core, at most MAX_WORKERS, where there are at least
+    MIN_CORES_FOR_WORKERS; else 1 (the transports in the engine process)."""
+    if server.workers:
+        return server.workers
+    usable = cores if cores is not None else len(os.sched_getaffinity(0))
+    return min(usable, MAX_WORKERS) if usable >= MIN_CORES_FOR_WORKERS else 1
 
 
 def _check_values(config: Config) -> None:
@@ -270,7 +280,7 @@ def _check_values(config: Config) -> None:
             raise ApplianceError(f"{source}: {key}: must be positive, got {value}")
     if not 0 <= config.server.workers <= MAX_WORKERS:
         raise ApplianceError(
-            f"{source}: server.workers: {config.server.workers} is not from 0 (one per core) to {MAX_WORKERS}"
+            f"{source}: server.workers: {config.server.workers} is not from 0 (by cores) to {MAX_WORKERS}"
         )
     if not 0 < config.quic.port < 65536:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
@@ -284,7 +294,7 @@ def _check_values(config: Config) -> None:
 
 
 # What SIGHUP can change in a running daemon; every other key needs a restart.
-LIVE_KEYS = frozenset(
+RELOADABLE_KEYS = frozenset(
     {
         "server.max_body_bytes",
         "server.max_header_bytes",
@@ -310,28 +320,28 @@ LIVE_KEYS = frozenset(
 )
 
 
-def apply_live(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
-    """The running config with every changed LIVE_KEYS value taken from `new`; and the keys that
-    changed and applied live, and those that changed and need a restart."""
-    live, restart, sections = [], [], {}
+def apply_reload(old: Config, new: Config) -> tuple[Config, list[str], list[str]]:
+    """The running config with every changed RELOADABLE_KEYS value taken from `new`; and the keys that
+    changed and were reloaded, and those that changed and need a restart."""
+    reloaded, restart, sections = [], [], {}
     for section in SECTIONS:
         before, after = getattr(old, section), getattr(new, section)
         changes = {}
         for f in dataclasses.fields(before):
             if getattr(before, f.name) != getattr(after, f.name):
                 name = f"{section}.{f.name}"
-                if name in LIVE_KEYS:
-                    live.append(name)
+                if name in RELOADABLE_KEYS:
+                    reloaded.append(name)
                     changes[f.name] = getattr(after, f.name)
                 else:
                     restart.append(name)
         sections[section] = dataclasses.replace(before, **changes)
-    return dataclasses.replace(old, **sections), live, restart
+    return dataclasses.replace(old, **sections), reloaded, restart
 
 
 class Live:
     """The running config, one holder for the whole daemon. SIGHUP replaces `config` as a whole (keys
-    that need a restart keep their running values, see apply_live); each component reads the setting
+    that need a restart keep their running values, see apply_reload); each component reads the setting
     it needs when it uses it, so none keeps a stale copy."""
 
     def __init__(self, config: Config) -> None:

@@ -23,6 +23,8 @@ from typing import Generic, TypeVar
 
 from appliance.engine.stats import ModelStats
 
+COMING_WAIT_S = 0.2  # the longest a batch waits for shards `coming` says are on their way
+COMING_POLL_S = 0.005
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -53,10 +55,13 @@ class BatchQueue(Generic[T, R]):
         stats: ModelStats,
         queue_delay_s: Callable[[], float] = lambda: 0.0,
         per_request: int | None = None,
+        coming: Callable[[], bool] = lambda: False,
     ) -> None:
-        """`run_batch` runs on the queue's thread; each call is an execution in `stats`."""
+        """`run_batch` runs on the queue's thread; each call is an execution in `stats`. `coming`: whether
+        shards are about to arrive (speech to text: a recording is in its VAD); a batch that is not full
+        and holds no urgent shard waits for them up to COMING_WAIT_S."""
         self.run_batch, self.max_batch, self.stats, self.queue_delay_s = run_batch, max_batch, stats, queue_delay_s
-        self.per_request = per_request or max_batch
+        self.per_request, self.coming = per_request or max_batch, coming
         self._waiting: list[_Shard[T, R]] = []
         self._running = 0
         self._wake = asyncio.Event()
@@ -119,6 +124,14 @@ class BatchQueue(Generic[T, R]):
         self._waiting = left
         return taken
 
+    async def _wait_for_coming(self) -> None:
+        waited = 0.0
+        while waited < COMING_WAIT_S and self.coming() and len(self._waiting) < self.max_batch:
+            if any(s.order[0] < 0 for s in self._waiting):
+                return  # a live shard goes now
+            await asyncio.sleep(COMING_POLL_S)
+            waited += COMING_POLL_S
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -126,6 +139,7 @@ class BatchQueue(Generic[T, R]):
             self._wake.clear()
             if (delay := self.queue_delay_s()) > 0 and len(self._waiting) < self.max_batch:
                 await asyncio.sleep(delay)  # Triton's max queue delay: let others join
+            await self._wait_for_coming()
             while batch := self._take():
                 self._running = len(batch)
                 started = time.perf_counter_ns()

@@ -73,10 +73,6 @@ class ReferenceVad:
     def __init__(self, weights: Mapping[str, np.ndarray]) -> None:
         self.w = dict(weights)
 
-    @classmethod
-    def from_onnx(cls, model_path: Path) -> ReferenceVad:
-        return cls(load_weights(model_path))
-
     def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
         probs, state = self.forward(feeds["input"], feeds["state"])
         return {"output": probs[:, None], "stateN": state}

@@ -8,24 +8,22 @@ rows, runs the engine once, scatters the new state rows back and moves each work
 Finished works leave the batch and waiting ones join it between steps, so a stream never waits
 for another stream's long request to finish, and concurrent streams share every engine call.
 
-Nothing here knows about asyncio, threads or sockets: works carry a completion callback, the
-Batcher runs one engine call when asked, and the SequenceTable takes the time as an argument.
+Nothing here knows about asyncio, threads or sockets: works carry a completion callback and the
+Batcher runs one engine call when asked. Open sequences are kept in engine/sequences.py's OwnedTable.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from appliance.config import SequenceConfig
 from appliance.engine.interface import Engine
 from appliance.engine.stats import ModelStats, RequestTimes
-from appliance.errors import ApiError, ApplianceError, BadRequest, NotFound, TooManyRequests, Unavailable
+from appliance.errors import ApplianceError, Unavailable
 from appliance.firmware import ModelSpec
 
 
@@ -49,9 +47,8 @@ class FrameModel:
                 )
             self._row_shapes.append(tuple(shape))
 
-    def new_sequence(self, key: object = None) -> Sequence:
+    def new_sequence(self) -> Sequence:
         return Sequence(
-            key=key,
             state=[np.zeros(shape, np.float32) for shape in self._row_shapes],
             context=np.zeros(self.context_samples, np.float32),
         )
@@ -80,17 +77,15 @@ class FrameModel:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    key: object
+    """One stream's recurrent state rows and audio context; an entry of engine/sequences.py's OwnedTable
+    (the table sets last_used, serial and client) or a recording shard's own."""
+
     state: list[np.ndarray]
     context: np.ndarray
     last_used: float = 0.0
     in_flight: int = 0
-    serial: int = 0  # tells this sequence apart from an earlier or later one under the same key
-    client: str = ""  # who opened it (see protocol.messages.Request.client): only it may use it
-
-
-class SequenceFactory(Protocol):
-    def new_sequence(self, key: object = None) -> Sequence: ...
+    serial: int = 0
+    client: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -103,102 +98,11 @@ class Work:
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
     cancelled: bool = False  # its caller went away before it started: never run it
-    live: bool = False  # a live stream's frames, or a short request's: before recordings, and may push one out
+    urgent: bool = False  # a live stream's frames, or a short request's: before recordings, and may push one out
     times: RequestTimes | None = None  # its request's: each engine call it is in adds its compute times once
 
     def __post_init__(self) -> None:
         self.probs = np.empty(len(self.frames), np.float32)
-
-
-class SequenceTable:
-    """Live sequences by id, bounded in count, expired after an idle time. The caller passes `now`;
-    `settings` gives the bounds as the live config holds them now; `model` makes a new sequence."""
-
-    def __init__(self, model: SequenceFactory, settings: Callable[[], SequenceConfig]) -> None:
-        self.model, self._settings = model, settings
-        self._live: dict[object, Sequence] = {}
-        self._per_client: Counter[str] = Counter()
-        self._serials = 0
-
-    @property
-    def max_live(self) -> int:
-        return self._settings().max_live
-
-    @property
-    def idle_timeout_s(self) -> float:
-        return self._settings().idle_timeout_s
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def start(self, key: object, now: float, client: str = "") -> Sequence:
-        """Open a sequence for `client`; a start on its own live id restarts it (it reconnected)."""
-        old = self._live.get(key)
-        if old is not None:
-            self._check_owner(key, old, client)
-            if old.in_flight:
-                raise ApiError(f"sequence {key} has a request in flight; it cannot restart until that finishes", 409)
-            self._drop(key)
-        share = self._settings().max_per_client
-        if len(self._live) >= self.max_live or self._per_client[client] >= share:
-            self.expire(now)
-        if len(self._live) >= self.max_live:
-            raise TooManyRequests(
-                f"sequence table full ({self.max_live} live sequences): end a sequence or retry later"
-            )
-        if self._per_client[client] >= share:
-            raise TooManyRequests(f"this client holds {share} live sequences, its share: end one or retry later")
-        sequence = self.model.new_sequence(key)
-        self._serials += 1
-        sequence.last_used, sequence.serial, sequence.client = now, self._serials, client
-        self._live[key] = sequence
-        self._per_client[client] += 1
-        return sequence
-
-    def get(self, key: object, now: float, client: str = "") -> Sequence:
-        sequence = self._live.get(key)
-        if sequence is None:
-            raise BadRequest(
-                f"sequence {key} is not open (never started, ended, or expired after "
-                f"{self.idle_timeout_s:g} s idle): send sequence_start=true first"
-            )
-        self._check_owner(key, sequence, client)
-        sequence.last_used = now
-        return sequence
-
-    def end(self, key: object) -> None:
-        if key in self._live:
-            self._drop(key)
-
-    def holds(self, key: object, serial: int) -> bool:
-        sequence = self._live.get(key)
-        return sequence is not None and sequence.serial == serial
-
-    def end_opened(self, key: object, serial: int) -> bool:
-        """End the sequence under `key` if it is still the one opened with `serial` (a transport
-        releasing what its vanished client opened); False if it ended or was reopened meanwhile."""
-        if not self.holds(key, serial):
-            return False
-        self._drop(key)
-        return True
-
-    def expire(self, now: float) -> int:
-        idle = [k for k, s in self._live.items() if not s.in_flight and now - s.last_used > self.idle_timeout_s]
-        for key in idle:
-            self._drop(key)
-        return len(idle)
-
-    @staticmethod
-    def _check_owner(key: object, sequence: Sequence, client: str) -> None:
-        """Only the client that opened a sequence may feed, restart or end it; others do not see it."""
-        if sequence.client != client:
-            raise NotFound(f"sequence {key} belongs to another client")
-
-    def _drop(self, key: object) -> None:
-        sequence = self._live.pop(key)
-        self._per_client[sequence.client] -= 1
-        if not self._per_client[sequence.client]:
-            del self._per_client[sequence.client]
 
 
 class Batcher:
@@ -214,35 +118,35 @@ class Batcher:
     def __init__(self, model: FrameModel, max_batch: int) -> None:
         self.model, self.max_batch = model, max_batch
         self.stats = ModelStats()
-        self._live: deque[Work] = deque()
+        self._urgent: deque[Work] = deque()
         self._bulk: deque[Work] = deque()
         self._active: list[Work] = []
 
     @property
     def queue_depth(self) -> int:
-        return len(self._live) + len(self._bulk) + len(self._active)
+        return len(self._urgent) + len(self._bulk) + len(self._active)
 
     @property
     def busy(self) -> bool:
-        return bool(self._live or self._bulk or self._active)
+        return bool(self._urgent or self._bulk or self._active)
 
     @property
     def waiting(self) -> int:
-        return len(self._live) + len(self._bulk)
+        return len(self._urgent) + len(self._bulk)
 
     def submit(self, work: Work) -> None:
-        (self._live if work.live else self._bulk).append(work)
+        (self._urgent if work.urgent else self._bulk).append(work)
 
     def fill(self) -> int:
         """Move waiting works into the batch (one per sequence, in order, live ones first, pushing
         recordings out for them); return the batch size."""
         active = self._active
-        if self._live and len(active) >= self.max_batch:
-            pushed = [w for w in active if not w.live][-len(self._live) :]
+        if self._urgent and len(active) >= self.max_batch:
+            pushed = [w for w in active if not w.urgent][-len(self._urgent) :]
             active[:] = [w for w in active if w not in pushed]
             self._bulk.extendleft(reversed(pushed))  # first again when there is room
         busy = {id(w.sequence) for w in active}
-        for queue in (self._live, self._bulk):
+        for queue in (self._urgent, self._bulk):
             skipped: list[Work] = []
             while queue and len(active) < self.max_batch:
                 work = queue.popleft()
@@ -291,7 +195,7 @@ class Batcher:
                 return finished
             room = len(active) < self.max_batch
             # return so `fill` can take waiting works: where there is room, or a recording to push out
-            waiting = (self._bulk or self._live) and room or (self._live and any(not w.live for w in active))
+            waiting = (self._bulk or self._urgent) and room or (self._urgent and any(not w.urgent for w in active))
             if waiting or time.perf_counter() >= deadline:
                 return finished
         return []

@@ -9,6 +9,7 @@ worker thread (CTranslate2 releases the GIL while it computes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from collections import Counter, defaultdict
@@ -21,6 +22,7 @@ import numpy as np
 import tokenizers
 from numpy.lib.stride_tricks import sliding_window_view
 
+from appliance.engine import nvidia_libs, whisper_windows
 from appliance.errors import ApplianceError, BadRequest
 
 log = logging.getLogger("appliance")
@@ -98,6 +100,7 @@ class Piece:
     start: float
     end: float
     text: str
+    words: tuple[tuple[float, str], ...] = ()  # in a shared window: each word and where it was heard
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,23 +136,47 @@ class WhisperTokens:
             start += [self._special(language), self._special(shard.task)]
         return previous + start
 
-    def pieces(self, ids: list[int], duration: float) -> list[Piece]:
-        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`."""
+    def pieces(self, ids: list[int], duration: float, heard: list[float] | None = None) -> list[Piece]:
+        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`.
+        `heard`: where each text token was heard (and, last, where the text ended), from the decoder's
+        cross-attention: a piece then spans its first token to the one after its last, as heard."""
         pieces: list[Piece] = []
         text: list[int] = []
-        start = 0.0
+        start, count = 0.0, 0
+
+        def close(end: float) -> None:
+            if heard is None:
+                pieces.append(Piece(start, max(start, end), self.tokenizer.decode(text).strip()))
+            else:
+                a, b = heard[count - len(text)], heard[count]
+                words = self._words(text, heard[count - len(text) : count])
+                pieces.append(Piece(a, max(a, b), self.tokenizer.decode(text).strip(), words))
+            text.clear()
+
         for token in ids:
             if token >= self.timestamp_begin:
                 time = min((token - self.timestamp_begin) * TOKEN_SECONDS, duration)
                 if text:
-                    pieces.append(Piece(start, max(time, start), self.tokenizer.decode(text).strip()))
-                    text = []
+                    close(time)
                 start = time
             elif token < self.eot:
                 text.append(token)
+                count += 1
         if text:
-            pieces.append(Piece(start, max(duration, start), self.tokenizer.decode(text).strip()))
+            close(duration)
         return [p for p in pieces if p.text]
+
+    def _words(self, tokens: list[int], heard: list[float]) -> tuple[tuple[float, str], ...]:
+        """Tokens joined into words (a word starts at a token with a leading space), each at the time
+        its first token was heard."""
+        words: list[tuple[float, str]] = []
+        for token, time in zip(tokens, heard):
+            piece = self.tokenizer.decode([token])
+            if not words or piece.startswith(" "):
+                words.append((time, piece))
+            else:
+                words[-1] = (words[-1][0], words[-1][1] + piece)
+        return tuple(words)
 
 
 class WhisperEngine:
@@ -165,9 +192,17 @@ class WhisperEngine:
         beam_size: int,
         fallback_threshold: float = 1.0,
         memory_used: Callable[[], float] | None = None,
+        window_samples: int = WINDOW_SAMPLES,
+        separator_s: float = whisper_windows.SEPARATOR_S,
     ) -> None:
+        """`window_samples`: the most audio one window holds when shards share it (the firmware's
+        baked shard size); `separator_s`: the silence between two shards sharing a window."""
         if device not in ("cpu", "cuda", "auto"):
             raise ApplianceError(f"engine.device: no engine for {device!r}")
+        if device != "cpu":
+            _, failed = nvidia_libs.preload()
+            for line in failed:
+                log.warning("engine.device = %r: %s", device, line)
         gpus = ctranslate2.get_cuda_device_count() if device != "cpu" else 0
         if device == "cuda" and not gpus:
             raise ApplianceError('engine.device = "cuda": CTranslate2 finds no CUDA device here')
@@ -178,6 +213,9 @@ class WhisperEngine:
         self.name = "ctranslate2-cuda" if self.gpu else "ctranslate2-cpu"
         self.beam_size, self.fallback_threshold, self.memory_used = beam_size, fallback_threshold, memory_used
         self.fallbacks: Counter[str] = Counter()
+        self.window_samples, self.separator = min(window_samples, WINDOW_SAMPLES), int(separator_s * SAMPLE_RATE)
+        # shards, the windows they ran in, and those decoded alone again after sharing one
+        self.windows: Counter[str] = Counter()
         model = self.cpu
         languages = [self._language_name(t) for t in _language_tokens(directory)]
         self.tokens = WhisperTokens(directory / "tokenizer.json", model.is_multilingual, languages)
@@ -203,13 +241,53 @@ class WhisperEngine:
         """Decode a batch; the answers in the shards' order."""
         model = self._model(len(shards))
         try:
-            return self._run(model, shards)
+            return self._shared(model, shards)
         except RuntimeError as exc:
             if model is self.cpu or "out of memory" not in str(exc).lower():
                 raise
             self.fallbacks["out_of_memory"] += 1
             log.warning("engine %s: out of GPU memory on a batch of %d, ran it on the CPU", self.name, len(shards))
-            return self._run(self.cpu, shards)
+            return self._shared(self.cpu, shards)
+
+    def _window_key(self, shard: Shard) -> tuple[str, str, float] | None:
+        """Shards that may share a window: no prompt (it conditions the whole window), a known language."""
+        language = shard.language if self.tokens.multilingual else "en"
+        return None if shard.prompt or language is None else (language, shard.task, shard.temperature)
+
+    def _shared(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
+        """The batch's shards packed into shared windows (whisper_windows.py), each decoded once; the
+        text split back by its timestamps, and the shards it cannot split decoded alone."""
+        windows = whisper_windows.pack(
+            [len(s.samples) for s in shards], [self._window_key(s) for s in shards], self.window_samples, self.separator
+        )
+        windows.sort(key=lambda w: len(w.members) == 1)  # shared windows first
+        inputs = [
+            shards[w.members[0]]
+            if len(w.members) == 1
+            else dataclasses.replace(shards[w.members[0]], samples=w.audio([s.samples for s in shards]))
+            for w in windows
+        ]
+        answers: list[Decoded | None] = [None] * len(shards)
+        alone: list[int] = []
+        shared = sum(len(w.members) > 1 for w in windows)
+        for window, decoded in zip(windows, self._run(model, inputs, shared)):
+            if len(window.members) == 1:
+                answers[window.members[0]] = decoded
+                continue
+            found = whisper_windows.split(
+                window,
+                [(p.start, p.end, p.text) for p in decoded.pieces],
+                SAMPLE_RATE,
+                [p.words for p in decoded.pieces],
+            )
+            for member, pieces in found.pieces.items():
+                answers[member] = Decoded(decoded.language, [Piece(*p) for p in pieces])
+            alone += sorted(found.alone)
+        if alone:
+            for member, decoded in zip(alone, self._run(model, [shards[i] for i in alone])):
+                answers[member] = decoded
+        self.windows.update(shards=len(shards), windows=len(windows), alone=len(alone))
+        return [a for a in answers if a is not None]
 
     def _model(self, batch: int) -> ctranslate2.models.Whisper:
         if self.gpu is None:
@@ -219,12 +297,14 @@ class WhisperEngine:
             return self.cpu
         return self.gpu
 
-    def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
-        groups: dict[tuple[int, float], list[int]] = defaultdict(list)
+    def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard], shared: int = 0) -> list[Decoded]:
+        """The first `shared` shards are shared windows: their pieces are timed by where the decoder
+        heard each token (Whisper's own timestamps drift by seconds over a window of many sentences)."""
+        groups: dict[tuple[int, float, str | None], list[int]] = defaultdict(list)
         for i, shard in enumerate(shards):
-            groups[(len(shard.prompt), shard.temperature)].append(i)
+            groups[(len(shard.prompt), shard.temperature, shard.language)].append(i)
         answers: list[Decoded | None] = [None] * len(shards)
-        for (_, temperature), members in groups.items():
+        for (_, temperature, _), members in groups.items():
             group = [shards[i] for i in members]
             features = log_mel([s.samples for s in group], self.filters)
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
@@ -238,10 +318,35 @@ class WhisperEngine:
                     if not self._looping(again, prompts[at : at + 1]):
                         ids[at] = again[0]  # where every temperature loops too, the first answer stays
                         break
-            for i, shard, language, tokens in zip(members, group, languages, ids):
+            heard = self._heard(model, encoded, group, languages, ids) if members[0] < shared else None
+            for k, (i, shard, language, tokens) in enumerate(zip(members, group, languages, ids)):
                 duration = len(shard.samples) / SAMPLE_RATE
-                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration))
+                times = heard[k] if heard is not None and i < shared else None
+                answers[i] = Decoded(language, self.tokens.pieces(tokens, duration, times))
         return [a for a in answers if a is not None]
+
+    def _heard(
+        self,
+        model: ctranslate2.models.Whisper,
+        encoded: ctranslate2.StorageView,
+        group: list[Shard],
+        languages: list[str],
+        ids: list[list[int]],
+    ) -> list[list[float] | None]:
+        """Where each text token of each decode was heard, and where its text ended (seconds): the
+        first encoder position CTranslate2's alignment (cross-attention, as faster-whisper's word
+        timestamps) gives each token; None for a decode with no text."""
+        texts = [[t for t in tokens if t < self.tokens.eot] for tokens in ids]
+        start = self.tokens.prompt(dataclasses.replace(group[0], prompt=()), languages[0])
+        frames = [max(1, len(s.samples) // HOP) for s in group]
+        results = model.align(encoded, start, [t or [self.tokens.eot] for t in texts], frames)
+        out: list[list[float] | None] = []
+        for text, result in zip(texts, results):
+            first: dict[int, float] = {}
+            for token, position in result.alignments:
+                first.setdefault(token, position * TOKEN_SECONDS)
+            out.append([first.get(k, 0.0) for k in range(len(text) + 1)] if text else None)
+        return out
 
     def _generate(
         self,

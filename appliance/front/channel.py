@@ -120,12 +120,6 @@ def unpack_body(body: Body) -> bytes:
         path.unlink(missing_ok=True)
 
 
-def discard_body(body: Body) -> None:
-    """A body that will not be read (its reader is gone): free its shared memory."""
-    if body.shm:
-        (SHM_DIR / body.shm).unlink(missing_ok=True)
-
-
 def remove_leftovers(owner: str) -> None:
     """Shared-memory bodies written under `owner` that nobody will read (their reader died)."""
     for path in SHM_DIR.glob(f"appliance-{owner}-*"):

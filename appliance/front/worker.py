@@ -118,10 +118,10 @@ class Worker:
         except ApplianceError as exc:
             log.error("worker %d: reload failed, keeping the running config: %s", self.args.slot, exc)
             return
-        self.live.config, applied, _ = config_files.apply_live(self.live.config, new)
+        self.live.config, reloaded, _ = config_files.apply_reload(self.live.config, new)
         logging.getLogger().setLevel(self.live.config.log.level.upper())
-        if applied:  # the engine process reports what needs a restart
-            log.info("worker %d: reload: applied %s", self.args.slot, ", ".join(applied))
+        if reloaded:  # the engine process reports what needs a restart
+            log.info("worker %d: reload: applied %s", self.args.slot, ", ".join(reloaded))
 
     def _deadline_s(self) -> float:
         return self.live.config.server.shutdown_grace_s + STOP_MARGIN_S

@@ -32,8 +32,8 @@ class SequenceCall:
     client: str = ""  # who sends it (Request.client): only the client that opened a sequence may use it
 
 
-class LiveSequences(Protocol):
-    """A model's open sequences (engine/scheduler.py SequenceTable; empty for a stateless model)."""
+class OpenSequences(Protocol):
+    """A model's open sequences (engine/sequences.py OwnedTable; NoSequences for a stateless model)."""
 
     def __len__(self) -> int: ...
 
@@ -60,13 +60,53 @@ class NoSequences:
         return 0
 
 
+class EngineModel:
+    """What every kind served by one engine shares: its name is its spec's, its engine's name, and the
+    batches its engine handed to the CPU (only the GPU engines fall back)."""
+
+    spec: ModelSpec
+    engine: Any  # the kind's engine: it has a `name`, and `fallbacks` where it can fall back
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def engine_name(self) -> str:
+        return str(self.engine.name)
+
+    @property
+    def fallbacks(self) -> Mapping[str, int]:
+        return getattr(self.engine, "fallbacks", {})
+
+
+class QueuedModel(EngineModel):
+    """A stateless kind whose work goes through one BatchQueue (`queue`, engine/batch_queue.py): it
+    starts and stops with its queue, its depth is what waits there, and it has no sequences to expire."""
+
+    queue: Any
+
+    @property
+    def queue_depth(self) -> int:
+        return int(self.queue.waiting)
+
+    def start(self) -> None:
+        self.queue.start()
+
+    async def stop(self, timeout_s: float) -> bool:
+        return bool(await self.queue.stop(timeout_s))
+
+    def expire_idle(self) -> int:
+        return 0
+
+
 class ServedModel(Protocol):
     spec: ModelSpec
     stats: ModelStats  # Triton's statistics: requests and engine calls (the stats route and the metrics)
     tasks: Mapping[str, Task]
 
     @property
-    def sequences(self) -> LiveSequences: ...
+    def sequences(self) -> OpenSequences: ...
 
     @property
     def queue_depth(self) -> int:

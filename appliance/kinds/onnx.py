@@ -17,14 +17,15 @@ from typing import Any
 import numpy as np
 
 from appliance.config import Live
+from appliance.engine.choice import load_engine
 from appliance.engine.dynamic import DynamicBatcher, Job
-from appliance.engine.interface import Engine
 from appliance.engine.loop import EngineLoop
-from appliance.engine.scheduler import Sequence, SequenceTable
+from appliance.engine.scheduler import Sequence
+from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
-from appliance.firmware import DATATYPES, Baked, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.firmware import DATATYPES, Bundle, ModelSpec, TensorSpec
+from appliance.kinds.base import EngineModel, NoSequences, SequenceCall, ServedModel, Task
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
@@ -48,15 +49,22 @@ class StateRows:
                 )
             self.rows.append((tuple(shape), NUMPY_OF[tensor.datatype]))
 
-    def new_sequence(self, key: object = None) -> Sequence:
-        return Sequence(key=key, state=[np.zeros(shape, dtype) for shape, dtype in self.rows], context=np.empty(0))
+    def new_sequence(self) -> Sequence:
+        return Sequence(state=[np.zeros(shape, dtype) for shape, dtype in self.rows], context=np.empty(0))
 
 
-class OnnxModel:
+class OnnxModel(EngineModel):
     def __init__(
-        self, spec: ModelSpec, baked: Baked, engine: Engine, live: Live, clock: Callable[[], float] = time.monotonic
+        self,
+        spec: ModelSpec,
+        bundle: Bundle,
+        live: Live,
+        loaded: Mapping[str, ServedModel],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.spec, self.baked, self.live, self.clock, self.engine = spec, baked, live, clock, engine
+        self.spec, self.baked, self.live, self.clock = spec, bundle.manifest.baked, live, clock
+        self.engine = engine = load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads)
+        baked = self.baked
         self.tasks: Mapping[str, Task] = {}
         state_inputs = {p.input for p in spec.state}
         state_outputs = {p.output for p in spec.state}
@@ -70,21 +78,9 @@ class OnnxModel:
         # every call of a real graph is heavy: always on the engine thread, so requests gather meanwhile
         self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6, 1)
         self.state_rows = StateRows(spec) if self.stateful else None
-        self.sequences: SequenceTable | NoSequences = (
-            SequenceTable(self.state_rows, lambda: live.config.sequences) if self.state_rows else NoSequences()
+        self.sequences: OwnedTable[Sequence] | NoSequences = (
+            OwnedTable(lambda: live.config.sequences) if self.state_rows else NoSequences()
         )
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return getattr(self.engine, "fallbacks", {})  # only the GPU engines fall back
 
     @property
     def queue_depth(self) -> int:
@@ -145,21 +141,21 @@ class OnnxModel:
         feeds = self._checked_feeds(request.inputs)
         if sequence is None:
             return await self._run(feeds, self._new_sequence(), times), None
-        if not self.stateful or not isinstance(self.sequences, SequenceTable):
+        if self.state_rows is None or not isinstance(self.sequences, OwnedTable):
             raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
         now = self.clock()
         if sequence.start:
-            live = self.sequences.start(sequence.id, now, sequence.client)
+            held = self.sequences.open(sequence.id, now, sequence.client, self.state_rows.new_sequence)
         else:
-            live = self.sequences.get(sequence.id, now, sequence.client)
-        live.in_flight += 1
+            held = self.sequences.get(sequence.id, now, sequence.client)
+        held.in_flight += 1
         try:
-            outputs = await self._run(feeds, live, times)
+            outputs = await self._run(feeds, held, times)
         finally:
-            live.in_flight -= 1
+            held.in_flight -= 1
             if sequence.end:
                 self.sequences.end(sequence.id)
-        opened = Opened(self.name, sequence.id, live.serial) if sequence.start and not sequence.end else None
+        opened = Opened(self.name, sequence.id, held.serial) if sequence.start and not sequence.end else None
         return outputs, opened
 
     def _new_sequence(self) -> Sequence | None:

@@ -2,8 +2,8 @@
 
 Piper itself (GPL-3.0) links libespeak-ng (GPL-3.0) and asks it for each clause's IPA and the
 punctuation that ended it. The daemon runs the `espeak-ng` program as a helper process instead, one
-per request, so no GPL code is linked into it (see the README's licence section). The program does
-not report terminators, so clauses are cut here (kinds/text.py, as espeak-ng cuts them) and sent one
+per request, so no GPL code is linked into it (docs/speech-and-translation.md, the licences). The
+program does not report terminators, so clauses are cut here (kinds/text.py, as espeak-ng cuts them) and sent one
 per line, each followed by an empty line: espeak-ng answers an empty line with an empty line, which
 marks where a clause's phonemes end. The ids are then made the way Piper makes them: language-switch
 flags dropped, the terminator kept as a phoneme (with a space after , ; :), NFD code points, BOS,

@@ -22,19 +22,19 @@ from typing import Any
 
 import numpy as np
 
-from appliance.audio import decode_audio
 from appliance.config import Live
+from appliance.engine.sequences import ScopedSequences
 from appliance.engine.stats import ModelStats, RequestTimes
-from appliance.errors import ApiError, ApplianceError, BadRequest
+from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds import speech_api
+from appliance.kinds.audio_in import decode_upload
 from appliance.kinds.base import SequenceCall, ServedModel, Task
-from appliance.kinds.speech import SpeechModel
-from appliance.kinds.speech_api import Options, Segment
+from appliance.kinds.capabilities import Speaker, Translator
+from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.kinds.speech_to_text import SpeechToText
-from appliance.kinds.translation import TranslationModel
+from appliance.kinds.streaming import ndjson
 from appliance.kinds.triton_config import model_config
-from appliance.protocol.messages import Opened, Request, Response, json_line
+from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 OUTPUTS = ("audio", "text", "source_text", "start", "end")
@@ -67,31 +67,7 @@ class Plan:
 
     options: Options  # the speech_to_text model's: its language where known, transcribe or translate
     target: str
-    voice: SpeechModel
-
-
-class _Sequences:
-    """The pipeline's live streams: the speech_to_text model's, under keys of the pipeline's own."""
-
-    def __init__(self, pipeline: SpeechPipeline) -> None:
-        self.pipeline = pipeline
-        self.opened: dict[object, int] = {}  # sequence id -> serial, while the speech model holds it
-
-    def key(self, sequence_id: object) -> object:
-        return (self.pipeline.name, sequence_id)
-
-    def __len__(self) -> int:
-        self.opened = {k: s for k, s in self.opened.items() if self.holds(k, s)}
-        return len(self.opened)
-
-    def holds(self, key: object, serial: int) -> bool:
-        return self.pipeline.stt.sequences.holds(self.key(key), serial)
-
-    def end_opened(self, key: object, serial: int) -> bool:
-        return self.pipeline.stt.sequences.end_opened(self.key(key), serial)
-
-    def expire(self, now: float) -> int:
-        return 0  # the speech_to_text model expires its streams, these among them
+    voice: Speaker
 
 
 class SpeechPipeline:
@@ -102,14 +78,14 @@ class SpeechPipeline:
         names = params["voices"]
         pairs = params["translations"]
         assert isinstance(names, list) and isinstance(pairs, list)
-        voices = [_loaded(spec, loaded, name, SpeechModel) for name in names]
-        self.voices = {v.voice.language: v for v in reversed(voices)}  # the first voice of a language speaks
-        self.pairs = {(t.source, t.target): t for t in (_loaded(spec, loaded, n, TranslationModel) for n in pairs)}
+        voices = [_loaded(spec, loaded, name, Speaker) for name in names]
+        self.voices = {v.language: v for v in reversed(voices)}  # the first voice of a language speaks
+        self.pairs = {(t.source, t.target): t for t in (_loaded(spec, loaded, n, Translator) for n in pairs)}
         if not self.voices:
             raise ApplianceError(f"model {spec.name}: parameters.voices names no voice")
-        self.default_target = voices[0].voice.language
+        self.default_target = voices[0].language
         self.stats = ModelStats()
-        self.sequences = _Sequences(self)
+        self.sequences = ScopedSequences(self.stt.sequences, self.name)  # live streams: the stt model's
         self.tasks: Mapping[str, Task] = {"interpret": self._interpret_route}
 
     @property
@@ -198,7 +174,7 @@ class SpeechPipeline:
         source = source.lower() if source else None
         if source is not None and source != target and (source, target) not in self.pairs and target != "en":
             raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
-        multilingual = self.stt.engine.tokens.multilingual
+        multilingual = self.stt.multilingual
         by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
         return Plan(Options(language=source, task="translate" if by_whisper else "transcribe"), target, voice)
 
@@ -237,16 +213,13 @@ class SpeechPipeline:
             raise BadRequest("parameters.target and parameters.source must be language codes")
         plan = self.plan(*languages)
         if sequence is None:
-            samples = await asyncio.to_thread(speech_api.audio_input, request, self.stt)
+            samples = await asyncio.to_thread(self.stt.samples, request)
             return _tensors([d async for d in self.recording(samples, plan, times)]), None
-        samples = speech_api.audio_input(request, self.stt)
+        samples = self.stt.samples(request)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
         closed, _, serial = await self.stt.live_chunk(samples, inner, False, plan.options, times)
         done = [d for s in closed if (d := await self.interpret(s, plan)) is not None]
-        opened = None
-        if serial is not None and not sequence.end:
-            self.sequences.opened[sequence.id] = serial
-            opened = Opened(self.name, sequence.id, serial)
+        opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return _tensors(done), opened
 
     async def _interpret_route(self, request: Request, query: dict[str, str]) -> Response:
@@ -257,21 +230,24 @@ class SpeechPipeline:
         if unknown:
             raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: to, from)")
         plan = self.plan(query.get("to"), query.get("from"))  # a 400 before any work
-        samples = await asyncio.to_thread(decode_audio, request.body, 16000, speech_api.max_seconds(self.stt))
-        return Response(200, content_type="application/x-ndjson", stream=self._lines(samples, plan))
+        samples = await asyncio.to_thread(decode_upload, request.body, SAMPLE_RATE, self.live)
+        duration = round(len(samples) / SAMPLE_RATE, 3)
+        return ndjson(
+            self._recorded(samples, plan),
+            lambda done: done.as_json(plan.voice.sample_rate),
+            lambda count: {"model_name": self.name, "duration": duration, "segments": count},
+            f"interpretation by {self.name}",
+            {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
+        )
 
-    async def _lines(self, samples: np.ndarray, plan: Plan) -> AsyncGenerator[bytes, None]:
-        started, times, count, ok = time.perf_counter_ns(), RequestTimes(), 0, False
+    async def _recorded(self, samples: np.ndarray, plan: Plan) -> AsyncGenerator[Interpreted, None]:
+        """`recording`, counted in the stats as one request when it ends (done, failed or abandoned)."""
+        started, times, ok = time.perf_counter_ns(), RequestTimes(), False
         interpreted = self.recording(samples, plan, times)
         try:
             async for done in interpreted:
-                count += 1
-                yield json_line(done.as_json(plan.voice.sample_rate))
+                yield done
             ok = True
-            duration = round(len(samples) / 16000, 3)
-            yield json_line({"model_name": self.name, "duration": duration, "segments": count, "done": True})
-        except ApiError as exc:
-            yield json_line({"error": exc.message})
         finally:
             await interpreted.aclose()
             self.stats.record_request(ok, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)

@@ -58,6 +58,17 @@ class SegmentTracker:
         """Where the speech being heard began (no segment closed it yet), if any is."""
         return self._start
 
+    def closing(self) -> tuple[int, int] | None:
+        """The span `feed` will return for the speech being heard should the silence that began after
+        it last `min_silence_ms` (None while speech goes on, or where another segment waits for its
+        end): a live stream starts decoding it before the close."""
+        if self._start is None or not self._silence_from or self._closed:
+            return None
+        if self._silence_from - self._start <= self.min_speech:
+            return None
+        left = self._left if self._left is not None else max(0, self._start - self.pad)
+        return left, self._silence_from + self.pad
+
     def finish(self, total_samples: int) -> list[tuple[int, int]]:
         if self._start is not None and total_samples - self._start > self.min_speech:
             self._closed.append((self._start, total_samples))
@@ -90,11 +101,3 @@ class SegmentTracker:
             return None
         end_so_far = self._silence_from or self._position
         return self._start if end_so_far - self._start > self.min_speech else None
-
-
-def speech_segments(
-    probs: np.ndarray, frame_samples: int, sample_rate: int, total_samples: int, params: SegmentParams
-) -> list[tuple[int, int]]:
-    """Return (start, end) sample positions of speech in a whole recording."""
-    tracker = SegmentTracker(frame_samples, sample_rate, params)
-    return tracker.feed(probs) + tracker.finish(total_samples)

@@ -24,7 +24,8 @@ from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
+from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED
 from appliance.kinds.phonemes import Phonemes, Voice, phonemize
 from appliance.kinds.text import ShardLimits, checked_text, clauses, grouped_by_sentence, plan_shards, utf8
 from appliance.kinds.triton_config import model_config
@@ -32,16 +33,15 @@ from appliance.kinds.voice_graph import VoiceGraph
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
 
-MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range for `speed`
 TEXT, AUDIO = "text", "audio"  # the KServe tensors
 IDS_AROUND = 3  # BOS, its pad and EOS around a shard's phonemes; each phoneme takes itself and a pad
 
 
-class SpeechModel:
+class SpeechModel(QueuedModel):
     """A Piper voice served: KServe infer (a BYTES text in, INT16 audio out) and the OpenAI speech route
     (api/openai_speech.py) through `prepare` and `synthesize`."""
 
-    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live) -> None:
+    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> None:
         self.spec, self.baked, self.live = spec, bundle.manifest.baked, live
         self.limits = ShardLimits.of(spec)
         self.tasks: Mapping[str, Task] = {}
@@ -52,41 +52,16 @@ class SpeechModel:
         voice = Voice.from_config(bundle.artifact(f"{spec.file}/{params['config']}"))
         graph = dataclasses.replace(spec, file=f"{spec.file}/{params['graph']}")
         engine_config = live.config.engine
-        engine = load_engine(engine_config.device, bundle, graph, engine_config.threads)
+        self.engine = engine = load_engine(engine_config.device, bundle, graph, engine_config.threads)
         # side by side single-threaded runs pay on the CPU engine only (see voice_graph.py)
         lanes = engine_config.threads if isinstance(engine, OnnxCpuEngine) else 1
         self.graph = VoiceGraph(engine, voice, lanes)
-        self.voice, self.sample_rate = voice, voice.sample_rate
+        self.voice, self.sample_rate, self.language = voice, voice.sample_rate, voice.language
         # one shard of a request per batch: a lone request's first sentence runs alone on every thread
         # (first audio soonest), and concurrent requests share every batch
         self.queue: BatchQueue[tuple[list[int], float], np.ndarray] = BatchQueue(
             self.graph.run, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6, 1
         )
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.graph.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return getattr(self.graph.engine, "fallbacks", {})  # only the GPU engines fall back
-
-    @property
-    def queue_depth(self) -> int:
-        return self.queue.waiting
-
-    def start(self) -> None:
-        self.queue.start()
-
-    async def stop(self, timeout_s: float) -> bool:
-        return await self.queue.stop(timeout_s)
-
-    def expire_idle(self) -> int:
-        return 0
 
     async def probe(self) -> None:
         audio = np.concatenate([p async for p in self.synthesize(await self.prepare("Ready."), 1.0, RequestTimes())])

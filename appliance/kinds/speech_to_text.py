@@ -2,7 +2,8 @@
 packed into shards of at most the baked `max_tokens_per_shard` (20 ms each, Whisper's 30 s window at
 most), and every shard of every waiting request runs in one engine call (engine/batch_queue.py,
 live streams' shards first); the text comes back in order with segment times. Live streams feed the
-VAD chunk by chunk and decode each segment as soon as the VAD closes it. Its tensors and routes are in speech_api.py.
+VAD chunk by chunk and decode each segment as soon as the VAD closes it. Its tensors, config, query
+and answers are the codec in speech_api.py; its routes and live streams are here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,23 +19,51 @@ import numpy as np
 from appliance.config import Live
 from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
+from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
 from appliance.kinds import speech_api
-from appliance.kinds.base import SequenceCall, ServedModel, Task
-from appliance.kinds.speech_api import LiveStream, LiveTable, Options, Segment
+from appliance.kinds.audio_in import audio_input, decode_upload
+from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
+from appliance.kinds.segments import SegmentTracker
+from appliance.kinds.speech_api import Options, Segment
 from appliance.kinds.speech_shards import Packer, ShardPlan
+from appliance.kinds.streaming import ndjson
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
+assert SAMPLE_RATE == speech_api.SAMPLE_RATE
 
 
-class SpeechToText:
+@dataclass(slots=True, eq=False)
+class LiveStream:
+    """A live stream (an entry of the model's OwnedTable): its VAD's segment tracker, the audio not yet
+    decoded, and a sequence of the VAD under its own key (`vad_key`), ended when the stream is dropped."""
+
+    options: Options
+    tracker: SegmentTracker
+    audio: list[np.ndarray] = field(default_factory=list)
+    base: int = 0  # sample position of audio[0]'s first sample
+    position: int = 0  # samples received
+    client: str = ""
+    serial: int = 0
+    last_used: float = 0.0
+    in_flight: int = 0
+    # the decode of the span the VAD is about to close, started while it waits out min_silence_ms
+    ahead: tuple[tuple[int, int], asyncio.Task[list[Segment]]] | None = None
+
+    def drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead[1].cancel()
+            self.ahead = None
+
+
+class SpeechToText(EngineModel):
     def __init__(
         self,
         spec: ModelSpec,
@@ -61,25 +91,23 @@ class SpeechToText:
             _integer(params, "beam_size"),
             self.baked.fallback_cpu_threshold,
             cuda.memory_used if cuda.cuda is not None else None,
+            window_samples=self.max_samples,
         )
         self.stats = ModelStats()
+        self.cutting = 0  # recordings in their VAD: their shards are on the way to the batcher
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
-            self.engine.run, self.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
+            self.engine.run,
+            self.max_batch,
+            self.stats,
+            lambda: live.config.engine.queue_delay_us / 1e6,
+            coming=lambda: self.cutting > 0,
         )
-        self.sequences = LiveTable(self)
+        self.sequences: OwnedTable[LiveStream] = OwnedTable(
+            lambda: live.config.sequences,
+            "streams",
+            lambda key, stream: _dropped(stream, vad, vad_key(spec.name, key, stream)),
+        )
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return self.engine.fallbacks
 
     def start(self) -> None:
         self.batcher.start()
@@ -91,14 +119,18 @@ class SpeechToText:
         await self.batcher.submit([Shard(np.zeros(SAMPLE_RATE, np.float32))])[0]
 
     def metadata(self) -> dict[str, Any]:
-        return speech_api.metadata(self)
+        return speech_api.metadata(self.spec, self.engine_name, self.multilingual)
+
+    @property
+    def multilingual(self) -> bool:
+        return self.engine.tokens.multilingual
 
     @property
     def queue_depth(self) -> int:
         return self.batcher.waiting
 
     def config(self) -> dict[str, Any]:
-        return speech_api.config(self)
+        return speech_api.config(self.spec, self.baked, self.live)
 
     def check(self, options: Options) -> None:
         self.engine.check(options.language, options.task)
@@ -113,23 +145,34 @@ class SpeechToText:
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
     ) -> AsyncIterator[Segment]:
         """The segments of a recording, in order, each as soon as it and those before it are decoded.
-        The VAD and Whisper overlap: a shard goes to the engine as soon as the VAD has filled it."""
+        The VAD and Whisper overlap a batch at a time: the shards the VAD fills go to the engine
+        together, once it has filled `max_batch` of them or the recording ends (the VAD is some 50
+        times faster than Whisper, and one engine call of several windows costs less than each alone)."""
         self.check(options)
         spent = times or RequestTimes()
         packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
         shards: asyncio.Queue[asyncio.Task[list[Segment]] | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        held: list[ShardPlan] = []
 
-        def send(plans: list[ShardPlan]) -> None:
-            for plan in plans:
-                shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent)))
+        def send(plans: list[ShardPlan], last: bool = False) -> None:
+            held.extend(plans)
+            if len(held) >= self.max_batch or last:
+                for plan in held:
+                    shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent)))
+                held.clear()
 
         async def cut() -> None:
+            self.cutting += 1
+            cutting_here = True
             try:
                 async for segment in self.vad.segments(samples, self.live.config.vad):
                     send(packer.add(segment))
-                send(packer.finish())
+                self.cutting, cutting_here = self.cutting - 1, False  # before its last shards are sent
+                send(packer.finish(), last=True)
             finally:
+                if cutting_here:
+                    self.cutting -= 1
                 shards.put_nowait(None)
 
         cutting = loop.create_task(cut())
@@ -159,7 +202,7 @@ class SpeechToText:
         samples: np.ndarray,
         options: Options,
         times: RequestTimes,
-        live: bool = False,
+        urgent: bool = False,
         offset: int = 0,
     ) -> list[Segment]:
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
@@ -167,7 +210,7 @@ class SpeechToText:
         times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
         second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
         shard = self._shard(plan.audio(samples), options)
-        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=live)[0]
+        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=urgent)[0]
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
@@ -193,52 +236,130 @@ class SpeechToText:
         now = self.clock()
         if sequence.start:
             self.check(options)
-            stream = self.sequences.start(sequence.id, now, sequence.client, options)
+            tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, self.live.config.vad)
+            stream = self.sequences.open(sequence.id, now, sequence.client, lambda: LiveStream(options, tracker))
         else:
             stream = self.sequences.get(sequence.id, now, sequence.client)
         serial = stream.serial if sequence.start else None
         stream.in_flight += 1
         try:
-            key = self.sequences.vad_key(sequence.id, stream)
+            key = vad_key(self.name, sequence.id, stream)
             probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
             stream.audio.append(samples)
             stream.position += len(samples)
             closed = stream.tracker.feed(probs)
             if sequence.end:
                 closed += stream.tracker.finish(stream.position)
-            audio = np.concatenate(stream.audio)
-            decoded = await asyncio.gather(*(self._decode_live(stream, audio, span, times) for span in closed))
+            audio, base = np.concatenate(stream.audio), stream.base
+            decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
             text = None
             if partial and not sequence.end and (open_start := stream.tracker.open_start) is not None:
                 text = " ".join(
-                    s.text for s in await self._decode_live(stream, audio, (open_start, stream.position), times)
+                    s.text for s in await self._decode_live(stream, audio, base, (open_start, stream.position), times)
                 )
             if closed:  # what comes next starts at or after the padded end of the last closed segment
-                stream.audio, stream.base = [audio[closed[-1][1] - stream.base :]], closed[-1][1]
+                stream.audio, stream.base = [audio[closed[-1][1] - base :]], closed[-1][1]
+                audio, base = stream.audio[0], stream.base
+            self._decode_ahead(stream, audio, base, sequence.end)
             return [s for found in decoded for s in found], text, serial
         finally:
             stream.in_flight -= 1
             if sequence.end:
                 self.sequences.end(sequence.id)
 
-    async def _decode_live(
-        self, stream: LiveStream, audio: np.ndarray, span: tuple[int, int], times: RequestTimes
+    async def _final(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
     ) -> list[Segment]:
-        """A span of a live stream's kept audio (positions in the stream), decoded ahead of recordings."""
-        plans = self._plans(audio, (span[0] - stream.base, span[1] - stream.base))
-        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, stream.base) for p in plans))
+        """A closed segment's text: the decode started before the close, where it was of this very span."""
+        if stream.ahead is not None and stream.ahead[0] == span:
+            task, stream.ahead = stream.ahead[1], None
+            return await task
+        return await self._decode_live(stream, audio, base, span, times)
+
+    def _decode_ahead(self, stream: LiveStream, audio: np.ndarray, base: int, ending: bool) -> None:
+        """Start decoding the span the VAD will close if the silence it hears goes on (the final text
+        is then mostly done at the close); drop a decode the speech went on past."""
+        closing = None if ending else stream.tracker.closing()
+        if closing is not None and not base <= closing[0] < closing[1] <= base + len(audio):
+            closing = None  # its padding not heard yet
+        if stream.ahead is not None and stream.ahead[0] == closing:
+            return
+        stream.drop_ahead()
+        if closing is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._decode_live(stream, audio, base, closing, RequestTimes()), name="live-ahead"
+            )
+            task.add_done_callback(_consume_error)  # a dropped one's error matters to no one
+            stream.ahead = (closing, task)
+
+    async def _decode_live(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
+    ) -> list[Segment]:
+        """A span of a live stream's kept `audio` (from stream position `base`), decoded ahead of recordings."""
+        plans = self._plans(audio, (span[0] - base, span[1] - base))
+        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, base) for p in plans))
         return [s for segments in found for s in segments]
+
+    def samples(self, request: InferRequest) -> np.ndarray:
+        """An infer request's audio: samples, or one encoded file (decoded: call it off the event loop)."""
+        return audio_input(request.inputs, self.name, SAMPLE_RATE, self.live)
+
+    def recording(self, body: bytes) -> np.ndarray:
+        """An uploaded recording as 16 kHz samples, at least MIN_SAMPLES long (call it off the event loop)."""
+        return speech_api.long_enough(decode_upload(body, SAMPLE_RATE, self.live))
 
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
-        return await speech_api.infer(self, request, sequence, times)
+        wanted = speech_api.options(request.parameters)
+        if sequence is None:
+            samples = speech_api.long_enough(await asyncio.to_thread(self.samples, request))
+            return speech_api.tensors([s async for s in self.transcribe(samples, wanted, times)]), None
+        samples = self.samples(request)
+        partial = request.parameters.get("partial", False)
+        final, text, serial = await self.live_chunk(samples, sequence, partial, wanted, times)
+        outputs = speech_api.tensors(final)
+        if text is not None:
+            outputs["partial"] = np.array([text.encode()], dtype=object)
+        opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
+        return outputs, opened
 
     async def _transcribe_route(self, request: Request, query: dict[str, str]) -> Response:
-        return await speech_api.transcribe_route(self, request, query)
+        """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=]: a
+        recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded."""
+        stream, response_format, wanted = speech_api.transcribe_query(query)
+        self.check(wanted)
+        samples = await asyncio.to_thread(self.recording, request.body)
+        segments = self.transcribe(samples, wanted)
+        duration = round(len(samples) / SAMPLE_RATE, 3)
+        if stream:
+            return ndjson(
+                segments,
+                speech_api.segment_json,
+                lambda count: {"model_name": self.name, "duration": duration, "segments": count},
+                f"streamed transcription by {self.name}",
+                {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
+            )
+        return speech_api.render([s async for s in segments], response_format, wanted.task, duration)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def _dropped(stream: LiveStream, vad: VadModel, key: object) -> None:
+    """A live stream dropped (ended, expired, replaced): its decode ahead and its VAD sequence go."""
+    stream.drop_ahead()
+    vad.sequences.end(key)
+
+
+def _consume_error(task: asyncio.Task[list[Segment]]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def vad_key(model: str, key: object, stream: LiveStream) -> object:
+    """The key of a live stream's sequence in its VAD's table."""
+    return (model, key, stream.serial)
 
 
 def _integer(params: Mapping[str, Parameter], key: str) -> int:

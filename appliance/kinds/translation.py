@@ -24,7 +24,7 @@ from appliance.engine.bergamot import BergamotEngine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, Task
+from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
 from appliance.kinds.text import MAX_TEXT_CHARS, Clause, ShardLimits, checked_text, joined, plan_shards, sentences, utf8
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
@@ -33,11 +33,11 @@ from appliance.protocol.tensors import InferRequest
 TEXT, TRANSLATION = "text", "translation"  # the KServe tensors
 
 
-class TranslationModel:
+class TranslationModel(QueuedModel):
     """A language pair served: KServe infer (BYTES texts in and out) and LibreTranslate's routes
     (api/libretranslate.py) through `translate`."""
 
-    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live) -> None:
+    def __init__(self, spec: ModelSpec, bundle: Bundle, live: Live, loaded: Mapping[str, ServedModel]) -> None:
         self.spec, self.baked, self.live = spec, bundle.manifest.baked, live
         self.limits = ShardLimits.of(spec)
         self.tasks: Mapping[str, Task] = {}
@@ -54,33 +54,11 @@ class TranslationModel:
             self.engine.translate, self.limits.max_batch, self.stats, lambda: live.config.engine.queue_delay_us / 1e6
         )
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return {}
-
-    @property
-    def queue_depth(self) -> int:
-        return self.queue.waiting
-
-    def start(self) -> None:
-        self.queue.start()
-
     async def stop(self, timeout_s: float) -> bool:
-        finished = await self.queue.stop(timeout_s)
+        finished = await super().stop(timeout_s)
         if finished:  # a wedged worker would hold the close
             self.engine.close()
         return finished
-
-    def expire_idle(self) -> int:
-        return 0
 
     async def probe(self) -> None:
         if not (await self.translate("Hello.", RequestTimes())).strip():

@@ -1,7 +1,7 @@
 """The VAD kind: streaming sequences, whole recordings cut into shards, speech segments.
 
 Everything runs on the event loop; its batches run through an EngineLoop (appliance/engine/loop.py).
-Its tensors and its `segments` route are in vad_api.py.
+Its tensors, config and the `segments` route's query and answers are the codec in vad_api.py.
 """
 
 from __future__ import annotations
@@ -15,55 +15,47 @@ import numpy as np
 
 from appliance.audio import to_frames
 from appliance.config import Live
-from appliance.engine.interface import Engine
+from appliance.engine.choice import load_engine
 from appliance.engine.loop import EngineLoop
-from appliance.engine.scheduler import Batcher, FrameModel, Sequence, SequenceTable, Work
+from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
+from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError, BadRequest
-from appliance.firmware import Baked, ModelSpec
+from appliance.firmware import Bundle, ModelSpec
 from appliance.kinds import vad_api
-from appliance.kinds.base import SequenceCall, Task
+from appliance.kinds.audio_in import audio_input, decode_upload
+from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
 from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import frame_energy, plan_shards
-from appliance.protocol.messages import Opened, Request, Response
+from appliance.kinds.streaming import ndjson
+from appliance.protocol.messages import Opened, Request, Response, json_response
 from appliance.protocol.tensors import InferRequest
 
 OFF_LOOP_SAMPLES = 1 << 18  # about 16 s at 16 kHz: longer recordings are framed and planned on a thread
 SHORT_RECORDING_FRAMES = 128  # about 4 s: a one-off request this short shares the live streams' lane
 
 
-class VadModel:
+class VadModel(EngineModel):
     def __init__(
         self,
         spec: ModelSpec,
-        baked: Baked,
-        engine: Engine,
+        bundle: Bundle,
         live: Live,
+        loaded: Mapping[str, ServedModel],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.spec, self.baked, self.live, self.clock = spec, baked, live, clock
+        self.spec, self.baked, self.live, self.clock = spec, bundle.manifest.baked, live, clock
+        self.engine = engine = load_engine(live.config.engine.device, bundle, spec, live.config.engine.threads)
         self.tasks: Mapping[str, Task] = {"segments": self._segments_route}
         self.frames = FrameModel(spec, engine)
-        self.batcher = Batcher(self.frames, baked.max_batch)
+        self.batcher = Batcher(self.frames, self.baked.max_batch)
         self.engine_loop = EngineLoop(self.batcher, lambda: live.config.engine.queue_delay_us / 1e6)
-        self.sequences = SequenceTable(self.frames, lambda: live.config.sequences)
+        self.sequences: OwnedTable[Sequence] = OwnedTable(lambda: live.config.sequences)
         self.stats = self.batcher.stats
 
     @property
     def queue_depth(self) -> int:
         return self.batcher.queue_depth
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_name(self) -> str:
-        return self.frames.engine.name
-
-    @property
-    def fallbacks(self) -> Mapping[str, int]:
-        return getattr(self.frames.engine, "fallbacks", {})  # only the GPU engines fall back
 
     def start(self) -> None:
         self.engine_loop.start()
@@ -74,16 +66,16 @@ class VadModel:
             raise ApplianceError(f"model {self.name}: probe inference returned non-finite values")
 
     def metadata(self) -> dict[str, Any]:
-        return vad_api.metadata(self)
+        return vad_api.metadata(self.spec, self.baked, self.engine_name)
 
     def config(self) -> dict[str, Any]:
-        return vad_api.config(self)
+        return vad_api.config(self.spec, self.baked, self.live)
 
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
         started = time.perf_counter_ns()
-        samples = vad_api.audio_input(request, self.name)
+        samples = audio_input(request.inputs, self.name, self.frames.sample_rate)
         try:
             if sequence is None:
                 return {vad_api.PROB_OUTPUT: await self.infer_recording(samples, times)}, None
@@ -96,14 +88,29 @@ class VadModel:
         return {vad_api.PROB_OUTPUT: probs}, opened
 
     async def _segments_route(self, request: Request, query: dict[str, str]) -> Response:
-        return await vad_api.segments_route(self, request, query)
+        """POST /v2/models/{name}/segments[?stream=true&threshold=...]: a recording's speech segments,
+        or NDJSON lines as each is final."""
+        stream, params = vad_api.segments_query(query, self.live.config.vad)
+        rate = self.frames.sample_rate
+        samples = await asyncio.to_thread(decode_upload, request.body, rate, self.live)
+        summary = {"model_name": self.name, "duration": vad_api.seconds(len(samples), rate)}
+        if stream:
+            return ndjson(
+                self.segments(samples, params, vad_api.STREAM_CHUNK_FRAMES),
+                lambda segment: vad_api.segment_json(*segment, rate),
+                lambda count: {**summary, "segments": count},
+                f"streamed segments of {self.name}",
+                {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
+            )
+        found = [vad_api.segment_json(*s, rate) async for s in self.segments(samples, params)]
+        return json_response(200, {**summary, "segments": found})
 
     async def stop(self, timeout_s: float) -> bool:
         """False when the engine did not finish its batch in time (see EngineLoop.stop)."""
         return await self.engine_loop.stop(timeout_s)
 
     def _submit(
-        self, sequence: Sequence, frames: np.ndarray, live: bool = False, times: RequestTimes | None = None
+        self, sequence: Sequence, frames: np.ndarray, urgent: bool = False, times: RequestTimes | None = None
     ) -> asyncio.Future[np.ndarray]:
         """Queue frames of a sequence for the engine; the future gets their probabilities.
         Cancelling the future before the frames start running drops them from the queue."""
@@ -118,7 +125,7 @@ class VadModel:
             else:
                 future.set_exception(error)
 
-        work = Work(sequence, frames, done, live=live, times=times)
+        work = Work(sequence, frames, done, urgent=urgent, times=times)
         future.add_done_callback(lambda f: setattr(work, "cancelled", f.cancelled()))
         sequence.in_flight += 1
         self.engine_loop.submit(work)
@@ -142,14 +149,14 @@ class VadModel:
             )
         now = self.clock()
         if start:
-            sequence = self.sequences.start(sequence_id, now, client)
+            sequence = self.sequences.open(sequence_id, now, client, self.frames.new_sequence)
         else:
             sequence = self.sequences.get(sequence_id, now, client)
         serial = sequence.serial if start else None
         try:
             if not len(samples):
                 return np.empty(0, np.float32), serial
-            return await self._submit(sequence, samples.reshape(-1, frame), live=True, times=times), serial
+            return await self._submit(sequence, samples.reshape(-1, frame), urgent=True, times=times), serial
         finally:
             if end:
                 self.sequences.end(sequence_id)
@@ -176,7 +183,7 @@ class VadModel:
                 sequence.context = frames[start - 1, -self.frames.context_samples :].copy()
             step = chunk_frames or max(end - start, 1)
             pieces += [
-                self._submit(sequence, frames[i : min(i + step, end)], live=short, times=times)
+                self._submit(sequence, frames[i : min(i + step, end)], urgent=short, times=times)
                 for i in range(start, end, step)
             ]
         try:

@@ -22,7 +22,7 @@ from appliance import keys
 from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt
 from appliance.errors import ApplianceError
-from appliance.firmware import graphs, kernels
+from appliance.firmware import graphs
 from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
 from appliance.firmware.manifest import (
     DATATYPES,
@@ -38,6 +38,7 @@ from appliance.firmware.manifest import (
     read_baked,
     read_model_fields,
 )
+from appliance.firmware_build import kernels
 from appliance.progress import QUIET, Progress
 
 # Kinds whose model is one ONNX graph: its tensors are checked (or read) at build, and TensorRT plans it.
