@@ -131,7 +131,7 @@ def test_the_openai_package_over_https_with_the_box_certificate(daemon: Daemon, 
         text = client.audio.transcriptions.create(model="whisper_tiny_en", file=audio).text.lower()
     assert "doctor" in text and "hospital" in text, text
     with pytest.raises(openai.BadRequestError, match="unknown voice"):
-        client.audio.speech.create(model="tts-1", voice="alloy", input="Hello.")
+        client.audio.speech.create(model="tts-1", voice="darth", input="Hello.")
     http.close()
 
 

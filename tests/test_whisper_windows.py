@@ -141,14 +141,20 @@ def test_whisper_running_two_shards_into_one_piece_takes_the_fallback(tiny: Path
 def test_a_batch_waits_for_shards_of_a_recording_still_in_its_vad(coming: bool) -> None:
     """BatchQueue's `coming`: while a recording is cut by the VAD, a batch that is not full waits for
     its shards (so eight clients' shards share one engine call); with nothing coming it runs at once."""
+    from appliance.config import EngineConfig
     from appliance.engine.batch_queue import BatchQueue
+    from appliance.engine.queue_policy import QueuePolicy
     from appliance.engine.stats import ModelStats
 
     calls: list[list[int]] = []
 
     async def scenario() -> None:
         queue: BatchQueue[int, int] = BatchQueue(
-            lambda batch: calls.append(batch) or batch, 8, ModelStats(), coming=lambda: coming and len(calls) == 0
+            lambda batch: calls.append(batch) or batch,
+            8,
+            stats := ModelStats(),
+            QueuePolicy("test", EngineConfig, stats),
+            coming=lambda: coming and len(calls) == 0,
         )
         queue.start()
         first = queue.submit([1])

@@ -79,7 +79,7 @@ def test_describe_lists_models_and_voices(daemon: Daemon) -> None:
     assert models[TINY] == ["en"] and "es" in models["whisper_base"], models
     assert info.asr[0].supports_transcript_streaming
     voices = {v.name: v.languages for program in info.tts for v in program.voices}
-    assert voices == {"joe": ["en"]}, voices
+    assert voices == {"joe": ["en"], "kokoro": ["pt"]}, voices
 
 
 def tcp_port(daemon: Daemon) -> int:

@@ -232,7 +232,7 @@ class Turns:
             done = await self.interpreter.pipeline.interpret(segment, self.interpreter.plan)
             if done is None:
                 continue
-            resampler = StreamResampler(self.interpreter.plan.voice.sample_rate, self.session.settings.output_rate)
+            resampler = StreamResampler(self.interpreter.plan.speaker.sample_rate, self.session.settings.output_rate)
             samples = done.audio.astype(np.float32) / 32768.0
             pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
             step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
