@@ -21,7 +21,7 @@ from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task
-from appliance.kinds.text import MAX_TEXT_CHARS, checked_text, utf8
+from appliance.kinds.text import request_texts
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
@@ -99,17 +99,15 @@ class LanguageIdentifier:
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
         if sequence is not None:
             raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
-        array = request.inputs.get(TEXT)
-        if set(request.inputs) != {TEXT} or array is None or array.dtype != object or array.size == 0:
-            raise BadRequest(f"model {self.name} takes one input {TEXT!r}: BYTES, one element or more")
-        texts = [checked_text(utf8(t, TEXT), TEXT) for t in array.reshape(-1)]
-        if sum(map(len, texts)) > MAX_TEXT_CHARS:
-            raise BadRequest(f"input {TEXT} holds more than {MAX_TEXT_CHARS} characters in all", 413)
+        texts = request_texts(request, self.name, TEXT)
         best = [self.detect(t)[0] for t in texts]
         languages = np.empty(len(best), object)
         languages[:] = [code.encode() for code, _ in best]
         confidence = np.array([p for _, p in best], np.float32)
-        return {LANGUAGE: languages.reshape(array.shape), CONFIDENCE: confidence.reshape(array.shape)}, None
+        return {
+            LANGUAGE: languages.reshape(request.inputs[TEXT].shape),
+            CONFIDENCE: confidence.reshape(request.inputs[TEXT].shape),
+        }, None
 
     def detect(self, text: str, candidates: int = 1) -> list[tuple[str, float]]:
         """The text's likeliest languages among the firmware's, best first, with fastText's probability

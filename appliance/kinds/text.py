@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from appliance.errors import BadRequest
 from appliance.firmware import ModelSpec
+from appliance.protocol.tensors import InferRequest
 
 SENTENCE_ENDS = ".!?…"
 BOUNDARY = re.compile(r"([.!?…,;:]+)[\"'”’»)\]]*(?=\s|$)")
@@ -126,3 +127,15 @@ def utf8(element: object, where: str) -> str:
         return element.decode() if isinstance(element, bytes) else str(element)
     except UnicodeDecodeError:
         raise BadRequest(f"input {where}: a BYTES element is not valid UTF-8") from None
+
+
+def request_texts(request: InferRequest, model: str, name: str) -> list[str]:
+    """The texts of an infer request to a model that takes one BYTES input of one element or more
+    (translation, language identification): each checked, MAX_TEXT_CHARS in all."""
+    array = request.inputs.get(name)
+    if set(request.inputs) != {name} or array is None or array.dtype != object or array.size == 0:
+        raise BadRequest(f"model {model} takes one input {name!r}: BYTES, one element or more")
+    texts = [checked_text(utf8(t, name), name) for t in array.reshape(-1)]
+    if sum(map(len, texts)) > MAX_TEXT_CHARS:
+        raise BadRequest(f"input {name} holds more than {MAX_TEXT_CHARS} characters in all", 413)
+    return texts

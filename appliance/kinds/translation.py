@@ -26,7 +26,14 @@ from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
-from appliance.kinds.text import MAX_TEXT_CHARS, Clause, ShardLimits, checked_text, joined, plan_shards, sentences, utf8
+from appliance.kinds.text import (
+    Clause,
+    ShardLimits,
+    joined,
+    plan_shards,
+    request_texts,
+    sentences,
+)
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
@@ -94,16 +101,11 @@ class TranslationModel(QueuedModel):
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
         if sequence is not None:
             raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
-        array = request.inputs.get(TEXT)
-        if set(request.inputs) != {TEXT} or array is None or array.dtype != object or array.size == 0:
-            raise BadRequest(f"model {self.name} takes one input {TEXT!r}: BYTES, one element or more")
-        texts = [checked_text(utf8(t, TEXT), TEXT) for t in array.reshape(-1)]
-        if sum(map(len, texts)) > MAX_TEXT_CHARS:
-            raise BadRequest(f"input {TEXT} holds more than {MAX_TEXT_CHARS} characters in all", 413)
+        texts = request_texts(request, self.name, TEXT)
         done = await asyncio.gather(*(self.translate(t, times) for t in texts))
         out = np.empty(len(done), object)
         out[:] = [d.encode() for d in done]
-        return {TRANSLATION: out.reshape(array.shape)}, None
+        return {TRANSLATION: out.reshape(request.inputs[TEXT].shape)}, None
 
     async def translate(self, text: str, times: RequestTimes | None = None) -> str:
         """`text` translated, line breaks kept. Without `times` the request is recorded in the stats
