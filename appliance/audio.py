@@ -108,6 +108,8 @@ def _check_riff(data: bytes) -> None:
                 f"truncated WAV: the '{name}' chunk declares {size} bytes, the body holds {len(data) - position - 8}"
             )
         position = end + (size & 1)  # chunks are padded to an even size
+    if position < min(riff_end, len(data)):  # bytes left over that cannot hold a chunk's 8-byte header
+        raise unsupported(f"truncated WAV: the body ends inside a chunk header at byte {position}")
 
 
 def _read_mono(f: sf.SoundFile, sample_rate: int) -> np.ndarray:

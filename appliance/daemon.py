@@ -275,6 +275,7 @@ class Daemon:
             log.info("stopped during start-up")
         try:
             server = await starting
+            signals.allow_reloads()  # one held during the start is applied now
         except BaseException as exc:
             if self.supervisor is not None:
                 self.supervisor.abort()
@@ -377,8 +378,8 @@ class Daemon:
         running, reloaded, restart = config_files.apply_reload(self.config, new)
         self.live.config = running  # every component reads its settings from here at its next use
         logging.getLogger().setLevel(running.log.level.upper())
-        if reloaded:
-            log.info("reload: applied %s", ", ".join(reloaded))
+        if reloaded or not restart:
+            log.info("reload: applied %s", ", ".join(reloaded) or "nothing: no setting changed")
         if restart:
             log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
         if self.supervisor is not None:

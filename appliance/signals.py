@@ -11,12 +11,41 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 STOP = (signal.SIGTERM, signal.SIGINT)
 RELOAD = signal.SIGHUP
+
+# SIGHUP is held (blocked, so it waits pending) from the first thing `appliance run` does (cli/__init__.py)
+# until the daemon has started (allow_reloads); a protocol worker inherits it held and allows it once it
+# serves. A reload sent meanwhile is applied once, then: never the default action (death), never a
+# failed start. Threads started while it is held keep it held; the main thread takes it.
+
+
+def hold_reloads() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {RELOAD})
+
+
+def allow_reloads() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {RELOAD})
+
+
+@contextlib.contextmanager
+def reloads_held() -> Iterator[None]:
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {RELOAD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def spawn_holding_reloads(args: list[str], pass_fds: list[int]) -> subprocess.Popen[bytes]:
+    """A child process that starts with SIGHUP held (the signal mask is inherited through exec)."""
+    with reloads_held():
+        return subprocess.Popen(args, pass_fds=pass_fds)
 
 
 def watch(

@@ -5,10 +5,15 @@
  * in an LRU hash that the kernel bounds and evicts. It also enforces a per-peer packet budget
  * (a token bucket): a datagram over budget is dropped here, before it wakes the daemon.
  *
+ * Two tables: `peers` holds only peers the daemon validated (their QUIC handshake completed: it moves
+ * them there itself); every other source is kept in `fresh`, a small LRU of its own. A flood of
+ * datagrams from sources that never complete a handshake churns `fresh` and cannot evict a validated
+ * peer, nor grow the table the daemon reads every second.
+ *
  * Offset 0 of a socket filter on a UDP socket is the UDP header; the IP header is read
  * relative to the network header. Every load is bounds-checked by bpf_skb_load_bytes*.
  *
- * Set at load time from config (-D): MAX_ENTRIES, RATE_PER_S, BURST, HOST_CID_LENGTH.
+ * Set at load time from config (-D): MAX_ENTRIES, MAX_UNVALIDATED, RATE_PER_S, BURST, HOST_CID_LENGTH.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -40,6 +45,7 @@ struct peer_stats {
 };
 
 BPF_TABLE("lru_hash", struct peer_key, struct peer_stats, peers, MAX_ENTRIES);
+BPF_TABLE("lru_hash", struct peer_key, struct peer_stats, fresh, MAX_UNVALIDATED);
 
 enum { TOTAL_PACKETS, TOTAL_BYTES, TOTAL_DROPS, TOTAL_PEERS, TOTAL_COUNT };
 BPF_PERCPU_ARRAY(totals, u64, TOTAL_COUNT);
@@ -114,13 +120,15 @@ int conncache_filter(struct __sk_buff *skb) {
         return skb->len;  /* not an IP/UDP datagram we can read: let user space judge it */
     u64 now = bpf_ktime_get_ns();
     struct peer_stats *stats = peers.lookup(&key);
+    if (!stats)
+        stats = fresh.lookup(&key);
     if (!stats) {
-        struct peer_stats fresh = {};
-        fresh.first_seen_ns = now;
-        fresh.refilled_ns = now;
-        fresh.tokens_milli = BURST * MILLI;
-        peers.update(&key, &fresh);
-        stats = peers.lookup(&key);
+        struct peer_stats first = {};
+        first.first_seen_ns = now;
+        first.refilled_ns = now;
+        first.tokens_milli = BURST * MILLI;
+        fresh.update(&key, &first);
+        stats = fresh.lookup(&key);
         if (!stats)
             return skb->len;
         count(TOTAL_PEERS, 1);

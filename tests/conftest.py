@@ -165,9 +165,76 @@ def terminate(proc: subprocess.Popen[bytes]) -> int:
 
 @pytest.fixture(scope="session")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The box's TLS identity; beside it, an operator CA and a client certificate it signed (a daemon
+    started with these trusts that CA for /status and /metrics, and its QUIC client presents that one)."""
     base = tmp_path_factory.mktemp("tls")
     cli("tls", "init", "--cert", base / "cert.pem", "--key", base / "key.pem")
+    make_ca_and_client(base, "operator")
     return base / "cert.pem", base / "key.pem"
+
+
+def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, str]:
+    """A CA and a client certificate it signed (or a self-signed rogue one); returns (ca, cert, key)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+        )
+        if ca:
+            builder = builder.add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )
+        else:
+            builder = builder.add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+            ).add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{subject}.local")]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert(f"{name}-ca", ca_key, f"{name}-ca", ca_key, True)
+    client = (
+        cert(f"{name}-client", client_key, f"{name}-ca", ca_key, False)
+        if signed
+        else cert(f"{name}-client", client_key, f"{name}-client", client_key, False)
+    )
+    paths = [base / f"{name}-ca.pem", base / f"{name}-client.pem", base / f"{name}-client.key"]
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(client.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        client_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return tuple(str(p) for p in paths)  # type: ignore[return-value]
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of `pid` and its descendants (the protocol workers)."""
+    total, pids = 0.0, [pid]
+    while pids:
+        current = pids.pop()
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            pids += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+    return total
 
 
 class Daemon:
@@ -189,16 +256,23 @@ class Daemon:
         max_body_bytes: int = 8 << 20,
         workers: int = 1,
         https: str | None = None,
+        operator: bool = True,
     ) -> None:
         """`https`: serve HTTPS on TCP (needs tls) with these lines in its [https] table."""
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
+        # the `tls` fixture's operator CA, and the certificate it signed that client("quic") presents
+        operator_files = (
+            [tls[0].parent / f"operator-{n}" for n in ("ca.pem", "client.pem", "client.key")] if tls else []
+        )
+        self.operator = tuple(map(str, operator_files[1:])) if operator and tls and operator_files[0].exists() else None
+        operator_ca = f'operator_ca = "{operator_files[0]}"\n' if self.operator else ""
         self.pin_dir = pin_dir or Path("/sys/fs/bpf") / f"appliance-test-{workdir.parent.name}-{workdir.name}"
         quic = (
             (
                 f'[quic]\nenabled = true\nport = {self.quic_port}\ncertificate = "{tls[0]}"\n'
-                f'private_key = "{tls[1]}"\n{extra_quic}'
+                f'private_key = "{tls[1]}"\n{operator_ca}{extra_quic}'
                 f'[conncache]\npin_dir = "{self.pin_dir}"\n{extra_conncache}'
             )
             if tls
@@ -242,7 +316,7 @@ class Daemon:
 
     def client(self, transport: str = "unix") -> Client:
         if transport == "quic":
-            return Client(quic=f"127.0.0.1:{self.quic_port}", cafile=self.cafile, timeout=60)
+            return Client(quic=f"127.0.0.1:{self.quic_port}", cafile=self.cafile, certificate=self.operator, timeout=60)
         return Client(str(self.socket))
 
     def stop(self) -> int:
@@ -370,7 +444,8 @@ class GoodUnixClient(threading.Thread):
 @contextlib.contextmanager
 def good_clients_throughout(daemon: Daemon) -> Iterator[None]:
     """A good client on each transport, a request every 50 ms, while the body runs attacks: none of
-    their requests may fail, and the daemon's resident memory may grow by at most 256 MiB. Stops it."""
+    their requests may fail, no worker may be killed, and the daemon's resident memory may grow by at
+    most 256 MiB. Stops it."""
     rss_before = daemon.rss_kib()
     unix = GoodUnixClient(daemon)
     unix.start()
@@ -383,3 +458,4 @@ def good_clients_throughout(daemon: Daemon) -> Iterator[None]:
     assert not unix.errors and not quic.errors, (unix.errors[:3], quic.errors[:3])
     assert unix.answered > 20 and quic.answered > 20, (unix.answered, quic.answered)
     assert growth_mib <= 256, f"resident memory grew by {growth_mib:.0f} MiB under attack"
+    assert "restarting it" not in daemon.log.read_text(), "a protocol worker died under attack"

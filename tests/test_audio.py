@@ -120,6 +120,7 @@ def broken_inputs() -> list[tuple[str, bytes, str]]:
             wav[: len(wav) // 2],
             "truncated WAV: the 'data' chunk declares 32000 bytes, the body holds 15978",
         ),
+        ("header-cut-to-43-bytes", wav[:43], "truncated WAV: the body ends inside a chunk header at byte 36"),
         (
             "chunk-past-riff-size",
             _wav_with(wav, 4, "<I", 100),

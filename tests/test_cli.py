@@ -231,7 +231,7 @@ def test_inspect_of_a_manifest_that_is_not_json_is_still_json(bundle: Path, keys
 
 # --- config check round trip -----------------------------------------------------------------------------
 
-EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""` is the unset one
+EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `operator_ca` = "": the unset ones
     "server": {
         "socket": "run/x.sock",
         "socket_mode": "0600",
@@ -239,6 +239,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "max_body_bytes": 1 << 20,
         "max_header_bytes": 4096,
         "max_connections": 7,
+        "max_connections_per_peer": 5,
         "max_buffered_bytes": 3 << 20,
         "header_timeout_s": 2.5,
         "body_timeout_s": 3.5,
@@ -256,6 +257,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "certificate": "tls/c.pem",
         "private_key": "/k/ey.pem",
         "client_ca": "",
+        "operator_ca": "",
         "idle_timeout_s": 12.5,
         "stream_idle_timeout_s": 1e-07,
         "max_connections": 3,
@@ -264,6 +266,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
         "retry_when_handshaking": 6,
         "handshake_timeout_s": 1.5,
         "max_handshakes_per_source": 2,
+        "max_connections_per_address": 2,
     },
     "https": {"enabled": True, "host": "::1", "port": 9443, "max_connections": 4, "alt_svc": False},
     "websocket": {"max_message_bytes": 4096, "buffered_bytes": 8192, "idle_timeout_s": 9.5, "ping_interval_s": 2.5},
@@ -271,6 +274,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca = ""
     "conncache": {
         "backend": "user",
         "max_entries": 10,
+        "max_unvalidated": 6,
         "peer_rate": 1e20,
         "peer_burst": 3,
         "idle_timeout_s": 2.0,

@@ -13,9 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic import connection as quic_connection
+from aioquic.quic.configuration import QuicConfiguration
 from conftest import Bystander
 
-from appliance.client import infer_call
+from appliance.client import Call, infer_call
 from appliance.client.quic import QuicSession
 
 BACKENDS = [
@@ -116,35 +119,40 @@ async def open_sequence(daemon, local_host: str) -> QuicSession:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_eviction_at_max_entries_releases_the_evicted_peers_sequences(start_daemon, tls, backend: str) -> None:
-    daemon = start(start_daemon, tls, backend, "max_entries = 8\n")
+def test_a_full_table_never_closes_a_live_connection(start_daemon, tls, backend: str) -> None:
+    """A quiet peer holding a sequence: 64 sources that never handshake churn only their own small
+    table, and 10 more validated peers overfill the 8-entry one; its connection and sequence stay."""
+    daemon = start(start_daemon, tls, backend, "max_entries = 8\nmax_unvalidated = 16\n")
 
     async def scenario() -> None:
-        await open_sequence(daemon, "127.0.0.2")  # left open, never closed: its peer goes quiet
+        quiet = await open_sequence(daemon, "127.0.0.2")  # left open: its peer goes quiet
         assert live_sequences(daemon) == 1
         senders = []
-        for _ in range(64):  # 64 new peers push the quiet one out of an 8-entry table
+        for _ in range(64):
             sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             sender.bind(("127.0.0.3", 0))
             sender.sendto(b"\x40" + os.urandom(1199), ("127.0.0.1", daemon.quic_port))
             senders.append(sender)
             await asyncio.sleep(0.01)
-        assert await asyncio.to_thread(wait_until, lambda: live_sequences(daemon) == 0)
+        table = await asyncio.to_thread(peers, daemon)
+        assert any(p.startswith("127.0.0.2:") for p in table), table  # not evicted by the unvalidated
+        assert sum(p.startswith("127.0.0.3:") for p in table) <= 16, table
+        others = [
+            QuicSession(f"127.0.0.1:{daemon.quic_port}", daemon.cafile, local_host="127.0.0.4") for _ in range(10)
+        ]
+        for other in others:
+            assert (await other.send(Call("GET", "/v2/health/ready"))).status == 200
+        await asyncio.sleep(2.5)  # two sweeps and more
+        assert await asyncio.to_thread(live_sequences, daemon) == 1
+        call = infer_call("silero_vad", np.zeros(512, np.float32), sequence_id="seq-127.0.0.2", end=True)
+        assert (await quiet.send(call)).status == 200  # the sequence goes on where it was
+        for session in (quiet, *others):
+            await session.close()
         for sender in senders:
             sender.close()
 
-    # The kernel's LRU is exact only within one CPU: an entry parked on another CPU's pending list
-    # is not evicted by inserts elsewhere. Loopback runs the filter on the sending CPU, so pinning
-    # this thread (every datagram of the test comes from it) makes the order the test relies on hold.
-    affinity = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(affinity)})
-    try:
-        asyncio.run(scenario())
-    finally:
-        os.sched_setaffinity(0, affinity)
-    table = peers(daemon)
-    assert len(table) <= 8 and not any(p.startswith("127.0.0.2:") for p in table), table
-    assert "sequences released" in daemon.log.read_text()
+    asyncio.run(scenario())
+    assert "sequences released" not in daemon.log.read_text()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -159,6 +167,9 @@ def test_a_vanished_client_is_forgotten_and_its_sequences_released(start_daemon,
     assert live_sequences(daemon) == 1
     assert wait_until(lambda: live_sequences(daemon) == 0)
     assert not any(p.startswith("127.0.0.2:") for p in peers(daemon))
+
+
+FLOOD_S = 3.0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -176,9 +187,10 @@ def test_a_flood_from_one_peer_is_dropped_while_another_is_served(start_daemon, 
         assert wait_until(lambda: bystander.answered >= 1), bystander.errors  # connected before the flood
         answered_before = bystander.answered
         started, sent = time.monotonic(), 0
-        while sent < 300_000 and time.monotonic() - started < 3.0:
-            flooder.sendto(datagram, ("127.0.0.1", daemon.quic_port))
-            sent += 1
+        while time.monotonic() - started < FLOOD_S:  # a fixed time, however fast this machine sends
+            for _ in range(100):
+                flooder.sendto(datagram, ("127.0.0.1", daemon.quic_port))
+            sent += 100
         elapsed = time.monotonic() - started
         during = bystander.answered - answered_before
     cpu = daemon.cpu_seconds() - cpu_before
@@ -191,7 +203,7 @@ def test_a_flood_from_one_peer_is_dropped_while_another_is_served(start_daemon, 
     # it queues; in user space every datagram still costs the daemon a wake-up and shares the socket
     # buffer, so the other peer is slowed (its lost packets wait out QUIC's loss timer), not refused
     print(f"{backend}: {during} answers to the other peer during a {elapsed:.2f} s flood of {sent}")
-    assert during >= (20 if backend == "ebpf" else 5), (during, sent, elapsed)
+    assert during >= (20 if backend == "ebpf" else 3), (during, sent, elapsed)
     with daemon.client() as client:
         assert f'appliance_quic_peer_dropped_total{{backend="{backend}",peer="127.0.0.2:' in client.metrics()
     if backend == "ebpf":  # every datagram met the filter, and the daemon barely noticed the flood
@@ -232,3 +244,34 @@ def test_one_daemon_owns_a_pin_dir(start_daemon, tls) -> None:
     third = start_daemon(tls=tls, pin_dir=first.pin_dir, extra_conncache='backend = "ebpf"\n')
     with third.client() as client:  # the dead owner's directory is free again
         assert client.status()["conncache"]["backend"] == "ebpf"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_that_passes_retry_is_validated_before_its_handshake_ends(start_daemon, tls, backend: str) -> None:
+    """Its token proves its address: into the long-lived table at once, though it never finishes the
+    handshake; a source that only sends junk stays with the unvalidated ones."""
+    daemon = start_daemon(
+        tls=tls, extra_quic="retry = true\nhandshake_timeout_s = 30.0\n", extra_conncache=f'backend = "{backend}"\n'
+    )
+    connection = quic_connection.QuicConnection(configuration=QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN))
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as junk,
+    ):
+        client.bind(("127.0.0.8", 0))
+        client.settimeout(5)
+        junk.bind(("127.0.0.9", 0))
+        junk.sendto(b"\x40" + os.urandom(1199), ("127.0.0.1", daemon.quic_port))
+        connection.connect(("127.0.0.1", daemon.quic_port), now=time.time())
+        for data, addr in connection.datagrams_to_send(now=time.time()):
+            client.sendto(data, addr)
+        retry, _ = client.recvfrom(2048)
+        assert (retry[0] & 0x30) >> 4 == 3  # a Retry
+        connection.receive_datagram(retry, ("127.0.0.1", daemon.quic_port), now=time.time())
+        for data, addr in connection.datagrams_to_send(now=time.time()):  # the Initial again, with the token
+            client.sendto(data, addr)
+        client.recvfrom(2048)  # the server's handshake, never answered
+        table = peers(daemon)
+    [proven] = [p for name, p in table.items() if name.startswith("127.0.0.8:")]
+    [unproven] = [p for name, p in table.items() if name.startswith("127.0.0.9:")]
+    assert proven["validated"] and not unproven["validated"], (proven, unproven)

@@ -129,7 +129,9 @@ def talk(tab, source: str, target: str) -> None:
     tab.click("#talk-start")
 
 
-def test_the_status_panel_shows_firmware_engines_workers_and_the_certificate(page, daemon: Daemon) -> None:
+def test_the_status_panel_shows_firmware_engines_and_the_certificate_to_a_visitor(page, daemon: Daemon) -> None:
+    """The browser presents no operator certificate: /status refuses it, and the panel shows what the
+    public routes say (the workers and peers are for operators)."""
     wait_until(page, "document.getElementById('health').textContent === 'ready'")
     assert page.text_content("#firmware") == "firmware interpreter 1.0.0"
     panel = page.inner_text("#status")
@@ -137,8 +139,9 @@ def test_the_status_panel_shows_firmware_engines_workers_and_the_certificate(pag
         ["openssl", "x509", "-in", daemon.cafile, "-noout", "-fingerprint", "-sha256"], capture_output=True, text=True
     ).stdout.strip()
     assert fingerprint.split("=")[1] in panel  # as openssl computes it from the file the box serves
-    for expected in ("onnxruntime-cpu", "ctranslate2", "in the engine process", f"TCP port {daemon.https_port}"):
+    for expected in ("onnxruntime-cpu", "ctranslate2", f"TCP port {daemon.https_port}", "for operators only"):
         assert expected in panel, (expected, panel)
+    assert "in the engine process" not in panel
     models = page.inner_text("#status-models")
     for name in ("silero_vad", "whisper_tiny_en", "joe", "en-pt", "pt-en"):
         assert name in models

@@ -18,7 +18,7 @@ from aioquic.quic import connection as quic_connection
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import push_ack_frame
 from aioquic.quic.rangeset import RangeSet
-from conftest import Bystander, cli
+from conftest import Bystander, cli, make_ca_and_client
 
 from appliance.client import Call, Client, infer_call
 from appliance.client.quic import QuicSession
@@ -177,58 +177,6 @@ def test_ack_range_flood_from_a_connected_peer_does_not_disturb_other_clients(da
     with daemon.client("quic") as client:
         assert client.health()["ready"]
     assert daemon.rss_kib() - rss_before < 64 * 1024, "memory grew by more than 64 MiB under the ACK flood"
-
-
-def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, str]:
-    """A CA and a client certificate it signed (or a self-signed rogue one); returns (ca, cert, key)."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
-        )
-        if ca:
-            builder = builder.add_extension(
-                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-            )
-        else:
-            builder = builder.add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
-            ).add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{subject}.local")]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    ca_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = cert(f"{name}-ca", ca_key, f"{name}-ca", ca_key, True)
-    client = (
-        cert(f"{name}-client", client_key, f"{name}-ca", ca_key, False)
-        if signed
-        else cert(f"{name}-client", client_key, f"{name}-client", client_key, False)
-    )
-    paths = [base / f"{name}-ca.pem", base / f"{name}-client.pem", base / f"{name}-client.key"]
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(client.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        client_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return tuple(str(p) for p in paths)  # type: ignore[return-value]
 
 
 def test_mutual_tls_accepts_signed_clients_and_refuses_others_in_the_handshake(start_daemon, tls, tmp_path) -> None:

@@ -255,6 +255,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "NoNewPrivileges=yes",
         "CapabilityBoundingSet=CAP_BPF CAP_PERFMON CAP_NET_ADMIN",
         "DeviceAllow=/dev/nvidiactl rw",
+        "TemporaryFileSystem=/dev/shm:",
     ):
         assert line in service
 

@@ -3,37 +3,67 @@ errors in OpenAI's shape for its routes."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
 from appliance.errors import ApiError, BadRequest
+from appliance.protocol.json_reader import BeyondBounds, JsonReader
+from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Request, Response, json_response, openai_error
 
 FORM = "application/x-www-form-urlencoded"
+MAX_TEXT_BODY_BYTES = 2 << 20  # a JSON or urlencoded body of a task route: texts and options, never media
+MAX_TEXT_VALUES = 4096  # JSON values in such a body (a list of texts to translate, say)
+MAX_FORM_FIELDS = 32  # fields of a urlencoded form, parts of a multipart one
+INLINE_BODY_BYTES = 16 << 10  # smaller bodies are read on the event loop; larger ones in a thread
 
 
-def json_body(body: bytes) -> dict[str, Any]:
+def refused(status: int, message: str) -> ApiError:
+    """A body refused by a bound (logged at most once per limit every 10 s, as the transports' are)."""
+    LIMITS_BITTEN.bit(f"body {status}", message)
+    return ApiError(message, status)
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The JSON object a task route's body holds, read by the bounded reader (depth and value count),
+    its size checked before anything is parsed."""
+    return await _off_the_loop(_json_object, request.body)
+
+
+async def json_or_form(request: Request) -> dict[str, Any]:
+    """The fields of a JSON body, or of a urlencoded form where the content type says so and the body
+    is not a JSON object (`curl -d '{...}'` labels JSON as a form)."""
+    is_form = request.headers.get("content-type", "").split(";")[0].strip().lower() == FORM
+    if not is_form or request.body.lstrip()[:1] == b"{":
+        return await json_body(request)
+    return await _off_the_loop(_form, request.body)
+
+
+async def _off_the_loop(read: Callable[[bytes], dict[str, Any]], body: bytes) -> dict[str, Any]:
+    if len(body) > MAX_TEXT_BODY_BYTES:
+        raise refused(
+            413, f"request body of {len(body)} bytes exceeds this route's limit of {MAX_TEXT_BODY_BYTES} bytes"
+        )
+    return read(body) if len(body) <= INLINE_BODY_BYTES else await asyncio.to_thread(read, body)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(body)
-    except UnicodeDecodeError:
-        raise BadRequest("request body is not UTF-8 text") from None
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        doc = JsonReader.read(body, tensors=False, max_values=MAX_TEXT_VALUES)
+    except BeyondBounds as exc:
+        raise refused(exc.status, exc.message) from None
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     return doc
 
 
-def json_or_form(request: Request) -> dict[str, Any]:
-    """The fields of a JSON body, or of a urlencoded form where the content type says so and the body
-    is not a JSON object (`curl -d '{...}'` labels JSON as a form)."""
-    is_form = request.headers.get("content-type", "").split(";")[0].strip().lower() == FORM
-    if not is_form or request.body.lstrip()[:1] == b"{":
-        return json_body(request.body)
+def _form(body: bytes) -> dict[str, Any]:
+    if body.count(b"&") >= MAX_FORM_FIELDS:
+        raise refused(400, f"form body has more than {MAX_FORM_FIELDS} fields")
     try:
-        return dict(parse_qsl(request.body.decode("utf-8"), keep_blank_values=True, errors="strict"))
+        return dict(parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict"))
     except UnicodeDecodeError:
         raise BadRequest("form body is not UTF-8 text") from None
 

@@ -66,6 +66,14 @@ EXTENSIONS = [
 ]
 
 
+# What maps the box for an attacker (every peer's address, connection IDs, worker pids) or tells its load.
+OPERATOR_ROUTES = frozenset({"status", "metrics"})
+OPERATORS_ARE = (
+    "on the Unix socket, a member of the socket's group; over QUIC or HTTPS, a client whose certificate "
+    "the operator CA (quic.operator_ca) signed"
+)
+
+
 class Api:
     def __init__(self, manifest: Manifest, models: dict[str, ServedModel], live: Live) -> None:
         self.manifest, self.models, self.live = manifest, models, live
@@ -119,6 +127,8 @@ class Api:
                     endpoint = name if name != "task" else self._task_label(match["task"])
                     if request.method != method:
                         raise ApiError(f"{request.method} is not allowed on {url.path} (use {method})", 405)
+                    if name in OPERATOR_ROUTES and not request.operator:
+                        raise ApiError(f"{url.path} is for operators: {OPERATORS_ARE}", 403)
                     params = {k: v for k, v in match.groupdict().items() if v is not None}
                     if url.query:
                         params.update({f"query:{k}": v for k, v in parse_qsl(url.query)})

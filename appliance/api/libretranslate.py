@@ -63,7 +63,7 @@ def _detected(detector: LanguageDetector, text: str, candidates: int = 1) -> lis
 
 async def detect(models: Iterable[ServedModel], request: Request) -> Response:
     detector = _detector(models)
-    q = json_or_form(request).get("q")
+    q = (await json_or_form(request)).get("q")
     text = checked_text(q, "q")
     return json_response(200, _detected(detector, text, DETECT_CANDIDATES))
 
@@ -82,7 +82,7 @@ async def languages(models: Iterable[ServedModel], request: Request) -> Response
 
 
 async def translate(models: Iterable[ServedModel], request: Request) -> Response:
-    fields = json_or_form(request)
+    fields = await json_or_form(request)
     source, target, text_format = fields.get("source"), fields.get("target"), fields.get("format", "text")
     if text_format != "text":
         raise BadRequest(f"format {str(text_format)[:40]!r} is not served (only 'text')")

@@ -23,7 +23,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
 from appliance.api import openai_models
-from appliance.api.bodies import openai_errors
+from appliance.api.bodies import MAX_FORM_FIELDS, openai_errors, refused
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Transcriber
@@ -77,8 +77,16 @@ def parse_form(request: Request) -> tuple[dict[str, str], dict[str, list[str]], 
     fields: dict[str, str] = {}
     lists: dict[str, list[str]] = {name: [] for name in REPEATED}
     files: list[bytes] = []
+    parts = 0
+
+    def count_part() -> None:
+        nonlocal parts
+        parts += 1
+        if parts > MAX_FORM_FIELDS:
+            raise refused(400, f"the form has more than {MAX_FORM_FIELDS} parts")
 
     def on_field(field: Any) -> None:
+        count_part()
         name = field.field_name.decode(errors="replace")
         value = field.value or b""
         if len(value) > MAX_FIELD_BYTES:
@@ -89,6 +97,7 @@ def parse_form(request: Request) -> tuple[dict[str, str], dict[str, list[str]], 
             fields[name] = value.decode(errors="replace")
 
     def on_file(file: Any) -> None:
+        count_part()
         if file.field_name != b"file":
             raise BadRequest(f"form field {file.field_name.decode(errors='replace')!r} is a file; only 'file' may be")
         file.file_object.seek(0)

@@ -72,7 +72,7 @@ async def voices_listing(models: Iterable[ServedModel]) -> Response:
 
 
 async def speech(models: Iterable[ServedModel], request: Request) -> Response:
-    doc = json_body(request.body)
+    doc = await json_body(request)
     served = list(models)
     voices: list[Speaker] = [m for m in served if isinstance(m, Speaker)]
     text = checked_text(doc.get("input"), "input")

@@ -2,7 +2,7 @@
 network), and the box's TLS certificate at `/tls/certificate.pem` for a phone or tablet to trust.
 
 The page calls only the box's own routes: /translate and /languages, /v1/audio/speech, /v1/realtime,
-/status and /v2/health/ready. It is served on every transport; the certificate is public, so it is too.
+/v2/health/ready, and /status where its visitor is an operator (else /v2, /v2/models and the certificate). It is served on every transport; the certificate is public, so it is too.
 """
 
 from __future__ import annotations

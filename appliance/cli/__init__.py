@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-import select
+import signal
 import sys
-from importlib.metadata import PackageNotFoundError, version
 
-from appliance import exitcodes
-from appliance.cli import box, call, firmware, local, run
-from appliance.cli.options import HelpFormatter
-from appliance.client import CertificateRejected, ClientError, NoAnswer, ServerError, SocketUnreachable
-from appliance.errors import ApplianceError
+if sys.argv[1:2] == ["run"]:  # SIGHUP held from here until the daemon can act on it (appliance/signals.py)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+
+import argparse  # noqa: E402 - after the signal is held: these imports take a second on a slow box
+import os  # noqa: E402
+import select  # noqa: E402
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+
+from appliance import exitcodes  # noqa: E402
+from appliance.cli import box, call, firmware, local, run  # noqa: E402
+from appliance.cli.options import HelpFormatter  # noqa: E402
+from appliance.client import CertificateRejected, ClientError, NoAnswer, ServerError, SocketUnreachable  # noqa: E402
+from appliance.errors import ApplianceError  # noqa: E402
 
 
 def _version() -> str:

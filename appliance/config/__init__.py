@@ -31,6 +31,7 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20
     max_header_bytes: int = 16 << 10
     max_connections: int = 512
+    max_connections_per_peer: int = 128  # one user's share of max_connections (Unix socket; per worker)
     max_buffered_bytes: int = 256 << 20  # request bodies held by all clients of both transports together
     header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
     body_timeout_s: float = 30.0  # a request body may go quiet this long
@@ -57,6 +58,8 @@ class QuicConfig:
     certificate: Path = Path("/var/lib/appliance/tls/cert.pem")
     private_key: Path = Path("/var/lib/appliance/tls/key.pem")
     client_ca: Path = Path("")  # "" (unset): no client certificates; set: mutual TLS, clients need one this CA signed
+    # set: clients whose certificate this CA signed are operators (/status, /metrics); others get 403 there
+    operator_ca: Path = Path("")
     idle_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 10.0  # a request stream that goes quiet this long gets a 408
     max_connections: int = 256
@@ -65,6 +68,7 @@ class QuicConfig:
     retry_when_handshaking: int = 64  # this many handshakes in progress switch Retry on by itself (0: never)
     handshake_timeout_s: float = 5.0  # a handshake not complete by then is dropped, its slot freed
     max_handshakes_per_source: int = 16  # handshakes in progress from one address
+    max_connections_per_address: int = 64  # one address's share of max_connections (per worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,9 @@ class ConnCacheConfig:
     """The QUIC listener's per-peer table (eBPF in the kernel, or user space) and flood budget."""
 
     backend: str = "auto"  # "ebpf": failing to load the BPF program is a start-up error; "user": never try
-    max_entries: int = 65536  # peers (address and port) kept; the least recently seen is evicted
+    max_entries: int = 65536  # validated peers (address and port: their handshake completed) kept
+    # sources that have not completed a handshake, in a table of their own: a flood churns only this one
+    max_unvalidated: int = 4096
     peer_rate: float = 5000.0  # packets per second each peer may send ...
     peer_burst: float = 10000.0  # ... with bursts up to this many; the rest are dropped
     idle_timeout_s: float = 60.0  # a peer silent this long is forgotten and its sequences released
@@ -288,6 +294,8 @@ def _check_values(config: Config) -> None:
         "server.max_body_bytes": config.server.max_body_bytes,
         "server.max_header_bytes": config.server.max_header_bytes,
         "server.max_connections": config.server.max_connections,
+        "server.max_connections_per_peer": config.server.max_connections_per_peer,
+        "quic.max_connections_per_address": config.quic.max_connections_per_address,
         "server.shutdown_grace_s": config.server.shutdown_grace_s,
         "server.max_buffered_bytes": config.server.max_buffered_bytes,
         "server.header_timeout_s": config.server.header_timeout_s,
@@ -308,6 +316,7 @@ def _check_values(config: Config) -> None:
         "sequences.max_live": config.sequences.max_live,
         "sequences.max_per_client": config.sequences.max_per_client,
         "conncache.max_entries": config.conncache.max_entries,
+        "conncache.max_unvalidated": config.conncache.max_unvalidated,
         "conncache.peer_rate": config.conncache.peer_rate,
         "conncache.peer_burst": config.conncache.peer_burst,
         "conncache.idle_timeout_s": config.conncache.idle_timeout_s,
@@ -349,6 +358,7 @@ RELOADABLE_KEYS = frozenset(
         "server.max_body_bytes",
         "server.max_header_bytes",
         "server.max_connections",
+        "server.max_connections_per_peer",
         "server.shutdown_grace_s",
         "server.max_buffered_bytes",
         "server.header_timeout_s",

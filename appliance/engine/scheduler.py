@@ -101,7 +101,7 @@ class Work:
     probs: np.ndarray = field(init=False)
     next_frame: int = 0
     cancelled: bool = False  # its caller went away: never run it, or no further
-    urgent: bool = False  # a live stream's frames: they go before recordings, and may push one out of the batch
+    urgent: bool = False  # a live stream's frames, or a short request's: before recordings, and may push one out
     times: RequestTimes | None = None  # its request's: each engine call it is in adds its compute times once
 
     def __post_init__(self) -> None:

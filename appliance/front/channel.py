@@ -4,6 +4,9 @@ One Unix stream socket pair per worker carries small messages (the doorbell): a 
 pickled tuple. A body up to INLINE_BYTES rides in its message; a larger one is written once to a file
 in shared memory (/dev/shm, tmpfs) and its message carries the file's name: the reader maps it, takes
 the bytes and unlinks it, so a 64 MiB upload is not pushed through the socket and asyncio's buffers.
+The names end in 128 random bits: no other local user can guess one and create it first (the unit
+gives the daemon a /dev/shm of its own as well). A body that cannot cross (shared memory full, its
+file gone) fails its own request with a logged 500; the channel and every other request go on.
 
 Both ends are our own processes, started together from one installed package: pickle is the codec.
 
@@ -33,6 +36,7 @@ import itertools
 import mmap
 import os
 import pickle
+import secrets
 import socket
 import struct
 import tempfile
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.front.sessions import WorkerEnd
+from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Close, Opened, Request, Response, Session, SessionIO, error_response
 from appliance.protocol.peers import Peer, Totals
 
@@ -79,15 +84,12 @@ class Body:
     length: int = 0
 
 
-_names = itertools.count()
-
-
 def pack_body(data: bytes, owner: str) -> Body:
     """`owner` names the writer (and, for the engine, the worker it writes to), so that the files a
     dead process left unread can be found: remove_leftovers(owner)."""
     if len(data) <= INLINE_BYTES:
         return Body(inline=data)
-    path = SHM_DIR / f"appliance-{owner}-{next(_names)}"
+    path = SHM_DIR / f"appliance-{owner}-{secrets.token_hex(16)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
@@ -96,6 +98,22 @@ def pack_body(data: bytes, owner: str) -> Body:
     finally:
         os.close(fd)
     return Body(shm=path.name, length=len(data))
+
+
+def packed(response: Response, owner: str) -> tuple[Response, Body]:
+    """A response and its body as it crosses; a 500 in its place where the body cannot."""
+    try:
+        return response, pack_body(response.body, owner)
+    except OSError as exc:
+        return hand_over_failed(exc), Body()
+
+
+def unpack_request(request: Request, body: Body) -> Request | Response:
+    """The request with its body; or, where the body cannot be read, the 500 to answer it with."""
+    try:
+        return dataclasses.replace(request, body=unpack_body(body))
+    except OSError as exc:
+        return hand_over_failed(exc)
 
 
 def unpack_body(body: Body) -> bytes:
@@ -114,7 +132,14 @@ def unpack_body(body: Body) -> bytes:
 def remove_leftovers(owner: str) -> None:
     """Shared-memory bodies written under `owner` that nobody will read (their reader died)."""
     for path in SHM_DIR.glob(f"appliance-{owner}-*"):
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another user's file, in a shared /dev/shm: not ours to remove
+            path.unlink()
+
+
+def hand_over_failed(exc: OSError) -> Response:
+    """The 500 for a body that could not cross between the processes, logged (at most once per 10 s)."""
+    LIMITS_BITTEN.bit("shared memory", f"a body could not cross between processes in {SHM_DIR}: {exc}")
+    return error_response(500, "internal error: the body could not be handed over (logged)")
 
 
 class Channel:
@@ -229,7 +254,10 @@ class RemoteApi:
             self._waiting.pop(rid, None)
 
     async def handle(self, request: Request) -> Response:
-        body = pack_body(request.body, self._owner)
+        try:
+            body = pack_body(request.body, self._owner)
+        except OSError as exc:
+            return hand_over_failed(exc)
         try:
             rid, (response, mode) = await self._ask(
                 "request", dataclasses.replace(request, body=b""), body, timeout_s=self.request_timeout_s()
@@ -282,7 +310,13 @@ class RemoteApi:
         kind, rid = message[0], message[1]
         if kind == "response":
             _, _, response, body, mode, self._keep = message
-            response.body = unpack_body(body)
+            try:
+                response.body = unpack_body(body)
+            except OSError as exc:
+                response = hand_over_failed(exc)
+                if mode:  # what would follow is not wanted
+                    self.channel.send(("cancel", rid))
+                    mode = ""
             if mode == "stream":
                 self._streams[rid] = asyncio.Queue()
             elif mode == "session":

@@ -26,18 +26,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from appliance import signals
 from appliance.api.core import Api
 from appliance.front.channel import (
     Channel,
     WorkerReport,
     pack_body,
+    packed,
     remove_leftovers,
     serve_tickets,
-    unpack_body,
+    unpack_request,
 )
 from appliance.front.sessions import EngineEnd, run_session, to_session
 from appliance.protocol.flow import SendWindow
-from appliance.protocol.messages import error_response
+from appliance.protocol.messages import Request, Response, error_response
 from appliance.protocol.peers import Peer, Totals
 from appliance.tasks import spawn
 from appliance.transport.quic_guards import TicketStore
@@ -163,7 +165,7 @@ class Supervisor:
             ]
         slot.heard = time.monotonic()  # a worker has until REPORT_STALE_S from now to report
         try:
-            slot.process = subprocess.Popen(args, pass_fds=fds)
+            slot.process = signals.spawn_holding_reloads(args, fds)
         finally:
             worker_end.close()
             if tickets_worker is not None:
@@ -195,7 +197,7 @@ class Supervisor:
             kind = message[0]
             if kind == "request":
                 _, rid, request, body = message
-                request = dataclasses.replace(request, body=unpack_body(body))
+                request = unpack_request(request, body)  # or the 500 where its body cannot be read
                 task = spawn(self._answer(slot, channel, owner, rid, request), f"request {rid} of worker {slot.index}")
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
@@ -217,15 +219,18 @@ class Supervisor:
                 slot.report = message[1]
                 slot.reported.set()
 
-    async def _answer(self, slot: WorkerSlot, channel: Channel, owner: str, rid: int, request: Any) -> None:
+    async def _answer(
+        self, slot: WorkerSlot, channel: Channel, owner: str, rid: int, request: Request | Response
+    ) -> None:
         """Answer one request; a streamed body moves by the worker's credit: the next piece is pulled
         from the engine side only once the worker's transport took all but a window of it."""
         stream: AsyncGenerator[bytes, None] | None = None
         answered = False
         window = slot.windows[rid] = SendWindow(self.api.live.config.server.stream_window_bytes)
         try:
-            response = await self.api.handle(request)
-            stream, session, body = response.stream, response.session, pack_body(response.body, owner)
+            response = request if isinstance(request, Response) else await self.api.handle(request)
+            response, body = packed(response, owner)  # or the 500 where its body cannot cross
+            stream, session = response.stream, response.session
             reply = dataclasses.replace(response, body=b"", stream=None, session=None)
             mode = "stream" if stream is not None else "session" if session is not None else ""
             channel.send(("response", rid, reply, body, mode, self.api.keep_connections()))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from appliance import config as config_files
 from appliance import signals
-from appliance.config import Live
+from appliance.config import Live, worker_count
 from appliance.errors import ApplianceError
 from appliance.front.channel import Channel, RemoteApi, RemoteTickets, WorkerReport
 from appliance.logs import FIRMWARE_FIELD, configure_logging
@@ -51,7 +51,8 @@ class Worker:
         signals.watch(loop, self.stopping.set, self.reload, self._deadline_s, self._overdue)
         channel = await Channel.open(self.args.channel_fd)
         api = RemoteApi(channel, lambda: self.live.config.server.request_timeout_s)
-        budget = BodyBudget(lambda: self.live.config.server)  # this worker's share of the body budget
+        server_limits = lambda: self.live.config.server  # noqa: E731
+        budget = BodyBudget(server_limits, shares=worker_count(server_limits()))  # this worker's share
         self.http = Http1Server(api, self.live, budget)
         server = await loop.create_unix_server(self.http.protocol, sock=socket.socket(fileno=self.args.unix_fd))
         listeners = [server]
@@ -69,6 +70,7 @@ class Worker:
             tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._stop_on_failure))
         tasks.append(spawn(self._report(channel), f"worker {self.args.slot}'s report", self._stop_on_failure))
         tasks.append(spawn(LOOP_LAG.run(), "the event loop lag probe"))
+        signals.allow_reloads()  # held since the engine spawned it (signals.py): one sent meanwhile applies now
         engine_gone = loop.create_task(self._receive(channel, api))
         stop = loop.create_task(self.stopping.wait())
         await asyncio.wait([engine_gone, stop], return_when=asyncio.FIRST_COMPLETED)

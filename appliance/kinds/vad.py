@@ -33,6 +33,7 @@ from appliance.protocol.messages import Opened, Request, Response, json_response
 from appliance.protocol.tensors import InferRequest
 
 OFF_LOOP_SAMPLES = 1 << 18  # about 16 s at 16 kHz: longer recordings are framed and planned on a thread
+SHORT_RECORDING_FRAMES = 128  # about 4 s: a one-off request this short shares the live streams' lane
 
 
 class VadModel(EngineModel):
@@ -181,13 +182,15 @@ class VadModel(EngineModel):
             if times is not None:
                 times.compute_input_ns += time.perf_counter_ns() - framing
             pieces: list[asyncio.Future[np.ndarray]] = []
+            short = len(frames) <= SHORT_RECORDING_FRAMES  # in the live streams' lane: never behind a long recording
             for start, end in plan:
                 sequence = self.frames.new_sequence()
                 if start:  # the audio just before the cut is the shard's context, as it would be in one sequence
                     sequence.context = frames[start - 1, -self.frames.context_samples :].copy()
                 step = chunk_frames or max(end - start, 1)
                 pieces += [
-                    self._submit(sequence, frames[i : min(i + step, end)], times=times) for i in range(start, end, step)
+                    self._submit(sequence, frames[i : min(i + step, end)], urgent=short, times=times)
+                    for i in range(start, end, step)
                 ]
             try:
                 for piece in pieces:

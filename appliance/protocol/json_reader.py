@@ -30,6 +30,10 @@ _LITERALS = (("true", True), ("false", False), ("null", None))
 _DOCUMENT, _INPUTS, _INPUT, _DATA, _OTHER = range(5)
 
 
+class BeyondBounds(BadRequest):
+    """The body is JSON, or may be, but holds more than the reader takes (depth, values)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Flat:
     """A JSON list of only numbers or only booleans, kept as its text between the brackets until
@@ -75,19 +79,20 @@ class JsonReader:
     An input's `data` list of only numbers or only booleans comes back as a `Flat`; other flat lists
     are parsed whole by `json.loads`, their values counted; strings are read by the json module."""
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    def __init__(self, text: str, max_values: int = MAX_VALUES, tensors: bool = True) -> None:
+        self.text, self.max_values, self.tensors = text, max_values, tensors
         self.values = 0
         self._decoder = json.JSONDecoder()
 
     @classmethod
-    def read(cls, body: bytes) -> Any:
+    def read(cls, body: bytes, tensors: bool = True, max_values: int = MAX_VALUES) -> Any:
+        """`tensors`: an infer body, whose inputs' `data` lists come back as `Flat`; else plain JSON."""
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise BadRequest(f"request body is not valid JSON: not UTF-8 at byte {exc.start}") from None
-        reader = cls(text.removeprefix("\ufeff"))
-        value, end = reader._value(reader._skip(0), 0, _DOCUMENT)
+        reader = cls(text.removeprefix("\ufeff"), max_values, tensors)
+        value, end = reader._value(reader._skip(0), 0, _DOCUMENT if tensors else _OTHER)
         end = reader._skip(end)
         if end != len(reader.text):
             raise reader._invalid(end, "more after the document")
@@ -194,16 +199,16 @@ class JsonReader:
 
     def _count(self, values: int) -> None:
         self.values += values
-        if self.values > MAX_VALUES:
-            raise BadRequest(
-                f"request body holds more than {MAX_VALUES} JSON values besides flat lists of numbers; "
-                "send tensor data as flat lists or as binary tensor data"
+        if self.values > self.max_values:
+            hint = "besides flat lists of numbers; send tensor data as flat lists or as binary tensor data"
+            raise BeyondBounds(
+                f"request body holds more than {self.max_values} JSON values" + (f" {hint}" if self.tensors else "")
             )
 
     @staticmethod
     def _check_depth(depth: int) -> None:
         if depth > MAX_DEPTH:
-            raise BadRequest(f"request body nests lists and objects more than {MAX_DEPTH} deep")
+            raise BeyondBounds(f"request body nests lists and objects more than {MAX_DEPTH} deep")
 
     @staticmethod
     def _invalid(pos: int, what: str) -> BadRequest:

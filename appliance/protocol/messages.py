@@ -29,6 +29,9 @@ class Request:
     # who is asking, as the transport knows it: "uid:N" (Unix socket peer credentials), "cert:FINGERPRINT"
     # (QUIC with mutual TLS) or "quic:CONNECTION" (QUIC without); a stateful sequence is its opener's alone
     client: str = ""
+    # the transport vouches for an operator (/status, /metrics): on the Unix socket a peer of the socket's
+    # group (or its owner, or root); over the network a client whose certificate the operator CA signed
+    operator: bool = False
 
 
 @dataclass(slots=True)

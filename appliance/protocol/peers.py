@@ -16,6 +16,7 @@ class Peer:
     bytes: int = 0
     drops: int = 0
     dcid: str = ""  # hex
+    validated: bool = False  # in the long-lived table: its handshake completed, or it passed Retry
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {
@@ -26,6 +27,7 @@ class Peer:
             "bytes": self.bytes,
             "drops": self.drops,
             "dcid": self.dcid,
+            "validated": self.validated,
         }
 
 

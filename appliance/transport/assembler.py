@@ -5,37 +5,14 @@ bites is logged (at most one line per limit every LOG_EVERY_S)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
 from appliance.config import ServerConfig
 from appliance.errors import ApiError
 from appliance.protocol.encoding import IDENTITY, BodyDecoder, DecodedTooLarge
+from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Request, error_response
-
-log = logging.getLogger("appliance.limits")
-LOG_EVERY_S = 10.0
-
-
-class LimitLog:
-    """One log line per limit and interval, with how often it bit meanwhile: an attacker cannot
-    flood the journal, and an operator still sees which limit is biting and how hard."""
-
-    def __init__(self) -> None:
-        self._last: dict[object, float] = {}
-        self._count: dict[object, int] = {}
-
-    def bit(self, limit: object, message: str) -> None:
-        """`limit`: which one (its status, or a name), so each has its own line."""
-        now = time.monotonic()
-        self._count[limit] = self._count.get(limit, 0) + 1
-        if now - self._last.get(limit, -LOG_EVERY_S) >= LOG_EVERY_S:
-            log.warning("limit: %s (%d times in the last %.0f s)", message, self._count[limit], LOG_EVERY_S)
-            self._last[limit], self._count[limit] = now, 0
-
-
-LIMITS_BITTEN = LimitLog()
 
 
 class Rejection(Exception):
@@ -54,21 +31,22 @@ def limit_bit(status: int, message: str, target: str = "") -> Rejection:
 
 class BodyBudget:
     """Bytes of request bodies held by all connections of both transports, bounded as a whole:
-    many slow or stalled uploads cannot together take the box's memory."""
+    many slow or stalled uploads cannot together take the box's memory. With `shares` protocol
+    workers each holds its share, so that max_buffered_bytes bounds the daemon, not each worker."""
 
-    def __init__(self, limits: Callable[[], ServerConfig]) -> None:
-        self._limits, self.held = limits, 0
+    def __init__(self, limits: Callable[[], ServerConfig], shares: int = 1) -> None:
+        self._limits, self.shares, self.held = limits, shares, 0
 
     @property
     def limits(self) -> ServerConfig:
         return self._limits()
 
     def take(self, count: int) -> None:
-        if self.held + count > self.limits.max_buffered_bytes:
+        limit = self.limits.max_buffered_bytes // self.shares
+        if self.held + count > limit:
+            share = f" (this worker's share of {self.limits.max_buffered_bytes})" if self.shares > 1 else ""
             raise limit_bit(
-                503,
-                f"busy: request bodies held by all clients are at the limit of "
-                f"{self.limits.max_buffered_bytes} bytes; retry later",
+                503, f"busy: request bodies held by all clients are at the limit of {limit} bytes{share}; retry later"
             )
         self.held += count
 
@@ -78,10 +56,15 @@ class BodyBudget:
 
 class RequestAssembler:
     def __init__(
-        self, limits: ServerConfig, peer: str = "", budget: BodyBudget | None = None, client: str = ""
+        self,
+        limits: ServerConfig,
+        peer: str = "",
+        budget: BodyBudget | None = None,
+        client: str = "",
+        operator: bool = False,
     ) -> None:
         self.limits = limits  # the live ones at the request's start: a reload applies from the next request
-        self.peer, self.client = peer, client  # see Request
+        self.peer, self.client, self.operator = peer, client, operator  # see Request
         self.budget = budget  # body bytes are taken from it as they arrive; the transport gives them back
         self.method = self.target = ""
         self.head_complete = False
@@ -154,7 +137,9 @@ class RequestAssembler:
                 self._decoder.finish()
             except ApiError as exc:
                 raise Rejection(exc.status, exc.message) from None
-        return Request(self.method, self.target, self._headers, b"".join(self._body), self.peer, self.client)
+        return Request(
+            self.method, self.target, self._headers, b"".join(self._body), self.peer, self.client, self.operator
+        )
 
     def quiet_since(self, moment: float) -> bool:
         return self.last_heard < moment

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280}[platform.machine()]
-BPF_MAP_LOOKUP_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY, BPF_OBJ_GET = 1, 3, 4, 7
+BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY, BPF_OBJ_GET = 1, 2, 3, 4, 7
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -85,6 +85,12 @@ class PinnedMap:
                 return None
             raise
         return value.raw
+
+    def update(self, key: bytes, value: bytes) -> None:
+        key_buffer = ctypes.create_string_buffer(key, self.key_size)
+        value_buffer = ctypes.create_string_buffer(value, self.value_size)
+        attr = _ElemAttr(self.fd, 0, ctypes.addressof(key_buffer), ctypes.addressof(value_buffer), 0)  # BPF_ANY
+        _bpf(BPF_MAP_UPDATE_ELEM, attr)
 
     def delete(self, key: bytes) -> bool:
         key_buffer = ctypes.create_string_buffer(key, self.key_size)

@@ -1,21 +1,21 @@
 """The per-peer connection cache of the QUIC listener: kernel (eBPF via bcc) or user space.
 
-The kernel backend has bpf/conncache.c compiled by bcc and attached to the listener's UDP sockets
-(one, or one per QUIC worker) with SO_ATTACH_BPF by a loader child (appliance/transport/conncache_loader.py), which pins its maps under
-`pin_dir` and exits; the daemon reads them with bare bpf() calls (appliance/bpfmaps.py), and
-`bpftool map dump pinned PIN_DIR/peers` shows live peers. Datagrams over a peer's budget are
-dropped in the kernel, before they reach Python. Where it cannot load (no privileges, no kernel
-headers, no bcc) the user-space backend keeps the same table with the same limits, fed datagram
-by datagram by the QUIC layer (`admit`).
+bpf/conncache.c, compiled by bcc in a loader child (conncache_loader.py), is attached to the listener's
+UDP sockets (SO_ATTACH_BPF) and its maps pinned under `pin_dir`; the daemon reads them with bare bpf()
+calls (bpfmaps.py); `bpftool map dump pinned PIN_DIR/peers` shows them. Datagrams over a peer's budget
+are dropped in the kernel. Where it cannot load (no privileges, no kernel headers, no bcc) the
+user-space backend keeps the same tables with the same limits, fed by the QUIC layer (`admit`).
 
 With several sockets in one SO_REUSEPORT group and a key per socket, the same loader also attaches
 bpf/quic_steering.c to the group: a datagram whose destination connection ID starts with a worker's
 key goes to that worker's socket (`steering_reason` says why not, where it did not load). A worker
 process reads the pins the engine's cache made with `KernelCache.attached`.
 
-Both answer the daemon the same way: `peers()` for /status and /metrics, and `sweep()`, which
-forgets peers idle past `idle_timeout_s` and reports them, and those the LRU evicted, so the
-daemon can release what they held.
+Both keep the validated peers (`validate`: its handshake completed) apart from every other source,
+which a small LRU of its own holds (max_unvalidated): a flood that never completes a handshake cannot
+evict a validated peer nor grow what the daemon reads. `peers()` (both) serves /status and /metrics;
+`sweep()` reads the validated table only, forgets peers idle past `idle_timeout_s` and reports them,
+and those evicted without a live connection, so the daemon can release what they held.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from appliance.transport.bpfmaps import PinnedMap, possible_cpus
 log = logging.getLogger("appliance.conncache")
 
 HOST_CID_LENGTH = 8  # aioquic's server connection IDs
-MAPS = ("peers", "totals")  # what bpf/conncache.c pins: the peer table and the totals
+MAPS = ("peers", "fresh", "totals")  # what bpf/conncache.c pins: validated peers, other sources, totals
 STEERING_MAP = "workers"  # what the steering pins: worker key -> socket (bpftool map dump pinned ...)
 
 
@@ -73,7 +73,15 @@ class ConnectionCache:
         """Count one datagram; False: over the peer's budget, drop it."""
         return True
 
+    def validate(self, addr: tuple[Any, ...]) -> None:
+        """The peer at `addr` completed a handshake: into the validated table, with what it sent so far."""
+        raise NotImplementedError
+
     def peers(self) -> dict[str, Peer]:
+        """Both tables (the validated peers first)."""
+        raise NotImplementedError
+
+    def validated_peers(self) -> dict[str, Peer]:
         raise NotImplementedError
 
     def totals(self) -> Totals:
@@ -82,15 +90,15 @@ class ConnectionCache:
     def forget(self, address: str) -> None:
         raise NotImplementedError
 
-    def sweep(self, holding: set[str], now: float | None = None) -> set[str]:
-        """Forget peers idle past the timeout; return those of `holding` (peers with state in the
-        daemon) that are gone: idle, or evicted from the table meanwhile."""
+    def sweep(self, holding: set[str], live: Collection[str] = (), now: float | None = None) -> set[str]:
+        """Forget validated peers idle past the timeout; return those of `holding` (peers with state in
+        the daemon) that are gone: idle, or no longer in the table and without a `live` connection."""
         now = time.monotonic() if now is None else now
-        present = self.peers()
+        present = self.validated_peers()
         idle = {a for a, p in present.items() if now - p.last_seen > self.config.idle_timeout_s}
         for address in idle:
             self.forget(address)
-        return {a for a in holding if a in idle or a not in present}
+        return {a for a in holding if a in idle or (a not in present and a not in live)}
 
     def close(self) -> None:
         pass
@@ -116,30 +124,33 @@ class TokenBucket:
 
 
 class UserSpaceCache(ConnectionCache):
-    """The same table in Python: an LRU of at most max_entries peers, each with a token bucket."""
+    """The same tables in Python: LRUs of at most max_entries validated peers and max_unvalidated
+    other sources, each peer with a token bucket."""
 
     backend = "user"
 
     def __init__(self, settings: Callable[[], ConnCacheConfig], reason: str = "") -> None:
         super().__init__(settings)
         self.reason = reason
-        self._entries: OrderedDict[str, tuple[Peer, TokenBucket]] = OrderedDict()
+        self._validated: OrderedDict[str, tuple[Peer, TokenBucket]] = OrderedDict()
+        self._fresh: OrderedDict[str, tuple[Peer, TokenBucket]] = OrderedDict()
         self._totals = Totals()
 
     def admit(self, data: bytes, addr: tuple[Any, ...]) -> bool:
         now = time.monotonic()
         address = peer_name(addr)
-        entry = self._entries.get(address)
+        table = self._validated if address in self._validated else self._fresh
+        entry = table.get(address)
         if entry is None:
-            if len(self._entries) >= self.config.max_entries:
-                self._entries.popitem(last=False)
-            entry = self._entries[address] = (
+            if len(self._fresh) >= self.config.max_unvalidated:
+                self._fresh.popitem(last=False)
+            entry = self._fresh[address] = (
                 Peer(address, now, now),
                 TokenBucket(self.config.peer_rate, self.config.peer_burst),
             )
             self._totals.peers_seen += 1
         else:
-            self._entries.move_to_end(address)
+            table.move_to_end(address)
         peer, bucket = entry
         peer.last_seen = now
         if not bucket.take():
@@ -154,14 +165,25 @@ class UserSpaceCache(ConnectionCache):
             peer.dcid = _dcid(data)
         return True
 
+    def validate(self, addr: tuple[Any, ...]) -> None:
+        if (entry := self._fresh.pop(address := peer_name(addr), None)) is not None:  # else evicted meanwhile
+            if len(self._validated) >= self.config.max_entries:
+                self._validated.popitem(last=False)
+            self._validated[address] = entry
+            entry[0].validated = True
+
     def peers(self) -> dict[str, Peer]:
-        return {address: peer for address, (peer, _) in self._entries.items()}
+        return {address: peer for table in (self._validated, self._fresh) for address, (peer, _) in table.items()}
+
+    def validated_peers(self) -> dict[str, Peer]:
+        return {address: peer for address, (peer, _) in self._validated.items()}
 
     def totals(self) -> Totals:
         return self._totals
 
     def forget(self, address: str) -> None:
-        self._entries.pop(address, None)
+        self._validated.pop(address, None)
+        self._fresh.pop(address, None)
 
 
 def _dcid(data: bytes) -> str:
@@ -214,6 +236,7 @@ class KernelCache(ConnectionCache):
     def _load(self, config: ConnCacheConfig, socks: list[socket.socket], keys: list[int] | None) -> None:
         defines = [
             f"MAX_ENTRIES={config.max_entries}",
+            f"MAX_UNVALIDATED={config.max_unvalidated}",
             f"RATE_PER_S={max(1, int(config.peer_rate))}",
             f"BURST={max(1, int(config.peer_burst))}",
             f"HOST_CID_LENGTH={HOST_CID_LENGTH}",
@@ -247,23 +270,42 @@ class KernelCache(ConnectionCache):
 
     def _open_maps(self, config: ConnCacheConfig) -> None:
         self._table = PinnedMap(config.pin_dir / "peers", self.KEY.size, self.STATS_SIZE)
+        self._fresh = PinnedMap(config.pin_dir / "fresh", self.KEY.size, self.STATS_SIZE)
         self._totals = PinnedMap(config.pin_dir / "totals", 4, 8 * possible_cpus())
-        self._keys: dict[str, bytes] = {}  # peer name -> map key, as last read
+        self._keys: dict[str, bytes] = {}  # validated peer name -> map key, as last read
+
+    def validate(self, addr: tuple[Any, ...]) -> None:
+        ip = ipaddress.ip_address(addr[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        key = self.KEY.pack(ip.version, 0, socket.htons(addr[1]), ip.packed.ljust(16, b"\0"))
+        value = self._fresh.lookup(key)
+        if value is None or self._table.lookup(key) is not None:
+            return  # evicted from the fresh table meanwhile (its next datagram starts it there again)
+        self._table.update(key, value)  # from now on the filter finds it here first
+        self._fresh.delete(key)
 
     def peers(self) -> dict[str, Peer]:
-        """Read the whole map. Its times are bpf_ktime_get_ns: CLOCK_MONOTONIC, as time.monotonic()."""
+        """Both maps. Their times are bpf_ktime_get_ns: CLOCK_MONOTONIC, as time.monotonic()."""
+        return {**self.validated_peers(), **self._read(self._fresh, self.config.max_unvalidated)[0]}
+
+    def validated_peers(self) -> dict[str, Peer]:
+        peers, self._keys = self._read(self._table, self.config.max_entries)
+        return peers
+
+    def _read(self, table: PinnedMap, size: int) -> tuple[dict[str, Peer], dict[str, bytes]]:
         out, keys = {}, {}
-        for key in self._table.keys(limit=2 * self.config.max_entries):
-            value = self._table.lookup(key)
+        for key in table.keys(limit=2 * size):
+            value = table.lookup(key)
             if value is None:  # evicted while we walked
                 continue
             family, _, port, addr = self.KEY.unpack(key)
             name = peer_name((str(ipaddress.ip_address(addr[:4] if family == 4 else addr)), socket.ntohs(port)))
-            first, last, packets, size, drops, _, _, dcid_len, dcid = self.STATS.unpack_from(value)
+            first, last, packets, size_, drops, _, _, dcid_len, dcid = self.STATS.unpack_from(value)
             keys[name] = key
-            out[name] = Peer(name, first / 1e9, last / 1e9, packets, size, drops, dcid[:dcid_len].hex())
-        self._keys = keys
-        return out
+            dcid_hex, validated = dcid[:dcid_len].hex(), table is self._table
+            out[name] = Peer(name, first / 1e9, last / 1e9, packets, size_, drops, dcid_hex, validated)
+        return out, keys
 
     def totals(self) -> Totals:
         counts = []
@@ -279,6 +321,7 @@ class KernelCache(ConnectionCache):
 
     def close(self) -> None:
         self._table.close()
+        self._fresh.close()
         self._totals.close()
         if self._attached:  # the engine's pins: it removes them
             return

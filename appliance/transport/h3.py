@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.connection import H3_ALPN
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
@@ -43,6 +43,7 @@ from appliance.protocol.messages import Handler, Opened, Request, Response
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
+from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, Tickets, TicketStore
 from appliance.transport.steering_ids import tag_connection_ids
@@ -71,7 +72,7 @@ class H3Server:
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
         self.tickets = tickets or TicketStore()
-        self.client_certificates = ClientCertificates(self.config.client_ca) if self.config.client_ca.name else None
+        self.client_certificates = ClientCertificates.of(self.config.client_ca, self.config.operator_ca)
         self.cache: ConnectionCache | None = None
         self.owners = SequenceOwners()  # the sequences each peer opened
         self._quic_server: GuardedQuicServer | None = None
@@ -124,6 +125,9 @@ class H3Server:
     def handshaking_from(self, host: str) -> int:
         return sum(not c.handshake_done and c.peer.rpartition(":")[0] == host for c in self.connections)
 
+    def connections_from(self, host: str) -> int:
+        return sum(c.peer.rpartition(":")[0] == host for c in self.connections)
+
     def peers_held(self) -> set[str]:
         """Peers with an open connection."""
         return {c.peer for c in self.connections if c.peer}
@@ -146,7 +150,7 @@ class H3Server:
                 log.warning("conncache: the engine did not say which sequences are open; next sweep retries")
                 continue
             self.owners.forget_ended(still.__contains__)
-            for peer in self.cache.sweep(self.peers_held() | self.owners.peers()):
+            for peer in self.cache.sweep(self.peers_held() | self.owners.peers(), self.peers_held()):
                 opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
                 self.api.end_opened(opened)
                 log.info(
@@ -186,15 +190,16 @@ class H3Protocol(QuicConnectionProtocol):
         self.server = server
         if server.worker_key is not None:
             tag_connection_ids(self._quic, server.worker_key)
-        self._http: H3Connection | None = None
+        self._http: BoundedH3Connection | None = None
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self.handshake_done = False
+        self.operator = False  # its certificate is one the operator CA signed (known once the handshake is done)
         self.created = time.monotonic()
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
         self._serving: dict[int, asyncio.Task[None]] = {}  # request streams being answered
         self._windows: dict[int, SendWindow] = {}  # streams whose answer waits for the peer to take some
-        self.peer = ""
+        self.peer, self._addr = "", None
         self._terminated = False
         if server.client_certificates is not None:
             server.client_certificates.require(self._quic)
@@ -206,16 +211,24 @@ class H3Protocol(QuicConnectionProtocol):
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         first = not self.peer
         if first:
-            self.peer = peer_name(addr)
+            self.peer, self._addr = peer_name(addr), addr
         super().datagram_received(data, addr)
-        host, limit = self.peer.rpartition(":")[0], self.server.live.config.quic.max_handshakes_per_source
-        if first and self.server.handshaking_from(host) > limit:  # this one counts too
-            LIMITS_BITTEN.bit("handshakes", f"more than {limit} QUIC handshakes in progress from {host}")
-            self._quic.close(
-                error_code=0x2, reason_phrase="too many handshakes from this address"
-            )  # CONNECTION_REFUSED
-            self.transmit()
-            self.server.connections.discard(self)
+        if first and self._quic._retry_source_connection_id is not None and self.server.cache is not None:
+            self.server.cache.validate(addr)  # it passed Retry: its address is proven already
+        host, quic = self.peer.rpartition(":")[0], self.server.live.config.quic
+        if first and self.server.handshaking_from(host) > quic.max_handshakes_per_source:  # this one counts too
+            self._refuse(
+                "handshakes", f"more than {quic.max_handshakes_per_source} QUIC handshakes in progress from {host}"
+            )
+        elif first and self.server.connections_from(host) > quic.max_connections_per_address:
+            self._refuse("connections", f"more than {quic.max_connections_per_address} QUIC connections from {host}")
+
+    def _refuse(self, limit: str, reason: str) -> None:
+        """This connection would exceed its address's share: CONNECTION_REFUSED, logged (rate-limited)."""
+        LIMITS_BITTEN.bit(limit, reason)
+        self._quic.close(error_code=0x2, reason_phrase=reason)
+        self.transmit()
+        self.server.connections.discard(self)
 
     def close_quietly(self, reason: str) -> None:
         """Close a connection whose peer went silent: no one is listening for the reply."""
@@ -225,9 +238,14 @@ class H3Protocol(QuicConnectionProtocol):
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._http = H3Connection(self._quic)
+            self._http = BoundedH3Connection(self._quic, self.server.limits.max_header_bytes)
         elif isinstance(event, HandshakeCompleted):
             self.handshake_done = True
+            if self.server.cache is not None and self._addr is not None:
+                self.server.cache.validate(self._addr)  # its address proven: into the long-lived table
+            if (certificates := self.server.client_certificates) is not None:
+                context = self._quic.tls
+                self.operator = certificates.is_operator(context._peer_certificate, context._peer_certificate_chain)
             waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
             for stream_id, request in waiting:
                 self._dispatch(stream_id, request)
@@ -251,6 +269,11 @@ class H3Protocol(QuicConnectionProtocol):
             self._h3_event_received(h3_event)
 
     def _h3_event_received(self, event: H3Event) -> None:
+        if isinstance(event, HeadersRefused):
+            if (dropped := self._incoming.pop(event.stream_id, None)) is not None:  # trailers over the limit
+                self.server.budget.give(dropped.body_bytes)
+            self._respond(event.stream_id, limit_bit(431, event.reason).response)
+            return
         if not isinstance(event, (HeadersReceived, DataReceived)):
             return
         stream_id = event.stream_id
@@ -314,16 +337,17 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _dispatch(self, stream_id: int, request: Request) -> None:
         self.in_flight += 1
-        request = dataclasses.replace(request, client=self._client())
+        request = dataclasses.replace(request, client=self._client(), operator=self.operator)
         task = self._serving[stream_id] = spawn(
             self._serve(stream_id, request), f"HTTP/3 stream {stream_id} of {self.peer}"
         )
         task.add_done_callback(lambda _: self._serving.pop(stream_id, None))
 
     def _client(self) -> str:
-        """Who this connection is (Request.client): its verified client certificate where mutual TLS
-        is on, else the connection itself. Taken at dispatch: after the handshake for all but 0-RTT GETs."""
-        certificate = self._quic.tls._peer_certificate if self.server.client_certificates else None
+        """Who this connection is (Request.client): its verified certificate where mutual TLS is on (client_ca;
+        an operator's alone names no one), else the connection. Taken at dispatch: after the handshake."""
+        certificates = self.server.client_certificates
+        certificate = self._quic.tls._peer_certificate if certificates and certificates.clients else None
         if certificate is not None:
             return f"cert:{certificate.fingerprint(hashes.SHA256()).hex()[:32]}"
         return f"quic:{self._quic.original_destination_connection_id.hex()}"

@@ -23,8 +23,6 @@ import asyncio
 import contextlib
 import logging
 import select
-import socket
-import struct
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable
@@ -37,6 +35,7 @@ from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response, error_response
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.unix_peer import unix_peer
 from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
 log = logging.getLogger("appliance.http")
@@ -65,16 +64,6 @@ def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     return any(events & select.POLLHUP for _, events in poller.poll(0))
-
-
-def peer_uid(sock: socket.socket | None) -> str:
-    """The connecting process's user (SO_PEERCRED): processes of one user can already read each
-    other's memory, so the user, not the process, is who owns a sequence on the Unix socket."""
-    try:
-        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))  # type: ignore[union-attr]
-    except (OSError, AttributeError):  # not a Unix socket (a test's socketpair, another family)
-        return "unix"
-    return f"uid:{uid}"
 
 
 def head_without_upgrade(request: Request) -> bytes:
@@ -107,9 +96,10 @@ class Http1Server:
     def max_connections(self) -> int:
         return self.limits.max_connections
 
-    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
-        """Who the client is (Request.client) and its address (Request.peer)."""
-        return peer_uid(transport.get_extra_info("socket")), ""
+    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
+        """Who the client is (Request.client), its address (Request.peer), and whether it is an operator."""
+        client, operator = unix_peer(transport.get_extra_info("socket"))
+        return client, "", operator
 
     def extra_headers(self) -> Iterable[tuple[str, str]]:
         return ()
@@ -153,6 +143,7 @@ class HttpConnection(asyncio.Protocol):
         self.busy = False
         self._assembler: RequestAssembler | None = None  # a request under way (begun, not complete)
         self.client = self.peer = ""
+        self.operator = False
         self._idle_since = time.monotonic()
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
@@ -173,9 +164,13 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=self.server.limits.stream_window_bytes)  # type: ignore[union-attr]
-        self.client, self.peer = self.server.identify(transport)
+        self.client, self.peer, self.operator = self.server.identify(transport)
         if len(self.server.connections) >= self.server.max_connections:
             self._reject(limit_bit(503, f"too many connections (limit {self.server.max_connections})"))
+            return
+        share = self.server.limits.max_connections_per_peer
+        if sum(c.client == self.client for c in self.server.connections) >= share:
+            self._reject(limit_bit(503, f"too many connections from {self.client} (its share is {share})"))
             return
         self.server.connections.add(self)
 
@@ -277,7 +272,7 @@ class HttpConnection(asyncio.Protocol):
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
     def on_message_begin(self) -> None:
         self._assembler = RequestAssembler(
-            self.server.limits, peer=self.peer, budget=self.server.budget, client=self.client
+            self.server.limits, peer=self.peer, budget=self.server.budget, client=self.client, operator=self.operator
         )
 
     def on_url(self, url: bytes) -> None:

@@ -23,12 +23,15 @@ import socket
 import ssl
 from collections.abc import Iterable
 
+from cryptography import x509
+
 from appliance.config import Config, Live, QuicConfig
 from appliance.errors import ApplianceError
 from appliance.protocol.messages import Handler, Opened
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.http1 import Http1Server
 from appliance.transport.owners import SequenceOwners
+from appliance.transport.quic_guards import ClientCertificates
 
 log = logging.getLogger("appliance.https")
 ALPN = ["http/1.1"]
@@ -36,14 +39,17 @@ FORGET_ENDED_S = 10.0  # how often sequences ended by other ways leave the owner
 
 
 def server_context(quic: QuicConfig) -> ssl.SSLContext:
-    """TLS 1.2 or later with the box's certificate; a client certificate required where client_ca is set."""
+    """TLS 1.2 or later with the box's certificate; a client certificate required where client_ca is set,
+    and asked for where operator_ca is (one it signed makes an operator), as on QUIC."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(quic.certificate, quic.private_key)
     context.set_alpn_protocols(ALPN)
-    if quic.client_ca.name:
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(quic.client_ca)
+    authorities = [ca for ca in (quic.client_ca, quic.operator_ca) if ca.name]
+    if authorities:
+        context.verify_mode = ssl.CERT_REQUIRED if quic.client_ca.name else ssl.CERT_OPTIONAL
+        for ca in authorities:
+            context.load_verify_locations(ca)
     return context
 
 
@@ -70,9 +76,8 @@ def listen_https(config: Config) -> socket.socket:
     return sock
 
 
-def certificate_client(ssl_object: ssl.SSLObject | None) -> str:
+def certificate_client(der: bytes | None) -> str:
     """ "cert:FINGERPRINT" of a verified client certificate, as QUIC names it: one owner on both."""
-    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
     return f"cert:{hashlib.sha256(der).hexdigest()[:32]}" if der else ""
 
 
@@ -85,7 +90,9 @@ class HttpsServer(Http1Server):
         """`quic_port`: where QUIC serves (advertised in Alt-Svc), or None."""
         super().__init__(api, live, budget)
         self.quic_port = quic_port
-        self.mutual = bool(live.config.quic.client_ca.name)  # the listener's TLS changes only with a restart
+        quic = live.config.quic  # the listener's TLS changes only with a restart
+        self.mutual = bool(quic.client_ca.name)
+        self.certificates = ClientCertificates.of(quic.client_ca, quic.operator_ca)
         self.owners = SequenceOwners()  # without mutual TLS: the sequences each open connection opened
         self._forget: asyncio.Task[None] | None = None
 
@@ -103,11 +110,15 @@ class HttpsServer(Http1Server):
     def max_connections(self) -> int:
         return self.live.config.https.max_connections
 
-    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str]:
+    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
         host, port = transport.get_extra_info("peername")[:2]
         peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        client = certificate_client(transport.get_extra_info("ssl_object")) if self.mutual else ""
-        return client or f"tcp:{secrets.token_hex(8)}", peer
+        ssl_object = transport.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None  # verified by the handshake
+        client = certificate_client(der) if self.mutual else ""
+        certificates = self.certificates
+        operator = bool(der and certificates and certificates.is_operator(x509.load_der_x509_certificate(der), []))
+        return client or f"tcp:{secrets.token_hex(8)}", peer, operator
 
     def extra_headers(self) -> Iterable[tuple[str, str]]:
         if self.quic_port is None or not self.live.config.https.alt_svc:

@@ -98,13 +98,8 @@ class GuardedQuicServer(QuicServer):
             log.info("quic: %d handshakes in progress: Retry off", handshaking)
 
 
-class ClientCertificates:
-    """Mutual TLS: the client's certificate must chain to a CA in the configured file.
-
-    aioquic's server side can ask for a client certificate but does not check it (upstream marks
-    it "for test purposes"), so each connection's TLS context is given the request and a check
-    that runs inside the handshake: no certificate, or one the CA did not sign, is a TLS alert.
-    """
+class CertificateAuthority:
+    """The client certificates one CA file vouches for."""
 
     def __init__(self, ca_file: Path) -> None:
         try:
@@ -112,6 +107,38 @@ class ClientCertificates:
         except (OSError, ValueError) as exc:
             raise ValueError(f"client CA file {ca_file}: {exc}") from None
         self._verifier = PolicyBuilder().store(Store(cas)).build_client_verifier()
+
+    def signed(self, leaf: Any, chain: list[Any]) -> bool:
+        try:
+            self._verifier.verify(leaf, chain)
+        except VerificationError:
+            return False
+        return True
+
+
+class ClientCertificates:
+    """Client certificates, asked for in the handshake: with `clients` (quic.client_ca, mutual TLS)
+    every client needs one it or `operators` signed; with only `operators` (quic.operator_ca) a client
+    may send none (an ordinary client) or one the operator CA signed (an operator). Any other is a TLS
+    alert.
+
+    aioquic's server side can ask for a client certificate but does not check it (upstream marks
+    it "for test purposes"), so each connection's TLS context is given the request and a check
+    that runs inside the handshake.
+    """
+
+    def __init__(self, clients: CertificateAuthority | None, operators: CertificateAuthority | None) -> None:
+        self.clients, self.operators = clients, operators
+
+    @classmethod
+    def of(cls, client_ca: Path, operator_ca: Path) -> ClientCertificates | None:
+        """None where neither CA is configured: no certificate is asked for."""
+        if not client_ca.name and not operator_ca.name:
+            return None
+        return cls(
+            CertificateAuthority(client_ca) if client_ca.name else None,
+            CertificateAuthority(operator_ca) if operator_ca.name else None,
+        )
 
     def require(self, quic: QuicConnection) -> None:
         initialize = quic._initialize
@@ -124,16 +151,30 @@ class ClientCertificates:
 
             def handle_and_verify(input_buf: Any) -> None:
                 handle_certificate(input_buf)
-                if context._peer_certificate is None:
-                    raise tls.AlertHandshakeFailure("a client certificate is required")
                 self.verify(context._peer_certificate, context._peer_certificate_chain)
 
             context._server_handle_certificate = handle_and_verify  # type: ignore[method-assign]
+            handle_hello = context._server_handle_hello
+
+            def hello_then_no_certificate_when_resumed(*args: Any) -> None:
+                # aioquic then expects a certificate even from a client resuming a session (PSK), which
+                # sends none (RFC 8446 4.3.2: no CertificateRequest with a PSK): expect its Finished. Its
+                # ticket came from a handshake where its certificate passed.
+                handle_hello(*args)
+                if context.session_resumed and context.state == tls.State.SERVER_EXPECT_CERTIFICATE:
+                    context._server_expect_finished()
+
+            context._server_handle_hello = hello_then_no_certificate_when_resumed  # type: ignore[method-assign,assignment]
 
         quic._initialize = initialize_with_client_auth  # type: ignore[method-assign]
 
     def verify(self, leaf: Any, chain: list[Any]) -> None:
-        try:
-            self._verifier.verify(leaf, chain)
-        except VerificationError as exc:
-            raise tls.AlertBadCertificate(f"client certificate not signed by the configured CA: {exc}") from None
+        if leaf is None:
+            if self.clients is not None:
+                raise tls.AlertHandshakeFailure("a client certificate is required")
+            return
+        if not (self.clients is not None and self.clients.signed(leaf, chain)) and not self.is_operator(leaf, chain):
+            raise tls.AlertBadCertificate("client certificate not signed by the configured CA")
+
+    def is_operator(self, leaf: Any, chain: list[Any]) -> bool:
+        return leaf is not None and self.operators is not None and self.operators.signed(leaf, chain)

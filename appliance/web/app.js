@@ -405,9 +405,13 @@ function showStatus(status, ready) {
     ["Firmware", `${f.name} ${f.version} (built ${f.built_at}, key ${f.signing_key_id})`],
     ["Health", ready ? "ready" : "not ready"],
     ["Engines", engines],
-    ["Workers", status.workers ? `${status.workers.filter((w) => w.up).length} of ${status.workers.length} up` : "in the engine process"],
-    ["QUIC", status.quic ? `${status.quic.workers} QUIC workers${status.quic.reason ? ` (${status.quic.reason})` : ""}` : "off"],
-    ["Connection cache", cache ? `${cache.backend}${cache.reason ? ` (${cache.reason})` : ""}: ${cache.peers.length} peers, ${cache.totals.packets} packets, ${cache.totals.drops} dropped` : "off"],
+    ...(status.operator
+      ? [
+          ["Workers", status.workers ? `${status.workers.filter((w) => w.up).length} of ${status.workers.length} up` : "in the engine process"],
+          ["QUIC", status.quic ? `${status.quic.workers} QUIC workers${status.quic.reason ? ` (${status.quic.reason})` : ""}` : "off"],
+          ["Connection cache", cache ? `${cache.backend}${cache.reason ? ` (${cache.reason})` : ""}: ${cache.peers.length} peers, ${cache.totals.packets} packets, ${cache.totals.drops} dropped` : "off"],
+        ]
+      : [["Workers, QUIC, connection cache", `for operators only: ${status.refusal}`]]),
     ["HTTPS", status.tls?.https_port ? `TCP port ${status.tls.https_port}${status.tls.mutual_tls ? ", mutual TLS" : ""}` : "off"],
     ["Certificate SHA-256", status.tls?.sha256 || "none"],
   ];
@@ -425,9 +429,34 @@ function showStatus(status, ready) {
   );
 }
 
+// /status is for operators (root or the socket's group on the box; a certificate the operator CA signed
+// over the network). Anyone else sees what the public routes say: the firmware, the models and engines,
+// the certificate (its fingerprint computed here from the PEM the box serves).
+async function readStatus() {
+  const response = await fetch("/status");
+  if (response.status !== 403) return { ...(await json("/status")), operator: true };
+  const refusal = (await response.json()).error;
+  const [server, listing, pem] = await Promise.all([json("/v2"), json("/v2/models"), call("/tls/certificate.pem").then((r) => r.text())]);
+  const https = location.protocol === "https:";
+  return {
+    operator: false,
+    refusal,
+    firmware: server.firmware,
+    models: listing.models.map((m) => ({ name: m.name, engine: m.engine, live_sequences: "" })),
+    tls: { sha256: await fingerprint(pem), https_port: https ? Number(location.port || 443) : null },
+  };
+}
+
+async function fingerprint(pem) {
+  const base64 = pem.split("-----")[2].replace(/\s/g, ""); // the first certificate: the box's own
+  const der = Uint8Array.from(atob(base64), (c) => c.charCodeAt(0));
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", der));
+  return [...digest].map((b) => b.toString(16).padStart(2, "0").toUpperCase()).join(":");
+}
+
 async function refreshStatus() {
   try {
-    const [status, ready] = await Promise.all([json("/status"), fetch("/v2/health/ready").then((r) => r.ok)]);
+    const [status, ready] = await Promise.all([readStatus(), fetch("/v2/health/ready").then((r) => r.ok)]);
     showStatus(status, ready);
     say("status-message", "");
   } catch (exc) {
