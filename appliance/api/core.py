@@ -38,6 +38,7 @@ import numpy as np
 from appliance import __version__
 from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, page, realtime, repository
 from appliance.api import metrics as prometheus
+from appliance.api.operator import OPERATOR_ROUTES, OPERATORS_ARE, status_document
 from appliance.api.routes import Route
 from appliance.config import Live
 from appliance.engine.stats import RequestTimes
@@ -64,14 +65,6 @@ EXTENSIONS = [
     "segments",
     "metrics",
 ]
-
-
-# What maps the box for an attacker (every peer's address, connection IDs, worker pids) or tells its load.
-OPERATOR_ROUTES = frozenset({"status", "metrics"})
-OPERATORS_ARE = (
-    "on the Unix socket, a member of the socket's group; over QUIC or HTTPS, a client whose certificate "
-    "the operator CA (quic.operator_ca) signed"
-)
 
 
 class Api:
@@ -143,7 +136,7 @@ class Api:
             response = error_response(exc.status, exc.message, url.path)
             response.headers += exc.headers
         except Exception:
-            log.exception("request %s %s crashed", request.method, url.path, extra=self._log_fields(request, params))
+            log.exception("request %s %s crashed", request.method, url.path, extra=_log_fields(request, params))
             response = error_response(500, "internal error (logged)", url.path)
         # as Triton does: only an infer answer is compressed, and only when asked (its clients read
         # every other answer as it comes; tritonclient.http.aio turns off aiohttp's decompression);
@@ -160,17 +153,12 @@ class Api:
                 url.path,
                 response.status,
                 response.body[:200].decode("utf-8", "replace"),
-                extra=self._log_fields(request, params),
+                extra=_log_fields(request, params),
             )
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
         if response.stream is not None:
             response.stream = _counted(response.stream, self.metrics)
         return response
-
-    @staticmethod
-    def _log_fields(request: Request, params: dict[str, str]) -> dict[str, str]:
-        """Structured journal fields: which model, which request (the caller's x-request-id)."""
-        return {"MODEL": params.get("model", "-"), "REQUEST_ID": request.headers.get("x-request-id", "-")}
 
     def end_opened(self, opened: Iterable[Opened]) -> None:
         """End sequences a transport's vanished client opened, where still the same."""
@@ -277,31 +265,11 @@ class Api:
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:
-        """What `appliance status` shows: firmware, engines, sequences, and the QUIC peers."""
-        cache = self.peer_table
-        now = time.monotonic()
-        return json_response(
-            200,
-            {
-                "firmware": self.firmware_info(),
-                "ready": self.ready,
-                "models": [
-                    {"name": m.name, "engine": m.engine_name, "live_sequences": len(m.sequences)}
-                    for m in self.models.values()
-                ],
-                "workers": self.workers() if self.workers else None,
-                "quic": self.quic,
-                "tls": self.tls,
-                "conncache": None
-                if cache is None
-                else {
-                    "backend": cache.backend,
-                    "reason": cache.reason,
-                    "totals": dataclasses.asdict(cache.totals()),
-                    "peers": sorted((p.as_dict(now) for p in cache.peers().values()), key=lambda p: p["peer"]),
-                },
-            },
+        workers = self.workers() if self.workers else None
+        doc = status_document(
+            self.firmware_info(), self.ready, self.models.values(), workers, self.quic, self.tls, self.peer_table
         )
+        return json_response(200, doc)
 
     # --- inference ----------------------------------------------------------------------------------
 
@@ -346,6 +314,11 @@ class Api:
                 f"{''.join(', ' + t for t in model.tasks)})"
             )
         return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
+
+
+def _log_fields(request: Request, params: dict[str, str]) -> dict[str, str]:
+    """Structured journal fields: which model, which request (the caller's x-request-id)."""
+    return {"MODEL": params.get("model", "-"), "REQUEST_ID": request.headers.get("x-request-id", "-")}
 
 
 def streaming(models: Iterable[ServedModel]) -> int:

@@ -74,6 +74,16 @@ class WorkerSlot:
     restarts: int = 0
     last_exit: str = ""  # how its last process ended
 
+    def status(self) -> dict[str, Any]:
+        """/status's entry: the slot as its worker last reported, and how often it was replaced."""
+        doc: dict[str, Any] = {"worker": self.index, "up": self.report is not None, "restarts": self.restarts}
+        if self.report is not None:
+            report = dataclasses.asdict(self.report)
+            for internal in ("peers", "totals", "slot"):
+                report.pop(internal)
+            doc.update(report)
+        return doc
+
 
 class Supervisor:
     def __init__(
@@ -261,17 +271,8 @@ class Supervisor:
         return [s.report for s in self.slots if s.report is not None]
 
     def status(self) -> list[dict[str, Any]]:
-        """/status's `workers`: each slot as its worker last reported, and how often it was replaced."""
-        out = []
-        for slot in self.slots:
-            doc: dict[str, Any] = {"worker": slot.index, "up": slot.report is not None, "restarts": slot.restarts}
-            if slot.report is not None:
-                report = dataclasses.asdict(slot.report)
-                for internal in ("peers", "totals", "slot"):
-                    report.pop(internal)
-                doc.update(report)
-            out.append(doc)
-        return out
+        """/status's `workers`."""
+        return [slot.status() for slot in self.slots]
 
     @property
     def in_flight(self) -> int:
@@ -290,12 +291,8 @@ class Supervisor:
             now = time.monotonic()
             for slot in self.slots:
                 if slot.channel is not None and slot.process is not None and now - slot.heard > REPORT_STALE_S:
-                    log.error(
-                        "worker %d (pid %d) silent for %.0f s: killing it",
-                        slot.index,
-                        slot.process.pid,
-                        now - slot.heard,
-                    )
+                    silent = now - slot.heard
+                    log.error("worker %d (pid %d) silent for %.0f s: killing it", slot.index, slot.process.pid, silent)
                     with contextlib.suppress(ProcessLookupError):
                         slot.process.kill()
                     slot.heard = now  # killed once; its exit restarts it

@@ -10,11 +10,7 @@ until they are answered. Flow control and cancellation as protocol/flow.py says:
 next piece is pulled only while the write buffer is under server.stream_window_bytes, and a client
 that closes its connection has the request being served cancelled.
 
-Upgrade: only a WebSocket opening handshake (a GET with `Connection: upgrade` and `Upgrade:
-websocket`) switches protocols, in its turn after the requests before it, when the API answers it
-with a session; the bytes after it are the WebSocket's (transport/websocket.py). Any other Upgrade
-is ignored as RFC 9110 7.8 allows: the request is served as plain HTTP, body and all, and the
-connection goes on.
+Upgrade: only a WebSocket opening handshake switches protocols (http1_upgrade.py).
 """
 
 from __future__ import annotations
@@ -26,33 +22,20 @@ import select
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable
-from http import HTTPStatus
 
 import httptools
 
 from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow
-from appliance.protocol.messages import Close, Handler, Opened, Request, Response, error_response
+from appliance.protocol.messages import Close, Handler, Opened, Request, Response
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
 from appliance.transport.unix_peer import unix_peer
-from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
 log = logging.getLogger("appliance.http")
 TIMEOUT_CHECK_S = 0.5
 LINGER_S = 2.0  # after a rejection, how long the rest of what the client sends is read and dropped
-
-
-def encode_response(response: Response, keep_alive: bool, extra: Iterable[tuple[str, str]] = ()) -> bytes:
-    """The status line and headers (the transport's `extra` ones last), and the body unless it is
-    streamed (then chunked follows)."""
-    reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
-    length = "transfer-encoding: chunked" if response.stream else f"content-length: {len(response.body)}"
-    head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
-    head += [f"{k}: {v}" for k, v in (*response.headers, *extra)]
-    if not keep_alive:
-        head.append("connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
 
 
 def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
@@ -64,16 +47,6 @@ def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     return any(events & select.POLLHUP for _, events in poller.poll(0))
-
-
-def head_without_upgrade(request: Request) -> bytes:
-    """The request's head again, its Upgrade dropped: what HTTP/1.1 makes of an upgrade it ignores."""
-    headers = {k: v for k, v in request.headers.items() if k != "upgrade"}
-    tokens = [t.strip() for t in headers.pop("connection", "").split(",") if t.strip().lower() not in ("upgrade", "")]
-    if tokens:
-        headers["connection"] = ", ".join(tokens)
-    lines = [f"{request.method} {request.target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class Http1Server:
@@ -133,7 +106,9 @@ class Http1Server:
             connection.close()
 
 
-class HttpConnection(asyncio.Protocol):
+class HttpConnection(WebSocketUpgrade):
+    server: Http1Server
+
     def __init__(self, server: Http1Server) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
@@ -150,10 +125,9 @@ class HttpConnection(asyncio.Protocol):
         self._writable.set()
         self._serving: asyncio.Task[None] | None = None
         self._window: SendWindow | None = None  # the streamed answer being written, if one is
-        self._upgrade: Request | None = None  # a WebSocket handshake read, waiting for its turn
-        self._trailing = b""  # what the client sent after it: the WebSocket's first bytes
-        self._replay = b""  # the head of a request whose Upgrade is ignored, to parse again with its body
-        self.websocket: WebSocketPump | None = None  # after the switch, the connection's protocol
+        self._upgrade = None
+        self._trailing = self._replay = b""
+        self.websocket = None
 
     @property
     def in_flight(self) -> int:
@@ -241,19 +215,6 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()  # answered requests resume it
                 self._paused = True
 
-    def _upgraded(self, rest: bytes) -> None:
-        """llhttp stopped after a request with Upgrade. A WebSocket handshake: what follows is the
-        WebSocket's, kept until the switch. Any other: ignored, and HTTP goes on with a fresh parser."""
-        if self._upgrade is not None:
-            self._trailing = rest
-            if self.transport is not None:
-                self.transport.pause_reading()
-            return
-        self.parser = httptools.HttpRequestParser(self)
-        rest, self._replay = self._replay + rest, b""
-        if rest:
-            self.data_received(rest)
-
     def check_timeouts(self, now: float) -> None:
         if self.websocket is not None:
             self.websocket.check_timeouts(now)
@@ -290,17 +251,8 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request = self._step().request()
         self._assembler = None
-        if self.parser.should_upgrade():
-            if is_upgrade(request.method, request.headers):
-                self._upgrade = request
-                self._enqueue(request, False)
-                return
-            if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
-                # llhttp ends an Upgrade request at its head and takes the body for the new protocol:
-                # the request is parsed again without Upgrade, body and all (_upgraded)
-                self._replay = head_without_upgrade(request)
-                return
-        self._enqueue(request, self.parser.should_keep_alive())
+        if not (self.parser.should_upgrade() and self._upgrade_requested(request)):
+            self._enqueue(request, self.parser.should_keep_alive())
 
     def _step(self) -> RequestAssembler:
         assert self._assembler is not None  # httptools calls on_message_begin first
@@ -369,36 +321,6 @@ class HttpConnection(asyncio.Protocol):
             return False
         self.transport.write(b"0\r\n\r\n")
         return True
-
-    async def _switch(self, request: Request) -> None:
-        """The WebSocket handshake's turn: the API's session, or its refusal and the connection closes."""
-        assert self.transport is not None
-        key, version = request.headers.get("sec-websocket-key", ""), request.headers.get("sec-websocket-version")
-        if not key or version != "13":
-            response = error_response(400, "a WebSocket handshake needs Sec-WebSocket-Key and Sec-WebSocket-Version 13")
-            response.headers.append(("Sec-WebSocket-Version", "13"))
-        else:
-            try:
-                response = await self.server.api.handle(request)
-            finally:
-                self._release(len(request.body))
-        if self.transport.is_closing():
-            return
-        if response.session is None:
-            self.transport.write(encode_response(response, False, self.server.extra_headers()))
-            self.transport.close()
-            return
-        head = f"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept_token(key)}\r\n"
-        head += "".join(f"{k}: {v}\r\n" for k, v in response.headers)
-        self.transport.write((head + "\r\n").encode("latin-1"))
-        transport = self.transport
-        stream = StreamIO(
-            transport.write, transport.pause_reading, transport.resume_reading, transport.close, self._writable
-        )
-        self.websocket = WebSocketPump(stream, lambda: self.server.live.config.websocket, response.session)
-        trailing, self._trailing, self._upgrade = self._trailing, b"", None
-        self.websocket.start(trailing)
-        transport.resume_reading()
 
     def _reject(self, rejection: Rejection) -> None:
         """Stop reading; the rejection is answered after the requests before it, then the connection closes."""

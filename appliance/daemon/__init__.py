@@ -9,11 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import grp
 import logging
 import os
-import socket
-import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -22,19 +19,15 @@ from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api import wyoming
 from appliance.api.core import Api, streaming
-from appliance.config import Config, Live, ServerConfig, worker_count
+from appliance.config import Config, Live, worker_count
+from appliance.daemon.listeners import Listeners, bind_unix_socket
+from appliance.daemon.watchdog import Watchdog
 from appliance.errors import ApplianceError
-from appliance.front.quic_sockets import quic_sockets, worker_keys
-from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.tasks import LOOP_LAG, arm_failpoints, spawn
 from appliance.tls import tls_identity
-from appliance.transport.assembler import BodyBudget
-from appliance.transport.conncache import ConnectionCache, open_cache
-from appliance.transport.h3 import H3Server
-from appliance.transport.http1 import Http1Server
-from appliance.transport.https import HttpsServer, listen_https
+from appliance.transport.https import listen_https
 
 log = logging.getLogger("appliance")
 
@@ -49,50 +42,12 @@ START_STEP_S = 600.0  # each step of the start (a model loaded, one warmed up) e
 STOP_WHILE_STARTING_S = 1.0  # a stop during start-up: the process exits this soon, loading or not
 
 
-def bind_unix_socket(server: ServerConfig) -> socket.socket:
-    path = server.socket
-    durable.make_directories(path.parent)  # 0755 whatever the umask
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise ApplianceError(f"{path}: exists and is not a socket; refusing to replace it")
-        probe_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe_socket.connect(str(path))
-            raise ApplianceError(f"{path}: another daemon is already serving on this socket")
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)  # stale socket of a daemon that died
-        finally:
-            probe_socket.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
-    os.chmod(path, int(server.socket_mode, 8))
-    if server.socket_group:
-        try:
-            os.chown(path, -1, grp.getgrnam(server.socket_group).gr_gid)
-        except KeyError:
-            sock.close()
-            path.unlink()
-            raise ApplianceError(f"server.socket_group: no group named {server.socket_group!r}") from None
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
-
-
-PROBE_SHARE = 0.02  # the most of its time an idle model spends on the watchdog's probes
-
-
 class Daemon:
     def __init__(self, config: Config, config_paths: list[Path] | None) -> None:
         self.live, self.config_paths = Live(config), config_paths
         self.stopping = asyncio.Event()
         self.api: Api | None = None
-        self.http: Http1Server | None = None
-        self.h3: H3Server | None = None
-        self.https: HttpsServer | None = None  # server.workers = 1: the TLS listener in this process
-        self.https_listener: asyncio.base_events.Server | None = None
-        self.supervisor: Supervisor | None = None
-        self.cache: ConnectionCache | None = None  # the QUIC listener's (all QUIC workers share its pins)
-        self.quic_reason = ""  # why QUIC runs in one worker where more were asked for
+        self.listeners: Listeners | None = None
         self.models: dict[str, ServedModel] = {}
         self.abandoned: list[str] = []  # models whose engine was still busy when the daemon stopped
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
@@ -105,7 +60,7 @@ class Daemon:
         return self.live.config
 
     # --- start ---
-    async def start(self) -> asyncio.base_events.Server | None:
+    async def start(self) -> None:
         config = self.config
         starting = durable.starting_marker(config.server.socket)
         with contextlib.suppress(OSError):  # only a hint for `call health`: a read-only /run goes without
@@ -143,11 +98,13 @@ class Daemon:
             self.api.certificate_pem, self.api.tls = tls_identity(config)
         tcp_sock = listen_https(config) if config.https.enabled else None
         workers = worker_count(config.server)
+        self.listeners = Listeners(self.api, self.live, self.config_paths)
         if workers == 1:
-            server = await self._serve_here(sock, quic_sock, tcp_sock)
+            await self.listeners.serve_here(sock, quic_sock, tcp_sock)
         else:
-            await self._start_workers(sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}")
-            server = None
+            await self.listeners.start_workers(
+                sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}"
+            )
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
         log.info(
@@ -158,109 +115,13 @@ class Daemon:
             f" with {workers} protocol workers" if workers > 1 else "",
         )
         systemd.ready(self.status_text())
-        return server
-
-    async def _serve_here(
-        self, sock: socket.socket, quic_sock: socket.socket | None, tcp_sock: socket.socket | None
-    ) -> asyncio.base_events.Server:
-        """server.workers = 1: the transports run in this process, on its event loop."""
-        assert self.api is not None
-        config = self.config
-        budget = BodyBudget(lambda: self.live.config.server)  # one for both transports
-        self.http = Http1Server(self.api, self.live, budget)
-        server = await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock)
-        if config.quic.enabled:
-            try:
-                self.h3 = H3Server(self.api, self.live, budget)
-                await self.h3.start(quic_sock)
-            except (OSError, ValueError) as exc:
-                raise _quic_start_error(config, quic_sock, exc) from None
-            log.info("quic: HTTP/3 on UDP port %d%s", self.h3.port, " (socket from systemd)" if quic_sock else "")
-            self.api.peer_table = self.cache = self.h3.cache
-            self.api.quic = {"workers": 1, "reason": "server.workers = 1: QUIC runs in the engine process"}
-            self._log_conncache()
-        elif quic_sock is not None:
-            log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
-        if tcp_sock is not None:
-            self.https = HttpsServer(self.api, self.live, budget, self.h3.port if self.h3 else None)
-            self.https_listener = await self.https.start(tcp_sock)
-        return server
-
-    async def _start_workers(
-        self,
-        sock: socket.socket,
-        quic_sock: socket.socket | None,
-        tcp_sock: socket.socket | None,
-        workers: int,
-        firmware_label: str,
-    ) -> None:
-        """server.workers > 1: protocol worker processes run the transports; this process serves them."""
-        assert self.api is not None
-        config, quic_slots, conncache, quic_port = self.config, [], "user:", None
-        if config.quic.enabled:
-            try:
-                socks, self.quic_reason = quic_sockets(config.quic, quic_sock, workers)
-                keys = worker_keys(len(socks))
-                self.cache = open_cache(lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None)
-            except (OSError, ValueError) as exc:
-                raise _quic_start_error(config, quic_sock, exc) from None
-            if len(socks) > 1 and self.cache.steering_reason:
-                self.quic_reason = f"the steering program did not load: {self.cache.steering_reason}"
-                for extra in socks[1:]:
-                    extra.close()
-                socks = socks[:1]
-            if self.quic_reason:
-                log.warning("quic: one QUIC worker (of %d): %s", workers, self.quic_reason)
-            quic_slots = [QuicSlot(s, k) for s, k in zip(socks, keys, strict=False)]
-            self.api.quic = {"workers": len(socks), "reason": self.quic_reason}
-            quic_port = socks[0].getsockname()[1]
-            log.info(
-                "quic: HTTP/3 on UDP port %d%s, read by %d QUIC workers",
-                quic_port,
-                " (socket from systemd)" if quic_sock else "",
-                len(socks),
-            )
-            self._log_conncache()
-            # user space: the one QUIC worker keeps the table; the engine shows what it reports
-            conncache = "ebpf" if self.cache.backend == "ebpf" else f"user:{self.cache.reason}"
-        elif quic_sock is not None:
-            log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
-        self.supervisor = Supervisor(
-            self.api, self.config_paths, sock, quic_slots, workers, conncache, firmware_label, tcp_sock, quic_port
-        )
-        self.api.workers = self.supervisor.status
-        if self.cache is not None:
-            self.api.peer_table = (
-                self.cache if self.cache.backend == "ebpf" else ReportedPeers(self.supervisor, self.cache.reason)
-            )
-        self.api.ready = True  # the models are warm: whatever a worker accepts is served (systemd hears READY later)
-        try:
-            await self.supervisor.start()
-        except OSError as exc:
-            raise ApplianceError(f"server.workers: {exc}") from None
-
-    def _log_conncache(self) -> None:
-        cache, config = self.cache, self.config
-        assert cache is not None
-        log.info(
-            "conncache: %s backend, up to %d peers, %g packets/s per peer (burst %g)",
-            cache.backend,
-            config.conncache.max_entries,
-            config.conncache.peer_rate,
-            config.conncache.peer_burst,
-        )
 
     def status_text(self, rate: float | None = None) -> str:
         assert self.api is not None
         manifest = self.api.manifest
         engines = ", ".join(sorted({m.engine_name for m in self.models.values()}))
         text = f"firmware {manifest.name} {manifest.version}, engine {engines}"
-        if self.supervisor is not None:
-            text += f", {len(self.supervisor.slots)} workers"
-            text += f" (one QUIC worker: {self.quic_reason})" if self.quic_reason else ""
-        if self.cache is not None:
-            cache = self.cache
-            text += f", conncache {cache.backend}" + (f" ({cache.reason})" if cache.reason else "")
+        text += self.listeners.summary() if self.listeners is not None else ""
         return text if rate is None else f"{text}, {rate:.1f} req/s"
 
     # --- run ---
@@ -274,11 +135,11 @@ class Daemon:
             starting.cancel()  # a stop during start-up: no need to finish warming up
             log.info("stopped during start-up")
         try:
-            server = await starting
+            await starting
             signals.allow_reloads()  # one held during the start is applied now
         except BaseException as exc:
-            if self.supervisor is not None:
-                self.supervisor.abort()
+            if self.listeners is not None:
+                self.listeners.abort()
             await self._stop_models()
             self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
             if isinstance(exc, asyncio.CancelledError) and self.stopping.is_set():
@@ -290,18 +151,15 @@ class Daemon:
             spawn(self._report_status(), "the status report", self._fail),
             spawn(LOOP_LAG.run(), "the event loop lag probe", self._fail),
         ]
-        if self.h3 is not None:
-            tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._fail))
+        assert self.listeners is not None
+        if (h3 := self.listeners.h3) is not None:
+            tasks.append(spawn(h3.sweep_connection_cache(), "the connection cache sweep", self._fail))
         if (interval := systemd.watchdog_interval()) is not None:
-            tasks.append(spawn(self._watchdog(interval), "the watchdog", self._fail))
+            watchdog = Watchdog(self.models, self.listeners.unheard_workers)
+            tasks.append(spawn(watchdog.run(interval), "the watchdog", self._fail))
         await stop
-        if self.failed:
-            await self.shutdown(server)
-            return EXIT_TASK_FAILED
-        await self.shutdown(server)
-        for task in tasks:
-            task.cancel()
-        return 0
+        await self.shutdown()  # which cancels the tasks
+        return EXIT_TASK_FAILED if self.failed else 0
 
     def _fail(self, _: BaseException) -> None:
         """A task the daemon cannot serve without died (spawn logged it): stop, and exit non-zero so
@@ -325,46 +183,6 @@ class Daemon:
             systemd.status(self.status_text((count - last_count) / (now - last_time)))
             last_count, last_time = count, now
 
-    async def _watchdog(self, interval: float) -> None:
-        """Ping only when every engine proved itself lately: a wedged engine stops the pings.
-
-        A model proves itself by completing engine calls for requests, or else by a probe (a real
-        inference). A heavy model's probe (Whisper: a 30 s window) is run at most PROBE_SHARE of the
-        time, so an idle box does not spend a core on proofs; a cheap one (the VAD) runs every interval."""
-        log.info("watchdog: probing the engines every %.2f s at the most", interval)
-        proven: dict[str, tuple[float, int]] = {}  # model -> (when it last proved itself, its executions then)
-        cost: dict[str, float] = {}  # model -> how long its last probe took
-        while True:
-            started = time.monotonic()
-            due = []
-            for name, model in self.models.items():
-                when, executions = proven.get(name, (0.0, -1))
-                if model.stats.execution_count != executions and executions >= 0:
-                    proven[name] = (started, model.stats.execution_count)  # requests ran on it since
-                elif started - when >= max(interval, cost.get(name, 0.0) / PROBE_SHARE):
-                    due.append(name)
-            if self.supervisor is not None and (unheard := self.supervisor.unheard()):
-                log.error("watchdog: protocol workers %s are not serving (restarting); withholding the ping", unheard)
-                await asyncio.sleep(interval)
-                continue
-            try:
-                await asyncio.wait_for(asyncio.gather(*(self._probe(n, cost, proven) for n in due)), interval)
-            except TimeoutError:
-                log.error("watchdog: an engine did not complete a probe within %.2f s; withholding the ping", interval)
-                continue  # the probes stay queued: a recovering engine answers them and pings resume
-            except ApplianceError as exc:
-                log.error("watchdog: %s; withholding the ping", exc)
-            else:
-                systemd.watchdog_ping()
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
-
-    async def _probe(self, name: str, cost: dict[str, float], proven: dict[str, tuple[float, int]]) -> None:
-        model, started = self.models[name], time.monotonic()
-        await model.probe()
-        done = time.monotonic()
-        cost[name] = done - started
-        proven[name] = (done, model.stats.execution_count)
-
     # --- reload ---
     def reload(self) -> None:
         """SIGHUP: re-read config, apply what can change live, report what needs a restart."""
@@ -382,16 +200,16 @@ class Daemon:
             log.info("reload: applied %s", ", ".join(reloaded) or "nothing: no setting changed")
         if restart:
             log.warning("reload: %s changed but needs a restart to apply", ", ".join(restart))
-        if self.supervisor is not None:
-            self.supervisor.reload()
+        if self.listeners is not None and self.listeners.supervisor is not None:
+            self.listeners.supervisor.reload()
         note = f"; needs restart for {', '.join(restart)}" if restart else ""
         systemd.ready(self.status_text() + note)
 
     # --- stop ---
-    async def shutdown(self, server: asyncio.base_events.Server | None) -> None:
+    async def shutdown(self) -> None:
         """Stop accepting; let accepted requests and open sequences finish within the grace time."""
-        assert self.api is not None
-        api = self.api
+        assert self.api is not None and self.listeners is not None
+        api, listeners = self.api, self.listeners
         live = lambda: sum(len(m.sequences) for m in self.models.values())  # noqa: E731
         log.info("stopping: %d requests in flight, %d sequences open", self._in_flight(), live())
         systemd.stopping(f"stopping: {self._in_flight()} requests in flight, {live()} sequences open")
@@ -399,11 +217,7 @@ class Daemon:
         api.draining = True
         grace = self.config.server.shutdown_grace_s
         deadline = time.monotonic() + grace
-        if self.supervisor is not None:  # each worker drains its own connections within the grace time
-            await self.supervisor.stop(grace + 1.0)
-        for listener in (server, self.https_listener):
-            if listener is not None:
-                listener.close()
+        await listeners.stop_accepting(grace)
         if self.wyoming is not None:
             await self.wyoming.close()
         while (self._in_flight() or streaming(self.models.values())) and time.monotonic() < deadline:
@@ -414,20 +228,13 @@ class Daemon:
             log.info("stopping: %d idle sequences ended", idle)
         for task in self.tasks:  # drained: the sweep and the rest must not outlive the sockets they read
             task.cancel()
-        for http in (self.http, self.https):
-            if http is not None:
-                http.close_all()
-        if self.h3 is not None:
-            self.h3.close()
-        elif self.cache is not None:
-            self.cache.close()
+        listeners.close()
         await self._stop_models()
         self._remove_socket()
         log.info("stopped")
 
     def _in_flight(self) -> int:
-        in_flight = sum(t.in_flight for t in (self.http, self.h3, self.https) if t is not None)
-        return in_flight + (self.supervisor.in_flight if self.supervisor else 0)
+        return self.listeners.in_flight if self.listeners is not None else 0
 
     def _remove_socket(self) -> None:
         for path in (self.bound_socket, self.wyoming.path if self.wyoming else None):
@@ -469,11 +276,6 @@ class Daemon:
                     model.name,
                     ENGINE_STOP_S,
                 )
-
-
-def _quic_start_error(config: Config, quic_sock: socket.socket | None, exc: Exception) -> ApplianceError:
-    where = "the UDP socket from systemd" if quic_sock else f"{config.quic.host}:{config.quic.port}"
-    return ApplianceError(f"quic: cannot listen on {where} with {config.quic.certificate}: {exc}")
 
 
 def run(config_paths: list[Path] | None) -> int:

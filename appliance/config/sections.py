@@ -1,0 +1,158 @@
+"""The config's sections: one typed, frozen structure per TOML table, with its defaults
+(docs/config.md says what each key does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VAD_MAX_MS = 60_000  # min_speech_ms, min_silence_ms, speech_pad_ms: here and in a request, 0 to this
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    socket: Path = Path("/run/appliance/api.sock")
+    socket_mode: str = "0660"
+    socket_group: str = ""
+    max_body_bytes: int = 64 << 20
+    max_header_bytes: int = 16 << 10
+    max_connections: int = 512
+    max_connections_per_peer: int = 128  # one user's share of max_connections (Unix socket; per worker)
+    max_buffered_bytes: int = 256 << 20  # request bodies held by all clients of both transports together
+    header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
+    body_timeout_s: float = 30.0  # a request body may go quiet this long
+    keepalive_timeout_s: float = 75.0  # an idle HTTP/1.1 connection is closed after this
+    pipeline_depth: int = 32  # requests read ahead on one HTTP/1.1 connection; then reading pauses
+    shutdown_grace_s: float = 30.0
+    # protocol worker processes running the transports (0: chosen by the machine's cores, see
+    # worker_count); 1: the transports run in the engine process itself
+    workers: int = 0
+    # of one streamed answer, the bytes held for a client that has not taken them, at each hop (the
+    # worker channel's credit, HTTP/3's stream send buffer, HTTP/1.1's write buffer): see protocol/flow.py
+    stream_window_bytes: int = 256 << 10
+    request_timeout_s: float = 3600.0  # a worker waits this long for the engine's answer to a request
+
+
+@dataclass(frozen=True, slots=True)
+class QuicConfig:
+    """The HTTP/3 listener for LAN clients; TLS certificate and key from local files."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 4433
+    # the box's own identity, made at first start (`appliance tls init`) and kept with its state
+    certificate: Path = Path("/var/lib/appliance/tls/cert.pem")
+    private_key: Path = Path("/var/lib/appliance/tls/key.pem")
+    client_ca: Path = Path("")  # "" (unset): no client certificates; set: mutual TLS, clients need one this CA signed
+    # set: clients whose certificate this CA signed are operators (/status, /metrics); others get 403 there
+    operator_ca: Path = Path("")
+    idle_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 10.0  # a request stream that goes quiet this long gets a 408
+    max_connections: int = 256
+    max_streams_per_connection: int = 128
+    retry: bool = False  # always make clients prove their address; else only under pressure (below)
+    retry_when_handshaking: int = 64  # this many handshakes in progress switch Retry on by itself (0: never)
+    handshake_timeout_s: float = 5.0  # a handshake not complete by then is dropped, its slot freed
+    max_handshakes_per_source: int = 16  # handshakes in progress from one address
+    max_connections_per_address: int = 64  # one address's share of max_connections (per worker)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpsConfig:
+    """HTTPS on TCP for LAN clients and browsers (HTTP/1.1 over TLS). TLS from [quic]'s certificate,
+    private_key and client_ca: the box has one identity, whichever transport reaches it."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8443
+    max_connections: int = 256  # TLS connections, apart from the Unix socket's server.max_connections
+    alt_svc: bool = True  # where QUIC serves, every answer says so (Alt-Svc: h3=":PORT"): browsers move to it
+
+
+@dataclass(frozen=True, slots=True)
+class ConnCacheConfig:
+    """The QUIC listener's per-peer table (eBPF in the kernel, or user space) and flood budget."""
+
+    backend: str = "auto"  # "ebpf": failing to load the BPF program is a start-up error; "user": never try
+    max_entries: int = 65536  # validated peers (address and port: their handshake completed) kept
+    # sources that have not completed a handshake, in a table of their own: a flood churns only this one
+    max_unvalidated: int = 4096
+    peer_rate: float = 5000.0  # packets per second each peer may send ...
+    peer_burst: float = 10000.0  # ... with bursts up to this many; the rest are dropped
+    idle_timeout_s: float = 60.0  # a peer silent this long is forgotten and its sequences released
+    pin_dir: Path = Path("/sys/fs/bpf/appliance")
+
+
+@dataclass(frozen=True, slots=True)
+class FirmwareConfig:
+    bundle: Path = Path("/var/lib/appliance/firmware/current")
+    trusted_keys: Path = Path("/etc/appliance/trusted-keys")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    device: str = "cpu"
+    threads: int = 2  # intra-op threads for large batches; small ones run on one
+    queue_delay_us: int = 0
+    # each model's queue, as Triton's dynamic_batching.default_queue_policy: requests waiting past
+    # max_queue_size are refused, and those waiting longer than queue_timeout_s get a 503 (0: no timeout)
+    max_queue_size: int = 128
+    queue_timeout_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceConfig:
+    idle_timeout_s: float = 60.0
+    max_live: int = 1024
+    max_per_client: int = 256  # one client's share of max_live
+
+
+@dataclass(frozen=True, slots=True)
+class VadConfig:
+    """Defaults for turning speech probabilities into segments (a request may override them)."""
+
+    threshold: float = 0.5
+    min_speech_ms: int = 250
+    min_silence_ms: int = 100
+    speech_pad_ms: int = 30
+
+
+@dataclass(frozen=True, slots=True)
+class WebSocketConfig:
+    """Limits of every WebSocket (/v1/realtime), on both transports."""
+
+    max_message_bytes: int = 1 << 20  # a bigger message from the client closes it with 1009
+    buffered_bytes: int = 4 << 20  # a connection's messages held in each direction; then reading pauses
+    idle_timeout_s: float = 120.0  # no message from the client this long closes it with 1001
+    ping_interval_s: float = 20.0  # the box pings a quiet client this often; a pong not back by the next closes it
+
+
+@dataclass(frozen=True, slots=True)
+class WyomingConfig:
+    """Home Assistant's Wyoming protocol (api/wyoming.py); it has no authentication."""
+
+    enabled: bool = True
+    socket: Path = Path("")  # "" (unset): wyoming.sock beside server.socket, with its mode and group
+    max_payload_bytes: int = 1 << 20  # an event's data or payload; a bigger one is an error and a close
+    tcp: str = ""  # "HOST:PORT": also on TCP for the LAN, announced by zeroconf (off when empty)
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    quic: QuicConfig = field(default_factory=QuicConfig)
+    https: HttpsConfig = field(default_factory=HttpsConfig)
+    conncache: ConnCacheConfig = field(default_factory=ConnCacheConfig)
+    firmware: FirmwareConfig = field(default_factory=FirmwareConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sequences: SequenceConfig = field(default_factory=SequenceConfig)
+    vad: VadConfig = field(default_factory=VadConfig)
+    websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
+    wyoming: WyomingConfig = field(default_factory=WyomingConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    sources: tuple[Path, ...] = field(default=(), compare=False)  # where it came from, not what it is

@@ -1,0 +1,160 @@
+"""The live streams of the speech_to_text kind (speech_to_text.py): each chunk fed to the stream's own
+VAD sequence, each segment the VAD closes decoded at once (its decode started while the VAD waited out
+the silence, where the speech did not go on), and the audio kept no longer than a segment to come needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from appliance.config import Live, VadConfig
+from appliance.engine.sequences import OwnedTable
+from appliance.engine.stats import RequestTimes
+from appliance.kinds.base import SequenceCall
+from appliance.kinds.segments import SegmentTracker
+from appliance.kinds.speech_api import LiveChunk, Options, Segment
+from appliance.kinds.speech_shards import ShardPlan
+from appliance.kinds.vad import VadModel
+
+
+@dataclass(slots=True, eq=False)
+class LiveStream:
+    """A live stream (an entry of the model's OwnedTable): its VAD's segment tracker, the audio not yet
+    decoded, and a sequence of the VAD under its own key (`vad_key`), ended when the stream is dropped."""
+
+    options: Options
+    tracker: SegmentTracker
+    audio: list[np.ndarray] = field(default_factory=list)
+    base: int = 0  # sample position of audio[0]'s first sample
+    position: int = 0  # samples received
+    client: str = ""
+    serial: int = 0
+    last_used: float = 0.0
+    in_flight: int = 0
+    # the decode of the span the VAD is about to close, started while it waits out min_silence_ms
+    ahead: tuple[tuple[int, int], asyncio.Task[list[Segment]]] | None = None
+
+    def drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead[1].cancel()
+            self.ahead = None
+
+
+class LiveTranscription:
+    """The live half of SpeechToText: what it needs of the model is declared here."""
+
+    name: str
+    live: Live
+    vad: VadModel
+    sequences: OwnedTable[LiveStream]
+    clock: Callable[[], float]
+
+    def check(self, options: Options) -> None:
+        raise NotImplementedError
+
+    def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
+        raise NotImplementedError
+
+    # SpeechToText._decode: a shard plan's segments (plan, samples, options, times, urgent, offset)
+    _decode: Callable[..., Awaitable[list[Segment]]]
+
+    async def live_chunk(
+        self,
+        samples: np.ndarray,
+        sequence: SequenceCall,
+        partial: bool,
+        options: Options,
+        times: RequestTimes,
+        vad: VadConfig | None = None,
+    ) -> LiveChunk:
+        """One chunk of a live stream: the spans the VAD closed with it (each decoded), the open
+        span's start and its text so far when `partial`, and the stream's serial when this chunk
+        opened it. `vad`: the stream's own segment rules (when it starts), else the config's [vad]."""
+        now = self.clock()
+        if sequence.start:
+            self.check(options)
+            rules = vad or self.live.config.vad
+            tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, rules)
+            stream = self.sequences.open(sequence.id, now, sequence.client, lambda: LiveStream(options, tracker))
+        else:
+            stream = self.sequences.get(sequence.id, now, sequence.client)
+        serial = stream.serial if sequence.start else None
+        stream.in_flight += 1
+        try:
+            key = vad_key(self.name, sequence.id, stream)
+            probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
+            stream.audio.append(samples)
+            stream.position += len(samples)
+            closed = stream.tracker.feed(probs)
+            if sequence.end:
+                closed += stream.tracker.finish(stream.position)
+            audio, base = np.concatenate(stream.audio), stream.base
+            decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
+            text, open_start = None, None if sequence.end else stream.tracker.open_start
+            if partial and open_start is not None:
+                found = await self._decode_live(stream, audio, base, (open_start, stream.position), times)
+                text = " ".join(s.text for s in found)
+            # keep only what a segment still to come can include: after a closed segment its padded
+            # end, in silence the VAD's padding, so a chunk's cost does not grow with the stream's age
+            keep = max(stream.tracker.needed_from(), closed[-1][1] if closed else 0, base)
+            stream.audio, stream.base = [audio[keep - base :]], keep
+            audio, base = stream.audio[0], stream.base
+            self._decode_ahead(stream, audio, base, sequence.end)
+            return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial)
+        finally:
+            stream.in_flight -= 1
+            if sequence.end:
+                self.sequences.end(sequence.id)
+
+    async def _final(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
+    ) -> list[Segment]:
+        """A closed segment's text: the decode started before the close, where it was of this very span."""
+        if stream.ahead is not None and stream.ahead[0] == span:
+            task, stream.ahead = stream.ahead[1], None
+            return await task
+        return await self._decode_live(stream, audio, base, span, times)
+
+    def _decode_ahead(self, stream: LiveStream, audio: np.ndarray, base: int, ending: bool) -> None:
+        """Start decoding the span the VAD will close if the silence it hears goes on (the final text
+        is then mostly done at the close); drop a decode the speech went on past."""
+        closing = None if ending else stream.tracker.closing()
+        if closing is not None and not base <= closing[0] < closing[1] <= base + len(audio):
+            closing = None  # its padding not heard yet
+        if stream.ahead is not None and stream.ahead[0] == closing:
+            return
+        stream.drop_ahead()
+        if closing is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._decode_live(stream, audio, base, closing, RequestTimes()), name="live-ahead"
+            )
+            task.add_done_callback(_consume_error)  # a dropped one's error matters to no one
+            stream.ahead = (closing, task)
+
+    async def _decode_live(
+        self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
+    ) -> list[Segment]:
+        """A span of a live stream's kept `audio` (from stream position `base`), decoded ahead of recordings."""
+        plans = self._plans(audio, (span[0] - base, span[1] - base))
+        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, base) for p in plans))
+        return [s for segments in found for s in segments]
+
+
+def dropped(stream: LiveStream, vad: VadModel, key: object) -> None:
+    """A live stream dropped (ended, expired, replaced): its decode ahead and its VAD sequence go."""
+    stream.drop_ahead()
+    vad.sequences.end(key)
+
+
+def _consume_error(task: asyncio.Task[list[Segment]]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def vad_key(model: str, key: object, stream: LiveStream) -> object:
+    """The key of a live stream's sequence in its VAD's table."""
+    return (model, key, stream.serial)

@@ -1,0 +1,128 @@
+"""The Upgrade path of an HTTP/1.1 connection (http1.py), and the head of an answer.
+
+Only a WebSocket opening handshake (a GET with `Connection: upgrade` and `Upgrade: websocket`)
+switches protocols, in its turn after the requests before it, when the API answers it with a
+session; the bytes after it are the WebSocket's (transport/websocket.py). Any other Upgrade is
+ignored as RFC 9110 7.8 allows: the request is served as plain HTTP, body and all, and the
+connection goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from http import HTTPStatus
+from typing import Protocol
+
+import httptools
+
+from appliance.config import Live
+from appliance.protocol.messages import Handler, Request, Response, error_response
+from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
+
+
+def encode_response(response: Response, keep_alive: bool, extra: Iterable[tuple[str, str]] = ()) -> bytes:
+    """The status line and headers (the transport's `extra` ones last), and the body unless it is
+    streamed (then chunked follows)."""
+    reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
+    length = "transfer-encoding: chunked" if response.stream else f"content-length: {len(response.body)}"
+    head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
+    head += [f"{k}: {v}" for k, v in (*response.headers, *extra)]
+    if not keep_alive:
+        head.append("connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
+
+
+class UpgradeServer(Protocol):
+    """What the Upgrade path needs of the connection's server (http1.Http1Server)."""
+
+    api: Handler
+    live: Live
+
+    def extra_headers(self) -> Iterable[tuple[str, str]]: ...
+
+
+class WebSocketUpgrade(asyncio.Protocol):
+    """The Upgrade half of an HTTP/1.1 connection: the handshake waits for its turn, then the
+    connection is the WebSocket's."""
+
+    server: UpgradeServer
+    transport: asyncio.Transport | None
+    parser: httptools.HttpRequestParser
+    _writable: asyncio.Event  # clear while the client does not read what it was sent
+    _upgrade: Request | None  # a WebSocket handshake read, waiting for its turn
+    _trailing: bytes  # what the client sent after it: the WebSocket's first bytes
+    _replay: bytes  # the head of a request whose Upgrade is ignored, to parse again with its body
+    websocket: WebSocketPump | None  # after the switch, the connection's protocol
+
+    def _enqueue(self, entry: Request | Response, keep_alive: bool) -> None:
+        raise NotImplementedError
+
+    def _release(self, count: int) -> None:
+        raise NotImplementedError
+
+    def _upgrade_requested(self, request: Request) -> bool:
+        """A request llhttp read with Upgrade: True where this path took it (a WebSocket handshake,
+        queued; or a body to parse again without Upgrade, as llhttp ends the request at its head and
+        takes the body for the new protocol), False where it is served as plain HTTP."""
+        if is_upgrade(request.method, request.headers):
+            self._upgrade = request
+            self._enqueue(request, False)
+            return True
+        if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+            self._replay = head_without_upgrade(request)
+            return True
+        return False
+
+    def _upgraded(self, rest: bytes) -> None:
+        """llhttp stopped after a request with Upgrade. A WebSocket handshake: what follows is the
+        WebSocket's, kept until the switch. Any other: ignored, and HTTP goes on with a fresh parser."""
+        if self._upgrade is not None:
+            self._trailing = rest
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        self.parser = httptools.HttpRequestParser(self)
+        rest, self._replay = self._replay + rest, b""
+        if rest:
+            self.data_received(rest)
+
+    async def _switch(self, request: Request) -> None:
+        """The WebSocket handshake's turn: the API's session, or its refusal and the connection closes."""
+        assert self.transport is not None
+        key, version = request.headers.get("sec-websocket-key", ""), request.headers.get("sec-websocket-version")
+        if not key or version != "13":
+            response = error_response(400, "a WebSocket handshake needs Sec-WebSocket-Key and Sec-WebSocket-Version 13")
+            response.headers.append(("Sec-WebSocket-Version", "13"))
+        else:
+            try:
+                response = await self.server.api.handle(request)
+            finally:
+                self._release(len(request.body))
+        if self.transport.is_closing():
+            return
+        if response.session is None:
+            self.transport.write(encode_response(response, False, self.server.extra_headers()))
+            self.transport.close()
+            return
+        head = f"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept_token(key)}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in response.headers)
+        self.transport.write((head + "\r\n").encode("latin-1"))
+        transport = self.transport
+        stream = StreamIO(
+            transport.write, transport.pause_reading, transport.resume_reading, transport.close, self._writable
+        )
+        self.websocket = WebSocketPump(stream, lambda: self.server.live.config.websocket, response.session)
+        trailing, self._trailing, self._upgrade = self._trailing, b"", None
+        self.websocket.start(trailing)
+        transport.resume_reading()
+
+
+def head_without_upgrade(request: Request) -> bytes:
+    """The request's head again, its Upgrade dropped: what HTTP/1.1 makes of an upgrade it ignores."""
+    headers = {k: v for k, v in request.headers.items() if k != "upgrade"}
+    tokens = [t.strip() for t in headers.pop("connection", "").split(",") if t.strip().lower() not in ("upgrade", "")]
+    if tokens:
+        headers["connection"] = ", ".join(tokens)
+    lines = [f"{request.method} {request.target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
