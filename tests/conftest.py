@@ -459,3 +459,11 @@ def good_clients_throughout(daemon: Daemon) -> Iterator[None]:
     assert unix.answered > 20 and quic.answered > 20, (unix.answered, quic.answered)
     assert growth_mib <= 256, f"resident memory grew by {growth_mib:.0f} MiB under attack"
     assert "restarting it" not in daemon.log.read_text(), "a protocol worker died under attack"
+
+
+def open_to_all(directory: Path) -> None:
+    """`directory` and every directory above it traversable by another local user (pytest makes its
+    temporary root 0700): a test that connects as someone else reaches the socket in it."""
+    for each in (directory, *directory.parents):
+        if not each.stat().st_mode & 0o001:
+            each.chmod(each.stat().st_mode | 0o011)

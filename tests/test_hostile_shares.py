@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, open_to_all
 
 from appliance.client import Call, Client
 from appliance.client.quic import QuicSession
@@ -35,12 +35,6 @@ last.sendall(b"GET /v2/health/ready HTTP/1.1\\r\\nhost: x\\r\\n\\r\\n")
 print(last.recv(4096).decode("latin-1").split("\\r\\n")[0], flush=True)
 time.sleep(float(sys.argv[3]))
 """
-
-
-def open_to_all(workdir) -> None:
-    """The socket's directory traversable by another user (and its group)."""
-    for directory in (workdir, *workdir.parents[:2]):
-        directory.chmod(directory.stat().st_mode | 0o011)
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["workers1", "workers2"])

@@ -65,14 +65,16 @@ def test_curl_over_https_on_every_route_family(daemon: Daemon, tmp_path: Path) -
     alt_svc = f'h3=":{daemon.quic_port}"; ma=86400'
     wav = english_wav(tmp_path)
     infer = json.dumps({"inputs": [{"name": "audio", "datatype": "FP32", "shape": [512], "data": [0.0] * 512}]})
+    assert daemon.operator is not None
+    operator = ["--cert", daemon.operator[0], "--key", daemon.operator[1]]  # a certificate the operator CA signed
     calls = {
         "/v2/health/ready": [],
         "/v2/models/silero_vad/config": [],
         "/v2/models/silero_vad/infer": ["-H", "content-type: application/json", "--data-binary", infer],
         "/v2/models/silero_vad/segments": ["--data-binary", f"@{wav}"],
         "/v2/repository/index": ["-X", "POST"],
-        "/metrics": [],
-        "/status": [],
+        "/metrics": operator,
+        "/status": operator,
         "/languages": [],
         "/translate": ["-H", "content-type: application/json", "--data", json.dumps({"q": SENTENCE, "source": "en", "target": "pt"})],
         "/v1/audio/speech": ["-H", "content-type: application/json", "--data", json.dumps({"model": "tts-1", "voice": "joe", "input": SENTENCE})],
@@ -87,6 +89,9 @@ def test_curl_over_https_on_every_route_family(daemon: Daemon, tmp_path: Path) -
         assert status == 200, (path, body[:300])
         assert headers["alt-svc"] == alt_svc, path
         answers[path] = headers, body
+    for path in ("/metrics", "/status"):  # operator routes, without an operator's certificate
+        status, _, body = curl(daemon, path)
+        assert status == 403 and b"for operators" in body, (path, status, body)
     assert json.loads(answers["/v2/models/silero_vad/infer"][1])["outputs"][0]["name"] == "speech_prob"
     assert json.loads(answers["/v2/models/silero_vad/segments"][1])["segments"]
     metrics = answers["/metrics"][1].decode()

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from conftest import ROOT, Daemon, good_clients_throughout, make_ca_and_client
+from conftest import ROOT, Daemon, good_clients_throughout, make_ca_and_client, open_to_all
 
 from appliance.client import Call, Client
 
@@ -32,8 +32,7 @@ def daemon(request, tmp_path_factory, keys, bundle, tls) -> Iterator[Daemon]:
     """Its Unix socket open to all local users (0666, in a directory they may traverse), so that
     non-members can be turned away by route."""
     workdir = tmp_path_factory.mktemp("operators")
-    for directory in (workdir, *workdir.parents[: len(workdir.relative_to(tmp_path_factory.getbasetemp()).parts)]):
-        directory.chmod(directory.stat().st_mode | 0o011)
+    open_to_all(workdir)
     d = Daemon(
         workdir,
         bundle,

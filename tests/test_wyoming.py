@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soxr
 from conftest import ROOT, Daemon, Keys, build_bundle
+from faster_whisper import WhisperModel
+from kokoro import whisper_base
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
@@ -22,7 +25,7 @@ from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient, AsyncUnixClient
 from wyoming.event import Event
 from wyoming.info import Describe, Info
-from wyoming.tts import Synthesize
+from wyoming.tts import Synthesize, SynthesizeVoice
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
@@ -79,7 +82,7 @@ def test_describe_lists_models_and_voices(daemon: Daemon) -> None:
     assert models[TINY] == ["en"] and "es" in models["whisper_base"], models
     assert info.asr[0].supports_transcript_streaming
     voices = {v.name: v.languages for program in info.tts for v in program.voices}
-    assert voices == {"joe": ["en"], "kokoro": ["pt"]}, voices
+    assert voices == {"joe": ["en"], "pf_dora": ["pt"], "pm_alex": ["pt"]}, voices  # every voice, not every model
 
 
 def tcp_port(daemon: Daemon) -> int:
@@ -124,25 +127,60 @@ def test_transcription_of_chunks(daemon: Daemon) -> None:
     assert seen[0] == "transcript-start" and seen[-1] == "transcript-stop" and "transcript-chunk" in seen, seen
 
 
-def test_synthesis(daemon: Daemon) -> None:
-    async def run() -> tuple[list[Event], bytes]:
-        async with AsyncUnixClient(wyoming_socket(daemon)) as client:
-            await client.write_event(Synthesize(text="Turn off the lights in the kitchen please.").event())
-            events, audio = [], b""
-            while (event := await asyncio.wait_for(client.read_event(), 60)) is not None:
-                events.append(event)
-                if AudioChunk.is_type(event.type):
-                    audio += AudioChunk.from_event(event).audio
-                if AudioStop.is_type(event.type):
-                    return events, audio
-        raise AssertionError(events)
+async def synthesize(daemon: Daemon, event: Event) -> tuple[list[Event], bytes]:
+    """Every event the box answers a synthesis with, up to audio-stop or an error, and the audio."""
+    async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+        await client.write_event(event)
+        events, audio = [], b""
+        while (answer := await asyncio.wait_for(client.read_event(), 60)) is not None:
+            events.append(answer)
+            if AudioChunk.is_type(answer.type):
+                audio += AudioChunk.from_event(answer).audio
+            if AudioStop.is_type(answer.type) or answer.type == "error":
+                return events, audio
+    raise AssertionError(events)
 
-    events, audio = asyncio.run(run())
+
+def speech_of(events: list[Event], audio: bytes) -> tuple[np.ndarray, int]:
     start = AudioStart.from_event(events[0])
-    seconds = len(audio) / 2 / start.rate
-    samples = np.frombuffer(audio, "<i2").astype(np.float32) / 32768
-    assert start.width == 2 and start.channels == 1 and 1.0 < seconds < 6.0, seconds
+    assert start.width == 2 and start.channels == 1
+    return np.frombuffer(audio, "<i2").astype(np.float32) / 32768, start.rate
+
+
+def test_synthesis(daemon: Daemon) -> None:
+    events, audio = asyncio.run(
+        synthesize(daemon, Synthesize(text="Turn off the lights in the kitchen please.").event())
+    )
+    samples, rate = speech_of(events, audio)
+    assert 1.0 < len(samples) / rate < 6.0, len(samples) / rate
     assert float(np.sqrt(np.mean(samples**2))) > 0.02  # speech, not silence
+
+
+def test_synthesis_in_a_voice_chosen_by_name_or_language_sentence_by_sentence(daemon: Daemon, tmp_path: Path) -> None:
+    """Home Assistant names a voice from info, or only a language: a Portuguese voice speaks Portuguese,
+    heard by an independent Whisper; each sentence's audio comes as its own chunk."""
+    text = "Bom dia. Onde fica a estação de trem?"
+    by_name = asyncio.run(synthesize(daemon, Synthesize(text=text, voice=SynthesizeVoice(name="pm_alex")).event()))
+    by_language = asyncio.run(
+        synthesize(daemon, Synthesize(text=text, voice=SynthesizeVoice(language="pt_BR")).event())
+    )
+    judge = WhisperModel(str(whisper_base(tmp_path)), device="cpu", compute_type="int8")  # not the box's engine
+    for events, audio in (by_name, by_language):
+        chunks = [e for e in events if AudioChunk.is_type(e.type)]
+        assert len(chunks) >= 2, [e.type for e in events]  # a chunk a sentence, sent as made
+        samples, rate = speech_of(events, audio)
+        assert rate == 24000, rate  # Kokoro's, not the English Piper voice's 22050
+        heard_segments, _ = judge.transcribe(soxr.resample(samples, rate, 16000), language="pt", beam_size=1)
+        heard = " ".join(s.text for s in heard_segments).lower()
+        assert "dia" in heard and "esta" in heard, heard
+    assert by_name[1] != by_language[1]  # pm_alex by name; pf_dora, the first Portuguese voice, by language
+    events, _ = asyncio.run(synthesize(daemon, Synthesize(text=text, voice=SynthesizeVoice(name="darth")).event()))
+    error = events[-1]
+    assert (
+        error.type == "error" and "unknown voice 'darth'" in error.data["text"] and "pm_alex (pt)" in error.data["text"]
+    )
+    events, _ = asyncio.run(synthesize(daemon, Synthesize(text=text, voice=SynthesizeVoice(language="de")).event()))
+    assert events[-1].type == "error" and "no voice speaks 'de'" in events[-1].data["text"]
 
 
 def batched_calls(daemon: Daemon, model: str) -> int:

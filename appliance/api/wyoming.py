@@ -2,13 +2,15 @@
 next to the API socket, served from the engine process: the same models, the same batches.
 
     describe                                   -> info: every speech_to_text model (its languages)
-                                                  as one asr program, every voice as a tts program
+                                                  in one asr program, every voice of every speech
+                                                  model (its language) in one tts program
     transcribe, audio-start, audio-chunk..., audio-stop
                                                -> transcript-start, transcript-chunk per segment as
                                                   it is decoded, transcript-stop, then transcript
-    synthesize (or synthesize-start/-chunk.../-stop)
-                                               -> audio-start, audio-chunk per sentence, audio-stop
-                                                  (then synthesize-stopped for the streamed form)
+    synthesize (or synthesize-start/-chunk.../-stop), its voice by name or by language
+                                               -> audio-start, audio-chunk per sentence as it is
+                                                  made, audio-stop (then synthesize-stopped for the
+                                                  streamed form)
 
 Wyoming has no authentication: whoever reaches the socket may use it (its mode and group are the API
 socket's). Events are read with bounds of our own (the package's reader has none): a header line of at
@@ -26,7 +28,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,14 @@ from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
 from wyoming.event import Event, async_write_event
 from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
-from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+from wyoming.tts import (
+    Synthesize,
+    SynthesizeChunk,
+    SynthesizeStart,
+    SynthesizeStop,
+    SynthesizeStopped,
+    SynthesizeVoice,
+)
 from zeroconf import InterfaceChoice, IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
@@ -56,6 +65,7 @@ MAX_HEADER_BYTES = 64 << 10
 SERVICE = "_wyoming._tcp.local."
 SAMPLE_RATE = 16000
 ATTRIBUTION = Attribution(name="appliance", url="https://github.com/")
+Send = Callable[[Event], Awaitable[None]]
 
 
 class WyomingError(Exception):
@@ -74,6 +84,7 @@ class WyomingHandler:
         self.samples = 0
         self.resampler: StreamResampler | None = None
         self.synthesis: list[str] | None = None  # streamed synthesis: the text so far
+        self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
 
     def info(self) -> Info:
         asr = [
@@ -100,28 +111,29 @@ class WyomingHandler:
         tts = [
             TtsProgram(
                 name="appliance-tts",
-                description="Piper voices on the box",
+                description="the box's voices (Piper, Kokoro), batched across clients",
                 attribution=ATTRIBUTION,
                 installed=True,
                 version=__version__,
                 voices=[
                     TtsVoice(
                         name=v.name,
-                        description=v.voice_name,
+                        description=f"{v.name} ({v.language}, model {m.name})",
                         attribution=ATTRIBUTION,
                         installed=True,
                         version=__version__,
                         languages=[v.language],
                     )
-                    for v in self.voices
+                    for m in self.voices
+                    for v in m.voices.values()
                 ],
                 supports_synthesize_streaming=True,
             )
         ]
         return Info(asr=asr if self.speech else [], tts=tts if self.voices else [])
 
-    async def handle(self, event: Event) -> list[Event]:
-        """The answers to one event (sent in order; transcript events stream through `send`)."""
+    async def handle(self, event: Event, send: Send) -> list[Event]:
+        """The answers to one event, sent in order after those `send` streamed (speech as it is made)."""
         if Describe.is_type(event.type):
             return [self.info().event()]
         if Transcribe.is_type(event.type):
@@ -142,9 +154,11 @@ class WyomingHandler:
         if Synthesize.is_type(event.type):
             if self.synthesis is not None:
                 return []  # the streamed form's closing synthesize, for old servers: already spoken
-            return await self.speak(Synthesize.from_event(event).text)
+            synthesize = Synthesize.from_event(event)
+            await self.speak(synthesize.text, synthesize.voice, send)
+            return []
         if SynthesizeStart.is_type(event.type):
-            self.synthesis = []
+            self.synthesis, self.synthesis_voice = [], SynthesizeStart.from_event(event).voice
             return []
         if SynthesizeChunk.is_type(event.type):
             if self.synthesis is None:
@@ -153,7 +167,9 @@ class WyomingHandler:
             return []
         if SynthesizeStop.is_type(event.type):
             text, self.synthesis = "".join(self.synthesis or []), None
-            return [*(await self.speak(text) if text.strip() else []), SynthesizeStopped().event()]
+            if text.strip():
+                await self.speak(text, self.synthesis_voice, send)
+            return [SynthesizeStopped().event()]
         return []  # Wyoming: events a server does not know are ignored (ping, etc.)
 
     def _chunk(self, chunk: AudioChunk) -> list[Event]:
@@ -180,7 +196,7 @@ class WyomingHandler:
             raise BadRequest("this firmware serves no speech_to_text model")
         return self.speech[0]
 
-    async def finish_transcription(self, send: Any) -> str:
+    async def finish_transcription(self, send: Send) -> str:
         """audio-stop: the recording's segments, each sent as it is decoded, then the whole transcript."""
         if self.audio is None or self.resampler is None:
             raise BadRequest("audio-stop before audio-start")
@@ -199,15 +215,35 @@ class WyomingHandler:
         await send(Transcript(text=" ".join(texts), language=language).event())
         return model.name
 
-    async def speak(self, text: str) -> list[Event]:
-        if not self.voices:
+    async def speak(self, text: str, wanted: SynthesizeVoice | None, send: Send) -> None:
+        """Each sentence's audio sent as soon as it is made (a client that does not read holds the rest)."""
+        model, voice = self._voice(wanted)
+        rate = model.sample_rate
+        shards = await model.prepare(text, voice)  # a text with nothing to say is an error before any audio
+        await send(AudioStart(rate=rate, width=2, channels=1).event())
+        async with contextlib.aclosing(model.synthesize(shards, 1.0, voice=voice)) as pieces:
+            async for piece in pieces:
+                await send(AudioChunk(rate=rate, width=2, channels=1, audio=piece.astype("<i2").tobytes()).event())
+        await send(AudioStop().event())
+
+    def _voice(self, wanted: SynthesizeVoice | None) -> tuple[Speaker, str]:
+        """The voice a synthesize event names; else the first of the language it names; else the box's first."""
+        spoken = [(m, v) for m in self.voices for v in m.voices.values()]
+        if not spoken:
             raise BadRequest("this firmware serves no voice")
-        voice = self.voices[0]
-        rate = voice.sample_rate
-        events = [AudioStart(rate=rate, width=2, channels=1).event()]
-        async for piece in voice.synthesize(await voice.prepare(text), 1.0):
-            events.append(AudioChunk(rate=rate, width=2, channels=1, audio=piece.astype("<i2").tobytes()).event())
-        return [*events, AudioStop().event()]
+        names = ", ".join(f"{v.name} ({v.language})" for _, v in spoken)
+        if wanted is not None and wanted.name:
+            found = [(m, v.name) for m, v in spoken if v.name == wanted.name]
+            if not found:
+                raise BadRequest(f"unknown voice {wanted.name[:80]!r} (voices: {names})")
+            return found[0]
+        if wanted is not None and wanted.language:
+            language = wanted.language.replace("_", "-").split("-")[0].lower()
+            found = [(m, v.name) for m, v in spoken if v.language == language]
+            if not found:
+                raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
+            return found[0]
+        return spoken[0][0], spoken[0][1].name
 
 
 async def read_event(reader: asyncio.StreamReader, max_payload: int) -> Event | None:
@@ -260,7 +296,7 @@ async def serve_client(
     try:
         while (event := await read_event(reader, max_payload)) is not None:
             try:
-                for answer in await handler.handle(event):
+                for answer in await handler.handle(event, send):
                     await send(answer)
                 if AudioStop.is_type(event.type):
                     stopped = time.monotonic()

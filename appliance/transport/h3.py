@@ -23,7 +23,6 @@ import time
 from functools import partial
 from typing import Any
 
-from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
@@ -39,11 +38,12 @@ from cryptography.hazmat.primitives import hashes
 
 from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.protocol.flow import SendWindow
-from appliance.protocol.messages import Handler, Opened, Request, Response
+from appliance.protocol.messages import Handler, Opened, Request
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
 from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
+from appliance.transport.h3_websocket import WebSocketStreams, is_websocket_connect
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, Tickets, TicketStore
 from appliance.transport.steering_ids import tag_connection_ids
@@ -171,6 +171,8 @@ class H3Server:
                     connection.reap_quiet_streams(now - quic.stream_idle_timeout_s)
 
     def close(self) -> None:
+        for connection in self.connections:
+            connection.websockets_going_away()
         if self._reaper is not None:
             self._reaper.cancel()
         if self._quic_server is not None:
@@ -184,13 +186,15 @@ class H3Server:
         return self._quic_server._transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
 
 
-class H3Protocol(QuicConnectionProtocol):
+class H3Protocol(WebSocketStreams):
+    server: H3Server
+
     def __init__(self, *args: object, server: H3Server, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.server = server
         if server.worker_key is not None:
             tag_connection_ids(self._quic, server.worker_key)
-        self._http: BoundedH3Connection | None = None
+        self._http = None
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self.handshake_done = False
         self.operator = False  # its certificate is one the operator CA signed (known once the handshake is done)
@@ -198,7 +202,7 @@ class H3Protocol(QuicConnectionProtocol):
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
         self._serving: dict[int, asyncio.Task[None]] = {}  # request streams being answered
-        self._windows: dict[int, SendWindow] = {}  # streams whose answer waits for the peer to take some
+        self._windows, self._websockets = {}, {}
         self.peer, self._addr = "", None
         self._terminated = False
         if server.client_certificates is not None:
@@ -252,10 +256,12 @@ class H3Protocol(QuicConnectionProtocol):
         elif isinstance(event, (StreamReset, StopSendingReceived)):
             if (serving := self._serving.get(event.stream_id)) is not None:
                 serving.cancel()  # the client gave up on this request: stop working for it
+            self._websocket_gone(event.stream_id)
         elif isinstance(event, ConnectionTerminated):
             self._terminated = True
             for serving in self._serving.values():
                 serving.cancel()
+            self._websocket_gone(None)
             self.server.connections.discard(self)
             held = sum(a.body_bytes for a in self._incoming.values() if a is not None)
             self.server.budget.give(held + sum(len(r.body) for _, r in self._waiting_for_handshake))
@@ -277,12 +283,18 @@ class H3Protocol(QuicConnectionProtocol):
         if not isinstance(event, (HeadersReceived, DataReceived)):
             return
         stream_id = event.stream_id
+        if isinstance(event, DataReceived) and self._websocket_data(event):
+            return
         if isinstance(event, DataReceived) and stream_id not in self._incoming:
             return
         try:
             if isinstance(event, HeadersReceived):
                 if stream_id not in self._incoming:
                     self._incoming[stream_id] = self._start(event)
+                    if is_websocket_connect(event.headers):  # its request is whole: what follows is the WebSocket's
+                        self._websockets[stream_id] = self._websocket(stream_id)
+                        self._complete(stream_id)
+                        return
             elif (assembler := self._incoming[stream_id]) is not None:
                 assembler.add_body(event.data)
         except Rejection as rejection:
@@ -294,7 +306,10 @@ class H3Protocol(QuicConnectionProtocol):
             self._complete(stream_id)
 
     def _start(self, event: HeadersReceived) -> RequestAssembler:
-        if len(self._incoming) + self.in_flight >= self.server.config.max_streams_per_connection:
+        if (
+            len(self._incoming) + self.in_flight + len(self._websockets)
+            >= self.server.config.max_streams_per_connection
+        ):
             raise limit_bit(
                 429, f"too many open streams on this connection (limit {self.server.config.max_streams_per_connection})"
             )
@@ -305,13 +320,22 @@ class H3Protocol(QuicConnectionProtocol):
                 method = value.decode("latin-1")
             elif name == b":path":
                 assembler.add_target(value)
+            elif name == b":protocol":  # RFC 9220's extended CONNECT is the API's GET with Upgrade
+                assembler.add_header(b"upgrade", value)
+                method = "GET"
             elif name not in (b":scheme", b":authority"):
                 assembler.add_header(name, value)
         assembler.headers_complete(method)
         return assembler
 
     def reap_quiet_streams(self, heard_before: float) -> None:
-        """Answer 408 on request streams that went quiet, and forget what they sent."""
+        """Answer 408 on request streams that went quiet, and forget what they sent; a WebSocket's own
+        timeouts (pings, idle) are checked here too."""
+        for stream_id, websocket in list(self._websockets.items()):
+            if websocket.ended:
+                del self._websockets[stream_id]
+            else:
+                websocket.check_timeouts(time.monotonic())
         for stream_id, assembler in list(self._incoming.items()):
             if assembler is None:  # rejected and answered: nothing more is read from it
                 del self._incoming[stream_id]
@@ -355,6 +379,9 @@ class H3Protocol(QuicConnectionProtocol):
     async def _serve(self, stream_id: int, request: Request) -> None:
         try:
             response = await self.server.api.handle(request)
+            if (websocket := self._websockets.get(stream_id)) is not None:
+                self._open(stream_id, websocket, response)
+                return
             if response.opened is not None and self.peer:
                 self.server.owners.record(self.peer, response.opened)
             if self._respond(stream_id, response) and response.stream is not None:
@@ -371,43 +398,3 @@ class H3Protocol(QuicConnectionProtocol):
                 held.close()
             self.in_flight -= 1
             self.server.budget.give(len(request.body))
-
-    def _unacknowledged(self, stream_id: int) -> int:
-        """Bytes of this stream aioquic holds for the peer: sent and not acknowledged, or not sent yet."""
-        stream = self._quic._streams.get(stream_id)
-        if stream is None:
-            return 0
-        return stream.sender._buffer_stop - stream.sender._buffer_start
-
-    def transmit(self) -> None:
-        """Send what is due; each answer that waits for its peer learns what the peer took meanwhile
-        (acknowledgements and MAX_STREAM_DATA arrive before aioquic's protocol calls this)."""
-        super().transmit()
-        for stream_id, window in self._windows.items():
-            window.hold(0 if self._terminated else self._unacknowledged(stream_id))
-
-    def _respond(self, stream_id: int, response: Response) -> bool:
-        """Send the headers, and the body unless it is streamed; False if the stream is gone."""
-        if self._http is None:
-            return False
-        headers = [(b":status", str(response.status).encode()), (b"content-type", response.content_type.encode())]
-        if response.stream is None:
-            headers.append((b"content-length", str(len(response.body)).encode()))
-        headers += [(k.lower().encode(), v.encode()) for k, v in response.headers]
-        try:
-            self._http.send_headers(stream_id, headers)
-        except Exception as exc:  # the stream or connection went away meanwhile
-            log.debug("stream %d: response dropped: %s", stream_id, exc)
-            return False
-        return response.stream is not None or self._send_data(stream_id, response.body, end_stream=True)
-
-    def _send_data(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
-        assert self._http is not None
-        try:
-            self._http.send_data(stream_id, data, end_stream=end_stream)
-        except Exception as exc:
-            log.debug("stream %d: response dropped: %s", stream_id, exc)
-            return False
-        finally:
-            self.transmit()
-        return True
