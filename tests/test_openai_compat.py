@@ -185,6 +185,11 @@ def test_errors_are_in_openais_shape_even_a_413(daemon, openai_client: openai.Op
     assert caught.value.body["param"] == "chunking_strategy" and set(caught.value.body) == {
         "message", "type", "param", "code"
     }  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as caught:  # nested past any JSON parser's recursion: still a 400
+        openai_client.audio.transcriptions.create(
+            model=TINY, file=("e.wav", encode_wav(say(CLEAR[0]), RATE)), chunking_strategy="[" * 3000
+        )
+    assert caught.value.body["param"] == "chunking_strategy"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)
         s.connect(str(daemon.socket))

@@ -83,6 +83,11 @@ def test_repository_index_and_no_load_or_unload(triton: httpclient.InferenceServ
             {"error": 'repository index request: the body must be an object like {"ready": true}'},
         ),
         (b"[", 400, {"error": "repository index request: the body is not JSON"}),
+        (  # read by the bounded reader: no recursion, no 500
+            b"[" * 5000 + b"]" * 5000,
+            400,
+            {"error": "repository index request: request body nests lists and objects more than 32 deep"},
+        ),
     ],
 )
 def test_repository_index_request_bodies(daemon, body: bytes, status: int, answer: object) -> None:

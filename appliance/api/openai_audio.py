@@ -30,6 +30,7 @@ from appliance.kinds.capabilities import Transcriber
 from appliance.kinds.counting import counted
 from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, SUBTITLES, Options, Segment, render, word_json
 from appliance.kinds.streaming import guarded, query_flag, whole
+from appliance.protocol.json_reader import JsonReader
 from appliance.protocol.messages import Request, Response
 from appliance.tasks import off_loop
 
@@ -179,8 +180,8 @@ def _check_chunking(value: str) -> None:
     if value == "auto":
         return
     try:
-        doc = json.loads(value)
-    except ValueError:
+        doc = JsonReader.read(value.encode(), tensors=False)  # bounded: depth and values
+    except BadRequest:
         doc = None
     if not isinstance(doc, dict) or doc.get("type") != "server_vad":
         raise BadRequest(

@@ -3,11 +3,11 @@ what it serves; load and unload are refused, since only a new firmware changes w
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from appliance.errors import ApiError, BadRequest
 from appliance.firmware import Manifest
+from appliance.protocol.json_reader import BeyondBounds, JsonReader
 
 
 def index(body: bytes, models: list[str], version: str, ready: bool) -> list[dict[str, Any]]:
@@ -31,8 +31,10 @@ def _ready_only(body: bytes) -> bool:
     if not body.strip():
         return False
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
+        doc = JsonReader.read(body, tensors=False)  # bounded: depth and values
+    except BeyondBounds as exc:
+        raise BadRequest(f"repository index request: {exc.message}") from None
+    except BadRequest:
         raise BadRequest("repository index request: the body is not JSON") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
         raise BadRequest('repository index request: the body must be an object like {"ready": true}')
