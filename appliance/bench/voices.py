@@ -29,7 +29,7 @@ import onnxruntime as ort
 from appliance import firmware
 from appliance.bench.daemon import DaemonProcess
 from appliance.bench.measure import concurrently
-from appliance.bench.speech import LIVE_CHUNK, SENTENCES, spoken, timed_once
+from appliance.bench.speech import pipeline, timed_once
 from appliance.client import Client
 from appliance.firmware.voices import STYLE_DIM, STYLE_ROWS, language_of, voice_file
 from appliance.kinds.kokoro import kokoro_ids
@@ -147,28 +147,6 @@ def lanes(bundle: firmware.Bundle, model: firmware.ModelSpec, ids: list[list[int
     }
 
 
-def interpreter(socket: str, pipeline: str) -> dict[str, Any]:
-    """English speech live in real time, target pt: end of each sentence to its first Portuguese audio."""
-    audio, ends = spoken(SENTENCES[:4])
-    latencies: list[float] = []
-    with Client(socket, timeout=300) as client:
-        t0 = time.perf_counter()
-        for i, at in enumerate(range(0, len(audio), LIVE_CHUNK)):
-            time.sleep(max(0.0, t0 + at / 16000 - time.perf_counter()))  # in real time, as a microphone sends
-            out = client.infer(
-                pipeline, {"audio": audio[at : at + LIVE_CHUNK]}, sequence_id="bench-pt", start=i == 0,
-                end=at + LIVE_CHUNK >= len(audio), parameters={"target": "pt"},
-            )  # fmt: skip
-            if len(out["audio"]) and len(latencies) < len(ends):
-                latencies.append(time.perf_counter() - (t0 + ends[len(latencies)] / 16000))
-    return {
-        "sentences": len(ends),
-        "answered": len(latencies),
-        "end_to_audio_p50_ms": round(statistics.median(latencies) * 1000, 1) if latencies else None,
-        "end_to_audio_max_ms": round(max(latencies) * 1000, 1) if latencies else None,
-    }
-
-
 def run(bundle_dir: Path, trusted_keys: Path, workdir: Path) -> dict[str, Any]:
     bundle = firmware.verify(bundle_dir, trusted_keys)
     by_kind = {m.kind: m for m in reversed(bundle.manifest.models)}
@@ -179,7 +157,7 @@ def run(bundle_dir: Path, trusted_keys: Path, workdir: Path) -> dict[str, Any]:
         results["rss_mib"] = round(daemon.rss_mib(), 1)  # every model loaded and warmed up
         results["kokoro"] = speech(bundle, str(daemon.socket), by_kind["kokoro_speech"], threads)
         if "speech_pipeline" in by_kind:
-            results["interpreter_pt"] = interpreter(str(daemon.socket), by_kind["speech_pipeline"].name)
+            results["interpreter_pt"] = pipeline(str(daemon.socket), by_kind["speech_pipeline"].name, {"target": "pt"})
     finally:
         daemon.stop()
     return results

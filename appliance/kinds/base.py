@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from appliance.engine.stats import ModelStats, RequestTimes
+from appliance.errors import BadRequest
 from appliance.firmware import ModelSpec
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
@@ -66,6 +67,12 @@ class NoSequences:
 
     def streaming(self, now: float, within_s: float) -> int:
         return 0
+
+
+def stateless(model: str, sequence: SequenceCall | None) -> None:
+    """A stateless model's infer: Triton's sequence parameters are a 400."""
+    if sequence is not None:
+        raise BadRequest(f"model {model} is stateless: it takes no sequence_id")
 
 
 class EngineModel:

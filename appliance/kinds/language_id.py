@@ -18,9 +18,9 @@ import numpy as np
 
 from appliance.config import Live
 from appliance.engine.stats import ModelStats, RequestTimes
-from appliance.errors import ApplianceError, BadRequest
+from appliance.errors import ApplianceError
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task
+from appliance.kinds.base import NoSequences, SequenceCall, ServedModel, Task, stateless
 from appliance.kinds.text import request_texts
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Opened
@@ -97,8 +97,7 @@ class LanguageIdentifier:
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
-        if sequence is not None:
-            raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
+        stateless(self.name, sequence)
         texts = request_texts(request, self.name, TEXT)
         best = [self.detect(t)[0] for t in texts]
         languages = np.empty(len(best), object)

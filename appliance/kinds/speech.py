@@ -27,7 +27,7 @@ from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
+from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task, stateless
 from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, SpokenVoice
 from appliance.kinds.phonemes import Phonemes, phonemize
 from appliance.kinds.speakers import PiperSpeaker, Shard, VoiceBackend
@@ -123,8 +123,7 @@ class SpeechModel(QueuedModel):
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
-        if sequence is not None:
-            raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
+        stateless(self.name, sequence)
         text = one_text(request, self.name)
         speed = request.parameters.get("speed", 1.0)
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:

@@ -23,9 +23,9 @@ from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.bergamot import BergamotEngine
 from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats, RequestTimes
-from appliance.errors import ApplianceError, BadRequest
+from appliance.errors import ApplianceError
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task
+from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task, stateless
 from appliance.kinds.text import (
     Clause,
     ShardLimits,
@@ -99,8 +99,7 @@ class TranslationModel(QueuedModel):
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
-        if sequence is not None:
-            raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
+        stateless(self.name, sequence)
         texts = request_texts(request, self.name, TEXT)
         done = await asyncio.gather(*(self.translate(t, times) for t in texts))
         out = np.empty(len(done), object)
