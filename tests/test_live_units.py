@@ -34,9 +34,13 @@ def test_turn_events_chain_their_items() -> None:
     s = session()
     started = s.turn_heard(16000)[0]
     assert started["audio_start_ms"] == 1000 - 300  # OpenAI's default prefix padding
-    assert s.partial("hello")[0]["delta"] == "hello"
-    assert s.partial("hello there")[0]["delta"] == " there"
-    assert s.partial("jello there") == []  # a revision is not sent as a delta
+    # a word goes out once two texts in a row agree on it and on all before it
+    assert s.partial("I will die") == []
+    assert s.partial("I would like to")[0]["delta"] == "I"
+    assert s.partial("I would like to order a cup.")[0]["delta"] == " would like to"
+    assert s.partial("I would like to order a cup of coffee")[0]["delta"] == " order a cup"
+    assert s.partial("I would like to odor") == []  # a revision of what was sent is not taken back
+    assert s.partial("I would like to order a cup of coffee and") == []
     first = s.turn_closed(32000, "hello there")
     assert [e["type"].rsplit(".", 1)[-1] for e in first] == ["speech_stopped", "committed", "completed"]
     assert first[0]["item_id"] == started["item_id"] == first[2]["item_id"]

@@ -21,7 +21,7 @@ import soxr
 from conftest import ROOT, Daemon, Keys, build_bundle
 from speech import RATE, recording
 from tcp_forward import tcp_to_unix
-from test_speech_to_text import CLEAR, wer
+from test_speech_to_text import CLEAR, wer, words
 from websockets.asyncio.client import ClientConnection, unix_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -123,6 +123,27 @@ def test_live_turns_and_transcripts(daemon: Daemon, frame_ms: int, rate: int) ->
     count, total = live_latency(daemon, "realtime")
     assert count >= len(sentences) and 0 < total / count < 10, (count, total)
     print(f"realtime: end of sentence to completed, mean {total / count:.3f} s over {count} turns")
+
+
+LONG_TURN = (
+    "I would like to order a cup of coffee and a sandwich, and please call me back when you get home tonight, "
+    "because the lights in the kitchen are still on."
+)
+
+
+def test_an_open_turn_sends_its_text_so_far_as_deltas(daemon: Daemon) -> None:
+    """A turn of about nine seconds: while it is open, the words heard so far come as transcription
+    deltas of its item before its completed event, and they are the start of the known sentence."""
+    events, _ = asyncio.run(stream_live(daemon.socket, [LONG_TURN], 100, 16000))
+    completed = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    assert deltas, [e["type"] for e in events]
+    assert all(d["item_id"] == completed["item_id"] and d["content_index"] == 0 for d in deltas), deltas
+    assert events.index(deltas[-1]) < events.index(completed)
+    so_far, known = words("".join(d["delta"] for d in deltas)).split(), words(LONG_TURN).split()
+    assert len(so_far) >= 5 and so_far == known[: len(so_far)], (so_far, known)
+    assert wer(LONG_TURN, completed["transcript"]) <= 0.1, completed["transcript"]
+    print(f"deltas: {len(deltas)}, {len(so_far)} of {len(known)} words before the turn closed")
 
 
 def live_latency(daemon: Daemon, protocol: str) -> tuple[int, float]:

@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import re
+import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import soxr
 from conftest import ROOT, Daemon, Keys, build_bundle
 from speech import RATE, recording
+from test_long_running import process_tree_rss_kib
 from test_realtime import TURN_DETECTION, next_event, pcm
 from test_speech_to_text import words
 from websockets.asyncio.client import unix_connect
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import CloseConnection, Request, TextMessage
 
 from appliance.audio import encode_wav
 from appliance.client import Call
@@ -26,6 +32,10 @@ from appliance.client.http import checked
 
 SENTENCES = ["The train leaves at three in the afternoon.", "My brother works at the hospital."]
 KEY_WORDS = [{"afternoon"}, {"brother", "hospital"}]  # what Whisper base hears of espeak-ng reliably
+LONG_TURNS = [
+    "The morning train to the coast leaves from the second platform at half past seven, so please be early.",
+    "A light rain is expected in the afternoon, so an umbrella may be useful when you walk to the museum.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +46,9 @@ def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dae
     assert d.stop() == 0, d.log.read_text()
 
 
-def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
-    samples, _ = recording(SENTENCES, gap_s=1.2, lead_s=0.5)
+def interpret(daemon: Daemon, sentences: list[str]) -> list[dict]:
+    """Every event of an interpreter session fed the sentences' speech at real-time pace."""
+    samples, _ = recording(sentences, gap_s=1.2, lead_s=0.5)
     audio = pcm(np.concatenate([samples, np.zeros(RATE, np.float32)]), 24000)
 
     async def run() -> list[dict]:
@@ -57,7 +68,7 @@ def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
             events: list[dict] = []
 
             async def receive() -> None:
-                while sum(e["type"] == "response.done" for e in events) < len(SENTENCES):
+                while sum(e["type"] == "response.done" for e in events) < len(sentences):
                     events.append(json.loads(await ws.recv()))
 
             receiver = asyncio.create_task(receive())
@@ -72,7 +83,11 @@ def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
                 raise AssertionError([(e["type"], e.get("error"), e.get("transcript")) for e in events]) from None
             return events
 
-    events = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
+    events = interpret(daemon, SENTENCES)
     assert not [e for e in events if e["type"] == "error"], events
     for keys, done in zip(KEY_WORDS, [e for e in events if e["type"] == "response.done"], strict=True):
         rid = done["response"]["id"]
@@ -109,3 +124,95 @@ def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
     )
     assert first and total and int(first[1]) >= len(SENTENCES), metrics[-2000:]
     print(f"interpreter: end of sentence to first translated audio, mean {float(total[1]) / int(first[1]):.3f} s")
+
+
+def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(daemon: Daemon) -> None:
+    """A raw WebSocket client (wsproto, a small receive buffer) streams four long turns and then
+    silence as fast as it can without reading the translated speech (some 2 MB of it, more than the
+    worker channel's 1 MiB credit and the socket's buffers hold): the session's sends wait for it, the
+    box stops reading its messages past [websocket] buffered_bytes (its sends block: about 4 MiB held,
+    not the 64 MiB it tries), every process stays within its memory bound and others are served
+    meanwhile; once the client reads again, every turn's answer arrives in full."""
+    turns = LONG_TURNS * 2
+    samples, _ = recording(turns, gap_s=1.2, lead_s=0.5)
+    speech = pcm(samples, 24000)
+    second_of_silence = json.dumps(
+        {"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(48000)).decode()}
+    )
+    interpret(daemon, LONG_TURNS[:1])  # the models' working memory, before the bound is measured
+    before = process_tree_rss_kib(daemon)
+    ws = WSConnection(ConnectionType.CLIENT)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(str(daemon.socket))
+    sock.sendall(ws.send(Request(host="appliance", target="/v1/realtime?model=interpreter&target=en")))
+    received: list[dict] = []
+    parts: list[str] = []  # of the message being received (wsproto hands frames on as they come)
+
+    def read_until(done: Callable[[], bool]) -> None:
+        while not done():
+            data = sock.recv(1 << 16)
+            assert data, "the box closed the connection"
+            ws.receive_data(data)
+            for event in ws.events():
+                if isinstance(event, TextMessage):
+                    parts.append(event.data)
+                    if event.message_finished:
+                        received.append(json.loads("".join(parts)))
+                        parts.clear()
+                elif isinstance(event, CloseConnection):
+                    raise AssertionError(f"closed: {event.code} {event.reason}")
+
+    sock.settimeout(60)
+    read_until(lambda: any(e["type"] == "session.created" for e in received))
+    session = {"type": "realtime", "audio": {"input": {"turn_detection": TURN_DETECTION}}}
+    sock.sendall(ws.send(TextMessage(json.dumps({"type": "session.update", "session": session}))))
+    read_until(lambda: any(e["type"] == "session.updated" for e in received))
+    # from here on nothing is read: the speech, then silence until the box stops taking it
+    step = 24000 * 2 // 10
+    messages = (
+        json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(speech[i : i + step]).decode()})
+        for i in range(0, len(speech), step)
+    )
+    pending, sent, blocked = bytearray(), 0, False
+    sock.settimeout(15)
+    for message in itertools.chain(messages, itertools.repeat(second_of_silence)):
+        pending += ws.send(TextMessage(message))
+        try:
+            while pending:
+                n = sock.send(pending)
+                del pending[:n]
+                sent += n
+        except TimeoutError:
+            blocked = True
+            break
+        if sent > 64 << 20:
+            break
+    assert blocked, f"the box took {sent >> 20} MiB from a client that reads nothing"
+    assert sent < 12 << 20, f"{sent >> 20} MiB taken before the box stopped reading"
+    with daemon.client() as client:
+        assert client.health()["ready"], "others are not served"
+    time.sleep(10)  # the turn under way when the sends blocked finishes; then nothing more may grow
+    held = process_tree_rss_kib(daemon)
+    time.sleep(5)
+    after = process_tree_rss_kib(daemon)
+    assert all(after[pid] - held[pid] < 2 << 10 for pid in after), (held, after)
+    grown = {pid: after[pid] - before.get(pid, 0) for pid in after}
+    assert max(grown.values()) < 48 << 10, f"resident memory grew by {grown} KiB"
+    # the client reads again (and finishes its last message): every turn's answer comes, whole
+    sock.settimeout(180)
+    finisher = threading.Thread(target=sock.sendall, args=(bytes(pending),))
+    finisher.start()
+    read_until(lambda: sum(e["type"] == "response.done" for e in received) == len(turns))
+    finisher.join(60)
+    assert not [e for e in received if e["type"] == "error"], [e for e in received if e["type"] == "error"]
+    for done in [e for e in received if e["type"] == "response.done"]:
+        rid = done["response"]["id"]
+        spoken = sum(
+            len(base64.b64decode(e["delta"]))
+            for e in received
+            if e["type"] == "response.output_audio.delta" and e["response_id"] == rid
+        )
+        assert spoken / 2 / 24000 > 1.0, (rid, spoken)
+    sock.close()
+    print(f"stopped reading: the box took {sent / 2**20:.1f} MiB; resident growth {grown} KiB")

@@ -91,7 +91,8 @@ class TranscriptionSession:
     heard_samples: int = 0  # 16 kHz samples of input so far: the clock of audio_start_ms / audio_end_ms
     _item: str | None = None  # the turn being heard, from speech_started on
     _previous: str | None = None
-    _sent_partial: str = ""
+    _hypothesis: list[str] = field(default_factory=list)  # the open turn's last text so far, in words
+    _sent_words: int = 0  # how many of its words went out as deltas
     _client_event: str | None = None  # the event_id of the client event being handled: errors name it
 
     def __post_init__(self) -> None:
@@ -219,7 +220,8 @@ class TranscriptionSession:
         return [Commit(item)]
 
     def _clear(self, event: dict[str, Any]) -> list[Step]:
-        self._item, self._sent_partial = None, ""
+        self._item = None
+        self._new_partials()
         return [Clear(), self.event("input_audio_buffer.cleared")]
 
     # --- what the box heard ---
@@ -230,17 +232,32 @@ class TranscriptionSession:
         """The VAD hears speech from `start_sample` (16 kHz samples since the session began)."""
         if self._item is not None:
             return []
-        self._item, self._sent_partial = self._new_item(), ""
+        self._item = self._new_item()
+        self._new_partials()
         start_ms = max(0, start_sample * 1000 // SAMPLE_RATE - self._pad_ms())
         return [self.event("input_audio_buffer.speech_started", audio_start_ms=start_ms, item_id=self._item)]
 
     def partial(self, text: str) -> list[dict[str, Any]]:
-        """The open turn's text so far: a delta where it extends what was sent (Whisper may revise it)."""
-        text = text.strip()
-        if self._item is None or not text.startswith(self._sent_partial) or text == self._sent_partial:
+        """The open turn's text so far. Whisper revises what it heard as the audio grows (a word cut at
+        the end, a misheard start), and a delta cannot be taken back: so a word goes out once two texts
+        in a row agree on it and on every word before it (whisper_streaming's local agreement)."""
+        if self._item is None:
             return []
-        delta, self._sent_partial = text[len(self._sent_partial) :], text
+        hypothesis = text.split()
+        agreed = 0
+        for mine, last in zip(hypothesis, self._hypothesis):
+            if _plain(mine) != _plain(last):
+                break
+            agreed += 1
+        self._hypothesis = hypothesis
+        if agreed <= self._sent_words:
+            return []
+        delta = " ".join(hypothesis[self._sent_words : agreed])
+        delta, self._sent_words = (" " + delta if self._sent_words else delta), agreed
         return [self.event(DELTA, item_id=self._item, content_index=0, delta=delta)]
+
+    def _new_partials(self) -> None:
+        self._hypothesis, self._sent_words = [], 0
 
     def turn_closed(self, end_sample: int | None, transcript: str, item_id: str | None = None) -> list[dict[str, Any]]:
         """A turn ended (the VAD's silence at `end_sample`, or a commit): stopped, committed, completed."""
@@ -252,7 +269,8 @@ class TranscriptionSession:
             end_ms = end_sample * 1000 // SAMPLE_RATE
             events.append(self.event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=item))
         events.append(self.event("input_audio_buffer.committed", previous_item_id=self._previous, item_id=item))
-        self._previous, self._sent_partial = item, ""
+        self._previous = item
+        self._new_partials()
         usage = {"type": "duration", "seconds": 0}
         events.append(self.event(COMPLETED, item_id=item, content_index=0, transcript=transcript.strip(), usage=usage))
         return events
@@ -291,6 +309,13 @@ class TranscriptionSession:
 
 
 DELTA = "conversation.item.input_audio_transcription.delta"
+
+
+def _plain(word: str) -> str:
+    """A word as two texts are compared: "sandwich," and "Sandwich." agree."""
+    return "".join(c for c in word.lower() if c.isalnum() or c == "'")
+
+
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 HANDLERS = {
     "session.update": TranscriptionSession._update,

@@ -9,7 +9,7 @@ held up behind a long text. Only shards of one `group` run together (speech at o
 graph takes one set of scales per call), and at most `per_request` shards of one request, where
 the kind sets it. Shards that arrive while a batch runs join the next one. A cancelled future
 (the client went away) drops its shard if it has not started, and the results of one that ran meanwhile.
-The model's QueuePolicy bounds the requests waiting and how long a shard may wait (a 503 past either).
+The model's QueuePolicy bounds the requests waiting and how long a request waits to begin (a 503 past either).
 """
 
 from __future__ import annotations
@@ -119,8 +119,10 @@ class BatchQueue(Generic[T, R]):
     ) -> list[asyncio.Future[Done[R]]]:
         """Queue one request's shards, in order; a future per shard. `urgent` shards (a live stream's)
         go before every waiting shard that is not, and are never refused. A request that submits its
-        shards a few at a time passes its `owner` (from `new_owner`, which admits it) and the index of
-        the first; one that submits them at once is admitted here."""
+        shards a few at a time passes the index of the first (its place in the request: lower indices
+        go first, and only index 0 can time out) and its `owner` (from `new_owner`, which admits it),
+        or no owner to have each submission admitted on its own (Whisper's shards); one that submits
+        them at once is admitted here."""
         loop = asyncio.get_running_loop()
         if owner is None:
             owner = self.new_owner(urgent)
@@ -150,7 +152,9 @@ class BatchQueue(Generic[T, R]):
         for shard in self._waiting:
             if shard.future.done():  # its caller went away (counted then)
                 continue
-            if (overdue := self.policy.overdue(shard.queued_ns, now)) is not None and shard.order[0] >= 0:
+            # only a request's first shard can wait too long: once it has begun, its answer may be under
+            # way and its later shards are its own (urgent ones, a live stream's, are never refused)
+            if shard.order[0] == 0 and (overdue := self.policy.overdue(shard.queued_ns, now)) is not None:
                 shard.future.set_exception(overdue)
             else:
                 kept.append(shard)

@@ -1,6 +1,6 @@
 """Overload as a policy, Triton's way (dynamic_batching.default_queue_policy): a model's queue holds
 at most `engine.max_queue_size` waiting requests and a request waits at most `engine.queue_timeout_s`
-(0: no timeout); past either it is refused at once with a 503 and Retry-After (timeout_action REJECT),
+for its first piece of work to start (0: no timeout); past either it is refused at once with a 503 and Retry-After (timeout_action REJECT),
 counted in the model's stats, instead of piling up work the box cannot do in time."""
 
 from __future__ import annotations

@@ -138,11 +138,15 @@ class SpeechToText(LiveTranscription, EngineModel):
         loop = asyncio.get_running_loop()
         held: list[ShardPlan] = []
 
+        sent = 0
+
         def send(plans: list[ShardPlan], last: bool = False) -> None:
+            nonlocal sent
             held.extend(plans)
             if len(held) >= self.max_batch or last:
-                for plan in held:
-                    shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent)))
+                for plan in held:  # the shard's index: every request's first shard goes before anyone's next
+                    shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent, index=sent)))
+                    sent += 1
                 held.clear()
 
         async def cut() -> None:
@@ -187,13 +191,15 @@ class SpeechToText(LiveTranscription, EngineModel):
         times: RequestTimes,
         urgent: bool = False,
         offset: int = 0,
+        index: int = 0,
     ) -> list[Segment]:
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
         spans by Whisper's timestamps, a segment per run of spans its pieces join (Whisper's own
         times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
         second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
         shard = self._shard(plan.audio(samples), options)
-        done = await self.batcher.submit([shard], (len(shard.prompt), shard.temperature), urgent=urgent)[0]
+        group = (len(shard.prompt), shard.temperature)
+        done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
         times.queue_ns += done.queued_ns
         decoded = done.result
         runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)

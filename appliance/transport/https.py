@@ -28,6 +28,7 @@ from cryptography import x509
 from appliance.config import Config, Live, QuicConfig
 from appliance.errors import ApplianceError
 from appliance.protocol.messages import Handler, Opened
+from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.http1 import Http1Server
 from appliance.transport.owners import SequenceOwners
@@ -98,7 +99,7 @@ class HttpsServer(Http1Server):
 
     async def start(self, sock: socket.socket) -> asyncio.base_events.Server:
         loop = asyncio.get_running_loop()
-        self._forget = loop.create_task(self._forget_ended())
+        self._forget = spawn(self._forget_ended(), "the HTTPS connections' sequence sweep")
         return await loop.create_server(
             self.protocol,
             sock=sock,

@@ -26,6 +26,7 @@ from wsproto.utilities import LocalProtocolError
 
 from appliance.config import WebSocketConfig
 from appliance.protocol.messages import Close, Message, Session
+from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN
 
 log = logging.getLogger("appliance.websocket")
@@ -80,7 +81,7 @@ class WebSocketPump:
         return self._limits()
 
     def start(self, trailing: bytes = b"") -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = spawn(self._run(), "a WebSocket session")
         if trailing:
             self.data_received(trailing)
 
