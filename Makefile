@@ -48,7 +48,7 @@ lint: venv
 # and the pipeline on the interpreter firmware.
 bench: firmware firmware-default
 	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part transcription,speech,voices
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part transcription,live,speech,voices
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:

@@ -251,7 +251,9 @@ class Turns:
         call = SequenceCall(self.key, start=not self.started, end=end, client=self.client)
         want_partial = not end and self.chunks % PARTIAL_EVERY == 0
         vad = self.session.settings.vad
-        chunk = await self.model.live_chunk(samples, call, want_partial, self.options(), RequestTimes(), vad)
+        chunk = await self.model.live_chunk(
+            samples, call, want_partial, self.options(), RequestTimes(), vad, partial_waits=False
+        )
         self.started = not end
         return chunk
 

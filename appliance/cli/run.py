@@ -25,6 +25,7 @@ BENCH_PARTS = {
     "workers": {"vad"},
     "https": {"vad"},
     "transcription": {"speech_to_text"},
+    "live": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
     "voices": {"kokoro_speech"},
 }
@@ -33,7 +34,7 @@ BENCH_PARTS = {
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import https, speech, transcription, voices, workers
+    from appliance.bench import https, live, speech, transcription, voices, workers
     from appliance.bench.run import run
     from appliance.config import EngineConfig
 
@@ -66,6 +67,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         print(f"appliance bench: {args.bundle}, speech to text")
         print("\n".join(transcription.report(results["transcription"])))
+    if "live" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["live"] = live.live_bench(args.bundle, args.trusted_keys, Path(tmp), EngineConfig().threads)
+        print(f"appliance bench: {args.bundle}, live speech over Realtime and Wyoming")
+        print("\n".join(live.report(results["live"])))
     if "speech" in wanted:
         with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
             results.update(speech.run(args.bundle, args.trusted_keys, Path(tmp)))
@@ -99,7 +105,8 @@ def add_bench(sub: Any) -> None:
         "--part",
         default="all",
         help="what to measure, by the firmware's models: all, or a comma-separated list of vad (the VAD, the "
-        "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the Unix socket and Hypercorn over TLS), transcription (speech to text against faster-whisper), speech (speech, "
+        "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the Unix socket and Hypercorn over TLS), transcription (speech to text against faster-whisper), live (Realtime and Wyoming against "
+        "wyoming-faster-whisper), speech (speech, "
         "translation and the pipeline)",
     )
     bench.set_defaults(func=cmd_bench)

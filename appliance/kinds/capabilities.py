@@ -78,6 +78,7 @@ class LiveTranscriber(Transcriber, Protocol):
         options: Options,
         times: RequestTimes,
         vad: VadConfig | None = None,
+        partial_waits: bool = True,
     ) -> LiveChunk: ...
 
 

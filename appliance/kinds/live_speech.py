@@ -37,11 +37,25 @@ class LiveStream:
     in_flight: int = 0
     # the decode of the span the VAD is about to close, started while it waits out min_silence_ms
     ahead: tuple[tuple[int, int], asyncio.Task[list[Segment]]] | None = None
+    # the open segment's text so far, decoded behind the stream (live_chunk's partial_waits=False)
+    partial: asyncio.Task[list[Segment]] | None = None
 
     def drop_ahead(self) -> None:
         if self.ahead is not None:
             self.ahead[1].cancel()
             self.ahead = None
+
+    def drop_partial(self) -> None:
+        if self.partial is not None:
+            self.partial.cancel()
+            self.partial = None
+
+    def finished_partial(self) -> str | None:
+        """The text of the partial decode behind the stream, once it is done (then it is gone)."""
+        if self.partial is None or not self.partial.done():
+            return None
+        task, self.partial = self.partial, None
+        return None if task.cancelled() or task.exception() else " ".join(s.text for s in task.result())
 
 
 class LiveTranscription:
@@ -70,10 +84,14 @@ class LiveTranscription:
         options: Options,
         times: RequestTimes,
         vad: VadConfig | None = None,
+        partial_waits: bool = True,
     ) -> LiveChunk:
         """One chunk of a live stream: the spans the VAD closed with it (each decoded), the open
         span's start and its text so far when `partial`, and the stream's serial when this chunk
-        opened it. `vad`: the stream's own segment rules (when it starts), else the config's [vad]."""
+        opened it. `vad`: the stream's own segment rules (when it starts), else the config's [vad].
+        `partial_waits=False`: the text so far is decoded behind the stream, and comes with the first
+        chunk after it is done (a live session then never waits a window for it: the chunk where the
+        speech stops goes on at once to decode the segment ahead)."""
         now = self.clock()
         if sequence.start:
             self.check(options)
@@ -95,7 +113,20 @@ class LiveTranscription:
             audio, base = np.concatenate(stream.audio), stream.base
             decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
             text, open_start = None, None if sequence.end else stream.tracker.open_start
-            if partial and open_start is not None:
+            speaking = open_start is not None and stream.tracker.closing() is None  # else decoded ahead
+            if closed or not speaking:
+                stream.drop_partial()  # of a segment now closed, or about to be
+            elif not partial_waits:
+                text = stream.finished_partial()
+                if partial and stream.partial is None:
+                    assert open_start is not None
+                    stream.partial = asyncio.get_running_loop().create_task(
+                        self._decode_live(stream, audio, base, (open_start, stream.position), RequestTimes()),
+                        name="live-partial",
+                    )
+                    stream.partial.add_done_callback(_consume_error)
+            elif partial:
+                assert open_start is not None
                 found = await self._decode_live(stream, audio, base, (open_start, stream.position), times)
                 text = " ".join(s.text for s in found)
             # keep only what a segment still to come can include: after a closed segment its padded
@@ -123,14 +154,15 @@ class LiveTranscription:
         """Start decoding the span the VAD will close if the silence it hears goes on (the final text
         is then mostly done at the close); drop a decode the speech went on past."""
         closing = None if ending else stream.tracker.closing()
-        if closing is not None and not base <= closing[0] < closing[1] <= base + len(audio):
-            closing = None  # its padding not heard yet
         if stream.ahead is not None and stream.ahead[0] == closing:
             return
         stream.drop_ahead()
-        if closing is not None:
+        if closing is not None and base <= closing[0]:
+            # at once, from the silence's first chunk: the padding after the speech, not all heard yet,
+            # is silence the VAD is waiting out, so the decode of what is heard is the segment's text
+            heard = (closing[0], min(closing[1], base + len(audio)))
             task = asyncio.get_running_loop().create_task(
-                self._decode_live(stream, audio, base, closing, RequestTimes()), name="live-ahead"
+                self._decode_live(stream, audio, base, heard, RequestTimes()), name="live-ahead"
             )
             task.add_done_callback(_consume_error)  # a dropped one's error matters to no one
             stream.ahead = (closing, task)
@@ -147,6 +179,7 @@ class LiveTranscription:
 def dropped(stream: LiveStream, vad: VadModel, key: object) -> None:
     """A live stream dropped (ended, expired, replaced): its decode ahead and its VAD sequence go."""
     stream.drop_ahead()
+    stream.drop_partial()
     vad.sequences.end(key)
 
 
