@@ -322,3 +322,38 @@ def test_a_stop_during_start_up_stops_at_once(start_daemon, speech_bundle: Path)
     took = time.monotonic() - started
     assert took < 3.0, f"the stop during start-up took {took:.1f} s"
     assert "stopped during start-up" in daemon.log.read_text()
+
+
+def test_a_request_waiting_past_queue_timeout_s_is_refused_and_one_under_way_is_not(
+    start_daemon, speech_bundle: Path
+) -> None:
+    """engine.queue_timeout_s = 0.3 on the voice (16 sentences a batch): a long answer is under way when
+    40 one-sentence requests arrive at once. Those whose sentence waited past 0.3 s for a batch get a
+    503 with Retry-After naming the setting (counted); the others their speech; and the long answer,
+    whose later sentences wait behind the newcomers' first ones, is never refused mid-answer."""
+    daemon = start_daemon("[engine]\nqueue_timeout_s = 0.3\n", bundle_dir=speech_bundle)
+    long_text = " ".join(SENTENCES * 3)
+    answers: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+    def speak(name: str, text: str) -> None:
+        with Client(str(daemon.socket), timeout=300) as client:
+            response = client.send(Call("POST", "/v1/audio/speech", speech_body(text), ()))
+            answers[name] = (response.status, response.headers, response.body)
+
+    before = shards_run(daemon)
+    long_answer = threading.Thread(target=speak, args=("long", long_text))
+    long_answer.start()
+    wait_until(lambda: shards_run(daemon) > before, 60, "the long answer began")
+    short = [threading.Thread(target=speak, args=(f"short{i}", SENTENCES[i % 4])) for i in range(40)]
+    for thread in short:
+        thread.start()
+    for thread in [long_answer, *short]:
+        thread.join(300)
+    status, _, body = answers["long"]
+    assert status == 200 and len(body) / 2 / 22050 > 40, (status, len(body))  # 12 sentences, each ~5 s
+    shorts = [answers[f"short{i}"] for i in range(40)]
+    refused = [(h, b) for s, h, b in shorts if s == 503]
+    assert sorted({s for s, _, _ in shorts}) == [200, 503], [s for s, _, _ in shorts]
+    assert all(h.get("retry-after") == "1" and b"engine.queue_timeout_s" in b for h, b in refused), refused[:1]
+    assert all(len(b) / 2 / 22050 > 2 for s, _, b in shorts if s == 200)
+    assert metrics(daemon)['appliance_queue_timed_out_total{model="joe"}'] == len(refused)

@@ -127,13 +127,13 @@ def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
 
 
 def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(daemon: Daemon) -> None:
-    """A raw WebSocket client (wsproto, a small receive buffer) streams four long turns and then
-    silence as fast as it can without reading the translated speech (some 2 MB of it, more than the
+    """A raw WebSocket client (wsproto, a small receive buffer) streams eight long turns and then
+    silence as fast as it can without reading the translated speech (some 3 MB of it, more than the
     worker channel's 1 MiB credit and the socket's buffers hold): the session's sends wait for it, the
     box stops reading its messages past [websocket] buffered_bytes (its sends block: about 4 MiB held,
     not the 64 MiB it tries), every process stays within its memory bound and others are served
     meanwhile; once the client reads again, every turn's answer arrives in full."""
-    turns = LONG_TURNS * 2
+    turns = LONG_TURNS * 4
     samples, _ = recording(turns, gap_s=1.2, lead_s=0.5)
     speech = pcm(samples, 24000)
     second_of_silence = json.dumps(
@@ -198,7 +198,10 @@ def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(dae
     after = process_tree_rss_kib(daemon)
     assert all(after[pid] - held[pid] < 2 << 10 for pid in after), (held, after)
     grown = {pid: after[pid] - before.get(pid, 0) for pid in after}
-    assert max(grown.values()) < 48 << 10, f"resident memory grew by {grown} KiB"
+    # the engine's arenas grow with the turns it decoded (two windows at once where a decode ahead meets
+    # a partial); every other process holds at most its WebSocket buffers (4 MiB) and the channel's 1 MiB
+    engine = daemon.proc.pid
+    assert grown[engine] < 128 << 10 and all(g < 16 << 10 for p, g in grown.items() if p != engine), grown
     # the client reads again (and finishes its last message): every turn's answer comes, whole
     sock.settimeout(180)
     finisher = threading.Thread(target=sock.sendall, args=(bytes(pending),))

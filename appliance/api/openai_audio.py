@@ -29,7 +29,7 @@ from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Transcriber
 from appliance.kinds.counting import counted
 from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, SUBTITLES, Options, Segment, render, word_json
-from appliance.kinds.streaming import guarded, query_flag, whole
+from appliance.kinds.streaming import begun, guarded, query_flag, whole
 from appliance.protocol.json_reader import JsonReader
 from appliance.protocol.messages import Request, Response
 from appliance.tasks import off_loop
@@ -168,7 +168,7 @@ async def _transcribed(
     samples = await asyncio.to_thread(model.recording, audio)
     segments = model.transcribe(samples, options)
     if stream:
-        events = _events(segments, model.name, "word" in granularities)
+        events = _events(await begun(segments), model.name, "word" in granularities)
         return Response(200, content_type="text/event-stream", stream=events)
     found = await whole(segments)
     shown = tuple(granularities) or ("segment",)

@@ -30,7 +30,7 @@ from appliance.audio_av import Encoder
 from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, LanguageDetector, Speaker
-from appliance.kinds.streaming import guarded
+from appliance.kinds.streaming import begun, guarded
 from appliance.kinds.text import checked_text
 from appliance.protocol.messages import Request, Response, json_response
 
@@ -97,11 +97,16 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
         whole = np.concatenate(samples) if samples else np.zeros(0, np.int16)
         body = _flac(whole, rate) if audio_format == "flac" else wav_header(rate, 2 * len(whole)) + _pcm(whole)
         return Response(200, body, FORMATS[audio_format], headers)
-    # each sentence's audio as soon as it is ready; a failure ends the stream early (the status has
-    # been sent), logged; a client gone mid-stream drops the shards not yet started
+    # each sentence's audio as soon as it is ready (the status with the first: a refusal before it is a
+    # 503); a later failure ends the stream early, logged; a client gone mid-stream drops the shards not
+    # yet started
     encoder = Encoder(audio_format, rate) if audio_format != "pcm" else None
     stream = guarded(
-        _encoded(encoder, pieces), lambda b: b, lambda message: b"", f"speech from {model.name}", {"MODEL": model.name}
+        _encoded(encoder, await begun(pieces)),
+        lambda b: b,
+        lambda message: b"",
+        f"speech from {model.name}",
+        {"MODEL": model.name},
     )
     return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=stream)
 

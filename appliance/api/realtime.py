@@ -13,6 +13,7 @@ import json
 import re
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -92,9 +93,22 @@ async def transcription(
     names = tuple(m.name for m in models.values() if isinstance(m, LiveTranscriber))
     kind, target = ("realtime", interpreter.plan.target) if interpreter else ("transcription", "")
     session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
-    turns = Turns(models, session, client, interpreter)
-    await io.send(_json(session.created()))
     first_audio: float | None = None  # the last turn's end, until its translation's first audio is sent
+
+    async def emit(event: dict) -> None:
+        """One event to the client, as soon as it is known (a turn's transcript before its translation)."""
+        nonlocal first_audio
+        await io.send(_json(event))
+        if event["type"] == COMPLETED and (arrived := turns.arrived.pop(event["item_id"], None)):
+            metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
+            first_audio = arrived
+        elif event["type"] == "response.output_audio.delta" and first_audio is not None:
+            name = interpreter.pipeline.name if interpreter else turns.model.name
+            metrics.observe_live(name, "realtime", time.monotonic() - first_audio, "first_audio")
+            first_audio = None
+
+    turns = Turns(models, session, client, emit, interpreter)
+    await io.send(_json(session.created()))
     try:
         while True:
             message = await io.receive()
@@ -105,33 +119,27 @@ async def transcription(
                 steps = session.receive(message)
             for step in steps:
                 try:
-                    events = [step] if isinstance(step, dict) else await turns.apply(step)
+                    await (emit(step) if isinstance(step, dict) else turns.apply(step))
                 except ApiError as exc:
-                    events = [session.error(exc)]
-                for event in events:
-                    await io.send(_json(event))
-                    if event["type"] == COMPLETED and (arrived := turns.arrived.pop(event["item_id"], None)):
-                        metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
-                        first_audio = arrived
-                    elif event["type"] == "response.output_audio.delta" and first_audio is not None:
-                        name = interpreter.pipeline.name if interpreter else turns.model.name
-                        metrics.observe_live(name, "realtime", time.monotonic() - first_audio, "first_audio")
-                        first_audio = None
+                    await emit(session.error(exc))
     finally:
         turns.close()
 
 
 class Turns:
-    """One session's audio on its model: a live stream under server VAD, else a buffer."""
+    """One session's audio on its model: a live stream under server VAD, else a buffer. The events it
+    makes go out through `emit` as each is known."""
 
     def __init__(
         self,
         models: dict[str, ServedModel],
         session: TranscriptionSession,
         client: str,
+        emit: Callable[[dict], Awaitable[None]],
         interpreter: Interpreter | None = None,
     ) -> None:
         self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
+        self.emit = emit
         self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
         self.pending_samples = 0
         self.stream = 0  # the live stream's number within the session
@@ -159,7 +167,7 @@ class Turns:
         s = self.session.settings
         return Options(s.language, "transcribe", s.prompt)
 
-    async def apply(self, step: Audio | Commit | Clear | Restart) -> list[dict]:
+    async def apply(self, step: Audio | Commit | Clear | Restart) -> None:
         if isinstance(step, Audio):
             return await self.feed(step.samples)
         if isinstance(step, Commit):
@@ -168,9 +176,12 @@ class Turns:
         self.pending, self.pending_samples, self.offset = [], 0, self.session.heard_samples
         if isinstance(step, Restart):
             self.model = self._model()
-        return []
 
-    async def feed(self, samples: np.ndarray) -> list[dict]:
+    async def _emit(self, events: list[dict]) -> None:
+        for event in events:
+            await self.emit(event)
+
+    async def feed(self, samples: np.ndarray) -> None:
         self.arrivals.append((self.session.heard_samples, time.monotonic()))
         self.pending.append(samples)
         self.pending_samples += len(samples)
@@ -180,15 +191,13 @@ class Turns:
                 raise RealtimeError(
                     f"the input buffer holds more than {MAX_BUFFER_S:g} s: commit sooner", "buffer_too_large"
                 )
-            return []
-        events: list[dict] = []
+            return
         while self.pending_samples >= CHUNK:
             audio = np.concatenate(self.pending)
             self.pending, self.pending_samples = [audio[CHUNK:]], len(audio) - CHUNK
-            events += await self._chunk(audio[:CHUNK], end=False)
-        return events
+            await self._chunk(audio[:CHUNK], end=False)
 
-    async def commit(self, item: str) -> list[dict]:
+    async def commit(self, item: str) -> None:
         audio = np.concatenate(self.pending) if self.pending else np.zeros(0, np.float32)
         self.pending, self.pending_samples = [], 0
         if self.session.settings.vad is None:
@@ -196,8 +205,8 @@ class Turns:
                 raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
             padded = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
             found = [s async for s in self.model.transcribe(padded, self.options())]
-            closed = self.session.turn_closed(None, " ".join(s.text for s in found), item)
-            return closed + await self._interpret(item, found)
+            await self._emit(self.session.turn_closed(None, " ".join(s.text for s in found), item))
+            return await self._interpret(item, found)
         if not self.started and not len(audio):
             raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
         audio = np.concatenate([audio, np.zeros(-len(audio) % FRAME, np.float32)])
@@ -206,28 +215,27 @@ class Turns:
         text = " ".join(s.text for s in chunk.segments)
         end = chunk.closed[-1][0][1] + self.offset if chunk.closed else None
         self._timed(item, self.session.heard_samples)
-        return self.session.turn_closed(end, text, item) + await self._interpret(item, chunk.segments)
+        await self._emit(self.session.turn_closed(end, text, item))
+        await self._interpret(item, chunk.segments)
 
-    async def _chunk(self, samples: np.ndarray, end: bool) -> list[dict]:
+    async def _chunk(self, samples: np.ndarray, end: bool) -> None:
         chunk = await self._send(samples, end)
-        events: list[dict] = []
         for (start, stop), segments in chunk.closed:
-            events += self.session.turn_heard(start + self.offset)
+            heard = self.session.turn_heard(start + self.offset)
             closed = self.session.turn_closed(stop + self.offset, " ".join(s.text for s in segments))
             pad = self.session.settings.vad.speech_pad_ms * SAMPLE_RATE // 1000 if self.session.settings.vad else 0
             self._timed(closed[-1]["item_id"], stop + self.offset - pad)  # where the speech itself ended
-            events += closed + await self._interpret(closed[-1]["item_id"], segments)
+            await self._emit(heard + closed)
+            await self._interpret(closed[-1]["item_id"], segments)
         if chunk.open_start is not None:
-            events += self.session.turn_heard(chunk.open_start + self.offset)
+            await self._emit(self.session.turn_heard(chunk.open_start + self.offset))
             if chunk.partial is not None:
-                events += self.session.partial(chunk.partial)
-        return events
+                await self._emit(self.session.partial(chunk.partial))
 
-    async def _interpret(self, item: str, segments: list[Segment]) -> list[dict]:
+    async def _interpret(self, item: str, segments: list[Segment]) -> None:
         """An interpreter turn: each segment translated and spoken, at the session's output rate."""
         if self.interpreter is None:
-            return []
-        events: list[dict] = []
+            return
         for segment in segments:
             done = await self.interpreter.pipeline.interpret(segment, self.interpreter.plan)
             if done is None:
@@ -236,8 +244,9 @@ class Turns:
             samples = done.audio.astype(np.float32) / 32768.0
             pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
             step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
-            events += self.session.response(item, done.text, [pcm[i : i + step] for i in range(0, len(pcm), step)])
-        return events
+            await self._emit(
+                self.session.response(item, done.text, [pcm[i : i + step] for i in range(0, len(pcm), step)])
+            )
 
     def _timed(self, item: str, end_sample: int) -> None:
         """The turn ends at `end_sample`: note when the append that carried it arrived."""

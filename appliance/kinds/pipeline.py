@@ -282,7 +282,7 @@ class SpeechPipeline:
         plan = self.plan(query.get("to"), query.get("from"))  # a 400 before any work
         samples = await asyncio.to_thread(decode_upload, request.body, SAMPLE_RATE, self.live)
         duration = round(len(samples) / SAMPLE_RATE, 3)
-        return ndjson(
+        return await ndjson(
             self._recorded(samples, plan),
             lambda done: done.as_json(plan.speaker.sample_rate),
             lambda count: {"model_name": self.name, "duration": duration, "segments": count},

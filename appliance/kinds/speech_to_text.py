@@ -258,7 +258,7 @@ class SpeechToText(LiveTranscription, EngineModel):
         segments = self.transcribe(samples, wanted)
         duration = round(len(samples) / SAMPLE_RATE, 3)
         if stream:
-            return ndjson(
+            return await ndjson(
                 segments,
                 speech_api.segment_json,
                 lambda count: {"model_name": self.name, "duration": duration, "segments": count},

@@ -1,6 +1,7 @@
 """One streaming wrapper and one `stream=` for every route that answers piece by piece.
 
-A streamed answer's status has gone out before its work is done, so a failure during the stream
+A streamed answer's status goes out with its first piece: `begun` waits for that piece, so a request
+refused before it began (its queue's timeout: a 503) is answered so. A failure later in the stream
 cannot become an error status: `guarded` ends the stream with the format's own error piece (an NDJSON
 `{"error": ...}` line, a server-sent `error` event; raw audio just ends), logs an unexpected failure
 once with its context, and always closes the source, so a client gone mid-stream stops the work
@@ -45,6 +46,29 @@ def query_flag(values: dict[str, str], name: str, default: bool = False, where: 
     raise BadRequest(f"{where} {name}: {shown} is not true or false")
 
 
+_NOTHING: Any = object()
+
+
+async def begun(pieces: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """`pieces`, once its first piece is ready: an error before it raises here (the answer's status),
+    and the source is closed; the generator returned yields that first piece and the rest."""
+    try:
+        first = await anext(pieces, _NOTHING)
+    except BaseException:
+        await pieces.aclose()
+        raise
+
+    async def rest() -> AsyncGenerator[T, None]:
+        async with contextlib.aclosing(pieces):
+            if first is _NOTHING:
+                return
+            yield first
+            async for piece in pieces:
+                yield piece
+
+    return rest()
+
+
 async def guarded(
     pieces: AsyncIterator[T],
     encode: Callable[[T], bytes],
@@ -79,17 +103,17 @@ async def guarded(
             await close()
 
 
-def ndjson(
-    pieces: AsyncIterator[T],
+async def ndjson(
+    pieces: AsyncGenerator[T, None],
     line: Callable[[T], Any],
     summary: Callable[[int], dict[str, Any]],
     what: str,
     context: Mapping[str, str],
 ) -> Response:
     """A 200 whose body is a JSON line per piece as soon as it is ready, then `summary(count)` with "done"
-    (or an `{"error": ...}` line)."""
+    (or an `{"error": ...}` line); sent once the first piece is ready (an error before it is the status)."""
     lines = guarded(
-        pieces,
+        await begun(pieces),
         lambda piece: json_line(line(piece)),
         lambda message: json_line({"error": message}),
         what,

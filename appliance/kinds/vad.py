@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -98,7 +98,7 @@ class VadModel(EngineModel):
         samples = await asyncio.to_thread(decode_upload, request.body, rate, self.live)
         summary = {"model_name": self.name, "duration": vad_api.seconds(len(samples), rate)}
         if stream:
-            return ndjson(
+            return await ndjson(
                 self.segments(samples, params, vad_api.STREAM_CHUNK_FRAMES),
                 lambda segment: vad_api.segment_json(*segment, rate),
                 lambda count: {**summary, "segments": count},
@@ -209,7 +209,7 @@ class VadModel(EngineModel):
 
     async def segments(
         self, samples: np.ndarray, params: SegmentParams, chunk_frames: int | None = None
-    ) -> AsyncIterator[tuple[int, int]]:
+    ) -> AsyncGenerator[tuple[int, int], None]:
         """Speech segments (sample positions), each yielded as soon as it is final. Each call is a
         request in the statistics (the segments route's, or a transcription's), a success once it ends."""
         tracker = SegmentTracker(self.frames.frame_samples, self.frames.sample_rate, params)
