@@ -357,3 +357,52 @@ def test_a_request_waiting_past_queue_timeout_s_is_refused_and_one_under_way_is_
     assert all(h.get("retry-after") == "1" and b"engine.queue_timeout_s" in b for h, b in refused), refused[:1]
     assert all(len(b) / 2 / 22050 > 2 for s, _, b in shorts if s == 200)
     assert metrics(daemon)['appliance_queue_timed_out_total{model="joe"}'] == len(refused)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_200_simultaneous_uploads_are_answered_or_refused_within_the_bounds(start_daemon, workers: int) -> None:
+    """200 clients of one local user (its connection share raised to 256) upload a 30 s recording
+    each at once (192 MB of bodies, under the 256 MiB body budget), engine.max_queue_size = 32: each
+    is answered 200 with its segments or refused 503 with Retry-After (before its upload is decoded),
+    nothing else; the daemon's processes together grow by less than twice the body budget (the bodies
+    as read, and the copy each takes as it is handed over whole) and 128 MiB; a client afterwards is
+    served at once."""
+    daemon = start_daemon(
+        "[engine]\nmax_queue_size = 32\n", workers=workers, extra_server="max_connections_per_peer = 256\n"
+    )
+    wav = long_noise_wav(30)
+    before = sum(process_tree_rss_kib(daemon).values())
+    statuses: list[tuple[int, dict[str, str], bytes]] = []
+    peak = [0]
+    start = threading.Barrier(200)
+
+    def upload() -> None:
+        with Client(str(daemon.socket), timeout=300) as client:
+            start.wait()
+            response = client.send(Call("POST", f"/v2/models/{VAD}/segments", wav, (("content-type", "audio/wav"),)))
+            statuses.append((response.status, response.headers, response.body))
+
+    def watch() -> None:
+        while len(statuses) < 200:
+            peak[0] = max(peak[0], sum(process_tree_rss_kib(daemon).values()))
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=upload) for _ in range(200)]
+    watcher = threading.Thread(target=watch)
+    for thread in [*threads, watcher]:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    watcher.join(10)
+    codes = sorted(s for s, _, _ in statuses)
+    assert len(codes) == 200 and set(codes) == {200, 503}, codes
+    assert all(h.get("retry-after") == "1" for s, h, _ in statuses if s == 503)
+    assert all(json.loads(b)["duration"] == 30.0 for s, _, b in statuses if s == 200)
+    assert metrics(daemon)[f'appliance_queue_refused_total{{model="{VAD}"}}'] == codes.count(503)
+    grown_mib = (peak[0] - before) / 1024
+    assert grown_mib < 2 * 256 + 128, f"the daemon grew by {grown_mib:.0f} MiB"
+    with daemon.client() as client:
+        assert client.speech_probs(np.zeros(512, np.float32)).shape == (1,)
+    print(
+        f"200 uploads, workers {workers}: {codes.count(200)} answered, {codes.count(503)} refused, peak growth {grown_mib:.0f} MiB"
+    )

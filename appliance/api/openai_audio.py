@@ -12,7 +12,6 @@ Errors are in OpenAI's shape, naming the field at fault.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -165,7 +164,7 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
 async def _transcribed(
     model: Transcriber, audio: bytes, options: Options, response_format: str, stream: bool, granularities: list[str]
 ) -> Response:
-    samples = await asyncio.to_thread(model.recording, audio)
+    samples = await model.recording(audio)
     segments = model.transcribe(samples, options)
     if stream:
         events = _events(await begun(segments), model.name, "word" in granularities)

@@ -39,7 +39,7 @@ def connection_cache(bundle: Path, trusted: Path, workdir: Path, frame: np.ndarr
             f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}"\n'
         )
         try:
-            daemon = DaemonProcess(bundle, trusted, workdir / backend, settings)
+            daemon = DaemonProcess(bundle, trusted, workdir / backend, settings, label=f"conncache {backend}")
         except RuntimeError as exc:
             out[backend] = f"cannot start ({exc}; the eBPF backend needs root)"
             continue

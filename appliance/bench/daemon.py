@@ -14,6 +14,10 @@ from typing import Any
 from appliance.client import Client
 from appliance.tls import init_self_signed
 
+# every daemon's processes and their resident memory (MiB) as it was stopped, in order: what each part
+# of the bench left behind (`appliance bench` prints them last)
+MEMORY_AT_STOP: list[tuple[str, dict[str, float]]] = []
+
 
 def free_udp_port() -> int:
     return _free_port(socket.SOCK_DGRAM)
@@ -31,11 +35,20 @@ def _free_port(kind: socket.SocketKind) -> int:
 
 class DaemonProcess:
     def __init__(
-        self, bundle: Path, trusted: Path, workdir: Path, conncache: str = "", workers: int = 1, https: bool = False
+        self,
+        bundle: Path,
+        trusted: Path,
+        workdir: Path,
+        conncache: str = "",
+        workers: int = 1,
+        https: bool = False,
+        label: str = "",
     ) -> None:
         """`conncache`: lines of its [conncache] table, then any tables of its own ([engine] ...);
         `workers`: server.workers (1: the transports in the engine process, as the older figures);
-        `https`: HTTPS on a free TCP port too (`https_port`)."""
+        `https`: HTTPS on a free TCP port too (`https_port`); `label`: its name in MEMORY_AT_STOP
+        (its workdir's name by default)."""
+        self.label = label or workdir.name
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "api.sock"
         self.cert, key = workdir / "cert.pem", workdir / "key.pem"
@@ -68,10 +81,17 @@ class DaemonProcess:
         raise RuntimeError("daemon did not become ready")
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        """The engine process's resident memory."""
+        return _rss_mib(self.proc.pid)
+
+    def rss_by_process(self) -> dict[str, float]:
+        """Resident memory of the engine process and of each protocol worker it spawned."""
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        workers = [int(p) for p in children.read_text().split()] if children.exists() else []
+        out = {"engine": round(_rss_mib(pid), 1)}
+        out.update({f"worker {i}": round(_rss_mib(child), 1) for i, child in enumerate(workers, 1)})
+        return out
 
     def cpu_s(self) -> float:
         """CPU seconds the daemon's process has used (all its threads): the work a request cost it,
@@ -84,5 +104,15 @@ class DaemonProcess:
             return client.status()
 
     def stop(self) -> None:
+        if self.proc.poll() is None:
+            MEMORY_AT_STOP.append((self.label, self.rss_by_process()))
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(30)
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:  # gone meanwhile
+        return float("nan")
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), float("nan"))

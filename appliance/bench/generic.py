@@ -113,7 +113,7 @@ def generic_batching(seconds: float) -> dict[str, Any]:
             for label in ("batching", "no_batching"):
                 # QUIC's connection cache plays no part here: the user-space one
                 daemons[label] = DaemonProcess(
-                    work / label, work / "trusted", work / f"d-{label}", 'backend = "user"\n'
+                    work / label, work / "trusted", work / f"d-{label}", 'backend = "user"\n', label=f"generic {label}"
                 )
             with Client(str(daemons["batching"].socket)) as c:
                 expected = raw.run(None, {"x": row})[0]

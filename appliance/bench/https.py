@@ -74,7 +74,7 @@ def https_bench(bundle_dir: Path, trusted: Path, workdir: Path, seconds: float) 
     model = bundle.artifact(next(m for m in bundle.manifest.models if m.kind == "vad").file)
     frame = (np.random.default_rng(1).standard_normal(512) * 0.1).astype(np.float32)
     call = infer_call("silero_vad", frame)
-    daemon = DaemonProcess(bundle_dir, trusted, workdir, https=True)
+    daemon = DaemonProcess(bundle_dir, trusted, workdir, https=True, label="https")
     peer = None
     try:
         assert daemon.https_port is not None

@@ -224,7 +224,7 @@ def live_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, threads: int
     results["window_ms"] = round(statistics.median(each) * 1000)
     del window
 
-    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir / "box", f"[engine]\nthreads = {threads}\n")
+    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir / "box", f"[engine]\nthreads = {threads}\n", label="live")
     try:
         box = f"unix://{daemon.socket.parent / 'wyoming.sock'}"
         asyncio.run(wyoming_transcript(box, sentences[0], real_time=False))  # warm once

@@ -191,9 +191,19 @@ async def handshakes(address: str, cafile: str, rounds: int = 20) -> dict[str, f
 
 def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame_s: float) -> dict[str, float]:
     """A one-frame live stream in real time (a frame every `frame_s`) while another client segments a
-    long recording in one call: the stream's latency, which the batcher's live-first order bounds."""
+    long recording in one call (its JSON answer made off the event loop): the stream's latency, which
+    the batcher's live-first order bounds, and a health check's, every 20 ms from a third client."""
     finished = threading.Event()
     took: list[float] = []
+    health: list[float] = []
+
+    def check_health() -> None:
+        with Client(socket_path) as checker:
+            while not finished.is_set():
+                t = time.perf_counter()
+                checker.health()
+                health.append(time.perf_counter() - t)
+                time.sleep(0.02)
 
     def segment() -> None:
         with Client(socket_path, timeout=600) as recording:
@@ -207,6 +217,8 @@ def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame
         live.speech_probs(frame, sequence_id="live-during-recording", start=True)
         lag_before = live.metrics()
         threading.Thread(target=segment, daemon=True).start()
+        health_checks = threading.Thread(target=check_health, daemon=True)
+        health_checks.start()
         while not finished.is_set():
             t = time.perf_counter()
             live.speech_probs(frame, sequence_id="live-during-recording")
@@ -214,8 +226,11 @@ def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame
             time.sleep(max(0.0, frame_s - latencies[-1]))
         live.speech_probs(frame, sequence_id="live-during-recording", end=True)
         lag_ms = loop_lag_p99_ms(lag_before, live.metrics())
-    ms = np.asarray(latencies) * 1e3
+    health_checks.join()
+    ms, health_ms = np.asarray(latencies) * 1e3, np.asarray(health) * 1e3
     return {
+        "health_p99_ms": round(float(np.percentile(health_ms, 99)), 1),
+        "health_checks": len(health_ms),
         "p99_ms": round(float(np.percentile(ms, 99)), 1),
         "max_ms": round(float(ms.max()), 1),
         "frames": len(ms),

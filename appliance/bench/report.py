@@ -52,6 +52,10 @@ def report(r: dict[str, Any]) -> list[str]:
         f"recording took {live['recording_s']} s)   target <= {TARGETS['live_p99_ms']:.0f} ms   {mark[ok['live_p99_ms']]}"
     )
     lines.append(f"  event-loop lag meanwhile           p99 <= {live['loop_lag_p99_ms']} ms (the histogram's bucket)")
+    lines.append(
+        f"  health meanwhile (every 20 ms)     p99 {live['health_p99_ms']} ms ({live['health_checks']} checks)   "
+        f"target < 50 ms   {mark[live['health_p99_ms'] < 50]}"
+    )
     lines.append(f"  daemon resident memory             {r['rss_mib']} MiB   target < 250 MiB   {mark[ok['rss_mib']]}")
     lines.append("  one-frame binary infer, by transport (median / p99 latency, requests per second):")
     rows = [(f"daemon {name.replace('_', ', ')} streams", v) for name, v in r["transports"].items()]

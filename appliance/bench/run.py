@@ -44,7 +44,7 @@ def run(bundle_dir: Path, trusted_keys: Path, seconds: float) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
     }
     with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-        daemon = DaemonProcess(bundle_dir, trusted_keys, Path(tmp))
+        daemon = DaemonProcess(bundle_dir, trusted_keys, Path(tmp), label="vad")
         try:
             client = Client(str(daemon.socket))
             client.speech_probs(frame, sequence_id=1, start=True)

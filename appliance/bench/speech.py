@@ -191,7 +191,7 @@ def run(bundle_dir: Path, trusted_keys: Path, workdir: Path) -> dict[str, Any]:
     by_kind = {m.kind: m for m in reversed(bundle.manifest.models)}
     threads = os.cpu_count() or 1  # the engine's threads: every core, as the peer's ONNX Runtime takes them
     results: dict[str, Any] = {"engine_threads": threads}
-    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f"[engine]\nthreads = {threads}\n")
+    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f"[engine]\nthreads = {threads}\n", label="speech")
     try:
         if "speech_synthesis" in by_kind:
             results["speech"] = speech(bundle, str(daemon.socket), by_kind["speech_synthesis"])

@@ -70,7 +70,7 @@ def transcription_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, thr
     batched = BatchedInferencePipeline(peer)
     recording, _ = speech(60)
     clips = [speech(10, first=i)[0] for i in range(8)]
-    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f"[engine]\nthreads = {threads}\n")
+    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f"[engine]\nthreads = {threads}\n", label="transcription")
     results: dict[str, Any] = {"model": MODEL, "threads": threads, "compute_type": "int8"}
     try:
         client = Client(str(daemon.socket), timeout=600)

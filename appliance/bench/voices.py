@@ -152,7 +152,7 @@ def run(bundle_dir: Path, trusted_keys: Path, workdir: Path) -> dict[str, Any]:
     by_kind = {m.kind: m for m in reversed(bundle.manifest.models)}
     threads = os.cpu_count() or 1
     results: dict[str, Any] = {"engine_threads": threads}
-    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f"[engine]\nthreads = {threads}\n")
+    daemon = DaemonProcess(bundle_dir, trusted_keys, workdir, f"[engine]\nthreads = {threads}\n", label="voices")
     try:
         results["rss_mib"] = round(daemon.rss_mib(), 1)  # every model loaded and warmed up
         results["kokoro"] = speech(bundle, str(daemon.socket), by_kind["kokoro_speech"], threads)

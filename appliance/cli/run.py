@@ -35,6 +35,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
     from appliance.bench import https, live, speech, transcription, voices, workers
+    from appliance.bench.daemon import MEMORY_AT_STOP
     from appliance.bench.run import run
     from appliance.config import EngineConfig
 
@@ -82,6 +83,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["voices"] = voices.run(args.bundle, args.trusted_keys, Path(tmp))
         print(f"appliance bench: {args.bundle}, Kokoro voices")
         print("\n".join(voices.report(results["voices"])))
+    print("appliance bench: resident memory of every process as each daemon stopped (MiB)")
+    for label, processes in MEMORY_AT_STOP:
+        print(f"  {label}: " + ", ".join(f"{name} {mib}" for name, mib in processes.items()))
+    results["memory_at_stop"] = [{"daemon": label, **processes} for label, processes in MEMORY_AT_STOP]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

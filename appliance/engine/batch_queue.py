@@ -143,8 +143,13 @@ class BatchQueue(Generic[T, R]):
     def new_owner(self, urgent: bool = False) -> int:
         """A new request's id among the shards; refused (QueueFull) when the queue is at its bound."""
         if not urgent:
-            self.policy.admit(len({s.owner for s in self._waiting if not s.future.done()}))
+            self.check_room()
         return next(self._owners)
+
+    def check_room(self) -> None:
+        """Refuse (QueueFull) a request now when the queue is at its bound: before its upload is decoded,
+        so that under overload the box does not spend the work and memory of decoding what it refuses."""
+        self.policy.admit(len({s.owner for s in self._waiting if not s.future.done()}))
 
     def _take(self) -> list[_Shard[T, R]]:
         """The next batch: one group, lowest shard index first, at most per_request of one request."""

@@ -87,6 +87,11 @@ class EngineLoop(Generic[W]):
         self._thread.shutdown(wait=finished, cancel_futures=True)
         return finished
 
+    def check_room(self) -> None:
+        """Refuse (QueueFull) a request now when max_queue_size requests are in: before its upload is
+        decoded (the admission itself comes after, in `admitted`)."""
+        self.policy.admit(self._requests)
+
     @contextlib.contextmanager
     def admitted(self) -> Iterator[None]:
         """One request's stay in the queue, from before it submits its works to its answer: refused

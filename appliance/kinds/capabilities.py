@@ -55,8 +55,9 @@ class Transcriber(Protocol):
         """A 400 for options it cannot serve (a language it does not know, translate on an English-only model)."""
         ...
 
-    def recording(self, body: bytes) -> np.ndarray:
-        """An uploaded recording as the samples it hears (blocking: call it off the event loop)."""
+    async def recording(self, body: bytes) -> np.ndarray:
+        """An uploaded recording as the samples it hears, decoded off the event loop; refused first (a
+        503) when the model's queue is full."""
         ...
 
     def transcribe(

@@ -224,9 +224,11 @@ class SpeechToText(LiveTranscription, EngineModel):
         """An infer request's audio: samples, or one encoded file (decoded: call it off the event loop)."""
         return audio_input(request.inputs, self.name, SAMPLE_RATE, self.live)
 
-    def recording(self, body: bytes) -> np.ndarray:
-        """An uploaded recording as 16 kHz samples, at least MIN_SAMPLES long (call it off the event loop)."""
-        return speech_api.long_enough(decode_upload(body, SAMPLE_RATE, self.live))
+    async def recording(self, body: bytes) -> np.ndarray:
+        """An uploaded recording as 16 kHz samples, at least MIN_SAMPLES long, decoded off the event loop;
+        refused first when the queue is full (the work and memory of decoding are not spent on it)."""
+        self.batcher.check_room()
+        return speech_api.long_enough(await asyncio.to_thread(decode_upload, body, SAMPLE_RATE, self.live))
 
     async def infer(
         self, request: InferRequest, sequence: SequenceCall | None, times: RequestTimes
@@ -254,7 +256,7 @@ class SpeechToText(LiveTranscription, EngineModel):
     async def _transcribed(self, request: Request, query: dict[str, str]) -> Response:
         stream, response_format, wanted = speech_api.transcribe_query(query)
         self.check(wanted)
-        samples = await asyncio.to_thread(self.recording, request.body)
+        samples = await self.recording(request.body)
         segments = self.transcribe(samples, wanted)
         duration = round(len(samples) / SAMPLE_RATE, 3)
         if stream:

@@ -95,6 +95,7 @@ class VadModel(EngineModel):
         or NDJSON lines as each is final."""
         stream, params = vad_api.segments_query(query, self.live.config.vad)
         rate = self.frames.sample_rate
+        self.engine_loop.check_room()  # before the work and memory of decoding it
         samples = await asyncio.to_thread(decode_upload, request.body, rate, self.live)
         summary = {"model_name": self.name, "duration": vad_api.seconds(len(samples), rate)}
         if stream:

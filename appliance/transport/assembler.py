@@ -24,9 +24,13 @@ class Rejection(Exception):
 
 
 def limit_bit(status: int, message: str, target: str = "") -> Rejection:
-    """A rejection because a limit bit (logged, rate-limited), not because the request was malformed."""
+    """A rejection because a limit bit (logged, rate-limited), not because the request was malformed; a
+    503 (busy) says when to retry, as the queues' refusals do."""
     LIMITS_BITTEN.bit(status, message)
-    return Rejection(status, message, target)
+    rejection = Rejection(status, message, target)
+    if status == 503:
+        rejection.response.headers.append(("Retry-After", "1"))
+    return rejection
 
 
 class BodyBudget:
