@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import cli
+from conftest import Keys, cli
 
-from appliance.config import ServerConfig, worker_count
+from appliance.config import EngineConfig, ModelQueueConfig, ServerConfig, worker_count
+from appliance.engine.queue_policy import triton_queue_policy
 
 
 def check(*files: Path):
@@ -48,6 +49,11 @@ def test_merged_in_order_and_relative_paths_resolved(tmp_path: Path) -> None:
         ("[https]\nport = 70000\n", "https.port: 70000 is not a TCP port"),
         ("[https]\nmax_connections = 0\n", "https.max_connections: must be positive"),
         ('[https]\nalt_svc = "h3"\n', "https.alt_svc: expected bool"),
+        ("[engine]\nmodels = 3\n", "engine.models: expected tables [engine.models.NAME]"),
+        ("[engine.models.vad]\nmax_queue_size = 0\n", "engine.models.vad.max_queue_size: must be positive, got 0"),
+        ("[engine.models.vad]\nqueue_timeout_s = -1\n", "engine.models.vad.queue_timeout_s: must not be negative"),
+        ('[engine.models.vad]\nqueue_timeout_s = "1"\n', "engine.models.vad.queue_timeout_s: expected float"),
+        ("[engine.models.vad]\nmax_batch = 4\n", "engine.models.vad.max_batch: unknown key"),
     ],
 )
 def test_bad_config_names_file_key_and_reason(tmp_path: Path, text: str, expected: str) -> None:
@@ -76,6 +82,28 @@ def test_daemon_refuses_bad_config_with_one_line(tmp_path: Path) -> None:
     result = cli("run", "--config", path, check=False)
     assert result.returncode == 3
     assert result.stderr.strip().count("\n") == 0 and "sequences.max_live: must be positive" in result.stderr
+
+
+def test_a_queue_policy_for_a_model_the_firmware_lacks_stops_the_start_with_one_line(
+    tmp_path: Path, bundle: Path, keys: Keys
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f'[server]\nsocket = "{tmp_path}/api.sock"\n[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{keys.trusted}"\n'
+        "[engine.models.whisper_large]\nmax_queue_size = 4\n"
+    )
+    result = cli("run", "--config", path, check=False)
+    assert result.returncode != 0 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "engine.models.whisper_large: the firmware has no model 'whisper_large' (its models: silero_vad)" in (
+        result.stderr
+    )
+
+
+def test_a_models_own_queue_policy_overrides_the_engines() -> None:
+    engine = EngineConfig(max_queue_size=64, models={"whisper_base": ModelQueueConfig(max_queue_size=8)})
+    assert engine.queue_policy("whisper_base") == (8, 0.0) and engine.queue_policy("silero_vad") == (64, 0.0)
+    policy = triton_queue_policy(engine, "whisper_base")
+    assert policy["max_queue_size"] == 8 and policy["default_timeout_microseconds"] == 0
 
 
 @pytest.mark.parametrize(

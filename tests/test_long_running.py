@@ -271,11 +271,20 @@ def long_noise_wav(seconds: float) -> bytes:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_overload_past_max_queue_size_is_refused_with_retry_after(start_daemon, workers: int) -> None:
-    """With engine.max_queue_size = 1, concurrent recordings past the bound get a 503 with Retry-After
-    at once, the others their answer, nothing else; a good client is still served afterwards."""
-    daemon = start_daemon("[engine]\nmax_queue_size = 1\n", workers=workers, max_body_bytes=32 << 20)
+@pytest.mark.parametrize(
+    ("workers", "bound"),
+    [
+        (1, "[engine]\nmax_queue_size = 1\n"),
+        (2, "[engine]\nmax_queue_size = 1\n"),
+        (1, f"[engine.models.{VAD}]\nmax_queue_size = 1\n"),
+    ],
+    ids=["workers1", "workers2", "the-models-own"],
+)
+def test_overload_past_max_queue_size_is_refused_with_retry_after(start_daemon, workers: int, bound: str) -> None:
+    """With a max_queue_size of 1 (the engine's, or the model's own under an engine bound of 128),
+    concurrent recordings past the bound get a 503 with Retry-After at once, the others their answer,
+    nothing else; a good client is still served afterwards."""
+    daemon = start_daemon(bound, workers=workers, max_body_bytes=32 << 20)
     wav = long_noise_wav(120)
     statuses: list[tuple[int, dict[str, str]]] = []
 

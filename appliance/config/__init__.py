@@ -22,6 +22,7 @@ from appliance.config.sections import (
     FirmwareConfig,
     HttpsConfig,
     LogConfig,
+    ModelQueueConfig,
     QuicConfig,
     SequenceConfig,
     ServerConfig,
@@ -40,6 +41,7 @@ __all__ = [
     "FirmwareConfig",
     "HttpsConfig",
     "LogConfig",
+    "ModelQueueConfig",
     "QuicConfig",
     "SequenceConfig",
     "ServerConfig",
@@ -49,6 +51,7 @@ __all__ = [
     "Live",
     "SECTIONS",
     "load",
+    "check_model_names",
     "apply_reload",
     "worker_count",
 ]
@@ -110,10 +113,41 @@ def _read_file(path: Path) -> dict[str, dict[str, Any]]:
                 raise ApplianceError(_baked_message(path, f"{section}.{key}", data))
             if key not in hints:
                 raise ApplianceError(f"{path}: {section}.{key}: unknown key (known: {', '.join(hints)})")
+            if (section, key) == ("engine", "models"):
+                values[key] = _model_queues(path, value)
+                continue
             default = getattr(_SECTION_TYPES[section](), key)
             values[key] = _coerce(path, f"{section}.{key}", hints[key], value, optional=default == Path(""))
         out[section] = values
     return out
+
+
+def _model_queues(path: Path, value: Any) -> dict[str, ModelQueueConfig]:
+    """[engine.models.NAME] tables: each model's own queue policy (the model names are checked
+    against the firmware once it is loaded, `check_model_names`)."""
+    if not isinstance(value, dict):
+        raise ApplianceError(f"{path}: engine.models: expected tables [engine.models.NAME]")
+    known = [f.name for f in dataclasses.fields(ModelQueueConfig)]
+    out = {}
+    for model, table in value.items():
+        if not isinstance(table, dict):
+            raise ApplianceError(f"{path}: engine.models.{model}: expected a table")
+        for key, setting in table.items():
+            if key not in known:
+                raise ApplianceError(f"{path}: engine.models.{model}.{key}: unknown key (known: {', '.join(known)})")
+            kind = int if key == "max_queue_size" else float
+            table[key] = _coerce(path, f"engine.models.{model}.{key}", kind, setting)
+        out[model] = ModelQueueConfig(**table)
+    return out
+
+
+def check_model_names(config: Config, models: set[str]) -> None:
+    """Every [engine.models.NAME] names a model of the running firmware."""
+    source = ", ".join(str(p) for p in config.sources) or "defaults"
+    for name in sorted(set(config.engine.models) - models):
+        raise ApplianceError(
+            f"{source}: engine.models.{name}: the firmware has no model {name!r} (its models: {', '.join(sorted(models))})"
+        )
 
 
 def _coerce(path: Path, key: str, kind: type, value: Any, optional: bool = False) -> Any:
@@ -230,6 +264,15 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if config.engine.queue_timeout_s < 0:
         raise ApplianceError(f"{source}: engine.queue_timeout_s: must not be negative (0: no timeout)")
+    for model, own in config.engine.models.items():
+        if own.max_queue_size is not None and own.max_queue_size <= 0:
+            raise ApplianceError(
+                f"{source}: engine.models.{model}.max_queue_size: must be positive, got {own.max_queue_size}"
+            )
+        if own.queue_timeout_s is not None and own.queue_timeout_s < 0:
+            raise ApplianceError(
+                f"{source}: engine.models.{model}.queue_timeout_s: must not be negative (0: no timeout)"
+            )
     if not 0.0 < config.vad.threshold < 1.0:
         raise ApplianceError(f"{source}: vad.threshold: must be between 0 and 1")
     for key in ("min_speech_ms", "min_silence_ms", "speech_pad_ms"):  # as a request's own values are checked
@@ -257,6 +300,7 @@ RELOADABLE_KEYS = frozenset(
         "engine.queue_delay_us",
         "engine.max_queue_size",
         "engine.queue_timeout_s",
+        "engine.models",
         "sequences.idle_timeout_s",
         "sequences.max_live",
         "sequences.max_per_client",

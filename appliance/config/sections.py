@@ -90,6 +90,14 @@ class FirmwareConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelQueueConfig:
+    """One model's own queue policy, [engine.models.NAME]: a key it does not set is [engine]'s."""
+
+    max_queue_size: int | None = None
+    queue_timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     device: str = "cpu"
     threads: int = 2  # intra-op threads for large batches; small ones run on one
@@ -98,6 +106,14 @@ class EngineConfig:
     # max_queue_size are refused, and those waiting longer than queue_timeout_s get a 503 (0: no timeout)
     max_queue_size: int = 128
     queue_timeout_s: float = 0.0
+    models: dict[str, ModelQueueConfig] = field(default_factory=dict)  # per model, as Triton sets it per model
+
+    def queue_policy(self, model: str) -> tuple[int, float]:
+        """`model`'s max_queue_size and queue_timeout_s: its own where [engine.models.NAME] sets them."""
+        own = self.models.get(model, ModelQueueConfig())
+        size = own.max_queue_size if own.max_queue_size is not None else self.max_queue_size
+        timeout = own.queue_timeout_s if own.queue_timeout_s is not None else self.queue_timeout_s
+        return size, timeout
 
 
 @dataclass(frozen=True, slots=True)

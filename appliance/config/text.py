@@ -15,13 +15,32 @@ def to_toml(config: Config) -> str:
     lines = [f"# merged from: {merged or 'defaults only'}"]
     for section in SECTIONS:
         lines.append(f"\n[{section}]")
+        tables: list[str] = []  # a field of tables ([engine.models.NAME]) goes after the section's keys
         for f in dataclasses.fields(getattr(config, section)):
             value = getattr(getattr(config, section), f.name)
-            if value is None:  # TOML has no null: an unset optional value is left out, as in the files
-                lines.append(f"# {f.name} is not set")
+            if isinstance(value, dict):
+                for name, table in value.items():
+                    tables += [f"\n[{section}.{f.name}.{_toml_key(name)}]", *_keys(table)]
             else:
-                lines.append(f"{f.name} = {_toml_value(value)}")
+                lines += _keys(getattr(config, section), f.name)
+        lines += tables
     return "\n".join(lines) + "\n"
+
+
+def _keys(table: Any, only: str = "") -> list[str]:
+    """A table's keys as TOML lines (`only`: that one); TOML has no null: an unset optional value is
+    left out, as in the files."""
+    out = []
+    for f in dataclasses.fields(table):
+        value = getattr(table, f.name)
+        if only and f.name != only:
+            continue
+        out.append(f"# {f.name} is not set" if value is None else f"{f.name} = {_toml_value(value)}")
+    return out
+
+
+def _toml_key(name: str) -> str:
+    return name if name and all(c.isascii() and (c.isalnum() or c in "-_") for c in name) else _toml_string(name)
 
 
 def _toml_value(value: Any) -> str:

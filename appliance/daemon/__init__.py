@@ -68,6 +68,7 @@ class Daemon:
             starting.write_text(f"{os.getpid()}\n")
         bundle = firmware.verify(config.firmware.bundle, config.firmware.trusted_keys)
         manifest = bundle.manifest
+        config_files.check_model_names(config, {m.name for m in manifest.models})
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
         systemd.extend_start(START_STEP_S, "loading models")
@@ -189,6 +190,7 @@ class Daemon:
         systemd.reloading()
         try:
             new = config_files.load(self.config_paths)
+            config_files.check_model_names(new, set(self.models))
         except ApplianceError as exc:
             log.error("reload failed, keeping the running config: %s", exc)
             systemd.ready(f"{self.status_text()}; last reload failed: {exc}")

@@ -25,25 +25,26 @@ class QueuePolicy:
 
     def admit(self, waiting: int) -> None:
         """Refuse one more request when `waiting` requests already wait."""
-        limit = self.settings().max_queue_size
+        limit, _ = self.settings().queue_policy(self.model)
         if waiting >= limit:
             self.stats.refused += 1
             raise QueueFull(f"model {self.model}: {limit} requests are waiting (engine.max_queue_size): retry later")
 
     def overdue(self, queued_ns: int, now_ns: int) -> QueueFull | None:
         """The error for a request queued at `queued_ns` that waited past the timeout, else None."""
-        timeout_s = self.settings().queue_timeout_s
+        _, timeout_s = self.settings().queue_policy(self.model)
         if not timeout_s or now_ns - queued_ns <= timeout_s * 1e9:
             return None
         self.stats.timed_out += 1
         return QueueFull(f"model {self.model}: waited more than {timeout_s:g} s in the queue (engine.queue_timeout_s)")
 
 
-def triton_queue_policy(settings: EngineConfig) -> dict[str, Any]:
+def triton_queue_policy(settings: EngineConfig, model: str) -> dict[str, Any]:
     """dynamic_batching.default_queue_policy as Triton's model configuration shows it."""
+    max_queue_size, timeout_s = settings.queue_policy(model)
     return {
         "timeout_action": "REJECT",
-        "default_timeout_microseconds": int(settings.queue_timeout_s * 1e6),
+        "default_timeout_microseconds": int(timeout_s * 1e6),
         "allow_timeout_override": False,
-        "max_queue_size": settings.max_queue_size,
+        "max_queue_size": max_queue_size,
     }

@@ -53,7 +53,7 @@ def model_config(
         config["dynamic_batching"] = {
             "preferred_batch_size": [],
             "max_queue_delay_microseconds": live.config.engine.queue_delay_us,
-            "default_queue_policy": triton_queue_policy(live.config.engine),
+            "default_queue_policy": triton_queue_policy(live.config.engine, spec.name),
         }
     if stateful:
         declared = {t.name: t for t in spec.inputs}
