@@ -281,7 +281,14 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
         "pin_dir": "bpf/pins",
     },
     "firmware": {"bundle": "../fw/current", "trusted_keys": "keys dir/trusted"},
-    "engine": {"device": "auto", "threads": 8, "queue_delay_us": 250, "max_queue_size": 7, "queue_timeout_s": 0.5},
+    "engine": {
+        "device": "auto",
+        "threads": 8,
+        "queue_delay_us": 250,
+        "max_queue_size": 7,
+        "queue_timeout_s": 0.5,
+        "models": {"whisper_base": {"max_queue_size": 3}, "odd model": {"queue_timeout_s": 1.5}},
+    },
     "sequences": {"idle_timeout_s": 0.3333333333333333, "max_live": 5, "max_per_client": 3},
     "vad": {"threshold": 0.123456789012345, "min_speech_ms": 1, "min_silence_ms": 2, "speech_pad_ms": 0},
     "log": {"level": "debug"},
@@ -289,14 +296,22 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
 
 
 def _toml(doc: dict[str, dict[str, object]]) -> str:
-    out = []
+    out, tables = [], []
     for section, values in doc.items():
         out.append(f"[{section}]")
-        out += [
-            f"{key} = {json.dumps(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else value}"
-            for key, value in values.items()
-        ]
-    return "\n".join(out) + "\n"
+        for key, value in values.items():
+            if isinstance(value, dict):  # [section.key.NAME] tables, after the section's keys
+                for name, table in value.items():
+                    tables += [f"[{section}.{key}.{json.dumps(name)}]", _toml({"": table}).split("\n", 1)[1]]
+            else:
+                out.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(out + tables) + "\n"
+
+
+def _toml_value(value: object) -> str:
+    return (
+        json.dumps(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+    )
 
 
 def _round_trip(source: Path, tmp_path: Path) -> tuple[config.Config, config.Config]:
