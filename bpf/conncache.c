@@ -10,10 +10,14 @@
  * datagrams from sources that never complete a handshake churns `fresh` and cannot evict a validated
  * peer, nor grow the table the daemon reads every second.
  *
+ * `droppers` counts the drops of the DROPPERS peers that were over budget last: /metrics reads it and
+ * `totals` (one per-CPU array) and never walks `fresh`, however big a flood made it.
+ *
  * Offset 0 of a socket filter on a UDP socket is the UDP header; the IP header is read
  * relative to the network header. Every load is bounds-checked by bpf_skb_load_bytes*.
  *
- * Set at load time from config (-D): MAX_ENTRIES, MAX_UNVALIDATED, RATE_PER_S, BURST, HOST_CID_LENGTH.
+ * Set at load time from config (-D): MAX_ENTRIES, MAX_UNVALIDATED, RATE_PER_S, BURST, HOST_CID_LENGTH;
+ * and DROPPERS (conncache.py's).
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -46,6 +50,7 @@ struct peer_stats {
 
 BPF_TABLE("lru_hash", struct peer_key, struct peer_stats, peers, MAX_ENTRIES);
 BPF_TABLE("lru_hash", struct peer_key, struct peer_stats, fresh, MAX_UNVALIDATED);
+BPF_TABLE("lru_hash", struct peer_key, u64, droppers, DROPPERS);
 
 enum { TOTAL_PACKETS, TOTAL_BYTES, TOTAL_DROPS, TOTAL_PEERS, TOTAL_COUNT };
 BPF_PERCPU_ARRAY(totals, u64, TOTAL_COUNT);
@@ -137,6 +142,11 @@ int conncache_filter(struct __sk_buff *skb) {
     if (!within_budget(stats, now)) {
         __sync_fetch_and_add(&stats->drops, 1);
         count(TOTAL_DROPS, 1);
+        u64 *dropped = droppers.lookup(&key);
+        if (dropped)
+            __sync_fetch_and_add(dropped, 1);
+        else
+            droppers.update(&key, &stats->drops);
         return 0;  /* dropped in the kernel */
     }
     u64 payload = skb->len > UDP_HEADER ? skb->len - UDP_HEADER : 0;

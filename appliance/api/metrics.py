@@ -284,23 +284,34 @@ def _worker_lines(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def _conncache_lines(cache: PeerTable) -> list[str]:
-    totals, peers = cache.totals(), cache.peers()
+    # no walk of the unvalidated sources' table: a flood makes it as big as it may be
+    totals, validated, droppers = cache.totals(), cache.validated_peers(), cache.droppers()
     label = f'backend="{cache.backend}"'
     out = []
     for name, kind, help_text, value in (
-        ("appliance_quic_peers", "gauge", "QUIC peers (address and port) in the connection cache.", len(peers)),
+        (
+            "appliance_quic_peers",
+            "gauge",
+            "QUIC peers (address and port) in the connection cache's validated table (handshake completed).",
+            len(validated),
+        ),
+        (
+            "appliance_quic_sources_total",
+            "counter",
+            "Sources (address and port) the connection cache saw first, validated or not.",
+            totals.peers_seen,
+        ),
         ("appliance_quic_packets_total", "counter", "Datagrams admitted to the QUIC listener.", totals.packets),
         ("appliance_quic_bytes_total", "counter", "UDP payload bytes admitted to the QUIC listener.", totals.bytes),
         ("appliance_quic_dropped_total", "counter", "Datagrams dropped over a peer's budget.", totals.drops),
     ):
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {value}"]
     out += [
-        "# HELP appliance_quic_peer_dropped_total Datagrams dropped over budget, by peer (peers with drops).",
+        "# HELP appliance_quic_peer_dropped_total Datagrams dropped over budget, by peer (the last few hundred over it).",
         "# TYPE appliance_quic_peer_dropped_total counter",
     ]
     out += [
-        f'appliance_quic_peer_dropped_total{{{label},peer="{p.address}"}} {p.drops}'
-        for p in sorted(peers.values(), key=lambda p: -p.drops)
-        if p.drops
+        f'appliance_quic_peer_dropped_total{{{label},peer="{address}"}} {drops}'
+        for address, drops in sorted(droppers.items(), key=lambda item: -item[1])
     ]
     return out

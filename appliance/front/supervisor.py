@@ -345,6 +345,12 @@ class ReportedPeers:
     def peers(self) -> dict[str, Peer]:
         return {k: v for r in self.supervisor.reports() if r.peers for k, v in r.peers.items()}
 
+    def validated_peers(self) -> dict[str, Peer]:
+        return {k: v for k, v in self.peers().items() if v.validated}
+
+    def droppers(self) -> dict[str, int]:
+        return {k: v.drops for k, v in self.peers().items() if v.drops}
+
     def totals(self) -> Totals:
         return _sum_totals(r.totals for r in self.supervisor.reports())
 

@@ -43,6 +43,16 @@ class PeerTable(Protocol):
     backend: str  # "ebpf" or "user"
     reason: str  # why this backend, where the kernel one could not load
 
-    def peers(self) -> dict[str, Peer]: ...
+    def peers(self) -> dict[str, Peer]:
+        """Every peer of both tables (the operator's /status: a walk of the whole cache)."""
+        ...
+
+    def validated_peers(self) -> dict[str, Peer]:
+        """The peers whose handshake completed (a flood of other sources cannot grow this table)."""
+        ...
+
+    def droppers(self) -> dict[str, int]:
+        """The drops of the peers that went over budget last (at most a few hundred)."""
+        ...
 
     def totals(self) -> Totals: ...

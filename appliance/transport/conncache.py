@@ -43,7 +43,9 @@ from appliance.transport.bpfmaps import PinnedMap, possible_cpus
 log = logging.getLogger("appliance.conncache")
 
 HOST_CID_LENGTH = 8  # aioquic's server connection IDs
-MAPS = ("peers", "fresh", "totals")  # what bpf/conncache.c pins: validated peers, other sources, totals
+# what bpf/conncache.c pins: validated peers, other sources, totals, the last peers over budget
+MAPS = ("peers", "fresh", "totals", "droppers")
+DROPPERS = 256  # bpf/conncache.c's DROPPERS: the peers over budget last, whose drops /metrics shows
 STEERING_MAP = "workers"  # what the steering pins: worker key -> socket (bpftool map dump pinned ...)
 
 
@@ -82,6 +84,10 @@ class ConnectionCache:
         raise NotImplementedError
 
     def validated_peers(self) -> dict[str, Peer]:
+        raise NotImplementedError
+
+    def droppers(self) -> dict[str, int]:
+        """The drops of the DROPPERS peers that went over budget last (read without walking `fresh`)."""
         raise NotImplementedError
 
     def totals(self) -> Totals:
@@ -134,6 +140,7 @@ class UserSpaceCache(ConnectionCache):
         self.reason = reason
         self._validated: OrderedDict[str, tuple[Peer, TokenBucket]] = OrderedDict()
         self._fresh: OrderedDict[str, tuple[Peer, TokenBucket]] = OrderedDict()
+        self._droppers: OrderedDict[str, int] = OrderedDict()
         self._totals = Totals()
 
     def admit(self, data: bytes, addr: tuple[Any, ...]) -> bool:
@@ -156,6 +163,10 @@ class UserSpaceCache(ConnectionCache):
         if not bucket.take():
             peer.drops += 1
             self._totals.drops += 1
+            self._droppers[address] = peer.drops
+            self._droppers.move_to_end(address)
+            if len(self._droppers) > DROPPERS:
+                self._droppers.popitem(last=False)
             return False
         peer.packets += 1
         peer.bytes += len(data)
@@ -177,6 +188,9 @@ class UserSpaceCache(ConnectionCache):
 
     def validated_peers(self) -> dict[str, Peer]:
         return {address: peer for address, (peer, _) in self._validated.items()}
+
+    def droppers(self) -> dict[str, int]:
+        return dict(self._droppers)
 
     def totals(self) -> Totals:
         return self._totals
@@ -240,6 +254,7 @@ class KernelCache(ConnectionCache):
             f"RATE_PER_S={max(1, int(config.peer_rate))}",
             f"BURST={max(1, int(config.peer_burst))}",
             f"HOST_CID_LENGTH={HOST_CID_LENGTH}",
+            f"DROPPERS={DROPPERS}",
         ]
         loader = subprocess.run(
             [
@@ -272,6 +287,7 @@ class KernelCache(ConnectionCache):
         self._table = PinnedMap(config.pin_dir / "peers", self.KEY.size, self.STATS_SIZE)
         self._fresh = PinnedMap(config.pin_dir / "fresh", self.KEY.size, self.STATS_SIZE)
         self._totals = PinnedMap(config.pin_dir / "totals", 4, 8 * possible_cpus())
+        self._droppers = PinnedMap(config.pin_dir / "droppers", self.KEY.size, 8)
         self._keys: dict[str, bytes] = {}  # validated peer name -> map key, as last read
 
     def validate(self, addr: tuple[Any, ...]) -> None:
@@ -299,13 +315,23 @@ class KernelCache(ConnectionCache):
             value = table.lookup(key)
             if value is None:  # evicted while we walked
                 continue
-            family, _, port, addr = self.KEY.unpack(key)
-            name = peer_name((str(ipaddress.ip_address(addr[:4] if family == 4 else addr)), socket.ntohs(port)))
+            name = self._name(key)
             first, last, packets, size_, drops, _, _, dcid_len, dcid = self.STATS.unpack_from(value)
             keys[name] = key
             dcid_hex, validated = dcid[:dcid_len].hex(), table is self._table
             out[name] = Peer(name, first / 1e9, last / 1e9, packets, size_, drops, dcid_hex, validated)
         return out, keys
+
+    def droppers(self) -> dict[str, int]:
+        out = {}
+        for key in self._droppers.keys(limit=2 * DROPPERS):
+            if (value := self._droppers.lookup(key)) is not None:  # else evicted while we walked
+                out[self._name(key)] = int.from_bytes(value, "little")
+        return out
+
+    def _name(self, key: bytes) -> str:
+        family, _, port, addr = self.KEY.unpack(key)
+        return peer_name((str(ipaddress.ip_address(addr[:4] if family == 4 else addr)), socket.ntohs(port)))
 
     def totals(self) -> Totals:
         counts = []
@@ -323,6 +349,7 @@ class KernelCache(ConnectionCache):
         self._table.close()
         self._fresh.close()
         self._totals.close()
+        self._droppers.close()
         if self._attached:  # the engine's pins: it removes them
             return
         for name in (*MAPS, STEERING_MAP):
