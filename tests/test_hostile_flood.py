@@ -73,7 +73,9 @@ def test_a_flood_of_sources_that_never_handshake_evicts_no_one(start_daemon, tls
         # /metrics counts the validated peers and the sources seen, without the table the flood filled
         scraped = await asyncio.to_thread(metrics, daemon)
         label = f'{{backend="{backend}"}}'
-        assert scraped[f"appliance_quic_peers{label}"] < 32 < len(junk), (scraped, len(junk))
+        assert scraped[f"appliance_quic_peers{label}"] < 32, scraped
+        if backend == "ebpf" or workers == 1:  # else the unvalidated sources stay in each worker
+            assert len(junk) > 32
         seen = scraped[f"appliance_quic_sources_total{label}"]  # in user space the socket buffer drops many first
         assert seen >= (DATAGRAMS * 0.9 if backend == "ebpf" else len(junk)), (seen, len(junk))
         assert sum(m["live_sequences"] for m in doc["models"]) == 1

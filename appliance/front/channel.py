@@ -67,8 +67,10 @@ class WorkerReport:
     quic_peers: list[str]  # the address of each of its QUIC connections
     quic_datagrams: int  # received on its UDP socket
     quic_stray_datagrams: int  # of those, short-header ones for a connection it does not have
-    # the QUIC peers where this worker keeps the connection cache in user space (no eBPF); else None
+    # where this worker keeps the connection cache in user space (no eBPF), its validated peers and the
+    # drops of those over budget last (the unvalidated sources stay in the worker: a flood fills them)
     peers: dict[str, Peer] | None = None
+    droppers: dict[str, int] | None = None
     totals: Totals = field(default_factory=Totals)
     held_bytes: int = 0  # of streamed answers, held for clients that have not taken them (protocol/flow.py)
     held_largest_bytes: int = 0

@@ -335,7 +335,8 @@ class Supervisor:
 
 
 class ReportedPeers:
-    """The QUIC peers where a worker keeps the connection cache in user space, as it last reported."""
+    """The QUIC peers where the workers keep the connection cache in user space, as each last reported:
+    its validated peers and its last peers over budget (the unvalidated sources stay in the worker)."""
 
     backend = "user"
 
@@ -343,13 +344,13 @@ class ReportedPeers:
         self.supervisor, self.reason = supervisor, reason
 
     def peers(self) -> dict[str, Peer]:
-        return {k: v for r in self.supervisor.reports() if r.peers for k, v in r.peers.items()}
+        return self.validated_peers()
 
     def validated_peers(self) -> dict[str, Peer]:
-        return {k: v for k, v in self.peers().items() if v.validated}
+        return {k: v for r in self.supervisor.reports() if r.peers for k, v in r.peers.items()}
 
     def droppers(self) -> dict[str, int]:
-        return {k: v.drops for k, v in self.peers().items() if v.drops}
+        return {k: v for r in self.supervisor.reports() if r.droppers for k, v in r.droppers.items()}
 
     def totals(self) -> Totals:
         return _sum_totals(r.totals for r in self.supervisor.reports())
