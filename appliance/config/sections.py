@@ -17,7 +17,7 @@ class ServerConfig:
     max_body_bytes: int = 64 << 20
     max_header_bytes: int = 16 << 10
     max_connections: int = 512
-    max_connections_per_peer: int = 128  # one user's share of max_connections (Unix socket; per worker)
+    max_connections_per_peer: int = 128  # one user's share of max_connections (Unix socket; the daemon's)
     max_buffered_bytes: int = 256 << 20  # request bodies held by all clients of both transports together
     header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
     body_timeout_s: float = 30.0  # a request body may go quiet this long

@@ -67,7 +67,12 @@ class Http1Server:
 
     @property
     def max_connections(self) -> int:
-        return self.limits.max_connections
+        return self.worker_share(self.limits.max_connections)
+
+    def worker_share(self, limit: int) -> int:
+        """This process's part of a daemon-wide connection limit: with N protocol workers (the body
+        budget's shares) each holds 1/N of it, so that the limit bounds the daemon, not each worker."""
+        return max(1, limit // self.budget.shares)
 
     def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
         """Who the client is (Request.client), its address (Request.peer), and whether it is an operator."""
@@ -143,8 +148,10 @@ class HttpConnection(WebSocketUpgrade):
             self._reject(limit_bit(503, f"too many connections (limit {self.server.max_connections})"))
             return
         share = self.server.limits.max_connections_per_peer
-        if sum(c.client == self.client for c in self.server.connections) >= share:
-            self._reject(limit_bit(503, f"too many connections from {self.client} (its share is {share})"))
+        if sum(c.client == self.client for c in self.server.connections) >= self.server.worker_share(share):
+            workers = self.server.budget.shares
+            each = f", {self.server.worker_share(share)} in each of {workers} workers" if workers > 1 else ""
+            self._reject(limit_bit(503, f"too many connections from {self.client} (its share is {share}{each})"))
             return
         self.server.connections.add(self)
 

@@ -109,7 +109,7 @@ class HttpsServer(Http1Server):
 
     @property
     def max_connections(self) -> int:
-        return self.live.config.https.max_connections
+        return self.worker_share(self.live.config.https.max_connections)
 
     def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
         host, port = transport.get_extra_info("peername")[:2]
