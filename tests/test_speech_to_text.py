@@ -397,3 +397,36 @@ def test_a_silent_live_stream_costs_the_same_at_any_age(daemon: Daemon, unix: Cl
     first, last = float(np.percentile(costs[20:220], 10)), float(np.percentile(costs[-200:], 10))
     assert last <= 2 * first, f"a chunk took {first * 1e3:.1f} ms at first and {last * 1e3:.1f} ms after an hour"
     assert daemon.rss_kib() - grown_from < 32 << 10
+
+
+def test_a_short_transcription_goes_before_a_long_recordings_queued_shards(
+    daemon: Daemon, unix: Client, ten_minutes
+) -> None:
+    """A twenty-minute recording's shards all wait for Whisper base when a one-sentence request comes:
+    its only shard is its first, and every request's first shard goes before anyone's next, so it is
+    answered after at most the engine call under way and the next (max_batch 8: 16 shards, its own
+    among them), not after the recording's queued shards (some 40)."""
+    body = flac(np.concatenate([ten_minutes[0], ten_minutes[0]]))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(daemon.socket))
+    head = f"POST /v2/models/{BASE}/transcribe HTTP/1.1\r\nhost: box\r\ncontent-type: audio/flac\r\n"
+    sock.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        deadline, waiting = time.monotonic() + 60, -1.0
+        while (depth := whisper_metric(unix, "appliance_queue_depth")) != waiting or depth <= 16:
+            assert time.monotonic() < deadline, "the recording's shards did not reach Whisper"
+            waiting = depth
+            time.sleep(0.3)  # until the VAD has cut it all: the queue no longer grows
+        before = whisper_metric(unix, "nv_inference_count")
+        with Client(str(daemon.socket), timeout=120) as short:
+            text = short.transcribe(encode_wav(say(CLEAR[0]), RATE), BASE, response_format="text").body.decode()
+        ran = whisper_metric(unix, "nv_inference_count") - before
+        assert wer(CLEAR[0], text) == 0.0, text
+        assert ran <= 2 * 8, f"{ran} shards ran before the short request's answer ({depth:.0f} were waiting)"
+        assert whisper_metric(unix, "appliance_queue_depth") > 0, "the recording was done first"
+    finally:
+        sock.close()  # the recording is abandoned: its shards leave the queue
+    deadline = time.monotonic() + 90
+    while whisper_metric(unix, "appliance_queue_depth") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
