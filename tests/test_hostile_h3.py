@@ -10,23 +10,18 @@ the connection closed with H3_EXCESSIVE_LOAD).
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 from collections.abc import Iterator
 
 import pytest
-from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.buffer import encode_uint_var
-from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, Setting, encode_frame
-from aioquic.h3.events import DataReceived, HeadersReceived
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, QuicEvent, StopSendingReceived
+from aioquic.h3.connection import ErrorCode, FrameType, Setting, encode_frame
 from conftest import Daemon, good_clients_throughout, process_tree_cpu_s
 
+from appliance.bench.attacks import ENTRY, HEALTH, Attacker, attacker, bomb
 from appliance.transport.h3_bounds import MAX_REFUSALS, field_lines
 
 LIMIT = 16 << 10  # max_header_bytes, and so SETTINGS_MAX_FIELD_SECTION_SIZE
-ENTRY = b"a" * 4000
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
@@ -36,101 +31,9 @@ def daemon(request, tmp_path_factory, keys, bundle, tls) -> Iterator[Daemon]:
         yield d
 
 
-def prefixed(value: int, bits: int, flags: int = 0) -> bytes:
-    """An HPACK/QPACK prefix integer (RFC 7541 section 5.1)."""
-    mask = (1 << bits) - 1
-    if value < mask:
-        return bytes([flags | value])
-    out, value = bytearray([flags | mask]), value - mask
-    while value >= 0x80:
-        out.append(0x80 | value & 0x7F)
-        value >>= 7
-    return bytes([*out, value])
-
-
-def bomb(references: int) -> bytes:
-    """A request's field section: the pseudo-headers from the static table, then `references`
-    one-byte references to dynamic entry 0 (Required Insert Count 1, encoded as 2; Base 1)."""
-    static = bytes([0xD1, 0xD7, 0xC1])  # :method GET, :scheme https, :path /
-    authority = b"\x50" + prefixed(9, 7) + b"localhost"  # :authority from the static name
-    return b"\x02\x00" + static + authority + b"\x80" * references
-
-
-# GET /v2/health/ready, static table only: :method GET, :scheme https, :authority and :path by name
-HEALTH = b"\x00\x00\xd1\xd7\x50" + prefixed(9, 7) + b"localhost" + b"\x51" + prefixed(16, 7) + b"/v2/health/ready"
-
-
-class HandEncoder:
-    """The attacker's QPACK encoder: its instructions are written by hand, so what the server's decoder
-    acknowledges is not for aioquic's own encoder to check."""
-
-    def apply_settings(self, max_table_capacity: int, blocked_streams: int) -> bytes:
-        return b""  # the table is the hand's: capacity 4096 is set with the first insert
-
-    def feed_decoder(self, data: bytes) -> None:
-        pass
-
-
-class Attacker(QuicConnectionProtocol):
-    """A QUIC peer with HTTP/3's control streams, whose requests are raw bytes on request streams."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.http = H3Connection(self._quic)
-        self.http._encoder = HandEncoder()
-        self.answers: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
-        self.bodies: dict[int, bytes] = {}
-        self.statuses: dict[int, int] = {}
-        self.stopped: dict[int, int] = {}  # stream -> STOP_SENDING's error code
-        self.closed: asyncio.Future[ConnectionTerminated] = asyncio.get_running_loop().create_future()
-
-    def quic_event_received(self, event: QuicEvent) -> None:
-        if isinstance(event, StopSendingReceived):
-            self.stopped[event.stream_id] = event.error_code
-        elif isinstance(event, ConnectionTerminated) and not self.closed.done():
-            self.closed.set_result(event)
-        for h3 in self.http.handle_event(event):
-            if isinstance(h3, HeadersReceived):
-                self.statuses[h3.stream_id] = int(dict(h3.headers)[b":status"])
-            elif isinstance(h3, DataReceived):
-                self.bodies[h3.stream_id] = self.bodies.get(h3.stream_id, b"") + h3.data
-            if getattr(h3, "stream_ended", False) and h3.stream_id in self.answers:
-                self.answers[h3.stream_id].set_result((self.statuses[h3.stream_id], self.bodies.get(h3.stream_id, b"")))
-
-    async def settings(self) -> dict[int, int]:
-        for _ in range(200):
-            if self.http.received_settings is not None:
-                return self.http.received_settings
-            await asyncio.sleep(0.01)
-        raise AssertionError("no SETTINGS from the server")
-
-    async def insert(self, name: bytes, value: bytes) -> None:
-        """Set the dynamic table's capacity and insert one entry (RFC 9204 sections 4.3.1, 4.3.3); return
-        once the server has it (the server allows no blocked streams: a reference may not overtake it)."""
-        instructions = prefixed(4096, 5, 0x20) + prefixed(len(name), 5, 0x40) + name + prefixed(len(value), 7) + value
-        stream_id = self.http._local_encoder_stream_id
-        self._quic.send_stream_data(stream_id, instructions)
-        self.transmit()
-        sender = self._quic._streams[stream_id].sender
-        for _ in range(500):
-            if sender._buffer_start == sender._buffer_stop:  # all acknowledged
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("the server did not acknowledge the encoder stream")
-
-    def send_raw(self, data: bytes, end_stream: bool = True) -> int:
-        stream_id = self._quic.get_next_available_stream_id()
-        self.answers[stream_id] = asyncio.get_running_loop().create_future()
-        self._quic.send_stream_data(stream_id, data, end_stream=end_stream)
-        self.transmit()
-        return stream_id
-
-
 def attack(daemon: Daemon, run) -> None:
     async def main() -> None:
-        configuration = QuicConfiguration(alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_REQUIRED)
-        configuration.load_verify_locations(daemon.cafile)
-        async with connect("127.0.0.1", daemon.quic_port, configuration=configuration, create_protocol=Attacker) as a:
+        async with attacker(f"127.0.0.1:{daemon.quic_port}", daemon.cafile) as a:
             await run(a)
 
     asyncio.run(asyncio.wait_for(main(), 60))
@@ -218,9 +121,9 @@ def test_bombs_from_many_connections_for_seconds_cost_little(daemon) -> None:
     the good clients (the fixture's) keep being served. Prints the daemon's CPU per refused bomb."""
     sent = 0
 
-    async def one_attacker(configuration: QuicConfiguration) -> None:
+    async def one_attacker() -> None:
         nonlocal sent
-        async with connect("127.0.0.1", daemon.quic_port, configuration=configuration, create_protocol=Attacker) as a:
+        async with attacker(f"127.0.0.1:{daemon.quic_port}", daemon.cafile) as a:
             await a.settings()
             await a.insert(b"x-bomb", ENTRY)
             for _ in range(MAX_REFUSALS + 1):
@@ -229,11 +132,9 @@ def test_bombs_from_many_connections_for_seconds_cost_little(daemon) -> None:
             assert (await a.closed).error_code == ErrorCode.H3_EXCESSIVE_LOAD
 
     async def main() -> None:
-        configuration = QuicConfiguration(alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_REQUIRED)
-        configuration.load_verify_locations(daemon.cafile)
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
-            await asyncio.gather(*(one_attacker(configuration) for _ in range(8)))
+            await asyncio.gather(*(one_attacker() for _ in range(8)))
 
     cpu_before = process_tree_cpu_s(daemon.proc.pid)
     asyncio.run(asyncio.wait_for(main(), 60))

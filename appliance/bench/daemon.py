@@ -86,18 +86,25 @@ class DaemonProcess:
 
     def rss_by_process(self) -> dict[str, float]:
         """Resident memory of the engine process and of each protocol worker it spawned."""
-        pid = self.proc.pid
-        children = Path(f"/proc/{pid}/task/{pid}/children")
-        workers = [int(p) for p in children.read_text().split()] if children.exists() else []
-        out = {"engine": round(_rss_mib(pid), 1)}
-        out.update({f"worker {i}": round(_rss_mib(child), 1) for i, child in enumerate(workers, 1)})
+        out = {"engine": round(_rss_mib(self.proc.pid), 1)}
+        out.update({f"worker {i}": round(_rss_mib(child), 1) for i, child in enumerate(self._workers(), 1)})
         return out
+
+    def _workers(self) -> list[int]:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        try:
+            return [int(p) for p in children.read_text().split()]
+        except OSError:
+            return []
 
     def cpu_s(self) -> float:
         """CPU seconds the daemon's process has used (all its threads): the work a request cost it,
         steadier than wall time on a machine others share."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu_s(self.proc.pid)
+
+    def tree_cpu_s(self) -> float:
+        """CPU seconds of the engine process and its protocol workers together."""
+        return self.cpu_s() + sum(_cpu_s(pid) for pid in self._workers())
 
     def status(self) -> Any:
         with Client(str(self.socket)) as client:
@@ -116,3 +123,11 @@ def _rss_mib(pid: int) -> float:
     except OSError:  # gone meanwhile
         return float("nan")
     return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), float("nan"))
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone meanwhile
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -24,6 +24,7 @@ BENCH_PARTS = {
     "vad": {"vad"},
     "workers": {"vad"},
     "https": {"vad"},
+    "hostile": {"vad"},
     "transcription": {"speech_to_text"},
     "live": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
@@ -34,7 +35,7 @@ BENCH_PARTS = {
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import https, live, speech, transcription, voices, workers
+    from appliance.bench import hostile, https, live, speech, transcription, voices, workers
     from appliance.bench.daemon import MEMORY_AT_STOP
     from appliance.bench.run import run
     from appliance.config import EngineConfig
@@ -61,6 +62,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["https"] = https.https_bench(args.bundle, args.trusted_keys, Path(tmp), args.seconds)
         print(f"appliance bench: {args.bundle}, HTTPS on TCP against QUIC and the Unix socket")
         print("\n".join(https.report(results["https"])))
+    if "hostile" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["hostile"] = hostile.hostile_bench(
+                args.bundle, args.trusted_keys, Path(tmp), max(3.0, args.seconds)
+            )
+        print(f"appliance bench: {args.bundle}, good clients under attack")
+        print("\n".join(hostile.report(results["hostile"])))
     if "transcription" in wanted:
         with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
             results["transcription"] = transcription.transcription_bench(
@@ -110,7 +118,8 @@ def add_bench(sub: Any) -> None:
         "--part",
         default="all",
         help="what to measure, by the firmware's models: all, or a comma-separated list of vad (the VAD, the "
-        "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the Unix socket and Hypercorn over TLS), transcription (speech to text against faster-whisper), live (Realtime and Wyoming against "
+        "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the "
+        "Unix socket and Hypercorn over TLS), hostile (good clients' latency under each attack), transcription (speech to text against faster-whisper), live (Realtime and Wyoming against "
         "wyoming-faster-whisper), speech (speech, "
         "translation and the pipeline)",
     )
