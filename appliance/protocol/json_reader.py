@@ -17,6 +17,7 @@ from appliance.errors import BadRequest
 MAX_DEPTH = 32  # lists and objects inside each other; a request with 8-dimensional nested data needs 11
 MAX_VALUES = 100_000  # JSON values (keys included) outside the flat lists that hold tensor data
 CHUNK_CHARS = 1 << 18  # flat data is converted this many characters at a time (a bounded list each)
+SCAN_CHARS = 1 << 20  # a long body is scanned this many characters at a time (see _match_end)
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -48,7 +49,9 @@ class Flat:
     def count(self) -> int:
         if _match_end(_WHITESPACE, self.text, self.start) >= self.end:
             return 0
-        return self.text.count(",", self.start, self.end) + 1
+        # a piece at a time, as _match_end scans: str.count holds the GIL through one call
+        pieces = range(self.start, self.end, SCAN_CHARS)
+        return sum(self.text.count(",", at, min(at + SCAN_CHARS, self.end)) for at in pieces) + 1
 
     def has_fractions(self) -> bool:
         return any(self.text.find(c, self.start, self.end) >= 0 for c in ".eE")
@@ -216,9 +219,15 @@ class JsonReader:
 
 
 def _match_end(pattern: re.Pattern[str], text: str, pos: int) -> int:
-    """Where a pattern that may match nothing stops matching from `pos`."""
-    match = pattern.match(text, pos)
-    return match.end() if match else pos
+    """Where a pattern that may match nothing (one character class, repeated) stops matching from
+    `pos`. A long run is matched a piece at a time: `re` holds the GIL through one match, and a reader
+    on a worker thread must let the event loop's thread run between pieces of a 60 MB body."""
+    while True:
+        match = pattern.match(text, pos, pos + SCAN_CHARS)
+        end = match.end() if match else pos
+        if end < pos + SCAN_CHARS or end >= len(text):
+            return end
+        pos = end
 
 
 def is_number(value: Any) -> bool:
