@@ -148,6 +148,11 @@ class RequestAssembler:
     def quiet_since(self, moment: float) -> bool:
         return self.last_heard < moment
 
+    def reading_resumed(self) -> None:
+        """The server stopped reading this connection (its pipeline was full) and reads it again: the
+        time it did not read is not the client's, so the head's and the body's clocks start again."""
+        self.started = self.last_heard = time.monotonic()
+
     def overdue(self, now: float) -> Rejection | None:
         """A head not complete within header_timeout_s, or a body that went quiet for body_timeout_s."""
         if not self.head_complete and now - self.started > self.limits.header_timeout_s:

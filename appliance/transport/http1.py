@@ -229,7 +229,8 @@ class HttpConnection(WebSocketUpgrade):
         if self._rejected:
             return
         if self._assembler is not None:
-            if (overdue := self._assembler.overdue(now)) is not None:
+            # while the pipeline is full the server does not read: a head or body cut there is not late
+            if not self._paused and (overdue := self._assembler.overdue(now)) is not None:
                 self._reject(overdue)
         elif not self.busy and not self.queue:
             # a connection that never sent a request has the head's time; one that did, keep-alive's
@@ -282,6 +283,8 @@ class HttpConnection(WebSocketUpgrade):
                 if self._paused and len(self.queue) < self.server.limits.pipeline_depth:
                     self._paused = False
                     self.transport.resume_reading()
+                    if self._assembler is not None:
+                        self._assembler.reading_resumed()
                 if isinstance(entry, Response):  # a rejection: the last answer on this connection
                     self.transport.write(encode_response(entry, False, self.server.extra_headers()))
                     self._linger()
