@@ -348,6 +348,17 @@ def whisper_metric(client: Client, name: str, model: str = BASE) -> float:
     raise AssertionError(f"no {name} for {model}")
 
 
+def wait_until_quiet(daemon: Daemon) -> None:
+    """Until the engine is quiet, its only client gone: a second with under 0.3 s of CPU."""
+    deadline = time.monotonic() + 90
+    while True:
+        spent = daemon.cpu_seconds()
+        time.sleep(1.0)
+        if daemon.cpu_seconds() - spent < 0.3:
+            return
+        assert time.monotonic() < deadline, "the engine is still busy 90 s after its only client left"
+
+
 def test_a_ten_minute_transcription_abandoned_after_2_s_stops_within_one_engine_call(
     daemon: Daemon, unix: Client, ten_minutes
 ) -> None:
@@ -365,13 +376,7 @@ def test_a_ten_minute_transcription_abandoned_after_2_s_stops_within_one_engine_
         assert time.monotonic() < deadline, "no shard of the recording reached Whisper"
         time.sleep(0.05)
     sock.close()
-    deadline = time.monotonic() + 90
-    while True:  # until the engine is quiet: a second with under 0.3 s of CPU
-        spent = daemon.cpu_seconds()
-        time.sleep(1.0)
-        if daemon.cpu_seconds() - spent < 0.3:
-            break
-        assert time.monotonic() < deadline, "the engine is still busy 90 s after its only client left"
+    wait_until_quiet(daemon)
     assert whisper_metric(unix, "appliance_queue_depth") == 0
     ran = whisper_metric(unix, "nv_inference_count") - before
     assert ran <= 2 * 8, f"{ran} shards of the abandoned recording ran (max_batch 8: one call, and one starting)"
@@ -426,7 +431,4 @@ def test_a_short_transcription_goes_before_a_long_recordings_queued_shards(
         assert whisper_metric(unix, "appliance_queue_depth") > 0, "the recording was done first"
     finally:
         sock.close()  # the recording is abandoned: its shards leave the queue
-    deadline = time.monotonic() + 90
-    while whisper_metric(unix, "appliance_queue_depth") > 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_until_quiet(daemon)  # and the engine call under way ends before the next test (or the stop)
