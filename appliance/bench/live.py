@@ -38,6 +38,7 @@ from wyoming.client import AsyncClient
 from wyoming.info import Describe
 
 from appliance import firmware
+from appliance.audio import to_pcm16
 from appliance.bench.daemon import DaemonProcess
 from appliance.bench.transcription import MODEL, RATE, SENTENCES, speech, spoken, words
 
@@ -47,10 +48,6 @@ OUTPUT_RATE = 24000
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 # a voice app that wants its turns closed sooner than OpenAI's defaults (500 ms of silence, 300 ms padding)
 QUICK_TURNS = {"type": "server_vad", "silence_duration_ms": 200, "prefix_padding_ms": 100}
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    return np.clip(np.round(samples * 32768), -32768, 32767).astype("<i2").tobytes()
 
 
 def percentiles(delays: list[float], wanted: int) -> dict[str, Any]:
@@ -79,7 +76,7 @@ async def realtime_session(socket: Path, query: str, session: dict[str, Any], un
     from websockets.asyncio.client import unix_connect
 
     samples, ends = speech(40)
-    audio = pcm16(soxr.resample(np.concatenate([samples, np.zeros(RATE, np.float32)]), RATE, OUTPUT_RATE))
+    audio = to_pcm16(soxr.resample(np.concatenate([samples, np.zeros(RATE, np.float32)]), RATE, OUTPUT_RATE))
     sentence_of: dict[str, int] = {}  # a turn's item: the sentence it heard
     arrived: dict[int, float] = {}  # a sentence: when its `until` event came
     transcribed: dict[int, float] = {}  # and its completed transcript
@@ -130,13 +127,8 @@ async def wyoming_transcript(uri: str, samples: np.ndarray, real_time: bool) -> 
         async def send(piece: bytes) -> None:
             await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=piece).event())
 
-        step = int(RATE * 2 * WYOMING_CHUNK_S)
-        if real_time:
-            await paced(send, pcm16(samples), step, WYOMING_CHUNK_S)
-        else:
-            audio = pcm16(samples)
-            for offset in range(0, len(audio), step):
-                await send(audio[offset : offset + step])
+        # at real-time pace, or all at once (a pace of 0)
+        await paced(send, to_pcm16(samples), int(RATE * 2 * WYOMING_CHUNK_S), WYOMING_CHUNK_S if real_time else 0.0)
         await client.write_event(AudioStop().event())
         stopped = time.monotonic()
         while (event := await client.read_event()) is not None:

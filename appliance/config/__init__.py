@@ -132,12 +132,13 @@ def _model_queues(path: Path, value: Any) -> dict[str, ModelQueueConfig]:
     for model, table in value.items():
         if not isinstance(table, dict):
             raise ApplianceError(f"{path}: engine.models.{model}: expected a table")
+        settings = {}
         for key, setting in table.items():
             if key not in known:
                 raise ApplianceError(f"{path}: engine.models.{model}.{key}: unknown key (known: {', '.join(known)})")
             kind = int if key == "max_queue_size" else float
-            table[key] = _coerce(path, f"engine.models.{model}.{key}", kind, setting)
-        out[model] = ModelQueueConfig(**table)
+            settings[key] = _coerce(path, f"engine.models.{model}.{key}", kind, setting)
+        out[model] = ModelQueueConfig(**settings)
     return out
 
 
