@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
 import subprocess
 import wave
 from pathlib import Path
@@ -228,6 +230,39 @@ def test_cli_speak_and_translate(speech_daemon: Daemon, tmp_path: Path) -> None:
     assert result.stdout.strip() == "Bom dia."
     missing = cli("call", "translate", "--to", "de", "Hi", "--socket", speech_daemon.socket, check=False)
     assert missing.returncode == 2 and "--from is needed" in missing.stderr
+
+
+def translators(daemon: Daemon) -> list[int]:
+    """The daemon's translator processes (engine/bergamot_process.py)."""
+    return [pid for pid in daemon.pids()[1:] if b"bergamot_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_translation_runs_in_processes_of_its_own_and_one_killed_is_replaced(speech_daemon: Daemon) -> None:
+    """fxtranslate holds the GIL while it translates: the daemon runs each translator (two per pair at
+    the default engine.threads) in a process of its own, where the work's CPU time goes. One killed
+    between texts is replaced by the next text, which is translated."""
+    first = translators(speech_daemon)
+    assert len(first) == 2 * 2, first  # en->pt and pt->en, two threads each
+    before = {pid: cpu_s(pid) for pid in first}
+    engine_before = cpu_s(speech_daemon.proc.pid)
+    text = " ".join(f"There are {n + 3} apples on the table in room {n + 100}." for n in range(40))
+    with speech_daemon.client() as client:
+        assert client.translate(text, "en", "pt").count("maçãs") >= 36
+        spent = sum(cpu_s(pid) - before[pid] for pid in first)
+        assert spent > cpu_s(speech_daemon.proc.pid) - engine_before, "the translation ran in the engine process"
+        for pid in first:
+            os.kill(pid, signal.SIGKILL)
+        translated = [client.translate(f"My brother has {n + 2} cars.", "en", "pt") for n in range(8)]
+        back = client.translate("Bom dia.", "pt", "en")
+    assert all("carros" in t and str(n + 2) in t for n, t in enumerate(translated)), translated
+    assert back == "Good morning."
+    replaced = translators(speech_daemon)
+    assert len(replaced) >= 2 and not set(replaced) & set(first), (first, replaced)
 
 
 # --- shards ----------------------------------------------------------------------------------------

