@@ -100,11 +100,14 @@ class DaemonProcess:
         return out
 
     def _children(self) -> list[int]:
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        try:
-            return [int(p) for p in children.read_text().split()]
-        except OSError:
-            return []
+        """Every thread's children: the translators are started by the engine's translation threads."""
+        found = []
+        for children in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
+            try:
+                found += [int(p) for p in children.read_text().split()]
+            except OSError:
+                continue
+        return found
 
     def cpu_s(self) -> float:
         """CPU seconds the daemon's process has used (all its threads): the work a request cost it,
