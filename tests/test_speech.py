@@ -244,8 +244,9 @@ def cpu_s(pid: int) -> float:
 
 def test_translation_runs_in_processes_of_its_own_and_one_killed_is_replaced(speech_daemon: Daemon) -> None:
     """fxtranslate holds the GIL while it translates: the daemon runs each translator (two per pair at
-    the default engine.threads) in a process of its own, where the work's CPU time goes. One killed
-    between texts is replaced by the next text, which is translated."""
+    the default engine.threads) in a process of its own, where the work's CPU time goes. Stop and
+    hang-up signals leave it be; one killed between texts is replaced by the next text, which is
+    translated."""
     first = translators(speech_daemon)
     assert len(first) == 2 * 2, first  # en->pt and pt->en, two threads each
     before = {pid: cpu_s(pid) for pid in first}
@@ -255,6 +256,11 @@ def test_translation_runs_in_processes_of_its_own_and_one_killed_is_replaced(spe
         assert client.translate(text, "en", "pt").count("maçãs") >= 36
         spent = sum(cpu_s(pid) - before[pid] for pid in first)
         assert spent > cpu_s(speech_daemon.proc.pid) - engine_before, "the translation ran in the engine process"
+        for pid in first:  # what reaches the whole group (systemd's stop, ^C, a hang-up) is the daemon's to act on
+            for sent in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                os.kill(pid, sent)
+        assert client.translate("Good morning.", "en", "pt") == "Bom dia."
+        assert sorted(translators(speech_daemon)) == sorted(first)
         for pid in first:
             os.kill(pid, signal.SIGKILL)
         translated = [client.translate(f"My brother has {n + 2} cars.", "en", "pt") for n in range(8)]

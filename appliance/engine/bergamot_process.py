@@ -37,6 +37,8 @@ def serve(connection: Connection) -> None:
 
 
 if __name__ == "__main__":
-    for stop in (signal.SIGTERM, signal.SIGINT):  # systemd and a terminal signal the whole group
+    # systemd's stop, a terminal's ^C and hang-up reach the whole group: the daemon decides (a reload
+    # keeps its translators, a stop closes their connections)
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(stop, signal.SIG_IGN)
     serve(Connection(int(sys.argv[1])))
