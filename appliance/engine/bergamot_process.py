@@ -37,8 +37,9 @@ def serve(connection: Connection) -> None:
 
 
 if __name__ == "__main__":
-    # systemd's stop, a terminal's ^C and hang-up reach the whole group: the daemon decides (a reload
-    # keeps its translators, a stop closes their connections)
+    # systemd's stop, a terminal's ^C and hang-up reach the whole group: the daemon decides (a stop
+    # closes their connections). SIGHUP is held already where the thread that started this one was
+    # started before the daemon allowed reloads (signals.py), not in translators a reload starts.
     for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(stop, signal.SIG_IGN)
     serve(Connection(int(sys.argv[1])))
