@@ -100,7 +100,9 @@ class ModelQueueConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     device: str = "cpu"
-    threads: int = 2  # intra-op threads for large batches; small ones run on one
+    # ONNX Runtime's intra-op threads for large batches (small ones run on one); the number of Whisper
+    # decodes and of Bergamot translators (a process each) that run side by side, one thread each
+    threads: int = 2
     queue_delay_us: int = 0
     # each model's queue, as Triton's dynamic_batching.default_queue_policy: requests waiting past
     # max_queue_size are refused, and those waiting longer than queue_timeout_s get a 503 (0: no timeout)
