@@ -9,16 +9,14 @@ SAMPLE_RATE = 16000
 WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's one input window: 30 s
 N_FFT, HOP = 400, 160
 WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000 mel frames
-# A shard alone is encoded at twice its audio's length, at least 20 s, not always a 30 s window: the
-# encoder's cost grows faster than its input (tiny.en on 2 threads: 77 ms for 20 s against 208 ms for
-# 30 s; base 164 against 444 ms). Whisper was trained on 30 s windows, and what it needs is silence
-# after the audio. Measured on espeak-ng speech: on 72 single sentences (12 x 3 voices x 2 paddings)
-# tiny.en made 19 errors at 15 s and at 20 s, 25 at 30 s; on clips of 6 to 17 s, twice the audio
-# heard as well as 30 s (WER tiny.en 0.149 against 0.150, base 0.127 against 0.130), while 3 s of
-# silence after 12 s of audio made base repeat itself (WER 0.93), as did every input of 5 s. The
-# floor is 20 s, not 15: one Realtime test turn was heard wrong at 15 s and right from 20 s.
-# Shared windows (whisper_windows.py) are always whole.
-MIN_ENCODER_FRAMES = 2000
+# A shard alone is encoded at twice its audio's length, at least 15 s, not always a 30 s window: the
+# encoder's cost grows faster than its input (tiny.en on 2 threads: 53 ms for 15 s against 208 ms for
+# 30 s; base 108 against 444 ms). Whisper was trained on 30 s windows, and what it needs is silence
+# after the audio: measured on espeak-ng speech (8 clips each of 6, 10, 12, 14 and 17 s; 22 sentences
+# x 3 voices), twice the audio heard as well as 30 s (WER tiny.en 0.149 against 0.150, base 0.127
+# against 0.130), while 3 s of silence after 12 s of audio made base repeat itself (WER 0.93), as did
+# every input of 5 s. Shared windows (whisper_windows.py) are always whole.
+MIN_ENCODER_FRAMES = 1500
 
 
 def encoder_frames(audio_frames: int) -> int:
