@@ -167,38 +167,3 @@ def test_a_batch_waits_for_shards_of_a_recording_still_in_its_vad(coming: bool) 
 
     asyncio.run(scenario())
     assert calls == ([[1, 2]] if coming else [[1], [2]])
-
-
-def test_a_shard_alone_is_encoded_at_twice_its_length_and_heard_as_well_as_in_a_full_window(
-    tiny: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A shard decoded alone gives the encoder twice its audio, at least 15 s and at most 30 s
-    (whisper_features.encoder_frames), not always a whole window: the word error rate on the test
-    sentences, one at a time and in clips of 11 to 13 s (where too little silence after the audio
-    makes Whisper repeat itself), is within 0.01 of the full window's."""
-    import appliance.engine.whisper as whisper_module
-
-    gap = np.zeros(RATE, np.float32)
-    runs = []
-    for first in range(0, len(ENGLISH), 2):
-        run: list[str] = []
-        while sum(len(say(s, "en-us")) + RATE for s in run) < 11 * RATE:
-            run.append(ENGLISH[(first + len(run)) % len(ENGLISH)])
-        runs.append(run)
-    texts = [*ENGLISH, *(" ".join(run) for run in runs)]
-    shards = [Shard(np.concatenate([PAD, say(s, "en-us"), PAD])) for s in ENGLISH]
-    shards += [Shard(np.concatenate([PAD, *(x for s in run for x in (say(s, "en-us"), gap)), PAD])) for run in runs]
-    whisper = engine(tiny)
-    given: list[int] = []
-    log_mel = whisper_module.log_mel
-    monkeypatch.setattr(whisper_module, "log_mel", lambda *a: given.append(a[2]) or log_mel(*a))
-    short = [text(whisper.run([s])[0]) for s in shards]
-    needed = [min(3000, max(1500, 2 * (len(s.samples) // 160))) for s in shards]
-    assert given == [n + n % 2 for n in needed], (given, needed)
-    assert any(1500 < g < 3000 for g in given)
-    monkeypatch.setattr(whisper_module, "encoder_frames", lambda frames: 3000)
-    full = [text(whisper.run([s])[0]) for s in shards]
-    references = [words(t) for t in texts]
-    short_wer = jiwer.wer(references, [words(t) for t in short])
-    full_wer = jiwer.wer(references, [words(t) for t in full])
-    assert short_wer <= full_wer + 0.01, (short_wer, full_wer, short, full)

@@ -23,15 +23,7 @@ import numpy as np
 import tokenizers
 
 from appliance.engine import nvidia_libs, whisper_windows
-from appliance.engine.whisper_features import (
-    HOP,
-    SAMPLE_RATE,
-    WINDOW_FRAMES,
-    WINDOW_SAMPLES,
-    encoder_frames,
-    log_mel,
-    mel_filters,
-)
+from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel, mel_filters
 from appliance.engine.whisper_words import Word, aligned_words
 from appliance.errors import ApplianceError, BadRequest
 
@@ -295,18 +287,14 @@ class WhisperEngine:
 
     def _run(self, model: ctranslate2.models.Whisper, shards: list[Shard], shared: int = 0) -> list[Decoded]:
         """The first `shared` shards are shared windows: their pieces are timed by where the decoder
-        heard each token (Whisper's own timestamps drift by seconds over a window of many sentences).
-        The others, each a shard alone, are encoded no longer than their audio needs (encoder_frames)."""
+        heard each token (Whisper's own timestamps drift by seconds over a window of many sentences)."""
         groups: dict[tuple[int, float, str | None], list[int]] = defaultdict(list)
         for i, shard in enumerate(shards):
             groups[(len(shard.prompt), shard.temperature, shard.language)].append(i)
         answers: list[Decoded | None] = [None] * len(shards)
         for (_, temperature, _), members in groups.items():
             group = [shards[i] for i in members]
-            frames = [min(len(s.samples) // HOP, WINDOW_FRAMES) for s in group]
-            # a shared window's text is split back by where its tokens were heard, measured on full windows
-            given = WINDOW_FRAMES if members[0] < shared else encoder_frames(max(frames))
-            features = log_mel([s.samples for s in group], self.filters, given)
+            features = log_mel([s.samples for s in group], self.filters)
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
             detected = self._languages(model, encoded, group)
             languages = [language for language, _ in detected]
@@ -324,6 +312,7 @@ class WhisperEngine:
                 self.tokens.prompt(dataclasses.replace(s, prompt=()), lang) if s.words else None
                 for s, lang in zip(group, languages)
             ]
+            frames = [min(len(s.samples) // HOP, WINDOW_FRAMES) for s in group]
             words = aligned_words(
                 model, (features, encoded), asked, ids, frames, self.tokens.eot, self.tokens.tokenizer.decode, languages
             )

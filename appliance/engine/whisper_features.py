@@ -9,21 +9,6 @@ SAMPLE_RATE = 16000
 WINDOW_SAMPLES = 30 * SAMPLE_RATE  # Whisper's one input window: 30 s
 N_FFT, HOP = 400, 160
 WINDOW_FRAMES = WINDOW_SAMPLES // HOP  # 3000 mel frames
-# A shard alone is encoded at twice its audio's length, at least 15 s, not always a 30 s window: the
-# encoder's cost grows faster than its input (tiny.en on 2 threads: 53 ms for 15 s against 208 ms for
-# 30 s; base 108 against 444 ms). Whisper was trained on 30 s windows, and what it needs is silence
-# after the audio: measured on espeak-ng speech (8 clips each of 6, 10, 12, 14 and 17 s; 22 sentences
-# x 3 voices), twice the audio heard as well as 30 s (WER tiny.en 0.149 against 0.150, base 0.127
-# against 0.130), while 3 s of silence after 12 s of audio made base repeat itself (WER 0.93), as did
-# every input of 5 s. Shared windows (whisper_windows.py) are always whole.
-MIN_ENCODER_FRAMES = 1500
-
-
-def encoder_frames(audio_frames: int) -> int:
-    """The mel frames the encoder is given for a shard of `audio_frames`: twice that, at least
-    MIN_ENCODER_FRAMES, at most a window; even (the encoder's convolution halves it)."""
-    frames = min(WINDOW_FRAMES, max(MIN_ENCODER_FRAMES, 2 * audio_frames))
-    return frames + frames % 2
 
 
 def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
@@ -52,19 +37,17 @@ def _hz_to_mel(hz: float) -> float:
     return min_log_hz / f_sp + float(np.log(hz / min_log_hz) / (np.log(6.4) / 27.0))
 
 
-def log_mel(shards: list[np.ndarray], filters: np.ndarray, frames: int = WINDOW_FRAMES) -> np.ndarray:
-    """Whisper's input for each shard of at most 30 s: [batch, n_mels, frames] log-mel features of the
-    shard padded with silence, the first `frames` of a 30 s window's (the silence after the audio is
-    the quietest a frame can be, so the window's scale is the same whatever `frames` is)."""
+def log_mel(shards: list[np.ndarray], filters: np.ndarray) -> np.ndarray:
+    """Whisper's input for each shard of at most 30 s: [batch, n_mels, 3000] log-mel features of the
+    shard padded with silence to 30 s (the model was trained on full windows only)."""
     window = np.hanning(N_FFT + 1)[:-1].astype(np.float32)  # periodic Hann, as torch.stft uses
-    out = np.empty((len(shards), filters.shape[0], frames), np.float32)
+    out = np.empty((len(shards), filters.shape[0], WINDOW_FRAMES), np.float32)
     for i, samples in enumerate(shards):
-        padded = np.zeros(frames * HOP + N_FFT, np.float32)
-        heard = samples[: frames * HOP]
-        padded[N_FFT // 2 : N_FFT // 2 + len(heard)] = heard
+        padded = np.zeros(WINDOW_SAMPLES + N_FFT, np.float32)
+        padded[N_FFT // 2 : N_FFT // 2 + len(samples)] = samples[:WINDOW_SAMPLES]
         padded[: N_FFT // 2] = padded[N_FFT // 2 + 1 : N_FFT + 1][::-1]  # centred frames, reflected start
-        frames_view = sliding_window_view(padded, N_FFT)[::HOP][:frames]
-        power = np.abs(np.fft.rfft(frames_view * window, axis=1)) ** 2
+        frames = sliding_window_view(padded, N_FFT)[::HOP][:WINDOW_FRAMES]
+        power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2
         mel = np.log10(np.maximum(filters @ power.T, 1e-10))
         out[i] = (np.maximum(mel, mel.max() - 8.0) + 4.0) / 4.0
     return out
