@@ -16,6 +16,8 @@ TRUSTED := keys/trusted
 # `make run` and the image serve the interpreter firmware; the VAD-only default stays buildable (make firmware-default).
 BUNDLE := build/firmware/interpreter
 DEFAULT_BUNDLE := build/firmware/default
+# The speech-to-text figures run on the firmware of just the VAD and both Whispers (its memory is the target's).
+VOICE_BUNDLE := build/firmware/voice
 CONFIG := etc/dev.toml
 
 .PHONY: run test lint bench deps image image-deps image-test bpf-host venv firmware firmware-default kokoro-voices gpu-test gpu-wheelhouse clean
@@ -46,9 +48,10 @@ lint: venv
 
 # The VAD, the transports and one's own model on the VAD-only firmware; speech to text, speech, translation
 # and the pipeline on the interpreter firmware.
-bench: firmware firmware-default
+bench: firmware firmware-default $(VOICE_BUNDLE)/manifest.json
 	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part transcription,live,speech,voices
+	$(APPLIANCE) bench --bundle $(VOICE_BUNDLE) --trusted-keys $(TRUSTED) --part transcription
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
@@ -86,7 +89,7 @@ $(DEV_KEY): | venv
 	$(APPLIANCE) keys new --out $(DEV_KEY) --trust-dir $(TRUSTED)
 
 # build/firmware/NAME from firmware/NAME.toml: interpreter (VAD, Whisper, the Piper voice, Kokoro pt-BR, Bergamot en<->pt,
-# the pipeline), default (VAD only).
+# the pipeline), default (VAD only), voice (VAD and both Whispers: make bench).
 build/firmware/%/manifest.json: firmware/%.toml $(DEV_KEY) | venv kokoro-voices
 	$(APPLIANCE) firmware build $< --key $(DEV_KEY) --out build/firmware/$*
 
