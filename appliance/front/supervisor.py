@@ -28,6 +28,7 @@ from typing import Any
 
 from appliance import signals
 from appliance.api.core import Api
+from appliance.exitcodes import exit_text
 from appliance.front.channel import (
     Channel,
     WorkerReport,
@@ -131,13 +132,13 @@ class Supervisor:
             now = time.monotonic()
             slot.crashes = [t for t in slot.crashes if now - t < 60.0] + [now]
             slot.restarts += 1
-            slot.last_exit = _exit_text(code)
+            slot.last_exit = exit_text(code)
             pause = RESTART_BACKOFF_S[min(len(slot.crashes), len(RESTART_BACKOFF_S)) - 1]
             log.error(
                 "worker %d (pid %s) exited with %s; restarting it%s (the other workers keep serving)",
                 slot.index,
                 slot.process.pid if slot.process else "-",
-                _exit_text(code),
+                exit_text(code),
                 f" in {pause:g} s" if pause else "",
             )
             await asyncio.sleep(pause)
@@ -384,9 +385,3 @@ async def _exited(process: subprocess.Popen[bytes]) -> int:
 
 def _forget(tasks: dict[int, asyncio.Task[None]], rid: int, _: object) -> None:
     tasks.pop(rid, None)
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        return f"signal {signal.Signals(-code).name}"
-    return f"code {code}"
