@@ -112,19 +112,30 @@ class TranslatorProcess:
         return process, connection
 
     def translate(self, text: str) -> str:
-        if self._process.poll() is not None:  # it died between texts: a new one for this text
-            self._connection.close()
-            self._process, self._connection = self._start()
+        """`text` translated. A translator that died (killed between texts, where its death may not be
+        seen yet, or on this text) is replaced and the text tried once more: translating has no side
+        effects. A text it dies on twice gets the 503."""
         try:
-            self._connection.send(text)
-            status, detail = self._connection.recv()
+            return self._ask(text)
+        except (EOFError, OSError):
+            self._connection.close()
+            self._process.wait()
+        try:
+            return self._ask(text)
         except (EOFError, OSError):
             self._connection.close()
             ended = exit_text(self._process.wait())
             raise Unavailable(
-                f"the translator process ended ({ended}) while translating this text; a new one takes the next",
+                f"the translator process ended ({ended}) twice while translating this text",
                 headers=(("Retry-After", "1"),),
             ) from None
+
+    def _ask(self, text: str) -> str:
+        if self._process.poll() is not None:  # it died: a new one
+            self._connection.close()
+            self._process, self._connection = self._start()
+        self._connection.send(text)
+        status, detail = self._connection.recv()
         if status != "ok":
             raise ApiError(detail, 500)
         return str(detail)
