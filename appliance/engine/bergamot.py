@@ -6,8 +6,8 @@ files (model, vocabularies, shortlist). It holds the GIL while it translates, so
 lives in a process of its own (bergamot_process.py: about 50 MiB, its own copy of a tiny model),
 driven by one thread of this engine that waits on it without the GIL. The threads take a batch's
 texts from one queue, each the next as soon as it is free, so a worker on a busy core does not hold
-the batch up. A translator process that dies fails the text it was given, with one line, and the
-next text starts a new one.
+the batch up. A translator process that dies is replaced and its text tried once more; a text it
+dies on twice gets a 503 in one line.
 """
 
 from __future__ import annotations
