@@ -101,7 +101,8 @@ class ModelQueueConfig:
 class EngineConfig:
     device: str = "cpu"
     # ONNX Runtime's intra-op threads for large batches (small ones run on one); the number of Whisper
-    # decodes and of Bergamot translators (a process each) that run side by side, one thread each
+    # decodes that run side by side and the threads each may use; Bergamot translators (a process
+    # each, one thread) side by side
     threads: int = 2
     queue_delay_us: int = 0
     # each model's queue, as Triton's dynamic_batching.default_queue_policy: requests waiting past

@@ -165,12 +165,16 @@ class WhisperEngine:
         gpus = ctranslate2.get_cuda_device_count() if device != "cpu" else 0
         if device == "cuda" and not gpus:
             raise ApplianceError('engine.device = "cuda": CTranslate2 finds no CUDA device here')
-        # One thread per decode and `threads` decodes side by side (the weights are shared): on 2 cores
-        # a sentence took 213 ms on one thread against 325 ms on two, and three windows 1.5 s as two
-        # lanes against 2.8 s as one batch on two threads (the intra-op split of a small decode
-        # costs more than it gives).
+        # `threads` decodes side by side (the weights are shared), each free to split over `threads`
+        # intra-op threads: a lone shard (a live segment) has every core, several share them. On a
+        # 2-core AVX2 EPYC one sentence took 1,023 ms on two threads against 1,738 ms on one, and
+        # eight 10 s clips 9.97 s against 9.3 s as lanes of one thread (docs/performance.md).
         self.cpu = ctranslate2.models.Whisper(
-            str(directory), device="cpu", compute_type="int8", intra_threads=1, inter_threads=max(1, threads)
+            str(directory),
+            device="cpu",
+            compute_type="int8",
+            intra_threads=max(1, threads),
+            inter_threads=max(1, threads),
         )
         self._lanes = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="whisper-lane")
         self.gpu = (
