@@ -6,7 +6,8 @@ no previous-text prompt) are packed in order into windows of at most `capacity` 
 SEPARATOR_S of silence between two of them: Whisper closes a piece of text at a pause that long,
 so its timestamps split the window's text back into each shard's. A piece that covers the audio of
 two shards (more than REACH_S of each) is cut between them where its words were heard in order
-on those shards' audio; where they were not, those shards are decoded alone instead, as is a
+on those shards' audio (all of it to one, where every word was heard in its audio and the piece's
+times only drifted into the next); where they were not, those shards are decoded alone instead, as is a
 shard the window's decode gave no text (Whisper may stop before the window's end). Plain functions of arrays and times: no engine here.
 """
 
@@ -110,7 +111,8 @@ def split(
         owners = [i for i, o in enumerate(overlaps) if o > REACH_S]
         if len(owners) > 1:
             runs = _runs(spans, words[n] if words else ())
-            if runs is None or {r[0] for r in runs} != set(owners):
+            # all its words heard in one shard's audio: its end (or start) only drifted into the next
+            if runs is None or not {r[0] for r in runs} <= set(owners):
                 alone.update(window.members[i] for i in owners)
                 continue
             for k, (at, first, line) in enumerate(runs):
