@@ -125,3 +125,34 @@ def test_pump_echoes_pings_bounds_messages_and_pauses_reading() -> None:
         pump.lost()
 
     asyncio.run(run())
+
+
+def test_a_quiet_client_is_pinged_and_closed_without_its_pong_but_not_while_the_box_holds_it_back() -> None:
+    async def run() -> None:
+        limits = WebSocketConfig(buffered_bytes=1500, idle_timeout_s=100.0, ping_interval_s=10.0)
+        quiet, held = Wire(), Wire()
+        pump = WebSocketPump(quiet.io(), lambda: limits, lambda io: asyncio.Event().wait())  # type: ignore[arg-type,return-value]
+        pump.start()
+        start = pump.last_heard
+        pump.check_timeouts(start + 11)
+        assert [e for e in quiet.client.events() if isinstance(e, Ping)]
+        pump.check_timeouts(start + 22)  # no pong by the next interval
+        closes = [e for e in quiet.client.events() if isinstance(e, CloseConnection)]
+        assert closes and closes[0].code == 1011
+        # a client whose messages wait for the session (reading paused): its pong could not be read
+        stuck = WebSocketPump(held.io(), lambda: limits, lambda io: asyncio.Event().wait())  # type: ignore[arg-type,return-value]
+        stuck.start()
+        stuck.data_received(held.client.send(BytesMessage(data=b"a" * 900)))
+        stuck.data_received(held.client.send(BytesMessage(data=b"b" * 900)))
+        assert held.paused
+        start = stuck.last_heard
+        for later in (11, 22, 33, 99):
+            stuck.check_timeouts(start + later)
+        assert not [e for e in held.client.events() if isinstance(e, CloseConnection)]
+        stuck.check_timeouts(start + 101)  # the idle bound still holds
+        closes = [e for e in held.client.events() if isinstance(e, CloseConnection)]
+        assert closes and closes[0].code == 1001
+        pump.lost()
+        stuck.lost()
+
+    asyncio.run(run())

@@ -5,7 +5,8 @@ The limits of [websocket] hold for every connection: a message over max_message_
 1009 as soon as its frames pass the bound (nothing bigger is held); messages the session has not yet
 read are held up to buffered_bytes, then the stream is not read until it catches up; a client quiet
 for idle_timeout_s is closed with 1001; a quiet client is pinged every ping_interval_s and closed with
-1011 when the pong is not back by the next ping. A protocol error closes with wsproto's code (1002,
+1011 when the pong is not back by the next ping (not while the box itself is not reading it: the
+pong could not be read; idle_timeout_s still bounds that). A protocol error closes with wsproto's code (1002,
 1007). The session's own sends wait on the stream's flow control, so a client that stops reading
 stops the session's sender, never grows a buffer. The client leaving cancels the session.
 """
@@ -95,6 +96,7 @@ class WebSocketPump:
         if self._paused and self._inbox_bytes <= self.limits.buffered_bytes // 2:
             self._paused = False
             self.stream.resume()
+            self.last_heard, self._ping_sent = time.monotonic(), None  # heard again from now
         return message
 
     async def send(self, message: Message) -> None:
@@ -172,6 +174,8 @@ class WebSocketPump:
         if now - self.last_heard > limits.idle_timeout_s:
             LIMITS_BITTEN.bit("websocket idle", f"WebSocket quiet for {limits.idle_timeout_s:g} s")
             self.close(Close(1001, f"no message for {limits.idle_timeout_s:g} s"))
+        elif self._paused:
+            return  # the box is not reading this client (its messages wait for the session): no pong could be read
         elif self._ping_sent is not None and now - self._ping_sent > limits.ping_interval_s:
             self.close(Close(1011, f"no pong within {limits.ping_interval_s:g} s"))
         elif self._ping_sent is None and now - self.last_heard > limits.ping_interval_s:
