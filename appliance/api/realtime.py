@@ -45,7 +45,9 @@ from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
 from appliance.protocol.messages import Close, Request, Response, SessionIO
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
-PARTIAL_EVERY = 8  # chunks (about 1 s): how often the open turn's text so far is decoded
+# chunks (about 1 s) from one decode of the open turn's text so far to the next; where a decode takes
+# longer (a slow CPU, a busy box), the next starts as soon as it is done
+PARTIAL_EVERY = 8
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
 
 
@@ -146,6 +148,7 @@ class Turns:
         self.started = False  # whether the live stream is open on the model
         self.offset = 0  # the session's sample position where the live stream began
         self.chunks = 0
+        self.partial_due = PARTIAL_EVERY  # the chunk from which the next decode of the text so far is wanted
         self.model = self._model()
         # when the audio up to each session position arrived (append by append), to time the turns
         self.arrivals: deque[tuple[int, float]] = deque()
@@ -258,11 +261,13 @@ class Turns:
     async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
         self.chunks += 1
         call = SequenceCall(self.key, start=not self.started, end=end, client=self.client)
-        want_partial = not end and self.chunks % PARTIAL_EVERY == 0
+        want_partial = not end and self.chunks >= self.partial_due
         vad = self.session.settings.vad
         chunk = await self.model.live_chunk(
             samples, call, want_partial, self.options(), RequestTimes(), vad, partial_waits=False
         )
+        if chunk.partial_started:
+            self.partial_due = self.chunks + PARTIAL_EVERY
         self.started = not end
         return chunk
 

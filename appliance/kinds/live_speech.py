@@ -112,21 +112,23 @@ class LiveTranscription:
                 closed += stream.tracker.finish(stream.position)
             audio, base = np.concatenate(stream.audio), stream.base
             decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
-            text, open_start = None, None if sequence.end else stream.tracker.open_start
+            text, open_start, started = None, None if sequence.end else stream.tracker.open_start, False
             speaking = open_start is not None and stream.tracker.closing() is None  # else decoded ahead
-            if closed or not speaking:
-                stream.drop_partial()  # of a segment now closed, or about to be
+            if closed or open_start is None:
+                stream.drop_partial()  # of a segment now closed
             elif not partial_waits:
+                # one under way goes on through a pause (its engine call is not stopped by dropping it);
+                # a new one waits for the speech to go on
                 text = stream.finished_partial()
-                if partial and stream.partial is None:
+                if partial and speaking and stream.partial is None:
                     assert open_start is not None
                     stream.partial = asyncio.get_running_loop().create_task(
                         self._decode_live(stream, audio, base, (open_start, stream.position), RequestTimes()),
                         name="live-partial",
                     )
                     stream.partial.add_done_callback(_consume_error)
-            elif partial:
-                assert open_start is not None
+                    started = True
+            elif partial and speaking:
                 found = await self._decode_live(stream, audio, base, (open_start, stream.position), times)
                 text = " ".join(s.text for s in found)
             # keep only what a segment still to come can include: after a closed segment its padded
@@ -135,7 +137,7 @@ class LiveTranscription:
             stream.audio, stream.base = [audio[keep - base :]], keep
             audio, base = stream.audio[0], stream.base
             self._decode_ahead(stream, audio, base, sequence.end)
-            return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial)
+            return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial, started)
         finally:
             stream.in_flight -= 1
             if sequence.end:
