@@ -71,8 +71,9 @@ def watch(
     def wait() -> None:
         while os.read(read_fd, 1)[0] == RELOAD:  # one byte per signal, its number
             call(on_reload)
+        deadline = deadline_s()  # read before the stop begins: it marks the daemon not ready, which shortens it
         call(on_stop)
-        time.sleep(deadline_s())
+        time.sleep(deadline)
         on_overdue()
 
     threading.Thread(target=wait, name="signals", daemon=True).start()
