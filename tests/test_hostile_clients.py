@@ -176,6 +176,16 @@ def test_an_idle_keep_alive_connection_is_closed(daemon, connect) -> None:
     assert [status for status, _ in responses(raw)] == [200] and 1.0 < time.monotonic() - started < 5
 
 
+def test_the_client_opens_a_new_connection_where_the_keep_alive_timeout_closed_its_last(daemon) -> None:
+    """The project's client keeps its connection between calls; idle past keepalive_timeout_s (1.5 s
+    here) the daemon has closed it, and the next call goes on a new one instead of failing."""
+    with Client(str(daemon.socket), timeout=10) as client:
+        assert client.health()["ready"]
+        time.sleep(2.5)
+        assert client.health()["ready"]
+        assert client.metrics()
+
+
 def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon, tls, connect) -> None:
     daemon = start_daemon(tls=tls, https="")
     wav = encode_wav(np.zeros(16000 * 5, np.float32), 16000)

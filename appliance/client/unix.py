@@ -40,7 +40,11 @@ class UnixTransport:
             self._sock.close()
             self._sock = None
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> tuple[socket.socket, ResponseReader]:
+        """The open connection, or a new one where the daemon closed the last (its keep-alive timeout
+        ends an idle connection: reused, it would answer the next call with an end of file)."""
+        if self._sock is not None and self._readable_while_idle(self._sock):
+            self.close()
         if self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.connect_timeout)
@@ -51,12 +55,20 @@ class UnixTransport:
                 raise unix_connect_error(self.socket_path, exc, self.connect_timeout) from None
             sock.settimeout(self.timeout)
             self._sock, self._reader, self._cut_short = sock, ResponseReader(), False
-        return self._sock
+        self._reader.status, self._reader.arrived = 0, []  # what is left of the previous response is not ours
+        return self._sock, self._reader
+
+    @staticmethod
+    def _readable_while_idle(sock: socket.socket) -> bool:
+        """Between calls the daemon sends nothing: anything to read is its close (or a stray byte that
+        would be taken for the next answer), so the connection is not reused."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def stream(self, call: Call) -> Iterator[bytes]:
         """Send one call; yield its body in pieces as they arrive (an error status raises first)."""
-        sock, reader = self._connect(), self._reader
-        reader.status, reader.arrived = 0, []  # what is left of the previous response is not ours
+        sock, reader = self._connect()
         try:
             self._write(sock, reader, call.encode())
             while not reader.done:
@@ -72,7 +84,7 @@ class UnixTransport:
         yield from reader.arrived
 
     def send(self, call: Call) -> HttpResponse:
-        sock, reader = self._connect(), self._reader
+        sock, reader = self._connect()
         try:
             self._write(sock, reader, call.encode())
             if self.busy_poll_s:
