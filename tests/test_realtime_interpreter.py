@@ -21,7 +21,7 @@ from conftest import ROOT, Daemon, Keys, build_bundle
 from speech import RATE, recording
 from test_long_running import process_tree_rss_kib
 from test_realtime import TURN_DETECTION, next_event, pcm
-from test_speech_to_text import words
+from test_speech_to_text import wait_until_quiet, words
 from websockets.asyncio.client import unix_connect
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
@@ -30,6 +30,7 @@ from appliance.audio import encode_wav
 from appliance.client import Call
 from appliance.client.http import checked
 
+COMPLETED = "conversation.item.input_audio_transcription.completed"
 SENTENCES = ["The train leaves at three in the afternoon.", "My brother works at the hospital."]
 KEY_WORDS = [{"afternoon"}, {"brother", "hospital"}]  # what Whisper base hears of espeak-ng reliably
 LONG_TURNS = [
@@ -46,13 +47,14 @@ def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dae
     assert d.stop() == 0, d.log.read_text()
 
 
-def interpret(daemon: Daemon, sentences: list[str]) -> list[dict]:
-    """Every event of an interpreter session fed the sentences' speech at real-time pace."""
+def interpret(daemon: Daemon, sentences: list[str], target: str = "en", paced: bool = True) -> list[dict]:
+    """Every event of an interpreter session fed the sentences' speech at real-time pace (or, not
+    `paced`, as fast as the box takes it)."""
     samples, _ = recording(sentences, gap_s=1.2, lead_s=0.5)
     audio = pcm(np.concatenate([samples, np.zeros(RATE, np.float32)]), 24000)
 
     async def run() -> list[dict]:
-        uri = "ws://appliance/v1/realtime?model=interpreter&target=en"
+        uri = f"ws://appliance/v1/realtime?model=interpreter&target={target}"
         async with unix_connect(str(daemon.socket), uri, max_size=None) as ws:
             created = await next_event(ws, "session.created")
             assert created["session"]["type"] == "realtime", created
@@ -76,7 +78,8 @@ def interpret(daemon: Daemon, sentences: list[str]) -> list[dict]:
             for index, offset in enumerate(range(0, len(audio), step)):
                 piece = base64.b64encode(audio[offset : offset + step]).decode()
                 await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece}))
-                await asyncio.sleep(max(0.0, began + (index + 1) * 0.1 - time.monotonic()))
+                if paced:
+                    await asyncio.sleep(max(0.0, began + (index + 1) * 0.1 - time.monotonic()))
             try:
                 await asyncio.wait_for(receiver, 120)
             except TimeoutError:
@@ -124,6 +127,28 @@ def test_interpreter_session_speaks_each_turn(daemon: Daemon) -> None:
     )
     assert first and total and int(first[1]) >= len(SENTENCES), metrics[-2000:]
     print(f"interpreter: end of sentence to first translated audio, mean {float(total[1]) / int(first[1]):.3f} s")
+
+
+def test_the_session_hears_the_next_turn_while_it_answers_one(daemon: Daemon) -> None:
+    """Two turns sent at once, into Portuguese (Bergamot and Kokoro: the slowest answer): the second
+    turn's speech is heard before the first turn's answer is ready, and the answers come in the turns'
+    order, each after its own transcript."""
+    events = interpret(daemon, [LONG_TURNS[0], SENTENCES[1]], target="pt", paced=False)
+    assert not [e for e in events if e["type"] == "error"], events
+    kinds = [e["type"] for e in events]
+    heard = [i for i, kind in enumerate(kinds) if kind == "input_audio_buffer.speech_started"]
+    assert len(heard) == 2 and heard[1] < kinds.index("response.created"), kinds
+    turns = [e["item_id"] for e in events if e["type"] == COMPLETED]
+    answered = [e["response"]["metadata"]["input_item_id"] for e in events if e["type"] == "response.done"]
+    assert answered == turns, (turns, answered)
+    for turn in turns:
+        transcript = next(i for i, e in enumerate(events) if e["type"] == COMPLETED and e["item_id"] == turn)
+        done = next(
+            i
+            for i, e in enumerate(events)
+            if e["type"] == "response.done" and e["response"]["metadata"]["input_item_id"] == turn
+        )
+        assert transcript < done
 
 
 def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(daemon: Daemon) -> None:
@@ -192,7 +217,9 @@ def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(dae
     assert sent < 12 << 20, f"{sent >> 20} MiB taken before the box stopped reading"
     with daemon.client() as client:
         assert client.health()["ready"], "others are not served"
-    time.sleep(10)  # the turn under way when the sends blocked finishes; then nothing more may grow
+    # the turns it had taken are transcribed (up to four wait for their answers, which wait for the
+    # client); once the engine is quiet nothing more may grow
+    wait_until_quiet(daemon)
     held = process_tree_rss_kib(daemon)
     time.sleep(5)
     after = process_tree_rss_kib(daemon)

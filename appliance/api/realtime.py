@@ -9,6 +9,8 @@ without, the buffer is transcribed at each commit.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 import time
@@ -49,6 +51,8 @@ CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known with
 # longer (a slow CPU, a busy box), the next starts as soon as it is done
 PARTIAL_EVERY = 8
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
+# an interpreter session's turns transcribed and waiting to be spoken before it stops taking audio
+ANSWERS_WAITING = 4
 
 
 def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
@@ -77,6 +81,16 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
 
 
 @dataclass(frozen=True, slots=True)
+class Answer:
+    """An interpreter turn waiting to be answered: its transcript's segments, and when the audio that
+    ended it arrived (its answer's first audio is timed from then)."""
+
+    item: str
+    segments: list[Segment]
+    arrived: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Interpreter:
     """An interpreter session's pipeline and plan (target language, the voice)."""
 
@@ -95,21 +109,18 @@ async def transcription(
     names = tuple(m.name for m in models.values() if isinstance(m, LiveTranscriber))
     kind, target = ("realtime", interpreter.plan.target) if interpreter else ("transcription", "")
     session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
-    first_audio: float | None = None  # the last turn's end, until its translation's first audio is sent
 
     async def emit(event: dict) -> None:
         """One event to the client, as soon as it is known (a turn's transcript before its translation)."""
-        nonlocal first_audio
         await io.send(_json(event))
-        if event["type"] == COMPLETED and (arrived := turns.arrived.pop(event["item_id"], None)):
+        if event["type"] == COMPLETED and (arrived := turns.arrived.get(event["item_id"])):
             metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
-            first_audio = arrived
-        elif event["type"] == "response.output_audio.delta" and first_audio is not None:
-            name = interpreter.pipeline.name if interpreter else turns.model.name
-            metrics.observe_live(name, "realtime", time.monotonic() - first_audio, "first_audio")
-            first_audio = None
 
-    turns = Turns(models, session, client, emit, interpreter)
+    def first_audio(seconds: float) -> None:
+        assert interpreter is not None
+        metrics.observe_live(interpreter.pipeline.name, "realtime", seconds, "first_audio")
+
+    turns = Turns(models, session, client, emit, interpreter, first_audio)
     await io.send(_json(session.created()))
     try:
         while True:
@@ -126,6 +137,7 @@ async def transcription(
                     await emit(session.error(exc))
     finally:
         turns.close()
+        await turns.stop_answering()
 
 
 class Turns:
@@ -139,9 +151,10 @@ class Turns:
         client: str,
         emit: Callable[[dict], Awaitable[None]],
         interpreter: Interpreter | None = None,
+        first_audio: Callable[[float], None] | None = None,
     ) -> None:
         self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
-        self.emit = emit
+        self.emit, self.first_audio = emit, first_audio
         self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
         self.pending_samples = 0
         self.stream = 0  # the live stream's number within the session
@@ -153,6 +166,9 @@ class Turns:
         # when the audio up to each session position arrived (append by append), to time the turns
         self.arrivals: deque[tuple[int, float]] = deque()
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
+        # an interpreter session's turns to answer, in order, while it goes on listening
+        self.to_answer: asyncio.Queue[Answer] = asyncio.Queue(ANSWERS_WAITING)
+        self.answering = asyncio.get_running_loop().create_task(self._answer()) if interpreter else None
 
     def _model(self) -> LiveTranscriber:
         model = speech_to_text(self.models, self.session.settings.model, "transcribe", None)
@@ -236,20 +252,53 @@ class Turns:
                 await self._emit(self.session.partial(chunk.partial))
 
     async def _interpret(self, item: str, segments: list[Segment]) -> None:
-        """An interpreter turn: each segment translated and spoken, at the session's output rate."""
-        if self.interpreter is None:
+        """An interpreter turn, its transcript sent: queued to be translated and spoken while the session
+        goes on listening. Where ANSWERS_WAITING turns already wait, the session waits (and, holding the
+        client's messages, stops reading it) until the oldest is answered."""
+        arrived = self.arrived.pop(item, None)
+        if self.answering is None:
             return
-        for segment in segments:
-            done = await self.interpreter.pipeline.interpret(segment, self.interpreter.plan)
-            if done is None:
-                continue
-            resampler = StreamResampler(self.interpreter.plan.speaker.sample_rate, self.session.settings.output_rate)
-            samples = done.audio.astype(np.float32) / 32768.0
-            pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
-            step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
-            await self._emit(
-                self.session.response(item, done.text, [pcm[i : i + step] for i in range(0, len(pcm), step)])
-            )
+        put = asyncio.ensure_future(self.to_answer.put(Answer(item, segments, arrived)))
+        await asyncio.wait((put, self.answering), return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+        if self.answering.done():
+            self.answering.result()  # what ended it ends the session too
+
+    async def _answer(self) -> None:
+        """Each queued turn's segments translated and spoken, at the session's output rate, in order."""
+        assert self.interpreter is not None
+        pipeline, plan = self.interpreter.pipeline, self.interpreter.plan
+        while True:
+            answer = await self.to_answer.get()
+            arrived = answer.arrived
+            for segment in answer.segments:
+                try:
+                    done = await pipeline.interpret(segment, plan)
+                except ApiError as exc:
+                    await self.emit(self.session.error(exc))
+                    continue
+                if done is None:
+                    continue
+                resampler = StreamResampler(plan.speaker.sample_rate, self.session.settings.output_rate)
+                samples = done.audio.astype(np.float32) / 32768.0
+                pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
+                step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
+                for event in self.session.response(
+                    answer.item, done.text, [pcm[i : i + step] for i in range(0, len(pcm), step)]
+                ):
+                    await self.emit(event)
+                    if event["type"] == "response.output_audio.delta" and arrived is not None:
+                        if self.first_audio is not None:
+                            self.first_audio(time.monotonic() - arrived)
+                        arrived = None
+
+    async def stop_answering(self) -> None:
+        """The session ends: the turns not yet answered are dropped, the one under way cancelled."""
+        if self.answering is not None:
+            self.answering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.answering
 
     def _timed(self, item: str, end_sample: int) -> None:
         """The turn ends at `end_sample`: note when the append that carried it arrived."""
