@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from speech import speech_segments
 
 from appliance.config import SequenceConfig
+from appliance.daemon import ENGINE_STOP_MAX_S, ENGINE_STOP_S, engine_stop_s
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable, ScopedSequences
+from appliance.engine.stats import ModelStats
 from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
 from appliance.kinds.segments import SegmentParams, SegmentTracker
@@ -248,3 +250,17 @@ def test_the_span_a_live_stream_decodes_ahead_is_the_one_the_vad_closes(
         if p >= params.threshold or closed:
             predicted = None
         predicted = closing or predicted  # until the close (the release may come frames after it)
+
+
+def test_a_stop_waits_for_an_engine_call_as_long_as_twice_its_longest() -> None:
+    """A slow CPU's whole-window Whisper call (seconds) is work to finish at a stop, not a wedge; a
+    model whose calls are short still gets ENGINE_STOP_S."""
+    stats = ModelStats()
+    assert engine_stop_s(stats) == ENGINE_STOP_S
+    stats.record_execution(8, 1_000_000, 5_000_000, 1_000_000)  # 7 ms
+    assert engine_stop_s(stats) == ENGINE_STOP_S
+    stats.record_execution(2, 0, 2_600_000_000, 100_000_000)  # 2.7 s
+    stats.record_execution(1, 0, 900_000_000, 0)
+    assert engine_stop_s(stats) == pytest.approx(5.4)
+    stats.record_execution(8, 0, 30_000_000_000, 0)  # 30 s: the stop still ends within the unit's TimeoutStopSec
+    assert engine_stop_s(stats) == ENGINE_STOP_MAX_S

@@ -284,7 +284,12 @@ class TranscriptionSession:
         message = {"id": out_item, "object": "realtime.item", "type": "message", "role": "assistant"}
         part = {"type": "output_audio", "transcript": text}
         done = {**message, "status": "completed", "content": [part]}
-        head = {"id": response_id, "object": "realtime.response", "output_modalities": ["audio"]}
+        head = {
+            "id": response_id,
+            "object": "realtime.response",
+            "output_modalities": ["audio"],
+            "metadata": {"input_item_id": item},  # the turn it answers, from its first event on
+        }
         return [
             self.event("response.created", response={**head, "status": "in_progress", "output": []}),
             self.event(
@@ -300,7 +305,7 @@ class TranscriptionSession:
             self.event("response.output_item.done", response_id=response_id, output_index=0, item=done),
             self.event(
                 "response.done",
-                response={**head, "status": "completed", "output": [done], "metadata": {"input_item_id": item}},
+                response={**head, "status": "completed", "output": [done]},
             ),
         ]
 

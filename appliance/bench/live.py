@@ -84,22 +84,25 @@ async def realtime_session(socket: Path, query: str, session: dict[str, Any], un
         await ws.send(json.dumps({"type": "session.update", "session": session}))
 
         async def receive() -> None:
-            last_turn, answered = None, set()
+            answering: dict[str, str] = {}  # a response: the turn it answers (the session goes on meanwhile)
+            answered = set()
             async for message in ws:
                 event, now = json.loads(message), time.monotonic()
-                kind = event["type"]
+                kind, turn = event["type"], event.get("item_id")
                 if kind == "error":
                     raise RuntimeError(f"realtime error: {event['error']}")
                 if kind == "input_audio_buffer.speech_stopped":
                     end_s = event["audio_end_ms"] / 1000
-                    sentence_of[event["item_id"]] = min(range(len(ends)), key=lambda i: abs(ends[i] - end_s))
-                elif kind == "conversation.item.input_audio_transcription.completed":
-                    last_turn = event["item_id"]
-                    if last_turn in sentence_of:
-                        transcribed.setdefault(sentence_of[last_turn], now)
-                if kind == until and last_turn in sentence_of and last_turn not in answered:
-                    answered.add(last_turn)
-                    arrived.setdefault(sentence_of[last_turn], now)
+                    sentence_of[turn] = min(range(len(ends)), key=lambda i: abs(ends[i] - end_s))
+                elif kind == "conversation.item.input_audio_transcription.completed" and turn in sentence_of:
+                    transcribed.setdefault(sentence_of[turn], now)
+                elif kind == "response.created":
+                    answering[event["response"]["id"]] = event["response"]["metadata"]["input_item_id"]
+                elif kind == "response.output_audio.delta":
+                    turn = answering.get(event["response_id"])
+                if kind == until and turn in sentence_of and turn not in answered:
+                    answered.add(turn)
+                    arrived.setdefault(sentence_of[turn], now)
                     if len(arrived) == len(ends):
                         return
 

@@ -22,6 +22,7 @@ from appliance.api.core import Api, streaming
 from appliance.config import Config, Live, worker_count
 from appliance.daemon.listeners import Listeners, bind_unix_socket
 from appliance.daemon.watchdog import Watchdog
+from appliance.engine.stats import ModelStats
 from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
@@ -36,8 +37,9 @@ EXIT_ABANDONED = 1  # stopped, but work was abandoned in a wedged engine
 EXIT_TASK_FAILED = 1  # stopped because a task it needs crashed (logged)
 EXPIRY_INTERVAL_S = 1.0
 STATUS_INTERVAL_S = 5.0
-ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to finish its batch
-STOP_MARGIN_S = ENGINE_STOP_S + 2.0  # after the grace time: then the process exits, blocked or not
+ENGINE_STOP_S = 2.0  # after the grace time: how long a busy engine gets to finish its batch, at least
+ENGINE_STOP_MAX_S = 10.0  # and at most (the grace time, this and the margin fit the unit's TimeoutStopSec)
+STOP_MARGIN_S = 2.0  # after that: then the process exits, blocked or not
 START_STEP_S = 600.0  # each step of the start (a model loaded, one warmed up) extends systemd's timeout this much
 STOP_WHILE_STARTING_S = 1.0  # a stop during start-up: the process exits this soon, loading or not
 
@@ -247,7 +249,9 @@ class Daemon:
     def _stop_deadline_s(self) -> float:
         if self.api is None or not self.api.ready:  # still starting: nothing is served yet, nothing to drain
             return STOP_WHILE_STARTING_S
-        return self.config.server.shutdown_grace_s + STOP_MARGIN_S
+        models = tuple(self.models.values())  # at once: the signal thread asks this
+        engines_s = max((engine_stop_s(m.stats) for m in models), default=ENGINE_STOP_S)
+        return self.config.server.shutdown_grace_s + engines_s + STOP_MARGIN_S
 
     def _overdue(self) -> None:
         """From the signal thread: the stop did not end in time, so the event loop itself is blocked
@@ -271,13 +275,24 @@ class Daemon:
 
     async def _stop_models(self) -> None:
         for model in self.models.values():
-            if not await model.stop(ENGINE_STOP_S):
+            timeout_s = engine_stop_s(model.stats)
+            if not await model.stop(timeout_s):
                 self.abandoned.append(model.name)
                 log.error(
-                    "stopping: the engine of model %s did not finish its batch within %.0f s (wedged); abandoned it",
+                    "stopping: the engine of model %s did not finish its batch within %.1f s (twice its longest "
+                    "call so far, %.0f to %.0f s: wedged); abandoned it",
                     model.name,
+                    timeout_s,
                     ENGINE_STOP_S,
+                    ENGINE_STOP_MAX_S,
                 )
+
+
+def engine_stop_s(stats: ModelStats) -> float:
+    """How long a stop waits for a model's engine call under way: twice its longest so far, within
+    ENGINE_STOP_S and ENGINE_STOP_MAX_S. A call as long as those it has made is work, not a wedge (a
+    batch of whole Whisper windows takes seconds on a slow CPU)."""
+    return min(ENGINE_STOP_MAX_S, max(ENGINE_STOP_S, 2 * stats.longest_execution_ns / 1e9))
 
 
 def run(config_paths: list[Path] | None) -> int:

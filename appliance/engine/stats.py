@@ -66,11 +66,13 @@ class ModelStats:
     timed_out: int = 0  # requests that waited past engine.queue_timeout_s
     dropped: int = 0  # shards or frames whose caller went away: left the queue, or their results dropped
     crashes: int = 0  # times its engine loop or batch queue crashed and was restarted
+    longest_execution_ns: int = 0  # the longest engine call so far (how long a stop waits for one)
 
     def record_execution(self, batch: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One engine call on `batch` rows."""
         self.execution_count += 1
         self.inference_count += batch
+        self.longest_execution_ns = max(self.longest_execution_ns, input_ns + infer_ns + output_ns)
         entry = self.batches.get(batch)
         if entry is None:
             entry = self.batches[batch] = BatchStats()
