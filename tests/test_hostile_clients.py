@@ -5,6 +5,7 @@ and afterwards (or throughout) a good client is still served."""
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
 import ssl
@@ -156,15 +157,33 @@ def test_a_client_that_half_closes_after_its_request_gets_the_answer(daemon) -> 
 def test_pipelined_requests_are_all_answered_in_order_with_reading_paused(daemon, connect) -> None:
     sock = connect(daemon)
     count = 2000  # far more than pipeline_depth: the daemon stops reading until it has answered
-    sender = threading.Thread(target=sock.sendall, args=(HEALTH * count,))
-    sender.start()
-    raw = b""
-    while raw.count(b"HTTP/1.1 200") < count:
-        chunk = sock.recv(1 << 16)
-        assert chunk, "closed before every request was answered"
-        raw += chunk
-    sender.join(10)
+    raw = exchange(sock, HEALTH * count, lambda raw: raw.count(b"HTTP/1.1 200") >= count)
     assert [status for status, _ in responses(raw)] == [200] * count
+
+
+def exchange(sock: socket.socket, data: bytes, answered: Callable[[bytes], bool]) -> bytes:
+    """Send `data` while reading the answers, in one thread (a TLS socket sent on and read from by two
+    threads at once breaks the client: an empty read, or a crash in OpenSSL), until `answered`."""
+    sock.setblocking(False)
+    view, raw, deadline = memoryview(data), b"", time.monotonic() + 60
+    blocked = (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError)
+    while not answered(raw):
+        assert time.monotonic() < deadline, f"{raw.count(b'HTTP/1.1 200')} answers within 60 s"
+        moved = False
+        try:
+            chunk = sock.recv(1 << 16)
+            assert chunk, f"closed after {raw.count(b'HTTP/1.1 200')} answers; its last bytes: {raw[-160:]!r}"
+            raw, moved = raw + chunk, True
+        except blocked:
+            pass
+        if view:
+            try:
+                view, moved = view[sock.send(view) :], True
+            except blocked:
+                pass
+        if not moved:
+            select.select([sock], [sock] if view else [], [], 1.0)
+    return raw
 
 
 def test_an_idle_keep_alive_connection_is_closed(daemon, connect) -> None:
