@@ -150,8 +150,8 @@ class Turns:
         session: TranscriptionSession,
         client: str,
         emit: Callable[[dict], Awaitable[None]],
-        interpreter: Interpreter | None = None,
-        first_audio: Callable[[float], None] | None = None,
+        interpreter: Interpreter | None,
+        first_audio: Callable[[float], None],  # an interpreter answer's first audio, seconds after its turn
     ) -> None:
         self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
         self.emit, self.first_audio = emit, first_audio
@@ -289,8 +289,7 @@ class Turns:
                 ):
                     await self.emit(event)
                     if event["type"] == "response.output_audio.delta" and arrived is not None:
-                        if self.first_audio is not None:
-                            self.first_audio(time.monotonic() - arrived)
+                        self.first_audio(time.monotonic() - arrived)
                         arrived = None
 
     async def stop_answering(self) -> None:
