@@ -235,8 +235,9 @@ def test_every_kind_in_the_registry_is_a_factory_of_the_registry_signature() -> 
 def test_the_span_a_live_stream_decodes_ahead_is_the_one_the_vad_closes(
     probs: list[float], min_silence_ms: int, pad_ms: int
 ) -> None:
-    """SegmentTracker.closing(): while the silence after speech is waited out, the span it names is
-    the one feed returns when that silence lasts; speech that comes back withdraws it."""
+    """SegmentTracker.closing(): while the silence after speech is waited out, and after the close
+    until the segment is released (its padding heard), it names one span, the one feed returns;
+    speech that comes back withdraws it. (A live stream drops its decode ahead when the name changes.)"""
     params = SegmentParams(min_speech_ms=64, min_silence_ms=min_silence_ms, speech_pad_ms=pad_ms)
     tracker = SegmentTracker(512, 16000, params)
     predicted = None
@@ -247,9 +248,9 @@ def test_the_span_a_live_stream_decodes_ahead_is_the_one_the_vad_closes(
         closing = tracker.closing()
         if p >= params.threshold:
             assert closing is None  # speech goes on: nothing to decode ahead
-        if p >= params.threshold or closed:
-            predicted = None
-        predicted = closing or predicted  # until the close (the release may come frames after it)
+        elif predicted is not None and not closed:
+            assert closing == predicted  # the silence goes on: the same span until its release
+        predicted = closing
 
 
 def test_a_stop_waits_for_an_engine_call_as_long_as_twice_its_longest() -> None:

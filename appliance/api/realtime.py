@@ -47,9 +47,6 @@ from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
 from appliance.protocol.messages import Close, Request, Response, SessionIO
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
-# chunks (about 1 s) from one decode of the open turn's text so far to the next; where a decode takes
-# longer (a slow CPU, a busy box), the next starts as soon as it is done
-PARTIAL_EVERY = 8
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
 # an interpreter session's turns transcribed and waiting to be spoken before it stops taking audio
 ANSWERS_WAITING = 4
@@ -160,8 +157,6 @@ class Turns:
         self.stream = 0  # the live stream's number within the session
         self.started = False  # whether the live stream is open on the model
         self.offset = 0  # the session's sample position where the live stream began
-        self.chunks = 0
-        self.partial_due = PARTIAL_EVERY  # the chunk from which the next decode of the text so far is wanted
         self.model = self._model()
         # when the audio up to each session position arrived (append by append), to time the turns
         self.arrivals: deque[tuple[int, float]] = deque()
@@ -307,15 +302,12 @@ class Turns:
             self.arrived[item] = self.arrivals[0][1]
 
     async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
-        self.chunks += 1
         call = SequenceCall(self.key, start=not self.started, end=end, client=self.client)
-        want_partial = not end and self.chunks >= self.partial_due
         vad = self.session.settings.vad
+        # the open turn's text so far is decoded behind the stream, as often as the model's cadence
         chunk = await self.model.live_chunk(
-            samples, call, want_partial, self.options(), RequestTimes(), vad, partial_waits=False
+            samples, call, not end, self.options(), RequestTimes(), vad, partial_waits=False
         )
-        if chunk.partial_started:
-            self.partial_due = self.chunks + PARTIAL_EVERY
         self.started = not end
         return chunk
 

@@ -6,6 +6,7 @@ the silence, where the speech did not go on), and the audio kept no longer than 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -16,9 +17,12 @@ from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.kinds.base import SequenceCall
 from appliance.kinds.segments import SegmentTracker
-from appliance.kinds.speech_api import LiveChunk, Options, Segment
+from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment
 from appliance.kinds.speech_shards import ShardPlan
 from appliance.kinds.vad import VadModel
+
+# the speech heard between decodes of a segment's text so far behind the stream (and before the first)
+PARTIAL_GAP = SAMPLE_RATE
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +43,7 @@ class LiveStream:
     ahead: tuple[tuple[int, int], asyncio.Task[list[Segment]]] | None = None
     # the open segment's text so far, decoded behind the stream (live_chunk's partial_waits=False)
     partial: asyncio.Task[list[Segment]] | None = None
+    partial_ended: int = 0  # the stream position when the last one ended
 
     def drop_ahead(self) -> None:
         if self.ahead is not None:
@@ -89,9 +94,10 @@ class LiveTranscription:
         """One chunk of a live stream: the spans the VAD closed with it (each decoded), the open
         span's start and its text so far when `partial`, and the stream's serial when this chunk
         opened it. `vad`: the stream's own segment rules (when it starts), else the config's [vad].
-        `partial_waits=False`: the text so far is decoded behind the stream, and comes with the first
-        chunk after it is done (a live session then never waits a window for it: the chunk where the
-        speech stops goes on at once to decode the segment ahead)."""
+        `partial_waits=False`: the text so far is decoded behind the stream, at most once every
+        PARTIAL_GAP of speech, and comes with the first chunk after it is done (a live session then
+        never waits a window for it: the chunk where the speech stops goes on at once to decode the
+        segment ahead)."""
         now = self.clock()
         if sequence.start:
             self.check(options)
@@ -112,22 +118,24 @@ class LiveTranscription:
                 closed += stream.tracker.finish(stream.position)
             audio, base = np.concatenate(stream.audio), stream.base
             decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
-            text, open_start, started = None, None if sequence.end else stream.tracker.open_start, False
+            text, open_start = None, None if sequence.end else stream.tracker.open_start
             speaking = open_start is not None and stream.tracker.closing() is None  # else decoded ahead
             if closed or open_start is None:
                 stream.drop_partial()  # of a segment now closed
             elif not partial_waits:
-                # one under way goes on through a pause (its engine call is not stopped by dropping it);
-                # a new one waits for the speech to go on
+                # one at a time, each once PARTIAL_GAP more of the speech is heard since the segment began
+                # or the last one ended: where a decode takes about that long (a slow CPU), the engine is
+                # then not always busy with one when the speech stops, which the segment's decode would
+                # wait behind (a new one also waits for the speech to go on after a pause)
                 text = stream.finished_partial()
-                if partial and speaking and stream.partial is None:
-                    assert open_start is not None
+                assert open_start is not None
+                due = max(open_start, stream.partial_ended) + PARTIAL_GAP
+                if partial and speaking and stream.partial is None and stream.position >= due:
                     stream.partial = asyncio.get_running_loop().create_task(
                         self._decode_live(stream, audio, base, (open_start, stream.position), RequestTimes()),
                         name="live-partial",
                     )
-                    stream.partial.add_done_callback(_consume_error)
-                    started = True
+                    stream.partial.add_done_callback(functools.partial(_partial_ended, stream))
             elif partial and speaking:
                 found = await self._decode_live(stream, audio, base, (open_start, stream.position), times)
                 text = " ".join(s.text for s in found)
@@ -137,7 +145,7 @@ class LiveTranscription:
             stream.audio, stream.base = [audio[keep - base :]], keep
             audio, base = stream.audio[0], stream.base
             self._decode_ahead(stream, audio, base, sequence.end)
-            return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial, started)
+            return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial)
         finally:
             stream.in_flight -= 1
             if sequence.end:
@@ -160,6 +168,7 @@ class LiveTranscription:
             return
         stream.drop_ahead()
         if closing is not None and base <= closing[0]:
+            stream.drop_partial()  # the segment's own decode goes first (one in the engine already runs on, its text unread)
             # at once, from the silence's first chunk: the padding after the speech, not all heard yet,
             # is silence the VAD is waiting out, so the decode of what is heard is the segment's text
             heard = (closing[0], min(closing[1], base + len(audio)))
@@ -183,6 +192,11 @@ def dropped(stream: LiveStream, vad: VadModel, key: object) -> None:
     stream.drop_ahead()
     stream.drop_partial()
     vad.sequences.end(key)
+
+
+def _partial_ended(stream: LiveStream, task: asyncio.Task[list[Segment]]) -> None:
+    stream.partial_ended = stream.position
+    _consume_error(task)
 
 
 def _consume_error(task: asyncio.Task[list[Segment]]) -> None:

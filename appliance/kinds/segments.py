@@ -59,15 +59,20 @@ class SegmentTracker:
         return self._start
 
     def closing(self) -> tuple[int, int] | None:
-        """The span `feed` will return for the speech being heard should the silence that began after
-        it last `min_silence_ms` (None while speech goes on, or where another segment waits for its
-        end): a live stream starts decoding it before the close."""
-        if self._start is None or not self._silence_from or self._closed:
+        """The span `feed` will return next should the silence heard now go on: the speech being
+        heard's, once `min_silence_ms` of silence ends it, and then the same span until it is released
+        (after its padding, where no speech follows within it); None while speech goes on. A live
+        stream starts decoding it before the close."""
+        if self._closed:
+            if len(self._closed) > 1 or self._start is not None:
+                return None  # speech came back within the padding: the span's end is not known yet
+            start, end = self._closed[0]
+        elif self._start is None or not self._silence_from or self._silence_from - self._start <= self.min_speech:
             return None
-        if self._silence_from - self._start <= self.min_speech:
-            return None
-        left = self._left if self._left is not None else max(0, self._start - self.pad)
-        return left, self._silence_from + self.pad
+        else:
+            start, end = self._start, self._silence_from
+        left = self._left if self._left is not None else max(0, start - self.pad)
+        return left, end + self.pad
 
     def finish(self, total_samples: int) -> list[tuple[int, int]]:
         if self._start is not None and total_samples - self._start > self.min_speech:

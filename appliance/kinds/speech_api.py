@@ -78,7 +78,6 @@ class LiveChunk:
     open_start: int | None  # where the speech being heard began, if a span is open
     partial: str | None  # its text so far, where asked for
     serial: int | None  # the stream's serial, when this chunk opened it
-    partial_started: bool = False  # a decode of the text so far began behind the stream (partial_waits=False)
 
     @property
     def segments(self) -> list[Segment]:
