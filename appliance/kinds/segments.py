@@ -71,8 +71,7 @@ class SegmentTracker:
             return None
         else:
             start, end = self._start, self._silence_from
-        left = self._left if self._left is not None else max(0, start - self.pad)
-        return left, end + self.pad
+        return self._left_edge(start), end + self.pad
 
     def finish(self, total_samples: int) -> list[tuple[int, int]]:
         if self._start is not None and total_samples - self._start > self.min_speech:
@@ -94,11 +93,14 @@ class SegmentTracker:
                 share = self.pad  # whatever speech comes next starts too far away to take from this padding
             else:
                 break
-            left = self._left if self._left is not None else max(0, start - self.pad)
-            final.append((left, end + share))
+            final.append((self._left_edge(start), end + share))
             self._closed.pop(0)
             self._left = next_start - share if next_start is not None else None
         return final
+
+    def _left_edge(self, start: int) -> int:
+        """Where the next segment released begins: its share of the gap before it, else its padding."""
+        return self._left if self._left is not None else max(0, start - self.pad)
 
     def needed_from(self) -> int:
         """The first sample position any segment still to come can include: what a live stream must
