@@ -168,7 +168,6 @@ class LiveTranscription:
             return
         stream.drop_ahead()
         if closing is not None and base <= closing[0]:
-            stream.drop_partial()  # the segment's own decode goes first (one in the engine already runs on, its text unread)
             # at once, from the silence's first chunk: the padding after the speech, not all heard yet,
             # is silence the VAD is waiting out, so the decode of what is heard is the segment's text
             heard = (closing[0], min(closing[1], base + len(audio)))
