@@ -1,18 +1,27 @@
 """The live protocols' cores without a daemon: the Realtime session state machine over plain events,
-and the WebSocket pump driven in memory by wsproto's own client side (no sockets, no sleeps)."""
+the WebSocket pump driven in memory by wsproto's own client side (no sockets, no sleeps), and a Wyoming
+recording heard as it arrives over a VAD that hears loud frames as speech."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
+from collections.abc import AsyncGenerator
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
+import pytest
 from wsproto.connection import Connection, ConnectionType
 from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessage
 
 from appliance.api.realtime_session import Audio, Commit, TranscriptionSession, default_settings
 from appliance.config import WebSocketConfig
+from appliance.config.sections import VadConfig
+from appliance.kinds.live_speech import Heard, LiveTranscription
+from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.protocol.messages import Close, SessionIO
 from appliance.transport.websocket import StreamIO, WebSocketPump
 
@@ -156,3 +165,83 @@ def test_a_quiet_client_is_pinged_and_closed_without_its_pong_but_not_while_the_
         stuck.lost()
 
     asyncio.run(run())
+
+
+class LoudVad:
+    """Speech where a 512-sample frame is loud; each sequence ended is noted."""
+
+    frames = SimpleNamespace(frame_samples=512, sample_rate=SAMPLE_RATE)
+
+    def __init__(self) -> None:
+        self.ended: list[object] = []
+        self.sequences = SimpleNamespace(end=self.ended.append)
+
+    async def infer_stream(self, samples: np.ndarray, key: object, *_: Any) -> tuple[np.ndarray, None]:
+        return (np.abs(samples.reshape(-1, 512)).mean(axis=1) > 0.1).astype(np.float32) * 0.9, None
+
+
+def heard_model(clock_step: float) -> tuple[LiveTranscription, list[int]]:
+    """A model whose transcription's text is the length it was given; and those lengths, one per call."""
+    calls: list[int] = []
+
+    async def transcribe(samples: np.ndarray, options: Options) -> AsyncGenerator[Segment, None]:
+        calls.append(len(samples))
+        yield Segment(0.0, len(samples) / SAMPLE_RATE, str(len(samples)), "en")
+
+    ticks = itertools.count()
+    model = SimpleNamespace(
+        vad=LoudVad(),
+        live=SimpleNamespace(config=SimpleNamespace(vad=VadConfig())),
+        clock=lambda: next(ticks) * clock_step,
+        transcribe=transcribe,
+    )
+    return cast(LiveTranscription, model), calls
+
+
+def sound(*spans: tuple[float, float]) -> np.ndarray:
+    """(seconds, level) spans end to end."""
+    return np.concatenate([np.full(int(s * SAMPLE_RATE), level, np.float32) for s, level in spans])
+
+
+async def heard_text(recording: np.ndarray, clock_step: float = 0.1) -> tuple[str, list[int], list[int]]:
+    """The recording fed in 100 ms chunks, one clock step each: its text at the end, the lengths
+    transcribed before the end, and all of them."""
+    model, calls = heard_model(clock_step)
+    heard = Heard(model, Options(None), "client")
+    chunk = SAMPLE_RATE // 10
+    for at in range(0, len(recording), chunk):
+        await heard.feed(recording[at : at + chunk])
+        for _ in range(3):
+            await asyncio.sleep(0)  # the transcription ahead runs as the next chunk is awaited
+    before = list(calls)
+    text = " ".join([s.text async for s in heard.segments(recording)])
+    assert cast(LoudVad, model.vad).ended == [heard.key]  # its VAD sequence ended, once
+    return text, before, calls
+
+
+SAID = ((0.3, 0.0), (1.0, 0.5), (0.8, 0.0))  # a second of speech, then silence past HEARD_SILENCE
+
+
+@pytest.mark.parametrize(
+    ("recording", "clock_step", "answered_ahead"),
+    [
+        (sound(*SAID), 0.1, True),  # it ended in silence: the text made ahead is its answer
+        (sound(*SAID, (0.5, 0.5)), 0.1, False),  # speech after it: the whole recording's
+        (sound(*SAID, *SAID), 0.1, True),  # and silence after that: made ahead again
+        # a short sound at the end, too short to be speech while heard, is speech at the end (finish())
+        (sound(*SAID, (0.2, 0.5), (0.1, 0.0)), 0.1, False),
+        (sound(*SAID), 0.0, False),  # an upload (sent faster than spoken): not heard, transcribed at its end
+    ],
+    ids=["silence", "speech-after", "speech-after-then-silence", "short-sound-at-the-end", "upload"],
+)
+def test_a_recording_heard_as_it_arrives_is_answered_ahead_only_where_nothing_came_after(
+    recording: np.ndarray, clock_step: float, answered_ahead: bool
+) -> None:
+    text, before, calls = asyncio.run(heard_text(recording, clock_step))
+    if answered_ahead:
+        assert before and calls == before
+        assert len(recording) > before[-1] > len(recording) - sound(SAID[-1]).size  # all the speech, some silence
+        assert text == str(before[-1])
+    else:
+        assert calls[len(before) :] == [len(recording)] and text == str(len(recording))
+        assert bool(before) == (clock_step > 0)  # heard (and made ahead, then dropped) unless an upload

@@ -253,6 +253,30 @@ def test_the_span_a_live_stream_decodes_ahead_is_the_one_the_vad_closes(
         predicted = closing
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 0.2, 0.4, 0.9]), min_size=1, max_size=200),
+    st.lists(st.sampled_from([0.0, 0.2, 0.4]), max_size=40),
+    st.sampled_from([32, 100, 300]),
+    st.sampled_from([0, 30, 200]),
+)
+def test_a_settled_recording_has_the_segments_of_any_longer_one_where_no_speech_follows(
+    probs: list[float], quiet: list[float], min_silence_ms: int, pad_ms: int
+) -> None:
+    """SegmentTracker.settled: a recording that ends where the tracker is settled has the very segments
+    of the same recording with any silence after it (a Wyoming recording is transcribed ahead there)."""
+    params = SegmentParams(min_speech_ms=64, min_silence_ms=min_silence_ms, speech_pad_ms=pad_ms)
+    tracker = SegmentTracker(512, 16000, params)
+    for heard in range(1, len(probs) + 1):
+        tracker.feed(np.array(probs[heard - 1 : heard], np.float32))
+        if tracker.settled:
+            prefix = np.array(probs[:heard], np.float32)
+            longer = np.array(probs[:heard] + quiet, np.float32)
+            assert speech_segments(prefix, 512, 16000, heard * 512, params) == speech_segments(
+                longer, 512, 16000, len(longer) * 512, params
+            )
+
+
 def test_a_stop_waits_for_an_engine_call_as_long_as_twice_its_longest() -> None:
     """A slow CPU's whole-window Whisper call (seconds) is work to finish at a stop, not a wedge; a
     model whose calls are short still gets ENGINE_STOP_S."""

@@ -1,7 +1,8 @@
 """Wyoming (Home Assistant's voice protocol) on the box's Unix socket, driven by the `wyoming`
 package's own client: describe/info, transcription of real espeak-ng speech sent as audio chunks
-(word error rate against the known sentences), synthesis, 8 concurrent clients sharing engine calls,
-a client leaving mid-stream, garbage and oversized events."""
+(word error rate against the known sentences), a recording sent as it is spoken transcribed before
+its audio-stop, synthesis, 8 concurrent clients sharing engine calls, a client leaving mid-stream,
+garbage and oversized events."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import asyncio
 import json
 import re
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,8 @@ from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+from appliance.bench.live import paced
 
 TINY = "whisper_tiny_en"
 
@@ -67,6 +71,62 @@ async def transcribe(daemon: Daemon, samples: np.ndarray, chunk_ms: int = 100) -
                 return Transcript.from_event(event).text, seen
             seen.append(event.type)
     raise AssertionError(f"no transcript; events: {seen}")
+
+
+async def spoken(daemon: Daemon, samples: np.ndarray, before_stop: Callable[[], None]) -> str:
+    """The transcript of `samples` sent as a microphone hears them (100 ms chunks at real-time pace), as
+    Home Assistant's voice pipeline sends them; `before_stop` runs once they are all sent."""
+    pcm = np.clip(np.round(samples * 32768), -32768, 32767).astype("<i2").tobytes()
+    async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+        await client.write_event(Transcribe(name=TINY, language="en").event())
+        await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
+
+        async def send(piece: bytes) -> None:
+            await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=piece).event())
+
+        await paced(send, pcm, RATE * 2 // 10, 0.1)
+        await asyncio.to_thread(before_stop)
+        await client.write_event(AudioStop().event())
+        while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
+            if Transcript.is_type(event.type):
+                return Transcript.from_event(event).text
+    raise AssertionError("no transcript")
+
+
+def engine_calls(daemon: Daemon, model: str) -> int:
+    with daemon.client() as client:
+        found = re.search(rf'appliance_batch_size_count\{{model="{model}"[^}}]*\}} (\d+)', client.metrics())
+    return int(found[1]) if found else 0
+
+
+def test_a_recording_sent_as_it_is_spoken_is_transcribed_before_its_audio_stop(daemon: Daemon) -> None:
+    """Home Assistant stops sending some silence after the speech (its segmenter waits 0.7 s): the box
+    has transcribed the speech by then, so no engine call is left to make at audio-stop."""
+    samples, _ = recording(CLEAR[1:2], gap_s=1.5, lead_s=0.3)
+    before = engine_calls(daemon, TINY)
+    at_stop = []
+
+    def ahead() -> None:
+        deadline = time.monotonic() + 60  # a slow machine's window: the silence sent may end before it
+        while (calls := engine_calls(daemon, TINY)) == before:
+            assert time.monotonic() < deadline, "nothing transcribed before audio-stop"
+            time.sleep(0.1)
+        at_stop.append(calls)
+
+    text = asyncio.run(spoken(daemon, samples, ahead))
+    assert wer(CLEAR[1], text) <= 0.10, text
+    assert engine_calls(daemon, TINY) == at_stop[0]  # the text made ahead, no engine call after audio-stop
+
+
+def test_speech_after_a_pause_is_heard_though_the_text_before_it_was_made_ahead(daemon: Daemon) -> None:
+    """The speech before a pause is transcribed ahead; the speech after it (audio-stop 0.2 s after it
+    ends, too soon for another transcription ahead) is in the transcript too."""
+    first, _ = recording(CLEAR[2:3], gap_s=2.0, lead_s=0.3)
+    second, _ = recording(CLEAR[3:4], gap_s=0.2, lead_s=0.0)
+    before = engine_calls(daemon, TINY)
+    text = asyncio.run(spoken(daemon, np.concatenate([first, second]), lambda: None))
+    assert engine_calls(daemon, TINY) > before + 1  # the first sentence ahead, then the whole recording
+    assert wer(f"{CLEAR[2]} {CLEAR[3]}", text) <= 0.10, text
 
 
 def test_describe_lists_models_and_voices(daemon: Daemon) -> None:

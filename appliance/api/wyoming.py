@@ -7,6 +7,8 @@ next to the API socket, served from the engine process: the same models, the sam
     transcribe, audio-start, audio-chunk..., audio-stop
                                                -> transcript-start, transcript-chunk per segment as
                                                   it is decoded, transcript-stop, then transcript
+                                                  (made ahead where the recording came as it was
+                                                  spoken and ended in silence: LiveTranscriber.hear)
     synthesize (or synthesize-start/-chunk.../-stop), its voice by name or by language
                                                -> audio-start, audio-chunk per sentence as it is
                                                   made, audio-stop (then synthesize-stopped for the
@@ -57,8 +59,9 @@ from appliance.audio import StreamResampler, pcm16
 from appliance.config import Config, Live
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
-from appliance.kinds.capabilities import LiveTranscriber, Speaker
+from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
+from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
 MAX_HEADER_BYTES = 64 << 10
@@ -75,14 +78,15 @@ class WyomingError(Exception):
 class WyomingHandler:
     """One client's connection: events in order, each answered as the protocol says."""
 
-    def __init__(self, models: dict[str, ServedModel], max_payload: int, max_samples: int) -> None:
-        self.models, self.max_payload, self.max_samples = models, max_payload, max_samples
+    def __init__(self, models: dict[str, ServedModel], max_payload: int, max_samples: int, client: str) -> None:
+        self.models, self.max_payload, self.max_samples, self.client = models, max_payload, max_samples, client
         self.speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
         self.voices = [m for m in models.values() if isinstance(m, Speaker)]
         self.transcribe: Transcribe | None = None
         self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
         self.samples = 0
         self.resampler: StreamResampler | None = None
+        self.heard: HeardRecording | None = None  # the recording, heard as it arrives
         self.synthesis: list[str] | None = None  # streamed synthesis: the text so far
         self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
 
@@ -138,6 +142,7 @@ class WyomingHandler:
             return [self.info().event()]
         if Transcribe.is_type(event.type):
             self.transcribe = Transcribe.from_event(event)
+            self.close()  # a recording under way was heard for other options
             return []
         if AudioStart.is_type(event.type):
             start = AudioStart.from_event(event)
@@ -146,9 +151,13 @@ class WyomingHandler:
             self.audio, self.samples = [], 0
             self.resampler = StreamResampler(start.rate, SAMPLE_RATE)
             self._format = start
+            self._hear()
             return []
         if AudioChunk.is_type(event.type):
-            return self._chunk(AudioChunk.from_event(event))
+            samples = self._chunk(AudioChunk.from_event(event))
+            if self.heard is not None:
+                await self.heard.feed(samples)
+            return []
         if AudioStop.is_type(event.type):
             return []  # the caller runs finish_transcription: its answers stream
         if Synthesize.is_type(event.type):
@@ -172,7 +181,7 @@ class WyomingHandler:
             return [SynthesizeStopped().event()]
         return []  # Wyoming: events a server does not know are ignored (ping, etc.)
 
-    def _chunk(self, chunk: AudioChunk) -> list[Event]:
+    def _chunk(self, chunk: AudioChunk) -> np.ndarray:
         if self.audio is None or self.resampler is None:
             raise BadRequest("audio-chunk before audio-start")
         if chunk.width != 2:
@@ -185,7 +194,22 @@ class WyomingHandler:
         if self.samples > self.max_samples:
             raise ApiError(f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", 413)
         self.audio.append(resampled)
-        return []
+        return resampled
+
+    def _hear(self) -> None:
+        """The recording heard as it arrives, its text made ahead where it can be; not where its model
+        or options are refused (audio-stop says why, as without)."""
+        self.close()
+        with contextlib.suppress(ApiError):
+            self.heard = self._model().hear(self._options(), self.client)
+
+    def close(self) -> None:
+        if self.heard is not None:
+            self.heard.close()
+            self.heard = None
+
+    def _options(self) -> Options:
+        return Options((self.transcribe.language if self.transcribe else None) or None)
 
     def _model(self) -> LiveTranscriber:
         name = self.transcribe.name if self.transcribe else None
@@ -202,18 +226,25 @@ class WyomingHandler:
             raise BadRequest("audio-stop before audio-start")
         audio = np.concatenate([*self.audio, self.resampler.flush()])
         self.audio, self.resampler = None, None
-        model = self._model()
-        language = self.transcribe.language if self.transcribe else None
-        self.transcribe = None
-        audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
-        texts = []
-        await send(TranscriptStart(language=language).event())
-        async for segment in model.transcribe(audio, Options(language or None)):
-            texts.append(segment.text.strip())
-            await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
-        await send(TranscriptStop().event())
-        await send(Transcript(text=" ".join(texts), language=language).event())
-        return model.name
+        heard, self.heard = self.heard, None
+        try:
+            model, options = self._model(), self._options()
+            language = self.transcribe.language if self.transcribe else None
+            self.transcribe = None
+            audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
+            segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
+            texts = []
+            await send(TranscriptStart(language=language).event())
+            async with contextlib.aclosing(segments) as found:
+                async for segment in found:
+                    texts.append(segment.text.strip())
+                    await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
+            await send(TranscriptStop().event())
+            await send(Transcript(text=" ".join(texts), language=language).event())
+            return model.name
+        finally:
+            if heard is not None:
+                heard.close()
 
     async def speak(self, text: str, wanted: SynthesizeVoice | None, send: Send) -> None:
         """Each sentence's audio sent as soon as it is made (a client that does not read holds the rest)."""
@@ -288,7 +319,7 @@ async def serve_client(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
 ) -> None:
-    handler = WyomingHandler(models, max_payload, max_samples)
+    handler = WyomingHandler(models, max_payload, max_samples, _peer(writer))
 
     async def send(event: Event) -> None:
         await async_write_event(event, writer)  # drains: a client that does not read stops us
@@ -313,7 +344,16 @@ async def serve_client(
     except Exception:
         log.exception("Wyoming client crashed")
     finally:
+        handler.close()
         writer.close()
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    """Who owns the connection's VAD sequence: the user on the Unix socket, the host on TCP."""
+    peername = writer.get_extra_info("peername")
+    if isinstance(peername, tuple) and peername:
+        return str(peername[0])
+    return unix_peer(writer.get_extra_info("socket"))[0]
 
 
 @dataclass

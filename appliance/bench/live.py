@@ -7,6 +7,8 @@
     wyoming      each sentence sent as a Wyoming client does (transcribe, audio-start, 100 ms chunks at
                  real-time pace, audio-stop when the sentence ends): audio-stop to the transcript,
                  the box against wyoming-faster-whisper on the same CTranslate2 model directory
+    wyoming_ha   the same as Home Assistant's voice pipeline sends it: audio-stop once its segmenter has
+                 heard HA_SILENCE_S of silence after the sentence (the silence sent too)
     window       the yardstick: one window's encode+decode of the same model (faster-whisper on a
                  sentence, median), measured in the same run
     clients8     8 Wyoming clients at once, a 10 s clip each sent at once: the total time, the box
@@ -43,6 +45,9 @@ from appliance.bench.daemon import DaemonProcess
 from appliance.bench.transcription import MODEL, RATE, SENTENCES, speech, spoken, words
 
 WYOMING_CHUNK_S = 0.1
+# Home Assistant's voice pipeline ends the audio it streams to speech-to-text once its segmenter
+# (assist_pipeline's VoiceCommandSegmenter) has heard this much silence after the command
+HA_SILENCE_S = 0.7
 REALTIME_FRAME_S = 0.02
 OUTPUT_RATE = 24000
 COMPLETED = "conversation.item.input_audio_transcription.completed"
@@ -140,11 +145,15 @@ async def wyoming_transcript(uri: str, samples: np.ndarray, real_time: bool) -> 
     raise RuntimeError(f"{uri}: closed before the transcript")
 
 
-def wyoming_sentences(uri: str, sentences: list[np.ndarray]) -> tuple[dict[str, Any], list[str]]:
-    """Each sentence at real-time pace, one after another: audio-stop to transcript; and the texts."""
+def wyoming_sentences(
+    uri: str, sentences: list[np.ndarray], silence_s: float = 0.0
+) -> tuple[dict[str, Any], list[str]]:
+    """Each sentence at real-time pace, one after another, `silence_s` of silence after it: audio-stop
+    to transcript; and the texts."""
     delays, texts = [], []
     for samples in sentences:
-        text, delay = asyncio.run(wyoming_transcript(uri, samples, real_time=True))
+        then = np.concatenate([samples, np.zeros(int(silence_s * RATE), np.float32)])
+        text, delay = asyncio.run(wyoming_transcript(uri, then, real_time=True))
         delays.append(delay)
         texts.append(text)
     return percentiles(delays, len(sentences)), texts
@@ -236,6 +245,7 @@ def live_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, threads: int
             realtime_session(daemon.socket, "intent=transcription", transcription(QUICK_TURNS), COMPLETED)
         )
         results["wyoming"], box_texts = wyoming_sentences(box, sentences)
+        results["wyoming_ha"], box_ha_texts = wyoming_sentences(box, sentences, HA_SILENCE_S)
         results["clients8_s"], box_clip_texts = wyoming_together(box, clips)
         if "speech_pipeline" in by_kind:
             interpreter = {
@@ -254,6 +264,7 @@ def live_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, threads: int
     try:
         asyncio.run(wyoming_transcript(peer.uri, sentences[0], real_time=False))
         results["peer_wyoming"], peer_texts = wyoming_sentences(peer.uri, sentences)
+        results["peer_wyoming_ha"], peer_ha_texts = wyoming_sentences(peer.uri, sentences, HA_SILENCE_S)
         results["peer_clients8_s"], peer_clip_texts = wyoming_together(peer.uri, clips)
     finally:
         peer.stop()
@@ -261,6 +272,8 @@ def live_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, threads: int
     results["wer"] = {
         "box": round(float(jiwer.wer(reference, words(" ".join(box_texts)))), 3),
         "peer": round(float(jiwer.wer(reference, words(" ".join(peer_texts)))), 3),
+        "box_ha": round(float(jiwer.wer(reference, words(" ".join(box_ha_texts)))), 3),
+        "peer_ha": round(float(jiwer.wer(reference, words(" ".join(peer_ha_texts)))), 3),
         "clients8_box_vs_peer": round(
             float(jiwer.wer(words(" ".join(peer_clip_texts)), words(" ".join(box_clip_texts)))), 3
         ),
@@ -292,6 +305,13 @@ def report(r: dict[str, Any]) -> list[str]:
         + f"   (WER {r['wer']['box']} against the known text)",
         latency("Wyoming, audio-stop to transcript: wyoming-faster-whisper", r["peer_wyoming"])
         + f"   (WER {r['wer']['peer']})",
+        latency(
+            f"Wyoming as Home Assistant sends it ({HA_SILENCE_S} s of silence, then audio-stop): box",
+            r["wyoming_ha"],
+            "target",
+        )
+        + f"   (WER {r['wer']['box_ha']})",
+        latency("the same: wyoming-faster-whisper", r["peer_wyoming_ha"]) + f"   (WER {r['wer']['peer_ha']})",
         f"    8 Wyoming clients x 10 s at once: box {r['clients8_s']} s, wyoming-faster-whisper "
         f"{r['peer_clients8_s']} s = {r['clients8_speedup']}x   target >= 2x   {mark[r['clients8_speedup'] >= 2]}"
         f"   (texts differ by WER {r['wer']['clients8_box_vs_peer']})",

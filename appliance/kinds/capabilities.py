@@ -82,6 +82,26 @@ class LiveTranscriber(Transcriber, Protocol):
         partial_waits: bool = True,
     ) -> LiveChunk: ...
 
+    def hear(self, options: Options, client: str) -> HeardRecording:
+        """A recording to be transcribed at its end, heard by the VAD as it arrives (a Wyoming client's)."""
+        ...
+
+
+class HeardRecording(Protocol):
+    """A recording that arrives as it is spoken, its text asked for at its end (LiveTranscriber.hear)."""
+
+    async def feed(self, samples: np.ndarray) -> None:
+        """Its next samples, as they arrive."""
+        ...
+
+    def segments(self, samples: np.ndarray) -> AsyncGenerator[Segment, None]:
+        """At its end, given all its samples: its segments, in order."""
+        ...
+
+    def close(self) -> None:
+        """Its work and its VAD sequence dropped (ended, or its client left)."""
+        ...
+
 
 @runtime_checkable
 class Interpreting(Protocol):

@@ -1,13 +1,17 @@
 """The live streams of the speech_to_text kind (speech_to_text.py): each chunk fed to the stream's own
 VAD sequence, each segment the VAD closes decoded at once (its decode started while the VAD waited out
 the silence, where the speech did not go on), and the audio kept no longer than a segment to come needs.
+Also recordings heard as they arrive and transcribed at their end (Wyoming's): transcribed ahead once
+their speech so far is final (`Heard`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable
+import itertools
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,14 +19,26 @@ import numpy as np
 from appliance.config import Live, VadConfig
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
+from appliance.errors import ApiError
 from appliance.kinds.base import SequenceCall
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment
 from appliance.kinds.speech_shards import ShardPlan
+from appliance.kinds.streaming import whole
 from appliance.kinds.vad import VadModel
 
 # the speech heard between decodes of a segment's text so far behind the stream (and before the first)
 PARTIAL_GAP = SAMPLE_RATE
+# how far a recording may run ahead of the clock and still be heard as it arrives (a client's buffering);
+# one sent faster is an upload, transcribed whole at its end (transcribing ahead would only cost it)
+HEARD_AHEAD_S = 1.0
+# the silence after the last segment's padding that starts the transcription ahead. Speech after it
+# drops that transcription (an engine call under way runs to its end: CPU the speaking client was
+# not using), so it starts early: Home Assistant's segmenter stops the recording after 0.7 s of
+# silence, and a window's work on a small CPU is about a second (0.3 s here: audio-stop to
+# transcript p50 590 ms, against 409 to 453 ms with 0.1 s)
+HEARD_SILENCE = int(0.1 * SAMPLE_RATE)
+_heard_keys = itertools.count()
 
 
 @dataclass(slots=True, eq=False)
@@ -80,6 +96,12 @@ class LiveTranscription:
 
     # SpeechToText._decode: a shard plan's segments (plan, samples, options, times, urgent, offset)
     _decode: Callable[..., Awaitable[list[Segment]]]
+    # SpeechToText.transcribe: a recording's segments (samples, options)
+    transcribe: Callable[..., AsyncGenerator[Segment, None]]
+
+    def hear(self, options: Options, client: str) -> Heard:
+        self.check(options)
+        return Heard(self, options, client)
 
     async def live_chunk(
         self,
@@ -184,6 +206,104 @@ class LiveTranscription:
         plans = self._plans(audio, (span[0] - base, span[1] - base))
         found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, base) for p in plans))
         return [s for segments in found for s in segments]
+
+
+class Heard:
+    """A recording that arrives as it is spoken (a voice assistant's microphone over Wyoming) and is
+    transcribed at its end. While it comes at the pace of speech, the VAD hears it chunk by chunk (a
+    sequence of its own, the config's [vad] rules); once every segment heard is final (released: no
+    speech since, and its padding heard), the recording so far is transcribed ahead. At the end, where
+    no speech came after, that is the recording's text: the same segments the whole recording would
+    give, ready when the client asks (it stops only after some silence of its own). Else, and for a
+    recording sent faster than it is spoken, the whole recording is transcribed at its end."""
+
+    def __init__(self, model: LiveTranscription, options: Options, client: str) -> None:
+        self.model, self.options, self.client = model, options, client
+        vad = model.vad
+        self.tracker = SegmentTracker(vad.frames.frame_samples, vad.frames.sample_rate, model.live.config.vad)
+        self.key = ("heard", next(_heard_keys))
+        self.began = model.clock()
+        self.audio: list[np.ndarray] = []  # while it is heard
+        self.received = 0  # samples
+        self.unheard: list[np.ndarray] = []  # less than a VAD frame, or what the VAD has not taken yet
+        self.through_vad = 0  # samples the VAD heard
+        self.released = 0  # segments the tracker released
+        self.spoken_to = 0  # the end of the last one (padded)
+        self.listening = True
+        self.ahead: tuple[int, asyncio.Task[list[Segment]]] | None = None  # (segments released, its text)
+
+    async def feed(self, samples: np.ndarray) -> None:
+        self.received += len(samples)
+        if not self.listening:
+            return
+        if self.received / SAMPLE_RATE > self.model.clock() - self.began + HEARD_AHEAD_S:
+            self.close()  # an upload: its end comes at once
+            return
+        self.audio.append(samples)
+        self.unheard.append(samples)
+        frame = self.model.vad.frames.frame_samples
+        pending = np.concatenate(self.unheard)
+        whole_frames = len(pending) // frame * frame
+        if not whole_frames:
+            return
+        self.unheard = [pending[whole_frames:]]
+        try:
+            probs, _ = await self.model.vad.infer_stream(
+                pending[:whole_frames], self.key, self.through_vad == 0, False, self.client
+            )
+        except ApiError:  # the VAD's sequence table is full (its shares): transcribed at the end only
+            self.close()
+            return
+        self.through_vad += whole_frames
+        if released := self.tracker.feed(probs):
+            self.released += len(released)
+            self.spoken_to = released[-1][1]
+        if self.tracker.speaking:
+            self._drop_ahead()  # the text ahead has not heard this
+        elif (
+            self.released
+            and self.tracker.settled
+            and self.through_vad - self.spoken_to >= HEARD_SILENCE
+            and self.ahead is None
+        ):
+            so_far = np.concatenate(self.audio)
+            task = asyncio.get_running_loop().create_task(
+                whole(self.model.transcribe(so_far, self.options)), name="heard-ahead"
+            )
+            task.add_done_callback(_consume_error)
+            self.ahead = (self.released, task)
+
+    async def segments(self, samples: np.ndarray) -> AsyncGenerator[Segment, None]:
+        ahead = None
+        if self.listening and self.ahead is not None:
+            # what the VAD has not heard is less than a frame: only finish() can add a segment now
+            released = self.released + len(self.tracker.finish(self.through_vad))
+            task = self.ahead[1]
+            if released == self.ahead[0] and not (task.done() and (task.cancelled() or task.exception())):
+                ahead, self.ahead = task, None
+        self.close()
+        if ahead is not None:
+            try:
+                segments = await ahead
+            finally:
+                ahead.cancel()  # where the client left first; done, it is a no-op
+            for segment in segments:
+                yield segment
+            return
+        async with contextlib.aclosing(self.model.transcribe(samples, self.options)) as found:
+            async for segment in found:
+                yield segment
+
+    def close(self) -> None:
+        self._drop_ahead()
+        if self.listening:
+            self.model.vad.sequences.end(self.key)
+        self.listening, self.audio, self.unheard = False, [], []
+
+    def _drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead[1].cancel()
+            self.ahead = None
 
 
 def dropped(stream: LiveStream, vad: VadModel, key: object) -> None:

@@ -58,6 +58,17 @@ class SegmentTracker:
         """Where the speech being heard began (no segment closed it yet), if any is."""
         return self._start
 
+    @property
+    def speaking(self) -> bool:
+        """Speech long enough to be kept is being heard (it will be a segment)."""
+        return self._kept_start() is not None
+
+    @property
+    def settled(self) -> bool:
+        """No speech is being heard and every segment heard is released: those are final whatever
+        follows, and a recording that ends with no more speech has these very segments."""
+        return self._start is None and not self._closed
+
     def closing(self) -> tuple[int, int] | None:
         """The span `feed` will return next should the silence heard now go on: the speech being
         heard's, once `min_silence_ms` of silence ends it, and then the same span until it is released
