@@ -19,7 +19,9 @@ from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessag
 
 from appliance.api.realtime_session import Audio, Commit, TranscriptionSession, default_settings
 from appliance.config import WebSocketConfig
-from appliance.config.sections import VadConfig
+from appliance.config.sections import SequenceConfig, VadConfig
+from appliance.engine.sequences import OwnedTable
+from appliance.errors import TooManyRequests
 from appliance.kinds.live_speech import Heard, LiveTranscription
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.protocol.messages import Close, SessionIO
@@ -168,19 +170,26 @@ def test_a_quiet_client_is_pinged_and_closed_without_its_pong_but_not_while_the_
 
 
 class LoudVad:
-    """Speech where a 512-sample frame is loud; each sequence ended is noted."""
+    """Speech where a 512-sample frame is loud, its sequences in a real OwnedTable; each one ended is noted."""
 
     frames = SimpleNamespace(frame_samples=512, sample_rate=SAMPLE_RATE)
+    baked = SimpleNamespace(max_tokens_per_shard=1024)
 
     def __init__(self) -> None:
         self.ended: list[object] = []
-        self.sequences = SimpleNamespace(end=self.ended.append)
+        self.sequences: OwnedTable[Any] = OwnedTable(SequenceConfig, on_drop=lambda key, _: self.ended.append(key))
 
-    async def infer_stream(self, samples: np.ndarray, key: object, *_: Any) -> tuple[np.ndarray, None]:
+    async def infer_stream(
+        self, samples: np.ndarray, key: object, start: bool, end: bool, client: str
+    ) -> tuple[np.ndarray, None]:
+        if start:
+            self.sequences.open(key, 0.0, client, lambda: SimpleNamespace(in_flight=0))
+        else:
+            self.sequences.get(key, 0.0, client)
         return (np.abs(samples.reshape(-1, 512)).mean(axis=1) > 0.1).astype(np.float32) * 0.9, None
 
 
-def heard_model(clock_step: float) -> tuple[LiveTranscription, list[int]]:
+def heard_model(clock_step: float, vad: VadConfig = VadConfig()) -> tuple[LiveTranscription, list[int]]:
     """A model whose transcription's text is the length it was given; and those lengths, one per call."""
     calls: list[int] = []
 
@@ -191,7 +200,7 @@ def heard_model(clock_step: float) -> tuple[LiveTranscription, list[int]]:
     ticks = itertools.count()
     model = SimpleNamespace(
         vad=LoudVad(),
-        live=SimpleNamespace(config=SimpleNamespace(vad=VadConfig())),
+        live=SimpleNamespace(config=SimpleNamespace(vad=vad)),
         clock=lambda: next(ticks) * clock_step,
         transcribe=transcribe,
     )
@@ -200,22 +209,25 @@ def heard_model(clock_step: float) -> tuple[LiveTranscription, list[int]]:
 
 def sound(*spans: tuple[float, float]) -> np.ndarray:
     """(seconds, level) spans end to end."""
-    return np.concatenate([np.full(int(s * SAMPLE_RATE), level, np.float32) for s, level in spans])
+    return np.concatenate([np.full(round(s * SAMPLE_RATE), level, np.float32) for s, level in spans])
 
 
-async def heard_text(recording: np.ndarray, clock_step: float = 0.1) -> tuple[str, list[int], list[int]]:
-    """The recording fed in 100 ms chunks, one clock step each: its text at the end, the lengths
-    transcribed before the end, and all of them."""
-    model, calls = heard_model(clock_step)
+async def heard_text(
+    recording: np.ndarray, chunk_s: float, pace: float, vad: VadConfig = VadConfig()
+) -> tuple[str, list[int], list[int]]:
+    """The recording fed in chunks, the clock moving `pace` s for each second sent: its text at the end,
+    the lengths transcribed before the end, and all of them."""
+    model, calls = heard_model(chunk_s * pace, vad)
     heard = Heard(model, Options(None), "client")
-    chunk = SAMPLE_RATE // 10
+    chunk = round(chunk_s * SAMPLE_RATE)
     for at in range(0, len(recording), chunk):
         await heard.feed(recording[at : at + chunk])
         for _ in range(3):
             await asyncio.sleep(0)  # the transcription ahead runs as the next chunk is awaited
     before = list(calls)
     text = " ".join([s.text async for s in heard.segments(recording)])
-    assert cast(LoudVad, model.vad).ended == [heard.key]  # its VAD sequence ended, once
+    ended = cast(LoudVad, model.vad).ended
+    assert ended == [heard.key] and not len(model.vad.sequences)  # its VAD sequence ended, once
     return text, before, calls
 
 
@@ -223,25 +235,92 @@ SAID = ((0.3, 0.0), (1.0, 0.5), (0.8, 0.0))  # a second of speech, then silence 
 
 
 @pytest.mark.parametrize(
-    ("recording", "clock_step", "answered_ahead"),
+    ("recording", "chunk_s", "pace", "answered_ahead"),
     [
-        (sound(*SAID), 0.1, True),  # it ended in silence: the text made ahead is its answer
-        (sound(*SAID, (0.5, 0.5)), 0.1, False),  # speech after it: the whole recording's
-        (sound(*SAID, *SAID), 0.1, True),  # and silence after that: made ahead again
+        (sound(*SAID), 0.1, 1.0, True),  # it ended in silence: the text made ahead is its answer
+        (sound(*SAID), 0.01, 1.0, True),  # the same in Home Assistant's 10 ms chunks
+        (sound(*SAID, (0.5, 0.5)), 0.1, 1.0, False),  # speech after it: the whole recording's
+        (sound(*SAID, *SAID), 0.1, 1.0, True),  # and silence after that: made ahead again
         # a short sound at the end, too short to be speech while heard, is speech at the end (finish())
-        (sound(*SAID, (0.2, 0.5), (0.1, 0.0)), 0.1, False),
-        (sound(*SAID), 0.0, False),  # an upload (sent faster than spoken): not heard, transcribed at its end
+        (sound(*SAID, (0.2, 0.5), (0.1, 0.0)), 0.1, 1.0, False),
+        # speech at the very end, part of it in the last chunks the VAD had not heard yet
+        (sound(*SAID, (0.27, 0.5)), 0.01, 1.0, False),
+        (sound(*SAID), 0.1, 0.0, False),  # an upload (sent faster than spoken): not heard
+        (sound(*SAID), 0.1, 10.0, False),  # sent slower than spoken (it stopped): no longer heard
+        (sound(*SAID, (31.0, 0.0)), 0.1, 1.0, False),  # longer than a VAD shard: no longer heard
     ],
-    ids=["silence", "speech-after", "speech-after-then-silence", "short-sound-at-the-end", "upload"],
+    ids=[
+        "silence",
+        "silence-10ms-chunks",
+        "speech-after",
+        "speech-after-then-silence",
+        "short-sound-at-the-end",
+        "speech-in-the-unheard-end",
+        "upload",
+        "slower-than-spoken",
+        "longer-than-a-vad-shard",
+    ],
 )
 def test_a_recording_heard_as_it_arrives_is_answered_ahead_only_where_nothing_came_after(
-    recording: np.ndarray, clock_step: float, answered_ahead: bool
+    recording: np.ndarray, chunk_s: float, pace: float, answered_ahead: bool
 ) -> None:
-    text, before, calls = asyncio.run(heard_text(recording, clock_step))
+    text, before, calls = asyncio.run(heard_text(recording, chunk_s, pace))
     if answered_ahead:
         assert before and calls == before
         assert len(recording) > before[-1] > len(recording) - sound(SAID[-1]).size  # all the speech, some silence
         assert text == str(before[-1])
     else:
         assert calls[len(before) :] == [len(recording)] and text == str(len(recording))
-        assert bool(before) == (clock_step > 0)  # heard (and made ahead, then dropped) unless an upload
+
+
+def test_speech_that_starts_in_the_audio_the_vad_had_not_heard_yet_is_in_the_answer() -> None:
+    """The last chunks, less than a VAD call's worth, are heard at the end as the whole recording's VAD
+    pass hears them: with short speech kept (min_speech_ms 50), 60 ms there is a segment."""
+    recording = sound(*SAID, (0.04, 0.0), (0.06, 0.5))
+    text, before, calls = asyncio.run(heard_text(recording, 0.01, 1.0, VadConfig(min_speech_ms=50)))
+    assert before and calls[len(before) :] == [len(recording)] and text == str(len(recording))
+
+
+def test_a_word_heard_whole_within_one_chunk_is_transcribed_ahead_again() -> None:
+    """A client that sends a second at a time: a word begins, ends and is released within one chunk
+    (the VAD never hears it under way); the text made before it goes, and one made after it answers."""
+    recording = sound((0.3, 0.0), (1.0, 0.5), (0.7, 0.0), (0.3, 0.5), (1.7, 0.0))
+    text, before, calls = asyncio.run(heard_text(recording, 1.0, 1.0))
+    assert len(before) == 2 and calls == before and before[-1] >= 3 * SAMPLE_RATE and text == str(before[-1])
+
+
+def test_a_transcription_ahead_that_fails_after_the_end_gives_way_to_the_whole_recording() -> None:
+    async def run() -> tuple[str, list[int]]:
+        model, calls = heard_model(0.1)
+        failed = asyncio.Event()
+
+        async def transcribe(samples: np.ndarray, options: Options) -> AsyncGenerator[Segment, None]:
+            calls.append(len(samples))
+            if len(calls) == 1:  # the one ahead: refused once the end is asked for (a queue's timeout)
+                await failed.wait()
+                raise TooManyRequests("queue full")
+            yield Segment(0.0, len(samples) / SAMPLE_RATE, str(len(samples)), "en")
+
+        model.transcribe = transcribe
+        heard, recording = Heard(model, Options(None), "client"), sound(*SAID)
+        for at in range(0, len(recording), SAMPLE_RATE // 10):
+            await heard.feed(recording[at : at + SAMPLE_RATE // 10])
+            await asyncio.sleep(0)
+        asyncio.get_running_loop().call_later(0.01, failed.set)
+        return " ".join([s.text async for s in heard.segments(recording)]), calls
+
+    text, calls = asyncio.run(run())
+    assert len(calls) == 2 and text == str(calls[-1]) == str(len(sound(*SAID)))
+
+
+def test_a_client_has_two_recordings_heard_at_once_and_others_theirs() -> None:
+    """Each recording heard holds a VAD sequence: a client's third is transcribed at its end only."""
+
+    async def run() -> list[bool]:
+        model, _ = heard_model(0.1)
+        recordings = [Heard(model, Options(None), client) for client in ("a", "a", "a", "b")]
+        for heard in recordings:
+            await heard.feed(sound((0.1, 0.0)))
+        return [heard.listening for heard in recordings]
+
+    assert asyncio.run(run()) == [True, True, False, True]

@@ -65,6 +65,16 @@ class NotifyListener:
         self.sock.close()
 
 
+def listening(path: Path) -> bool:
+    """The Unix socket at `path` takes connections: its file appears at bind(), before listen(), and a
+    connect between the two is refused (the kernel's table marks a listening socket __SO_ACCEPTCON)."""
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[7] == str(path) and int(fields[3], 16) & 0x10000:
+            return True
+    return False
+
+
 class Activated:
     """`appliance run` launched by systemd-socket-activate on the first connection."""
 
@@ -95,7 +105,7 @@ class Activated:
         args += [sys.executable, "-m", "appliance", "run", "--config", str(self.config)]
         self.proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
-        while not self.socket.exists():
+        while not listening(self.socket):
             assert time.monotonic() < deadline, self.log.read_text()
             time.sleep(0.01)
 

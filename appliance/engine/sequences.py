@@ -55,9 +55,14 @@ class OwnedTable(Generic[S]):
     def __len__(self) -> int:
         return len(self._open)
 
-    def count(self, scope: object) -> int:
-        """Entries under keys `(scope, ...)`: those another model keeps here (a pipeline's streams)."""
-        return sum(1 for key in self._open if isinstance(key, tuple) and key and key[0] == scope)
+    def count(self, scope: object, client: str | None = None) -> int:
+        """Entries under keys `(scope, ...)`: those another model keeps here (a pipeline's streams),
+        or a kind of entry (a Wyoming recording's); `client`'s alone where it is given."""
+        return sum(
+            1
+            for key, entry in self._open.items()
+            if isinstance(key, tuple) and key and key[0] == scope and client in (None, entry.client)
+        )
 
     def open(self, key: object, now: float, client: str, make: Callable[[], S]) -> S:
         """A new entry from `make()` for `client`; a start on its own open key restarts it (it reconnected)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from appliance.audio import to_frames
 from appliance.config import Live, VadConfig
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
@@ -32,12 +33,21 @@ PARTIAL_GAP = SAMPLE_RATE
 # how far a recording may run ahead of the clock and still be heard as it arrives (a client's buffering);
 # one sent faster is an upload, transcribed whole at its end (transcribing ahead would only cost it)
 HEARD_AHEAD_S = 1.0
+# and how far behind: a client that stops sending (or a box too busy to read it) is not heard further
+HEARD_BEHIND_S = 2.0
+# the audio gathered for each VAD call while hearing (whole frames of it): Home Assistant's chunks
+# are as short as 10 ms, and a call per frame would cost the loop more than hearing saves
+HEARD_HOP = SAMPLE_RATE // 10
 # the silence after the last segment's padding that starts the transcription ahead. Speech after it
 # drops that transcription (an engine call under way runs to its end: CPU the speaking client was
 # not using), so it starts early: Home Assistant's segmenter stops the recording after 0.7 s of
 # silence, and a window's work on a small CPU is about a second (0.3 s here: audio-stop to
 # transcript p50 590 ms, against 409 to 453 ms with 0.1 s)
 HEARD_SILENCE = int(0.1 * SAMPLE_RATE)
+# recordings heard at once: per client (a satellite streams one at a time), and in all a share of the
+# VAD's sequence table, which the API's live streams need (a recording not heard loses no text)
+HEARD_PER_CLIENT = 2
+HEARD_TABLE_SHARE = 16  # at most max_live / this
 _heard_keys = itertools.count()
 
 
@@ -210,22 +220,26 @@ class LiveTranscription:
 
 class Heard:
     """A recording that arrives as it is spoken (a voice assistant's microphone over Wyoming) and is
-    transcribed at its end. While it comes at the pace of speech, the VAD hears it chunk by chunk (a
+    transcribed at its end. While it comes at the pace of speech, the VAD hears it as it arrives (a
     sequence of its own, the config's [vad] rules); once every segment heard is final (released: no
     speech since, and its padding heard), the recording so far is transcribed ahead. At the end, where
     no speech came after, that is the recording's text: the same segments the whole recording would
     give, ready when the client asks (it stops only after some silence of its own). Else, and for a
-    recording sent faster than it is spoken, the whole recording is transcribed at its end."""
+    recording sent faster or slower than it is spoken or longer than one VAD shard (where the whole
+    recording's VAD pass is no longer one sequence as the hearing is), the whole recording is
+    transcribed at its end."""
 
     def __init__(self, model: LiveTranscription, options: Options, client: str) -> None:
         self.model, self.options, self.client = model, options, client
         vad = model.vad
-        self.tracker = SegmentTracker(vad.frames.frame_samples, vad.frames.sample_rate, model.live.config.vad)
+        self.frame = vad.frames.frame_samples
+        self.longest = vad.baked.max_tokens_per_shard * self.frame
+        self.tracker = SegmentTracker(self.frame, vad.frames.sample_rate, model.live.config.vad)
         self.key = ("heard", next(_heard_keys))
         self.began = model.clock()
         self.audio: list[np.ndarray] = []  # while it is heard
         self.received = 0  # samples
-        self.unheard: list[np.ndarray] = []  # less than a VAD frame, or what the VAD has not taken yet
+        self.unheard = np.empty(0, np.float32)  # what the VAD has not taken yet
         self.through_vad = 0  # samples the VAD heard
         self.released = 0  # segments the tracker released
         self.spoken_to = 0  # the end of the last one (padded)
@@ -236,28 +250,21 @@ class Heard:
         self.received += len(samples)
         if not self.listening:
             return
-        if self.received / SAMPLE_RATE > self.model.clock() - self.began + HEARD_AHEAD_S:
-            self.close()  # an upload: its end comes at once
+        spoken = self.model.clock() - self.began
+        if not -HEARD_BEHIND_S <= self.received / SAMPLE_RATE - spoken <= HEARD_AHEAD_S or self.received > self.longest:
+            self.close()  # not a microphone at the pace of speech, or too long: its end comes as it will
             return
         self.audio.append(samples)
-        self.unheard.append(samples)
-        frame = self.model.vad.frames.frame_samples
-        pending = np.concatenate(self.unheard)
-        whole_frames = len(pending) // frame * frame
+        pending = np.concatenate([self.unheard, samples])
+        whole_frames = len(pending) // self.frame * self.frame if len(pending) >= HEARD_HOP else 0
+        self.unheard = pending[whole_frames:]
         if not whole_frames:
             return
-        self.unheard = [pending[whole_frames:]]
-        try:
-            probs, _ = await self.model.vad.infer_stream(
-                pending[:whole_frames], self.key, self.through_vad == 0, False, self.client
-            )
-        except ApiError:  # the VAD's sequence table is full (its shares): transcribed at the end only
+        if self.through_vad == 0 and not self._may_open():
             self.close()
             return
-        self.through_vad += whole_frames
-        if released := self.tracker.feed(probs):
-            self.released += len(released)
-            self.spoken_to = released[-1][1]
+        if not await self._hear(pending[:whole_frames]):
+            return
         if self.tracker.speaking:
             self._drop_ahead()  # the text ahead has not heard this
         elif (
@@ -274,22 +281,19 @@ class Heard:
             self.ahead = (self.released, task)
 
     async def segments(self, samples: np.ndarray) -> AsyncGenerator[Segment, None]:
-        ahead = None
-        if self.listening and self.ahead is not None:
-            # what the VAD has not heard is less than a frame: only finish() can add a segment now
-            released = self.released + len(self.tracker.finish(self.through_vad))
-            task = self.ahead[1]
-            if released == self.ahead[0] and not (task.done() and (task.cancelled() or task.exception())):
-                ahead, self.ahead = task, None
+        ahead = await self._made_ahead(samples)
         self.close()
         if ahead is not None:
             try:
                 segments = await ahead
+            except ApiError:
+                segments = None  # it failed late (a full queue): the whole recording, as without
             finally:
                 ahead.cancel()  # where the client left first; done, it is a no-op
-            for segment in segments:
-                yield segment
-            return
+            if segments is not None:
+                for segment in segments:
+                    yield segment
+                return
         async with contextlib.aclosing(self.model.transcribe(samples, self.options)) as found:
             async for segment in found:
                 yield segment
@@ -298,7 +302,44 @@ class Heard:
         self._drop_ahead()
         if self.listening:
             self.model.vad.sequences.end(self.key)
-        self.listening, self.audio, self.unheard = False, [], []
+        self.listening, self.audio, self.unheard = False, [], np.empty(0, np.float32)
+
+    async def _made_ahead(self, samples: np.ndarray) -> asyncio.Task[list[Segment]] | None:
+        """The transcription ahead, where it has every segment the whole recording (`samples`) has:
+        the rest of it heard as the whole recording's VAD pass hears it (the last frame zero-padded)."""
+        if not self.listening or self.ahead is None:
+            return None
+        rest = samples[self.through_vad :]
+        if len(rest) and not await self._hear(to_frames(rest, self.frame).reshape(-1)):
+            return None
+        self.released += len(self.tracker.finish(len(samples)))
+        released, task = self.ahead
+        if released != self.released or (task.done() and (task.cancelled() or task.exception())):
+            return None
+        self.ahead = None
+        return task
+
+    async def _hear(self, frames: np.ndarray) -> bool:
+        """Whole frames through the VAD and the tracker; False where the VAD refused (no longer heard)."""
+        try:
+            probs, _ = await self.model.vad.infer_stream(frames, self.key, self.through_vad == 0, False, self.client)
+        except ApiError:  # an engine error, or its sequence expired: transcribed at the end only
+            self.close()
+            return False
+        self.through_vad += len(frames)
+        if released := self.tracker.feed(probs):
+            self.released += len(released)
+            self.spoken_to = released[-1][1]
+            self._drop_ahead()  # made before these segments
+        return True
+
+    def _may_open(self) -> bool:
+        """Room for one more recording heard: this client's and all clients' share of the VAD's table."""
+        table = self.model.vad.sequences
+        return (
+            table.count("heard", self.client) < HEARD_PER_CLIENT
+            and table.count("heard") < table.max_live // HEARD_TABLE_SHARE
+        )
 
     def _drop_ahead(self) -> None:
         if self.ahead is not None:
