@@ -91,7 +91,12 @@ def test_counts_match_what_two_clients_sent(start_daemon, tls, backend: str) -> 
         return out
 
     sent = asyncio.run(clients())
-    time.sleep(0.3)  # the closing datagrams land
+
+    def counted() -> bool:  # every datagram sent, the closing ones too, has landed (under load: later)
+        found = peers(daemon)
+        return all(found.get(name, {}).get("packets") == counter.packets for name, counter in sent)
+
+    wait_until(counted, timeout=5.0)
     table = peers(daemon)
     for name, counter in sent:
         assert name in table, (name, table)
