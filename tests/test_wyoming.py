@@ -31,6 +31,7 @@ from wyoming.tts import Synthesize, SynthesizeVoice
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from appliance.audio import to_pcm16
 from appliance.bench.live import paced
 
 TINY = "whisper_tiny_en"
@@ -53,30 +54,12 @@ def wyoming_socket(daemon: Daemon) -> Path:
     return daemon.socket.with_name("wyoming.sock")
 
 
-async def transcribe(daemon: Daemon, samples: np.ndarray, chunk_ms: int = 100) -> tuple[str, list[str]]:
-    """The transcript of `samples` and the types of every event before it."""
-    pcm = np.clip(np.round(samples * 32768), -32768, 32767).astype("<i2").tobytes()
-    step = RATE * 2 * chunk_ms // 1000
-    async with AsyncUnixClient(wyoming_socket(daemon)) as client:
-        await client.write_event(Transcribe(name=TINY, language="en").event())
-        await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
-        for offset in range(0, len(pcm), step):
-            await client.write_event(
-                AudioChunk(rate=RATE, width=2, channels=1, audio=pcm[offset : offset + step]).event()
-            )
-        await client.write_event(AudioStop().event())
-        seen = []
-        while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
-            if Transcript.is_type(event.type):
-                return Transcript.from_event(event).text, seen
-            seen.append(event.type)
-    raise AssertionError(f"no transcript; events: {seen}")
-
-
-async def spoken(daemon: Daemon, samples: np.ndarray, before_stop: Callable[[], None]) -> str:
-    """The transcript of `samples` sent as a microphone hears them (100 ms chunks at real-time pace), as
-    Home Assistant's voice pipeline sends them; `before_stop` runs once they are all sent."""
-    pcm = np.clip(np.round(samples * 32768), -32768, 32767).astype("<i2").tobytes()
+async def transcribe(
+    daemon: Daemon, samples: np.ndarray, real_time: bool = False, before_stop: Callable[[], None] = lambda: None
+) -> tuple[str, list[str]]:
+    """The transcript of `samples` and the types of every event before it. Sent in 100 ms chunks, all at
+    once, or as a microphone hears them (real-time pace, as Home Assistant's voice pipeline sends them);
+    `before_stop` runs once they are all sent."""
     async with AsyncUnixClient(wyoming_socket(daemon)) as client:
         await client.write_event(Transcribe(name=TINY, language="en").event())
         await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
@@ -84,13 +67,15 @@ async def spoken(daemon: Daemon, samples: np.ndarray, before_stop: Callable[[], 
         async def send(piece: bytes) -> None:
             await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=piece).event())
 
-        await paced(send, pcm, RATE * 2 // 10, 0.1)
+        await paced(send, to_pcm16(samples), RATE * 2 // 10, 0.1 if real_time else 0.0)
         await asyncio.to_thread(before_stop)
         await client.write_event(AudioStop().event())
+        seen = []
         while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
             if Transcript.is_type(event.type):
-                return Transcript.from_event(event).text
-    raise AssertionError("no transcript")
+                return Transcript.from_event(event).text, seen
+            seen.append(event.type)
+    raise AssertionError(f"no transcript; events: {seen}")
 
 
 def engine_calls(daemon: Daemon, model: str) -> int:
@@ -113,7 +98,7 @@ def test_a_recording_sent_as_it_is_spoken_is_transcribed_before_its_audio_stop(d
             time.sleep(0.1)
         at_stop.append(calls)
 
-    text = asyncio.run(spoken(daemon, samples, ahead))
+    text, _ = asyncio.run(transcribe(daemon, samples, real_time=True, before_stop=ahead))
     assert wer(CLEAR[1], text) <= 0.10, text
     assert engine_calls(daemon, TINY) == at_stop[0]  # the text made ahead, no engine call after audio-stop
 
@@ -124,7 +109,7 @@ def test_speech_after_a_pause_is_heard_though_the_text_before_it_was_made_ahead(
     first, _ = recording(CLEAR[2:3], gap_s=2.0, lead_s=0.3)
     second, _ = recording(CLEAR[3:4], gap_s=0.2, lead_s=0.0)
     before = engine_calls(daemon, TINY)
-    text = asyncio.run(spoken(daemon, np.concatenate([first, second]), lambda: None))
+    text, _ = asyncio.run(transcribe(daemon, np.concatenate([first, second]), real_time=True))
     assert engine_calls(daemon, TINY) > before + 1  # the first sentence ahead, then the whole recording
     assert wer(f"{CLEAR[2]} {CLEAR[3]}", text) <= 0.10, text
 
