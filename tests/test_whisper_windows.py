@@ -93,11 +93,11 @@ def text(decoded) -> str:
     return " ".join(p.text for p in decoded.pieces)
 
 
-def test_packed_windows_give_each_request_the_text_it_would_get_alone(tiny: Path) -> None:
-    """Twelve requests' shards (two sentences each, every request its own pair) in a few shared
+def test_packed_windows_give_each_shard_the_text_it_would_get_alone(tiny: Path) -> None:
+    """Twelve shards of one request (two sentences each, every shard its own pair) in a few shared
     windows: each gets its own words, with a word error rate within 0.01 of decoding it alone."""
     pairs = [(ENGLISH[i], ENGLISH[(i + 5) % len(ENGLISH)]) for i in range(len(ENGLISH))]
-    shards = [Shard(np.concatenate([PAD, say(a), PAD, say(b), PAD])) for a, b in pairs]
+    shards = [Shard(np.concatenate([PAD, say(a), PAD, say(b), PAD]), request="one") for a, b in pairs]
     whisper = engine(tiny)
     packed = whisper.run(shards)
     assert whisper.windows["windows"] < len(shards) / 2, dict(whisper.windows)  # shared: 3 to 5 a window
@@ -106,11 +106,11 @@ def test_packed_windows_give_each_request_the_text_it_would_get_alone(tiny: Path
     packed_wer = jiwer.wer(references, [words(text(d)) for d in packed])
     alone_wer = jiwer.wer(references, [words(text(d)) for d in alone])
     assert packed_wer <= alone_wer + 0.01, (packed_wer, alone_wer, [text(d) for d in packed])
-    for (a, b), decoded in zip(pairs, packed):  # the right request gets each word
+    for (a, b), decoded in zip(pairs, packed):  # the right shard gets each word
         own, heard = words(f"{a} {b}").split(), words(text(decoded)).split()
         # its own sentences (a word or three misheard: "The weather" heard as "but when there")
         assert sum(w in heard for w in own) >= len(own) - 3, (a, b, text(decoded))
-        # and no other request's: no three words in a row from another pair that its own lacks
+        # and no other shard's: no three words in a row from another pair that its own lacks
         others = {t for x, y in pairs if (x, y) != (a, b) for t in trigrams(words(f"{x} {y}").split())}
         leaked = (trigrams(heard) & others) - trigrams(own)
         assert not leaked, (a, b, text(decoded), leaked)
@@ -136,7 +136,7 @@ def test_the_engine_decodes_the_shards_of_a_straddling_piece_alone(tiny: Path, m
 
     monkeypatch.setattr(whisper, "_run", decode)
     lengths = [RATE, RATE * 11 // 10, RATE * 12 // 10]
-    answers = whisper.run([Shard(np.zeros(n, np.float32)) for n in lengths])
+    answers = whisper.run([Shard(np.zeros(n, np.float32), request="one") for n in lengths])
     # the window, then shards 0 and 1 alone, each in one of the engine's two lanes
     assert calls[0] == [int(5.1 * RATE) + lengths[2]] and sorted(calls[1:]) == [[lengths[0]], [lengths[1]]], calls
     assert [text(a) for a in answers] == [f"alone {lengths[0]}", f"alone {lengths[1]}", "two"]
@@ -148,9 +148,30 @@ def test_whisper_running_two_shards_into_one_piece_takes_the_fallback(tiny: Path
     """No silence between the shards: Whisper runs sentences of two shards into one piece, and those
     shards are decoded alone (their texts repaired: the four sentences heard within 10%)."""
     whisper = engine(tiny, separator_s=0.0)
-    decoded = whisper.run([Shard(say(s)) for s in CLEAR[:4]])
+    decoded = whisper.run([Shard(say(s), request="one") for s in CLEAR[:4]])
     assert whisper.windows["alone"] >= 2, dict(whisper.windows)
     assert jiwer.wer([words(s) for s in CLEAR[:4]], [words(text(d)) for d in decoded]) <= 0.1
+
+
+def test_shards_share_a_window_only_with_their_own_requests(tiny: Path, monkeypatch) -> None:
+    """Whisper's text of one shard in a window conditions the next one's: another request's speech
+    must not change a request's text, so only shards of one request (and none without one) share."""
+    whisper = engine(tiny)
+    windows: list[int] = []
+
+    def decode(model, shards: list[Shard], shared: int = 0) -> list[Decoded]:
+        windows.extend(len(s.samples) for s in shards)  # a piece on each 1 s shard, 2.5 s apart in a window
+        return [
+            Decoded("en", [Piece(at, at + 1.0, "words") for at in (0.0, 2.5)[: 1 + (len(s.samples) > RATE)]])
+            for s in shards
+        ]
+
+    monkeypatch.setattr(whisper, "_run", decode)
+    requests = ["a", "b", "a", None, None, "b"]
+    whisper.run([Shard(np.zeros(RATE, np.float32), request=r) for r in requests])
+    shared = int(1.5 * RATE) + 2 * RATE  # two 1 s shards and the silence between them
+    assert sorted(windows) == [RATE, RATE, shared, shared], windows
+    assert dict(whisper.windows) == {"shards": 6, "windows": 4, "alone": 0}
 
 
 @pytest.mark.parametrize("coming", [True, False], ids=["recording-in-its-vad", "nothing-coming"])

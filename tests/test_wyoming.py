@@ -238,6 +238,34 @@ def batched_calls(daemon: Daemon, model: str) -> int:
     return found["+Inf"] - found["1"]
 
 
+# Home Assistant's kind of speech: short commands, numbers in them
+COMMANDS = [
+    "Wake me up at seven thirty.",
+    "Set the temperature to twenty one degrees.",
+    "Set a timer for five minutes.",
+    "Open the garage door.",
+    "Turn off the kitchen lights.",
+]
+
+
+def test_a_clients_transcript_does_not_depend_on_who_else_speaks(daemon: Daemon) -> None:
+    """Five clients at once, in one engine call, each get the very text they get alone. In a shared
+    Whisper window one shard's text conditions the next one's, so requests do not share windows: in
+    one, "Set the temperature to twenty one degrees" after "Wake me up at seven thirty" was heard as
+    "10.10. Richard at 1.1 degrees"."""
+    clips = [recording([command], gap_s=0.7, lead_s=0.3)[0] for command in COMMANDS]
+    alone = [asyncio.run(transcribe(daemon, clip))[0] for clip in clips]
+    before = batched_calls(daemon, TINY)
+
+    async def together() -> list[str]:
+        return [text for text, _ in await asyncio.gather(*(transcribe(daemon, clip) for clip in clips))]
+
+    assert asyncio.run(together()) == alone
+    assert batched_calls(daemon, TINY) > before  # they did run together
+    for command, text in zip(COMMANDS, alone):  # each heard as its own command (numbers come as digits)
+        assert min(COMMANDS, key=lambda c: wer(c, text)) == command, (command, text)
+
+
 def test_eight_concurrent_clients_share_engine_calls(daemon: Daemon) -> None:
     clips = [recording([CLEAR[i % len(CLEAR)]], gap_s=0.5, lead_s=0.3)[0] for i in range(8)]
     before = batched_calls(daemon, TINY)

@@ -104,7 +104,7 @@ class LiveTranscription:
     def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
         raise NotImplementedError
 
-    # SpeechToText._decode: a shard plan's segments (plan, samples, options, times, urgent, offset)
+    # SpeechToText._decode: a shard plan's segments (plan, samples, options, times, request, urgent, offset)
     _decode: Callable[..., Awaitable[list[Segment]]]
     # SpeechToText.transcribe: a recording's segments (samples, options)
     transcribe: Callable[..., AsyncGenerator[Segment, None]]
@@ -214,7 +214,10 @@ class LiveTranscription:
     ) -> list[Segment]:
         """A span of a live stream's kept `audio` (from stream position `base`), decoded ahead of recordings."""
         plans = self._plans(audio, (span[0] - base, span[1] - base))
-        found = await asyncio.gather(*(self._decode(p, audio, stream.options, times, True, base) for p in plans))
+        request = object()  # the span's shards may share Whisper windows, no one else's
+        found = await asyncio.gather(
+            *(self._decode(p, audio, stream.options, times, request, True, base) for p in plans)
+        )
         return [s for segments in found for s in segments]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Hashable, Mapping
 from typing import Any
 
 import numpy as np
@@ -120,9 +120,9 @@ class SpeechToText(LiveTranscription, EngineModel):
         if not 0.0 <= options.temperature <= 1.0:
             raise BadRequest(f"temperature must be a number from 0 to 1, got {options.temperature}")
 
-    def _shard(self, audio: np.ndarray, options: Options) -> Shard:
+    def _shard(self, audio: np.ndarray, options: Options, request: Hashable) -> Shard:
         prompt = self.engine.tokens.encode(options.prompt) if options.prompt else ()
-        return Shard(audio, options.language, options.task, prompt, options.temperature, options.words)
+        return Shard(audio, options.language, options.task, prompt, options.temperature, options.words, request)
 
     async def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
@@ -137,7 +137,7 @@ class SpeechToText(LiveTranscription, EngineModel):
         shards: asyncio.Queue[asyncio.Task[list[Segment]] | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         held: list[ShardPlan] = []
-
+        request = object()  # its shards may share Whisper windows, no one else's
         sent = 0
 
         def send(plans: list[ShardPlan], last: bool = False) -> None:
@@ -145,7 +145,9 @@ class SpeechToText(LiveTranscription, EngineModel):
             held.extend(plans)
             if len(held) >= self.max_batch or last:
                 for plan in held:  # the shard's index: every request's first shard goes before anyone's next
-                    shards.put_nowait(loop.create_task(self._decode(plan, samples, options, spent, index=sent)))
+                    shards.put_nowait(
+                        loop.create_task(self._decode(plan, samples, options, spent, request, index=sent))
+                    )
                     sent += 1
                 held.clear()
 
@@ -189,6 +191,7 @@ class SpeechToText(LiveTranscription, EngineModel):
         samples: np.ndarray,
         options: Options,
         times: RequestTimes,
+        request: Hashable,
         urgent: bool = False,
         offset: int = 0,
         index: int = 0,
@@ -196,8 +199,9 @@ class SpeechToText(LiveTranscription, EngineModel):
         """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
         spans by Whisper's timestamps, a segment per run of spans its pieces join (Whisper's own
         times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
-        second pass of their own (a batched window has no seek as openai-whisper's loop has)."""
-        shard = self._shard(plan.audio(samples), options)
+        second pass of their own (a batched window has no seek as openai-whisper's loop has). Shards
+        of one `request` may share a Whisper window."""
+        shard = self._shard(plan.audio(samples), options, request)
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
         times.queue_ns += done.queued_ns
@@ -216,7 +220,9 @@ class SpeechToText(LiveTranscription, EngineModel):
         if 0 < heard < len(plan.spans):
             packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
             rest = [p for span in plan.spans[heard:] for p in packer.add((span.start, span.end))] + packer.finish()
-            for found in await asyncio.gather(*(self._decode(p, samples, options, times, True, offset) for p in rest)):
+            for found in await asyncio.gather(
+                *(self._decode(p, samples, options, times, request, True, offset) for p in rest)
+            ):
                 out += found
         return out
 
