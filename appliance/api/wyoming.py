@@ -86,6 +86,7 @@ class WyomingHandler:
         self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
         self.samples = 0
         self.resampler: StreamResampler | None = None
+        self.partial_frame = b""  # a chunk's bytes that end inside a sample frame: the next chunk's start
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
         self.synthesis: list[str] | None = None  # streamed synthesis: the text so far
         self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
@@ -148,7 +149,7 @@ class WyomingHandler:
             start = AudioStart.from_event(event)
             if start.width != 2 or not 1 <= start.channels <= 8 or not 8000 <= start.rate <= 192000:
                 raise BadRequest("audio-start: send 16-bit PCM (width 2), 1 to 8 channels, 8 to 192 kHz")
-            self.audio, self.samples = [], 0
+            self.audio, self.samples, self.partial_frame = [], 0, b""
             self.resampler = StreamResampler(start.rate, SAMPLE_RATE)
             self._format = start
             self._hear()
@@ -186,13 +187,17 @@ class WyomingHandler:
             raise BadRequest("audio-chunk before audio-start")
         if chunk.width != 2:
             raise BadRequest("audio-chunk: only 16-bit PCM (width 2) is served")
-        samples = pcm16(chunk.audio[: len(chunk.audio) - len(chunk.audio) % (2 * chunk.channels)])
+        data = self.partial_frame + chunk.audio
+        whole = len(data) - len(data) % (2 * chunk.channels)
+        samples, self.partial_frame = pcm16(data[:whole]), data[whole:]
         if chunk.channels > 1:
             samples = samples.reshape(-1, chunk.channels).mean(axis=1, dtype=np.float32)
         resampled = self.resampler.feed(samples)
         self.samples += len(resampled)
-        if self.samples > self.max_samples:
-            raise ApiError(f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", 413)
+        if self.samples > self.max_samples:  # refused whole: no transcript of its beginning
+            self.audio, self.resampler = None, None
+            self.close()
+            raise WyomingError(f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones")
         self.audio.append(resampled)
         return resampled
 
@@ -209,16 +214,35 @@ class WyomingHandler:
             self.heard = None
 
     def _options(self) -> Options:
-        return Options((self.transcribe.language if self.transcribe else None) or None)
+        return Options(self._language())
+
+    def _language(self) -> str | None:
+        """The transcribe event's language as Whisper names it ("en-US", "pt_BR": "en", "pt")."""
+        wanted = self.transcribe.language if self.transcribe else None
+        return wanted.replace("_", "-").split("-")[0].lower() if wanted else None
 
     def _model(self) -> LiveTranscriber:
-        name = self.transcribe.name if self.transcribe else None
-        for model in self.speech:
-            if model.name == name:
-                return model
+        """The model the transcribe event names; else the first that hears its language (Home Assistant
+        names only a language where its pipeline has one); else the box's first."""
         if not self.speech:
             raise BadRequest("this firmware serves no speech_to_text model")
+        name, language = (self.transcribe.name if self.transcribe else None), self._language()
+        if name:
+            found = [m for m in self.speech if m.name == name]
+            if not found:
+                raise BadRequest(f"no speech_to_text model {name[:40]!r} (models: {', '.join(self._names())})")
+            return found[0]
+        if language:
+            found = [m for m in self.speech if language in m.languages]
+            if not found:
+                raise BadRequest(
+                    f"no speech_to_text model hears {language[:20]!r} (models: {', '.join(self._names())})"
+                )
+            return found[0]
         return self.speech[0]
+
+    def _names(self) -> list[str]:
+        return [m.name for m in self.speech]
 
     async def finish_transcription(self, send: Send) -> str:
         """audio-stop: the recording's segments, each sent as it is decoded, then the whole transcript."""
@@ -229,6 +253,7 @@ class WyomingHandler:
         heard, self.heard = self.heard, None
         try:
             model, options = self._model(), self._options()
+            model.check(options)  # a refused language or task: the error comes before transcript-start
             language = self.transcribe.language if self.transcribe else None
             self.transcribe = None
             audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
@@ -336,6 +361,10 @@ async def serve_client(
             except (ApiError, ValueError, KeyError, TypeError) as exc:  # a bad event's fields: one error, go on
                 message = exc.message if isinstance(exc, ApiError) else f"bad {event.type} event: {exc}"
                 await send(Error(text=message, code=type(exc).__name__).event())
+                if AudioStop.is_type(event.type):
+                    # no transcript will come, and a client may wait for one (Home Assistant's does,
+                    # ignoring errors): the connection closes, which it takes as the end
+                    return
     except WyomingError as exc:
         with contextlib.suppress(ConnectionError):
             await send(Error(text=str(exc), code="protocol").event())
