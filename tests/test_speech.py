@@ -22,7 +22,7 @@ import soxr
 from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
 
 from appliance.client import Call, Client
-from appliance.kinds.text import Clause, plan_shards, sentences
+from appliance.kinds.text import Clause, plan_shards, said_so_far, sentences
 
 SPEECH_SPEC = ROOT / "firmware" / "speech.toml"
 PARAGRAPH = (
@@ -282,6 +282,16 @@ def test_sentences_and_clauses_as_espeak_cuts_them() -> None:
         [("Really", "?")],
         [("Fine", "")],
     ]
+
+
+def test_whole_sentences_of_a_text_still_arriving() -> None:
+    """Streamed text (Wyoming's synthesize-chunk) is spoken up to its last sentence end that white
+    space follows: "3." may become "3.50", a comma ends no sentence."""
+    assert said_so_far("It costs 3.") == 0
+    assert said_so_far("It costs 3.50. Fine") == len("It costs 3.50.")
+    assert said_so_far("Hello, world") == said_so_far("Hello, ") == 0
+    assert said_so_far('Really?!" And then') == len('Really?!"')
+    assert said_so_far("One. Two! Three") == len("One. Two!")
 
 
 def test_shards_semantic_and_fixed() -> None:

@@ -27,7 +27,8 @@ from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient, AsyncUnixClient
 from wyoming.event import Event
 from wyoming.info import Describe, Info
-from wyoming.tts import Synthesize, SynthesizeVoice
+from wyoming.ping import Ping, Pong
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
@@ -280,6 +281,44 @@ def test_synthesis_in_a_voice_chosen_by_name_or_language_sentence_by_sentence(da
     assert events[-1].type == "error" and "no voice speaks 'de'" in events[-1].data["text"]
 
 
+def test_streamed_synthesis_speaks_each_sentence_as_its_chunks_complete_it(daemon: Daemon, tmp_path: Path) -> None:
+    """Home Assistant streams an answer word by word (synthesize-start, synthesize-chunk..., the whole
+    text in a synthesize for older servers, synthesize-stop): a sentence is spoken once white space
+    follows its end, before the stop; one audio-start and one audio-stop hold all the audio, and
+    synthesize-stopped ends it. Heard by an independent Whisper."""
+    first, second = "Turn off the lights in the kitchen please. ", "Then lock the front door."
+
+    async def run() -> tuple[list[Event], list[Event]]:
+        async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+            await client.write_event(SynthesizeStart().event())
+            for word in first.split(" "):
+                await client.write_event(SynthesizeChunk(text=word + " ").event())
+            before = [await asyncio.wait_for(client.read_event(), 30)]  # the first sentence, not waiting for the rest
+            while not AudioChunk.is_type(before[-1].type):
+                before.append(await asyncio.wait_for(client.read_event(), 30))
+            for word in second.split(" "):
+                await client.write_event(SynthesizeChunk(text=word + " ").event())
+            await client.write_event(Synthesize(text=first + second).event())
+            await client.write_event(SynthesizeStop().event())
+            after = []
+            while not (after and after[-1].type == "synthesize-stopped"):
+                after.append(await asyncio.wait_for(client.read_event(), 60))
+            return before, after
+
+    before, after = asyncio.run(run())
+    events = before + after
+    types = [e.type for e in events]
+    assert types[0] == "audio-start" and types[-2:] == ["audio-stop", "synthesize-stopped"], types
+    assert types.count("audio-start") == 1 and types.count("audio-stop") == 1, types
+    samples, rate = speech_of(
+        events, b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type))
+    )
+    judge = WhisperModel(str(whisper_base(tmp_path)), device="cpu", compute_type="int8")  # not the box's engine
+    heard_segments, _ = judge.transcribe(soxr.resample(samples, rate, 16000), language="en", beam_size=1)
+    heard = " ".join(s.text for s in heard_segments).lower()
+    assert "kitchen" in heard and "door" in heard and heard.count("kitchen") == 1, heard
+
+
 def batched_calls(daemon: Daemon, model: str) -> int:
     """Engine calls of `model` that ran more than one shard, from /metrics."""
     with daemon.client() as client:
@@ -363,6 +402,15 @@ def test_client_leaving_mid_stream_and_bad_events(daemon: Daemon) -> None:
         return [json.loads(line) for line in received.splitlines() if line.startswith(b"{")]
 
     assert raw(b"this is not json\n")[0]["type"] == "error"
+    assert "an event header is not JSON" in daemon.log.read_text()  # and a line in the box's log
+
+    async def ping() -> Event | None:
+        async with AsyncUnixClient(path) as client:
+            await client.write_event(Ping(text="hi").event())
+            return await asyncio.wait_for(client.read_event(), 10)
+
+    pong = asyncio.run(ping())
+    assert pong is not None and Pong.is_type(pong.type) and Pong.from_event(pong).text == "hi", pong
     over = json.dumps(
         {"type": "audio-chunk", "data": {"rate": 16000, "width": 2, "channels": 1}, "payload_length": 10**9}
     )

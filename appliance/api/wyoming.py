@@ -11,8 +11,9 @@ next to the API socket, served from the engine process: the same models, the sam
                                                   spoken and ended in silence: LiveTranscriber.hear)
     synthesize (or synthesize-start/-chunk.../-stop), its voice by name or by language
                                                -> audio-start, audio-chunk per sentence as it is
-                                                  made, audio-stop (then synthesize-stopped for the
-                                                  streamed form)
+                                                  made, audio-stop (the streamed form: each sentence
+                                                  spoken once its chunks complete it, then
+                                                  synthesize-stopped)
 
 Wyoming has no authentication: whoever reaches the socket may use it (its mode and group are the API
 socket's). Events are read with bounds of our own (the package's reader has none): a header line of at
@@ -42,6 +43,7 @@ from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
 from wyoming.event import Event, async_write_event
 from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.ping import Ping, Pong
 from wyoming.tts import (
     Synthesize,
     SynthesizeChunk,
@@ -61,6 +63,7 @@ from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
+from appliance.kinds.text import said_so_far
 from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
@@ -88,8 +91,9 @@ class WyomingHandler:
         self.resampler: StreamResampler | None = None
         self.partial_frame = b""  # a chunk's bytes that end inside a sample frame: the next chunk's start
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
-        self.synthesis: list[str] | None = None  # streamed synthesis: the text so far
+        self.synthesis: str | None = None  # streamed synthesis: its text not spoken yet
         self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
+        self.synthesis_audio = False  # and whether its audio-start was sent
 
     def info(self) -> Info:
         asr = [
@@ -167,20 +171,28 @@ class WyomingHandler:
             synthesize = Synthesize.from_event(event)
             await self.speak(synthesize.text, synthesize.voice, send)
             return []
+        if Ping.is_type(event.type):
+            return [Pong(text=Ping.from_event(event).text).event()]
         if SynthesizeStart.is_type(event.type):
-            self.synthesis, self.synthesis_voice = [], SynthesizeStart.from_event(event).voice
+            self.synthesis, self.synthesis_voice = "", SynthesizeStart.from_event(event).voice
+            self.synthesis_audio = False
             return []
         if SynthesizeChunk.is_type(event.type):
             if self.synthesis is None:
                 raise BadRequest("synthesize-chunk before synthesize-start")
-            self.synthesis.append(SynthesizeChunk.from_event(event).text)
+            self.synthesis += SynthesizeChunk.from_event(event).text
+            if said := said_so_far(self.synthesis):  # each whole sentence spoken as it arrives (an LLM's words)
+                text, self.synthesis = self.synthesis[:said], self.synthesis[said:]
+                await self._speak_streamed(text, send)
             return []
         if SynthesizeStop.is_type(event.type):
-            text, self.synthesis = "".join(self.synthesis or []), None
+            text, self.synthesis = self.synthesis or "", None
             if text.strip():
-                await self.speak(text, self.synthesis_voice, send)
+                await self._speak_streamed(text, send)
+            if self.synthesis_audio:
+                await send(AudioStop().event())
             return [SynthesizeStopped().event()]
-        return []  # Wyoming: events a server does not know are ignored (ping, etc.)
+        return []  # Wyoming: events a server does not know are ignored
 
     def _chunk(self, chunk: AudioChunk) -> np.ndarray:
         if self.audio is None or self.resampler is None:
@@ -271,16 +283,25 @@ class WyomingHandler:
             if heard is not None:
                 heard.close()
 
-    async def speak(self, text: str, wanted: SynthesizeVoice | None, send: Send) -> None:
-        """Each sentence's audio sent as soon as it is made (a client that does not read holds the rest)."""
+    async def speak(
+        self, text: str, wanted: SynthesizeVoice | None, send: Send, start: bool = True, stop: bool = True
+    ) -> None:
+        """Each sentence's audio sent as soon as it is made (a client that does not read holds the rest),
+        between audio-start and audio-stop (a streamed synthesis sends each once, around all its text)."""
         model, voice = self._voice(wanted)
         rate = model.sample_rate
         shards = await model.prepare(text, voice)  # a text with nothing to say is an error before any audio
-        await send(AudioStart(rate=rate, width=2, channels=1).event())
+        if start:
+            await send(AudioStart(rate=rate, width=2, channels=1).event())
         async with contextlib.aclosing(model.synthesize(shards, 1.0, voice=voice)) as pieces:
             async for piece in pieces:
                 await send(AudioChunk(rate=rate, width=2, channels=1, audio=piece.astype("<i2").tobytes()).event())
-        await send(AudioStop().event())
+        if stop:
+            await send(AudioStop().event())
+
+    async def _speak_streamed(self, text: str, send: Send) -> None:
+        await self.speak(text, self.synthesis_voice, send, start=not self.synthesis_audio, stop=False)
+        self.synthesis_audio = True
 
     def _voice(self, wanted: SynthesizeVoice | None) -> tuple[Speaker, str]:
         """The voice a synthesize event names; else the first of the language it names; else the box's first."""
@@ -364,8 +385,12 @@ async def serve_client(
                 if AudioStop.is_type(event.type):
                     # no transcript will come, and a client may wait for one (Home Assistant's does,
                     # ignoring errors): the connection closes, which it takes as the end
+                    log.info("Wyoming client %s: %s; closed", handler.client, message)
                     return
+                # the connection goes on: not at info, where one client could repeat it without end
+                log.debug("Wyoming client %s: %s", handler.client, message)
     except WyomingError as exc:
+        log.info("Wyoming client %s: %s; closed", handler.client, exc)
         with contextlib.suppress(ConnectionError):
             await send(Error(text=str(exc), code="protocol").event())
     except (ConnectionError, asyncio.IncompleteReadError):

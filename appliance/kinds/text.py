@@ -65,6 +65,13 @@ def _clause(text: str, run: str) -> Clause:
     return Clause(text.strip(), terminator, terminator in ".!?")
 
 
+def said_so_far(text: str) -> int:
+    """Where the whole sentences of a text still arriving end (0: none yet). A sentence's end is
+    final once white space follows it: "3." may still become "3.50"."""
+    ends = [m.end() for m in BOUNDARY.finditer(text) if m.end() < len(text) and set(m.group(1)) & set(SENTENCE_ENDS)]
+    return ends[-1] if ends else 0
+
+
 def sentences(text: str) -> list[list[Clause]]:
     """The clauses grouped by sentence."""
     return grouped_by_sentence(clauses(text), lambda c: c.ends_sentence)
