@@ -229,9 +229,8 @@ class WyomingHandler:
         return Options(self._language())
 
     def _language(self) -> str | None:
-        """The transcribe event's language as Whisper names it ("en-US", "pt_BR": "en", "pt")."""
         wanted = self.transcribe.language if self.transcribe else None
-        return wanted.replace("_", "-").split("-")[0].lower() if wanted else None
+        return base_language(wanted) if wanted else None
 
     def _model(self) -> LiveTranscriber:
         """The model the transcribe event names; else the first that hears its language (Home Assistant
@@ -240,21 +239,17 @@ class WyomingHandler:
             raise BadRequest("this firmware serves no speech_to_text model")
         name, language = (self.transcribe.name if self.transcribe else None), self._language()
         if name:
-            found = [m for m in self.speech if m.name == name]
-            if not found:
-                raise BadRequest(f"no speech_to_text model {name[:40]!r} (models: {', '.join(self._names())})")
-            return found[0]
-        if language:
-            found = [m for m in self.speech if language in m.languages]
-            if not found:
-                raise BadRequest(
-                    f"no speech_to_text model hears {language[:20]!r} (models: {', '.join(self._names())})"
-                )
-            return found[0]
-        return self.speech[0]
-
-    def _names(self) -> list[str]:
-        return [m.name for m in self.speech]
+            found, missing = [m for m in self.speech if m.name == name], f"no speech_to_text model {name[:40]!r}"
+        elif language:
+            found, missing = (
+                [m for m in self.speech if language in m.languages],
+                f"no speech_to_text model hears {language[:20]!r}",
+            )
+        else:
+            found, missing = self.speech, ""
+        if not found:
+            raise BadRequest(f"{missing} (models: {', '.join(m.name for m in self.speech)})")
+        return found[0]
 
     async def finish_transcription(self, send: Send) -> str:
         """audio-stop: the recording's segments, each sent as it is decoded, then the whole transcript."""
@@ -315,12 +310,17 @@ class WyomingHandler:
                 raise BadRequest(f"unknown voice {wanted.name[:80]!r} (voices: {names})")
             return found[0]
         if wanted is not None and wanted.language:
-            language = wanted.language.replace("_", "-").split("-")[0].lower()
+            language = base_language(wanted.language)
             found = [(m, v.name) for m, v in spoken if v.language == language]
             if not found:
                 raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
             return found[0]
         return spoken[0][0], spoken[0][1].name
+
+
+def base_language(code: str) -> str:
+    """A language as Whisper and the voices name it: "en-US", "pt_BR" -> "en", "pt"."""
+    return code.replace("_", "-").split("-")[0].lower()
 
 
 async def read_event(reader: asyncio.StreamReader, max_payload: int) -> Event | None:

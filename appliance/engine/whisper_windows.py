@@ -2,8 +2,8 @@
 
 Whisper's encoder costs a whole 30 s window whatever it holds, so six 10 s shards cost six windows
 when each has its own. Here shards that decode alike (one key: the engine's, from the request,
-language, task and temperature, no previous-text prompt) are packed in order into windows of at most `capacity` samples, with
-SEPARATOR_S of silence between two of them: Whisper closes a piece of text at a pause that long,
+language, task and temperature, no previous-text prompt) are packed in order into windows of at
+most `capacity` samples, with SEPARATOR_S of silence between two of them: Whisper closes a piece of text at a pause that long,
 so its timestamps split the window's text back into each shard's. A piece that covers the audio of
 two shards (more than REACH_S of each) is cut between them where its words were heard in order
 on those shards' audio (all of it to one, where every word was heard in its audio and the piece's
