@@ -69,6 +69,7 @@ from appliance.transport.unix_peer import unix_peer
 log = logging.getLogger("appliance.wyoming")
 MAX_HEADER_BYTES = 64 << 10
 SERVICE = "_wyoming._tcp.local."
+LINGER_S = 5.0  # how long a connection closing after an error still reads what the client sends
 SAMPLE_RATE = 16000
 ATTRIBUTION = Attribution(name="appliance", url="https://github.com/")
 Send = Callable[[Event], Awaitable[None]]
@@ -386,6 +387,7 @@ async def serve_client(
                     # no transcript will come, and a client may wait for one (Home Assistant's does,
                     # ignoring errors): the connection closes, which it takes as the end
                     log.info("Wyoming client %s: %s; closed", handler.client, message)
+                    await _linger(reader, writer)
                     return
                 # the connection goes on: not at info, where one client could repeat it without end
                 log.debug("Wyoming client %s: %s", handler.client, message)
@@ -393,6 +395,7 @@ async def serve_client(
         log.info("Wyoming client %s: %s; closed", handler.client, exc)
         with contextlib.suppress(ConnectionError):
             await send(Error(text=str(exc), code="protocol").event())
+            await _linger(reader, writer)
     except (ConnectionError, asyncio.IncompleteReadError):
         pass  # the client left; what it asked for is cancelled with this task
     except Exception:
@@ -400,6 +403,16 @@ async def serve_client(
     finally:
         handler.close()
         writer.close()
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Before a close after an error: our side shut, what the client still sends read and dropped (up to
+    LINGER_S), so its unread data does not reset the connection before it reads the error."""
+    writer.write_eof()
+    with contextlib.suppress(TimeoutError, WyomingError):
+        async with asyncio.timeout(LINGER_S):
+            while await reader.read(1 << 16):
+                pass
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
