@@ -7,6 +7,7 @@ garbage and oversized events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -25,7 +26,8 @@ from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient, AsyncUnixClient
-from wyoming.event import Event
+from wyoming.error import Error
+from wyoming.event import Event, async_read_event, async_write_event
 from wyoming.info import Describe, Info
 from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
@@ -33,6 +35,7 @@ from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from appliance.audio import to_pcm16
+from appliance.bench.daemon import free_tcp_port
 from appliance.bench.live import paced
 
 TINY = "whisper_tiny_en"
@@ -41,10 +44,7 @@ TINY = "whisper_tiny_en"
 @pytest.fixture(scope="module")
 def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     bundle = build_bundle(keys, tmp_path_factory.mktemp("fw") / "interp", spec=ROOT / "firmware" / "interpreter.toml")
-    with socket.socket() as probe:  # a free TCP port for the LAN listener
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    extra = f'[wyoming]\nmax_payload_bytes = 65536\ntcp = "127.0.0.1:{port}"\n'
+    extra = f'[wyoming]\nmax_payload_bytes = 65536\ntcp = "127.0.0.1:{free_tcp_port()}"\n'
 
     d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, extra=extra, workers=2).wait_ready(240)
     yield d
@@ -422,3 +422,77 @@ def test_client_leaving_mid_stream_and_bad_events(daemon: Daemon) -> None:
     assert raw(b"x" * (70 << 10))[0]["type"] == "error"  # a header line past the bound
     samples, _ = recording(CLEAR[:1], gap_s=0.3, lead_s=0.3)
     assert wer(CLEAR[0], asyncio.run(transcribe(daemon, samples))[0] or "") == 0.0  # served on
+
+
+def test_slow_idle_and_surplus_clients_are_closed_and_the_rest_served(start_daemon) -> None:
+    """Slowloris on Wyoming: a header trickled, a payload that stalls, a connection that sends nothing,
+    each one `error` and a close within the API's own time bounds; past one user's share of connections
+    and past all of them, one `error` and a close; those admitted are served throughout, and a limit
+    that bit is a `limit:` line in the log."""
+    port = free_tcp_port()
+    d = start_daemon(
+        extra=f'[wyoming]\nmax_connections = 5\nmax_connections_per_peer = 3\ntcp = "127.0.0.1:{port}"\n',
+        extra_server="header_timeout_s = 1.0\nbody_timeout_s = 1.0\nkeepalive_timeout_s = 4.0\n",
+    )
+    path = str(wyoming_socket(d))
+
+    async def error_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        event = await asyncio.wait_for(async_read_event(reader), 30)
+        assert event is not None and Error.is_type(event.type), event
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # and then the end
+        writer.close()  # (the box held the connection, reading what we sent, until now)
+        return Error.from_event(event).text
+
+    async def served(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await async_write_event(Ping(text="here").event(), writer)
+        answer = await asyncio.wait_for(async_read_event(reader), 30)
+        assert answer is not None and Pong.is_type(answer.type), answer
+
+    async def slow_and_idle() -> None:
+        reader, writer = await asyncio.open_unix_connection(path)
+
+        async def trickle() -> None:  # a byte every 0.3 s: never quiet for the 1 s of body_timeout_s
+            with contextlib.suppress(ConnectionError):
+                for byte in b'{"type": "ping", "data": {"text": "slow"}}\n':
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+
+        trickling = asyncio.create_task(trickle())
+        assert "an event header not complete within 1 s" in await error_then_close(reader, writer)
+        trickling.cancel()
+        reader, writer = await asyncio.open_unix_connection(path)
+        header = {"type": "audio-chunk", "data": {"rate": RATE, "width": 2, "channels": 1}, "payload_length": 1000}
+        writer.write(json.dumps(header).encode() + b"\n" + bytes(10))
+        assert "payload stalled for 1 s" in await error_then_close(reader, writer)
+        assert "no event for 4 s" in await error_then_close(*await asyncio.open_unix_connection(path))
+
+    async def surplus() -> None:
+        held = [await asyncio.open_unix_connection(path) for _ in range(3)]
+        for connection in held:
+            await served(*connection)
+        fourth = await asyncio.open_unix_connection(path)  # this user's
+        assert "too many Wyoming connections from uid:0 (its share is 3)" in await error_then_close(*fourth)
+        held += [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # another peer: the host
+        for connection in held:
+            await served(*connection)
+        sixth = await asyncio.open_connection("127.0.0.1", port)  # of all
+        assert "too many Wyoming connections (limit 5)" in await error_then_close(*sixth)
+        for connection in held:
+            await served(*connection)  # the admitted ones served on
+            connection[1].close()
+        deadline = time.monotonic() + 10  # the box counts them gone as it reads their ends
+        while True:
+            reader, writer = await asyncio.open_unix_connection(path)
+            try:
+                await served(reader, writer)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "a client still refused after the others left"
+                await asyncio.sleep(0.2)
+
+    asyncio.run(slow_and_idle())
+    asyncio.run(surplus())
+    log = d.log.read_text()
+    assert "limit: Wyoming client uid:0: an event header not complete within 1 s" in log, log
+    assert "limit: Wyoming client uid:0: too many Wyoming connections from uid:0" in log, log

@@ -18,9 +18,12 @@ next to the API socket, served from the engine process: the same models, the sam
 Wyoming has no authentication: whoever reaches the socket may use it (its mode and group are the API
 socket's). Events are read with bounds of our own (the package's reader has none): a header line of at
 most MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes, a recording of at most
-the API's body limit; a broken or oversized event is answered by one `error` event and the connection
-closes; a client that disconnects mid-stream cancels its work. Concurrent clients' recordings share
-engine calls (the speech_to_text batch queue), where wyoming-faster-whisper holds a lock per model.
+the API's body limit; in time as the API's HTTP/1.1 (an idle connection, a header line, a stalled
+payload); and [wyoming] max_connections clients at once, max_connections_per_peer of one user (Unix
+socket) or host (TCP). A broken or oversized event, a bound in time or a connection past the count is
+answered by one `error` event and the connection closes; a client that disconnects mid-stream cancels
+its work. Concurrent clients' recordings share engine calls (the speech_to_text batch queue), where
+wyoming-faster-whisper holds a lock per model.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import ifaddr
 import numpy as np
@@ -58,12 +61,13 @@ from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 from appliance import __version__
 from appliance.api.metrics import Metrics
 from appliance.audio import StreamResampler, pcm16
-from appliance.config import Config, Live
+from appliance.config import Config, Live, WyomingConfig
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
 from appliance.kinds.text import said_so_far
+from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
@@ -73,17 +77,72 @@ LINGER_S = 5.0  # how long a connection closing after an error still reads what 
 SAMPLE_RATE = 16000
 ATTRIBUTION = Attribution(name="appliance", url="https://github.com/")
 Send = Callable[[Event], Awaitable[None]]
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]  # one client's connection
 
 
 class WyomingError(Exception):
-    """The client broke the protocol or a bound: one `error` event, then the connection closes."""
+    """The client broke the protocol or a bound: one `error` event, then the connection closes. A bound
+    names itself (`limit`): it is logged as limits are (LIMITS_BITTEN), so a flood is not a flood of lines."""
+
+    def __init__(self, message: str, limit: str = "", code: str = "") -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.code = code or limit or "protocol"  # the error event's
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one connection may send, and how slowly: the config as it was when the connection came."""
+
+    max_payload: int  # [wyoming] max_payload_bytes: an event's data, and its payload
+    max_samples: int  # a recording, in 16 kHz samples: as much as the API's body as PCM16
+    idle_s: float  # server.keepalive_timeout_s: no event begun
+    header_s: float  # server.header_timeout_s: an event's header line, from its first byte
+    quiet_s: float  # server.body_timeout_s: its data and payload may go quiet this long
+
+    @classmethod
+    def of(cls, config: Config) -> Bounds:
+        server = config.server
+        return cls(
+            config.wyoming.max_payload_bytes,
+            server.max_body_bytes // 2,
+            server.keepalive_timeout_s,
+            server.header_timeout_s,
+            server.body_timeout_s,
+        )
+
+
+class Admission:
+    """The Wyoming clients connected now, per peer (a user on the Unix socket, a host on TCP), against
+    [wyoming] max_connections and max_connections_per_peer: one user or host cannot take them all."""
+
+    def __init__(self) -> None:
+        self.peers: Counter[str] = Counter()
+
+    def refusal(self, peer: str, settings: WyomingConfig) -> str:
+        """Why `peer` may not connect now ("" where it may)."""
+        if self.peers.total() >= settings.max_connections:
+            return f"too many Wyoming connections (limit {settings.max_connections})"
+        if self.peers[peer] >= settings.max_connections_per_peer:
+            return f"too many Wyoming connections from {peer} (its share is {settings.max_connections_per_peer})"
+        return ""
+
+    @contextlib.contextmanager
+    def held(self, peer: str) -> Iterator[None]:
+        self.peers[peer] += 1
+        try:
+            yield
+        finally:
+            self.peers[peer] -= 1
+            if not self.peers[peer]:
+                del self.peers[peer]
 
 
 class WyomingHandler:
     """One client's connection: events in order, each answered as the protocol says."""
 
-    def __init__(self, models: dict[str, ServedModel], max_payload: int, max_samples: int, client: str) -> None:
-        self.models, self.max_payload, self.max_samples, self.client = models, max_payload, max_samples, client
+    def __init__(self, models: dict[str, ServedModel], max_samples: int, client: str) -> None:
+        self.models, self.max_samples, self.client = models, max_samples, client
         self.speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
         self.voices = [m for m in models.values() if isinstance(m, Speaker)]
         self.transcribe: Transcribe | None = None
@@ -210,7 +269,7 @@ class WyomingHandler:
         if self.samples > self.max_samples:  # refused whole: no transcript of its beginning
             self.audio, self.resampler = None, None
             self.close()
-            raise WyomingError(f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones")
+            raise WyomingError(f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording")
         self.audio.append(resampled)
         return resampled
 
@@ -324,16 +383,24 @@ def base_language(code: str) -> str:
     return code.replace("_", "-").split("-")[0].lower()
 
 
-async def read_event(reader: asyncio.StreamReader, max_payload: int) -> Event | None:
+async def read_event(reader: asyncio.StreamReader, bounds: Bounds) -> Event | None:
     """One event, bounded before anything is read into memory; None at the end of the stream."""
     try:
-        line = await reader.readuntil(b"\n")
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
+        async with asyncio.timeout(bounds.idle_s):
+            first = await reader.read(1)
+    except TimeoutError:
+        raise WyomingError(f"no event for {bounds.idle_s:g} s", "idle") from None
+    if not first:
+        return None
+    try:
+        async with asyncio.timeout(bounds.header_s):
+            line = first + await reader.readuntil(b"\n") if first != b"\n" else first
+    except TimeoutError:
+        raise WyomingError(f"an event header not complete within {bounds.header_s:g} s", "header time") from None
+    except asyncio.IncompleteReadError:
         raise WyomingError("the connection ended inside an event header") from None
     except asyncio.LimitOverrunError:
-        raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes") from None
+        raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes", "header size") from None
     try:
         header = json.loads(line)
     except ValueError as exc:
@@ -342,37 +409,55 @@ async def read_event(reader: asyncio.StreamReader, max_payload: int) -> Event | 
         raise WyomingError("an event header is a JSON object with a string 'type'")
     data = header.get("data") or {}
     lengths = [header.get("data_length") or 0, header.get("payload_length") or 0]
-    if not isinstance(data, dict) or not all(isinstance(n, int) and 0 <= n <= max_payload for n in lengths):
-        raise WyomingError(f"data must be an object, data_length and payload_length integers of at most {max_payload}")
+    if not isinstance(data, dict) or not all(isinstance(n, int) and 0 <= n <= bounds.max_payload for n in lengths):
+        raise WyomingError(
+            f"data must be an object, data_length and payload_length integers of at most {bounds.max_payload}",
+            "payload size",
+        )
     try:
         if lengths[0]:
-            extra = json.loads(await reader.readexactly(lengths[0]))
+            extra = json.loads(await _read_exactly(reader, lengths[0], bounds.quiet_s))
             if not isinstance(extra, dict):
                 raise WyomingError("an event's data is a JSON object")
             data = {**data, **extra}
-        payload = await reader.readexactly(lengths[1]) if lengths[1] else None
+        payload = await _read_exactly(reader, lengths[1], bounds.quiet_s) if lengths[1] else None
     except asyncio.IncompleteReadError:
         raise WyomingError("the connection ended inside an event") from None
+    except TimeoutError:
+        raise WyomingError(f"an event's data or payload stalled for {bounds.quiet_s:g} s", "payload time") from None
     except ValueError as exc:
         raise WyomingError(f"an event's data is not JSON: {exc}") from None
     return Event(type=header["type"], data=data, payload=payload)
 
 
+async def _read_exactly(reader: asyncio.StreamReader, size: int, quiet_s: float) -> bytes:
+    """`size` bytes, the client never quiet for `quiet_s` in between (TimeoutError where it is)."""
+    parts: list[bytes] = []
+    while size:
+        async with asyncio.timeout(quiet_s):
+            part = await reader.read(size)
+        if not part:
+            raise asyncio.IncompleteReadError(b"".join(parts), size)
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
+
+
 async def serve_client(
     models: dict[str, ServedModel],
     metrics: Metrics,
-    max_payload: int,
-    max_samples: int,
+    bounds: Bounds,
+    client: str,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
 ) -> None:
-    handler = WyomingHandler(models, max_payload, max_samples, _peer(writer))
+    handler = WyomingHandler(models, bounds.max_samples, client)
 
     async def send(event: Event) -> None:
         await async_write_event(event, writer)  # drains: a client that does not read stops us
 
     try:
-        while (event := await read_event(reader, max_payload)) is not None:
+        while (event := await read_event(reader, bounds)) is not None:
             try:
                 for answer in await handler.handle(event, send):
                     await send(answer)
@@ -382,20 +467,15 @@ async def serve_client(
                     metrics.observe_live(model, "wyoming", time.monotonic() - stopped)
             except (ApiError, ValueError, KeyError, TypeError) as exc:  # a bad event's fields: one error, go on
                 message = exc.message if isinstance(exc, ApiError) else f"bad {event.type} event: {exc}"
-                await send(Error(text=message, code=type(exc).__name__).event())
                 if AudioStop.is_type(event.type):
                     # no transcript will come, and a client may wait for one (Home Assistant's does,
                     # ignoring errors): the connection closes, which it takes as the end
-                    log.info("Wyoming client %s: %s; closed", handler.client, message)
-                    await _linger(reader, writer)
-                    return
+                    raise WyomingError(message, code=type(exc).__name__) from None
+                await send(Error(text=message, code=type(exc).__name__).event())
                 # the connection goes on: not at info, where one client could repeat it without end
-                log.debug("Wyoming client %s: %s", handler.client, message)
+                log.debug("Wyoming client %s: %s", client, message)
     except WyomingError as exc:
-        log.info("Wyoming client %s: %s; closed", handler.client, exc)
-        with contextlib.suppress(ConnectionError):
-            await send(Error(text=str(exc), code="protocol").event())
-            await _linger(reader, writer)
+        await _close_with_error(exc, client, reader, writer)
     except (ConnectionError, asyncio.IncompleteReadError):
         pass  # the client left; what it asked for is cancelled with this task
     except Exception:
@@ -403,6 +483,19 @@ async def serve_client(
     finally:
         handler.close()
         writer.close()
+
+
+async def _close_with_error(
+    exc: WyomingError, client: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """The one `error` event before a close, and its line in the log: a bound's as limits are logged."""
+    if exc.limit:
+        LIMITS_BITTEN.bit(f"wyoming {exc.limit}", f"Wyoming client {client}: {exc}")
+    else:
+        log.info("Wyoming client %s: %s; closed", client, exc)
+    with contextlib.suppress(ConnectionError):
+        await async_write_event(Error(text=str(exc), code=exc.code).event(), writer)
+        await _linger(reader, writer)
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -448,35 +541,38 @@ async def start(
     if not settings.enabled:
         return None
     path = Path(str(settings.socket)) if str(settings.socket) != "." else config.server.socket.with_name("wyoming.sock")
-    listeners = Listeners(await listen(bind(path), models, live, metrics), path)
+    serve = _client(models, live, metrics, Admission())  # one count for both listeners
+    listeners = Listeners(await listen(bind(path), serve), path)
     log.info("Wyoming on %s", path)
     if settings.tcp:
-        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, models, live, metrics)
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve)
         log.info("Wyoming on TCP %s, announced as %s (no authentication)", settings.tcp, SERVICE)
     return listeners
 
 
-def _client(models: dict[str, ServedModel], live: Live, metrics: Metrics) -> Any:
+def _client(models: dict[str, ServedModel], live: Live, metrics: Metrics, admission: Admission) -> Serve:
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        config = live.config
-        max_samples = config.server.max_body_bytes // 2  # as much as the API takes as 16 kHz PCM16
-        await serve_client(models, metrics, config.wyoming.max_payload_bytes, max_samples, reader, writer)
+        config, peer = live.config, _peer(writer)  # as the config is now: a reload bounds new connections
+        if refusal := admission.refusal(peer, config.wyoming):
+            await _close_with_error(WyomingError(refusal, "connections"), peer, reader, writer)
+            writer.close()
+            return
+        with admission.held(peer):
+            await serve_client(models, metrics, Bounds.of(config), peer, reader, writer)
 
     return client
 
 
-async def listen(sock: socket.socket, models: dict[str, ServedModel], live: Live, metrics: Metrics) -> asyncio.Server:
+async def listen(sock: socket.socket, serve: Serve) -> asyncio.Server:
     """Serve Wyoming on a bound, listening Unix socket; each client in its own task."""
-    return await asyncio.start_unix_server(_client(models, live, metrics), sock=sock, limit=MAX_HEADER_BYTES)
+    return await asyncio.start_unix_server(serve, sock=sock, limit=MAX_HEADER_BYTES)
 
 
-async def listen_tcp(
-    address: str, models: dict[str, ServedModel], live: Live, metrics: Metrics
-) -> tuple[asyncio.Server, AsyncZeroconf]:
+async def listen_tcp(address: str, serve: Serve) -> tuple[asyncio.Server, AsyncZeroconf]:
     """[wyoming] tcp = "HOST:PORT": Wyoming on the LAN, announced by mDNS as _wyoming._tcp.local. on
     the listening address's interface (all of them for 0.0.0.0) so Home Assistant discovers it."""
     host, _, port = address.rpartition(":")
-    server = await asyncio.start_server(_client(models, live, metrics), host, int(port), limit=MAX_HEADER_BYTES)
+    server = await asyncio.start_server(serve, host, int(port), limit=MAX_HEADER_BYTES)
     bound = server.sockets[0].getsockname()
     interfaces = InterfaceChoice.All if host in ("0.0.0.0", "") else [host]
     zeroconf = AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)

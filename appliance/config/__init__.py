@@ -246,6 +246,8 @@ def _check_values(config: Config) -> None:
         "websocket.idle_timeout_s": config.websocket.idle_timeout_s,
         "websocket.ping_interval_s": config.websocket.ping_interval_s,
         "wyoming.max_payload_bytes": config.wyoming.max_payload_bytes,
+        "wyoming.max_connections": config.wyoming.max_connections,
+        "wyoming.max_connections_per_peer": config.wyoming.max_connections_per_peer,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -314,6 +316,8 @@ RELOADABLE_KEYS = frozenset(
         "websocket.buffered_bytes",
         "websocket.idle_timeout_s",
         "wyoming.max_payload_bytes",
+        "wyoming.max_connections",
+        "wyoming.max_connections_per_peer",
         "websocket.ping_interval_s",
         "log.level",
     }

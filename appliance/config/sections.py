@@ -153,6 +153,8 @@ class WyomingConfig:
     enabled: bool = True
     socket: Path = Path("")  # "" (unset): wyoming.sock beside server.socket, with its mode and group
     max_payload_bytes: int = 1 << 20  # an event's data or payload; a bigger one is an error and a close
+    max_connections: int = 64  # clients at once, on the Unix socket and TCP together
+    max_connections_per_peer: int = 16  # one user's (Unix socket) or host's (TCP) share of them
     tcp: str = ""  # "HOST:PORT": also on TCP for the LAN, announced by zeroconf (off when empty)
 
 
