@@ -270,7 +270,14 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
     },
     "https": {"enabled": True, "host": "::1", "port": 9443, "max_connections": 4, "alt_svc": False},
     "websocket": {"max_message_bytes": 4096, "buffered_bytes": 8192, "idle_timeout_s": 9.5, "ping_interval_s": 2.5},
-    "wyoming": {"enabled": False, "socket": "", "max_payload_bytes": 4096, "tcp": "127.0.0.1:10300"},
+    "wyoming": {
+        "enabled": False,
+        "socket": "",
+        "max_payload_bytes": 4096,
+        "max_connections": 5,
+        "max_connections_per_peer": 2,
+        "tcp": "127.0.0.1:10300",
+    },
     "conncache": {
         "backend": "user",
         "max_entries": 10,
