@@ -134,6 +134,15 @@ def test_describe_lists_models_and_voices(daemon: Daemon) -> None:
     assert info.asr[0].supports_transcript_streaming
     voices = {v.name: v.languages for program in info.tts for v in program.voices}
     assert voices == {"joe": ["en"], "pf_dora": ["pt"], "pm_alex": ["pt"]}, voices  # every voice, not every model
+    made_by = {m.name: m.attribution.url for program in info.asr for m in program.models}
+    made_by |= {v.name: v.attribution.url for program in info.tts for v in program.voices}
+    assert made_by == {
+        TINY: "https://github.com/openai/whisper",
+        "whisper_base": "https://github.com/openai/whisper",
+        "joe": "https://github.com/rhasspy/piper",
+        "pf_dora": "https://huggingface.co/hexgrad/Kokoro-82M",
+        "pm_alex": "https://huggingface.co/hexgrad/Kokoro-82M",
+    }, made_by
 
 
 def tcp_port(daemon: Daemon) -> int:

@@ -75,7 +75,12 @@ MAX_HEADER_BYTES = 64 << 10
 SERVICE = "_wyoming._tcp.local."
 LINGER_S = 5.0  # how long a connection closing after an error still reads what the client sends
 SAMPLE_RATE = 16000
-ATTRIBUTION = Attribution(name="appliance", url="https://github.com/")
+# who made the models and voices Home Assistant lists: its voice settings show these beside them
+MADE_BY = {
+    "speech_to_text": Attribution(name="OpenAI Whisper", url="https://github.com/openai/whisper"),
+    "speech_synthesis": Attribution(name="Piper", url="https://github.com/rhasspy/piper"),
+    "kokoro_speech": Attribution(name="Kokoro-82M", url="https://huggingface.co/hexgrad/Kokoro-82M"),
+}
 Send = Callable[[Event], Awaitable[None]]
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]  # one client's connection
 
@@ -156,50 +161,50 @@ class WyomingHandler:
         self.synthesis_audio = False  # and whether its audio-start was sent
 
     def info(self) -> Info:
-        asr = [
-            AsrProgram(
-                name="appliance-asr",
-                description="Whisper behind the box's VAD, batched across clients",
-                attribution=ATTRIBUTION,
-                installed=True,
-                version=__version__,
-                models=[
-                    AsrModel(
-                        name=m.name,
-                        description=m.name,
-                        attribution=ATTRIBUTION,
-                        installed=True,
-                        version=__version__,
-                        languages=m.languages,
-                    )
-                    for m in self.speech
-                ],
-                supports_transcript_streaming=True,
-            )
-        ]
-        tts = [
-            TtsProgram(
-                name="appliance-tts",
-                description="the box's voices (Piper, Kokoro), batched across clients",
-                attribution=ATTRIBUTION,
-                installed=True,
-                version=__version__,
-                voices=[
-                    TtsVoice(
-                        name=v.name,
-                        description=f"{v.name} ({v.language}, model {m.name})",
-                        attribution=ATTRIBUTION,
-                        installed=True,
-                        version=__version__,
-                        languages=[v.language],
-                    )
-                    for m in self.voices
-                    for v in m.voices.values()
-                ],
-                supports_synthesize_streaming=True,
-            )
-        ]
-        return Info(asr=asr if self.speech else [], tts=tts if self.voices else [])
+        return Info(asr=[self._asr()] if self.speech else [], tts=[self._tts()] if self.voices else [])
+
+    def _asr(self) -> AsrProgram:
+        return AsrProgram(
+            name="appliance-asr",
+            description="Whisper behind the box's VAD, batched across clients",
+            attribution=made_by(self.speech[0].spec.kind),
+            installed=True,
+            version=__version__,
+            models=[
+                AsrModel(
+                    name=m.name,
+                    description=m.name,
+                    attribution=made_by(m.spec.kind),
+                    installed=True,
+                    version=__version__,
+                    languages=m.languages,
+                )
+                for m in self.speech
+            ],
+            supports_transcript_streaming=True,
+        )
+
+    def _tts(self) -> TtsProgram:
+        return TtsProgram(
+            name="appliance-tts",
+            description="the box's voices (Piper, Kokoro), batched across clients",
+            attribution=made_by(self.voices[0].spec.kind),
+            installed=True,
+            version=__version__,
+            voices=[
+                TtsVoice(
+                    name=v.name,
+                    description=f"{v.name} ({v.language}, model {m.name})",
+                    attribution=made_by(m.spec.kind),
+                    installed=True,
+                    version=__version__,
+                    languages=[v.language],
+                )
+                for m in self.voices
+                for v in m.voices.values()
+            ],
+            supports_synthesize_streaming=True,
+        )
 
     async def handle(self, event: Event, send: Send) -> list[Event]:
         """The answers to one event, sent in order after those `send` streamed (speech as it is made)."""
@@ -376,6 +381,11 @@ class WyomingHandler:
                 raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
             return found[0]
         return spoken[0][0], spoken[0][1].name
+
+
+def made_by(kind: str) -> Attribution:
+    """A model's makers, by its kind (a kind not in MADE_BY: the box's own)."""
+    return MADE_BY.get(kind, Attribution(name="appliance", url=""))
 
 
 def base_language(code: str) -> str:
