@@ -389,12 +389,13 @@ def test_a_request_waiting_past_queue_timeout_s_is_refused_and_one_under_way_is_
 @pytest.mark.parametrize("workers", [1, 2])
 def test_200_simultaneous_uploads_are_answered_or_refused_within_the_bounds(start_daemon, workers: int) -> None:
     """200 clients of one local user (its connection share raised to 512: each of two workers holds half
-    of it, and the kernel may hand most of a burst to one of them) upload a 30 s recording
-    each at once (192 MB of bodies, under the 256 MiB body budget), engine.max_queue_size = 32: each
-    is answered 200 with its segments or refused 503 with Retry-After (before its upload is decoded),
-    nothing else; the daemon's processes together grow by less than twice the body budget (the bodies
-    as read, and the copy each takes as it is handed over whole) and 128 MiB; a client afterwards is
-    served at once."""
+    of it, and the kernel may hand most of a burst to one of them) upload a 30 s recording each at once
+    (192 MB of bodies, under the 256 MiB body budget), engine.max_queue_size = 32: each is answered 200
+    with its segments or refused 503 with Retry-After (before its upload is decoded), nothing else: a
+    refusal for the queue, or for the body budget where the kernel hands one of two workers more
+    uploads than its half of the budget holds (about 139). The daemon's processes together grow by
+    less than twice the body budget (the bodies as read, and the copy each takes as it is handed over
+    whole) and 128 MiB; a client afterwards is served at once."""
     daemon = start_daemon(
         "[engine]\nmax_queue_size = 32\n", workers=workers, extra_server="max_connections_per_peer = 512\n"
     )
@@ -426,8 +427,10 @@ def test_200_simultaneous_uploads_are_answered_or_refused_within_the_bounds(star
     assert len(codes) == 200 and set(codes) == {200, 503}, codes
     assert all(h.get("retry-after") == "1" for s, h, _ in statuses if s == 503)
     assert all(json.loads(b)["duration"] == 30.0 for s, _, b in statuses if s == 200)
-    refusals = {json.loads(b)["error"] for s, _, b in statuses if s == 503}
-    assert metrics(daemon)[f'appliance_queue_refused_total{{model="{VAD}"}}'] == codes.count(503), refusals
+    refusals = [json.loads(b)["error"] for s, _, b in statuses if s == 503]
+    queue_full = [r for r in refusals if "engine.max_queue_size" in r]
+    assert all(r in queue_full or r.startswith("busy: request bodies held") for r in refusals), set(refusals)
+    assert metrics(daemon)[f'appliance_queue_refused_total{{model="{VAD}"}}'] == len(queue_full), set(refusals)
     grown_mib = (peak[0] - before) / 1024
     assert grown_mib < 2 * 256 + 128, f"the daemon grew by {grown_mib:.0f} MiB"
     with daemon.client() as client:

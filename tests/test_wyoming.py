@@ -117,7 +117,10 @@ def test_speech_after_a_pause_is_heard_though_the_text_before_it_was_made_ahead(
     before = engine_calls(daemon, TINY)
     text, _ = asyncio.run(transcribe(daemon, np.concatenate([first, second]), real_time=True))
     assert engine_calls(daemon, TINY) > before + 1  # the first sentence ahead, then the whole recording
-    assert wer(f"{CLEAR[2]} {CLEAR[3]}", text) <= 0.10, text
+    # tiny.en itself hears this pair's "the beach" as "meet" or not by the silence around it (faster-whisper
+    # on the VAD's two segments 0.3, 0.5 or 1.0 s apart: "the beach"; 0.8 or 1.9 s: "meet"), so one
+    # misheard phrase (0.125) passes; a sentence lost is 0.44 or more
+    assert wer(f"{CLEAR[2]} {CLEAR[3]}", text) <= 0.15, text
 
 
 def test_describe_lists_models_and_voices(daemon: Daemon) -> None:
