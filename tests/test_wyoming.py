@@ -152,35 +152,56 @@ def tcp_port(daemon: Daemon) -> int:
     return int(re.search(r'tcp = "127.0.0.1:(\d+)"', daemon.config.read_text())[1])  # type: ignore[index]
 
 
+async def announced(count: int) -> dict[str, int]:
+    """The Wyoming services announced by multicast DNS on loopback, by name, and their ports (once
+    `count` are seen, or after 5 s)."""
+    zeroconf = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        names: list[str] = []
+
+        def seen(zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+            if state_change is ServiceStateChange.Added:
+                names.append(name)
+
+        browser = AsyncServiceBrowser(zeroconf.zeroconf, "_wyoming._tcp.local.", handlers=[seen])
+        for _ in range(50):
+            if len(names) >= count:
+                break
+            await asyncio.sleep(0.1)
+        await browser.async_cancel()
+        ports = {}
+        for name in names:
+            info = AsyncServiceInfo("_wyoming._tcp.local.", name)
+            assert await info.async_request(zeroconf.zeroconf, 3000), name
+            ports[name] = info.port
+        return ports
+    finally:
+        await zeroconf.async_close()
+
+
 def test_tcp_listener_announced_by_zeroconf(daemon: Daemon) -> None:
-    async def run() -> tuple[int | None, Info]:
-        zeroconf = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
-        try:
-            browser_found: list[str] = []
+    ports = asyncio.run(announced(1))
+    assert list(ports.values()) == [tcp_port(daemon)], ports
 
-            def seen(zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
-                browser_found.append(name)
-
-            browser = AsyncServiceBrowser(zeroconf.zeroconf, "_wyoming._tcp.local.", handlers=[seen])
-            for _ in range(50):
-                if browser_found:
-                    break
-                await asyncio.sleep(0.1)
-            await browser.async_cancel()
-            assert browser_found, "no _wyoming._tcp.local. service announced"
-            info = AsyncServiceInfo("_wyoming._tcp.local.", browser_found[0])
-            assert await info.async_request(zeroconf.zeroconf, 3000)
-        finally:
-            await zeroconf.async_close()
+    async def describe() -> Info:
         async with AsyncTcpClient("127.0.0.1", tcp_port(daemon)) as client:
             await client.write_event(Describe().event())
             event = await asyncio.wait_for(client.read_event(), 30)
         assert event is not None
-        return info.port, Info.from_event(event)
+        return Info.from_event(event)
 
-    port, info = asyncio.run(run())
-    assert port == tcp_port(daemon)
+    info = asyncio.run(describe())
     assert TINY in {m.name for program in info.asr for m in program.models}
+
+
+def test_a_second_box_on_the_lan_is_announced_under_a_name_of_its_own(daemon: Daemon, start_daemon) -> None:
+    """Boxes flashed from one image share a host name: a second one beside the first is announced under
+    the next free name (it did not start at all: zeroconf's NonUniqueNameException)."""
+    second = start_daemon(extra=f'[wyoming]\ntcp = "127.0.0.1:{free_tcp_port()}"\n')
+    ports = asyncio.run(announced(2))
+    assert sorted(ports.values()) == sorted([tcp_port(daemon), tcp_port(second)]), ports
+    name = next(n for n, port in ports.items() if port == tcp_port(second))
+    assert f"announced as {name}" in second.log.read_text()
 
 
 def test_transcription_of_chunks(daemon: Daemon) -> None:

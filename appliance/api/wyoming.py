@@ -556,7 +556,6 @@ async def start(
     log.info("Wyoming on %s", path)
     if settings.tcp:
         listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve)
-        log.info("Wyoming on TCP %s, announced as %s (no authentication)", settings.tcp, SERVICE)
     return listeners
 
 
@@ -589,10 +588,22 @@ async def listen_tcp(address: str, serve: Serve) -> tuple[asyncio.Server, AsyncZ
     name = socket.gethostname().split(".")[0] or "appliance"
     addresses = [socket.inet_aton(a) for a in ([host] if host not in ("0.0.0.0", "") else _addresses())]
     info = AsyncServiceInfo(
-        SERVICE, f"appliance-{name}.{SERVICE}", addresses=addresses, port=bound[1], server=f"appliance-{name}.local."
+        SERVICE, f"appliance-{name}.{SERVICE}", addresses=addresses, port=bound[1], server=f"{_lan_host(name)}.local."
     )
-    await zeroconf.async_register_service(info)
+    # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
+    await zeroconf.async_register_service(info, allow_name_change=True)
+    log.info("Wyoming on TCP %s, announced as %s (no authentication)", address, info.name)
     return server, zeroconf
+
+
+def _lan_host(name: str) -> str:
+    """The host name the announcement points to: unique to this machine (a piece of its machine id),
+    so two boxes with one host name do not answer for each other's address."""
+    try:
+        machine = Path("/etc/machine-id").read_text().strip()[:8]
+    except OSError:
+        machine = ""
+    return f"appliance-{name}-{machine}" if machine else f"appliance-{name}"
 
 
 def _addresses() -> list[str]:
