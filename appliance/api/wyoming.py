@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import socket
@@ -101,8 +102,8 @@ class Bounds:
 
     max_payload: int  # [wyoming] max_payload_bytes: an event's data, and its payload
     max_samples: int  # a recording, in 16 kHz samples: as much as the API's body as PCM16
-    idle_s: float  # server.keepalive_timeout_s: no event begun
-    header_s: float  # server.header_timeout_s: an event's header line, from its first byte
+    idle_s: float  # server.keepalive_timeout_s: no next event begun (the first: header_s)
+    header_s: float  # server.header_timeout_s: an event's header line, from its first byte; the first event
     quiet_s: float  # server.body_timeout_s: its data and payload may go quiet this long
 
     @classmethod
@@ -119,18 +120,26 @@ class Bounds:
 
 class Admission:
     """The Wyoming clients connected now, per peer (a user on the Unix socket, a host on TCP), against
-    [wyoming] max_connections and max_connections_per_peer: one user or host cannot take them all."""
+    [wyoming] max_connections and max_connections_per_peer: one user or host cannot take them all. A
+    refused connection lingers a moment so its client reads why (_linger): at most max_connections of
+    those at once, the rest closed at once, so a flood of them holds no more sockets than that."""
 
     def __init__(self) -> None:
         self.peers: Counter[str] = Counter()
+        self.refused = 0  # refused connections lingering now
 
-    def refusal(self, peer: str, settings: WyomingConfig) -> str:
-        """Why `peer` may not connect now ("" where it may)."""
+    def refusal(self, peer: str, settings: WyomingConfig) -> WyomingError | None:
+        """Why `peer` may not connect now (None where it may)."""
         if self.peers.total() >= settings.max_connections:
-            return f"too many Wyoming connections (limit {settings.max_connections})"
+            return WyomingError(
+                f"too many Wyoming connections (limit {settings.max_connections})", "too_many_connections"
+            )
         if self.peers[peer] >= settings.max_connections_per_peer:
-            return f"too many Wyoming connections from {peer} (its share is {settings.max_connections_per_peer})"
-        return ""
+            return WyomingError(
+                f"too many Wyoming connections from {peer} (its share is {settings.max_connections_per_peer})",
+                "too_many_connections_from_peer",
+            )
+        return None
 
     @contextlib.contextmanager
     def held(self, peer: str) -> Iterator[None]:
@@ -141,6 +150,16 @@ class Admission:
             self.peers[peer] -= 1
             if not self.peers[peer]:
                 del self.peers[peer]
+
+    @contextlib.contextmanager
+    def refusing(self, settings: WyomingConfig) -> Iterator[bool]:
+        """Whether a refused connection may linger, counted while it does."""
+        lingers = self.refused < settings.max_connections
+        self.refused += lingers
+        try:
+            yield lingers
+        finally:
+            self.refused -= lingers
 
 
 class WyomingHandler:
@@ -167,7 +186,7 @@ class WyomingHandler:
         return AsrProgram(
             name="appliance-asr",
             description="Whisper behind the box's VAD, batched across clients",
-            attribution=made_by(self.speech[0].spec.kind),
+            attribution=made_by(*(m.spec.kind for m in self.speech)),
             installed=True,
             version=__version__,
             models=[
@@ -188,7 +207,7 @@ class WyomingHandler:
         return TtsProgram(
             name="appliance-tts",
             description="the box's voices (Piper, Kokoro), batched across clients",
-            attribution=made_by(self.voices[0].spec.kind),
+            attribution=made_by(*(m.spec.kind for m in self.voices)),
             installed=True,
             version=__version__,
             voices=[
@@ -274,7 +293,9 @@ class WyomingHandler:
         if self.samples > self.max_samples:  # refused whole: no transcript of its beginning
             self.audio, self.resampler = None, None
             self.close()
-            raise WyomingError(f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording")
+            raise WyomingError(
+                f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording_too_long"
+            )
         self.audio.append(resampled)
         return resampled
 
@@ -383,9 +404,11 @@ class WyomingHandler:
         return spoken[0][0], spoken[0][1].name
 
 
-def made_by(kind: str) -> Attribution:
-    """A model's makers, by its kind (a kind not in MADE_BY: the box's own)."""
-    return MADE_BY.get(kind, Attribution(name="appliance", url=""))
+def made_by(*kinds: str) -> Attribution:
+    """The makers of models of these kinds (a kind not in MADE_BY: the box's own); of several, named
+    together at the first one's address."""
+    found = [MADE_BY.get(kind, Attribution(name="appliance", url="")) for kind in dict.fromkeys(kinds)]
+    return found[0] if len(found) == 1 else Attribution(name=", ".join(a.name for a in found), url=found[0].url)
 
 
 def base_language(code: str) -> str:
@@ -393,27 +416,28 @@ def base_language(code: str) -> str:
     return code.replace("_", "-").split("-")[0].lower()
 
 
-async def read_event(reader: asyncio.StreamReader, bounds: Bounds) -> Event | None:
-    """One event, bounded before anything is read into memory; None at the end of the stream."""
+async def read_event(reader: asyncio.StreamReader, bounds: Bounds, idle_s: float) -> Event | None:
+    """One event, begun within `idle_s` and bounded before anything is read into memory; None at the end
+    of the stream."""
     try:
-        async with asyncio.timeout(bounds.idle_s):
+        async with asyncio.timeout(idle_s):
             first = await reader.read(1)
     except TimeoutError:
-        raise WyomingError(f"no event for {bounds.idle_s:g} s", "idle") from None
+        raise WyomingError(f"no event for {idle_s:g} s", "idle_timeout") from None
     if not first:
         return None
     try:
         async with asyncio.timeout(bounds.header_s):
             line = first + await reader.readuntil(b"\n") if first != b"\n" else first
     except TimeoutError:
-        raise WyomingError(f"an event header not complete within {bounds.header_s:g} s", "header time") from None
+        raise WyomingError(f"an event header not complete within {bounds.header_s:g} s", "header_timeout") from None
     except asyncio.IncompleteReadError:
         raise WyomingError("the connection ended inside an event header") from None
     except asyncio.LimitOverrunError:
-        raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes", "header size") from None
+        raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes", "header_too_large") from None
     try:
         header = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack
         raise WyomingError(f"an event header is not JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise WyomingError("an event header is a JSON object with a string 'type'")
@@ -422,7 +446,7 @@ async def read_event(reader: asyncio.StreamReader, bounds: Bounds) -> Event | No
     if not isinstance(data, dict) or not all(isinstance(n, int) and 0 <= n <= bounds.max_payload for n in lengths):
         raise WyomingError(
             f"data must be an object, data_length and payload_length integers of at most {bounds.max_payload}",
-            "payload size",
+            "payload_too_large",
         )
     try:
         if lengths[0]:
@@ -434,8 +458,8 @@ async def read_event(reader: asyncio.StreamReader, bounds: Bounds) -> Event | No
     except asyncio.IncompleteReadError:
         raise WyomingError("the connection ended inside an event") from None
     except TimeoutError:
-        raise WyomingError(f"an event's data or payload stalled for {bounds.quiet_s:g} s", "payload time") from None
-    except ValueError as exc:
+        raise WyomingError(f"an event's data or payload stalled for {bounds.quiet_s:g} s", "payload_timeout") from None
+    except (ValueError, RecursionError) as exc:
         raise WyomingError(f"an event's data is not JSON: {exc}") from None
     return Event(type=header["type"], data=data, payload=payload)
 
@@ -467,7 +491,9 @@ async def serve_client(
         await async_write_event(event, writer)  # drains: a client that does not read stops us
 
     try:
-        while (event := await read_event(reader, bounds)) is not None:
+        idle_s = bounds.header_s  # a new connection's first event comes as soon as a new HTTP one's request
+        while (event := await read_event(reader, bounds, idle_s)) is not None:
+            idle_s = bounds.idle_s
             try:
                 for answer in await handler.handle(event, send):
                     await send(answer)
@@ -496,23 +522,24 @@ async def serve_client(
 
 
 async def _close_with_error(
-    exc: WyomingError, client: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    exc: WyomingError, client: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, linger: bool = True
 ) -> None:
     """The one `error` event before a close, and its line in the log: a bound's as limits are logged."""
     if exc.limit:
         LIMITS_BITTEN.bit(f"wyoming {exc.limit}", f"Wyoming client {client}: {exc}")
     else:
         log.info("Wyoming client %s: %s; closed", client, exc)
-    with contextlib.suppress(ConnectionError):
+    with contextlib.suppress(OSError):  # the client gone: ConnectionError, or ENOTCONN as we shut our side
         await async_write_event(Error(text=str(exc), code=exc.code).event(), writer)
-        await _linger(reader, writer)
+        if linger:
+            await _linger(reader, writer)
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Before a close after an error: our side shut, what the client still sends read and dropped (up to
     LINGER_S), so its unread data does not reset the connection before it reads the error."""
     writer.write_eof()
-    with contextlib.suppress(TimeoutError, WyomingError):
+    with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(LINGER_S):
             while await reader.read(1 << 16):
                 pass
@@ -563,8 +590,11 @@ def _client(models: dict[str, ServedModel], live: Live, metrics: Metrics, admiss
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         config, peer = live.config, _peer(writer)  # as the config is now: a reload bounds new connections
         if refusal := admission.refusal(peer, config.wyoming):
-            await _close_with_error(WyomingError(refusal, "connections"), peer, reader, writer)
-            writer.close()
+            try:
+                with admission.refusing(config.wyoming) as linger:
+                    await _close_with_error(refusal, peer, reader, writer, linger)
+            finally:
+                writer.close()
             return
         with admission.held(peer):
             await serve_client(models, metrics, Bounds.of(config), peer, reader, writer)
@@ -597,13 +627,16 @@ async def listen_tcp(address: str, serve: Serve) -> tuple[asyncio.Server, AsyncZ
 
 
 def _lan_host(name: str) -> str:
-    """The host name the announcement points to: unique to this machine (a piece of its machine id),
-    so two boxes with one host name do not answer for each other's address."""
+    """The host name the announcement points to: unique to this machine, so two boxes with one host
+    name do not answer for each other's address. From its machine id, keyed (machine-id(5): the id
+    itself must not leave the machine)."""
     try:
-        machine = Path("/etc/machine-id").read_text().strip()[:8]
+        machine = Path("/etc/machine-id").read_text().strip()
     except OSError:
         machine = ""
-    return f"appliance-{name}-{machine}" if machine else f"appliance-{name}"
+    if not machine or machine == "uninitialized":  # a first boot's placeholder
+        return f"appliance-{name}"
+    return f"appliance-{name}-{hmac.new(machine.encode(), b'appliance-wyoming', 'sha256').hexdigest()[:8]}"
 
 
 def _addresses() -> list[str]:
