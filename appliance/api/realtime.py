@@ -107,9 +107,11 @@ async def transcription(
     kind, target = ("realtime", interpreter.plan.target) if interpreter else ("transcription", "")
     session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
 
+    output = Output(io)
+
     async def emit(event: dict) -> None:
         """One event to the client, as soon as it is known (a turn's transcript before its translation)."""
-        await io.send(_json(event))
+        await output.send(_json(event))
         if event["type"] == COMPLETED and (arrived := turns.arrived.get(event["item_id"])):
             metrics.observe_live(turns.model.name, "realtime", time.monotonic() - arrived)
 
@@ -121,6 +123,7 @@ async def transcription(
     await io.send(_json(session.created()))
     try:
         while True:
+            await output.sent.wait()  # a client that does not read what the session says is not read either
             message = await io.receive()
             steps: list[Step]
             if isinstance(message, bytes):
@@ -135,6 +138,29 @@ async def transcription(
     finally:
         turns.close()
         await turns.stop_answering()
+
+
+class Output:
+    """A session's sends, from its reading path and its answers' task. While one waits for the client
+    to take it, the reading path takes none of the client's messages: an interpreter's answers are
+    spoken in a task of their own, and a client that stopped reading them would otherwise still be read
+    (silence, say) for as long as it sent."""
+
+    def __init__(self, io: SessionIO) -> None:
+        self.io = io
+        self.waiting = 0  # sends under way
+        self.sent = asyncio.Event()  # set while none is
+        self.sent.set()
+
+    async def send(self, message: str) -> None:
+        self.waiting += 1
+        self.sent.clear()
+        try:
+            await self.io.send(message)
+        finally:
+            self.waiting -= 1
+            if not self.waiting:
+                self.sent.set()
 
 
 class Turns:
