@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ifaddr
 import numpy as np
@@ -186,18 +187,9 @@ class WyomingHandler:
         return AsrProgram(
             name="appliance-asr",
             description="Whisper behind the box's VAD, batched across clients",
-            attribution=made_by(*(m.spec.kind for m in self.speech)),
-            installed=True,
-            version=__version__,
+            **_installed(*(m.spec.kind for m in self.speech)),
             models=[
-                AsrModel(
-                    name=m.name,
-                    description=m.name,
-                    attribution=made_by(m.spec.kind),
-                    installed=True,
-                    version=__version__,
-                    languages=m.languages,
-                )
+                AsrModel(name=m.name, description=m.name, **_installed(m.spec.kind), languages=m.languages)
                 for m in self.speech
             ],
             supports_transcript_streaming=True,
@@ -207,16 +199,12 @@ class WyomingHandler:
         return TtsProgram(
             name="appliance-tts",
             description="the box's voices (Piper, Kokoro), batched across clients",
-            attribution=made_by(*(m.spec.kind for m in self.voices)),
-            installed=True,
-            version=__version__,
+            **_installed(*(m.spec.kind for m in self.voices)),
             voices=[
                 TtsVoice(
                     name=v.name,
                     description=f"{v.name} ({v.language}, model {m.name})",
-                    attribution=made_by(m.spec.kind),
-                    installed=True,
-                    version=__version__,
+                    **_installed(m.spec.kind),
                     languages=[v.language],
                 )
                 for m in self.voices
@@ -402,6 +390,12 @@ class WyomingHandler:
                 raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
             return found[0]
         return spoken[0][0], spoken[0][1].name
+
+
+def _installed(*kinds: str) -> dict[str, Any]:
+    """What `info` says of each program, model and voice beside its name: who made it, and that this
+    box has it."""
+    return {"attribution": made_by(*kinds), "installed": True, "version": __version__}
 
 
 def made_by(*kinds: str) -> Attribution:
