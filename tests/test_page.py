@@ -172,7 +172,8 @@ def test_spoken_english_is_heard_and_translated_and_the_missing_voice_is_said(pa
     wait_until(page, "document.getElementById('talk-translated').textContent.length > 0")
     heard, translated = text(page, "#talk-heard").lower(), text(page, "#talk-translated").lower()
     assert "doctor" in heard and "hospital" in heard, heard  # what espeak-ng said, heard through the page
-    assert "médic" in translated and "hospital" in translated, translated
+    # Bergamot says "doctor" as "médico" or "doutor", as the English heard begins
+    assert ("médic" in translated or "doutor" in translated) and "hospital" in translated, translated
     events = page.evaluate("window.appliancePage.events")
     assert "input_audio_buffer.speech_started" in events and "session.updated" in events
     assert page.evaluate("window.appliancePage.mode") == "transcription"  # no Portuguese voice: text from here
