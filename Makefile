@@ -33,8 +33,11 @@ run: firmware run/tls/cert.pem bpf-host
 	@echo "  $(APPLIANCE) call --quic 127.0.0.1:4433 --cafile run/tls/cert.pem models"
 	$(APPLIANCE) run --config $(CONFIG)
 
+# The firmware the suite runs on, built once here: its session fixtures reuse build/firmware/NAME.
+TEST_FIRMWARE := $(foreach f,interpreter default voice speech voices,build/firmware/$(f)/manifest.json)
+
 # Where /dev/kvm exists the image is built too, and its boot tests run if KVM really runs OVMF.
-test: lint firmware firmware-default kokoro-voices bpf-host
+test: lint $(TEST_FIRMWARE) kokoro-voices bpf-host
 	@if [ -w /dev/kvm ]; then $(MAKE) --no-print-directory image; fi
 	bash tests/run.sh
 

@@ -94,8 +94,20 @@ class Keys:
     trusted: Path
 
 
+DEV_KEYS = Keys(ROOT / "keys" / "dev.key", ROOT / "keys" / "trusted")  # the Makefile's development key
+BUILT = ROOT / "build" / "firmware"  # where `make test` built firmware/NAME.toml
+# what a bundle in BUILT depends on besides its spec: the builder and the format it writes
+BUILDER_SOURCES = [
+    *(ROOT / "appliance" / "firmware_build").glob("*.py"),
+    *(ROOT / "appliance" / "firmware").glob("*.py"),
+]
+
+
 @pytest.fixture(scope="session")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    """The development key where `make test` made it (so the firmware it built is the suite's), else a new one."""
+    if DEV_KEYS.private.exists() and DEV_KEYS.trusted.is_dir():
+        return DEV_KEYS
     base = tmp_path_factory.mktemp("keys")
     cli("keys", "new", "--out", base / "signing.key", "--trust-dir", base / "trusted")
     return Keys(base / "signing.key", base / "trusted")
@@ -117,25 +129,77 @@ def build_bundle(keys: Keys, out: Path, spec: Path = DEFAULT_SPEC, **baked: obje
     return out
 
 
-@pytest.fixture(scope="session")
-def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bundle(keys, tmp_path_factory.mktemp("fw") / "default")
+class FirmwareFactory:
+    """Each firmware the suite needs, built once a session: firmware/NAME.toml with baked overrides.
+    Without overrides, the bundle `make test` built in build/firmware/NAME is reused where it is newer
+    than its spec and the builder's sources and verifies with the suite's key."""
+
+    def __init__(self, keys: Keys, work: Path) -> None:
+        self.keys, self.work = keys, work
+        self.built: dict[tuple[str, tuple[tuple[str, object], ...]], Path] = {}
+
+    def __call__(self, name: str = "default", **baked: object) -> Path:
+        key = (name, tuple(sorted(baked.items())))
+        if key not in self.built:
+            spec = ROOT / "firmware" / f"{name}.toml"
+            made = BUILT / name
+            if not baked and self._fresh(made, spec):
+                self.built[key] = made
+            else:
+                label = "-".join([name, *(f"{k}{v}" for k, v in sorted(baked.items()))])
+                self.built[key] = build_bundle(self.keys, self.work / label, spec, **baked)
+        return self.built[key]
+
+    def _fresh(self, made: Path, spec: Path) -> bool:
+        manifest = made / firmware.MANIFEST
+        if not manifest.exists():
+            return False
+        built_at = manifest.stat().st_mtime
+        if any(source.stat().st_mtime > built_at for source in (spec, *BUILDER_SOURCES)):
+            return False
+        try:
+            firmware.verify(made, self.keys.trusted)
+        except Exception:  # noqa: BLE001 - another key or a damaged build: build a fresh one
+            return False
+        return True
 
 
 @pytest.fixture(scope="session")
-def interpreter_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def firmware_of(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> FirmwareFactory:
+    return FirmwareFactory(keys, tmp_path_factory.mktemp("fw"))
+
+
+@pytest.fixture(scope="session")
+def bundle(firmware_of: FirmwareFactory) -> Path:
+    """The default firmware (the VAD alone)."""
+    return firmware_of("default")
+
+
+@pytest.fixture(scope="session")
+def interpreter_bundle(firmware_of: FirmwareFactory) -> Path:
     """The interpreter firmware (VAD, Whisper tiny.en and base, the joe voice, en<->pt, the pipeline)."""
-    return build_bundle(
-        keys, tmp_path_factory.mktemp("fw") / "interpreter", spec=ROOT / "firmware" / "interpreter.toml"
-    )
+    return firmware_of("interpreter")
 
 
 @pytest.fixture(scope="session")
-def bundles(keys: Keys, bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def voice_bundle(firmware_of: FirmwareFactory) -> Path:
+    """The VAD and both Whispers (firmware/voice.toml)."""
+    return firmware_of("voice")
+
+
+@pytest.fixture(scope="session")
+def speech_bundle(firmware_of: FirmwareFactory) -> Path:
+    """The Piper voice joe and the Bergamot pairs (firmware/speech.toml)."""
+    return firmware_of("speech")
+
+
+@pytest.fixture(scope="session")
+def bundles(
+    keys: Keys, bundle: Path, firmware_of: FirmwareFactory, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     """1.0.0 (the default), 1.1.0, and 1.2.0 signed by the vendor's key but with a model that cannot load."""
-    work = tmp_path_factory.mktemp("bundles")
-    newer = build_bundle(keys, work / "newer", version="1.1.0")
-    broken = signed_but_broken(newer, work / "broken", keys.private)
+    newer = firmware_of("default", version="1.1.0")
+    broken = signed_but_broken(newer, tmp_path_factory.mktemp("bundles") / "broken", keys.private)
     return {"1.0.0": bundle, "1.1.0": newer, "broken": broken}
 
 
@@ -257,6 +321,7 @@ class Daemon:
         workers: int = 1,
         https: str | None = None,
         operator: bool = True,
+        shutdown_grace_s: float = 5.0,
     ) -> None:
         """`https`: serve HTTPS on TCP (needs tls) with these lines in its [https] table."""
         self.socket = workdir / "api.sock"
@@ -283,7 +348,7 @@ class Daemon:
         if https is not None:
             quic += f"[https]\nenabled = true\nport = {self.https_port}\n{https}"
         self.config.write_text(
-            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {max_body_bytes}\nshutdown_grace_s = 5.0\nworkers = {workers}\n{extra_server}'
+            f'[server]\nsocket = "{self.socket}"\nmax_body_bytes = {max_body_bytes}\nshutdown_grace_s = {shutdown_grace_s}\nworkers = {workers}\n{extra_server}'
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"
@@ -387,6 +452,15 @@ class Bystander:
         time.sleep(0.5)
         self._stop.set()
         self._thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def voice_daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bundle: Path, tls) -> Iterator[Daemon]:
+    """The voice firmware's daemon, shared by the suites that neither change its config nor stop it
+    (speech to text, OpenAI's clients): started once, its clean exit checked at the session's end."""
+    d = Daemon(tmp_path_factory.mktemp("voiced"), voice_bundle, keys.trusted, tls=tls, max_body_bytes=64 << 20)
+    yield d.wait_ready(180)
+    assert d.stop() == 0, d.log.read_text()
 
 
 @pytest.fixture

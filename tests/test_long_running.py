@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, Daemon, Keys, cli
+from conftest import ROOT, Daemon, Keys
 
 from appliance.client import Call, Client
+from appliance.engine.choice import HANG_FAILPOINT, SLOWDOWN_FAILPOINT
 
 VAD = "silero_vad"
 SENTENCES = [
@@ -29,14 +30,6 @@ SENTENCES = [
 LONG_TEXT = " ".join(SENTENCES[i % len(SENTENCES)] for i in range(800))[:60_000]  # 60,000 characters
 WINDOW = 256 << 10  # server.stream_window_bytes, its default
 RSS_GROWTH_KIB = 96 << 10  # what a process may grow by while one client holds a 60,000-character answer
-
-
-@pytest.fixture(scope="module")
-def speech_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The speech firmware (the Piper voice joe, the Bergamot pairs)."""
-    work = tmp_path_factory.mktemp("speechfw")
-    cli("firmware", "build", ROOT / "firmware" / "speech.toml", "--key", keys.private, "--out", work / "bundle")
-    return work / "bundle"
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
@@ -223,8 +216,9 @@ def vad_step(sequence_id: int, start: bool = False) -> dict:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_with_32_idle_sequences_exits_at_once(start_daemon, workers: int) -> None:
-    """Idle sequences do not hold the stop (shutdown_grace_s is 5 s here): it ends them at once."""
-    daemon = start_daemon(workers=workers)
+    """Idle sequences do not hold the stop: it ends them at once. The grace time is an hour here, so a
+    stop that waited for them would still be waiting when the test gives up (no clock judges this)."""
+    daemon = start_daemon(workers=workers, shutdown_grace_s=3600.0)
     with daemon.client() as client:
         for sequence_id in range(1, 33):
             response = client.send(
@@ -233,12 +227,10 @@ def test_sigterm_with_32_idle_sequences_exits_at_once(start_daemon, workers: int
             assert response.status == 200, response.body
         assert client.status()["models"][0]["live_sequences"] == 32
     time.sleep(1.2)  # no request for a second: idle
-    started = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
-    assert daemon.proc.wait(10) == 0, daemon.log.read_text()
-    took = time.monotonic() - started
-    assert took < 3.0, f"exit took {took:.1f} s"
-    assert "32 idle sequences ended" in daemon.log.read_text()
+    assert daemon.proc.wait(300) == 0, daemon.log.read_text()
+    log = daemon.log.read_text()
+    assert "32 idle sequences ended" in log and "grace time over" not in log, log
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -246,11 +238,9 @@ def test_a_crashed_engine_loop_fails_its_requests_at_once_and_recovers(start_dae
     daemon = start_daemon(workers=workers, env={"APPLIANCE_TEST_FAILPOINTS": f"engine_loop:{VAD}"})
     with daemon.client() as client:
         call = Call("POST", f"/v2/models/{VAD}/infer", json.dumps(vad_step(0)).encode())
-        started = time.monotonic()
-        failed = client.send(call)
+        failed = client.send(call)  # answered, not left to the client's timeout
         assert failed.status == 500 and VAD in failed.json()["error"], failed.body
         assert "engine loop crashed" in failed.json()["error"]
-        assert time.monotonic() - started < 5
         assert client.send(call).status == 200  # a new loop serves
         assert metrics(daemon)[f'appliance_engine_loop_crashes_total{{model="{VAD}"}}'] == 1
     log = daemon.log.read_text()
@@ -319,71 +309,74 @@ def test_the_queue_policy_is_in_the_models_triton_config(speech_daemon: Daemon) 
     }
 
 
-def test_a_stop_during_start_up_stops_at_once(start_daemon, speech_bundle: Path) -> None:
-    """SIGTERM while the models load or warm up: exit 0 within a second or two, no waiting for the
-    warm-up to end nor the grace time."""
-    daemon = start_daemon(bundle_dir=speech_bundle, wait=False)
+def test_a_stop_during_start_up_stops_at_once(start_daemon, tmp_path: Path) -> None:
+    """SIGTERM while the models load or warm up: exit 0, no waiting for the warm-up to end nor the
+    grace time (an hour here). The engine is held in its warm-up call (the hang failpoint, armed
+    before the start), so the stop comes during start-up on a machine of any speed."""
+    hold = tmp_path / "hold-engine"
+    hold.write_text("0")
+    daemon = start_daemon(wait=False, env={HANG_FAILPOINT: str(hold)}, shutdown_grace_s=3600.0)
     wait_until(lambda: "verified" in daemon.log.read_text(), 60, "the start began")
-    assert "ready: serving" not in daemon.log.read_text()
-    started = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
-    assert daemon.proc.wait(30) == 0, daemon.log.read_text()
-    took = time.monotonic() - started
-    assert took < 3.0, f"the stop during start-up took {took:.1f} s"
-    assert "stopped during start-up" in daemon.log.read_text()
+    assert daemon.proc.wait(300) == 0, daemon.log.read_text()
+    log = daemon.log.read_text()
+    assert "stopped during start-up" in log and "ready: serving" not in log, log
 
 
+@pytest.mark.parametrize("slowdown", [1, 3], ids=["engine-as-is", "engine-3x-slower"])
 def test_a_request_waiting_past_queue_timeout_s_is_refused_and_one_under_way_is_not(
-    start_daemon, speech_bundle: Path
+    start_daemon, speech_bundle: Path, tmp_path: Path, slowdown: int
 ) -> None:
-    """engine.queue_timeout_s on the voice (16 sentences a batch) set to 1.25 times one full batch as
-    this machine runs it (reloaded): a long answer is under way when 40 one-sentence requests arrive
-    at once. The first 16 get the next batch, within the timeout; the last 8 wait two batches more,
-    past it. Those whose sentence waited past the timeout for a batch get a 503 with Retry-After
-    naming the setting (counted); the others their speech; and the long answer, whose later
-    sentences wait behind the newcomers' first ones, is never refused mid-answer."""
-    daemon = start_daemon("[engine]\nqueue_timeout_s = 0.0\n", bundle_dir=speech_bundle)
-    long_text = " ".join(SENTENCES * 3)
+    """engine.queue_timeout_s = 5 on the voice. A long answer (24 short sentences, one per batch) is under
+    way when the test holds the engine (the hang failpoint); 16 one-sentence requests arrive and wait
+    past the timeout behind the held call, then 8 more arrive and the test lets the engine go. The 16
+    get a 503 with Retry-After naming the setting (counted); the 8, which waited only for the held call
+    to finish (one short sentence), their speech; the long answer, whose later sentences waited as long
+    as the 16, is never refused mid-answer. The engine is held, not timed: as it is and slowed 3x (a
+    slower machine, by a test hook), the outcome is the same, and a faster engine only shortens the
+    one wait that must stay under the timeout."""
+    hold = tmp_path / "hold-engine"
+    env = {HANG_FAILPOINT: str(hold), SLOWDOWN_FAILPOINT: str(slowdown)}
+    daemon = start_daemon("[engine]\nqueue_timeout_s = 5.0\n", bundle_dir=speech_bundle, env=env)
+    long_text = " ".join(f"Item {n}." for n in range(1, 25))
     answers: dict[str, tuple[int, dict[str, str], bytes]] = {}
 
-    def speak(name: str, text: str) -> None:
-        with Client(str(daemon.socket), timeout=300) as client:
-            response = client.send(Call("POST", "/v1/audio/speech", speech_body(text), ()))
-            answers[name] = (response.status, response.headers, response.body)
+    def speak(name: str, text: str) -> threading.Thread:
+        def run() -> None:
+            with Client(str(daemon.socket), timeout=300) as client:
+                response = client.send(Call("POST", "/v1/audio/speech", speech_body(text), ()))
+                answers[name] = (response.status, response.headers, response.body)
 
-    # one full batch as the newcomers will form it: 16 one-sentence requests at once (a request of 16
-    # sentences would not do: its sentences run one per batch, which costs more than one batch of 16)
-    batch = [threading.Thread(target=speak, args=(f"batch{i}", SENTENCES[i % 4])) for i in range(16)]
-    started = time.monotonic()
-    for thread in batch:
+        thread = threading.Thread(target=run)
         thread.start()
-    for thread in batch:
-        thread.join(300)
-    timeout_s = 1.25 * (time.monotonic() - started)
-    assert [answers[f"batch{i}"][0] for i in range(16)] == [200] * 16
-    daemon.config.write_text(
-        daemon.config.read_text().replace("queue_timeout_s = 0.0", f"queue_timeout_s = {timeout_s:.3f}")
-    )
-    daemon.proc.send_signal(signal.SIGHUP)
-    wait_until(lambda: "reload: applied engine.queue_timeout_s" in daemon.log.read_text(), 30, "the reload")
+        return thread
+
+    def depth() -> float:
+        return metrics(daemon)['nv_inference_pending_request_count{model="joe",version="1.0.0"}']
+
     before = shards_run(daemon)
-    long_answer = threading.Thread(target=speak, args=("long", long_text))
-    long_answer.start()
+    threads = [speak("long", long_text)]
     wait_until(lambda: shards_run(daemon) > before, 60, "the long answer began")
-    short = [threading.Thread(target=speak, args=(f"short{i}", SENTENCES[i % 4])) for i in range(40)]
-    for thread in short:
-        thread.start()
-    for thread in [long_answer, *short]:
+    hold.write_text("0")  # the engine's next call stalls
+    wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), 60, "the engine held")
+    held_depth = depth()
+    threads += [speak(f"early{i}", SENTENCES[i % 4]) for i in range(16)]
+    wait_until(lambda: depth() >= held_depth + 16, 60, "the 16 queued")
+    time.sleep(5.5)  # the 16 wait past the timeout behind the held call
+    threads += [speak(f"fresh{i}", SENTENCES[i % 4]) for i in range(8)]
+    wait_until(lambda: depth() >= held_depth + 24, 60, "the 8 queued")
+    hold.unlink()
+    for thread in threads:
         thread.join(300)
     status, _, body = answers["long"]
-    assert status == 200 and len(body) / 2 / 22050 > 40, (status, len(body))  # 12 sentences, each ~5 s
-    shorts = [answers[f"short{i}"] for i in range(40)]
-    refused = [(h, b) for s, h, b in shorts if s == 503]
-    assert sorted({s for s, _, _ in shorts}) == [200, 503], [s for s, _, _ in shorts]
-    assert all(h.get("retry-after") == "1" and b"engine.queue_timeout_s" in b for h, b in refused), refused[:1]
-    assert all(len(b) / 2 / 22050 > 2 for s, _, b in shorts if s == 200)
-    assert metrics(daemon)['appliance_queue_timed_out_total{model="joe"}'] == len(refused)
-    print(f"queue_timeout_s = {timeout_s:.3f}: {40 - len(refused)} of 40 served, {len(refused)} refused")
+    assert status == 200 and len(body) / 2 / 22050 > 10, (status, len(body))  # 24 sentences, each ~0.7 s
+    early = [answers[f"early{i}"] for i in range(16)]
+    assert [s for s, _, _ in early] == [503] * 16, [(s, b[:100]) for s, _, b in early]
+    assert all(h.get("retry-after") == "1" and b"engine.queue_timeout_s" in b for _, h, b in early), early[:1]
+    fresh = [answers[f"fresh{i}"] for i in range(8)]
+    assert [s for s, _, _ in fresh] == [200] * 8, [(s, b[:100]) for s, _, b in fresh]
+    assert all(len(b) / 2 / 22050 > 2 for _, _, b in fresh)
+    assert metrics(daemon)['appliance_queue_timed_out_total{model="joe"}'] == 16
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -22,12 +22,12 @@ import tritonclient.http.aio as aioclient
 from conftest import APPLIANCE, ROOT
 from speech import RATE, recording, say
 from tcp_forward import tcp_to_unix
-from test_speech_to_text import BASE, CLEAR, ENGLISH, TINY, daemon, openai_client, unix, voice_bundle, wer, words
+from test_speech_to_text import BASE, CLEAR, ENGLISH, TINY, daemon, openai_client, unix, wer, words
 
 from appliance.audio import encode_wav
 from appliance.client import Client, ServerError
 
-__all__ = ["daemon", "openai_client", "unix", "voice_bundle"]  # the voice daemon's fixtures, shared
+__all__ = ["daemon", "openai_client", "unix"]  # the voice daemon's fixtures (the session's voice daemon)
 
 
 def encoded(samples: np.ndarray, muxer: str, codec: str, rate: int) -> bytes:

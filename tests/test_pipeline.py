@@ -40,10 +40,9 @@ SPOKEN = [  # sentences the voice says, for the word error rate
 
 
 @pytest.fixture(scope="module")
-def interpreter(keys: Keys, tmp_path_factory: pytest.TempPathFactory, tls):
+def interpreter(keys: Keys, tmp_path_factory: pytest.TempPathFactory, interpreter_bundle: Path, tls):
     work = tmp_path_factory.mktemp("interpreter")
-    cli("firmware", "build", SPEC, "--key", keys.private, "--out", work / "bundle")
-    d = Daemon(work, work / "bundle", keys.trusted, tls=tls).wait_ready(180)
+    d = Daemon(work, interpreter_bundle, keys.trusted, tls=tls).wait_ready(180)
     yield d
     assert d.stop() == 0, d.log.read_text()
 

@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 import soxr
-from conftest import ROOT, Daemon, Keys, build_bundle
+from conftest import Daemon, Keys
 from speech import RATE, recording
 from tcp_forward import tcp_to_unix
 from test_speech_to_text import CLEAR, wer, words
@@ -30,11 +30,6 @@ from appliance.client import Call
 TINY = "whisper_tiny_en"
 URI = "ws://appliance/v1/realtime?intent=transcription"
 TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 200, "silence_duration_ms": 400}
-
-
-@pytest.fixture(scope="module")
-def voice_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bundle(keys, tmp_path_factory.mktemp("fw") / "voice", spec=ROOT / "firmware" / "voice.toml")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])

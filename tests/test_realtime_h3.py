@@ -20,17 +20,12 @@ from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent
-from conftest import ROOT, Daemon, Keys, build_bundle
+from conftest import Daemon, Keys
 from speech import RATE, recording
 from test_realtime import TINY, TURN_DETECTION, pcm
 from test_speech_to_text import CLEAR, wer
 from wsproto.connection import Connection, ConnectionType
 from wsproto.events import CloseConnection, TextMessage
-
-
-@pytest.fixture(scope="module")
-def voice_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bundle(keys, tmp_path_factory.mktemp("fw") / "voice", spec=ROOT / "firmware" / "voice.toml")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])

@@ -13,11 +13,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import soxr
-from conftest import ROOT, Daemon, Keys, build_bundle
+from conftest import Daemon, Keys
 from speech import RATE, recording
 from test_long_running import process_tree_rss_kib
 from test_realtime import TURN_DETECTION, next_event, pcm
@@ -40,9 +41,8 @@ LONG_TURNS = [
 
 
 @pytest.fixture(scope="module")
-def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    bundle = build_bundle(keys, tmp_path_factory.mktemp("fw") / "interp", spec=ROOT / "firmware" / "interpreter.toml")
-    d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, workers=2).wait_ready(240)
+def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory, interpreter_bundle: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("daemon"), interpreter_bundle, keys.trusted, workers=2).wait_ready(240)
     yield d
     assert d.stop() == 0, d.log.read_text()
 

@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
-from conftest import ROOT, Daemon, Keys, build_bundle, cli
+from conftest import ROOT, Daemon, Keys, cli
 from promtext import sample
 from speech import RATE, recording, say
 
@@ -61,16 +61,8 @@ def wer(reference: list[str] | str, hypothesis: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def voice_bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_bundle(keys, tmp_path_factory.mktemp("fw") / "voice", spec=ROOT / "firmware" / "voice.toml")
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bundle: Path, tls) -> Iterator[Daemon]:
-    workdir = tmp_path_factory.mktemp("daemon")
-    d = Daemon(workdir, voice_bundle, keys.trusted, tls=tls, max_body_bytes=64 << 20).wait_ready(180)
-    yield d
-    assert d.stop() == 0, d.log.read_text()
+def daemon(voice_daemon: Daemon) -> Daemon:
+    return voice_daemon
 
 
 @pytest.fixture(scope="module")

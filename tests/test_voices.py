@@ -38,10 +38,8 @@ SHORT = {  # short sentences per firmware language, for /detect
 
 
 @pytest.fixture(scope="module")
-def bundle(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("voices-bundle") / "bundle"
-    cli("firmware", "build", SPEC, "--key", keys.private, "--out", out)
-    return out
+def bundle(firmware_of) -> Path:
+    return firmware_of("voices")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import jiwer
 import numpy as np
 import pytest
-from conftest import ROOT, Keys, build_bundle
+from conftest import Keys
 from speech import RATE, say
 from test_speech_to_text import CLEAR, ENGLISH, words
 
@@ -78,9 +78,8 @@ def test_a_shard_the_window_gave_no_text_goes_alone() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    bundle_dir = build_bundle(keys, tmp_path_factory.mktemp("fw") / "voice", spec=ROOT / "firmware" / "voice.toml")
-    bundle = firmware.verify(bundle_dir, keys.trusted)
+def tiny(keys: Keys, voice_bundle: Path) -> Path:
+    bundle = firmware.verify(voice_bundle, keys.trusted)
     spec = next(m for m in bundle.manifest.models if m.name == "whisper_tiny_en")
     return bundle.artifact(spec.file)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soxr
-from conftest import ROOT, Daemon, Keys, build_bundle
+from conftest import Daemon, Keys
 from faster_whisper import WhisperModel
 from kokoro import whisper_base
 from speech import RATE, recording
@@ -43,8 +43,8 @@ TINY = "whisper_tiny_en"
 
 
 @pytest.fixture(scope="module")
-def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    bundle = build_bundle(keys, tmp_path_factory.mktemp("fw") / "interp", spec=ROOT / "firmware" / "interpreter.toml")
+def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory, interpreter_bundle: Path) -> Iterator[Daemon]:
+    bundle = interpreter_bundle
     extra = f'[wyoming]\nmax_payload_bytes = 65536\ntcp = "127.0.0.1:{free_tcp_port()}"\n'
 
     d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, extra=extra, workers=2).wait_ready(240)

@@ -19,7 +19,7 @@ import concurrent.futures
 import itertools
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from appliance.engine.queue_policy import QueuePolicy
@@ -48,7 +48,7 @@ class _Shard(Generic[T, R]):
     owner: int
     order: tuple[int, int]
     future: asyncio.Future[Done[R]]
-    queued_ns: int = field(default_factory=time.perf_counter_ns)
+    queued_ns: int
 
 
 class BatchQueue(Generic[T, R]):
@@ -60,11 +60,14 @@ class BatchQueue(Generic[T, R]):
         policy: QueuePolicy,
         per_request: int | None = None,
         coming: Callable[[], bool] = lambda: False,
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         """`run_batch` runs on the queue's thread; each call is an execution in `stats`. `coming`: whether
         shards are about to arrive (speech to text: a recording is in its VAD); a batch that is not full
-        and holds no urgent shard waits for them up to COMING_WAIT_S."""
+        and holds no urgent shard waits for them up to COMING_WAIT_S. `clock_ns` times the waits that
+        the queue policy judges (a test's own clock)."""
         self.run_batch, self.max_batch, self.stats, self.policy = run_batch, max_batch, stats, policy
+        self.clock_ns = clock_ns
         self.per_request, self.coming = per_request or max_batch, coming
         self._waiting: list[_Shard[T, R]] = []
         self._running = 0
@@ -131,7 +134,7 @@ class BatchQueue(Generic[T, R]):
             future: asyncio.Future[Done[R]] = loop.create_future()
             future.add_done_callback(self._count_cancelled)
             order = (-1 if urgent else index, next(self._arrivals))
-            self._waiting.append(_Shard(payload, group, owner, order, future))
+            self._waiting.append(_Shard(payload, group, owner, order, future, self.clock_ns()))
             futures.append(future)
         self._wake.set()
         return futures
@@ -153,7 +156,7 @@ class BatchQueue(Generic[T, R]):
 
     def _take(self) -> list[_Shard[T, R]]:
         """The next batch: one group, lowest shard index first, at most per_request of one request."""
-        now, kept = time.perf_counter_ns(), []
+        now, kept = self.clock_ns(), []
         for shard in self._waiting:
             if shard.future.done():  # its caller went away (counted then)
                 continue
@@ -200,7 +203,7 @@ class BatchQueue(Generic[T, R]):
             while batch := self._take():
                 failpoint(f"batch_queue:{self.policy.model}")
                 self._running = len(batch)
-                started = time.perf_counter_ns()
+                started = self.clock_ns()
                 try:
                     results = await loop.run_in_executor(self._thread, self.run_batch, [s.payload for s in batch])
                 except Exception as exc:  # the batch's requests get the error; the queue serves on
@@ -213,4 +216,4 @@ class BatchQueue(Generic[T, R]):
                             shard.future.set_result(Done(result, started - shard.queued_ns))
                 finally:
                     self._running = 0
-                self.stats.record_execution(len(batch), 0, time.perf_counter_ns() - started, 0)
+                self.stats.record_execution(len(batch), 0, self.clock_ns() - started, 0)
