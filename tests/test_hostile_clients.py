@@ -92,10 +92,9 @@ def assert_served(daemon) -> None:
 
 
 def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(daemon, connect) -> None:
+    """Closed with nothing said, and the daemon serves on (when: test_http1_timeouts.py, on a held clock)."""
     sock = connect(daemon)
-    started = time.monotonic()
     assert read_all(sock) == b""
-    assert 0.9 < time.monotonic() - started < 5
     assert_served(daemon)
 
 
@@ -189,10 +188,9 @@ def exchange(sock: socket.socket, data: bytes, answered: Callable[[bytes], bool]
 def test_an_idle_keep_alive_connection_is_closed(daemon, connect) -> None:
     sock = connect(daemon)
     sock.sendall(HEALTH)
-    time.sleep(0.3)
-    started = time.monotonic()
-    raw = read_all(sock)
-    assert [status for status, _ in responses(raw)] == [200] and 1.0 < time.monotonic() - started < 5
+    raw = read_all(sock)  # answered, then closed with nothing more (when: test_http1_timeouts.py)
+    assert [status for status, _ in responses(raw)] == [200]
+    assert_served(daemon)
 
 
 def test_the_client_opens_a_new_connection_where_the_keep_alive_timeout_closed_its_last(daemon) -> None:
@@ -248,7 +246,5 @@ def test_idle_connections_cannot_hold_every_slot(start_daemon, tls, connect) -> 
 def test_a_tcp_client_that_never_starts_tls_is_closed_after_the_header_timeout(daemon) -> None:
     """Slowloris below TLS: a TCP connection with no ClientHello has the head's time for its handshake."""
     sock = socket.create_connection(("127.0.0.1", daemon.https_port), timeout=10)
-    started = time.monotonic()
-    assert read_all(sock) == b""
-    assert 0.9 < time.monotonic() - started < 5
+    assert read_all(sock) == b""  # closed by the daemon: the socket's 10 s timeout would raise instead
     assert_served(daemon)

@@ -21,7 +21,9 @@ from appliance.api.realtime_session import Audio, Commit, TranscriptionSession, 
 from appliance.config import WebSocketConfig
 from appliance.config.sections import SequenceConfig, VadConfig
 from appliance.engine.sequences import OwnedTable
+from appliance.engine.stats import RequestTimes
 from appliance.errors import TooManyRequests
+from appliance.kinds.base import SequenceCall
 from appliance.kinds.live_speech import Heard, LiveTranscription
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.protocol.messages import Close, SessionIO
@@ -324,3 +326,39 @@ def test_a_client_has_two_recordings_heard_at_once_and_others_theirs() -> None:
         return [heard.listening for heard in recordings]
 
     assert asyncio.run(run()) == [True, True, False, True]
+
+
+class SilentStreams(LiveTranscription):
+    """The live half of speech to text over LoudVad: nothing to decode in silence."""
+
+    def __init__(self) -> None:
+        self.name, self.vad = "whisper", cast(Any, LoudVad())
+        self.live = cast(Any, SimpleNamespace(config=SimpleNamespace(vad=VadConfig())))
+        self.sequences = OwnedTable(SequenceConfig, "streams")
+        self.clock = lambda: 0.0
+
+    def check(self, options: Options) -> None:
+        pass
+
+
+def test_a_silent_live_stream_keeps_no_more_audio_after_an_hour_than_after_a_second() -> None:
+    """An hour of near silence in 256 ms chunks: after each, the stream keeps at most the VAD's padding,
+    a frame and a chunk of audio (what a segment still to come may include), so a chunk costs the same
+    at any age. The daemon's end-to-end run of this is test_speech_to_text.py's silent stream."""
+    chunk = (np.random.default_rng(3).standard_normal(4096) * 1e-4).astype(np.float32)
+    count = 60 * 60 * SAMPLE_RATE // len(chunk)
+    bound = SAMPLE_RATE * VadConfig().speech_pad_ms // 1000 + 512 + len(chunk)
+
+    async def run() -> list[int]:
+        streams, kept = SilentStreams(), []
+        for i in range(count):
+            call = SequenceCall(7, start=i == 0, end=False, client="c")
+            out = await streams.live_chunk(chunk, call, False, Options(None), RequestTimes())
+            assert not out.segments
+            stream = streams.sequences.get(7, 0.0, "c")
+            kept.append(sum(len(a) for a in stream.audio))
+            assert kept[-1] <= bound, f"chunk {i}: {kept[-1]} samples kept"
+        return kept
+
+    kept = asyncio.run(run())
+    assert max(kept[-100:]) == max(kept[:100]), (max(kept[:100]), max(kept[-100:]))

@@ -18,17 +18,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Daemon
+from conftest import Daemon, needs
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from playwright import sync_api as playwright
 from speech import RATE, recording
 from test_https import SENTENCE
 
 from appliance.audio import encode_wav
 
-playwright = pytest.importorskip("playwright.sync_api")
 CHROMIUM = "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="Debian's chromium is not installed")
+# make deps installs both (chromium from Debian, playwright as a dev dependency): as root, a missing one fails
+pytestmark = needs(shutil.which(CHROMIUM) is None, "Debian's chromium is not installed (make deps)")
 TIMEOUT_MS = 120_000
 
 

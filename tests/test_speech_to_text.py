@@ -377,22 +377,18 @@ def test_a_ten_minute_transcription_abandoned_after_2_s_stops_within_one_engine_
     assert whisper_metric(unix, "nv_inference_count") - before == ran, "shards of the abandoned recording ran later"
 
 
-def test_a_silent_live_stream_costs_the_same_at_any_age(daemon: Daemon, unix: Client) -> None:
-    """An hour of near silence fed as fast as the answers come: the audio the stream keeps is bounded,
-    so its last chunks cost no more than twice its first, and the daemon does not grow."""
+def test_a_silent_live_stream_keeps_bounded_audio_at_any_age(daemon: Daemon, unix: Client) -> None:
+    """Twenty minutes of near silence fed as fast as the answers come: the audio the stream keeps is
+    bounded (test_live_units.py checks the bound after every chunk of an hour, in process), so the
+    daemon does not grow with the stream's age: kept whole, the audio would be 77 MB."""
     chunk = (np.random.default_rng(3).standard_normal(CHUNK) * 1e-4).astype(np.float32)
-    count = 60 * 60 * RATE // CHUNK
-    grown_from, costs = 0, []
+    count = 20 * 60 * RATE // CHUNK
+    grown_from = 0
     for i in range(count):
         if i == 220:  # after the first stretch: the engines' arenas have grown to what a chunk needs
             grown_from = daemon.rss_kib()
-        started = time.perf_counter()
         out = unix.live(chunk, TINY, 90210, start=i == 0, end=i == count - 1)
-        costs.append(time.perf_counter() - started)
         assert not len(out["text"]), out
-    # the 10th percentile of each stretch: what a chunk costs, less what other work on this machine adds
-    first, last = float(np.percentile(costs[20:220], 10)), float(np.percentile(costs[-200:], 10))
-    assert last <= 2 * first, f"a chunk took {first * 1e3:.1f} ms at first and {last * 1e3:.1f} ms after an hour"
     assert daemon.rss_kib() - grown_from < 32 << 10
 
 

@@ -66,8 +66,11 @@ class RequestAssembler:
         budget: BodyBudget | None = None,
         client: str = "",
         operator: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` times the head's and the body's timeouts (the transport's, which a test may hold)."""
         self.limits = limits  # the live ones at the request's start: a reload applies from the next request
+        self.clock = clock
         self.peer, self.client, self.operator = peer, client, operator  # see Request
         self.budget = budget  # body bytes are taken from it as they arrive; the transport gives them back
         self.method = self.target = ""
@@ -78,7 +81,7 @@ class RequestAssembler:
         self.body_bytes = 0  # held: decoded where the body has a content coding
         self.wire_bytes = 0  # received
         self._decoder: BodyDecoder | None = None
-        self.started = self.last_heard = time.monotonic()
+        self.started = self.last_heard = clock()
 
     def add_target(self, piece: bytes) -> None:
         self.target += piece.decode("latin-1")
@@ -111,7 +114,7 @@ class RequestAssembler:
     def add_body(self, piece: bytes) -> None:
         """Both what arrives and what it decodes to are bounded by max_body_bytes, and the decoded
         bytes are what is held (and taken from the budget): a compressed body is undone as it arrives."""
-        self.last_heard = time.monotonic()
+        self.last_heard = self.clock()
         self.wire_bytes += len(piece)
         if self.wire_bytes > self.limits.max_body_bytes:
             raise limit_bit(413, f"body exceeds the limit of {self.limits.max_body_bytes} bytes", self.target)
@@ -151,7 +154,7 @@ class RequestAssembler:
     def reading_resumed(self) -> None:
         """The server stopped reading this connection (its pipeline was full) and reads it again: the
         time it did not read is not the client's, so the head's and the body's clocks start again."""
-        self.started = self.last_heard = time.monotonic()
+        self.started = self.last_heard = self.clock()
 
     def overdue(self, now: float) -> Rejection | None:
         """A head not complete within header_timeout_s, or a body that went quiet for body_timeout_s."""

@@ -21,7 +21,7 @@ import logging
 import select
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 
 import httptools
 
@@ -56,8 +56,11 @@ class Http1Server:
 
     half_close = True  # a client may half-close after its requests and still read the answers
 
-    def __init__(self, api: Handler, live: Live, budget: BodyBudget) -> None:
-        self.api, self.live, self.budget = api, live, budget
+    def __init__(
+        self, api: Handler, live: Live, budget: BodyBudget, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """`clock` times every connection's head, body and keep-alive timeouts (a test may hold it)."""
+        self.api, self.live, self.budget, self.clock = api, live, budget, clock
         self.connections: set[HttpConnection] = set()
         self._timeouts: asyncio.Task[None] | None = None
 
@@ -100,7 +103,7 @@ class Http1Server:
     async def _enforce_timeouts(self) -> None:
         while True:
             await asyncio.sleep(TIMEOUT_CHECK_S)
-            now = time.monotonic()
+            now = self.clock()
             for connection in list(self.connections):
                 connection.check_timeouts(now)
 
@@ -124,7 +127,7 @@ class HttpConnection(WebSocketUpgrade):
         self._assembler: RequestAssembler | None = None  # a request under way (begun, not complete)
         self.client = self.peer = ""
         self.operator = False
-        self._idle_since = time.monotonic()
+        self._idle_since = server.clock()
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
         self._writable.set()
@@ -241,7 +244,12 @@ class HttpConnection(WebSocketUpgrade):
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
     def on_message_begin(self) -> None:
         self._assembler = RequestAssembler(
-            self.server.limits, peer=self.peer, budget=self.server.budget, client=self.client, operator=self.operator
+            self.server.limits,
+            peer=self.peer,
+            budget=self.server.budget,
+            client=self.client,
+            operator=self.operator,
+            clock=self.server.clock,
         )
 
     def on_url(self, url: bytes) -> None:
@@ -310,7 +318,7 @@ class HttpConnection(WebSocketUpgrade):
                     return
         finally:
             self.busy, self._served_any = False, True
-            self._idle_since = time.monotonic()
+            self._idle_since = self.server.clock()
 
     async def _write_chunks(self, stream: AsyncGenerator[bytes, None]) -> bool:
         """Send each piece as it is produced, the next pulled only once the write buffer is under the
