@@ -54,6 +54,14 @@ def client(request: pytest.FixtureRequest, interpreter: Daemon):
 
 
 @pytest.fixture(scope="module")
+def unix(interpreter: Daemon):
+    """The pipeline's speech tests run over the Unix socket: their subject is the pipeline, and each
+    route's contract over both transports is checked with `client`."""
+    with interpreter.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def listener(judge_tiny: WhisperModel) -> WhisperModel:
     """The judge: faster-whisper, not the box, on tiny.en from its package's own files."""
     return judge_tiny
@@ -76,9 +84,9 @@ def words(text: str) -> str:
     return re.sub(r"[^a-z' ]", " ", text.lower())
 
 
-def test_the_voice_is_understood(client: Client, listener: WhisperModel) -> None:
+def test_the_voice_is_understood(unix: Client, listener: WhisperModel) -> None:
     """The box's speech, resampled and transcribed by faster-whisper: at most 10% word errors."""
-    said = [heard(listener, *_samples(client.speech(s, voice="joe"))) for s in SPOKEN]
+    said = [heard(listener, *_samples(unix.speech(s, voice="joe"))) for s in SPOKEN]
     error = jiwer.wer([words(s) for s in SPOKEN], [words(s) for s in said])
     assert error <= 0.10, (error, said)
 
@@ -88,8 +96,8 @@ def _samples(wav: bytes) -> tuple[np.ndarray, int]:
     return audio, rate
 
 
-def test_a_recording_comes_back_as_english_speech(client: Client, listener: WhisperModel) -> None:
-    lines = list(client.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter"))
+def test_a_recording_comes_back_as_english_speech(unix: Client, listener: WhisperModel) -> None:
+    lines = list(unix.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter"))
     *segments, summary = lines
     assert summary["done"] and summary["segments"] == len(segments) >= 1
     assert all(s["text"] and s["source_text"] and s["sample_rate"] == 22050 for s in segments)
@@ -97,7 +105,7 @@ def test_a_recording_comes_back_as_english_speech(client: Client, listener: Whis
     said = words(heard(listener, audio, 22050))
     assert sum(w in said for w in KEY_WORDS) >= 3, said
     # the caller names the language: Whisper transcribes it (no translation needed for an English target)
-    *segments, _ = client.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter", "en", "en")
+    *segments, _ = unix.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter", "en", "en")
     texts = words(" ".join(s["text"] for s in segments))
     assert all(s["language"] == "en" for s in segments) and sum(w in texts for w in KEY_WORDS) >= 3, texts
 
@@ -172,8 +180,8 @@ def transcribed(whisper: WhisperModel, segments: list[dict], language: str) -> s
     return " ".join(s.text for s in heard).lower()
 
 
-def test_english_speech_answers_portuguese_speech(client: Client, whisper: WhisperModel) -> None:
-    *segments, summary = client.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter", "pt")
+def test_english_speech_answers_portuguese_speech(unix: Client, whisper: WhisperModel) -> None:
+    *segments, summary = unix.stream_interpret(encode_wav(recording(ENGLISH), RATE), "interpreter", "pt")
     assert summary["done"] and segments and all(s["sample_rate"] == 24000 for s in segments)
     assert all(s["language"] == "en" and s["language_probability"] > 0.5 and "note" not in s for s in segments)
     text = " ".join(s["text"] for s in segments).lower()
@@ -186,9 +194,9 @@ def test_english_speech_answers_portuguese_speech(client: Client, whisper: Whisp
     ("sentences", "voice", "language"), [(PORTUGUESE, "pm_alex", "pt"), (SPANISH, "ef_dora", "es")]
 )
 def test_portuguese_and_spanish_speech_answer_english_speech(
-    client: Client, kokoro: Kokoro, whisper: WhisperModel, sentences: list[str], voice: str, language: str
+    unix: Client, kokoro: Kokoro, whisper: WhisperModel, sentences: list[str], voice: str, language: str
 ) -> None:
-    *segments, summary = client.stream_interpret(spoken_by(kokoro, sentences, voice), "interpreter", "en")
+    *segments, summary = unix.stream_interpret(spoken_by(kokoro, sentences, voice), "interpreter", "en")
     assert summary["done"] and segments and all(s["sample_rate"] == 22050 for s in segments)
     assert all(s["language"] == language for s in segments), segments
     text = words(" ".join(s["text"] for s in segments))
@@ -197,9 +205,9 @@ def test_portuguese_and_spanish_speech_answer_english_speech(
     assert sum(w in heard for w in KEY_WORDS) >= 3, heard
 
 
-def test_a_segment_with_no_path_says_so_and_is_not_spoken(client: Client, kokoro: Kokoro) -> None:
+def test_a_segment_with_no_path_says_so_and_is_not_spoken(unix: Client, kokoro: Kokoro) -> None:
     """Spanish speech to Portuguese: no es->pt pair; each line names what Whisper heard, the stream goes on."""
-    *segments, summary = client.stream_interpret(spoken_by(kokoro, SPANISH, "ef_dora"), "interpreter", "pt")
+    *segments, summary = unix.stream_interpret(spoken_by(kokoro, SPANISH, "ef_dora"), "interpreter", "pt")
     assert summary["done"] and segments
     for s in segments:
         assert s["language"] == "es" and s["text"] == "" and s["audio"] == "" and s["source_text"], s

@@ -32,11 +32,13 @@ URI = "ws://appliance/v1/realtime?intent=transcription"
 TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 200, "silence_duration_ms": 400}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
-def daemon(request, tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bundle: Path) -> Iterator[Daemon]:
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bundle: Path) -> Iterator[Daemon]:
+    """The Realtime API's sessions in the engine process (a small box's layout); through protocol workers
+    they run in test_realtime_interpreter.py (Unix socket) and test_realtime_h3.py (HTTP/3)."""
     workdir = tmp_path_factory.mktemp("daemon")
     extra = "[websocket]\nmax_message_bytes = 262144\n"
-    d = Daemon(workdir, voice_bundle, keys.trusted, extra=extra, workers=request.param).wait_ready(180)
+    d = Daemon(workdir, voice_bundle, keys.trusted, extra=extra).wait_ready(180)
     yield d
     assert d.stop() == 0, d.log.read_text()
 

@@ -56,6 +56,14 @@ def client(request: pytest.FixtureRequest, voices: Daemon):
 
 
 @pytest.fixture(scope="module")
+def unix(voices: Daemon):
+    """The voices' own tests (what they say, as heard from outside) run over the Unix socket; each
+    route's contract over both transports is checked with `client`."""
+    with voices.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def kokoro(tmp_path_factory: pytest.TempPathFactory) -> Kokoro:
     return Kokoro(tmp_path_factory.mktemp("kokoro"))
 
@@ -69,28 +77,28 @@ def post(client: Client, path: str, doc: object):
     return client.send(Call("POST", path, json.dumps(doc).encode(), (("content-type", "application/json"),)))
 
 
-def test_kokoro_through_the_daemon_equals_onnxruntime_alone(client: Client, kokoro: Kokoro) -> None:
+def test_kokoro_through_the_daemon_equals_onnxruntime_alone(unix: Client, kokoro: Kokoro) -> None:
     """KServe infer of one sentence per voice: the same samples as the graph run alone on the same phonemes."""
     for voice, (_, sentence, _) in SAID.items():
         text = np.array([sentence.encode()], dtype=object)
-        out = client.infer("kokoro", {"text": text}, parameters={"voice": voice})["audio"]
+        out = unix.infer("kokoro", {"text": text}, parameters={"voice": voice})["audio"]
         alone = kokoro.samples(kokoro.tokens(sentence, voice), voice)
         expected = np.clip(np.round(alone * 32767), -32767, 32767)
         assert out.dtype == np.int16 and len(out) == len(expected) > 24000, (voice, len(out), len(expected))
         assert np.max(np.abs(out.astype(np.int64) - expected)) <= 1, voice  # measured: 0 (the same ids and style)
 
 
-def test_each_language_is_heard_by_an_independent_whisper(client: Client, whisper: WhisperModel) -> None:
+def test_each_language_is_heard_by_an_independent_whisper(unix: Client, whisper: WhisperModel) -> None:
     """The box's speech in each voice's language, transcribed by faster-whisper base told the language."""
     for voice, (language, sentence, key_words) in SAID.items():
-        wav = client.speech(sentence, voice=voice, response_format="flac")
+        wav = unix.speech(sentence, voice=voice, response_format="flac")
         audio, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
         segments, _ = whisper.transcribe(soxr.resample(audio, rate, 16000), language=language, beam_size=5)
         heard = " ".join(s.text for s in segments).lower()
         assert sum(w in heard for w in key_words) >= len(key_words) - 1, (voice, heard)
 
 
-def test_openai_voice_names_pick_the_voice_of_the_text(client: Client) -> None:
+def test_openai_voice_names_pick_the_voice_of_the_text(unix: Client) -> None:
     for voice, (language, sentence, _) in SAID.items():
         response = post(client, "/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": sentence})
         assert response.status == 200 and response.headers["x-voice"] == voice, (voice, response.headers)

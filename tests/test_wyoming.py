@@ -155,7 +155,7 @@ def tcp_port(daemon: Daemon) -> int:
 
 async def announced(count: int) -> dict[str, int]:
     """The Wyoming services announced by multicast DNS on loopback, by name, and their ports (once
-    `count` are seen, or after 5 s)."""
+    `count` are seen, or after 60 s: a hang guard, since under load an answer can take seconds)."""
     zeroconf = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
     try:
         names: list[str] = []
@@ -165,7 +165,7 @@ async def announced(count: int) -> dict[str, int]:
                 names.append(name)
 
         browser = AsyncServiceBrowser(zeroconf.zeroconf, "_wyoming._tcp.local.", handlers=[seen])
-        for _ in range(50):
+        for _ in range(600):
             if len(names) >= count:
                 break
             await asyncio.sleep(0.1)
