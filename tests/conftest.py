@@ -468,6 +468,21 @@ def voice_daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bun
 
 
 @pytest.fixture(scope="session")
+def interpreter_daemon(
+    tmp_path_factory: pytest.TempPathFactory, keys: Keys, interpreter_bundle: Path, tls
+) -> Iterator[Daemon]:
+    """The interpreter firmware's daemon as a LAN sees the box: QUIC and HTTPS with the box's certificate,
+    Wyoming on TCP (its payload bound 64 KiB), two protocol workers. Shared by the suites that neither
+    change its config nor stop it (HTTPS, the pipeline, Realtime's interpreter, Wyoming): started once,
+    its clean exit checked at the session's end."""
+    extra = f'[wyoming]\nmax_payload_bytes = 65536\ntcp = "127.0.0.1:{free_tcp_port()}"\n'
+    workdir = tmp_path_factory.mktemp("interpreterd")
+    d = Daemon(workdir, interpreter_bundle, keys.trusted, extra=extra, tls=tls, https="", workers=2)
+    yield d.wait_ready(240)
+    assert d.stop() == 0, d.log.read_text()
+
+
+@pytest.fixture(scope="session")
 def judge_base(tmp_path_factory: pytest.TempPathFactory) -> WhisperModel:
     """The judge of the box's speech: faster-whisper on Whisper base from its packages' own files (never
     the firmware under test, whose damaged model would judge itself)."""

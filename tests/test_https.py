@@ -12,7 +12,6 @@ import re
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -35,10 +34,8 @@ FRAME = np.zeros(512, np.float32)
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, keys, interpreter_bundle, tls) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("https"), interpreter_bundle, keys.trusted, tls=tls, https="", workers=2)
-    yield d.wait_ready(180)
-    assert d.stop() == 0, d.log.read_text()
+def daemon(interpreter_daemon: Daemon) -> Daemon:
+    return interpreter_daemon
 
 
 def curl(daemon: Daemon, path: str, *args: str, cafile: str | None = None) -> tuple[int, dict[str, str], bytes]:

@@ -40,11 +40,8 @@ SPOKEN = [  # sentences the voice says, for the word error rate
 
 
 @pytest.fixture(scope="module")
-def interpreter(keys: Keys, tmp_path_factory: pytest.TempPathFactory, interpreter_bundle: Path, tls):
-    work = tmp_path_factory.mktemp("interpreter")
-    d = Daemon(work, interpreter_bundle, keys.trusted, tls=tls).wait_ready(180)
-    yield d
-    assert d.stop() == 0, d.log.read_text()
+def interpreter(interpreter_daemon: Daemon) -> Daemon:
+    return interpreter_daemon
 
 
 @pytest.fixture(scope="module", params=["unix", "quic"])

@@ -12,13 +12,12 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import soxr
-from conftest import Daemon, Keys
+from conftest import Daemon
 from faster_whisper import WhisperModel
 from speech import RATE, recording
 from test_long_running import process_tree_rss_kib
@@ -38,10 +37,8 @@ LONG_TURNS = [
 
 
 @pytest.fixture(scope="module")
-def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory, interpreter_bundle: Path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("daemon"), interpreter_bundle, keys.trusted, workers=2).wait_ready(240)
-    yield d
-    assert d.stop() == 0, d.log.read_text()
+def daemon(interpreter_daemon: Daemon) -> Daemon:
+    return interpreter_daemon
 
 
 def interpret(daemon: Daemon, sentences: list[str], target: str = "en", paced: bool = True) -> list[dict]:

@@ -100,15 +100,15 @@ def test_each_language_is_heard_by_an_independent_whisper(unix: Client, whisper:
 
 def test_openai_voice_names_pick_the_voice_of_the_text(unix: Client) -> None:
     for voice, (language, sentence, _) in SAID.items():
-        response = post(client, "/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": sentence})
+        response = post(unix, "/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": sentence})
         assert response.status == 200 and response.headers["x-voice"] == voice, (voice, response.headers)
         assert response.headers["x-detected-language"].startswith(f"{language};")
     # a voice of the firmware by name, and a model name standing for its default voice
-    response = post(client, "/v1/audio/speech", {"model": "tts-1", "voice": "pm_alex", "input": "Bom dia."})
+    response = post(unix, "/v1/audio/speech", {"model": "tts-1", "voice": "pm_alex", "input": "Bom dia."})
     assert response.status == 200 and response.headers["x-voice"] == "pm_alex"
-    response = post(client, "/v1/audio/speech", {"model": "kokoro", "voice": "nova", "input": "Hello there."})
+    response = post(unix, "/v1/audio/speech", {"model": "kokoro", "voice": "nova", "input": "Hello there."})
     assert response.status == 200 and response.headers["x-voice"] == "pf_dora"  # no English voice: the first
-    response = post(client, "/v1/audio/speech", {"model": "tts-1", "voice": "darth", "input": "Olá."})
+    response = post(unix, "/v1/audio/speech", {"model": "tts-1", "voice": "darth", "input": "Olá."})
     error = response.json()["error"]["message"]
     assert response.status == 400 and "unknown voice 'darth'" in error and "ef_dora" in error and "\n" not in error
 

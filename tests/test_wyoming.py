@@ -13,13 +13,13 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soxr
-from conftest import Daemon, Keys
+from conftest import Daemon
 from faster_whisper import WhisperModel
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
@@ -42,13 +42,8 @@ TINY = "whisper_tiny_en"
 
 
 @pytest.fixture(scope="module")
-def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory, interpreter_bundle: Path) -> Iterator[Daemon]:
-    bundle = interpreter_bundle
-    extra = f'[wyoming]\nmax_payload_bytes = 65536\ntcp = "127.0.0.1:{free_tcp_port()}"\n'
-
-    d = Daemon(tmp_path_factory.mktemp("daemon"), bundle, keys.trusted, extra=extra, workers=2).wait_ready(240)
-    yield d
-    assert d.stop() == 0, d.log.read_text()
+def daemon(interpreter_daemon: Daemon) -> Daemon:
+    return interpreter_daemon
 
 
 def wyoming_socket(daemon: Daemon) -> Path:
