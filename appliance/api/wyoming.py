@@ -77,6 +77,7 @@ MAX_HEADER_BYTES = 64 << 10
 SERVICE = "_wyoming._tcp.local."
 LINGER_S = 5.0  # how long a connection closing after an error still reads what the client sends
 SAMPLE_RATE = 16000
+MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 192000, 8  # the PCM a recording may come as
 # who made the models and voices Home Assistant lists: its voice settings show these beside them
 MADE_BY = {
     "speech_to_text": Attribution(name="OpenAI Whisper", url="https://github.com/openai/whisper"),
@@ -174,6 +175,7 @@ class WyomingHandler:
         self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
         self.samples = 0
         self.resampler: StreamResampler | None = None
+        self.format = (SAMPLE_RATE, 1)  # the recording's rate and channels, as its audio-start gave them
         self.partial_frame = b""  # a chunk's bytes that end inside a sample frame: the next chunk's start
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
         self.synthesis: str | None = None  # streamed synthesis: its text not spoken yet
@@ -222,12 +224,9 @@ class WyomingHandler:
             self.close()  # a recording under way was heard for other options
             return []
         if AudioStart.is_type(event.type):
-            start = AudioStart.from_event(event)
-            if start.width != 2 or not 1 <= start.channels <= 8 or not 8000 <= start.rate <= 192000:
-                raise BadRequest("audio-start: send 16-bit PCM (width 2), 1 to 8 channels, 8 to 192 kHz")
+            self.format = _pcm_format(AudioStart.from_event(event), "audio-start")
             self.audio, self.samples, self.partial_frame = [], 0, b""
-            self.resampler = StreamResampler(start.rate, SAMPLE_RATE)
-            self._format = start
+            self.resampler = StreamResampler(self.format[0], SAMPLE_RATE)
             self._hear()
             return []
         if AudioChunk.is_type(event.type):
@@ -269,13 +268,17 @@ class WyomingHandler:
     def _chunk(self, chunk: AudioChunk) -> np.ndarray:
         if self.audio is None or self.resampler is None:
             raise BadRequest("audio-chunk before audio-start")
-        if chunk.width != 2:
-            raise BadRequest("audio-chunk: only 16-bit PCM (width 2) is served")
+        rate, channels = _pcm_format(chunk, "audio-chunk")
+        if (rate, channels) != self.format:  # the resampler and the frames are audio-start's
+            raise BadRequest(
+                f"audio-chunk: rate {rate} and channels {channels} differ from audio-start's "
+                f"({self.format[0]}, {self.format[1]})"
+            )
         data = self.partial_frame + chunk.audio
-        whole = len(data) - len(data) % (2 * chunk.channels)
+        whole = len(data) - len(data) % (2 * channels)
         samples, self.partial_frame = pcm16(data[:whole]), data[whole:]
-        if chunk.channels > 1:
-            samples = samples.reshape(-1, chunk.channels).mean(axis=1, dtype=np.float32)
+        if channels > 1:
+            samples = samples.reshape(-1, channels).mean(axis=1, dtype=np.float32)
         resampled = self.resampler.feed(samples)
         self.samples += len(resampled)
         if self.samples > self.max_samples:  # refused whole: no transcript of its beginning
@@ -390,6 +393,24 @@ class WyomingHandler:
                 raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
             return found[0]
         return spoken[0][0], spoken[0][1].name
+
+
+def _pcm_format(audio: AudioStart | AudioChunk, event: str) -> tuple[int, int]:
+    """An audio event's rate and channels, where it is PCM the box takes: 16-bit, 1 to 8 channels, 8 to
+    192 kHz (a chunk of 0 channels has no frames, one of a billion holds every byte back)."""
+    fields = {"rate": audio.rate, "width": audio.width, "channels": audio.channels}
+    if (
+        not all(type(value) is int for value in fields.values())
+        or audio.width != 2
+        or not 1 <= audio.channels <= MAX_CHANNELS
+        or not MIN_RATE <= audio.rate <= MAX_RATE
+    ):
+        given = ", ".join(f"{name} {str(value)[:20]}" for name, value in fields.items())
+        raise BadRequest(
+            f"{event}: send 16-bit PCM (width 2), 1 to {MAX_CHANNELS} channels, {MIN_RATE // 1000} to "
+            f"{MAX_RATE // 1000} kHz; got {given}"
+        )
+    return audio.rate, audio.channels
 
 
 def _installed(*kinds: str) -> dict[str, Any]:
