@@ -25,11 +25,13 @@ import numpy as np
 from appliance.audio import StreamResampler, pcm16
 from appliance.config import VAD_MAX_MS, VadConfig
 from appliance.errors import ApiError
+from appliance.protocol.limits import LIMITS_BITTEN
 
 SAMPLE_RATE = 16000  # what the VAD and Whisper take
 RATES = (24000, 16000)
 SERVER_VAD = {"threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}  # OpenAI's defaults
 MAX_BUFFER_S = 600.0  # a manual buffer (no server VAD) not committed by then is refused
+TOO_DEEP = "the event nests lists and objects deeper than the box parses"
 
 
 class RealtimeError(ApiError):
@@ -142,6 +144,9 @@ class TranscriptionSession:
                 event = json.loads(text)
             except ValueError as exc:
                 raise RealtimeError(f"the event is not JSON: {exc}", "invalid_json") from None
+            except RecursionError:  # a cheap message that costs a traceback a time: logged as a limit
+                LIMITS_BITTEN.bit("realtime json depth", f"Realtime session {self.id}: {TOO_DEEP}")
+                raise RealtimeError(TOO_DEEP, "invalid_json") from None
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise RealtimeError("an event is a JSON object with a string 'type'", "invalid_event", "type")
             client_id = event.get("event_id")
