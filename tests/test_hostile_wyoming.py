@@ -6,7 +6,10 @@ log), and a good client is served beside and after it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import Daemon
@@ -16,31 +19,51 @@ from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncUnixClient
 from wyoming.event import Event
+from wyoming.ping import Ping
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart
 
 from appliance.audio import to_pcm16
 from appliance.bench.daemon import free_tcp_port
+from appliance.kinds.text import MAX_TEXT_CHARS
 
 TINY = "whisper_tiny_en"
 
 
 @pytest.fixture(scope="module")
-def daemon(interpreter_bundle, keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def espeak_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with a wrapper of the real espeak-ng that counts each run: its file `runs`."""
+    tools = tmp_path_factory.mktemp("tools")
+    wrapper = tools / "espeak-ng"
+    wrapper.write_text(f'#!/bin/sh\necho run >> {tools / "runs"}\nexec {shutil.which("espeak-ng")} "$@"\n')
+    wrapper.chmod(0o755)
+    return tools / "runs"
+
+
+def runs(espeak_runs: Path) -> int:
+    return len(espeak_runs.read_text().splitlines()) if espeak_runs.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def daemon(interpreter_bundle, keys, espeak_runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The daemon runs espeak-ng through the counting wrapper, first on its PATH."""
     extra = f'[wyoming]\ntcp = "127.0.0.1:{free_tcp_port()}"\n'
-    d = Daemon(tmp_path_factory.mktemp("daemon"), interpreter_bundle, keys.trusted, extra=extra).wait_ready(240)
+    env = {"PATH": f"{espeak_runs.parent}:{os.environ['PATH']}"}
+    d = Daemon(tmp_path_factory.mktemp("daemon"), interpreter_bundle, keys.trusted, extra=extra, env=env)
+    d.wait_ready(240)
     yield d
     assert d.stop() == 0, d.log.read_text()
     assert "Traceback" not in d.log.read_text(), d.log.read_text()[-3000:]
 
 
-async def exchange(daemon: Daemon, events: list[Event], until: str = "transcript") -> list[Event]:
-    """Send `events`, then every event the box answers until one of type `until` or the close."""
+async def exchange(daemon: Daemon, events: list[Event], *until: str) -> list[Event]:
+    """Send `events`, then every event the box answers until one of a type in `until` or the close."""
     async with AsyncUnixClient(daemon.socket.with_name("wyoming.sock")) as client:
         for event in events:
             await client.write_event(event)
         answers = []
         while (answer := await asyncio.wait_for(client.read_event(), 120)) is not None:
             answers.append(answer)
-            if answer.type == until:
+            if answer.type in until:
                 break
         return answers
 
@@ -51,7 +74,7 @@ def good_transcription(daemon: Daemon) -> str:
     pcm = to_pcm16(samples)
     chunks = [AudioChunk(RATE, 2, 1, pcm[i : i + 6400]).event() for i in range(0, len(pcm), 6400)]
     start = [Transcribe(name=TINY, language="en").event(), AudioStart(RATE, 2, 1).event()]
-    answers = asyncio.run(exchange(daemon, [*start, *chunks, AudioStop().event()]))
+    answers = asyncio.run(exchange(daemon, [*start, *chunks, AudioStop().event()], "transcript"))
     assert answers and answers[-1].type == "transcript", answers
     return Transcript.from_event(answers[-1]).text
 
@@ -84,10 +107,57 @@ def test_an_impossible_audio_format_is_an_error_event_and_the_next_client_is_ser
             bad = Event(bad.type, bad.data, payload=bytes(6400))
         leading = [Transcribe(name=TINY).event()] + ([AudioStart(RATE, 2, 1).event()] if event == "audio-chunk" else [])
         answers = asyncio.run(
-            exchange(daemon, [*leading, bad, AudioStart(RATE, 2, 1).event(), good, AudioStop().event()])
+            exchange(daemon, [*leading, bad, AudioStart(RATE, 2, 1).event(), good, AudioStop().event()], "transcript")
         )
         types = [a.type for a in answers]
         assert types[0] == "error" and types[-1] == "transcript", (rate, width, channels, types)
         text = answers[0].data["text"]
         assert f"{event}: send 16-bit PCM (width 2), 1 to 8 channels, 8 to 192 kHz" in text, text
     assert wer(CLEAR[0], good_transcription(daemon)) <= 0.10
+
+
+def spoken(answers: list[Event]) -> list[str]:
+    return [a.type for a in answers if a.type != "audio-chunk"]
+
+
+def test_synthesize_text_is_bounded_as_the_http_apis_speech_input(daemon: Daemon) -> None:
+    """`synthesize` took a million characters; the HTTP API's input takes MAX_TEXT_CHARS. A text over
+    that is one error naming the bound, and the connection goes on."""
+    over = Synthesize(text="Where is the station? " * (MAX_TEXT_CHARS // 22 + 1)).event()
+    answers = asyncio.run(exchange(daemon, [over], "error", "audio-start"))
+    assert spoken(answers) == ["error"], spoken(answers)
+    assert f"the most one request takes is {MAX_TEXT_CHARS}" in answers[0].data["text"], answers[0].data
+    answers = asyncio.run(exchange(daemon, [over, Synthesize(text="Where is it?").event()], "audio-stop"))
+    assert spoken(answers) == ["error", "audio-start", "audio-stop"]  # the same connection goes on
+
+
+def test_streamed_text_is_bounded_as_a_whole_synthesis(daemon: Daemon) -> None:
+    """Streamed synthesize-chunk text grew without bound (and was rescanned at each chunk). A streamed
+    synthesis is a text as one synthesize is: past MAX_TEXT_CHARS it gets one error and the close."""
+    words = [SynthesizeChunk(text="one two three four five six seven ").event()] * (MAX_TEXT_CHARS // 34 + 1)
+    answers = asyncio.run(exchange(daemon, [SynthesizeStart().event(), *words, Ping().event()], "pong"))
+    assert [a.type for a in answers] == ["error"], answers
+    assert f"a streamed synthesis over {MAX_TEXT_CHARS} characters" in answers[0].data["text"]
+    assert "limit: Wyoming client" in daemon.log.read_text()
+
+
+def test_a_text_the_voice_says_nothing_for_is_refused_after_one_espeak_run(daemon: Daemon, espeak_runs) -> None:
+    """espeak-ng says nothing for U+1D7E0 (a digit): the box ran espeak-ng once more per clause, 21,000
+    runs a request, going on for minutes after the client left. Now one run: a text of nothing else
+    is one error, and beside other words it is left out. A client that leaves at once leaves no runs
+    behind: those that follow are the next client's."""
+    odd = "\U0001d7e0. " * 2000
+    before = runs(espeak_runs)
+    answers = asyncio.run(exchange(daemon, [Synthesize(text=odd).event()], "audio-stop", "error"))
+    assert [a.type for a in answers] == ["error"] and "nothing to say" in answers[0].data["text"], answers
+    assert runs(espeak_runs) == before + 1
+    answers = asyncio.run(exchange(daemon, [Synthesize(text=f"Good morning. {odd}Where is it?").event()], "audio-stop"))
+    assert spoken(answers) == ["audio-start", "audio-stop"] and runs(espeak_runs) == before + 2
+
+    async def send_and_leave() -> None:
+        async with AsyncUnixClient(daemon.socket.with_name("wyoming.sock")) as client:
+            await client.write_event(Synthesize(text=odd * 10).event())
+
+    asyncio.run(send_and_leave())
+    answers = asyncio.run(exchange(daemon, [Synthesize(text="Where is it?").event()], "audio-stop"))
+    assert spoken(answers) == ["audio-start", "audio-stop"] and runs(espeak_runs) == before + 4

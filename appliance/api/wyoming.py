@@ -68,7 +68,7 @@ from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
-from appliance.kinds.text import said_so_far
+from appliance.kinds.text import MAX_TEXT_CHARS, ArrivingText, checked_text
 from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.transport.unix_peer import unix_peer
 
@@ -178,7 +178,7 @@ class WyomingHandler:
         self.format = (SAMPLE_RATE, 1)  # the recording's rate and channels, as its audio-start gave them
         self.partial_frame = b""  # a chunk's bytes that end inside a sample frame: the next chunk's start
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
-        self.synthesis: str | None = None  # streamed synthesis: its text not spoken yet
+        self.synthesis: ArrivingText | None = None  # streamed synthesis: its text not spoken yet
         self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
         self.synthesis_audio = False  # and whether its audio-start was sent
 
@@ -240,24 +240,30 @@ class WyomingHandler:
             if self.synthesis is not None:
                 return []  # the streamed form's closing synthesize, for old servers: already spoken
             synthesize = Synthesize.from_event(event)
-            await self.speak(synthesize.text, synthesize.voice, send)
+            await self.speak(checked_text(synthesize.text, "synthesize text"), synthesize.voice, send)
             return []
         if Ping.is_type(event.type):
             return [Pong(text=Ping.from_event(event).text).event()]
         if SynthesizeStart.is_type(event.type):
-            self.synthesis, self.synthesis_voice = "", SynthesizeStart.from_event(event).voice
+            self.synthesis, self.synthesis_voice = ArrivingText(), SynthesizeStart.from_event(event).voice
             self.synthesis_audio = False
             return []
         if SynthesizeChunk.is_type(event.type):
             if self.synthesis is None:
                 raise BadRequest("synthesize-chunk before synthesize-start")
-            self.synthesis += SynthesizeChunk.from_event(event).text
-            if said := said_so_far(self.synthesis):  # each whole sentence spoken as it arrives (an LLM's words)
-                text, self.synthesis = self.synthesis[:said], self.synthesis[said:]
-                await self._speak_streamed(text, send)
+            text = SynthesizeChunk.from_event(event).text
+            if not isinstance(text, str):
+                raise BadRequest("synthesize-chunk: its text is a string")
+            if self.synthesis.length + len(text) > MAX_TEXT_CHARS:  # as the HTTP API's speech input
+                self.synthesis = None
+                raise WyomingError(
+                    f"a streamed synthesis over {MAX_TEXT_CHARS} characters: the most one takes", "text_too_long"
+                )
+            if said := self.synthesis.add(text):  # each whole sentence spoken as it arrives (an LLM's words)
+                await self._speak_streamed(said, send)
             return []
         if SynthesizeStop.is_type(event.type):
-            text, self.synthesis = self.synthesis or "", None
+            text, self.synthesis = self.synthesis.rest() if self.synthesis else "", None
             if text.strip():
                 await self._speak_streamed(text, send)
             if self.synthesis_audio:
