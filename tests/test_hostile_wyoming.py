@@ -6,11 +6,15 @@ log), and a good client is served beside and after it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import ifaddr
 import pytest
 from conftest import Daemon
 from speech import RATE, recording
@@ -21,12 +25,14 @@ from wyoming.client import AsyncUnixClient
 from wyoming.event import Event
 from wyoming.ping import Ping
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart
+from zeroconf import DNSIncoming, DNSOutgoing, DNSQuestion, DNSService
 
 from appliance.audio import to_pcm16
 from appliance.bench.daemon import free_tcp_port
 from appliance.kinds.text import MAX_TEXT_CHARS
 
 TINY = "whisper_tiny_en"
+SRV, IN = 33, 1  # DNS's record type and class numbers
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +167,40 @@ def test_a_text_the_voice_says_nothing_for_is_refused_after_one_espeak_run(daemo
     asyncio.run(send_and_leave())
     answers = asyncio.run(exchange(daemon, [Synthesize(text="Where is it?").event()], "audio-stop"))
     assert spoken(answers) == ["audio-start", "audio-stop"] and runs(espeak_runs) == before + 4
+
+
+def srv_ports(name: str, addresses: list[str]) -> list[list[int]]:
+    """The ports in the SRV records of `name` that answer a legacy unicast query (from a port other
+    than 5353, as `dig -p 5353` asks) sent to port 5353 of each address in turn. Answers are read
+    until the last address's has come, then for a second more."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for index, address in enumerate(addresses):
+            query = DNSOutgoing(0, multicast=False, id_=index + 1)
+            query.add_question(DNSQuestion(name, SRV, IN))
+            sock.sendto(query.packets()[0], (address, 5353))
+        ports: list[list[int]] = [[] for _ in addresses]
+        sock.settimeout(30)
+        with contextlib.suppress(TimeoutError):
+            while True:
+                answer = DNSIncoming(sock.recv(9000))
+                records = [r for r in answer.answers() if isinstance(r, DNSService) and r.name.lower() == name.lower()]
+                if 1 <= answer.id <= len(addresses):
+                    ports[answer.id - 1] += [r.port for r in records]
+                if ports[-1]:
+                    sock.settimeout(1.0)
+    return ports
+
+
+def test_zeroconf_answers_only_on_the_address_wyoming_is_served_on(daemon: Daemon) -> None:
+    """Served on 127.0.0.1, the box answered a unicast mDNS query sent to any of its addresses (its
+    wildcard socket on 0.0.0.0:5353), so another network could learn its host name and port. Now a
+    query to another of its addresses gets nothing, and one to the served address its SRV record;
+    Home Assistant's multicast discovery on the served interface is test_wyoming's."""
+    others = sorted(
+        a.ip for adapter in ifaddr.get_adapters() for a in adapter.ips if isinstance(a.ip, str) and a.ip[:4] != "127."
+    )
+    if not others:
+        pytest.skip("this host has no address but loopback to ask on")
+    name = re.search(r"announced as (\S+) \(", daemon.log.read_text())[1]  # type: ignore[index]
+    port = int(re.search(r'tcp = "127.0.0.1:(\d+)"', daemon.config.read_text())[1])  # type: ignore[index]
+    assert srv_ports(name, [*others, "127.0.0.1"]) == [*([] for _ in others), [port]]

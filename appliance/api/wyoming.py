@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import socket
@@ -41,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ifaddr
 import numpy as np
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -57,11 +55,11 @@ from wyoming.tts import (
     SynthesizeStopped,
     SynthesizeVoice,
 )
-from zeroconf import InterfaceChoice, IPVersion
-from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+from zeroconf.asyncio import AsyncZeroconf
 
 from appliance import __version__
 from appliance.api.metrics import Metrics
+from appliance.api.wyoming_lan import Serve, listen_tcp
 from appliance.audio import StreamResampler, pcm16
 from appliance.config import Config, Live, WyomingConfig
 from appliance.errors import ApiError, BadRequest
@@ -74,7 +72,6 @@ from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
 MAX_HEADER_BYTES = 64 << 10
-SERVICE = "_wyoming._tcp.local."
 LINGER_S = 5.0  # how long a connection closing after an error still reads what the client sends
 SAMPLE_RATE = 16000
 MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 192000, 8  # the PCM a recording may come as
@@ -85,7 +82,6 @@ MADE_BY = {
     "kokoro_speech": Attribution(name="Kokoro-82M", url="https://huggingface.co/hexgrad/Kokoro-82M"),
 }
 Send = Callable[[Event], Awaitable[None]]
-Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]  # one client's connection
 
 
 class WyomingError(Exception):
@@ -581,7 +577,7 @@ class Listeners:
     unix: asyncio.Server
     path: Path
     tcp: asyncio.Server | None = None
-    zeroconf: AsyncZeroconf | None = None
+    zeroconf: AsyncZeroconf | None = None  # its announcement on the LAN (wyoming_lan.py)
 
     async def close(self) -> None:
         for server in (self.unix, self.tcp):
@@ -603,7 +599,7 @@ async def start(
     listeners = Listeners(await listen(bind(path), serve), path)
     log.info("Wyoming on %s", path)
     if settings.tcp:
-        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve)
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve, MAX_HEADER_BYTES)
     return listeners
 
 
@@ -626,41 +622,3 @@ def _client(models: dict[str, ServedModel], live: Live, metrics: Metrics, admiss
 async def listen(sock: socket.socket, serve: Serve) -> asyncio.Server:
     """Serve Wyoming on a bound, listening Unix socket; each client in its own task."""
     return await asyncio.start_unix_server(serve, sock=sock, limit=MAX_HEADER_BYTES)
-
-
-async def listen_tcp(address: str, serve: Serve) -> tuple[asyncio.Server, AsyncZeroconf]:
-    """[wyoming] tcp = "HOST:PORT": Wyoming on the LAN, announced by mDNS as _wyoming._tcp.local. on
-    the listening address's interface (all of them for 0.0.0.0) so Home Assistant discovers it."""
-    host, _, port = address.rpartition(":")
-    server = await asyncio.start_server(serve, host, int(port), limit=MAX_HEADER_BYTES)
-    bound = server.sockets[0].getsockname()
-    interfaces = InterfaceChoice.All if host in ("0.0.0.0", "") else [host]
-    zeroconf = AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
-    name = socket.gethostname().split(".")[0] or "appliance"
-    addresses = [socket.inet_aton(a) for a in ([host] if host not in ("0.0.0.0", "") else _addresses())]
-    info = AsyncServiceInfo(
-        SERVICE, f"appliance-{name}.{SERVICE}", addresses=addresses, port=bound[1], server=f"{_lan_host(name)}.local."
-    )
-    # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
-    await zeroconf.async_register_service(info, allow_name_change=True)
-    log.info("Wyoming on TCP %s, announced as %s (no authentication)", address, info.name)
-    return server, zeroconf
-
-
-def _lan_host(name: str) -> str:
-    """The host name the announcement points to: unique to this machine, so two boxes with one host
-    name do not answer for each other's address. From its machine id, keyed (machine-id(5): the id
-    itself must not leave the machine)."""
-    try:
-        machine = Path("/etc/machine-id").read_text().strip()
-    except OSError:
-        machine = ""
-    if not machine or machine == "uninitialized":  # a first boot's placeholder
-        return f"appliance-{name}"
-    return f"appliance-{name}-{hmac.new(machine.encode(), b'appliance-wyoming', 'sha256').hexdigest()[:8]}"
-
-
-def _addresses() -> list[str]:
-    """This host's IPv4 addresses but loopback, for an announcement on every interface."""
-    found = {a.ip for adapter in ifaddr.get_adapters() for a in adapter.ips if isinstance(a.ip, str)}
-    return sorted(a for a in found if not a.startswith("127.")) or ["127.0.0.1"]
