@@ -10,13 +10,17 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx2
+import openai
 import pytest
 from conftest import Daemon
-from speech import recording
+from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from websockets.asyncio.client import ClientConnection, unix_connect
 
-from appliance.audio import to_pcm16
+from appliance.audio import encode_wav, to_pcm16
+from appliance.kinds.speech_api import MAX_PROMPT_CHARS
+from appliance.kinds.speech_to_text import Prompts
 
 TINY = "whisper_tiny_en"
 URI = "ws://appliance/v1/realtime?intent=transcription"
@@ -39,9 +43,11 @@ async def next_event(ws: ClientConnection, kind: str, timeout: float = 60.0) -> 
             return event
 
 
-async def manual_turn(ws: ClientConnection, pcm: bytes) -> dict[str, Any]:
-    """One turn committed by hand: the completed transcription, or the error the box answered with."""
-    await ws.send(json.dumps({"type": "session.update", "session": MANUAL}))
+async def manual_turn(ws: ClientConnection, pcm: bytes, configured: bool = False) -> dict[str, Any]:
+    """One turn committed by hand (the session made manual first, or `configured` so by the caller's
+    session.update): the completed transcription, or the error the box answered with."""
+    if not configured:
+        await ws.send(json.dumps({"type": "session.update", "session": MANUAL}))
     assert (await next_event(ws, "session.updated"))["type"] == "session.updated"
     for at in range(0, len(pcm), 32000):
         piece = base64.b64encode(pcm[at : at + 32000]).decode()
@@ -95,3 +101,63 @@ def test_json_nested_past_the_stack_is_an_error_event_and_the_session_goes_on(da
         assert "nests lists and objects deeper" in detail["message"] and detail["param"] is None, detail
     assert logged() >= 1 and logged() - before <= 1  # none where an earlier line is under 10 s old
     assert wer(CLEAR[0], good_session(daemon)) <= 0.10
+
+
+def test_a_prompt_is_bounded_once_per_session_and_a_good_one_serves_every_turn(daemon: Daemon) -> None:
+    """A 900 KB prompt was tokenized again for every shard, on the event loop (health stalled 3.26 s).
+    A prompt is bounded (MAX_PROMPT_CHARS, Whisper reads its last 223 tokens): one over is refused at
+    session.update, naming the bound, and over HTTP the same; one at the bound serves the turns."""
+    samples, _ = recording(CLEAR[:1], gap_s=0.3, lead_s=0.3)
+    notes = "These are the notes of the day. " * (MAX_PROMPT_CHARS // 32)
+    prompt = notes.strip().ljust(MAX_PROMPT_CHARS)  # whole sentences (a cut one is continued), spaces to the bound
+
+    async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        async with unix_connect(str(daemon.socket), URI) as ws:
+            await next_event(ws, "session.created")
+            over = {"type": "transcription", "audio": {"input": {"transcription": {"prompt": prompt + "x"}}}}
+            await ws.send(json.dumps({"type": "session.update", "session": over}))
+            refused = await next_event(ws, "session.updated")
+            at_bound = json.loads(json.dumps(MANUAL))
+            at_bound["audio"]["input"]["transcription"]["prompt"] = prompt
+            turns = []
+            for _ in range(2):
+                await ws.send(json.dumps({"type": "session.update", "session": at_bound}))
+                turns.append(await manual_turn(ws, to_pcm16(samples), configured=True))
+            return refused, turns
+
+    refused, turns = asyncio.run(run())
+    assert refused["type"] == "error", refused
+    assert refused["error"]["param"] == "session.audio.input.transcription.prompt", refused
+    assert (
+        f"prompt holds {MAX_PROMPT_CHARS + 1} characters; the most one takes is {MAX_PROMPT_CHARS}"
+        in (refused["error"]["message"])
+    )
+    for turn in turns:
+        assert turn["type"] != "error" and wer(CLEAR[0], turn["transcript"]) <= 0.10, turn
+    with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(daemon.socket)), timeout=300) as http:
+        client = openai.OpenAI(api_key="on-box", base_url="http://appliance/v1", http_client=http, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match=f"the most one takes is {MAX_PROMPT_CHARS}"):
+            client.audio.transcriptions.create(
+                model=TINY, file=("a.wav", encode_wav(samples, RATE)), prompt=prompt + "x"
+            )
+
+
+def test_a_prompt_is_tokenized_once_for_all_who_share_it() -> None:
+    """The shards of a recording, and the turns of a session, share their prompt's tokens: made once,
+    in a thread, whoever asks while it is being made; one asker cancelled is not the others'."""
+    made: list[str] = []
+
+    def encode(text: str) -> tuple[int, ...]:
+        made.append(text)
+        return (len(text),)
+
+    async def run() -> list[tuple[int, ...]]:
+        prompts = Prompts(encode)
+        first = asyncio.ensure_future(prompts.tokens("previous text"))
+        await asyncio.sleep(0)
+        first.cancel()
+        shared = await asyncio.gather(*(prompts.tokens("previous text") for _ in range(20)))
+        return [*shared, await prompts.tokens("previous text"), await prompts.tokens("")]
+
+    assert asyncio.run(run()) == [(13,)] * 21 + [()]
+    assert made == ["previous text"]

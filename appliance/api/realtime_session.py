@@ -24,7 +24,8 @@ import numpy as np
 
 from appliance.audio import StreamResampler, pcm16
 from appliance.config import VAD_MAX_MS, VadConfig
-from appliance.errors import ApiError
+from appliance.errors import ApiError, BadRequest
+from appliance.kinds.speech_api import check_prompt
 from appliance.protocol.limits import LIMITS_BITTEN
 
 SAMPLE_RATE = 16000  # what the VAD and Whisper take
@@ -367,6 +368,10 @@ def _transcription(settings: Settings, given: dict[str, Any], models: tuple[str,
         )
     if language is not None and not isinstance(language, str) or not isinstance(prompt, str):
         raise RealtimeError("language and prompt must be strings", "invalid_type", "session.audio.input.transcription")
+    try:
+        check_prompt(prompt)  # refused here, once, rather than at each turn
+    except BadRequest as exc:
+        raise RealtimeError(exc.message, param="session.audio.input.transcription.prompt") from None
     return dataclasses.replace(settings, model=model, language=(language or None), prompt=prompt)
 
 
