@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from conftest import Daemon
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
-from websockets.asyncio.client import ClientConnection, unix_connect
+from websockets.asyncio.client import ClientConnection, connect, unix_connect
 
 from appliance.audio import encode_wav, to_pcm16
 from appliance.kinds.speech_api import MAX_PROMPT_CHARS
@@ -189,3 +190,49 @@ def test_tiny_appends_hold_their_samples_not_their_count(daemon: Daemon, turn_de
     growth_mib = asyncio.run(run()) / 1024
     assert growth_mib < 16, f"the daemon grew by {growth_mib:.0f} MiB"
     assert wer(CLEAR[0], good_session(daemon)) <= 0.10
+
+
+def test_one_address_cannot_take_the_whole_sequence_table(start_daemon, interpreter_bundle, tls) -> None:
+    """Nine QUIC connections of 120 Realtime streams from one address filled all 1024 live slots, and
+    every other session was refused: the share was per connection. An address's connections share one
+    share ([sequences] max_per_address): here 2 of 6. A third session from 127.0.0.1 over HTTPS is
+    refused with an error naming the share, a session on the Unix socket (its user is its address)
+    is served beside them, and once one of the address's sessions leaves, its next one is served."""
+    extra = "[sequences]\nmax_live = 6\nmax_per_client = 6\nmax_per_address = 2\n"
+    daemon = start_daemon(extra, bundle_dir=interpreter_bundle, tls=tls, https="", wait=False).wait_ready(240)
+    context = ssl.create_default_context(cafile=daemon.cafile)
+    https = f"wss://127.0.0.1:{daemon.https_port}/v1/realtime?intent=transcription"
+    silence = json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(8192)).decode()})
+    session = {"type": "transcription", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}
+
+    async def stream(ws: ClientConnection) -> dict[str, Any]:
+        """Audio enough to open the session's live stream, then a session.update: the error its
+        opening met, or session.updated once it is open."""
+        await next_event(ws, "session.created")
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        await next_event(ws, "session.updated")
+        await ws.send(silence)
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        return await next_event(ws, "session.updated")
+
+    async def run() -> list[dict[str, Any]]:
+        held = [await connect(https, ssl=context) for _ in range(2)]
+        answers = [await stream(ws) for ws in held]
+        async with connect(https, ssl=context) as third:
+            answers.append(await stream(third))
+        async with unix_connect(str(daemon.socket), URI) as beside:
+            answers.append(await stream(beside))
+            await held.pop().close()
+            for _ in range(50):  # the box ends the left session's stream as it reads the close
+                async with connect(https, ssl=context) as after:
+                    if (answer := await stream(after))["type"] == "session.updated":
+                        break
+                await asyncio.sleep(0.1)
+            answers.append(answer)
+        await held[0].close()
+        return answers
+
+    answers = asyncio.run(run())
+    assert [a["type"] for a in answers] == ["session.updated"] * 2 + ["error"] + ["session.updated"] * 2, answers
+    message = answers[2]["error"]["message"]
+    assert "127.0.0.1 holds 2 live streams, its address's share ([sequences] max_per_address)" in message, message

@@ -65,7 +65,10 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
             plan = pipeline.plan(params.get("query:target"), params.get("query:source"))  # a 400 before the switch
             interpret = Interpreter(pipeline, plan)
             return Response(
-                101, session=partial(transcription, models, metrics, pipeline.stt.name, request.client, interpret)
+                101,
+                session=partial(
+                    transcription, models, metrics, pipeline.stt.name, request.client, request.address, interpret
+                ),
             )
         intent = params.get("query:intent", "transcription")
         if intent != "transcription":
@@ -76,7 +79,9 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
         if not speech:
             raise NotFound("this firmware serves no speech_to_text model")
         model = speech_to_text(models, params.get("query:model", speech[0].name), "transcribe", None)
-        return Response(101, session=partial(transcription, models, metrics, model.name, request.client, None))
+        return Response(
+            101, session=partial(transcription, models, metrics, model.name, request.client, request.address, None)
+        )
 
     return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
 
@@ -104,6 +109,7 @@ async def transcription(
     metrics: Metrics,
     model: str,
     client: str,
+    address: str,
     interpreter: Interpreter | None,
     io: SessionIO,
 ) -> Close:
@@ -123,7 +129,7 @@ async def transcription(
         assert interpreter is not None
         metrics.observe_live(interpreter.pipeline.name, "realtime", seconds, "first_audio")
 
-    turns = Turns(models, session, client, emit, interpreter, first_audio)
+    turns = Turns(models, session, client, address, emit, interpreter, first_audio)
     await io.send(_json(session.created()))
     try:
         while True:
@@ -176,12 +182,13 @@ class Turns:
         models: dict[str, ServedModel],
         session: TranscriptionSession,
         client: str,
+        address: str,  # Request.address: a host's sessions share one share of the sequence table
         emit: Callable[[dict], Awaitable[None]],
         interpreter: Interpreter | None,
         first_audio: Callable[[float], None],  # an interpreter answer's first audio, seconds after its turn
     ) -> None:
         self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
-        self.emit, self.first_audio = emit, first_audio
+        self.emit, self.first_audio, self.address = emit, first_audio, address
         self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
         self.pending_samples = 0
         self.gathered = 0  # pending's arrays before this one are joined (see feed)
@@ -356,7 +363,7 @@ class Turns:
             self.arrivals.popleft()
 
     async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
-        call = SequenceCall(self.key, start=not self.started, end=end, client=self.client)
+        call = SequenceCall(self.key, start=not self.started, end=end, client=self.client, address=self.address)
         vad = self.session.settings.vad
         # the open turn's text so far is decoded behind the stream, as often as the model's cadence
         chunk = await self.model.live_chunk(
