@@ -33,6 +33,7 @@ from appliance.kinds.text import MAX_TEXT_CHARS
 
 TINY = "whisper_tiny_en"
 SRV, IN = 33, 1  # DNS's record type and class numbers
+MDNS_GROUP = "224.0.0.251"
 
 
 @pytest.fixture(scope="module")
@@ -169,24 +170,28 @@ def test_a_text_the_voice_says_nothing_for_is_refused_after_one_espeak_run(daemo
     assert spoken(answers) == ["audio-start", "audio-stop"] and runs(espeak_runs) == before + 4
 
 
-def srv_ports(name: str, addresses: list[str]) -> list[list[int]]:
+def srv_ports(name: str, address: str, tries: int = 1) -> list[int]:
     """The ports in the SRV records of `name` that answer a legacy unicast query (from a port other
-    than 5353, as `dig -p 5353` asks) sent to port 5353 of each address in turn. Answers are read
-    until the last address's has come, then for a second more."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for index, address in enumerate(addresses):
-            query = DNSOutgoing(0, multicast=False, id_=index + 1)
+    than 5353, as `dig -p 5353` asks) sent to port 5353 at `address` (the mDNS group: on loopback),
+    from `tries` sockets: several boxes' sockets share port 5353 (SO_REUSEPORT), and the kernel hands
+    a datagram to one of them by its source port. Answers are read for a second after the last."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(tries)]
+    ports: list[int] = []
+    with contextlib.ExitStack() as stack:
+        for sock in sockets:
+            stack.enter_context(sock)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+            query = DNSOutgoing(0, multicast=False)
             query.add_question(DNSQuestion(name, SRV, IN))
             sock.sendto(query.packets()[0], (address, 5353))
-        ports: list[list[int]] = [[] for _ in addresses]
-        sock.settimeout(30)
-        with contextlib.suppress(TimeoutError):
-            while True:
-                answer = DNSIncoming(sock.recv(9000))
-                records = [r for r in answer.answers() if isinstance(r, DNSService) and r.name.lower() == name.lower()]
-                if 1 <= answer.id <= len(addresses):
-                    ports[answer.id - 1] += [r.port for r in records]
-                if ports[-1]:
+        for sock in sockets:
+            sock.settimeout(5.0 if address == MDNS_GROUP else 1.0)
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    answer = DNSIncoming(sock.recv(9000))
+                    ports += [
+                        r.port for r in answer.answers() if isinstance(r, DNSService) and r.name.lower() == name.lower()
+                    ]
                     sock.settimeout(1.0)
     return ports
 
@@ -194,8 +199,8 @@ def srv_ports(name: str, addresses: list[str]) -> list[list[int]]:
 def test_zeroconf_answers_only_on_the_address_wyoming_is_served_on(daemon: Daemon) -> None:
     """Served on 127.0.0.1, the box answered a unicast mDNS query sent to any of its addresses (its
     wildcard socket on 0.0.0.0:5353), so another network could learn its host name and port. Now a
-    query to another of its addresses gets nothing, and one to the served address its SRV record;
-    Home Assistant's multicast discovery on the served interface is test_wyoming's."""
+    query to another of its addresses gets nothing, and one to the mDNS group on the served interface
+    its SRV record (Home Assistant's discovery there is test_wyoming's)."""
     others = sorted(
         a.ip for adapter in ifaddr.get_adapters() for a in adapter.ips if isinstance(a.ip, str) and a.ip[:4] != "127."
     )
@@ -203,4 +208,6 @@ def test_zeroconf_answers_only_on_the_address_wyoming_is_served_on(daemon: Daemo
         pytest.skip("this host has no address but loopback to ask on")
     name = re.search(r"announced as (\S+) \(", daemon.log.read_text())[1]  # type: ignore[index]
     port = int(re.search(r'tcp = "127.0.0.1:(\d+)"', daemon.config.read_text())[1])  # type: ignore[index]
-    assert srv_ports(name, [*others, "127.0.0.1"]) == [*([] for _ in others), [port]]
+    assert srv_ports(name, MDNS_GROUP) == [port]  # asked where it serves: its port
+    for other in others:
+        assert srv_ports(name, other, tries=16) == [], other
