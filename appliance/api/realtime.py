@@ -31,12 +31,11 @@ from appliance.api.realtime_session import (
     Audio,
     Clear,
     Commit,
-    RealtimeError,
     Restart,
     Step,
     TranscriptionSession,
-    default_settings,
 )
+from appliance.api.realtime_settings import RealtimeError, default_settings
 from appliance.api.routes import Route
 from appliance.audio import StreamResampler, to_pcm16
 from appliance.engine.stats import RequestTimes
