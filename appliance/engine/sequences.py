@@ -2,9 +2,10 @@
 
 The VAD's recurrent state rows, a generic ONNX model's state, a speech_to_text model's live streams
 (and through them a pipeline's) are all entries of an OwnedTable. The table bounds their count
-(overall, per client, and per address: one host's many connections cannot take it all), expires the idle ones, restarts one on a second start and ends them; what a
-kind keeps besides (a VAD sequence under a stream) it releases in `on_drop`. The caller passes the
-time, so nothing here reads a clock; the bounds are read from the live config at each use.
+(overall, per client, and per address: one host's many connections cannot take it all), expires the
+idle ones, restarts one on a second start and ends them; what a kind keeps besides (a VAD sequence
+under a stream) it releases in `on_drop`. The caller passes the time, so nothing here reads a clock;
+the bounds are read from the live config at each use.
 """
 
 from __future__ import annotations
