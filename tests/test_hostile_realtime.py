@@ -1,6 +1,8 @@
 """OpenAI's Realtime API under attack, on a real daemon serving the interpreter firmware, driven by a
-`websockets` client on the Unix socket: JSON nested past the stack. Each attack gets OpenAI's `error`
-event (never a close 1011 and a traceback in the log), and a good session is served after it."""
+`websockets` client on the Unix socket (and over HTTPS): JSON nested past the stack, a prompt past
+its bound, a flood of one-sample appends, one address's many sessions. Each attack gets OpenAI's
+`error` event or a bound (never a close 1011 and a traceback in the log); a good on-box app is served
+beside it and a good session after it."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 import httpx2
 import openai
 import pytest
-from conftest import Daemon
+from conftest import Daemon, good_unix_client_beside
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
@@ -93,7 +95,8 @@ def test_json_nested_past_the_stack_is_an_error_event_and_the_session_goes_on(da
             assert (await next_event(ws, "session.updated"))["type"] == "session.updated"  # served on
             return errors
 
-    errors = asyncio.run(run())
+    with good_unix_client_beside(daemon):
+        errors = asyncio.run(run())
     assert len(errors) == 20
     for error in errors:
         assert error["type"] == "error" and error["event_id"].startswith("event_"), error
@@ -126,7 +129,8 @@ def test_a_prompt_is_bounded_once_per_session_and_a_good_one_serves_every_turn(d
                 turns.append(await manual_turn(ws, to_pcm16(samples), configured=True))
             return refused, turns
 
-    refused, turns = asyncio.run(run())
+    with good_unix_client_beside(daemon):
+        refused, turns = asyncio.run(run())
     assert refused["type"] == "error", refused
     assert refused["error"]["param"] == "session.audio.input.transcription.prompt", refused
     assert (
@@ -187,7 +191,8 @@ def test_tiny_appends_hold_their_samples_not_their_count(daemon: Daemon, turn_de
             assert (await next_event(ws, "session.updated", 300))["type"] == "session.updated"  # all read
             return daemon.rss_kib() - before
 
-    growth_mib = asyncio.run(run()) / 1024
+    with good_unix_client_beside(daemon):
+        growth_mib = asyncio.run(run()) / 1024
     assert growth_mib < 16, f"the daemon grew by {growth_mib:.0f} MiB"
     assert wer(CLEAR[0], good_session(daemon)) <= 0.10
 
@@ -232,7 +237,8 @@ def test_one_address_cannot_take_the_whole_sequence_table(start_daemon, interpre
         await held[0].close()
         return answers
 
-    answers = asyncio.run(run())
+    with good_unix_client_beside(daemon):
+        answers = asyncio.run(run())
     assert [a["type"] for a in answers] == ["session.updated"] * 2 + ["error"] + ["session.updated"] * 2, answers
     message = answers[2]["error"]["message"]
     assert "127.0.0.1 holds 2 live streams, its address's share ([sequences] max_per_address)" in message, message

@@ -1,7 +1,7 @@
 """Wyoming under attack, on a real daemon serving the interpreter firmware, driven by the `wyoming`
 package's own client: impossible audio formats, text past the bounds or that the voice says nothing
 for, a client that leaves mid-synthesis. Each attack gets its `error` event (never a traceback in the
-log), and a good client is served beside and after it."""
+log), and a good client is served beside (an on-box app) and after it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ifaddr
 import pytest
-from conftest import Daemon
+from conftest import Daemon, good_unix_client_beside
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
@@ -107,20 +107,21 @@ def test_an_impossible_audio_format_is_an_error_event_and_the_next_client_is_ser
     connection gone. Each impossible format is one `error` event naming the format the box takes; the
     connection goes on (a good chunk after it is heard), and the next client is served."""
     good = AudioChunk(RATE, 2, 1, bytes(3200)).event()
-    for rate, width, channels in IMPOSSIBLE:
-        bad = Event("audio-start" if event == "audio-start" else "audio-chunk", {"rate": rate, "width": width})
-        bad.data["channels"] = channels
-        if event == "audio-chunk":
-            bad = Event(bad.type, bad.data, payload=bytes(6400))
-        leading = [Transcribe(name=TINY).event()] + ([AudioStart(RATE, 2, 1).event()] if event == "audio-chunk" else [])
-        answers = asyncio.run(
-            exchange(daemon, [*leading, bad, AudioStart(RATE, 2, 1).event(), good, AudioStop().event()], "transcript")
-        )
-        types = [a.type for a in answers]
-        assert types[0] == "error" and types[-1] == "transcript", (rate, width, channels, types)
-        text = answers[0].data["text"]
-        assert f"{event}: send 16-bit PCM (width 2), 1 to 8 channels, 8 to 192 kHz" in text, text
-    assert wer(CLEAR[0], good_transcription(daemon)) <= 0.10
+    with good_unix_client_beside(daemon):
+        for rate, width, channels in IMPOSSIBLE:
+            bad = Event("audio-start" if event == "audio-start" else "audio-chunk", {"rate": rate, "width": width})
+            bad.data["channels"] = channels
+            if event == "audio-chunk":
+                bad = Event(bad.type, bad.data, payload=bytes(6400))
+            leading = [Transcribe(name=TINY).event()]
+            leading += [AudioStart(RATE, 2, 1).event()] if event == "audio-chunk" else []
+            sent = [*leading, bad, AudioStart(RATE, 2, 1).event(), good, AudioStop().event()]
+            answers = asyncio.run(exchange(daemon, sent, "transcript"))
+            types = [a.type for a in answers]
+            assert types[0] == "error" and types[-1] == "transcript", (rate, width, channels, types)
+            text = answers[0].data["text"]
+            assert f"{event}: send 16-bit PCM (width 2), 1 to 8 channels, 8 to 192 kHz" in text, text
+        assert wer(CLEAR[0], good_transcription(daemon)) <= 0.10
 
 
 def spoken(answers: list[Event]) -> list[str]:
@@ -142,7 +143,8 @@ def test_streamed_text_is_bounded_as_a_whole_synthesis(daemon: Daemon) -> None:
     """Streamed synthesize-chunk text grew without bound (and was rescanned at each chunk). A streamed
     synthesis is a text as one synthesize is: past MAX_TEXT_CHARS it gets one error and the close."""
     words = [SynthesizeChunk(text="one two three four five six seven ").event()] * (MAX_TEXT_CHARS // 34 + 1)
-    answers = asyncio.run(exchange(daemon, [SynthesizeStart().event(), *words, Ping().event()], "pong"))
+    with good_unix_client_beside(daemon):
+        answers = asyncio.run(exchange(daemon, [SynthesizeStart().event(), *words, Ping().event()], "pong"))
     assert [a.type for a in answers] == ["error"], answers
     assert f"a streamed synthesis over {MAX_TEXT_CHARS} characters" in answers[0].data["text"]
     assert "limit: Wyoming client" in daemon.log.read_text()
@@ -155,7 +157,8 @@ def test_a_text_the_voice_says_nothing_for_is_refused_after_one_espeak_run(daemo
     behind: those that follow are the next client's."""
     odd = "\U0001d7e0. " * 2000
     before = runs(espeak_runs)
-    answers = asyncio.run(exchange(daemon, [Synthesize(text=odd).event()], "audio-stop", "error"))
+    with good_unix_client_beside(daemon):
+        answers = asyncio.run(exchange(daemon, [Synthesize(text=odd).event()], "audio-stop", "error"))
     assert [a.type for a in answers] == ["error"] and "nothing to say" in answers[0].data["text"], answers
     assert runs(espeak_runs) == before + 1
     answers = asyncio.run(exchange(daemon, [Synthesize(text=f"Good morning. {odd}Where is it?").event()], "audio-stop"))
