@@ -554,6 +554,23 @@ class GoodUnixClient(threading.Thread):
 
 
 @contextlib.contextmanager
+def good_unix_client_beside(daemon: Daemon) -> Iterator[None]:
+    """A good on-box app asking for health every 50 ms while the body attacks a daemon that goes on
+    serving: none of its requests may fail (a 10 s stall of the event loop fails one)."""
+    good = GoodUnixClient(daemon)
+    good.start()
+    try:
+        yield
+        deadline = time.monotonic() + 30  # a short attack: answered once at least, after it if not during
+        while not good.answered and not good.errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        good.stopping.set()
+        good.join(30)
+    assert not good.errors and good.answered, (good.answered, good.errors[:3])
+
+
+@contextlib.contextmanager
 def good_clients_throughout(daemon: Daemon) -> Iterator[None]:
     """A good client on each transport, a request every 50 ms, while the body runs attacks: none of
     their requests may fail, no worker may be killed, and the daemon's resident memory may grow by at

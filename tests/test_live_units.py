@@ -17,7 +17,8 @@ import pytest
 from wsproto.connection import Connection, ConnectionType
 from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessage
 
-from appliance.api.realtime_session import Audio, Commit, TranscriptionSession, default_settings
+from appliance.api.realtime_session import Audio, Commit, TranscriptionSession
+from appliance.api.realtime_settings import default_settings
 from appliance.config import WebSocketConfig
 from appliance.config.sections import SequenceConfig, VadConfig
 from appliance.engine.sequences import OwnedTable

@@ -22,7 +22,7 @@ import soxr
 from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
 
 from appliance.client import Call, Client
-from appliance.kinds.text import Clause, plan_shards, said_so_far, sentences
+from appliance.kinds.text import ArrivingText, Clause, plan_shards, sentences
 
 SPEECH_SPEC = ROOT / "firmware" / "speech.toml"
 PARAGRAPH = (
@@ -284,14 +284,28 @@ def test_sentences_and_clauses_as_espeak_cuts_them() -> None:
     ]
 
 
-def test_whole_sentences_of_a_text_still_arriving() -> None:
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_whole_sentences_of_a_text_still_arriving(piece: int) -> None:
     """Streamed text (Wyoming's synthesize-chunk) is spoken up to its last sentence end that white
-    space follows: "3." may become "3.50", a comma ends no sentence."""
-    assert said_so_far("It costs 3.") == 0
-    assert said_so_far("It costs 3.50. Fine") == len("It costs 3.50.")
-    assert said_so_far("Hello, world") == said_so_far("Hello, ") == 0
-    assert said_so_far('Really?!" And then') == len('Really?!"')
-    assert said_so_far("One. Two! Three") == len("One. Two!")
+    space follows: "3." may become "3.50", a comma ends no sentence; however the text is cut."""
+
+    def said(text: str) -> str:
+        arriving = ArrivingText()
+        return "".join(arriving.add(text[at : at + piece]) for at in range(0, len(text), piece))
+
+    assert said("It costs 3.") == ""
+    assert said("It costs 3.50. Fine") == "It costs 3.50."
+    assert said("Hello, world") == said("Hello, ") == ""
+    assert said('Really?!" And then') == 'Really?!"'
+    assert said("One. Two! Three") == "One. Two!"
+    assert said('He said ".". Then') == 'He said ".".'
+    arriving = ArrivingText()
+    assert [arriving.add("One. Tw"), arriving.add("o! Thr"), arriving.add("ee"), arriving.rest()] == [
+        "One.",
+        " Two!",
+        "",
+        " Three",
+    ]
 
 
 def test_shards_semantic_and_fixed() -> None:

@@ -281,7 +281,7 @@ class Api:
         if self.draining and sequence is not None and sequence.start:
             raise Unavailable("shutting down: no new sequences; open ones may finish")
         if sequence is not None:
-            sequence = dataclasses.replace(sequence, client=request.client)
+            sequence = dataclasses.replace(sequence, client=request.client, address=request.address)
         times, started = RequestTimes(), time.perf_counter_ns()
         try:
             outputs, opened = await model.infer(infer, sequence, times)

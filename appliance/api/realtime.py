@@ -31,12 +31,11 @@ from appliance.api.realtime_session import (
     Audio,
     Clear,
     Commit,
-    RealtimeError,
     Restart,
     Step,
     TranscriptionSession,
-    default_settings,
 )
+from appliance.api.realtime_settings import RealtimeError, default_settings
 from appliance.api.routes import Route
 from appliance.audio import StreamResampler, to_pcm16
 from appliance.engine.stats import RequestTimes
@@ -50,6 +49,10 @@ CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known with
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
 # an interpreter session's turns transcribed and waiting to be spoken before it stops taking audio
 ANSWERS_WAITING = 4
+# appends closer together than this (10 ms of audio) share one arrival time: a turn is timed from the
+# first of them
+ARRIVAL_STEP = 160
+GATHERED = 256  # a buffer's small appends are joined into one array every this many
 
 
 def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
@@ -61,7 +64,10 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
             plan = pipeline.plan(params.get("query:target"), params.get("query:source"))  # a 400 before the switch
             interpret = Interpreter(pipeline, plan)
             return Response(
-                101, session=partial(transcription, models, metrics, pipeline.stt.name, request.client, interpret)
+                101,
+                session=partial(
+                    transcription, models, metrics, pipeline.stt.name, request.client, request.address, interpret
+                ),
             )
         intent = params.get("query:intent", "transcription")
         if intent != "transcription":
@@ -72,7 +78,9 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
         if not speech:
             raise NotFound("this firmware serves no speech_to_text model")
         model = speech_to_text(models, params.get("query:model", speech[0].name), "transcribe", None)
-        return Response(101, session=partial(transcription, models, metrics, model.name, request.client, None))
+        return Response(
+            101, session=partial(transcription, models, metrics, model.name, request.client, request.address, None)
+        )
 
     return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
 
@@ -100,6 +108,7 @@ async def transcription(
     metrics: Metrics,
     model: str,
     client: str,
+    address: str,
     interpreter: Interpreter | None,
     io: SessionIO,
 ) -> Close:
@@ -119,7 +128,7 @@ async def transcription(
         assert interpreter is not None
         metrics.observe_live(interpreter.pipeline.name, "realtime", seconds, "first_audio")
 
-    turns = Turns(models, session, client, emit, interpreter, first_audio)
+    turns = Turns(models, session, client, address, emit, interpreter, first_audio)
     await io.send(_json(session.created()))
     try:
         while True:
@@ -172,19 +181,22 @@ class Turns:
         models: dict[str, ServedModel],
         session: TranscriptionSession,
         client: str,
+        address: str,  # Request.address: a host's sessions share one share of the sequence table
         emit: Callable[[dict], Awaitable[None]],
         interpreter: Interpreter | None,
         first_audio: Callable[[float], None],  # an interpreter answer's first audio, seconds after its turn
     ) -> None:
         self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
-        self.emit, self.first_audio = emit, first_audio
+        self.emit, self.first_audio, self.address = emit, first_audio, address
         self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
         self.pending_samples = 0
+        self.gathered = 0  # pending's arrays before this one are joined (see feed)
         self.stream = 0  # the live stream's number within the session
         self.started = False  # whether the live stream is open on the model
         self.offset = 0  # the session's sample position where the live stream began
         self.model = self._model()
-        # when the audio up to each session position arrived (append by append), to time the turns
+        # under server VAD, when the audio up to each session position arrived (an entry per
+        # ARRIVAL_STEP of audio, from where a turn may still end on), to time the turns
         self.arrivals: deque[tuple[int, float]] = deque()
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
         # an interpreter session's turns to answer, in order, while it goes on listening
@@ -213,7 +225,8 @@ class Turns:
         if isinstance(step, Commit):
             return await self.commit(step.item_id)
         self.close()
-        self.pending, self.pending_samples, self.offset = [], 0, self.session.heard_samples
+        self.pending, self.pending_samples, self.gathered, self.offset = [], 0, 0, self.session.heard_samples
+        self.arrivals.clear()  # no turn can end before the new offset
         if isinstance(step, Restart):
             self.model = self._model()
 
@@ -222,16 +235,21 @@ class Turns:
             await self.emit(event)
 
     async def feed(self, samples: np.ndarray) -> None:
-        self.arrivals.append((self.session.heard_samples, time.monotonic()))
         self.pending.append(samples)
         self.pending_samples += len(samples)
         if self.session.settings.vad is None:
             if self.pending_samples > MAX_BUFFER_S * SAMPLE_RATE:
-                self.pending, self.pending_samples = [], 0
+                self.pending, self.pending_samples, self.gathered = [], 0, 0
                 raise RealtimeError(
                     f"the input buffer holds more than {MAX_BUFFER_S:g} s: commit sooner", "buffer_too_large"
                 )
+            if len(self.pending) - self.gathered >= GATHERED:  # a million tiny appends: arrays, not samples
+                self.pending[self.gathered :] = [np.concatenate(self.pending[self.gathered :])]
+                self.gathered = len(self.pending)
             return
+        position = self.session.heard_samples
+        if not self.arrivals or position - self.arrivals[-1][0] >= ARRIVAL_STEP:
+            self.arrivals.append((position, time.monotonic()))
         while self.pending_samples >= CHUNK:
             audio = np.concatenate(self.pending)
             self.pending, self.pending_samples = [audio[CHUNK:]], len(audio) - CHUNK
@@ -239,7 +257,7 @@ class Turns:
 
     async def commit(self, item: str) -> None:
         audio = np.concatenate(self.pending) if self.pending else np.zeros(0, np.float32)
-        self.pending, self.pending_samples = [], 0
+        self.pending, self.pending_samples, self.gathered = [], 0, 0
         if self.session.settings.vad is None:
             if not len(audio):
                 raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
@@ -271,6 +289,7 @@ class Turns:
             await self._emit(self.session.turn_heard(chunk.open_start + self.offset))
             if chunk.partial is not None:
                 await self._emit(self.session.partial(chunk.partial))
+        self._forget_arrivals(chunk.open_start)
 
     async def _interpret(self, item: str, segments: list[Segment]) -> None:
         """An interpreter turn, its transcript sent: queued to be translated and spoken while the session
@@ -322,13 +341,28 @@ class Turns:
 
     def _timed(self, item: str, end_sample: int) -> None:
         """The turn ends at `end_sample`: note when the append that carried it arrived."""
-        while len(self.arrivals) > 1 and self.arrivals[1][0] < end_sample:
-            self.arrivals.popleft()
+        self._trim_arrivals(end_sample)
         if self.arrivals:  # the append that began before end_sample and ran to or past it
             self.arrived[item] = self.arrivals[0][1]
 
+    def _forget_arrivals(self, open_start: int | None) -> None:
+        """The VAD has heard what was sent: no turn ends before the open one's start or, with none
+        open, before the speech that may be beginning in what it heard last (its shortest speech,
+        padding and silence back). Silence for hours keeps no more arrivals than that."""
+        vad = self.session.settings.vad
+        if open_start is not None:
+            self._trim_arrivals(open_start + self.offset)
+        elif vad is not None:
+            back = (vad.min_speech_ms + vad.speech_pad_ms + vad.min_silence_ms) * SAMPLE_RATE // 1000 + CHUNK
+            self._trim_arrivals(self.session.heard_samples - self.pending_samples - back)
+
+    def _trim_arrivals(self, end_sample: int) -> None:
+        """Drop the arrivals no turn ending at `end_sample` or later is timed from."""
+        while len(self.arrivals) > 1 and self.arrivals[1][0] < end_sample:
+            self.arrivals.popleft()
+
     async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
-        call = SequenceCall(self.key, start=not self.started, end=end, client=self.client)
+        call = SequenceCall(self.key, start=not self.started, end=end, client=self.client, address=self.address)
         vad = self.session.settings.vad
         # the open turn's text so far is decoded behind the stream, as often as the model's cadence
         chunk = await self.model.live_chunk(

@@ -6,7 +6,8 @@ Client events: `session.update` (session.type "transcription"; audio.input.forma
 24000 or 16000 Hz; audio.input.transcription model, language, prompt; audio.input.turn_detection
 server_vad with threshold, prefix_padding_ms, silence_duration_ms, or null for manual commits),
 `input_audio_buffer.append` (base64 PCM16), `input_audio_buffer.commit`, `input_audio_buffer.clear`.
-A bad event is answered by one `error` event with OpenAI's fields; the session goes on.
+A bad event is answered by one `error` event with OpenAI's fields; the session goes on. The settings
+session.update may change are read and checked in realtime_settings.py.
 """
 
 from __future__ import annotations
@@ -22,33 +23,21 @@ from typing import Any
 
 import numpy as np
 
+from appliance.api.realtime_settings import (
+    RealtimeError,
+    Settings,
+    as_object,
+    audio_rate,
+    with_transcription,
+    with_turn_detection,
+)
 from appliance.audio import StreamResampler, pcm16
-from appliance.config import VAD_MAX_MS, VadConfig
 from appliance.errors import ApiError
+from appliance.protocol.limits import LIMITS_BITTEN
 
 SAMPLE_RATE = 16000  # what the VAD and Whisper take
-RATES = (24000, 16000)
-SERVER_VAD = {"threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}  # OpenAI's defaults
 MAX_BUFFER_S = 600.0  # a manual buffer (no server VAD) not committed by then is refused
-
-
-class RealtimeError(ApiError):
-    """One `error` event: OpenAI's `code` and `param` beside the message."""
-
-    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
-        super().__init__(message, 400)
-        self.code, self.param = code, param
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    model: str
-    rate: int = 24000
-    language: str | None = None
-    prompt: str = ""
-    vad: VadConfig | None = None  # None: no server VAD, the client commits its turns
-    turn_detection: dict[str, Any] | None = None  # as the client sees it
-    output_rate: int = 24000  # an interpreter session's translated speech
+TOO_DEEP = "the event nests lists and objects deeper than the box parses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +131,9 @@ class TranscriptionSession:
                 event = json.loads(text)
             except ValueError as exc:
                 raise RealtimeError(f"the event is not JSON: {exc}", "invalid_json") from None
+            except RecursionError:  # a cheap message that costs a traceback a time: logged as a limit
+                LIMITS_BITTEN.bit("realtime json depth", f"Realtime session {self.id}: {TOO_DEEP}")
+                raise RealtimeError(TOO_DEEP, "invalid_json") from None
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise RealtimeError("an event is a JSON object with a string 'type'", "invalid_event", "type")
             client_id = event.get("event_id")
@@ -165,7 +157,7 @@ class TranscriptionSession:
         return self.event("error", error=detail)
 
     def _update(self, event: dict[str, Any]) -> list[Step]:
-        session = _object(event.get("session"), "session")
+        session = as_object(event.get("session"), "session")
         kind = session.get("type", self.kind)
         if kind != self.kind:
             raise RealtimeError(
@@ -173,20 +165,20 @@ class TranscriptionSession:
                 "?intent=transcription, or ?model= a speech pipeline for 'realtime')",
                 param="session.type",
             )
-        audio = _object(session.get("audio", {}), "session.audio")
-        given = _object(audio.get("input", {}), "session.audio.input")
+        audio = as_object(session.get("audio", {}), "session.audio")
+        given = as_object(audio.get("input", {}), "session.audio.input")
         settings = self.settings
         if "format" in given:
-            settings = dataclasses.replace(settings, rate=_rate(given["format"]))
+            settings = dataclasses.replace(settings, rate=audio_rate(given["format"]))
         if "transcription" in given:
-            settings = _transcription(
-                settings, _object(given["transcription"], "session.audio.input.transcription"), self.models
+            settings = with_transcription(
+                settings, as_object(given["transcription"], "session.audio.input.transcription"), self.models
             )
         if "turn_detection" in given:
-            settings = _turn_detection(settings, given["turn_detection"])
-        output = _object(audio.get("output", {}), "session.audio.output")
+            settings = with_turn_detection(settings, given["turn_detection"])
+        output = as_object(audio.get("output", {}), "session.audio.output")
         if self.kind == "realtime" and "format" in output:
-            settings = dataclasses.replace(settings, output_rate=_rate(output["format"], "output"))
+            settings = dataclasses.replace(settings, output_rate=audio_rate(output["format"], "output"))
         steps: list[Step] = []
         if settings != self.settings:
             if settings.rate != self.settings.rate:
@@ -329,66 +321,3 @@ HANDLERS = {
     "input_audio_buffer.commit": TranscriptionSession._commit,
     "input_audio_buffer.clear": TranscriptionSession._clear,
 }
-
-
-def _object(value: Any, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise RealtimeError(f"'{name}' must be an object", "invalid_type", name)
-    return value
-
-
-def _rate(value: Any, side: str = "input") -> int:
-    fmt = _object(value, f"session.audio.{side}.format")
-    if fmt.get("type", "audio/pcm") != "audio/pcm":
-        raise RealtimeError(
-            f"audio format {str(fmt.get('type'))[:40]!r} is not served: send audio/pcm (PCM16)",
-            param="session.audio.input.format.type",
-        )
-    rate = fmt.get("rate", 24000)
-    if rate not in RATES:
-        raise RealtimeError(
-            f"rate must be 24000 or 16000, got {str(rate)[:20]}", param="session.audio.input.format.rate"
-        )
-    return int(rate)
-
-
-def _transcription(settings: Settings, given: dict[str, Any], models: tuple[str, ...]) -> Settings:
-    model, language, prompt = given.get("model", settings.model), given.get("language"), given.get("prompt", "")
-    if not isinstance(model, str) or not (model in models or model.startswith(("whisper", "gpt-"))):
-        raise RealtimeError(
-            f"no speech_to_text model {str(model)[:60]!r} (served: {', '.join(models)})",
-            "model_not_found",
-            "session.audio.input.transcription.model",
-        )
-    if language is not None and not isinstance(language, str) or not isinstance(prompt, str):
-        raise RealtimeError("language and prompt must be strings", "invalid_type", "session.audio.input.transcription")
-    return dataclasses.replace(settings, model=model, language=(language or None), prompt=prompt)
-
-
-def _turn_detection(settings: Settings, given: Any) -> Settings:
-    name = "session.audio.input.turn_detection"
-    if given is None:
-        return dataclasses.replace(settings, vad=None, turn_detection=None)
-    given = _object(given, name)
-    if given.get("type", "server_vad") != "server_vad":
-        raise RealtimeError(
-            f"turn_detection.type {str(given.get('type'))[:40]!r} is not served: use server_vad", param=f"{name}.type"
-        )
-    merged = {**SERVER_VAD, **{k: v for k, v in given.items() if k in SERVER_VAD}}
-    threshold = merged["threshold"]
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 < threshold < 1:
-        raise RealtimeError("turn_detection.threshold must be a number between 0 and 1", param=f"{name}.threshold")
-    for key in ("prefix_padding_ms", "silence_duration_ms"):
-        value = merged[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= VAD_MAX_MS:
-            raise RealtimeError(
-                f"turn_detection.{key} must be an integer from 0 to {VAD_MAX_MS}", param=f"{name}.{key}"
-            )
-    vad = VadConfig(
-        float(threshold), min_silence_ms=merged["silence_duration_ms"], speech_pad_ms=merged["prefix_padding_ms"]
-    )
-    return dataclasses.replace(settings, vad=vad, turn_detection={"type": "server_vad", **merged})
-
-
-def default_settings(model: str) -> Settings:
-    return _turn_detection(Settings(model), {"type": "server_vad"})

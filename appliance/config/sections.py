@@ -124,6 +124,7 @@ class SequenceConfig:
     idle_timeout_s: float = 60.0
     max_live: int = 1024
     max_per_client: int = 256  # one client's share of max_live
+    max_per_address: int = 256  # one address's: all its clients (connections) together; a Unix user is one
 
 
 @dataclass(frozen=True, slots=True)

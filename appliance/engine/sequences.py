@@ -2,9 +2,10 @@
 
 The VAD's recurrent state rows, a generic ONNX model's state, a speech_to_text model's live streams
 (and through them a pipeline's) are all entries of an OwnedTable. The table bounds their count
-(overall and per client), expires the idle ones, restarts one on a second start and ends them; what a
-kind keeps besides (a VAD sequence under a stream) it releases in `on_drop`. The caller passes the
-time, so nothing here reads a clock; the bounds are read from the live config at each use.
+(overall, per client, and per address: one host's many connections cannot take it all), expires the
+idle ones, restarts one on a second start and ends them; what a kind keeps besides (a VAD sequence
+under a stream) it releases in `on_drop`. The caller passes the time, so nothing here reads a clock;
+the bounds are read from the live config at each use.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class OwnedTable(Generic[S]):
         self._settings, self.noun, self._on_drop = settings, noun, on_drop
         self._open: dict[object, S] = {}
         self._per_client: Counter[str] = Counter()
+        self._per_address: Counter[str] = Counter()
+        self._addresses: dict[object, str] = {}  # each entry's address (its client where none was given)
         self._serials = 0
 
     @property
@@ -64,16 +67,21 @@ class OwnedTable(Generic[S]):
             if isinstance(key, tuple) and key and key[0] == scope and client in (None, entry.client)
         )
 
-    def open(self, key: object, now: float, client: str, make: Callable[[], S]) -> S:
-        """A new entry from `make()` for `client`; a start on its own open key restarts it (it reconnected)."""
+    def open(self, key: object, now: float, client: str, make: Callable[[], S], address: str = "") -> S:
+        """A new entry from `make()` for `client` at `address` (its clients' share; "": the client is
+        its own); a start on its own open key restarts it (it reconnected)."""
         old = self._open.get(key)
         if old is not None:
             self._check_owner(key, old, client)
             if old.in_flight:
                 raise ApiError(f"sequence {key} has a request in flight; it cannot restart until that finishes", 409)
             self._drop(key)
-        settings = self._settings()
-        if len(self._open) >= settings.max_live or self._per_client[client] >= settings.max_per_client:
+        settings, address = self._settings(), address or client
+        if (
+            len(self._open) >= settings.max_live
+            or self._per_client[client] >= settings.max_per_client
+            or self._per_address[address] >= settings.max_per_address
+        ):
             self.expire(now)
         if len(self._open) >= settings.max_live:
             raise TooManyRequests(f"sequence table full ({settings.max_live} live {self.noun}): end one or retry later")
@@ -81,11 +89,18 @@ class OwnedTable(Generic[S]):
             raise TooManyRequests(
                 f"this client holds {settings.max_per_client} live {self.noun}, its share: end one or retry later"
             )
+        if self._per_address[address] >= settings.max_per_address:
+            raise TooManyRequests(
+                f"{address} holds {settings.max_per_address} live {self.noun}, its address's share "
+                "([sequences] max_per_address): end one or retry later"
+            )
         entry = make()
         self._serials += 1
         entry.client, entry.serial, entry.last_used = client, self._serials, now
         self._open[key] = entry
         self._per_client[client] += 1
+        self._per_address[address] += 1
+        self._addresses[key] = address
         return entry
 
     def get(self, key: object, now: float, client: str) -> S:
@@ -137,6 +152,10 @@ class OwnedTable(Generic[S]):
         self._per_client[entry.client] -= 1
         if not self._per_client[entry.client]:
             del self._per_client[entry.client]
+        address = self._addresses.pop(key)
+        self._per_address[address] -= 1
+        if not self._per_address[address]:
+            del self._per_address[address]
         if self._on_drop is not None:
             self._on_drop(key, entry)
 

@@ -31,6 +31,7 @@ class SequenceCall:
     start: bool
     end: bool
     client: str = ""  # who sends it (Request.client): only the client that opened a sequence may use it
+    address: str = ""  # where from (Request.address): its clients share one share of the table
 
 
 class OpenSequences(Protocol):

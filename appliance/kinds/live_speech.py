@@ -135,7 +135,9 @@ class LiveTranscription:
             self.check(options)
             rules = vad or self.live.config.vad
             tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, rules)
-            stream = self.sequences.open(sequence.id, now, sequence.client, lambda: LiveStream(options, tracker))
+            stream = self.sequences.open(
+                sequence.id, now, sequence.client, lambda: LiveStream(options, tracker), sequence.address
+            )
         else:
             stream = self.sequences.get(sequence.id, now, sequence.client)
         serial = stream.serial if sequence.start else None

@@ -147,7 +147,9 @@ class OnnxModel(EngineModel):
             raise BadRequest(f"model {self.name} is stateless: it takes no sequence_id")
         now = self.clock()
         if sequence.start:
-            held = self.sequences.open(sequence.id, now, sequence.client, self.state_rows.new_sequence)
+            held = self.sequences.open(
+                sequence.id, now, sequence.client, self.state_rows.new_sequence, sequence.address
+            )
         else:
             held = self.sequences.get(sequence.id, now, sequence.client)
         held.in_flight += 1

@@ -5,7 +5,9 @@ punctuation that ended it. The daemon runs the `espeak-ng` program as a helper p
 per request, so no GPL code is linked into it (docs/speech-and-translation.md, the licences). The
 program does not report terminators, so clauses are cut here (kinds/text.py, as espeak-ng cuts them) and sent one
 per line, each followed by an empty line: espeak-ng answers an empty line with an empty line, which
-marks where a clause's phonemes end. The ids are then made the way Piper makes them: language-switch
+marks where a clause's phonemes end, and a clause it says nothing for (U+1D7E0, a digit it has no
+word for) with an empty line of its own, so a clause's answer is its first line, empty or not, and
+the lines up to the next empty one. One process answers every clause of a request. The ids are then made the way Piper makes them: language-switch
 flags dropped, the terminator kept as a phoneme (with a space after , ; :), NFD code points, BOS,
 a pad after every phoneme, EOS.
 """
@@ -80,18 +82,22 @@ class Phonemes:
 
 
 async def phonemize(clauses: list[Clause], espeak_voice: str, tie: bool = False) -> list[Phonemes]:
-    """Each clause's phonemes, as Piper would make them; clauses with nothing to say are dropped.
+    """Each clause's phonemes, as Piper would make them; clauses with nothing to say (no letter or
+    digit, or none espeak-ng has a word for) are dropped.
     `tie`: a ^ joins the letters of one phoneme (Kokoro's affricates and diphthongs, kinds/kokoro.py)."""
     sayable = [c for c in clauses if any(ch.isalnum() for ch in c.text)]
     if not sayable:
         return []
     flags = ["--tie=^"] if tie else []
     lines = await _espeak([c.text + c.terminator for c in sayable], espeak_voice, flags)
-    if len(lines) != len(sayable):  # a clause answered with an empty line of its own: ask one at a time
-        lines = [" ".join(await _espeak([c.text + c.terminator], espeak_voice, flags)) for c in sayable]
+    if len(lines) != len(sayable):
+        raise ApplianceError(f"{ESPEAK} answered {len(lines)} clauses for {len(sayable)}: its output is not understood")
     out = []
     for clause, ipa in zip(sayable, lines):
-        text = LANGUAGE_FLAG.sub("", ipa) + clause.terminator + (" " if clause.terminator in (",", ";", ":") else "")
+        said = LANGUAGE_FLAG.sub("", ipa)
+        if not said.strip():
+            continue  # espeak-ng says nothing for it: no terminator spoken alone either
+        text = said + clause.terminator + (" " if clause.terminator in (",", ";", ":") else "")
         out.append(Phonemes(list(unicodedata.normalize("NFD", text)), clause.ends_sentence))
     return out
 
@@ -107,14 +113,22 @@ async def _espeak(texts: list[str], espeak_voice: str, flags: list[str]) -> list
         raise ApplianceError(f"cannot run {ESPEAK} for phonemes: {exc}") from None
     # one text per line (a line break inside one would start another), each followed by an empty line
     stdin = "".join(" ".join(t.split()) + "\n\n" for t in texts).encode()
-    stdout, stderr = await process.communicate(stdin)
+    try:
+        stdout, stderr = await process.communicate(stdin)
+    finally:
+        if process.returncode is None:  # cancelled (the client left): the text is not read to its end
+            process.kill()
+            await asyncio.shield(process.wait())
     if process.returncode != 0:
         raise ApplianceError(f"{ESPEAK} failed ({process.returncode}): {stderr.decode(errors='replace').strip()}")
-    groups, current = [], []
+    groups: list[str] = []
+    current: list[str] | None = None  # the lines of the text being answered
     for line in stdout.decode("utf-8", "replace").split("\n")[:-1]:
-        if line.strip():
+        if current is None:  # its first line: its phonemes, or empty where it says nothing
+            current = [line.strip()]
+        elif line.strip():
             current.append(line.strip())
         else:
-            groups.append(" ".join(current))
-            current = []
+            groups.append(" ".join(filter(None, current)))
+            current = None
     return groups

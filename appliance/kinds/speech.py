@@ -160,7 +160,7 @@ class SpeechModel(QueuedModel):
         bare = len(speaker.ids(spoken.name, []))
         ids = [x for x in ids if len(x) > bare]
         if not ids:
-            raise BadRequest("the text has nothing to say (no letters or digits)")
+            raise BadRequest("the text has nothing to say (no letters or digits the voice can speak)")
         return ids
 
     def synthesize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Hashable, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
 
 SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
+PROMPTS_KEPT = 64  # prompts whose tokens are kept: the sessions and requests using them now
 assert SAMPLE_RATE == speech_api.SAMPLE_RATE
 
 
@@ -74,6 +76,7 @@ class SpeechToText(LiveTranscription, EngineModel):
         self.weight_bytes = self.engine.weight_bytes
         self.stats = ModelStats()
         self.cutting = 0  # recordings in their VAD: their shards are on the way to the batcher
+        self.prompts = Prompts(self.engine.tokens.encode)
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
             self.engine.run,
             self.max_batch,
@@ -117,12 +120,9 @@ class SpeechToText(LiveTranscription, EngineModel):
 
     def check(self, options: Options) -> None:
         self.engine.check(options.language, options.task)
+        speech_api.check_prompt(options.prompt)
         if not 0.0 <= options.temperature <= 1.0:
             raise BadRequest(f"temperature must be a number from 0 to 1, got {options.temperature}")
-
-    def _shard(self, audio: np.ndarray, options: Options, request: Hashable) -> Shard:
-        prompt = self.engine.tokens.encode(options.prompt) if options.prompt else ()
-        return Shard(audio, options.language, options.task, prompt, options.temperature, options.words, request)
 
     async def transcribe(
         self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
@@ -201,7 +201,10 @@ class SpeechToText(LiveTranscription, EngineModel):
         times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
         second pass of their own (a batched window has no seek as openai-whisper's loop has). Shards
         of one `request` may share a Whisper window."""
-        shard = self._shard(plan.audio(samples), options, request)
+        prompt = await self.prompts.tokens(options.prompt)
+        shard = Shard(
+            plan.audio(samples), options.language, options.task, prompt, options.temperature, options.words, request
+        )
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
         times.queue_ns += done.queued_ns
@@ -278,6 +281,25 @@ class SpeechToText(LiveTranscription, EngineModel):
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+class Prompts:
+    """Prompts' previous-text tokens, each made once for every shard and turn that shares it (a
+    session's prompt serves each of its turns), in a thread: tokenizing is not the event loop's work
+    (a 900 KB prompt took 4 s, once per shard)."""
+
+    def __init__(self, encode: Callable[[str], tuple[int, ...]]) -> None:
+        self.encode = encode
+        self.made: OrderedDict[str, asyncio.Future[tuple[int, ...]]] = OrderedDict()  # the newest last
+
+    async def tokens(self, text: str) -> tuple[int, ...]:
+        if not text:
+            return ()
+        made = self.made.pop(text, None) or asyncio.ensure_future(asyncio.to_thread(self.encode, text))
+        self.made[text] = made
+        while len(self.made) > PROMPTS_KEPT:
+            self.made.popitem(last=False)
+        return await asyncio.shield(made)  # one shard's cancellation is not its sharers'
 
 
 def _integer(params: Mapping[str, Parameter], key: str) -> int:

@@ -65,11 +65,51 @@ def _clause(text: str, run: str) -> Clause:
     return Clause(text.strip(), terminator, terminator in ".!?")
 
 
-def said_so_far(text: str) -> int:
-    """Where the whole sentences of a text still arriving end (0: none yet). A sentence's end is
-    final once white space follows it: "3." may still become "3.50"."""
-    ends = [m.end() for m in BOUNDARY.finditer(text) if m.end() < len(text) and set(m.group(1)) & set(SENTENCE_ENDS)]
-    return ends[-1] if ends else 0
+class ArrivingText:
+    """A text arriving in pieces (an LLM's words), given back whole sentences as they complete. A
+    sentence ends as BOUNDARY says, once white space follows it ("3." may still become "3.50"). Each
+    character is looked at once, as it arrives: a text cut into a million pieces costs what it costs
+    whole, where rescanning what waits at each piece cost its square."""
+
+    def __init__(self) -> None:
+        self.length = 0  # every character given so far
+        self._waiting: list[str] = []  # the pieces of the sentence not yet whole
+        self._waiting_length = 0
+        self._phase = _WORDS  # where the text's end is: in words, a run of terminators, its closers
+        self._run_ends_sentence = False  # whether that run of terminators holds . ! ? or …
+
+    def add(self, piece: str) -> str:
+        """`piece` appended; the whole sentences it completes ("" where none)."""
+        said = 0  # where the last whole sentence ends, in what waits
+        for index, char in enumerate(piece, self._waiting_length):
+            if char in _TERMINATORS:
+                if self._phase != _TERMINATOR_RUN:
+                    self._run_ends_sentence = False
+                self._phase = _TERMINATOR_RUN
+                self._run_ends_sentence |= char in SENTENCE_ENDS
+            elif char in _CLOSERS and self._phase != _WORDS:
+                self._phase = _CLOSERS_RUN
+            else:
+                if char.isspace() and self._phase != _WORDS and self._run_ends_sentence:
+                    said = index
+                self._phase = _WORDS
+        self.length += len(piece)
+        self._waiting.append(piece)
+        self._waiting_length += len(piece)
+        if not said:
+            return ""
+        waiting = "".join(self._waiting)
+        self._waiting, self._waiting_length = [waiting[said:]], len(waiting) - said
+        return waiting[:said]
+
+    def rest(self) -> str:
+        """What waits (the text ended): the last sentence, whole or not."""
+        rest, self._waiting, self._waiting_length = "".join(self._waiting), [], 0
+        return rest
+
+
+_TERMINATORS, _CLOSERS = ".!?…,;:", "\"'”’»)]"  # as BOUNDARY's two character classes
+_WORDS, _TERMINATOR_RUN, _CLOSERS_RUN = range(3)
 
 
 def sentences(text: str) -> list[list[Clause]]:

@@ -33,6 +33,12 @@ class Request:
     # group (or its owner, or root); over the network a client whose certificate the operator CA signed
     operator: bool = False
 
+    @property
+    def address(self) -> str:
+        """Where the client is: the LAN host (the peer without its port); on the Unix socket, the
+        client itself (its user)."""
+        return self.peer.rpartition(":")[0] or self.client
+
 
 @dataclass(slots=True)
 class Response:

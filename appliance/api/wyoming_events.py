@@ -1,0 +1,140 @@
+"""Wyoming's events read with bounds of our own (the `wyoming` package's reader has none): a header
+line of at most MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes, each in
+time as the API's HTTP/1.1 is (an idle connection, a header line, a stalled payload); and the one
+`error` event that closes a connection which broke one (WyomingError), logged as limits are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+from wyoming.error import Error
+from wyoming.event import Event, async_write_event
+
+from appliance.config import Config
+from appliance.protocol.limits import LIMITS_BITTEN
+
+log = logging.getLogger("appliance.wyoming")
+MAX_HEADER_BYTES = 64 << 10
+LINGER_S = 5.0  # how long a connection closing after an error still reads what the client sends
+
+
+class WyomingError(Exception):
+    """The client broke the protocol or a bound: one `error` event, then the connection closes. A bound
+    names itself (`limit`): it is logged as limits are (LIMITS_BITTEN), so a flood is not a flood of lines."""
+
+    def __init__(self, message: str, limit: str = "", code: str = "") -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.code = code or limit or "protocol"  # the error event's
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one connection may send, and how slowly: the config as it was when the connection came."""
+
+    max_payload: int  # [wyoming] max_payload_bytes: an event's data, and its payload
+    max_samples: int  # a recording, in 16 kHz samples: as much as the API's body as PCM16
+    idle_s: float  # server.keepalive_timeout_s: no next event begun (the first: header_s)
+    header_s: float  # server.header_timeout_s: an event's header line, from its first byte; the first event
+    quiet_s: float  # server.body_timeout_s: its data and payload may go quiet this long
+
+    @classmethod
+    def of(cls, config: Config) -> Bounds:
+        server = config.server
+        return cls(
+            config.wyoming.max_payload_bytes,
+            server.max_body_bytes // 2,
+            server.keepalive_timeout_s,
+            server.header_timeout_s,
+            server.body_timeout_s,
+        )
+
+
+async def read_event(reader: asyncio.StreamReader, bounds: Bounds, idle_s: float) -> Event | None:
+    """One event, begun within `idle_s` and bounded before anything is read into memory; None at the end
+    of the stream."""
+    try:
+        async with asyncio.timeout(idle_s):
+            first = await reader.read(1)
+    except TimeoutError:
+        raise WyomingError(f"no event for {idle_s:g} s", "idle_timeout") from None
+    if not first:
+        return None
+    try:
+        async with asyncio.timeout(bounds.header_s):
+            line = first + await reader.readuntil(b"\n") if first != b"\n" else first
+    except TimeoutError:
+        raise WyomingError(f"an event header not complete within {bounds.header_s:g} s", "header_timeout") from None
+    except asyncio.IncompleteReadError:
+        raise WyomingError("the connection ended inside an event header") from None
+    except asyncio.LimitOverrunError:
+        raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes", "header_too_large") from None
+    try:
+        header = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past Python's stack
+        raise WyomingError(f"an event header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise WyomingError("an event header is a JSON object with a string 'type'")
+    data = header.get("data") or {}
+    lengths = [header.get("data_length") or 0, header.get("payload_length") or 0]
+    if not isinstance(data, dict) or not all(isinstance(n, int) and 0 <= n <= bounds.max_payload for n in lengths):
+        raise WyomingError(
+            f"data must be an object, data_length and payload_length integers of at most {bounds.max_payload}",
+            "payload_too_large",
+        )
+    try:
+        if lengths[0]:
+            extra = json.loads(await _read_exactly(reader, lengths[0], bounds.quiet_s))
+            if not isinstance(extra, dict):
+                raise WyomingError("an event's data is a JSON object")
+            data = {**data, **extra}
+        payload = await _read_exactly(reader, lengths[1], bounds.quiet_s) if lengths[1] else None
+    except asyncio.IncompleteReadError:
+        raise WyomingError("the connection ended inside an event") from None
+    except TimeoutError:
+        raise WyomingError(f"an event's data or payload stalled for {bounds.quiet_s:g} s", "payload_timeout") from None
+    except (ValueError, RecursionError) as exc:
+        raise WyomingError(f"an event's data is not JSON: {exc}") from None
+    return Event(type=header["type"], data=data, payload=payload)
+
+
+async def _read_exactly(reader: asyncio.StreamReader, size: int, quiet_s: float) -> bytes:
+    """`size` bytes, the client never quiet for `quiet_s` in between (TimeoutError where it is)."""
+    parts: list[bytes] = []
+    while size:
+        async with asyncio.timeout(quiet_s):
+            part = await reader.read(size)
+        if not part:
+            raise asyncio.IncompleteReadError(b"".join(parts), size)
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
+
+
+async def close_with_error(
+    exc: WyomingError, client: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, linger: bool = True
+) -> None:
+    """The one `error` event before a close, and its line in the log: a bound's as limits are logged."""
+    if exc.limit:
+        LIMITS_BITTEN.bit(f"wyoming {exc.limit}", f"Wyoming client {client}: {exc}")
+    else:
+        log.info("Wyoming client %s: %s; closed", client, exc)
+    with contextlib.suppress(OSError):  # the client gone: ConnectionError, or ENOTCONN as we shut our side
+        await async_write_event(Error(text=str(exc), code=exc.code).event(), writer)
+        if linger:
+            await _linger(reader, writer)
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Before a close after an error: our side shut, what the client still sends read and dropped (up to
+    LINGER_S), so its unread data does not reset the connection before it reads the error."""
+    writer.write_eof()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while await reader.read(1 << 16):
+                pass

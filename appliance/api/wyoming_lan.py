@@ -1,0 +1,95 @@
+"""Wyoming on the LAN ([wyoming] tcp = "HOST:PORT"): the TCP listener, and its announcement by
+multicast DNS (zeroconf) as _wyoming._tcp.local., so Home Assistant discovers it.
+
+zeroconf receives on one wildcard socket (0.0.0.0:5353) whatever interfaces it is given: it answered
+a query sent to any address of the box, from any network. Where Wyoming is served on one address,
+that socket is narrowed to what mDNS needs there (_narrow): multicast datagrams to the mDNS group,
+of the memberships it joined on that address's interface; a unicast query reaches only the socket
+zeroconf binds to the address itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hmac
+import logging
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import ifaddr
+from zeroconf import InterfaceChoice, IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+from appliance.errors import ApplianceError
+
+log = logging.getLogger("appliance.wyoming")
+SERVICE = "_wyoming._tcp.local."
+MDNS_GROUP = "224.0.0.251"
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]  # one client's connection
+# Linux's constants Python does not name (linux/in.h, asm-generic/socket.h, linux/filter.h)
+IP_MULTICAST_ALL, SO_ATTACH_FILTER, SKF_NET_OFF = 49, 26, -0x100000
+
+
+async def listen_tcp(address: str, serve: Serve, limit: int) -> tuple[asyncio.Server, AsyncZeroconf]:
+    """Wyoming on TCP at `address` (`limit`: a header line's bound), announced on the listening
+    address's interface (all of them for 0.0.0.0), and answering mDNS queries only there."""
+    host, _, port = address.rpartition(":")
+    server = await asyncio.start_server(serve, host, int(port), limit=limit)
+    bound = server.sockets[0].getsockname()
+    everywhere = host in ("0.0.0.0", "")
+    zeroconf = AsyncZeroconf(interfaces=InterfaceChoice.All if everywhere else [host], ip_version=IPVersion.V4Only)
+    if not everywhere:
+        _narrow(zeroconf)
+    name = socket.gethostname().split(".")[0] or "appliance"
+    addresses = [socket.inet_aton(a) for a in (_addresses() if everywhere else [host])]
+    info = AsyncServiceInfo(
+        SERVICE, f"appliance-{name}.{SERVICE}", addresses=addresses, port=bound[1], server=f"{_lan_host(name)}.local."
+    )
+    # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
+    await zeroconf.async_register_service(info, allow_name_change=True)
+    log.info("Wyoming on TCP %s, announced as %s (no authentication)", address, info.name)
+    return server, zeroconf
+
+
+def _narrow(zeroconf: AsyncZeroconf) -> None:
+    """zeroconf's wildcard socket takes only multicast datagrams to the mDNS group (a socket filter on
+    the destination address, read from the IP header), and of those only the ones of the memberships
+    it joined itself (IP_MULTICAST_ALL off), on the interfaces it was given. zeroconf has no setting
+    for it: the socket is its engine's (_listen_socket, there since zeroconf 0.32)."""
+    listen = getattr(zeroconf.zeroconf.engine, "_listen_socket", None)
+    if not isinstance(listen, socket.socket):
+        raise ApplianceError("[wyoming] tcp: this zeroconf has no listening socket to narrow to the served address")
+    group = struct.unpack("!I", socket.inet_aton(MDNS_GROUP))[0]
+    program = [  # classic BPF: load the IPv4 destination; the group: keep it whole, else drop it
+        (0x20, 0, 0, (SKF_NET_OFF + 16) & 0xFFFFFFFF),  # ld [net + 16]
+        (0x15, 0, 1, group),  # jeq #group, keep, drop
+        (0x06, 0, 0, 0xFFFFFFFF),  # keep: ret #-1
+        (0x06, 0, 0, 0),  # drop: ret #0
+    ]
+    instructions = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in program))
+    listen.setsockopt(
+        socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HL", len(program), ctypes.addressof(instructions))
+    )
+    listen.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+
+
+def _lan_host(name: str) -> str:
+    """The host name the announcement points to: unique to this machine, so two boxes with one host
+    name do not answer for each other's address. From its machine id, keyed (machine-id(5): the id
+    itself must not leave the machine)."""
+    try:
+        machine = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine = ""
+    if not machine or machine == "uninitialized":  # a first boot's placeholder
+        return f"appliance-{name}"
+    return f"appliance-{name}-{hmac.new(machine.encode(), b'appliance-wyoming', 'sha256').hexdigest()[:8]}"
+
+
+def _addresses() -> list[str]:
+    """This host's IPv4 addresses but loopback, for an announcement on every interface."""
+    found = {a.ip for adapter in ifaddr.get_adapters() for a in adapter.ips if isinstance(a.ip, str)}
+    return sorted(a for a in found if not a.startswith("127.")) or ["127.0.0.1"]
