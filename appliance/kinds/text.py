@@ -18,6 +18,7 @@ from appliance.firmware import ModelSpec
 from appliance.protocol.tensors import InferRequest
 
 SENTENCE_ENDS = ".!?…"
+CLOSING = "\"'”’»)]"  # what may follow a sentence's end
 BOUNDARY = re.compile(r"([.!?…,;:]+)[\"'”’»)\]]*(?=\s|$)")
 T = TypeVar("T")
 Cut = Callable[[list[T], int], list[list[T]]]  # clauses -> runs of at most N tokens, cut anywhere
@@ -63,6 +64,11 @@ def _clause(text: str, run: str) -> Clause:
     """A clause and its terminator: a question or an exclamation wins over a stop, as in '?!' and '...'."""
     terminator = next((t for t in "?!" if t in run), "." if any(c in SENTENCE_ENDS for c in run) else run[0])
     return Clause(text.strip(), terminator, terminator in ".!?")
+
+
+def ends_sentence(text: str) -> bool:
+    """The text's last clause ends its sentence (closing quotes or brackets may follow the stop)."""
+    return text.rstrip().rstrip(CLOSING)[-1:] in SENTENCE_ENDS
 
 
 def said_so_far(text: str) -> int:
