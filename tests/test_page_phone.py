@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -15,15 +16,14 @@ from urllib.parse import urlparse
 import numpy as np
 import pytest
 import soxr
-from conftest import Daemon
+from conftest import Daemon, needs
 from faster_whisper import WhisperModel
-from kokoro import whisper_base
+from playwright import sync_api as playwright
 from speech import RATE
 from test_https import SENTENCE
 from test_page import CHROMIUM, launch, opened, spoken, talk, text, wait_until
 
-playwright = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed")
+pytestmark = needs(shutil.which(CHROMIUM) is None, "Debian's chromium is not installed (make deps)")
 PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 3, "is_mobile": True, "has_touch": True}
 REALTIME_RATE = 24000  # the page's PCM16, both ways
 MIN_CHARACTERS_PER_LINE = 20  # a 390 px column holds about 40; the broken panel held 3 to 8
@@ -42,12 +42,6 @@ def browser(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory):
         chromium = launch(driver, daemon.cafile, spoken(tmp_path_factory.mktemp("microphone"), SENTENCE, "en"))
         yield chromium
         chromium.close()
-
-
-@pytest.fixture(scope="module")
-def judge(tmp_path_factory: pytest.TempPathFactory) -> WhisperModel:
-    """faster-whisper base from its package files: the judge of what the box said."""
-    return WhisperModel(str(whisper_base(tmp_path_factory.mktemp("judge"))), device="cpu", compute_type="int8")
 
 
 def layout(tab) -> dict:
@@ -97,7 +91,7 @@ def test_the_status_panel_reads_on_a_phone_and_holds_nothing_for_operators(
 
 
 def test_english_is_said_in_portuguese_by_a_kokoro_voice(
-    browser, daemon: Daemon, judge: WhisperModel, tmp_path: Path
+    browser, daemon: Daemon, judge_base: WhisperModel, tmp_path: Path
 ) -> None:
     """The microphone says SENTENCE; the box's interpreter session answers in Portuguese (pf_dora); the
     first answer's audio, as the page received it, is Portuguese to faster-whisper."""
@@ -117,6 +111,6 @@ def test_english_is_said_in_portuguese_by_a_kokoro_voice(
     first = next(i for i, e in enumerate(events) if e["type"] == "response.done")
     pcm = b"".join(base64.b64decode(e["delta"]) for e in events[:first] if e["type"] == "response.output_audio.delta")
     audio = soxr.resample(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768, REALTIME_RATE, RATE)
-    segments, info = judge.transcribe(audio.astype(np.float32), beam_size=5)
+    segments, info = judge_base.transcribe(audio.astype(np.float32), beam_size=5)
     heard = " ".join(s.text for s in segments).lower()
     assert info.language == "pt" and "hospital" in heard, (info.language, heard)

@@ -16,13 +16,12 @@ import pytest
 from noise import recordings
 from speech import RATE, say
 from test_realtime import configure, pcm
-from test_speech_to_text import daemon, voice_bundle, words
+from test_speech_to_text import words
 from websockets.asyncio.client import unix_connect
 
 from appliance.audio import encode_wav
 from appliance.client import Client
 
-__all__ = ["daemon", "voice_bundle"]  # the voice daemon's fixtures, shared
 # (line, voice, words per minute): the answers said briskly, 224 ms above the threshold each (measured)
 DIALOGUE = [
     ("Are you coming to dinner tonight?", "en", 175),
@@ -46,10 +45,10 @@ def spoken(lines: list[tuple[str, str, int]]) -> tuple[np.ndarray, list[tuple[fl
     return np.concatenate(parts), spans
 
 
-def test_a_one_word_answer_is_a_segment(daemon) -> None:
+def test_a_one_word_answer_is_a_segment(voice_daemon) -> None:
     lines = [*DIALOGUE, PORTUGUESE_ANSWER]
     samples, spans = spoken(lines)
-    with Client(str(daemon.socket)) as client:
+    with Client(str(voice_daemon.socket)) as client:
         found = client.segments(encode_wav(samples, RATE))["segments"]
     assert len(found) == len(lines), (found, spans)
     for segment, (start, end) in zip(found, spans):
@@ -57,8 +56,8 @@ def test_a_one_word_answer_is_a_segment(daemon) -> None:
 
 
 @pytest.mark.parametrize("sounds", list(recordings()))
-def test_noise_and_silence_are_no_segment(daemon, sounds: str) -> None:
-    with Client(str(daemon.socket)) as client:
+def test_noise_and_silence_are_no_segment(voice_daemon, sounds: str) -> None:
+    with Client(str(voice_daemon.socket)) as client:
         assert client.segments(encode_wav(recordings()[sounds], RATE))["segments"] == []
 
 
@@ -84,9 +83,9 @@ async def live_turns(socket, samples: np.ndarray, turns: int) -> list[dict]:
     return events
 
 
-def test_a_one_word_answer_is_a_realtime_turn(daemon) -> None:
+def test_a_one_word_answer_is_a_realtime_turn(voice_daemon) -> None:
     samples, _ = spoken(DIALOGUE)
-    events = asyncio.run(live_turns(daemon.socket, samples, len(DIALOGUE)))
+    events = asyncio.run(live_turns(voice_daemon.socket, samples, len(DIALOGUE)))
     completed = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
     started = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
     assert len(started) == len(completed) == len(DIALOGUE), [e["type"] for e in events]

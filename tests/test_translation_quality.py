@@ -11,9 +11,10 @@ import json
 import re
 from collections.abc import Iterator
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
-from conftest import ROOT, Daemon, Keys, build_bundle
+from conftest import Daemon, Keys
 from libretranslatepy import LibreTranslateAPI
 from tcp_forward import tcp_to_unix
 
@@ -81,9 +82,8 @@ MODEL_BLUNDERS = {"Excuse me.": "'Me desculse.'", "Com licença.": "'With licens
 
 
 @pytest.fixture(scope="module")
-def daemon(keys: Keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    bundle = build_bundle(keys, tmp_path_factory.mktemp("fw") / "speech", spec=ROOT / "firmware" / "speech.toml")
-    d = Daemon(tmp_path_factory.mktemp("translation"), bundle, keys.trusted).wait_ready(120)
+def daemon(keys: Keys, speech_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("translation"), speech_bundle, keys.trusted).wait_ready(120)
     yield d
     assert d.stop() == 0, d.log.read_text()
 

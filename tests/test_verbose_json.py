@@ -14,11 +14,11 @@ import pytest
 import tokenizers
 from kokoro import package_file
 from speech import RATE, recording
-from test_speech_to_text import BASE, ENGLISH, TINY, daemon, openai_client, voice_bundle, wer, words
+from test_speech_to_text import BASE, ENGLISH, TINY, daemon, openai_client, wer, words
 
 from appliance.audio import encode_wav
 
-__all__ = ["daemon", "openai_client", "voice_bundle"]  # the voice daemon's fixtures, shared
+__all__ = ["daemon", "openai_client"]  # the session's voice daemon
 SENTENCES = ENGLISH[:8]
 MID_SENTENCE_CAPITAL = re.compile(r"(?<![.!?]) (?!I\b|I')[A-Z][a-z]")
 
