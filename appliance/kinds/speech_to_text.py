@@ -166,7 +166,7 @@ class SpeechToText(LiveTranscription, EngineModel):
 
         cutting = loop.create_task(cut())
         started: list[asyncio.Task[list[Segment]]] = []
-        previous = None
+        previous: Segment | None = None  # what the next segment reads on from
         try:
             while (task := await shards.get()) is not None:
                 started.append(task)
