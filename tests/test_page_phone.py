@@ -114,3 +114,25 @@ def test_english_is_said_in_portuguese_by_a_kokoro_voice(
     segments, info = judge_base.transcribe(audio.astype(np.float32), beam_size=5)
     heard = " ".join(s.text for s in segments).lower()
     assert info.language == "pt" and "hospital" in heard, (info.language, heard)
+
+
+def test_a_language_without_a_voice_is_said_plainly(browser, keys, speech_bundle: Path, tls, tmp_path: Path) -> None:
+    """The speech firmware has Portuguese text (Bergamot) but no Portuguese voice: Type says so, naming
+    the voices it has, and still says the English."""
+    daemon = Daemon(tmp_path, speech_bundle, keys.trusted, tls=tls, https="")
+    try:
+        daemon.wait_ready(120)
+        with opened(browser, daemon, tmp_path / "phone.png", **PHONE) as tab:
+            tab.select_option("#text-source", "en")
+            tab.select_option("#text-target", "pt")
+            tab.fill("#text-input", "Good morning. Where is the station?")
+            tab.click("#translate")
+            wait_until(tab, "document.getElementById('text-output').textContent.length > 0")
+            tab.click("#speak-output")
+            wait_until(tab, "document.getElementById('text-message').textContent.includes('no voice')")
+            message = text(tab, "#text-message")
+            tab.click("#speak-input")
+            wait_until(tab, "window.appliancePage.playedSamples > 22050")  # joe says the English
+    finally:
+        assert daemon.stop() == 0, daemon.log.read_text()
+    assert message == "This box has no voice for Portuguese (its voices: English (joe)).", message
