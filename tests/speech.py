@@ -16,11 +16,13 @@ RATE = 16000
 
 
 @functools.cache  # one espeak-ng run per sentence per session; callers do not modify the result
-def say(text: str, voice: str = "en") -> np.ndarray:
-    """espeak-ng speech at 16 kHz (in `voice`, a language code), trimmed to where the voice is."""
+def say(text: str, voice: str = "en", words_per_minute: int = 175) -> np.ndarray:
+    """espeak-ng speech at 16 kHz (in `voice`, a language code; at espeak-ng's own pace unless told),
+    trimmed to where the voice is."""
     if shutil.which("espeak-ng") is None:
         raise RuntimeError("espeak-ng is not installed (make deps installs it)")
-    raw = subprocess.run(["espeak-ng", "-v", voice, "--stdout", text], capture_output=True, check=True).stdout
+    command = ["espeak-ng", "-v", voice, "-s", str(words_per_minute), "--stdout", text]
+    raw = subprocess.run(command, capture_output=True, check=True).stdout
     with wave.open(io.BytesIO(raw)) as w:
         rate = w.getframerate()
         x = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0

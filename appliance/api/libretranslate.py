@@ -7,8 +7,8 @@ LibreTranslate's; `source: "auto"` on `/translate` detects each text's language 
 Both ask the firmware's language identification model (kind `language_identification`).
 
 `/translate` takes a JSON body or a form (urlencoded), as LibreTranslate does: `q` (a string, or a
-list of strings in JSON), `source`, `target`, `format` (`text`; `html` is not served), and ignores
-`api_key` and `alternatives`. The answer is `{"translatedText": ...}`, a string or a list like `q`.
+list of strings in JSON), `source`, `target`, `format` (`text`, or `html`: the text between tags
+translated, the tags kept, kinds/markup.py), and ignores `api_key` and `alternatives`. The answer is `{"translatedText": ...}`, a string or a list like `q`.
 Each (source, target) pair is a model of the firmware (kind `text_translation`): a new pair is a new
 firmware, nothing here changes.
 """
@@ -22,12 +22,14 @@ from collections.abc import Iterable, Mapping
 from appliance.api.bodies import json_or_form
 from appliance.api.routes import Route
 from appliance.errors import BadRequest
+from appliance.kinds import markup
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import LanguageDetector, Translator
 from appliance.kinds.text import MAX_TEXT_CHARS, checked_text
 from appliance.protocol.messages import Request, Response, json_response
 
 DETECT_CANDIDATES = 3  # /detect's answers, best first
+FORMATS = ("text", "html")
 
 # Names for the languages Bergamot models exist for; a code without one is shown as itself.
 NAMES = {
@@ -84,8 +86,8 @@ async def languages(models: Iterable[ServedModel], request: Request) -> Response
 async def translate(models: Iterable[ServedModel], request: Request) -> Response:
     fields = await json_or_form(request)
     source, target, text_format = fields.get("source"), fields.get("target"), fields.get("format", "text")
-    if text_format != "text":
-        raise BadRequest(f"format {str(text_format)[:40]!r} is not served (only 'text')")
+    if text_format not in FORMATS:
+        raise BadRequest(f"format {str(text_format)[:40]!r} is not served (one of: {', '.join(FORMATS)})")
     pairs = _pairs(models)
     if not isinstance(source, str) or not isinstance(target, str):
         raise BadRequest("'source' and 'target' must be language codes (GET /languages lists them)")
@@ -100,7 +102,8 @@ async def translate(models: Iterable[ServedModel], request: Request) -> Response
     detected = [_detected(detector, t)[0] for t in checked] if detector is not None else []
     sources = [str(d["language"]) for d in detected] or [source] * len(checked)
     chosen = [_pair(pairs, s, target) for s in sources]
-    translated = await asyncio.gather(*(_translate(m, t) for m, t in zip(chosen, checked)))
+    html = text_format == "html"
+    translated = await asyncio.gather(*(_translate(m, t, html) for m, t in zip(chosen, checked)))
     answer: dict[str, object] = {"translatedText": translated if isinstance(q, list) else translated[0]}
     if detected:
         answer["detectedLanguage"] = detected if isinstance(q, list) else detected[0]
@@ -118,5 +121,7 @@ def _pair(pairs: dict[tuple[str, str], Translator], source: str, target: str) ->
     return model
 
 
-async def _translate(model: Translator | None, text: str) -> str:
-    return text if model is None else await model.translate(text)
+async def _translate(model: Translator | None, text: str, html: bool) -> str:
+    if model is None:
+        return text
+    return await (markup.translated(text, model.translate) if html else model.translate(text))

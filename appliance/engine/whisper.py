@@ -24,13 +24,12 @@ import tokenizers
 
 from appliance.engine import nvidia_libs, whisper_windows
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel, mel_filters
+from appliance.engine.whisper_tokens import TOKEN_SECONDS, Generated, Piece, Quality, WhisperTokens
 from appliance.engine.whisper_words import Word, aligned_words
 from appliance.errors import ApplianceError, BadRequest
 
 log = logging.getLogger("appliance")
 
-TOKEN_SECONDS = 0.02  # an encoder position, and a timestamp token's step
-MAX_PROMPT_TOKENS = 223  # Whisper's limit for previous text: half its 448-token context, less the start
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
 TASKS = ("transcribe", "translate")
 MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold: above it, a decode repeats itself
@@ -56,91 +55,12 @@ class Shard:
 
 
 @dataclass(frozen=True, slots=True)
-class Piece:
-    """Text of a shard between two of its timestamps (seconds from the shard's start)."""
-
-    start: float
-    end: float
-    text: str
-    words: tuple[tuple[float, str], ...] = ()  # in a shared window: each word and where it was heard
-
-
-@dataclass(frozen=True, slots=True)
 class Decoded:
     language: str
     pieces: list[Piece]
     words: list[Word] = field(default_factory=list)  # where the shard asked for them
     language_probability: float = 1.0  # Whisper's own, where it detected the language (1.0 where it was told)
-
-
-class WhisperTokens:
-    """The tokenizer and Whisper's special tokens, read from the model's tokenizer.json."""
-
-    def __init__(self, path: Path, multilingual: bool, languages: list[str]) -> None:
-        self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
-        self.multilingual, self.languages = multilingual, languages
-        token = self._special
-        self.sot, self.eot, self.sot_prev = token("startoftranscript"), token("endoftext"), token("startofprev")
-        self.no_timestamps = token("notimestamps")
-        self.timestamp_begin = self.no_timestamps + 1
-
-    def _special(self, name: str) -> int:
-        found = self.tokenizer.token_to_id(f"<|{name}|>")
-        if found is None:
-            raise ApplianceError(f"tokenizer.json has no <|{name}|> token: not a Whisper tokenizer")
-        return int(found)
-
-    def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids)[-MAX_PROMPT_TOKENS:]
-
-    def prompt(self, shard: Shard, language: str) -> list[int]:
-        previous = [self.sot_prev, *shard.prompt] if shard.prompt else []
-        start = [self.sot]
-        if self.multilingual:
-            start += [self._special(language), self._special(shard.task)]
-        return previous + start
-
-    def pieces(self, ids: list[int], duration: float, heard: list[float] | None = None) -> list[Piece]:
-        """Split decoded ids at their timestamp tokens; text left open at the end runs to `duration`.
-        `heard`: where each text token was heard (and, last, where the text ended), from the decoder's
-        cross-attention: a piece then spans its first token to the one after its last, as heard."""
-        pieces: list[Piece] = []
-        text: list[int] = []
-        start, count = 0.0, 0
-
-        def close(end: float) -> None:
-            if heard is None:
-                pieces.append(Piece(start, max(start, end), self.tokenizer.decode(text).strip()))
-            else:
-                a, b = heard[count - len(text)], heard[count]
-                words = self._words(text, heard[count - len(text) : count])
-                pieces.append(Piece(a, max(a, b), self.tokenizer.decode(text).strip(), words))
-            text.clear()
-
-        for token in ids:
-            if token >= self.timestamp_begin:
-                time = min((token - self.timestamp_begin) * TOKEN_SECONDS, duration)
-                if text:
-                    close(time)
-                start = time
-            elif token < self.eot:
-                text.append(token)
-                count += 1
-        if text:
-            close(duration)
-        return [p for p in pieces if p.text]
-
-    def _words(self, tokens: list[int], heard: list[float]) -> tuple[tuple[float, str], ...]:
-        """Tokens joined into words (a word starts at a token with a leading space), each at the time
-        its first token was heard."""
-        words: list[tuple[float, str]] = []
-        for token, time in zip(tokens, heard):
-            piece = self.tokenizer.decode([token])
-            if not words or piece.startswith(" "):
-                words.append((time, piece))
-            else:
-                words[-1] = (words[-1][0], words[-1][1] + piece)
-        return tuple(words)
+    quality: Quality = Quality()
 
 
 class WhisperEngine:
@@ -263,7 +183,10 @@ class WhisperEngine:
             )
             for member, pieces in found.pieces.items():
                 answers[member] = Decoded(
-                    decoded.language, [Piece(*p) for p in pieces], language_probability=decoded.language_probability
+                    decoded.language,
+                    [Piece(*p, tokens=self.tokens.ids(p[2])) for p in pieces],  # a piece may be cut: its own ids
+                    language_probability=decoded.language_probability,
+                    quality=decoded.quality,
                 )
             alone += sorted(found.alone)
         if alone:
@@ -310,20 +233,20 @@ class WhisperEngine:
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
             detected = self._languages(model, encoded, group)
             languages = [language for language, _ in detected]
-            prompts = [self.tokens.prompt(s, language) for s, language in zip(group, languages)]
-            ids = self._generate(model, encoded, prompts, temperature)
+            prompts = [self.tokens.prompt(s.task, language, s.prompt) for s, language in zip(group, languages)]
+            generated = self._generate(model, encoded, prompts, temperature)
+            used = [temperature] * len(group)
+            ids = [g.ids for g in generated]
             for at in self._looping(ids, prompts):  # openai-whisper's fallback: sample at rising temperatures
                 one = model.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
                 for fallback in (t for t in FALLBACK_TEMPERATURES if t > temperature):
                     again = self._generate(model, one, prompts[at : at + 1], fallback)
-                    if not self._looping(again, prompts[at : at + 1]):
-                        ids[at] = again[0]  # where every temperature loops too, the first answer stays
+                    if not self._looping([again[0].ids], prompts[at : at + 1]):
+                        # where every temperature loops too, the first answer stays
+                        generated[at], ids[at], used[at] = again[0], again[0].ids, fallback
                         break
             heard = self._heard(model, encoded, group, languages, ids) if members[0] < shared else None
-            asked = [
-                self.tokens.prompt(dataclasses.replace(s, prompt=()), lang) if s.words else None
-                for s, lang in zip(group, languages)
-            ]
+            asked = [self.tokens.prompt(s.task, lang) if s.words else None for s, lang in zip(group, languages)]
             frames = [min(len(s.samples) // HOP, WINDOW_FRAMES) for s in group]
             words = aligned_words(
                 model, (features, encoded), asked, ids, frames, self.tokens.eot, self.tokens.tokenizer.decode, languages
@@ -332,7 +255,11 @@ class WhisperEngine:
                 duration = len(shard.samples) / SAMPLE_RATE
                 times = heard[k] if heard is not None and i < shared else None
                 answers[i] = Decoded(
-                    language, self.tokens.pieces(tokens, duration, times), words.get(k, []), detected[k][1]
+                    language,
+                    self.tokens.pieces(tokens, duration, times),
+                    words.get(k, []),
+                    detected[k][1],
+                    self.tokens.quality(generated[k], used[k]),
                 )
         return [a for a in answers if a is not None]
 
@@ -348,7 +275,7 @@ class WhisperEngine:
         first encoder position CTranslate2's alignment (cross-attention, as faster-whisper's word
         timestamps) gives each token; None for a decode with no text."""
         texts = [[t for t in tokens if t < self.tokens.eot] for tokens in ids]
-        start = self.tokens.prompt(dataclasses.replace(group[0], prompt=()), languages[0])
+        start = self.tokens.prompt(group[0].task, languages[0])
         frames = [max(1, len(s.samples) // HOP) for s in group]
         results = model.align(encoded, start, [t or [self.tokens.eot] for t in texts], frames)
         out: list[list[float] | None] = []
@@ -365,23 +292,25 @@ class WhisperEngine:
         encoded: ctranslate2.StorageView,
         prompts: list[list[int]],
         temperature: float,
-    ) -> list[list[int]]:
+    ) -> list[Generated]:
         sampling = {"sampling_topk": 0, "sampling_temperature": temperature} if temperature > 0 else {}
         results = model.generate(
             encoded,
             prompts,
             beam_size=1 if temperature > 0 else self.beam_size,
             max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX,
+            return_scores=True,
+            return_no_speech_prob=True,
             **sampling,
         )
-        return [list(r.sequences_ids[0]) for r in results]
+        return [Generated(list(r.sequences_ids[0]), float(r.scores[0]), float(r.no_speech_prob)) for r in results]
 
     def _looping(self, ids: list[list[int]], prompts: list[list[int]]) -> list[int]:
         """Which decodes loop on themselves: they ran to Whisper's length limit without ending, and gzip
         shrinks their text more than MAX_COMPRESSION times (speech that repeats itself ends in time)."""
         found = []
         for i, (tokens, prompt) in enumerate(zip(ids, prompts)):
-            text = self.tokens.tokenizer.decode([t for t in tokens if t < self.tokens.eot]).encode()
+            text = self.tokens.text(tokens).encode()
             at_limit = len(prompt) + len(tokens) >= MAX_LENGTH - 1
             if at_limit and len(text) / len(zlib.compress(text)) > MAX_COMPRESSION:
                 found.append(i)

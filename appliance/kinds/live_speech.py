@@ -23,7 +23,7 @@ from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError
 from appliance.kinds.base import SequenceCall
 from appliance.kinds.segments import SegmentTracker
-from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment
+from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment, merged
 from appliance.kinds.speech_shards import ShardPlan
 from appliance.kinds.streaming import whole
 from appliance.kinds.vad import VadModel
@@ -220,7 +220,7 @@ class LiveTranscription:
         found = await asyncio.gather(
             *(self._decode(p, audio, stream.options, times, request, True, base) for p in plans)
         )
-        return [s for segments in found for s in segments]
+        return merged([s for segments in found for s in segments])  # one turn
 
 
 class Heard:

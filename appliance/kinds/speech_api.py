@@ -23,11 +23,14 @@ from appliance.firmware import Baked, ModelSpec, TensorSpec
 from appliance.kinds import subtitles
 from appliance.kinds.audio_in import AUDIO_INPUT
 from appliance.kinds.streaming import query_flag
+from appliance.kinds.text import ends_sentence
 from appliance.kinds.triton_config import model_config
 from appliance.protocol.messages import Response, json_response
 
 SAMPLE_RATE = 16000  # what Whisper hears (engine/whisper.py's SAMPLE_RATE is this one)
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")  # OpenAI's response formats
+CAPITALIZED_NOUNS = ("de", "lb")  # languages whose nouns begin with a capital anywhere in a sentence
+PRONOUN_I = ("I", "I'm", "I'll", "I've", "I'd")
 SUBTITLES = ("srt", "vtt")  # cut at the words' times: these formats ask for them
 MIN_SAMPLES = 512  # one VAD frame, 32 ms: anything shorter holds no speech to find
 OUTPUTS = ("text", "start", "end")
@@ -78,6 +81,12 @@ class Segment:
     language: str
     words: tuple[Word, ...] = ()  # where the request asked for them
     language_probability: float = 1.0  # Whisper's, where it detected the language
+    # openai-whisper's, of the decode it came from (engine/whisper_tokens.py Quality), and its text's ids
+    tokens: tuple[int, ...] = ()
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +212,41 @@ def segment_json(s: Segment) -> dict[str, Any]:
     return line
 
 
+def continued(previous: Segment | None, segment: Segment) -> Segment:
+    """`segment` as it reads after `previous`. Whisper begins each of its segments with a capital, a
+    sentence's continuation too ("...the lights in the kitchen" "Please we are going..."): after a segment
+    of the same language that ends no sentence, a capitalized first word is lowercased ("I" and acronyms
+    kept, and every word in languages that capitalize nouns)."""
+    if previous is None or previous.language != segment.language or segment.language in CAPITALIZED_NOUNS:
+        return segment
+    if ends_sentence(previous.text):
+        return segment
+    first, _, rest = segment.text.partition(" ")
+    bare = first.rstrip(",;:.!?")
+    if not (bare[:1].isupper() and bare[1:] == bare[1:].lower()) or bare in PRONOUN_I:
+        return segment
+    return dataclasses.replace(segment, text=" ".join(filter(None, (first[0].lower() + first[1:], rest))))
+
+
+def merged(segments: list[Segment]) -> list[Segment]:
+    """Segments as one (a live turn: one span the VAD closed), its text read on from one to the next."""
+    if len(segments) < 2:
+        return segments
+    read: list[Segment] = []
+    for segment in segments:
+        read.append(continued(read[-1] if read else None, segment))
+    first = read[0]
+    return [
+        dataclasses.replace(
+            first,
+            end=read[-1].end,
+            text=" ".join(s.text for s in read),
+            words=tuple(w for s in read for w in s.words),
+            tokens=tuple(t for s in read for t in s.tokens),
+        )
+    ]
+
+
 def word_json(word: Word) -> dict[str, Any]:
     return {"word": word.word.strip(), "start": word.start, "end": word.end, "probability": word.probability}
 
@@ -218,7 +262,18 @@ def render(
         return Response(200, (doc["text"] + "\n").encode(), content_type="text/plain; charset=utf-8")
     if response_format == "verbose_json":
         rows = [
-            {"id": i, "seek": 0, "start": s.start, "end": s.end, "text": s.text, "tokens": [], "temperature": 0.0}
+            {
+                "id": i,
+                "seek": round(s.start * 100),  # where it begins in Whisper's 10 ms mel frames (openai-whisper's unit)
+                "start": s.start,
+                "end": s.end,
+                "text": s.text,
+                "tokens": list(s.tokens),
+                "temperature": s.temperature,
+                "avg_logprob": s.avg_logprob,
+                "compression_ratio": s.compression_ratio,
+                "no_speech_prob": s.no_speech_prob,
+            }
             for i, s in enumerate(segments)
         ]
         verbose: dict[str, Any] = {

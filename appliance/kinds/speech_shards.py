@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from appliance.engine.whisper_tokens import Piece
 from appliance.engine.whisper_words import Word as EngineWord
 from appliance.kinds.shards import frame_energy, plan_shards
 from appliance.kinds.speech_api import Word
+from appliance.kinds.text import ends_sentence
 
 GAP_S = 0.3  # silence put between two segments in one shard
 CUT_FRAME = 320  # 20 ms, one encoder position: the grain of a cut inside speech
@@ -65,24 +67,31 @@ class ShardPlan:
             return max(span.offset - middle, middle - (span.offset + span.end - span.start), 0.0)
 
         index = min(range(len(self.spans)), key=lambda i: distance(self.spans[i]))
+        return index, self._inside(index, start, rate), self._inside(index, end, rate)
+
+    def _inside(self, index: int, seconds: float, rate: int) -> int:
+        """A time in the shard -> the recording's sample, kept inside span `index`."""
         span = self.spans[index]
+        return span.start + int(min(max(seconds * rate - span.offset, 0.0), span.end - span.start))
 
-        def inside(seconds: float) -> int:
-            return span.start + int(min(max(seconds * rate - span.offset, 0.0), span.end - span.start))
-
-        return index, inside(start), inside(end)
-
-    def align(self, pieces: list[tuple[float, float, str]], rate: int) -> list[tuple[int, int, str]]:
-        """Whisper's timed pieces -> (first span, last span, text), one per run of spans the
-        pieces join: a span's text is that of the pieces standing for it, its times are the VAD's."""
-        runs: list[tuple[int, int, str]] = []
-        for start, end, text in pieces:
+    def timed(self, pieces: list[tuple[float, float]], rate: int) -> list[tuple[int, int]]:
+        """Whisper's timed pieces (its own segments, usually a clause or a sentence) -> each one's start
+        and end in the recording (samples), in order. Where speech begins or ends, the VAD's edges (a
+        span's first piece starts where it starts, its last ends where it ends: Whisper's own times
+        drift by a few hundred ms); two pieces in one span meet at Whisper's timestamp between them."""
+        spans: list[tuple[int, int]] = []
+        for start, end in pieces:
             first, last = self.covered(start, end, rate)
-            if runs and first <= runs[-1][1]:
-                before = runs.pop()
-                first, last, text = before[0], max(before[1], last), f"{before[2]} {text}"
-            runs.append((first, last, text))
-        return runs
+            first = max(first, spans[-1][1]) if spans else first  # in order, though Whisper's times drift
+            spans.append((first, max(first, last)))
+        out: list[tuple[int, int]] = []
+        for i, (first, last) in enumerate(spans):
+            start = self.spans[first].start
+            if out and spans[i - 1][1] == first:  # shares its first span with the piece before
+                start = max(out[-1][0], self._inside(first, pieces[i][0], rate))
+                out[-1] = (out[-1][0], start)
+            out.append((start, self.spans[last].end))
+        return out
 
 
 class Packer:
@@ -130,28 +139,42 @@ def _split(samples: np.ndarray, start: int, end: int, max_samples: int, algorith
     return [(start + a * CUT_FRAME, min(end, start + b * CUT_FRAME)) for a, b in cuts]
 
 
+def with_their_sentences(pieces: list[Piece]) -> list[Piece]:
+    """Whisper's pieces, each that goes on with the sentence before it (that one ends none, it begins in
+    lower case: "Turn off the lights in the kitchen" "please.") joined to it: it is part of that sentence,
+    and Whisper's timestamps around so short a tail drift by more than its length (measured: "please."
+    timed into the next sentence's speech, 0.5 s of it)."""
+    out: list[Piece] = []
+    for piece in pieces:
+        if out and piece.text[:1].islower() and not ends_sentence(out[-1].text):
+            last = out[-1]
+            text = f"{last.text} {piece.text}"
+            out[-1] = Piece(
+                last.start, max(last.end, piece.end), text, last.words + piece.words, last.tokens + piece.tokens
+            )
+        else:
+            out.append(piece)
+    return out
+
+
 def placed_words(
-    plan: ShardPlan, runs: list[tuple[int, int, str]], words: list[EngineWord], offset: int, rate: int
+    plan: ShardPlan, segments: list[tuple[int, int]], words: list[EngineWord], offset: int, rate: int
 ) -> list[tuple[Word, ...]]:
-    """The shard's words in recording time, each in the segment (run of spans) it was heard in, inside
-    that segment's times and in order (the VAD's edges are the segment's, as for its text)."""
-    placed: list[list[Word]] = [[] for _ in runs]
-    if not runs:
+    """The shard's words in recording time, each in the segment (start and end in the recording, less
+    `offset`) it was heard in, inside that segment's times and in order."""
+    placed: list[list[Word]] = [[] for _ in segments]
+    if not segments:
         return []
     for word in words:
-        index, start, end = plan.place(word.start, word.end, rate)
-        run = min(range(len(runs)), key=lambda r: max(runs[r][0] - index, index - runs[r][1], 0))
-        low, high = plan.spans[runs[run][0]].start, plan.spans[runs[run][1]].end
+        _, start, end = plan.place(word.start, word.end, rate)
+        middle = (start + end) / 2
+        at = min(range(len(segments)), key=lambda k: max(segments[k][0] - middle, middle - segments[k][1], 0.0))
+        low, high = segments[at]
         start = max(low, min(start, high))
-        if placed[run]:
-            start = max(start, round(placed[run][-1].end * rate) - offset)
+        if placed[at]:
+            start = max(start, round(placed[at][-1].end * rate) - offset)
         end = max(start, min(end, high))
-        placed[run].append(
-            Word(
-                round((offset + start) / rate, 3),
-                round((offset + end) / rate, 3),
-                word.text,
-                word.probability,
-            )
+        placed[at].append(
+            Word(round((offset + start) / rate, 3), round((offset + end) / rate, 3), word.text, word.probability)
         )
     return [tuple(found) for found in placed]

@@ -32,7 +32,7 @@ from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
 from appliance.kinds.counting import counted
 from appliance.kinds.live_speech import LiveStream, LiveTranscription, dropped, vad_key
 from appliance.kinds.speech_api import Options, Segment
-from appliance.kinds.speech_shards import Packer, ShardPlan, placed_words
+from appliance.kinds.speech_shards import Packer, ShardPlan, placed_words, with_their_sentences
 from appliance.kinds.streaming import ndjson, whole
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
@@ -166,11 +166,13 @@ class SpeechToText(LiveTranscription, EngineModel):
 
         cutting = loop.create_task(cut())
         started: list[asyncio.Task[list[Segment]]] = []
+        previous: Segment | None = None  # what the next segment reads on from
         try:
             while (task := await shards.get()) is not None:
                 started.append(task)
                 for segment in await task:
-                    yield segment
+                    previous = speech_api.continued(previous, segment)
+                    yield previous
             await cutting  # its error, if it failed
         finally:
             cutting.cancel()
@@ -196,11 +198,11 @@ class SpeechToText(LiveTranscription, EngineModel):
         offset: int = 0,
         index: int = 0,
     ) -> list[Segment]:
-        """One shard's segments (times in seconds, `offset` samples added). Text goes to the VAD's
-        spans by Whisper's timestamps, a segment per run of spans its pieces join (Whisper's own
-        times drift; the VAD's edges do not). Where Whisper stopped before the last spans, those get a
-        second pass of their own (a batched window has no seek as openai-whisper's loop has). Shards
-        of one `request` may share a Whisper window."""
+        """One shard's segments (times in seconds, `offset` samples added): one per piece of Whisper's
+        text between its timestamps (a sentence's tail joined to it), timed in the VAD's spans
+        (ShardPlan.timed). Where Whisper stopped before the last spans, those get a second pass of
+        their own (a batched window has no seek as openai-whisper's loop has). Shards of one
+        `request` may share a Whisper window."""
         prompt = await self.prompts.tokens(options.prompt)
         shard = Shard(
             plan.audio(samples), options.language, options.task, prompt, options.temperature, options.words, request
@@ -209,14 +211,26 @@ class SpeechToText(LiveTranscription, EngineModel):
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
         times.queue_ns += done.queued_ns
         decoded = done.result
-        runs = plan.align([(p.start, p.end, p.text) for p in decoded.pieces], SAMPLE_RATE)
-        placed = placed_words(plan, runs, decoded.words, offset, SAMPLE_RATE)
-        out = []
-        for (first, last, text), words in zip(runs, placed):
-            start, end = (offset + plan.spans[first].start) / SAMPLE_RATE, (offset + plan.spans[last].end) / SAMPLE_RATE
-            out.append(
-                Segment(round(start, 3), round(end, 3), text, decoded.language, words, decoded.language_probability)
+        pieces = with_their_sentences(decoded.pieces)
+        timed = plan.timed([(p.start, p.end) for p in pieces], SAMPLE_RATE)
+        placed = placed_words(plan, timed, decoded.words, offset, SAMPLE_RATE)
+        quality = decoded.quality
+        out = [
+            Segment(
+                round((offset + start) / SAMPLE_RATE, 3),
+                round((offset + end) / SAMPLE_RATE, 3),
+                piece.text,
+                decoded.language,
+                words,
+                decoded.language_probability,
+                tokens=piece.tokens,
+                temperature=quality.temperature,
+                avg_logprob=quality.avg_logprob,
+                compression_ratio=quality.compression_ratio,
+                no_speech_prob=quality.no_speech_prob,
             )
+            for piece, (start, end), words in zip(pieces, timed, placed)
+        ]
         # Whisper read up to its last timestamp: the spans that start after it were not heard
         reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
         heard = sum(1 for span in plan.spans if span.offset < reached)

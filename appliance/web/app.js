@@ -29,6 +29,10 @@ async function call(path, options) {
   } catch (exc) {
     throw new Error(`the box does not answer (${exc.message})`);
   }
+  return checked(response);
+}
+
+async function checked(response) {
   if (!response.ok) {
     let message = `${response.status} ${response.statusText}`;
     if ((response.headers.get("content-type") || "").includes("json")) {
@@ -54,22 +58,13 @@ function voiceNames() {
   return page.voices.map((v) => `${languageName(v.language)} (${v.voice})`).join(", ") || "none";
 }
 
-// A speech model names one voice and its language, or several (`voices`: name -> language, or a list).
-function voicesOf(model) {
-  const p = model.parameters || {};
-  if (p.voices && typeof p.voices === "object") {
-    const entries = Array.isArray(p.voices) ? p.voices.map((v) => [v.name || v, v.language || p.language]) : Object.entries(p.voices);
-    return entries.map(([voice, language]) => ({ model: model.name, voice, language: String(language || "") }));
-  }
-  return [{ model: model.name, voice: p.voice || model.name, language: String(p.language || "") }];
-}
-
+// Voices from every model that speaks, whatever its kind: /v1/audio/voices lists each with its language and model.
 async function loadModels() {
-  const { models } = await json("/v2/models");
+  const [{ models }, { voices }] = await Promise.all([json("/v2/models"), json("/v1/audio/voices")]);
   const described = (kind) =>
     Promise.all(models.filter((m) => m.kind === kind).map((m) => json(`/v2/models/${encodeURIComponent(m.name)}`)));
-  const [voices, listeners] = await Promise.all([described("speech_synthesis"), described("speech_to_text")]);
-  page.voices = voices.flatMap(voicesOf).filter((v) => v.language);
+  const listeners = await described("speech_to_text");
+  page.voices = voices.filter((v) => v.language).map((v) => ({ model: v.model, voice: v.name, language: v.language }));
   page.listeners = listeners.map((m) => ({ model: m.name, multilingual: Boolean(m.parameters?.multilingual) }));
   page.pipelines = models.filter((m) => m.kind === "speech_pipeline").map((m) => m.name);
   page.kinds = Object.fromEntries(models.map((m) => [m.name, m.kind]));
@@ -411,7 +406,7 @@ function showStatus(status, ready) {
           ["QUIC", status.quic ? `${status.quic.workers} QUIC workers${status.quic.reason ? ` (${status.quic.reason})` : ""}` : "off"],
           ["Connection cache", cache ? `${cache.backend}${cache.reason ? ` (${cache.reason})` : ""}: ${cache.peers.length} peers, ${cache.totals.packets} packets, ${cache.totals.drops} dropped` : "off"],
         ]
-      : [["Workers, QUIC, connection cache", `for operators only: ${status.refusal}`]]),
+      : []),
     ["HTTPS", status.tls?.https_port ? `TCP port ${status.tls.https_port}${status.tls.mutual_tls ? ", mutual TLS" : ""}` : "off"],
     ["Certificate SHA-256", status.tls?.sha256 || "none"],
   ];
@@ -424,23 +419,26 @@ function showStatus(status, ready) {
   $("status-models").tBodies[0].replaceChildren(
     ...status.models.map((m) => row([m.name, page.kinds?.[m.name] || "", m.engine, m.live_sequences])),
   );
+  $("status-operator").hidden = !status.operator;
   $("status-workers").tBodies[0].replaceChildren(
     ...(status.workers || []).map((w) => row([w.worker, w.up ? "yes" : "no", w.in_flight ?? "", w.up ? w.connections + w.tcp_connections + w.quic_peers.length : "", w.restarts])),
   );
 }
 
 // /status is for operators (root or the socket's group on the box; a certificate the operator CA signed
-// over the network). Anyone else sees what the public routes say: the firmware, the models and engines,
+// over the network). It is asked once: after a refusal the page asks no more (a visitor in the room is
+// never an operator later) and shows what the public routes say: the firmware, the models and engines,
 // the certificate (its fingerprint computed here from the PEM the box serves).
 async function readStatus() {
-  const response = await fetch("/status");
-  if (response.status !== 403) return { ...(await json("/status")), operator: true };
-  const refusal = (await response.json()).error;
+  if (page.operator !== false) {
+    const response = await fetch("/status");
+    page.operator = response.status !== 403;
+    if (page.operator) return { ...(await (await checked(response)).json()), operator: true };
+  }
   const [server, listing, pem] = await Promise.all([json("/v2"), json("/v2/models"), call("/tls/certificate.pem").then((r) => r.text())]);
   const https = location.protocol === "https:";
   return {
     operator: false,
-    refusal,
     firmware: server.firmware,
     models: listing.models.map((m) => ({ name: m.name, engine: m.engine, live_sequences: "" })),
     tls: { sha256: await fingerprint(pem), https_port: https ? Number(location.port || 443) : null },
