@@ -9,17 +9,23 @@ its package files (tests/kokoro.py), never by the box's own Whisper or the firmw
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2
 import numpy as np
+import openai
 import pytest
+import soundfile
+import soxr
 import tokenizers
 from conftest import Daemon, Keys, cli
-from kokoro import Kokoro, package_file
-from speech import RATE
+from faster_whisper import WhisperModel
+from kokoro import Kokoro, package_file, whisper_base
+from speech import RATE, say
 from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncUnixClient
@@ -34,6 +40,9 @@ PORTUGUESE = [
     "A estação fica perto do mercado.",
 ]
 PORTUGUESE_WORDS = ["trem", "tarde", "irmão", "hospital", "café", "favor", "estação", "mercado"]
+# issue 39's mixed recording: about 4 s of English, a 1.5 s pause, about 7 s of Portuguese
+MIXED_ENGLISH = "The train leaves at three in the afternoon. Where is the museum?"
+MIXED_PORTUGUESE = ["Meu irmão trabalha no hospital.", "Eu gostaria de um café, por favor."]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +65,25 @@ def spoken(kokoro: Kokoro, sentences: list[str], gap_s: float = 1.0) -> np.ndarr
     return np.concatenate(
         [gap, *(np.concatenate([kokoro.speech16k(s, voices[i % 2]), gap]) for i, s in enumerate(sentences))]
     )
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory: pytest.TempPathFactory) -> WhisperModel:
+    """faster-whisper base from its package files: not the box, nor the firmware's directories."""
+    return WhisperModel(
+        str(whisper_base(tmp_path_factory.mktemp("judge"))), device="cpu", compute_type="int8", cpu_threads=2
+    )
+
+
+def mixed(kokoro: Kokoro) -> np.ndarray:
+    gap = np.zeros(int(1.5 * RATE), np.float32)
+    lead = np.zeros(RATE // 2, np.float32)
+    return np.concatenate([lead, say(MIXED_ENGLISH), gap, spoken(kokoro, MIXED_PORTUGUESE, gap_s=0.4)])
+
+
+def heard_in(judge: WhisperModel, samples: np.ndarray, rate: int, language: str) -> str:
+    found, _ = judge.transcribe(soxr.resample(samples, rate, RATE).astype(np.float32), language=language, beam_size=5)
+    return " ".join(s.text for s in found).lower()
 
 
 def found(expected: list[str], text: str) -> int:
@@ -114,3 +142,33 @@ def test_a_loop_every_temperature_repeats_is_cut_where_it_begins() -> None:
     assert tokenizer.decode(whisper_loops.cut(loop, eot)) == " We'll try and try and"
     said = tokenizer.encode(" Yes, yes, I know. The train leaves at three, at three.", add_special_tokens=False).ids
     assert not whisper_loops.looping(said, tokenizer.decode(said)) and whisper_loops.cut(said, eot) == said
+
+
+def test_a_recording_of_two_languages_keeps_all_its_speech_each_segment_in_its_language(
+    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel, tmp_path: Path
+) -> None:
+    """English then Portuguese: through `call interpret --to pt` every segment is spoken in Portuguese (the
+    English translated, the Portuguese as heard), judged by faster-whisper; through whisper-1's verbose_json
+    the English is English text and the Portuguese Portuguese, at their own times."""
+    samples = mixed(kokoro)
+    english_end = (RATE // 2 + len(say(MIXED_ENGLISH))) / RATE
+    (tmp_path / "mixed.wav").write_bytes(encode_wav(samples, RATE))
+    out = cli(
+        "call", "interpret", tmp_path / "mixed.wav", "-o", tmp_path / "out.wav", "--to", "pt", "--socket", daemon.socket
+    ).stdout
+    lines = out.splitlines()
+    assert any("(en " in line for line in lines) and any("(pt " in line for line in lines), out
+    audio, rate = soundfile.read(tmp_path / "out.wav", dtype="float32")
+    heard = heard_in(judge, audio, rate, "pt")
+    assert found(["trem", "tarde", "museu"], heard) >= 2 and found(["irmão", "hospital", "café"], heard) >= 2, heard
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=str(daemon.socket)), timeout=300)
+    client = openai.OpenAI(api_key="on-box", base_url="http://appliance/v1", http_client=http, max_retries=0)
+    with http:
+        verbose = client.audio.transcriptions.create(
+            model="whisper-1", file=("mixed.wav", io.BytesIO(encode_wav(samples, RATE))), response_format="verbose_json"
+        )
+    segments = verbose.segments or []
+    english = " ".join(s.text for s in segments if s.end <= english_end + 0.5).lower()
+    portuguese = " ".join(s.text for s in segments if s.start >= english_end).lower()
+    assert found(["train", "afternoon", "museum"], english) >= 3, segments
+    assert found(["irmão", "hospital", "café", "favor"], portuguese) >= 4, segments
