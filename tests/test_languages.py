@@ -9,7 +9,9 @@ its package files (tests/kokoro.py), never by the box's own Whisper or the firmw
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -26,11 +28,15 @@ from conftest import Daemon, Keys, cli
 from faster_whisper import WhisperModel
 from kokoro import Kokoro, package_file, whisper_base
 from speech import RATE, say
+from test_realtime import TURN_DETECTION, next_event, pcm
+from websockets.asyncio.client import unix_connect
 from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncUnixClient
 
 from appliance.audio import encode_wav, to_pcm16
+from appliance.client import Call
+from appliance.client.http import checked
 from appliance.engine import whisper_loops
 
 PORTUGUESE = [
@@ -172,3 +178,157 @@ def test_a_recording_of_two_languages_keeps_all_its_speech_each_segment_in_its_l
     portuguese = " ".join(s.text for s in segments if s.start >= english_end).lower()
     assert found(["train", "afternoon", "museum"], english) >= 3, segments
     assert found(["irmão", "hospital", "café", "favor"], portuguese) >= 4, segments
+
+
+def lines_of(daemon: Daemon, samples: np.ndarray, query: str) -> tuple[dict[str, str], list[dict]]:
+    """The interpret route's headers and its segment lines."""
+    with daemon.client() as client:
+        response = checked(
+            client.send(Call("POST", f"/v2/models/interpreter/interpret{query}", encode_wav(samples, RATE)))
+        )
+    *lines, summary = [json.loads(line) for line in response.body.splitlines()]
+    assert summary["done"], summary
+    return response.headers, lines
+
+
+def speech_of(line: dict) -> tuple[np.ndarray, int]:
+    return np.frombuffer(base64.b64decode(line["audio"]), "<i2").astype(np.float32) / 32768, line["sample_rate"]
+
+
+def test_portuguese_into_english_takes_the_pair_not_whispers_translate(
+    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel
+) -> None:
+    """Whisper base's translate gave "The train leaves at 3 am"; the pt-en pair gives the afternoon."""
+    headers, lines = lines_of(daemon, spoken(kokoro, PORTUGUESE[:2]), "?to=en")
+    assert "pt=whisper_base>pt-en>joe" in headers["x-route"], headers
+    assert lines and all(line["route"] == "whisper_base > pt-en > joe" for line in lines), lines
+    heard = heard_in(judge, np.concatenate([speech_of(line)[0] for line in lines]), lines[0]["sample_rate"], "en")
+    assert found(["afternoon", "brother", "hospital"], heard) >= 3, heard
+
+
+@pytest.mark.parametrize(
+    ("language", "voice", "sentence"),
+    [
+        ("es", "ef_dora", "Mi hermano trabaja en el hospital de la ciudad."),
+        ("fr", "ff_siwis", "Mon frère travaille à l'hôpital de la ville."),
+        ("it", "if_sara", "Mio fratello lavora all'ospedale della città."),
+    ],
+)
+def test_spanish_french_and_italian_reach_portuguese_through_english(
+    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel, tmp_path: Path, language: str, voice: str, sentence: str
+) -> None:
+    """No pair leaves them: Whisper translates them to English, the en-pt pair takes it on (before: a
+    44-byte WAV and exit 0). Kokoro's voices speak them (espeak-ng's, measured with faster-whisper base:
+    "The train goes to the station of the station", "My friend, my friend, my friend...")."""
+    speech = np.concatenate([np.zeros(RATE // 2, np.float32), kokoro.speech16k(sentence, voice)])
+    (tmp_path / "in.wav").write_bytes(encode_wav(speech, RATE))
+    out = cli(
+        "call", "interpret", tmp_path / "in.wav", "-o", tmp_path / "out.wav", "--to", "pt", "--socket", daemon.socket
+    ).stdout
+    assert f"({language} " in out and "[pt by whisper_base (translate) > en-pt > pf_dora]" in out, out
+    audio, rate = soundfile.read(tmp_path / "out.wav", dtype="float32")
+    heard = heard_in(judge, audio, rate, "pt")
+    assert found(["irmão", "trabalha", "hospital", "cidade"], heard) >= 3, (heard, out)
+
+
+def test_an_interpretation_with_nothing_spoken_is_an_error_not_an_empty_wav(daemon: Daemon, tmp_path: Path) -> None:
+    (tmp_path / "quiet.wav").write_bytes(encode_wav(np.zeros(2 * RATE, np.float32), RATE))
+    result = cli("call", "interpret", tmp_path / "quiet.wav", "-o", tmp_path / "out.wav", "--to", "pt", "--socket", daemon.socket, check=False)  # fmt: skip
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result
+    assert result.stderr.startswith("appliance: error: nothing was spoken from "), result.stderr
+    assert not (tmp_path / "out.wav").exists()
+
+
+DIALOGUE = [  # (language, sentence): two people, one button
+    ("en", "My brother works at the hospital."),
+    ("pt", "O trem sai às três da tarde."),
+    ("en", "The museum opens at nine in the morning."),
+]
+ANSWERED = {
+    0: ("pt", ["irmão", "trabalha", "hospital"]),
+    1: ("en", ["train", "afternoon", "three", "3"]),
+    2: ("pt", ["museu", "abre", "nove", "manhã"]),
+}
+
+
+def dialogue(kokoro: Kokoro) -> np.ndarray:
+    gap = np.zeros(int(1.5 * RATE), np.float32)
+    turns = [say(s) if language == "en" else kokoro.speech16k(s, "pf_dora") for language, s in DIALOGUE]
+    return np.concatenate([gap, *(np.concatenate([turn, gap]) for turn in turns)])
+
+
+def test_conversation_mode_puts_each_turn_into_the_other_language(
+    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel, tmp_path: Path
+) -> None:
+    """No target: the pipeline's two languages (en, pt), each turn into the other one; the CLI's
+    `interpret` without --to likewise; `--to` stays one way."""
+    samples = dialogue(kokoro)
+    _, lines = lines_of(daemon, samples, "")
+    assert [line["target"] for line in lines] == ["pt", "en", "pt"], lines
+    for i, line in enumerate(lines):
+        language, expected = ANSWERED[i]
+        heard = heard_in(judge, *speech_of(line), language)
+        assert found(expected, heard) >= 2, (i, heard)
+    _, lines = lines_of(daemon, samples, "?languages=pt,en")
+    assert [line["target"] for line in lines] == ["pt", "en", "pt"], lines
+    (tmp_path / "dialogue.wav").write_bytes(encode_wav(samples, RATE))
+    out = cli(
+        "call", "interpret", tmp_path / "dialogue.wav", "-o", tmp_path / "out.wav", "--socket", daemon.socket
+    ).stdout
+    assert [re.search(r"\[(\w+) by ", line)[1] for line in out.splitlines()] == ["pt", "en", "pt"], out
+    out = cli(
+        "call",
+        "interpret",
+        tmp_path / "dialogue.wav",
+        "-o",
+        tmp_path / "out.wav",
+        "--to",
+        "en",
+        "--socket",
+        daemon.socket,
+    ).stdout
+    assert [re.search(r"\[(\w+) by ", line)[1] for line in out.splitlines()] == ["en", "en", "en"], out
+
+
+def test_the_realtime_interpreter_without_a_target_answers_each_turn_in_the_other_language(
+    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel
+) -> None:
+    """`/v1/realtime?model=interpreter` with no target: conversation mode; each response's metadata names
+    its language and route; its speech is judged in that language."""
+    audio = pcm(np.concatenate([dialogue(kokoro), np.zeros(RATE, np.float32)]), 24000)
+
+    async def run() -> list[dict]:
+        async with unix_connect(
+            str(daemon.socket), "ws://appliance/v1/realtime?model=interpreter", max_size=None
+        ) as ws:
+            await next_event(ws, "session.created")
+            session = {"type": "realtime", "audio": {"input": {"turn_detection": TURN_DETECTION}}}
+            await ws.send(json.dumps({"type": "session.update", "session": session}))
+            await next_event(ws, "session.updated")
+            events: list[dict] = []
+
+            async def receive() -> None:
+                while sum(e["type"] == "response.done" for e in events) < len(DIALOGUE):
+                    events.append(json.loads(await ws.recv()))
+
+            receiver = asyncio.create_task(receive())
+            step = 24000 * 2 // 10
+            for offset in range(0, len(audio), step):
+                piece = base64.b64encode(audio[offset : offset + step]).decode()
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece}))
+            await asyncio.wait_for(receiver, 300)
+            return events
+
+    events = asyncio.run(run())
+    done = [e["response"] for e in events if e["type"] == "response.done"]
+    assert [r["metadata"]["language"] for r in done] == ["pt", "en", "pt"], [r["metadata"] for r in done]
+    assert done[1]["metadata"]["route"] == "whisper_base > pt-en > joe", done[1]["metadata"]
+    for i, response in enumerate(done):
+        spoken = b"".join(
+            base64.b64decode(e["delta"])
+            for e in events
+            if e["type"] == "response.output_audio.delta" and e["response_id"] == response["id"]
+        )
+        language, expected = ANSWERED[i]
+        heard = heard_in(judge, np.frombuffer(spoken, "<i2").astype(np.float32) / 32768, 24000, language)
+        assert found(expected, heard) >= 2, (i, heard)

@@ -60,12 +60,12 @@ class SegmentLanguages:
 
     def identifies(self, plan: ShardPlan, options: Options) -> bool:
         """Its segments' languages are to be identified before decoding: no language was named, and the
-        model is English-only or the shard holds more than one segment (a lone segment's language is
-        detected in its own decode)."""
+        model is English-only, the shard holds more than one segment (a lone segment's language is
+        detected in its own decode) or the task depends on the language (`transcribed`)."""
         return (
             options.language is None
             and self.listener is not None
-            and (not self.engine.tokens.multilingual or len(plan.spans) > 1)
+            and (not self.engine.tokens.multilingual or len(plan.spans) > 1 or bool(options.transcribed))
         )
 
     async def by_language(
@@ -88,7 +88,8 @@ class SegmentLanguages:
             members = list(run)
             probability = min(p for (_, p), _ in members)
             model = self if language in self.languages else self.listener
-            told = dataclasses.replace(options, language=language)
+            translated = bool(options.transcribed) and language not in options.transcribed
+            told = dataclasses.replace(options, language=language, task="translate" if translated else options.task)
             plans = self._segment_plans(samples, [(span.start, span.end) for _, span in members])
             decodes += [(probability, model._decode(p, samples, told, times, request, urgent, offset)) for p in plans]
         found = await asyncio.gather(*(decode for _, decode in decodes))
