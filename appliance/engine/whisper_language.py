@@ -18,13 +18,15 @@ import tokenizers
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel
 
 DETECT_PAD_S = 3.0  # silence heard after the segment
+DETECT_MAX_S = 8.0  # of a longer segment, its start: a language is told in seconds, the encoder's cost grows with them
 
 
 def detect(model: ctranslate2.models.Whisper, filters: np.ndarray, clips: list[np.ndarray]) -> list[tuple[str, float]]:
-    """Each clip's likeliest language (Whisper's code) and its probability; one encoder call for all,
-    its window as long as the longest clip and the pad."""
+    """Each clip's likeliest language (Whisper's code) and its probability, from its first DETECT_MAX_S;
+    one encoder call for all, its window as long as the longest clip and the pad."""
     if not clips:
         return []
+    clips = [c[: int(DETECT_MAX_S * SAMPLE_RATE)] for c in clips]
     frames = min(WINDOW_FRAMES, max(len(c) for c in clips) // HOP + int(DETECT_PAD_S * SAMPLE_RATE) // HOP)
     features = np.ascontiguousarray(log_mel(clips, filters)[:, :, :frames])
     found = model.detect_language(ctranslate2.StorageView.from_array(features))

@@ -77,9 +77,12 @@ class SegmentLanguages:
         request: Hashable,
         urgent: bool,
         offset: int,
+        index: int,
     ) -> list[Segment]:
         """The shard's segments, runs of one language decoded in it, by this model where it hears it, else
-        by the listener; each segment keeps the probability its language was identified with."""
+        by the listener; each segment keeps the probability its language was identified with. The runs
+        keep the shard's `index` in its request (the batcher's turn: a request's first shard goes before
+        anyone's next)."""
         clips = [samples[s.start : s.end] for s in plan.spans]
         heard = await asyncio.to_thread(self.listener.engine.detect, clips)
         runs = itertools.groupby(zip(heard, plan.spans), key=lambda found: found[0][0])
@@ -91,7 +94,9 @@ class SegmentLanguages:
             translated = bool(options.transcribed) and language not in options.transcribed
             told = dataclasses.replace(options, language=language, task="translate" if translated else options.task)
             plans = self._segment_plans(samples, [(span.start, span.end) for _, span in members])
-            decodes += [(probability, model._decode(p, samples, told, times, request, urgent, offset)) for p in plans]
+            decodes += [
+                (probability, model._decode(p, samples, told, times, request, urgent, offset, index)) for p in plans
+            ]
         found = await asyncio.gather(*(decode for _, decode in decodes))
         return [
             dataclasses.replace(s, language_probability=probability)

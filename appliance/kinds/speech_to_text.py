@@ -210,7 +210,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         of one `request` may share a Whisper window. Where no language is named, a shard's segments may
         be identified first and decoded by language (speech_languages.py)."""
         if self.identifies(plan, options):
-            return await self.by_language(plan, samples, options, times, request, urgent, offset)
+            return await self.by_language(plan, samples, options, times, request, urgent, offset, index)
         shard = self._shard(plan.audio(samples), options, request)
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
