@@ -26,7 +26,7 @@ import soxr
 import tokenizers
 from conftest import Daemon, Keys, cli
 from faster_whisper import WhisperModel
-from kokoro import Kokoro, package_file, whisper_base
+from kokoro import Kokoro, package_file
 from speech import RATE, say
 from test_realtime import TURN_DETECTION, next_event, pcm
 from websockets.asyncio.client import unix_connect
@@ -70,14 +70,6 @@ def spoken(kokoro: Kokoro, sentences: list[str], gap_s: float = 1.0) -> np.ndarr
     voices = ("pm_alex", "pf_dora")
     return np.concatenate(
         [gap, *(np.concatenate([kokoro.speech16k(s, voices[i % 2]), gap]) for i, s in enumerate(sentences))]
-    )
-
-
-@pytest.fixture(scope="module")
-def judge(tmp_path_factory: pytest.TempPathFactory) -> WhisperModel:
-    """faster-whisper base from its package files: not the box, nor the firmware's directories."""
-    return WhisperModel(
-        str(whisper_base(tmp_path_factory.mktemp("judge"))), device="cpu", compute_type="int8", cpu_threads=2
     )
 
 
@@ -151,7 +143,7 @@ def test_a_loop_every_temperature_repeats_is_cut_where_it_begins() -> None:
 
 
 def test_a_recording_of_two_languages_keeps_all_its_speech_each_segment_in_its_language(
-    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel, tmp_path: Path
+    daemon: Daemon, kokoro: Kokoro, judge_base: WhisperModel, tmp_path: Path
 ) -> None:
     """English then Portuguese: through `call interpret --to pt` every segment is spoken in Portuguese (the
     English translated, the Portuguese as heard), judged by faster-whisper; through whisper-1's verbose_json
@@ -165,7 +157,7 @@ def test_a_recording_of_two_languages_keeps_all_its_speech_each_segment_in_its_l
     lines = out.splitlines()
     assert any("(en " in line for line in lines) and any("(pt " in line for line in lines), out
     audio, rate = soundfile.read(tmp_path / "out.wav", dtype="float32")
-    heard = heard_in(judge, audio, rate, "pt")
+    heard = heard_in(judge_base, audio, rate, "pt")
     assert found(["trem", "tarde", "museu"], heard) >= 2 and found(["irmão", "hospital", "café"], heard) >= 2, heard
     http = httpx2.Client(transport=httpx2.HTTPTransport(uds=str(daemon.socket)), timeout=300)
     client = openai.OpenAI(api_key="on-box", base_url="http://appliance/v1", http_client=http, max_retries=0)
@@ -196,13 +188,13 @@ def speech_of(line: dict) -> tuple[np.ndarray, int]:
 
 
 def test_portuguese_into_english_takes_the_pair_not_whispers_translate(
-    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel
+    daemon: Daemon, kokoro: Kokoro, judge_base: WhisperModel
 ) -> None:
     """Whisper base's translate gave "The train leaves at 3 am"; the pt-en pair gives the afternoon."""
     headers, lines = lines_of(daemon, spoken(kokoro, PORTUGUESE[:2]), "?to=en")
     assert "pt=whisper_base>pt-en>joe" in headers["x-route"], headers
     assert lines and all(line["route"] == "whisper_base > pt-en > joe" for line in lines), lines
-    heard = heard_in(judge, np.concatenate([speech_of(line)[0] for line in lines]), lines[0]["sample_rate"], "en")
+    heard = heard_in(judge_base, np.concatenate([speech_of(line)[0] for line in lines]), lines[0]["sample_rate"], "en")
     assert found(["afternoon", "brother", "hospital"], heard) >= 3, heard
 
 
@@ -215,7 +207,7 @@ def test_portuguese_into_english_takes_the_pair_not_whispers_translate(
     ],
 )
 def test_spanish_french_and_italian_reach_portuguese_through_english(
-    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel, tmp_path: Path, language: str, voice: str, sentence: str
+    daemon: Daemon, kokoro: Kokoro, judge_base: WhisperModel, tmp_path: Path, language: str, voice: str, sentence: str
 ) -> None:
     """No pair leaves them: Whisper translates them to English, the en-pt pair takes it on (before: a
     44-byte WAV and exit 0). Kokoro's voices speak them (espeak-ng's, measured with faster-whisper base:
@@ -227,7 +219,7 @@ def test_spanish_french_and_italian_reach_portuguese_through_english(
     ).stdout
     assert f"({language} " in out and "[pt by whisper_base (translate) > en-pt > pf_dora]" in out, out
     audio, rate = soundfile.read(tmp_path / "out.wav", dtype="float32")
-    heard = heard_in(judge, audio, rate, "pt")
+    heard = heard_in(judge_base, audio, rate, "pt")
     assert found(["irmão", "trabalha", "hospital", "cidade"], heard) >= 3, (heard, out)
 
 
@@ -258,7 +250,7 @@ def dialogue(kokoro: Kokoro) -> np.ndarray:
 
 
 def test_conversation_mode_puts_each_turn_into_the_other_language(
-    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel, tmp_path: Path
+    daemon: Daemon, kokoro: Kokoro, judge_base: WhisperModel, tmp_path: Path
 ) -> None:
     """No target: the pipeline's two languages (en, pt), each turn into the other one; the CLI's
     `interpret` without --to likewise; `--to` stays one way."""
@@ -267,7 +259,7 @@ def test_conversation_mode_puts_each_turn_into_the_other_language(
     assert [line["target"] for line in lines] == ["pt", "en", "pt"], lines
     for i, line in enumerate(lines):
         language, expected = ANSWERED[i]
-        heard = heard_in(judge, *speech_of(line), language)
+        heard = heard_in(judge_base, *speech_of(line), language)
         assert found(expected, heard) >= 2, (i, heard)
     _, lines = lines_of(daemon, samples, "?languages=pt,en")
     assert [line["target"] for line in lines] == ["pt", "en", "pt"], lines
@@ -291,7 +283,7 @@ def test_conversation_mode_puts_each_turn_into_the_other_language(
 
 
 def test_the_realtime_interpreter_without_a_target_answers_each_turn_in_the_other_language(
-    daemon: Daemon, kokoro: Kokoro, judge: WhisperModel
+    daemon: Daemon, kokoro: Kokoro, judge_base: WhisperModel
 ) -> None:
     """`/v1/realtime?model=interpreter` with no target: conversation mode; each response's metadata names
     its language and route; its speech is judged in that language."""
@@ -330,5 +322,5 @@ def test_the_realtime_interpreter_without_a_target_answers_each_turn_in_the_othe
             if e["type"] == "response.output_audio.delta" and e["response_id"] == response["id"]
         )
         language, expected = ANSWERED[i]
-        heard = heard_in(judge, np.frombuffer(spoken, "<i2").astype(np.float32) / 32768, 24000, language)
+        heard = heard_in(judge_base, np.frombuffer(spoken, "<i2").astype(np.float32) / 32768, 24000, language)
         assert found(expected, heard) >= 2, (i, heard)
