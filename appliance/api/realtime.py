@@ -61,7 +61,8 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
             raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
         pipeline = models.get(params.get("query:model", ""))
         if isinstance(pipeline, Interpreting):  # the interpreter session: translated speech back
-            plan = pipeline.plan(params.get("query:target"), params.get("query:source"))  # a 400 before the switch
+            # a 400 before the switch; without a target, conversation mode (each turn into the other language)
+            plan = pipeline.plan(*(params.get(f"query:{k}") for k in ("target", "source", "languages")))
             interpret = Interpreter(pipeline, plan)
             return Response(
                 101,
@@ -113,7 +114,7 @@ async def transcription(
     io: SessionIO,
 ) -> Close:
     names = tuple(m.name for m in models.values() if isinstance(m, LiveTranscriber))
-    kind, target = ("realtime", interpreter.plan.target) if interpreter else ("transcription", "")
+    kind, target = ("realtime", ",".join(interpreter.plan.targets)) if interpreter else ("transcription", "")
     session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
 
     output = Output(io)
@@ -320,13 +321,12 @@ class Turns:
                     continue
                 if done is None:
                     continue
-                resampler = StreamResampler(plan.speaker.sample_rate, self.session.settings.output_rate)
+                resampler = StreamResampler(done.sample_rate, self.session.settings.output_rate)
                 samples = done.audio.astype(np.float32) / 32768.0
                 pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
                 step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
-                for event in self.session.response(
-                    answer.item, done.text, [pcm[i : i + step] for i in range(0, len(pcm), step)]
-                ):
+                pieces = [pcm[i : i + step] for i in range(0, len(pcm), step)]
+                for event in self.session.response(answer.item, done.text, pieces, done.target, " > ".join(done.route)):
                     await self.emit(event)
                     if event["type"] == "response.output_audio.delta" and arrived is not None:
                         self.first_audio(time.monotonic() - arrived)

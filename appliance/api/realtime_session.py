@@ -267,9 +267,10 @@ class TranscriptionSession:
         events.append(self.event(COMPLETED, item_id=item, content_index=0, transcript=transcript.strip(), usage=usage))
         return events
 
-    def response(self, item: str, text: str, audio: list[bytes]) -> list[dict[str, Any]]:
+    def response(self, item: str, text: str, audio: list[bytes], language: str, route: str) -> list[dict[str, Any]]:
         """An interpreter turn's answer: the translated speech (PCM16 at the output rate, in pieces)
-        and its transcript, as a Realtime response with one assistant message."""
+        and its transcript, as a Realtime response with one assistant message; its metadata names the
+        turn it answers, the language it is in and the route it took (the models, in order)."""
         response_id = f"resp_{self.id[5:13]}{next(self._items):04d}"
         out_item = f"item_{self.id[5:13]}{next(self._items):04d}"
         where = {"response_id": response_id, "item_id": out_item, "output_index": 0, "content_index": 0}
@@ -280,7 +281,8 @@ class TranscriptionSession:
             "id": response_id,
             "object": "realtime.response",
             "output_modalities": ["audio"],
-            "metadata": {"input_item_id": item},  # the turn it answers, from its first event on
+            # the turn it answers, from its first event on (OpenAI's metadata: string values)
+            "metadata": {"input_item_id": item, "language": language, "route": route},
         }
         return [
             self.event("response.created", response={**head, "status": "in_progress", "output": []}),

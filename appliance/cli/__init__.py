@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 
 from appliance import exitcodes  # noqa: E402
 from appliance.cli import box, call, firmware, local, run  # noqa: E402
-from appliance.cli.options import HelpFormatter  # noqa: E402
+from appliance.cli.options import EmptyAnswer, HelpFormatter  # noqa: E402
 from appliance.client import CertificateRejected, ClientError, NoAnswer, ServerError, SocketUnreachable  # noqa: E402
 from appliance.errors import ApplianceError  # noqa: E402
 
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if _stdout_closed():
             return _stdout_gone()
         return _error(str(exc), exitcodes.USAGE)
+    except EmptyAnswer as exc:
+        return _error(str(exc), exitcodes.DAEMON_ERROR)
     except ApplianceError as exc:
         return _error(str(exc), exitcodes.USAGE)
     except KeyboardInterrupt:

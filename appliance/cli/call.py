@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 from appliance import exitcodes
 from appliance.cli import speech
-from appliance.cli.options import command, default_socket, print_json, read_input
+from appliance.cli.options import EmptyAnswer, command, default_socket, print_json, read_input
 from appliance.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MODEL, Client, parse_quic_address
 from appliance.errors import ApiError, ApplianceError
 
@@ -38,8 +38,9 @@ CALL_ACTIONS = {
     "speak": "TEXT spoken by a voice of the firmware into -o FILE (POST /v1/audio/speech), written as each "
     "sentence arrives",
     "translate": "TEXT translated --to a language (POST /translate; --from defaults to the one source that has it)",
-    "interpret": "an audio FILE through a speech pipeline into -o FILE (WAV), --to a language (default the "
-    "pipeline's first voice's); each segment's texts printed as it is spoken (POST /v2/models/MODEL/interpret)",
+    "interpret": "an audio FILE through a speech pipeline into -o FILE (WAV), --to a language, else conversation "
+    "mode (each turn into the other of --languages A,B, default the pipeline's two); each segment's texts and "
+    "route printed as it is spoken (POST /v2/models/MODEL/interpret); nothing spoken exits 1",
     "transcribe": "the text of an audio FILE with segment times (POST /v2/models/MODEL/transcribe); --language, "
     "--translate (to English), --format json|text|verbose_json|srt|vtt, --stream (a line per segment)",
     "live": "sends an audio FILE as a live stream in real time, 256 ms chunks (Triton sequence), and prints "
@@ -114,7 +115,7 @@ def cmd_call(args: argparse.Namespace) -> int:
         elif args.what == "translate":
             _translate(client, args)
         elif args.what == "interpret":
-            _interpret(client, args)
+            return _interpret(client, args)
     return 0
 
 
@@ -135,31 +136,46 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
             out.flush()
 
 
-def _interpret(client: Client, args: argparse.Namespace) -> None:
+def _interpret(client: Client, args: argparse.Namespace) -> int:
+    """Each segment's line as it is spoken (times, the language heard, the texts, the route), the speech
+    into -o as one WAV (at the first voice's rate). Nothing spoken is an error, not an empty WAV."""
     if not args.args or not args.output:
-        raise ApplianceError("usage: appliance call interpret FILE -o OUT.wav [--to LANG] [--from LANG] [--model NAME]")
+        raise ApplianceError(
+            "usage: appliance call interpret FILE -o OUT.wav [--to LANG | --languages A,B] [--from LANG] [--model NAME]"
+        )
     audio = read_input(args.args[0])
     model = args.model or _first_of_kind(client, "speech_pipeline")
-    pieces, rate = [], 22050
-    for line in client.stream_interpret(audio, model, args.to, args.source):
+    import numpy as np  # lazy: as for `call probs`
+    import soundfile
+    import soxr
+
+    pieces: list[np.ndarray] = []
+    rate = 0
+    notes = []
+    texts = sys.stderr if args.output == "-" else sys.stdout  # `-o -`: the audio has stdout
+    for line in client.stream_interpret(audio, model, args.to, args.source, args.languages):
         if line.get("done"):
             break
-        rate = line["sample_rate"]
-        pieces.append(base64.b64decode(line["audio"]))
+        rate = rate or line["sample_rate"]
+        speech = np.frombuffer(base64.b64decode(line["audio"]), "<i2").astype(np.float32) / 32768
+        pieces.append(speech if line["sample_rate"] == rate else soxr.resample(speech, line["sample_rate"], rate))
         shown = (
             line["source_text"] if line["text"] == line["source_text"] else f"{line['source_text']} -> {line['text']}"
         )
-        texts = sys.stderr if args.output == "-" else sys.stdout  # `-o -`: the audio has stdout
         heard = f"{line['language']} {line.get('language_probability', 1.0):.2f}"  # Whisper's language, its probability
+        notes += [line["note"]] if line.get("note") else []
         note = f"  [{line['note']}]" if line.get("note") else ""
-        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({heard}) {shown}{note}", file=texts, flush=True)
-    import numpy as np  # lazy: as for `call probs`
-    import soundfile
-
+        route = f"  [{line['target']} by {line['route']}]" if line.get("route") else ""
+        print(f"[{line['start']:7.2f} {line['end']:7.2f}] ({heard}) {shown}{route}{note}", file=texts, flush=True)
+    if not any(len(p) for p in pieces):
+        raise EmptyAnswer(
+            f"nothing was spoken from {args.args[0]}: " + (notes[0] if notes else "no speech was heard in it")
+        )
     wav = io.BytesIO()  # libsndfile seeks back to write the sizes: a pipe cannot be written that way
-    soundfile.write(wav, np.frombuffer(b"".join(pieces), "<i2"), rate, subtype="PCM_16", format="WAV")
+    soundfile.write(wav, np.concatenate(pieces), rate, subtype="PCM_16", format="WAV")
     with _output(args.output) as out:
         out.write(wav.getvalue())
+    return exitcodes.OK
 
 
 @contextlib.contextmanager
@@ -322,6 +338,12 @@ def add_parsers(sub: Any) -> None:
     call.add_argument("--speed", type=float, default=1.0, help="speak: 0.25 to 4.0")
     call.add_argument("--to", metavar="LANG", help="translate, interpret: the target language code")
     call.add_argument("--from", dest="source", metavar="LANG", help="translate, interpret: the source language code")
+    call.add_argument(
+        "--languages",
+        metavar="A,B",
+        help="interpret without --to: conversation mode, each turn into the other of these two (default: the "
+        "pipeline's two)",
+    )
     call.add_argument(
         "--quic", metavar="HOST:PORT", type=quic_address, help="call over QUIC/HTTP3 instead of the Unix socket"
     )

@@ -13,6 +13,12 @@ from appliance.durable import starting_marker
 from appliance.errors import ApplianceError
 
 DEV_SOCKET = Path("run/api.sock")
+
+
+class EmptyAnswer(ApplianceError):
+    """The daemon answered, but with nothing of what was asked (an interpretation with nothing spoken): exit 1."""
+
+
 INSTALLED_SOCKET = Path("/run/appliance/api.sock")
 TRUSTED_KEYS = Path("/etc/appliance/trusted-keys")
 TRUSTED_KEYS_HELP = "directory of trusted public keys (*.pub); the signature must verify against one of them"

@@ -168,11 +168,12 @@ class Client:
         return checked(self.send(translate_call(q, source, target))).json()["translatedText"]
 
     def stream_interpret(
-        self, audio: bytes, model: str, to: str | None = None, source: str | None = None
+        self, audio: bytes, model: str, to: str | None = None, source: str | None = None, languages: str | None = None
     ) -> Iterator[Any]:
         """A recording through a speech pipeline: a document per segment as soon as it is spoken (times,
-        each stage's text, base64 PCM16 audio), then a summary with "done"."""
-        return json_lines(self.transport.stream(interpret_call(model, audio, to, source)))
+        each stage's text, its target and route, base64 PCM16 audio), then a summary with "done". No
+        `to`: conversation mode between `languages` (else the pipeline's two)."""
+        return json_lines(self.transport.stream(interpret_call(model, audio, to, source, languages)))
 
     def languages(self) -> Any:
         return self.get("/languages")

@@ -229,9 +229,12 @@ def translate_call(q: str | list[str], source: str, target: str) -> Call:
     return Call("POST", "/translate", json.dumps(doc).encode(), (("content-type", "application/json"),))
 
 
-def interpret_call(model: str, audio: bytes, to: str | None = None, source: str | None = None) -> Call:
-    """A recording -> a speech pipeline's interpret route (NDJSON: a line per segment, then "done")."""
-    languages = {k: v for k, v in (("to", to), ("from", source)) if v}
-    query = f"?{urlencode(languages)}" if languages else ""
+def interpret_call(
+    model: str, audio: bytes, to: str | None = None, source: str | None = None, languages: str | None = None
+) -> Call:
+    """A recording -> a speech pipeline's interpret route (NDJSON: a line per segment, then "done"); no
+    `to`: conversation mode, each turn into the other of `languages` ("en,pt", else the pipeline's two)."""
+    asked = {k: v for k, v in (("to", to), ("from", source), ("languages", languages)) if v}
+    query = f"?{urlencode(asked)}" if asked else ""
     content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
     return Call("POST", f"/v2/models/{model}/interpret{query}", audio, (("content-type", content_type),))

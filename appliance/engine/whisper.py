@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -20,9 +19,8 @@ from pathlib import Path
 
 import ctranslate2
 import numpy as np
-import tokenizers
 
-from appliance.engine import nvidia_libs, whisper_windows
+from appliance.engine import nvidia_libs, whisper_language, whisper_loops, whisper_windows
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel, mel_filters
 from appliance.engine.whisper_tokens import TOKEN_SECONDS, Generated, Piece, Quality, WhisperTokens
 from appliance.engine.whisper_words import Word, aligned_words
@@ -32,9 +30,7 @@ log = logging.getLogger("appliance")
 
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
 TASKS = ("transcribe", "translate")
-MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold: above it, a decode repeats itself
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
-MAX_LENGTH = 448  # Whisper's decoder context, CTranslate2's default max_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,16 +108,12 @@ class WhisperEngine:
         # shards, the windows they ran in, and those decoded alone again after sharing one
         self.windows: Counter[str] = Counter()
         model = self.cpu
-        languages = [self._language_name(t) for t in _language_tokens(directory)]
+        languages = whisper_language.codes(directory)
         self.tokens = WhisperTokens(directory / "tokenizer.json", model.is_multilingual, languages)
         self.filters = mel_filters(model.n_mels)
         self.weight_bytes = (
             (directory / "model.bin").stat().st_size
         )  # a larger Whisper hears better: OpenAI's names pick by it
-
-    @staticmethod
-    def _language_name(token: str) -> str:
-        return token.removeprefix("<|").removesuffix("|>")
 
     def check(self, language: str | None, task: str) -> None:
         """A request's language and task, before its audio is queued: a 400 for what this model cannot do."""
@@ -236,15 +228,18 @@ class WhisperEngine:
             prompts = [self.tokens.prompt(s.task, language, s.prompt) for s, language in zip(group, languages)]
             generated = self._generate(model, encoded, prompts, temperature)
             used = [temperature] * len(group)
-            ids = [g.ids for g in generated]
-            for at in self._looping(ids, prompts):  # openai-whisper's fallback: sample at rising temperatures
+            for at in self._looping([g.ids for g in generated]):  # openai-whisper's fallback: rising temperatures
                 one = model.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
                 for fallback in (t for t in FALLBACK_TEMPERATURES if t > temperature):
                     again = self._generate(model, one, prompts[at : at + 1], fallback)
-                    if not self._looping([again[0].ids], prompts[at : at + 1]):
-                        # where every temperature loops too, the first answer stays
-                        generated[at], ids[at], used[at] = again[0], again[0].ids, fallback
+                    if not self._looping([again[0].ids]):
+                        generated[at], used[at] = again[0], fallback
                         break
+                else:  # every temperature loops too: the first answer, cut where its loop begins
+                    generated[at] = dataclasses.replace(
+                        generated[at], ids=whisper_loops.cut(generated[at].ids, self.tokens.eot)
+                    )
+            ids = [g.ids for g in generated]
             heard = self._heard(model, encoded, group, languages, ids) if members[0] < shared else None
             asked = [self.tokens.prompt(s.task, lang) if s.words else None for s, lang in zip(group, languages)]
             frames = [min(len(s.samples) // HOP, WINDOW_FRAMES) for s in group]
@@ -305,16 +300,19 @@ class WhisperEngine:
         )
         return [Generated(list(r.sequences_ids[0]), float(r.scores[0]), float(r.no_speech_prob)) for r in results]
 
-    def _looping(self, ids: list[list[int]], prompts: list[list[int]]) -> list[int]:
-        """Which decodes loop on themselves: they ran to Whisper's length limit without ending, and gzip
-        shrinks their text more than MAX_COMPRESSION times (speech that repeats itself ends in time)."""
+    def _looping(self, ids: list[list[int]]) -> list[int]:
+        """Which decodes loop on themselves (whisper_loops.py)."""
         found = []
-        for i, (tokens, prompt) in enumerate(zip(ids, prompts)):
-            text = self.tokens.text(tokens).encode()
-            at_limit = len(prompt) + len(tokens) >= MAX_LENGTH - 1
-            if at_limit and len(text) / len(zlib.compress(text)) > MAX_COMPRESSION:
+        for i, tokens in enumerate(ids):
+            text = [t for t in tokens if t < self.tokens.eot]
+            if whisper_loops.looping(text, self.tokens.tokenizer.decode(text)):
                 found.append(i)
         return found
+
+    def detect(self, clips: list[np.ndarray]) -> list[tuple[str, float]]:
+        """Each clip's language and its probability, as Whisper detects it (a multilingual model only)."""
+        assert self.tokens.multilingual, "an English-only Whisper detects no language"
+        return whisper_language.detect(self._model(len(clips)), self.filters, clips)
 
     def _languages(
         self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]
@@ -326,15 +324,6 @@ class WhisperEngine:
             return [(s.language or "", 1.0) for s in group]
         detected = model.detect_language(encoded)
         return [
-            (s.language, 1.0) if s.language else (self._language_name(d[0][0]), round(float(d[0][1]), 3))
+            (s.language, 1.0) if s.language else (whisper_language.code(d[0][0]), round(float(d[0][1]), 3))
             for s, d in zip(group, detected)
         ]
-
-
-def _language_tokens(directory: Path) -> list[str]:
-    """Whisper's language tokens, in the tokenizer's order (they sit between <|startoftranscript|> and <|translate|>)."""
-    tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    sot, translate = tokenizer.token_to_id("<|startoftranscript|>"), tokenizer.token_to_id("<|translate|>")
-    if sot is None or translate is None:
-        return []
-    return [t for t in (tokenizer.id_to_token(i) for i in range(sot + 1, translate)) if t is not None]

@@ -102,6 +102,9 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         "split_algorithm": ParameterSchema(str, "semantic", choices=("semantic", "fixed")),
         "max_batch": ParameterSchema(int, 8, bounds=(1, 256)),
         "beam_size": ParameterSchema(int, 5, bounds=(1, 16)),
+        # an English-only model: the multilingual one that identifies each segment's language where a
+        # request names none, and decodes the segments not in English ("": none, English is assumed)
+        "languages_by": ParameterSchema(str, ""),
     },
     # speech in, translated speech out, from models listed before it: a speech_to_text model, the
     # voices (the first of a language speaks it) and the text_translation pairs to use

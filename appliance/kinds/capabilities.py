@@ -113,9 +113,10 @@ class Interpreting(Protocol):
     @property
     def name(self) -> str: ...
 
-    def plan(self, target: str | None, source: str | None = None) -> Any:
-        """How speech goes through the stages (pipeline.py Plan: options, target, voice); a 400 for a
-        target no voice speaks. Typed loosely here: the pipeline module imports this one."""
+    def plan(self, target: str | None, source: str | None = None, languages: str | None = None) -> Any:
+        """How speech goes through the stages (pipeline.py Plan: options, targets): one way to `target`,
+        else conversation mode between `languages`; a 400 for a target no voice speaks. Typed loosely
+        here: the pipeline module imports this one."""
         ...
 
     async def interpret(self, segment: Segment, plan: Any) -> Any:

@@ -31,6 +31,7 @@ from appliance.firmware import Bundle, ModelSpec, TensorSpec
 from appliance.kinds.audio_in import decode_upload
 from appliance.kinds.base import SequenceCall, ServedModel, Task
 from appliance.kinds.capabilities import Speaker, SpokenVoice, Translator
+from appliance.kinds.interpret_routes import ANY, PIVOT, asked, route, routes_from, sources, target_of, transcribed
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.kinds.speech_to_text import SpeechToText
 from appliance.kinds.streaming import ndjson
@@ -50,9 +51,12 @@ class Interpreted:
     segment: Segment  # its times, its text as heard (or as Whisper translated it), its language
     text: str  # in the target language
     audio: np.ndarray  # INT16 at the voice's rate
+    sample_rate: int  # the voice's
+    target: str  # the language it was put into
+    route: tuple[str, ...]  # the models it went through (interpret_routes.py); empty where there was none
     note: str = ""  # why it is not spoken, or why to doubt it (the language Whisper heard)
 
-    def as_json(self, sample_rate: int) -> dict[str, Any]:
+    def as_json(self) -> dict[str, Any]:
         s = self.segment
         line = {
             "start": s.start,
@@ -60,8 +64,10 @@ class Interpreted:
             "language": s.language,
             "language_probability": s.language_probability,
             "source_text": s.text,
+            "target": self.target,
             "text": self.text,
-            "sample_rate": sample_rate,
+            "route": " > ".join(self.route),
+            "sample_rate": self.sample_rate,
             "audio": base64.b64encode(self.audio.astype("<i2").tobytes()).decode(),
         }
         return {**line, "note": self.note} if self.note else line
@@ -69,12 +75,15 @@ class Interpreted:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """How one request's speech goes through the stages."""
+    """How one request's speech goes through the stages: one way into `targets[0]`, or, with two targets,
+    conversation mode: each turn into the other language (a turn in neither goes into the first)."""
 
-    options: Options  # the speech_to_text model's: its language where known, transcribe or translate
-    target: str
-    speaker: Speaker  # the model whose `voice` speaks the target
-    voice: str
+    options: Options  # the speech_to_text model's: its language where known, which languages it transcribes
+    targets: tuple[str, ...]
+
+    def target(self, heard: str) -> str:
+        """The language a turn heard in `heard` goes into."""
+        return target_of(self.targets, heard)
 
 
 class SpeechPipeline:
@@ -92,6 +101,10 @@ class SpeechPipeline:
         if not self.voices:
             raise ApplianceError(f"model {spec.name}: parameters.voices names no voice")
         self.default_target = voices[0][1].language
+        # conversation mode's two languages where none are asked: the first two the voices speak that a
+        # route reaches (the firmware's order); one way where there is no second
+        reached = dict.fromkeys(v.language for _, v in voices if self.reachable(v.language))
+        self.conversation = tuple(reached)[:2] if len(reached) >= 2 else (self.default_target,)
         self.stats = ModelStats()
         self.sequences = ScopedSequences(self.stt.sequences, self.name)  # live streams: the stt model's
         self.tasks: Mapping[str, Task] = {"interpret": self._interpret_route}
@@ -154,30 +167,26 @@ class SpeechPipeline:
         return config
 
     def targets(self) -> dict[str, dict[str, Any]]:
-        """Each target language: its voice and the paths that reach it (speech heard in which language,
-        through which models); a target no path reaches is listed with none."""
-        multilingual = self.stt.multilingual
+        """Each target language: its voice and the routes that reach it (speech heard in which language,
+        through which models, best first: interpret_routes.py); a target no route reaches has none."""
         out = {}
         for language, (model, voice) in sorted(self.voices.items()):
-            paths = [{"from": language, "through": [self.stt.name]}]  # heard in it: transcribed, spoken
-            paths += [
-                {"from": s, "through": [self.stt.name, pair.name]}
-                for (s, t), pair in self.pairs.items()
-                if t == language
-            ]
-            if language == "en" and multilingual:
-                paths.append({"from": "any", "through": [f"{self.stt.name} (translate)"]})
-            if language != "en" and not multilingual:
-                paths = [p for p in paths if p["from"] == "en"]
-            if not self.reachable(language):  # heard and spoken in it alone is no interpretation: a 400
-                paths = []
-            out[language] = {"voice": voice.name, "model": model.name, "paths": paths}
+            pairs, heard = set(self.pairs), sources((language,), set(self.pairs))
+            found = routes_from(heard, lambda _: language, pairs, self.stt.multilingual)
+            paths = [
+                {"from": "any" if h == ANY else h, "through": r.steps(self.stt.name, voice.name)[:-1]}
+                for h, _, r in found
+            ]  # heard and spoken in it alone is no interpretation (a 400): no path
+            out[language] = {
+                "voice": voice.name,
+                "model": model.name,
+                "paths": paths if self.reachable(language) else [],
+            }
         return out
 
     def reachable(self, target: str) -> bool:
-        """A target with a path from speech in another language (a pair, or Whisper's translation)."""
-        multilingual = self.stt.multilingual
-        return any(t == target for _, t in self.pairs) or (target == "en" and multilingual)
+        """A target with a route from speech in another language (a pair, or Whisper's translation)."""
+        return any(t == target for _, t in self.pairs) or (target == PIVOT and self.stt.multilingual)
 
     def _outputs(self) -> list[TensorSpec]:
         return [
@@ -196,54 +205,70 @@ class SpeechPipeline:
 
     # --- the work -------------------------------------------------------------------------------
 
-    def plan(self, target: str | None, source: str | None = None) -> Plan:
-        """How a request's speech goes through the stages; a 400 for a target no voice speaks.
+    def plan(self, target: str | None, source: str | None = None, languages: str | None = None) -> Plan:
+        """How a request's speech goes through the stages; a 400 for a target no voice speaks or no route
+        reaches, or a source no route leaves. `target`: one way; else conversation mode between
+        `languages` ("en,pt"), by default the first two the voices speak."""
+        targets = asked(target, languages) or self.conversation
+        for code in targets:
+            self._check_target(code)
+        source = source.lower() if source else None
+        pairs, multilingual = set(self.pairs), self.stt.multilingual
+        keep = transcribed(targets, pairs, multilingual) if multilingual else ()
+        translated = False
+        if source is not None:
+            found = route(source, target_of(targets, source), pairs, multilingual)
+            if found is None:
+                raise BadRequest(f"no route from {source[:20]!r} to {'/'.join(targets)!r} in this firmware")
+            translated, keep = found.whisper_translates, ()
+        options = Options(language=source, task="translate" if translated else "transcribe", transcribed=keep)
+        self.stt.check(options)  # a source Whisper does not know is a 400 here, before the answer starts
+        return Plan(options, targets)
 
-        Whisper translates to English itself where the target is English, the model is multilingual
-        and no pair covers the source the caller names; else it transcribes (in `source` where named)
-        and a pair translates each segment whose language is not the target's."""
-        target = (target or self.default_target).lower()
-        spoken = self.voices.get(target)
+    def _check_target(self, target: str) -> None:
         reachable = [t for t in sorted(self.voices) if self.reachable(t)]
-        if spoken is None:
+        if target not in self.voices:
             raise BadRequest(f"no voice speaks {target[:20]!r} (targets: {', '.join(reachable)})")
         if not self.reachable(target):
             raise BadRequest(
                 f"no path to {target!r}: no translation reaches it in this firmware (targets: {', '.join(reachable)})"
             )
-        source = source.lower() if source else None
-        if source is not None and source != target and (source, target) not in self.pairs and target != "en":
-            raise BadRequest(f"no translation from {source[:20]!r} to {target!r} in this firmware")
-        multilingual = self.stt.multilingual
-        by_whisper = target == "en" and multilingual and source != target and (source, target) not in self.pairs
-        options = Options(language=source, task="translate" if by_whisper else "transcribe")
-        self.stt.check(options)  # a source Whisper does not know is a 400 here, before the answer starts
-        return Plan(options, target, spoken[0], spoken[1].name)
+
+    def routes(self, plan: Plan) -> str:
+        """The routes a plan's speech takes by the language heard ("*" any other): the `x-route` header."""
+        pairs = set(self.pairs)
+        heard = sources(plan.targets, pairs) if plan.options.language is None else [plan.options.language]
+        found = routes_from(heard, plan.target, pairs, self.stt.multilingual)
+        return "; ".join(f"{h}={'>'.join(r.steps(self.stt.name, self.voices[t][1].name))}" for h, t, r in found)
 
     async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
-        """One segment through translation and speech; None where there is nothing to say."""
+        """One segment through its route (interpret_routes.py) and the voice of its target; None where
+        there is nothing to say."""
         heard = segment.text.strip()
         if not heard:
             return None
-        language = "en" if plan.options.task == "translate" else segment.language
+        target = plan.target(segment.language)
+        speaker, voice = self.voices[target]
         silent = np.zeros(0, np.int16)
         doubt = ""
         if segment.language_probability < LOW_LANGUAGE_PROBABILITY:
             doubt = f"Whisper heard {segment.language!r} with probability {segment.language_probability:.2f} only"
+        found = route(segment.language, target, set(self.pairs), self.stt.multilingual)
+        if found is None:
+            note = f"heard {segment.language!r}: no route from it to {target!r}; not spoken"
+            return Interpreted(
+                segment, "", silent, speaker.sample_rate, target, (), f"{doubt}; {note}" if doubt else note
+            )
+        steps = tuple(found.steps(self.stt.name, voice.name))
         text = heard
-        if language != plan.target:
-            pair = self.pairs.get((language, plan.target))
-            if pair is None:  # the segment alone is not spoken; the stream goes on
-                sources = ", ".join(sorted(s for s, t in self.pairs if t == plan.target)) or "none"
-                note = f"heard {language!r}: no path from it to {plan.target!r} (from: {sources}); not spoken"
-                return Interpreted(segment, "", silent, f"{doubt}; {note}" if doubt else note)
-            text = await pair.translate(heard)
+        for pair in found.pairs:
+            text = await self.pairs[pair].translate(text)
         try:
-            shards = await plan.speaker.prepare(text, plan.voice)
+            shards = await speaker.prepare(text, voice.name)
         except BadRequest:  # nothing a voice can say ("..."): the text alone
-            return Interpreted(segment, text, silent, doubt)
-        pieces = [p async for p in plan.speaker.synthesize(shards, 1.0, voice=plan.voice)]
-        return Interpreted(segment, text, np.concatenate(pieces), doubt)
+            return Interpreted(segment, text, silent, speaker.sample_rate, target, steps, doubt)
+        pieces = [p async for p in speaker.synthesize(shards, 1.0, voice=voice.name)]
+        return Interpreted(segment, text, np.concatenate(pieces), speaker.sample_rate, target, steps, doubt)
 
     async def recording(
         self, samples: np.ndarray, plan: Plan, times: RequestTimes
@@ -260,7 +285,7 @@ class SpeechPipeline:
         languages = [request.parameters.get(name) for name in ("target", "source")]
         if not all(code is None or isinstance(code, str) for code in languages):
             raise BadRequest("parameters.target and parameters.source must be language codes")
-        plan = self.plan(*languages)
+        plan = self.plan(languages[0] or self.default_target, languages[1])  # one way: its audio at one rate
         if sequence is None:
             samples = await asyncio.to_thread(self.stt.samples, request)
             return _tensors([d async for d in self.recording(samples, plan, times)]), None
@@ -273,22 +298,29 @@ class SpeechPipeline:
         return _tensors(done), opened
 
     async def _interpret_route(self, request: Request, query: dict[str, str]) -> Response:
-        """POST /v2/models/{name}/interpret[?to=LANG&from=LANG]: a recording in (WAV, FLAC, Ogg), NDJSON
-        out: a line per segment as soon as it is spoken (times, each stage's text, base64 PCM16), then
-        a summary line with "done"."""
-        unknown = sorted(set(query) - {"to", "from"})
+        """POST /v2/models/{name}/interpret[?to=LANG&from=LANG&languages=A,B]: a recording in (WAV, FLAC,
+        Ogg), NDJSON out: a line per segment as soon as it is spoken (times, each stage's text, its target
+        and route, base64 PCM16), then a summary line with "done". Without `to`, conversation mode. The
+        `x-route` header names the route of each language heard."""
+        unknown = sorted(set(query) - {"to", "from", "languages"})
         if unknown:
-            raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: to, from)")
-        plan = self.plan(query.get("to"), query.get("from"))  # a 400 before any work
+            raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: to, from, languages)")
+        plan = self.plan(query.get("to"), query.get("from"), query.get("languages"))  # a 400 before any work
         samples = await asyncio.to_thread(decode_upload, request.body, SAMPLE_RATE, self.live)
         duration = round(len(samples) / SAMPLE_RATE, 3)
-        return await ndjson(
+        response = await ndjson(
             self._recorded(samples, plan),
-            lambda done: done.as_json(plan.speaker.sample_rate),
-            lambda count: {"model_name": self.name, "duration": duration, "segments": count},
+            Interpreted.as_json,
+            lambda count: {
+                "model_name": self.name,
+                "duration": duration,
+                "targets": list(plan.targets),
+                "segments": count,
+            },
             f"interpretation by {self.name}",
             {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
         )
+        return dataclasses.replace(response, headers=[*response.headers, ("x-route", self.routes(plan))])
 
     async def _recorded(self, samples: np.ndarray, plan: Plan) -> AsyncGenerator[Interpreted, None]:
         """`recording`, counted in the stats as one request when it ends (done, failed or abandoned)."""

@@ -63,6 +63,9 @@ class Options:
     prompt: str = ""
     temperature: float = 0.0
     words: bool = False  # word timestamps too
+    # where set, no language named: speech in these languages is transcribed, in any other translated
+    # to English, each segment by the language identified in it (a speech pipeline's routes)
+    transcribed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

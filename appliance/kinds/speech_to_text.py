@@ -32,6 +32,7 @@ from appliance.kinds.base import EngineModel, SequenceCall, ServedModel, Task
 from appliance.kinds.counting import counted
 from appliance.kinds.live_speech import LiveStream, LiveTranscription, dropped, vad_key
 from appliance.kinds.speech_api import Options, Segment
+from appliance.kinds.speech_languages import SegmentLanguages
 from appliance.kinds.speech_shards import Packer, ShardPlan, placed_words, with_their_sentences
 from appliance.kinds.streaming import ndjson, whole
 from appliance.kinds.vad import VadModel
@@ -43,7 +44,7 @@ PROMPTS_KEPT = 64  # prompts whose tokens are kept: the sessions and requests us
 assert SAMPLE_RATE == speech_api.SAMPLE_RATE
 
 
-class SpeechToText(LiveTranscription, EngineModel):
+class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
     def __init__(
         self,
         spec: ModelSpec,
@@ -90,8 +91,10 @@ class SpeechToText(LiveTranscription, EngineModel):
             lambda key, stream: dropped(stream, vad, vad_key(spec.name, key, stream)),
         )
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
+        self.loaded, self.listener = loaded, None
 
     def start(self) -> None:
+        self.listener = self.find_listener(self.loaded)
         self.batcher.start()
 
     async def stop(self, timeout_s: float) -> bool:
@@ -184,8 +187,12 @@ class SpeechToText(LiveTranscription, EngineModel):
 
     def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
         """The shards of one segment on its own."""
+        return self._segment_plans(samples, [segment])
+
+    def _segment_plans(self, samples: np.ndarray, segments: list[tuple[int, int]]) -> list[ShardPlan]:
+        """The shards of these segments on their own."""
         packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
-        return packer.add(segment) + packer.finish()
+        return [p for segment in segments for p in packer.add(segment)] + packer.finish()
 
     async def _decode(
         self,
@@ -202,7 +209,10 @@ class SpeechToText(LiveTranscription, EngineModel):
         text between its timestamps (a sentence's tail joined to it), timed in the VAD's spans
         (ShardPlan.timed). Where Whisper stopped before the last spans, those get a second pass of
         their own (a batched window has no seek as openai-whisper's loop has). Shards of one
-        `request` may share a Whisper window."""
+        `request` may share a Whisper window. Where no language is named, a shard's segments may be
+        identified first and decoded by language (speech_languages.py)."""
+        if self.identifies(plan, options):
+            return await self.by_language(plan, samples, options, times, request, urgent, offset, index)
         prompt = await self.prompts.tokens(options.prompt)
         shard = Shard(
             plan.audio(samples), options.language, options.task, prompt, options.temperature, options.words, request
@@ -235,8 +245,7 @@ class SpeechToText(LiveTranscription, EngineModel):
         reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
         heard = sum(1 for span in plan.spans if span.offset < reached)
         if 0 < heard < len(plan.spans):
-            packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
-            rest = [p for span in plan.spans[heard:] for p in packer.add((span.start, span.end))] + packer.finish()
+            rest = self._segment_plans(samples, [(span.start, span.end) for span in plan.spans[heard:]])
             for found in await asyncio.gather(
                 *(self._decode(p, samples, options, times, request, True, offset) for p in rest)
             ):

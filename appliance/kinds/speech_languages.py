@@ -1,0 +1,105 @@
+"""The language half of SpeechToText: speech language identification on every VAD segment.
+
+Where a request names no language, each segment of a shard is given its own by a multilingual Whisper
+(the model itself, or for an English-only one the model its `languages_by` parameter names), on a window
+cut to the segment (engine/whisper_language.py: about 0.1 s a segment for base on 2 cores). The shard is
+then decoded as runs of segments of one language, each told its language: a recording of two languages
+keeps all its speech, each segment in its own (a window given one language for both turned the other's
+speech into nonsense or dropped it). An English-only model never answers speech in another language: it
+decodes the English runs, the model that identified the others decodes those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from appliance.engine.stats import RequestTimes
+from appliance.engine.whisper import WhisperEngine
+from appliance.errors import ApplianceError
+from appliance.firmware import ModelSpec
+from appliance.kinds.speech_api import Options, Segment
+from appliance.kinds.speech_shards import ShardPlan
+
+
+class SegmentLanguages:
+    """What it needs of the model is declared here."""
+
+    spec: ModelSpec
+    engine: WhisperEngine
+    listener: Any  # the SpeechToText that identifies the languages (None: no segment is identified)
+    # SpeechToText._decode and _segment_plans
+    _decode: Callable[..., Awaitable[list[Segment]]]
+    _segment_plans: Callable[[np.ndarray, list[tuple[int, int]]], list[ShardPlan]]
+
+    @property
+    def languages(self) -> list[str]:
+        """The languages it hears (SpeechToText's)."""
+        raise NotImplementedError
+
+    def find_listener(self, models: Mapping[str, object]) -> Any:
+        """The model that identifies segments' languages: this one where it is multilingual, else the
+        one `languages_by` names (a multilingual speech_to_text model anywhere in the firmware: all are
+        loaded when a model starts), else None."""
+        if self.engine.tokens.multilingual:
+            return self
+        name = str(self.spec.parameters.get("languages_by", ""))
+        if not name:
+            return None
+        found = models.get(name)
+        if not isinstance(found, SegmentLanguages) or not found.engine.tokens.multilingual:
+            raise ApplianceError(
+                f"model {self.spec.name}: parameters.languages_by {name!r} is not a multilingual speech_to_text model"
+            )
+        return found
+
+    def identifies(self, plan: ShardPlan, options: Options) -> bool:
+        """Its segments' languages are to be identified before decoding: no language was named, and the
+        model is English-only, the shard holds more than one segment (a lone segment's language is
+        detected in its own decode) or the task depends on the language (`transcribed`)."""
+        return (
+            options.language is None
+            and self.listener is not None
+            and (not self.engine.tokens.multilingual or len(plan.spans) > 1 or bool(options.transcribed))
+        )
+
+    async def by_language(
+        self,
+        plan: ShardPlan,
+        samples: np.ndarray,
+        options: Options,
+        times: RequestTimes,
+        request: Hashable,
+        urgent: bool,
+        offset: int,
+        index: int,
+    ) -> list[Segment]:
+        """The shard's segments, runs of one language decoded in it, by this model where it hears it, else
+        by the listener; each segment keeps the probability its language was identified with. The runs
+        keep the shard's `index` in its request (the batcher's turn: a request's first shard goes before
+        anyone's next)."""
+        clips = [samples[s.start : s.end] for s in plan.spans]
+        heard = await asyncio.to_thread(self.listener.engine.detect, clips)
+        runs = itertools.groupby(zip(heard, plan.spans), key=lambda found: found[0][0])
+        decodes = []
+        for language, run in runs:
+            members = list(run)
+            probability = min(p for (_, p), _ in members)
+            model = self if language in self.languages else self.listener
+            translated = bool(options.transcribed) and language not in options.transcribed
+            told = dataclasses.replace(options, language=language, task="translate" if translated else options.task)
+            plans = self._segment_plans(samples, [(span.start, span.end) for _, span in members])
+            decodes += [
+                (probability, model._decode(p, samples, told, times, request, urgent, offset, index)) for p in plans
+            ]
+        found = await asyncio.gather(*(decode for _, decode in decodes))
+        return [
+            dataclasses.replace(s, language_probability=probability)
+            for (probability, _), segments in zip(decodes, found)
+            for s in segments
+        ]
