@@ -40,19 +40,32 @@ class UnixTransport:
             self._sock.close()
             self._sock = None
 
+    def _connected(self) -> socket.socket:
+        """A new connection. A Unix socket whose accept queue is full answers EAGAIN at once (TCP would
+        wait in its SYN queue): that is tried again until connect_timeout, as the daemon drains it."""
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.connect_timeout)
+            try:
+                sock.connect(self.socket_path)
+                return sock
+            except BlockingIOError as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise unix_connect_error(self.socket_path, exc, self.connect_timeout) from None
+                time.sleep(0.01)
+            except OSError as exc:
+                sock.close()
+                raise unix_connect_error(self.socket_path, exc, self.connect_timeout) from None
+
     def _connect(self) -> tuple[socket.socket, ResponseReader]:
         """The open connection, or a new one where the daemon closed the last (its keep-alive timeout
         ends an idle connection: reused, it would answer the next call with an end of file)."""
         if self._sock is not None and self._readable_while_idle(self._sock):
             self.close()
         if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.connect_timeout)
-            try:
-                sock.connect(self.socket_path)
-            except OSError as exc:
-                sock.close()
-                raise unix_connect_error(self.socket_path, exc, self.connect_timeout) from None
+            sock = self._connected()
             sock.settimeout(self.timeout)
             self._sock, self._reader, self._cut_short = sock, ResponseReader(), False
         self._reader.status, self._reader.arrived = 0, []  # what is left of the previous response is not ours
