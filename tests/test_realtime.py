@@ -74,17 +74,30 @@ def pcm(samples: np.ndarray, rate: int) -> bytes:
 
 
 async def stream_live(socket: Path, sentences: list[str], frame_ms: int, rate: int) -> tuple[list[dict], list]:
-    """The recording sent at real-time pace in frames of frame_ms; every event until each turn completed."""
+    """The sentences' recording sent at real-time pace in frames of frame_ms; every event until each
+    turn completed, and when each sentence was said."""
     samples, spans = recording(sentences, gap_s=1.2, lead_s=0.5)
-    samples = np.concatenate([samples, np.zeros(RATE, np.float32)])  # the last turn's silence
-    audio = pcm(samples, rate)
+    return await live_session(socket, samples, frame_ms, rate, len(sentences)), spans
+
+
+async def live_session(
+    socket: Path,
+    samples: np.ndarray,
+    frame_ms: int,
+    rate: int,
+    turns: int,
+    turn_detection: dict[str, Any] | None = TURN_DETECTION,
+) -> list[dict]:
+    """16 kHz `samples` and a second of silence sent as `rate` PCM at real-time pace in frames of
+    frame_ms; every event until `turns` turns completed."""
+    audio = pcm(np.concatenate([samples, np.zeros(RATE, np.float32)]), rate)  # the last turn's silence
     step = rate * 2 * frame_ms // 1000
     events: list[dict] = []
     async with unix_connect(str(socket), URI) as ws:
-        await configure(ws, rate)
+        await configure(ws, rate, turn_detection)
 
         async def receive() -> None:
-            while sum(e["type"].endswith("transcription.completed") for e in events) < len(sentences):
+            while sum(e["type"].endswith("transcription.completed") for e in events) < turns:
                 events.append(json.loads(await ws.recv()))
 
         receiver = asyncio.create_task(receive())
@@ -94,7 +107,7 @@ async def stream_live(socket: Path, sentences: list[str], frame_ms: int, rate: i
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece}))
             await asyncio.sleep(max(0.0, began + (index + 1) * frame_ms / 1000 - time.monotonic()))
         await asyncio.wait_for(receiver, 60)
-    return events, spans
+    return events
 
 
 @pytest.mark.parametrize(("frame_ms", "rate"), [(20, 24000), (100, 16000)])

@@ -7,17 +7,13 @@ tiny.en heard in each turn against the known text."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
-import time
 
 import numpy as np
 import pytest
 from noise import recordings
 from speech import RATE, say
-from test_realtime import configure, pcm
+from test_realtime import live_session
 from test_speech_to_text import words
-from websockets.asyncio.client import unix_connect
 
 from appliance.audio import encode_wav
 from appliance.client import Client
@@ -62,25 +58,9 @@ def test_noise_and_silence_are_no_segment(voice_daemon, sounds: str) -> None:
 
 
 async def live_turns(socket, samples: np.ndarray, turns: int) -> list[dict]:
-    """The recording sent at real-time pace in 100 ms frames; every event until `turns` turns completed."""
-    audio = pcm(np.concatenate([samples, np.zeros(RATE, np.float32)]), RATE)
-    step = RATE * 2 // 10
-    events: list[dict] = []
-    async with unix_connect(str(socket), "ws://appliance/v1/realtime?intent=transcription") as ws:
-        await configure(ws, RATE, OPENAI_TURNS)
-
-        async def receive() -> None:
-            while sum(e["type"].endswith("transcription.completed") for e in events) < turns:
-                events.append(json.loads(await ws.recv()))
-
-        receiver = asyncio.create_task(receive())
-        began = time.monotonic()
-        for index, offset in enumerate(range(0, len(audio), step)):
-            piece = base64.b64encode(audio[offset : offset + step]).decode()
-            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece}))
-            await asyncio.sleep(max(0.0, began + (index + 1) / 10 - time.monotonic()))
-        await asyncio.wait_for(receiver, 60)
-    return events
+    """The recording sent at real-time pace in 100 ms frames, OpenAI's turn detection; every event until
+    `turns` turns completed."""
+    return await live_session(socket, samples, 100, RATE, turns, OPENAI_TURNS)
 
 
 def test_a_one_word_answer_is_a_realtime_turn(voice_daemon) -> None:

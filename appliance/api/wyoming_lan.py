@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import ifaddr
-from zeroconf import InterfaceChoice, IPVersion
+from zeroconf import DNSQuestionType, InterfaceChoice, IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from appliance.errors import ApplianceError
@@ -28,6 +28,7 @@ from appliance.errors import ApplianceError
 log = logging.getLogger("appliance.wyoming")
 SERVICE = "_wyoming._tcp.local."
 MDNS_GROUP = "224.0.0.251"
+NAME_QUERY_MS = 1500  # how long a box waits for another to answer for the name it would take
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]  # one client's connection
 # Linux's constants Python does not name (linux/in.h, asm-generic/socket.h, linux/filter.h)
 IP_MULTICAST_ALL, SO_ATTACH_FILTER, SKF_NET_OFF = 49, 26, -0x100000
@@ -45,13 +46,27 @@ async def listen_tcp(address: str, serve: Serve, limit: int) -> tuple[asyncio.Se
         _narrow(zeroconf)
     name = socket.gethostname().split(".")[0] or "appliance"
     addresses = [socket.inet_aton(a) for a in (_addresses() if everywhere else [host])]
+    instance = await _free_instance(zeroconf, f"appliance-{name}")
     info = AsyncServiceInfo(
-        SERVICE, f"appliance-{name}.{SERVICE}", addresses=addresses, port=bound[1], server=f"{_lan_host(name)}.local."
+        SERVICE, f"{instance}.{SERVICE}", addresses=addresses, port=bound[1], server=f"{_lan_host(name)}.local."
     )
     # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
     await zeroconf.async_register_service(info, allow_name_change=True)
     log.info("Wyoming on TCP %s, announced as %s (no authentication)", address, info.name)
     return server, zeroconf
+
+
+async def _free_instance(zeroconf: AsyncZeroconf, instance: str) -> str:
+    """`instance`, or the first of instance-2, -3... that no box on the LAN answers for. zeroconf's own
+    probe asks for unicast answers (QU), and where several mDNS responders share port 5353 on one host
+    the kernel hands a unicast answer to one of their sockets, not always the asker's: two boxes on one
+    host both took the first name. A question asked for multicast answers (QM) reaches every one."""
+    for number in range(1, 100):
+        candidate = instance if number == 1 else f"{instance}-{number}"
+        taken = AsyncServiceInfo(SERVICE, f"{candidate}.{SERVICE}")
+        if not await taken.async_request(zeroconf.zeroconf, NAME_QUERY_MS, question_type=DNSQuestionType.QM):
+            return candidate
+    raise ApplianceError(f"[wyoming] tcp: {instance} and its next 98 names are all announced on this LAN")
 
 
 def _narrow(zeroconf: AsyncZeroconf) -> None:
