@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import select
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+log = logging.getLogger("appliance")
 STOP = (signal.SIGTERM, signal.SIGINT)
 RELOAD = signal.SIGHUP
 
@@ -53,10 +56,11 @@ def watch(
     on_stop: Callable[[], None],
     on_reload: Callable[[], None],
     deadline_s: Callable[[], float],
-    on_overdue: Callable[[], None],
+    on_overdue: Callable[[bool], None],
 ) -> None:
     """Call on_reload for SIGHUP and on_stop for SIGTERM/SIGINT, on the loop; on_overdue from the
-    watcher thread when the process still runs `deadline_s()` seconds after the first stop signal.
+    watcher thread when the process still runs `deadline_s()` seconds after the first stop signal
+    (False), or at once when a second stop signal comes before then (True: Ctrl-C twice stops now).
     Main thread only (set_wakeup_fd)."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)  # the C handler must never block
@@ -71,9 +75,15 @@ def watch(
     def wait() -> None:
         while os.read(read_fd, 1)[0] == RELOAD:  # one byte per signal, its number
             call(on_reload)
-        deadline = deadline_s()  # read before the stop begins: it marks the daemon not ready, which shortens it
+        allowed = deadline_s()  # read before the stop begins: it marks the daemon not ready, which shortens it
+        # from this thread: the event loop may be the thing that is stuck
+        log.info("stop signal: stopping within %.0f s; a second stop signal (Ctrl-C again) stops now", allowed)
+        deadline = time.monotonic() + allowed
         call(on_stop)
-        time.sleep(deadline)
-        on_overdue()
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([read_fd], [], [], left)[0] and os.read(read_fd, 1)[0] != RELOAD:
+                on_overdue(True)
+                return
+        on_overdue(False)
 
     threading.Thread(target=wait, name="signals", daemon=True).start()

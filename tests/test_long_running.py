@@ -4,6 +4,7 @@ daemons (workers 1 and 2), real clients on both transports, the real Piper voice
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -321,6 +322,31 @@ def test_a_stop_during_start_up_stops_at_once(start_daemon, tmp_path: Path) -> N
     assert daemon.proc.wait(300) == 0, daemon.log.read_text()
     log = daemon.log.read_text()
     assert "stopped during start-up" in log and "ready: serving" not in log, log
+
+
+def test_a_second_stop_signal_stops_now(start_daemon, tmp_path: Path) -> None:
+    """Ctrl-C twice: the first stop waits for the engine call a test holds (wedged, as a driver call may
+    be), for as long as its deadline (the grace time is an hour here); the second exits at once, saying
+    what it abandoned. Without it the test gives up waiting (no clock judges this)."""
+    hold = tmp_path / "hold-engine"
+    daemon = start_daemon(env={HANG_FAILPOINT: str(hold)}, shutdown_grace_s=3600.0)
+    hold.write_text("0")
+
+    def held_request() -> None:
+        with contextlib.suppress(OSError), daemon.client() as client:
+            client.send(Call("POST", f"/v2/models/{VAD}/infer", json.dumps(vad_step(0)).encode()))
+
+    threading.Thread(target=held_request, daemon=True).start()
+    try:
+        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), 60, "the engine held")
+        daemon.proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "a second stop signal (Ctrl-C again) stops now" in daemon.log.read_text(), 60, "stopping")
+        daemon.proc.send_signal(signal.SIGINT)
+        daemon.proc.wait(300)
+    finally:
+        hold.unlink()
+    log = daemon.log.read_text()
+    assert "stopping: a second stop signal; abandoned" in log, log
 
 
 @pytest.mark.parametrize("slowdown", [1, 3], ids=["engine-as-is", "engine-3x-slower"])

@@ -234,6 +234,29 @@ def test_home_assistant_naming_only_a_language_gets_a_model_that_hears_it(daemon
         assert text is None and [e.type for e in seen] == ["error"] and why in seen[0].data["text"], seen
 
 
+def test_a_transcript_names_the_language_it_was_heard_in(daemon: Daemon) -> None:
+    """A transcribe event that names neither model nor language: the box's first model (tiny.en) takes it,
+    each segment's language is identified, and the transcript names the language of most of the speech
+    (it was None whatever was said)."""
+
+    async def heard(samples: np.ndarray) -> Transcript:
+        async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+            await client.write_event(Transcribe().event())
+            await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
+            await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=to_pcm16(samples)).event())
+            await client.write_event(AudioStop().event())
+            while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
+                if Transcript.is_type(event.type):
+                    return Transcript.from_event(event)
+        raise AssertionError("closed without a transcript")
+
+    french, _ = recording(["Je voudrais un café et un croissant, s'il vous plaît."], gap_s=0.5, lead_s=0.3, voice="fr")
+    english, _ = recording(CLEAR[:1], gap_s=0.5, lead_s=0.3)
+    found = [asyncio.run(heard(samples)) for samples in (french, english)]
+    assert [t.language for t in found] == ["fr", "en"], found
+    assert "café" in found[0].text.lower(), found[0]  # base decoded the French, tiny.en did not answer it
+
+
 def test_a_recording_over_the_bound_gets_one_error_and_no_transcript(daemon: Daemon) -> None:
     """Past the daemon's bound (max_body_bytes of 16 kHz PCM16: 262 s here) the recording is refused
     whole: one error, and the connection closes (no transcript of its beginning), though the client

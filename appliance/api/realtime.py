@@ -300,9 +300,11 @@ class Turns:
         if self.answering is None:
             return
         put = asyncio.ensure_future(self.to_answer.put(Answer(item, segments, arrived)))
-        await asyncio.wait((put, self.answering), return_when=asyncio.FIRST_COMPLETED)
-        if not put.done():
-            put.cancel()
+        try:
+            await asyncio.wait((put, self.answering), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # the session may end meanwhile: a put left pending was logged as a task destroyed
+            if not put.done():
+                put.cancel()
         if self.answering.done():
             self.answering.result()  # what ended it ends the session too
 

@@ -4,6 +4,7 @@ describe, transcription of a recording as it arrives, synthesis whole or streame
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -227,14 +228,17 @@ class WyomingHandler:
             self.transcribe = None
             audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
             segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
-            texts = []
+            texts, spoken = [], collections.Counter[str]()
             await send(TranscriptStart(language=language).event())
             async with contextlib.aclosing(segments) as found:
                 async for segment in found:
                     texts.append(segment.text.strip())
+                    spoken[segment.language] += segment.end - segment.start
                     await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
             await send(TranscriptStop().event())
-            await send(Transcript(text=" ".join(texts), language=language).event())
+            # none named: the language identified in most of the speech (a segment each, speech_languages.py)
+            heard_in = language or (spoken.most_common(1)[0][0] if spoken else None)
+            await send(Transcript(text=" ".join(texts), language=heard_in).event())
             return model.name
         finally:
             if heard is not None:

@@ -29,13 +29,16 @@ BENCH_PARTS = {
     "live": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
     "voices": {"kokoro_speech"},
+    "memory": {"speech_pipeline"},
 }
+# Parts that take an hour or more run only when named.
+LONG_PARTS = {"memory"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import hostile, https, live, speech, transcription, voices, workers
+    from appliance.bench import hostile, https, live, memory, speech, transcription, voices, workers
     from appliance.bench.daemon import MEMORY_AT_STOP
     from appliance.bench.run import run
     from appliance.config import EngineConfig
@@ -46,7 +49,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise ApplianceError(f"--part: no part {sorted(unknown)[0]!r} (parts: all, {', '.join(BENCH_PARTS)})")
     wanted = {
-        part for part, part_kinds in BENCH_PARTS.items() if ("all" in parts or part in parts) and kinds & part_kinds
+        part
+        for part, part_kinds in BENCH_PARTS.items()
+        if (part in parts or ("all" in parts and part not in LONG_PARTS)) and kinds & part_kinds
     }
     results: dict[str, Any] = {}
     if "vad" in wanted:
@@ -91,6 +96,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["voices"] = voices.run(args.bundle, args.trusted_keys, Path(tmp))
         print(f"appliance bench: {args.bundle}, Kokoro voices")
         print("\n".join(voices.report(results["voices"])))
+    if "memory" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["memory"] = memory.memory_soak(args.bundle, args.trusted_keys, Path(tmp), args.minutes)
+        print(f"appliance bench: {args.bundle}, resident memory over {args.minutes} min of mixed use")
+        print("\n".join(memory.report(results["memory"])))
     print("appliance bench: resident memory of every process as each daemon stopped (MiB)")
     for label, processes in MEMORY_AT_STOP:
         print(f"  {label}: " + ", ".join(f"{name} {mib}" for name, mib in processes.items()))
@@ -114,6 +124,7 @@ def add_bench(sub: Any) -> None:
     add_trusted_keys(bench, default=Path("keys/trusted"))
     bench.add_argument("--seconds", type=float, default=5.0, help="time per measurement")
     bench.add_argument("--json", type=Path, help="also write the figures here")
+    bench.add_argument("--minutes", type=float, default=120.0, help="memory: how long the mixed use runs")
     bench.add_argument(
         "--part",
         default="all",
@@ -121,6 +132,6 @@ def add_bench(sub: Any) -> None:
         "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the "
         "Unix socket and Hypercorn over TLS), hostile (good clients' latency under each attack), transcription (speech to text against faster-whisper), live (Realtime and Wyoming against "
         "wyoming-faster-whisper), speech (speech, "
-        "translation and the pipeline)",
+        "translation and the pipeline), memory (resident memory over --minutes of mixed use; only when named)",
     )
     bench.set_defaults(func=cmd_bench)

@@ -253,25 +253,30 @@ class Daemon:
         engines_s = max((engine_stop_s(m.stats) for m in models), default=ENGINE_STOP_S)
         return self.config.server.shutdown_grace_s + engines_s + STOP_MARGIN_S
 
-    def _overdue(self) -> None:
-        """From the signal thread: the stop did not end in time, so the event loop itself is blocked
-        (an engine call that never returns, run on the loop), or a stop came while models were still
-        loading or warming up (nothing served yet). Say what is lost and exit."""
+    def _overdue(self, again: bool) -> None:
+        """From the signal thread: a second stop signal (stop now), or the stop did not end in time, so the
+        event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
+        while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
         if self.api is None or not self.api.ready:
             log.info("stopped during start-up (models were loading or warming up)")
             logging.shutdown()
             os._exit(0)
         in_flight = self._in_flight()
         sequences = sum(len(m.sequences) for m in self.models.values())
+        why = (
+            "a second stop signal"
+            if again
+            else f"still running {self._stop_deadline_s():.0f} s after the stop signal (the event loop is blocked, "
+            "an engine call is wedged)"
+        )
         log.error(
-            "stopping: still running %.0f s after the stop signal (the event loop is blocked, an engine "
-            "call is wedged); abandoned %d requests in flight and %d open sequences, exiting",
-            self._stop_deadline_s(),
+            "stopping: %s; abandoned %d requests in flight and %d open sequences, exiting",
+            why,
             in_flight,
             sequences,
         )
         logging.shutdown()
-        os._exit(EXIT_ABANDONED)
+        os._exit(EXIT_ABANDONED if in_flight or sequences or self.abandoned or not again else 0)
 
     async def _stop_models(self) -> None:
         for model in self.models.values():

@@ -150,8 +150,9 @@ class Worker:
     def _deadline_s(self) -> float:
         return self.live.config.server.shutdown_grace_s + STOP_MARGIN_S
 
-    def _overdue(self) -> None:
-        log.error("worker %d: still running %.0f s after the stop signal; exiting", self.args.slot, self._deadline_s())
+    def _overdue(self, again: bool) -> None:
+        why = "a second stop signal" if again else f"still running {self._deadline_s():.0f} s after the stop signal"
+        log.error("worker %d: %s; exiting", self.args.slot, why)
         logging.shutdown()
         os._exit(1)
 
