@@ -228,7 +228,7 @@ class WyomingHandler:
             self.transcribe = None
             audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
             segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
-            texts, spoken = [], collections.Counter[str]()
+            texts, spoken = [], collections.defaultdict[str, float](float)
             await send(TranscriptStart(language=language).event())
             async with contextlib.aclosing(segments) as found:
                 async for segment in found:
@@ -237,7 +237,7 @@ class WyomingHandler:
                     await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
             await send(TranscriptStop().event())
             # none named: the language identified in most of the speech (a segment each, speech_languages.py)
-            heard_in = language or (spoken.most_common(1)[0][0] if spoken else None)
+            heard_in = language or max(spoken, key=spoken.__getitem__, default=None)
             await send(Transcript(text=" ".join(texts), language=heard_in).event())
             return model.name
         finally:
