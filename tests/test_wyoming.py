@@ -243,12 +243,18 @@ def test_a_transcript_names_the_language_it_was_heard_in(daemon: Daemon) -> None
         async with AsyncUnixClient(wyoming_socket(daemon)) as client:
             await client.write_event(Transcribe().event())
             await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
-            await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=to_pcm16(samples)).event())
+
+            async def send(piece: bytes) -> None:
+                await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=piece).event())
+
+            await paced(send, to_pcm16(samples), RATE * 2 // 10, 0.0)
             await client.write_event(AudioStop().event())
+            seen = []
             while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
                 if Transcript.is_type(event.type):
                     return Transcript.from_event(event)
-        raise AssertionError("closed without a transcript")
+                seen.append(event)
+        raise AssertionError(f"closed without a transcript: {seen}")
 
     french, _ = recording(["Je voudrais un café et un croissant, s'il vous plaît."], gap_s=0.5, lead_s=0.3, voice="fr")
     english, _ = recording(CLEAR[:1], gap_s=0.5, lead_s=0.3)
