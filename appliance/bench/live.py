@@ -56,11 +56,12 @@ QUICK_TURNS = {"type": "server_vad", "silence_duration_ms": 200, "prefix_padding
 
 
 def percentiles(delays: list[float], wanted: int) -> dict[str, Any]:
-    """p50 and max in ms of the delays measured, and how many of the `wanted` were."""
+    """p50, p95 and max in ms of the delays measured, and how many of the `wanted` were."""
     return {
         "count": len(delays),
         "wanted": wanted,
         "p50_ms": round(statistics.median(delays) * 1000) if delays else None,
+        "p95_ms": round(statistics.quantiles(delays, n=20, method="inclusive")[18] * 1000) if len(delays) > 1 else None,
         "max_ms": round(max(delays) * 1000) if delays else None,
     }
 
@@ -252,10 +253,12 @@ def live_bench(bundle_dir: Path, trusted_keys: Path, workdir: Path, threads: int
                 "type": "realtime",
                 "audio": {"output": {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE}}},
             }
-            query = f"model={by_kind['speech_pipeline'].name}&target=pt"
-            results["interpreter"] = asyncio.run(
-                realtime_session(daemon.socket, query, interpreter, "response.output_audio.delta")
-            )
+            pipeline = by_kind["speech_pipeline"].name
+            for key, query in (("interpreter", f"model={pipeline}&target=pt"), ("conversation", f"model={pipeline}")):
+                # one way to Portuguese; conversation mode: each turn's language identified, into the other
+                results[key] = asyncio.run(
+                    realtime_session(daemon.socket, query, interpreter, "response.output_audio.delta")
+                )
         results["rss_mib"] = round(daemon.rss_mib(), 1)
     finally:
         daemon.stop()
@@ -291,7 +294,8 @@ def report(r: dict[str, Any]) -> list[str]:
 
     def latency(name: str, m: dict[str, Any], target: str = "") -> str:
         ok = m["p50_ms"] is not None and m["p50_ms"] <= window and m["count"] == m["wanted"]
-        return f"    {name}: p50 {m['p50_ms']} ms, max {m['max_ms']} ms ({m['count']} of {m['wanted']} sentences)" + (
+        spread = f"p50 {m['p50_ms']} ms, p95 {m.get('p95_ms')} ms, max {m['max_ms']} ms"
+        return f"    {name}: {spread} ({m['count']} of {m['wanted']} sentences)" + (
             f"   target p50 <= one window ({window} ms)   {mark[ok]}" if target else ""
         )
 
@@ -316,11 +320,14 @@ def report(r: dict[str, Any]) -> list[str]:
         f"{r['peer_clients8_s']} s = {r['clients8_speedup']}x   target >= 2x   {mark[r['clients8_speedup'] >= 2]}"
         f"   (texts differ by WER {r['wer']['clients8_box_vs_peer']})",
     ]
-    if interpreter := r.get("interpreter"):
-        heard = interpreter["transcript"]
-        lines.append(
-            latency("interpreter session, end of a spoken sentence to its first translated audio", interpreter)
-            + f"   (to its transcript: p50 {heard['p50_ms']} ms, max {heard['max_ms']} ms)"
-        )
+    for key, mode in (("interpreter", "one way (target=pt)"), ("conversation", "conversation mode (no target)")):
+        if interpreter := r.get(key):
+            heard = interpreter["transcript"]
+            lines.append(
+                latency(
+                    f"interpreter session, {mode}, end of a spoken sentence to its first translated audio", interpreter
+                )
+                + f"   (to its transcript: p50 {heard['p50_ms']} ms, max {heard['max_ms']} ms)"
+            )
     lines.append(f"    resident memory of the daemon at the end: {r['rss_mib']} MiB")
     return lines

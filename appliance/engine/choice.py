@@ -114,14 +114,15 @@ class CpuFallback:
             return self.cpu.run(feeds, batch)
 
 
-def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int) -> Engine:
+def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int, varied_shapes: bool = False) -> Engine:
     """`cpu`: ONNX Runtime. `cuda`: a GPU engine, a start-up error where none can run. `auto`: a
     GPU engine where one can run, else ONNX Runtime with the reason logged. The GPU engines, in
     order: the CUDA kernels (the default VAD model), then the firmware's TensorRT plan for the
-    model. The CPU engine backs either under memory pressure."""
+    model. The CPU engine backs either under memory pressure. `varied_shapes`: each call's inputs
+    are a different length (a voice's sentences), so ONNX Runtime keeps no arena (engine/onnx_cpu.py)."""
     if device not in ("cpu", "cuda", "auto"):
         raise ApplianceError(f"engine.device: no engine for {device!r}")
-    cpu = OnnxCpuEngine(bundle.artifact(model.file), threads)
+    cpu = OnnxCpuEngine(bundle.artifact(model.file), threads, arena=not varied_shapes)
     engine: Engine = cpu
     if device != "cpu":
         gpu, reasons = _gpu_engine(bundle, model)

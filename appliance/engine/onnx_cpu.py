@@ -15,8 +15,12 @@ from appliance.errors import ApplianceError
 PARALLEL_MIN_BATCH = 16
 
 
-def session(model_path: Path, threads: int) -> ort.InferenceSession:
+def session(model_path: Path, threads: int, arena: bool = True) -> ort.InferenceSession:
+    """`arena`: ONNX Runtime's memory arena, which keeps the largest run's memory for the next. For a
+    graph whose inputs vary in length (a voice's phonemes) that is its longest sentence's, for good, in
+    each session: Kokoro held 629 MiB after runs of up to 276 tokens with it, 253 MiB without."""
     options = ort.SessionOptions()
+    options.enable_cpu_mem_arena = arena
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
@@ -30,9 +34,9 @@ def session(model_path: Path, threads: int) -> ort.InferenceSession:
 class OnnxCpuEngine:
     name = "onnxruntime-cpu"
 
-    def __init__(self, model_path: Path, threads: int) -> None:
-        self._single = session(model_path, 1)
-        self._parallel = session(model_path, threads) if threads > 1 else self._single
+    def __init__(self, model_path: Path, threads: int, arena: bool = True) -> None:
+        self._single = session(model_path, 1, arena)
+        self._parallel = session(model_path, threads, arena) if threads > 1 else self._single
         self._outputs = [o.name for o in self._single.get_outputs()]
 
     def run(self, feeds: Mapping[str, np.ndarray], batch: int, parallel: bool | None = None) -> dict[str, np.ndarray]:

@@ -75,7 +75,7 @@ class KokoroSpeaker:
             self.styles[name] = raw.reshape(STYLE_ROWS, STYLE_DIM)
         graph = dataclasses.replace(spec, file=f"{spec.file}/{params['graph']}")
         config = live.config.engine
-        self.engine = load_engine(config.device, bundle, graph, config.threads)
+        self.engine = load_engine(config.device, bundle, graph, config.threads, varied_shapes=True)
         self.sample_rate = SAMPLE_RATE
         self.lanes = max(1, lanes_for(self.engine, live))
         self._pool = concurrent.futures.ThreadPoolExecutor(self.lanes, thread_name_prefix="kokoro")

@@ -63,7 +63,7 @@ class PiperSpeaker:
         self.voice = Voice.from_config(bundle.artifact(f"{spec.file}/{params['config']}"))
         graph = dataclasses.replace(spec, file=f"{spec.file}/{params['graph']}")
         config = live.config.engine
-        self.engine = load_engine(config.device, bundle, graph, config.threads)
+        self.engine = load_engine(config.device, bundle, graph, config.threads, varied_shapes=True)
         self.graph = VoiceGraph(self.engine, self.voice, lanes_for(self.engine, live))
         self.sample_rate = self.voice.sample_rate
         name = str(params["voice"])
