@@ -22,6 +22,7 @@ from appliance.bench.live import OUTPUT_RATE, realtime_session
 from appliance.bench.transcription import RATE, SENTENCES, speech
 from appliance.client import Client
 from appliance.client.http import Call, checked
+from appliance.engine.heap import TRIM_INTERVAL_S
 
 WORDS = " ".join(SENTENCES).replace(".", "").replace("?", "").replace(",", "").split()
 FORMATS = ["json", "verbose_json", "srt", "vtt", "text"]
@@ -91,9 +92,11 @@ def memory_soak(
         stop.set()
         for worker in workers:
             worker.join(600)
+        time.sleep(TRIM_INTERVAL_S + 5)  # idle: what the daemon keeps after the work, past its next heap trim
+        retained = round(sum(daemon.rss_by_process().values()), 1)
     finally:
         daemon.stop()
-    return {"minutes": minutes, "calls": done[0], "samples": samples}
+    return {"minutes": minutes, "calls": done[0], "samples": samples, "retained": retained}
 
 
 def report(r: dict[str, Any]) -> list[str]:
@@ -103,7 +106,10 @@ def report(r: dict[str, Any]) -> list[str]:
     def at(minute: float) -> float:
         return min(samples, key=lambda s: abs(s[0] - minute))[1]
 
-    lines = [f"  {r['calls']} calls in {r['minutes']} min; the daemon's processes at ready: {ready} MiB"]
+    lines = [
+        f"  {r['calls']} calls in {r['minutes']} min; the daemon's processes at ready: {ready} MiB, idle after the "
+        f"load: {r['retained']} MiB ({r['retained'] / ready:.2f}x); under load (calls under way):"
+    ]
     for minute in (5, 15, 30, 60, 90, 120):
         if samples[-1][0] >= minute:
             lines.append(f"    after {minute} min: {at(minute)} MiB ({at(minute) / ready:.2f}x ready)")

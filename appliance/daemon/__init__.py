@@ -22,6 +22,7 @@ from appliance.api.core import Api, streaming
 from appliance.config import Config, Live, worker_count
 from appliance.daemon.listeners import Listeners, bind_unix_socket
 from appliance.daemon.watchdog import Watchdog
+from appliance.engine.heap import trim_heap_forever
 from appliance.engine.stats import ModelStats
 from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_models
@@ -153,6 +154,7 @@ class Daemon:
             spawn(self._expire_idle_sequences(), "the idle sequence expiry", self._fail),
             spawn(self._report_status(), "the status report", self._fail),
             spawn(LOOP_LAG.run(), "the event loop lag probe", self._fail),
+            spawn(trim_heap_forever(), "the heap trim", self._fail),
         ]
         assert self.listeners is not None
         if (h3 := self.listeners.h3) is not None:
