@@ -21,8 +21,11 @@ from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.sequences import OwnedTable
+from appliance.engine.speech_engine import Decoded, Shard, SpeechEngine
 from appliance.engine.stats import ModelStats, RequestTimes
-from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
+from appliance.engine.whisper import WhisperEngine
+from appliance.engine.whisper_features import SAMPLE_RATE
+from appliance.engine.whisper_tokens import TOKEN_SECONDS
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
@@ -65,7 +68,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         self.split_algorithm: str = str(params["split_algorithm"])
         self.max_batch = _integer(params, "max_batch")
         engine = live.config.engine
-        self.engine = WhisperEngine(
+        self.engine: SpeechEngine = WhisperEngine(
             bundle.artifact(spec.file),
             engine.device,
             engine.threads,
