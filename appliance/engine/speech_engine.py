@@ -58,7 +58,11 @@ class SpeechEngine(Protocol):
     tokens: WhisperTokens
     weight_bytes: int  # a larger Whisper hears better: OpenAI's model names pick by it
     fallbacks: Counter[str]  # batches handed to the CPU engine, by reason
-    windows: Counter[str]  # shards, the windows they ran in, those decoded alone again
+
+    @property
+    def windows(self) -> Counter[str]:
+        """Shards, the windows they ran in, those decoded alone again."""
+        ...
 
     def check(self, language: str | None, task: str) -> None:
         """A 400 for a language or task this model cannot do, before its audio is queued."""
