@@ -16,10 +16,10 @@ import ctranslate2
 import numpy as np
 import pytest
 from conftest import Keys
-from speech import say
+from speech import recording, say
 
 from appliance import firmware
-from appliance.engine import whisper_weights
+from appliance.engine import whisper_language, whisper_weights
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine
 from appliance.engine.whisper_batch import Sequence
 from appliance.engine.whisper_features import log_mel
@@ -82,8 +82,11 @@ def base(voice_bundle: Path, keys: Keys) -> Path:
 
 def test_tiny_en_greedy_tokens_are_ctranslate2s(tiny: Path, tmp_path: Path) -> None:
     engine = converted(tiny, tmp_path)
-    ours, theirs = ours_and_theirs(engine, tiny, [(say(s), "transcribe", "en") for s in ENGLISH])
+    # a window of three sentences with pauses (timestamps between them), and two alone
+    jobs = [(recording(ENGLISH)[0], "transcribe", "en"), *[(say(s), "transcribe", "en") for s in ENGLISH[1:]]]
+    ours, theirs = ours_and_theirs(engine, tiny, jobs)
     check_against_ctranslate2(ours, theirs, engine)
+    assert sum(t >= engine.tokens.timestamp_begin for t in ours[0]) >= 6  # a pair per sentence
     assert "pharmacy" in engine.tokens.text(ours[1]).lower()  # and they are the words said
 
 
@@ -112,3 +115,14 @@ def test_the_weights_converter_reads_what_ctranslate2_stores(tiny: Path, tmp_pat
     (broken / "model.bin").write_bytes((tiny / "model.bin").read_bytes()[:100_000])
     with pytest.raises(ApplianceError, match="model.bin: cut short or damaged"):
         whisper_weights.convert(broken, tmp_path / "x.npz")
+
+
+def test_base_detects_the_language_as_ctranslate2_does(base: Path, tmp_path: Path) -> None:
+    """On a window cut to each clip and 3 s of silence (whisper_language.py), as the segment languages ask."""
+    engine = converted(base, tmp_path)
+    clips = [say(ENGLISH[0]), say(PORTUGUESE, "pt")]
+    ours = engine.detect(clips)
+    model = ctranslate2.models.Whisper(str(base), device="cpu", compute_type="float32", intra_threads=2)
+    theirs = whisper_language.detect(model, engine.filters, clips)
+    assert [code for code, _ in ours] == [code for code, _ in theirs] and ours[0][0] == "en"
+    assert [p for _, p in ours] == pytest.approx([p for _, p in theirs], abs=0.002)
