@@ -5,8 +5,8 @@ NumPy computes in float32: the reference CI holds against CTranslate2 on the CPU
 code in float16 on the GPU. A batch's encoder windows run max_batch at a time; its sequences join the
 decode batch while it has a free row, and a decode that loops on itself (compression ratio above
 2.4) or is unsure of itself (mean log probability under -1) joins again at the next temperature
-while the others still decode, as openai-whisper falls back. Greedy decoding; each shard in its own
-window.
+while the others still decode, as openai-whisper falls back. Greedy or beam search
+(whisper_beams.py); each shard in its own window.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from appliance.engine import whisper_language
+from appliance.engine import whisper_align, whisper_language
 from appliance.engine.speech_engine import Decoded, Shard, check_request
 from appliance.engine.whisper_batch import DecodeBatch, Sequence, _host
+from appliance.engine.whisper_beams import BeamGroup
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel, mel_filters
 from appliance.engine.whisper_model import KvCache, WhisperModel, softmax
 from appliance.engine.whisper_rules import Rules
 from appliance.engine.whisper_tokens import Generated, WhisperTokens
+from appliance.engine.whisper_words import Word
 
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 COMPRESSION_RATIO_LIMIT = 2.4  # openai-whisper's: above it a decode repeats itself
@@ -46,8 +48,11 @@ class ArrayWhisperEngine:
         dtype: Any = np.float32,
         name: str = "whisper-numpy",
         weight_bytes: int = 0,
+        beam_size: int = 1,
     ) -> None:
+        """`beam_size` 1: greedy; more: beam search, each shard's beams rows of the max_batch."""
         self.model = WhisperModel(weights, xp, dtype)
+        self.beam_size = min(beam_size, max_batch)
         self.name, self.max_batch, self.weight_bytes = name, max_batch, weight_bytes
         languages = whisper_language.codes(directory)
         # as CTranslate2 tells: the English-only models have one token fewer (51864)
@@ -56,6 +61,7 @@ class ArrayWhisperEngine:
         self.rules = Rules.of(directory, self.tokens.eot, self.tokens.no_timestamps)
         config = json.loads((directory / "config.json").read_text())
         self.language_ids = [int(i) for i in config.get("lang_ids", [])]
+        self.alignment_heads = [(int(layer), int(head)) for layer, head in config.get("alignment_heads", [])]
         no_speech = [self.tokens.tokenizer.token_to_id(t) for t in ("<|nospeech|>", "<|nocaptions|>")]
         self.no_speech = next((int(t) for t in no_speech if t is not None), None)
         self.filters = mel_filters(self.model.n_mels)
@@ -67,7 +73,7 @@ class ArrayWhisperEngine:
         check_request(self.tokens, language, task)
 
     def run(self, shards: list[Shard]) -> list[Decoded]:
-        """Each shard decoded greedily (at its temperature), timed pieces out, in the shards' order."""
+        """Each shard decoded (beam search, or sampled at its temperature), timed pieces out, in the shards' order."""
         if not shards:
             return []
         features = log_mel([s.samples for s in shards], self.filters)
@@ -87,11 +93,30 @@ class ArrayWhisperEngine:
                 Decoded(
                     language,
                     self.tokens.pieces(ids, len(shard.samples) / SAMPLE_RATE),
+                    self._words(shard, language, ids, cross, i) if shard.words else [],
                     language_probability=probability,
                     quality=self.tokens.quality(generated, sequence.temperature),
                 )
             )
         return answers
+
+    def _words(
+        self, shard: Shard, language: str, ids: list[int], cross: list[list[tuple[Any, Any]]], i: int
+    ) -> list[Word]:
+        """The shard's words timed by the alignment heads (whisper_align.py)."""
+        chunk, at = divmod(i, self.max_batch)
+        return whisper_align.words(
+            self.model,
+            cross[chunk],
+            at,
+            self.tokens.prompt(shard.task, language),
+            [t for t in ids if t < self.tokens.eot],
+            (self.tokens.no_timestamps, self.tokens.eot),
+            min(len(shard.samples) // HOP, WINDOW_FRAMES),
+            self.alignment_heads,
+            self.tokens.tokenizer.decode,
+            language,
+        )
 
     def decode(
         self, waiting: list[Sequence], cross: list[list[tuple[Any, Any]]], fallback: bool = True
@@ -99,19 +124,28 @@ class ArrayWhisperEngine:
         """Every sequence (its key: its index in the encoded batch) decoded on the continuous batch:
         one joins as soon as a row is free, a fallback joins again at its next temperature (unless
         `fallback` is False); the last answer of each key."""
-        waiting = list(waiting)
+        units = [self._beams_of(s) for s in waiting]
         finished: dict[int, Sequence] = {}
-        while waiting or self.batch.rows:
-            while waiting and self.batch.free:
-                sequence = waiting.pop(0)
-                chunk, at = divmod(sequence.key, self.max_batch)
-                self.batch.join(sequence, cross[chunk], at)
+        while units or self.batch.rows:
+            while units and self.batch.free >= len(units[0]):
+                for sequence in units.pop(0):
+                    chunk, at = divmod(sequence.key, self.max_batch)
+                    self.batch.join(sequence, cross[chunk], at)
             for sequence in self.batch.step():
                 finished[sequence.key] = sequence
                 again = self._fallback(sequence) if fallback else None
                 if again is not None:
-                    waiting.append(again)
+                    units.append([again])
         return finished
+
+    def _beams_of(self, sequence: Sequence) -> list[Sequence]:
+        """A greedy decode as beam_size beams of one group (beam search); a sampled one as it is."""
+        if sequence.temperature > 0 or self.beam_size == 1:
+            return [sequence]
+        group = BeamGroup(self.beam_size)
+        return [
+            Sequence(sequence.prompt, sequence.key, 0.0, sequence.timestamps, group=group) for _ in range(group.size)
+        ]
 
     def _fallback(self, sequence: Sequence) -> Sequence | None:
         """The same prompt at the next temperature, where this decode loops or is unsure."""

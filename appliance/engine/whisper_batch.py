@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from appliance.engine.whisper_beams import BeamGroup, beam_step
 from appliance.engine.whisper_model import MAX_POSITIONS, KvCache, WhisperModel, softmax
 from appliance.engine.whisper_rules import Rules, log_softmax
 
@@ -31,6 +32,7 @@ class Sequence:
     logprob: float = 0.0  # the sum over `chosen`
     no_speech_prob: float = 0.0  # <|nospeech|>'s probability after <|startoftranscript|>
     fed: int = 0  # tokens fed to the decoder so far (its next position)
+    group: BeamGroup | None = None  # one of a shard's beams (whisper_beams.py); None: greedy or sampled
 
     @property
     def next_input(self) -> int:
@@ -81,7 +83,9 @@ class DecodeBatch:
         positions = xp.asarray([s.fed for s in self.rows])
         logits = _host(xp, self.model.step(self.cache, tokens, positions))
         self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(self.rows)
-        ended: list[int] = []
+        ended: list[int] = []  # rows that leave
+        answers: list[Sequence] = []  # what they answer (a beam group: one for all its rows)
+        groups: dict[int, list[int]] = {}
         for row, (sequence, row_logits) in enumerate(zip(self.rows, logits)):
             fed_token = sequence.next_input
             sequence.fed += 1
@@ -89,10 +93,44 @@ class DecodeBatch:
                 sequence.no_speech_prob = float(softmax(np, row_logits)[self.no_speech])
             if sequence.fed < len(sequence.prompt):
                 continue  # still feeding its prompt
+            if sequence.group is not None:
+                groups.setdefault(id(sequence.group), []).append(row)
+                continue
             token = self._choose(sequence, row_logits)
             if token == self.rules.eot or sequence.fed >= MAX_POSITIONS - 1:
                 ended.append(row)
-        return [self._leave(row) for row in reversed(ended)][::-1]
+                answers.append(sequence)
+        for rows in groups.values():
+            if self._beams(rows, logits):
+                ended += rows
+                answers.append(self.rows[rows[0]])
+        for row in sorted(ended, reverse=True):
+            self._leave(row)
+        return answers
+
+    def _beams(self, rows: list[int], logits: np.ndarray) -> bool:
+        """One beam-search step of the group on `rows`: the beams' own caches follow their parents;
+        True where the group ended (its first row then holds the answer)."""
+        beams = [self.rows[r] for r in rows]
+        group = beams[0].group
+        assert group is not None and len(rows) == group.size
+        full = beams[0].fed >= MAX_POSITIONS - 1
+        found = beam_step(
+            group,
+            self.rules,
+            [b.chosen for b in beams],
+            [b.logprob for b in beams],
+            logits[rows],
+            beams[0].timestamps,
+            full,
+        )
+        if found.done:
+            beams[0].logprob, beams[0].chosen = group.best()
+            return True
+        self.cache.reorder(rows, [rows[p] for p in found.parents])
+        for beam, tokens, score in zip(beams, found.tokens, found.scores):
+            beam.chosen, beam.logprob = tokens, score
+        return False
 
     def _choose(self, sequence: Sequence, logits: np.ndarray) -> int:
         logits = self.rules.apply(logits, sequence.chosen, sequence.timestamps)

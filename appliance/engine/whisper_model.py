@@ -67,12 +67,16 @@ class WhisperModel:
         b, t, _ = x.shape
         return x.reshape(b, t, self.heads, -1).transpose(0, 2, 1, 3)
 
-    def _attend(self, q: Any, k: Any, v: Any, mask: Any = None) -> Any:
-        """Scaled dot-product attention, heads joined back: [B, H, Tq, dh] -> [B, Tq, d]."""
+    def _attend(self, q: Any, k: Any, v: Any, mask: Any = None, kept: list[Any] | None = None) -> Any:
+        """Scaled dot-product attention, heads joined back: [B, H, Tq, dh] -> [B, Tq, d]; the
+        attention weights [B, H, Tq, Tk] appended to `kept` where given."""
         scores = (q @ k.transpose(0, 1, 3, 2)) * self.dtype(1 / np.sqrt(q.shape[-1]))
         if mask is not None:
             scores = self.xp.where(mask, scores, self.dtype(-np.inf))
-        out = softmax(self.xp, scores.astype(self.xp.float32)).astype(self.dtype) @ v
+        weights = softmax(self.xp, scores.astype(self.xp.float32))
+        if kept is not None:
+            kept.append(weights)
+        out = weights.astype(self.dtype) @ v
         b, _, t, _ = out.shape
         return out.transpose(0, 2, 1, 3).reshape(b, t, -1)
 
@@ -117,9 +121,10 @@ class WhisperModel:
             out.append((self._split(k), self._split(v)))
         return out
 
-    def step(self, cache: KvCache, tokens: Any, positions: Any) -> Any:
+    def step(self, cache: KvCache, tokens: Any, positions: Any, cross_weights: list[Any] | None = None) -> Any:
         """One decoder step for rows 0..n-1 of `cache`: each row's token [n] at its position [n] in,
-        its logits [n, vocabulary] (float32) out; the keys and values of the tokens stay in the cache."""
+        its logits [n, vocabulary] (float32) out; the keys and values of the tokens stay in the cache.
+        `cross_weights`: each layer's cross-attention weights [n, heads, 1, frames] appended to it."""
         xp, n = self.xp, len(tokens)
         x = (self.w["decoder/embeddings/weight"][tokens] + self.w["decoder/position_encodings/encodings"][positions])[
             :, None
@@ -141,7 +146,8 @@ class WhisperModel:
             x = x + self._linear(heard, f"{at}/self_attention/linear_1")
             q = self._linear(self._norm(x, f"{at}/attention/layer_norm"), f"{at}/attention/linear_0")
             cross_k, cross_v = cache.cross[i]
-            x = x + self._linear(self._attend(self._split(q), cross_k[:n], cross_v[:n]), f"{at}/attention/linear_2")
+            heard = self._attend(self._split(q), cross_k[:n], cross_v[:n], kept=cross_weights)
+            x = x + self._linear(heard, f"{at}/attention/linear_2")
             x = x + self._mlp(x, f"{at}/ffn")
         x = self._norm(x[:, 0], "decoder/layer_norm")
         return (x @ self.w["decoder/embeddings/weight"].T).astype(xp.float32)
@@ -163,6 +169,11 @@ class KvCache:
         """Row `row` takes item `at` of a batch's cross-attention keys and values (a new sequence)."""
         for (k, v), (new_k, new_v) in zip(self.cross, cross):
             k[row], v[row] = new_k[at], new_v[at]
+
+    def reorder(self, rows: list[int], sources: list[int]) -> None:
+        """Rows `rows` take the own keys and values of rows `sources` (beams following their parents)."""
+        for k, v in self.own:
+            k[rows], v[rows] = k[sources], v[sources]
 
     def move(self, source: int, target: int) -> None:
         """Row `source` becomes row `target` (the last row fills the place of one that left)."""
