@@ -35,6 +35,12 @@ def gelu(xp: Any, x: Any) -> Any:
     return 0.5 * x * (1.0 + erf(xp, x * np.float32(1 / np.sqrt(2))))
 
 
+def layer_norm(xp: Any, x: Any, gamma: Any, beta: Any) -> Any:
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / xp.sqrt(var + 1e-5) * gamma + beta
+
+
 def softmax(xp: Any, x: Any, axis: int = -1) -> Any:
     e = xp.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
@@ -57,10 +63,7 @@ class WhisperModel:
         return x @ self.w[f"{name}/weight"].T + self.w[f"{name}/bias"]
 
     def _norm(self, x: Any, name: str) -> Any:
-        xp = self.xp
-        mean = x.mean(axis=-1, keepdims=True)
-        var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-        return (x - mean) / xp.sqrt(var + 1e-5) * self.w[f"{name}/gamma"] + self.w[f"{name}/beta"]
+        return layer_norm(self.xp, x, self.w[f"{name}/gamma"], self.w[f"{name}/beta"])
 
     def _split(self, x: Any) -> Any:
         """[B, T, d] -> [B, heads, T, d / heads]."""

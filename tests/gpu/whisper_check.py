@@ -3,11 +3,13 @@ tests/gpu/results.md. Never run on a GPU yet (issue 40 had no device lent): noth
 
 1. `firmware build` of the voice firmware with the `cuda` target: the Whispers' converted weights and
    kernels/whisper.cu compiled with the model's baked max_batch and shard length.
-2. The same code on CuPy (float16) against NumPy (float32, the reference CI holds to CTranslate2) on
+2. kernels/whisper.cu loaded from the bundle, each kernel against the reference's function
+   (whisper_kernels.py); the engine does not call them yet (its CuPy path runs CuPy's own ops).
+3. The same code on CuPy (float16) against NumPy (float32, the reference CI holds to CTranslate2) on
    the same shards, greedy: tokens identical per shard counted, and the WER of each against the text
    said (espeak-ng's sentences).
-3. The engine's GPU time per window (encoder) and per decoder step at batch 1, 8 and 64.
-4. Through the daemon's Unix socket, engine.device = "auto" (the GPU engine) then "cpu" (CTranslate2
+4. The engine's GPU time per window (encoder) and per decoder step at batch 1, 8 and 64.
+5. Through the daemon's Unix socket, engine.device = "auto" (the GPU engine) then "cpu" (CTranslate2
    on the machine's cores): one 60 s recording and 64 10 s clips at once, tiny.en and base.
 """
 
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
 import jiwer  # noqa: E402
+import whisper_kernels  # noqa: E402
 from speech import say  # noqa: E402
 
 from appliance import firmware  # noqa: E402
@@ -160,6 +163,9 @@ def main() -> int:
         audio = [say(s) for s in SENTENCES]
         for name in ("whisper_tiny_en", "whisper_base"):
             reference, gpu = engines(bundle, name, cupy)
+            if name == "whisper_base":
+                for line in whisper_kernels.check(bundle_dir, cupy, reference.rules):
+                    say_line(line)
             tokens_against_reference(reference, gpu, audio)
             gpu_times(gpu, cupy, audio[0])
         daemon_figures(bundle_dir, trusted, work, np.concatenate(audio))
