@@ -11,6 +11,7 @@ from speech import say
 from test_whisper_reference import ENGLISH, model_dir
 
 from appliance.engine import whisper_weights
+from appliance.engine.whisper_arrays_engine import hotter
 from appliance.engine.whisper_batch import DecodeBatch, Sequence
 from appliance.engine.whisper_features import log_mel, mel_filters
 from appliance.engine.whisper_model import WhisperModel
@@ -89,3 +90,27 @@ def test_a_full_batch_refuses_one_more_and_a_prompt_too_long_is_refused(tiny) ->
         full.join(Sequence(tokens.prompt("transcribe", "en")), cross, 0)
     with pytest.raises(ValueError, match="a prompt of 448 tokens: the decoder takes 1 to 447"):
         batch(tiny, 1).join(Sequence([tokens.sot] * 448), cross, 0)
+
+
+def test_a_looping_or_unsure_decode_is_tried_again_hotter_unless_nothing_was_said(
+    voice_bundle: Path, keys: Keys
+) -> None:
+    """openai-whisper's fallback rule (whisper_arrays_engine.py), on the decodes it judges: a text that
+    compresses more than 2.4 times, or a mean log probability under -1, runs again at the next
+    temperature; not where <|nocaptions|> was likelier than 0.6 (silence), nor past 1.0."""
+    directory = model_dir(voice_bundle, keys, "whisper_tiny_en")
+    tokens = WhisperTokens(directory / "tokenizer.json", False, [])
+    text = list(tokens.ids("Where is the nearest pharmacy?"))
+    prompt = tokens.prompt("transcribe", "en")
+
+    def decoded(ids: list[int], mean: float, no_speech: float = 0.1, temperature: float = 0.0) -> Sequence:
+        chosen = [*ids, tokens.eot]
+        return Sequence(prompt, 3, temperature, chosen=chosen, logprob=mean * len(chosen), no_speech_prob=no_speech)
+
+    assert hotter(decoded(text, -0.3), tokens) is None  # sure, and no loop
+    looping = hotter(decoded(text * 12, -0.1), tokens)
+    assert looping is not None and (looping.key, looping.temperature, looping.prompt) == (3, 0.2, prompt)
+    unsure = hotter(decoded(text, -1.5, temperature=0.4), tokens)
+    assert unsure is not None and unsure.temperature == 0.6 and not unsure.chosen
+    assert hotter(decoded(text, -1.5, no_speech=0.8), tokens) is None  # silence
+    assert hotter(decoded(text * 12, -1.5, temperature=1.0), tokens) is None  # no hotter one

@@ -41,21 +41,29 @@ def converted(directory: Path, tmp: Path, max_batch: int = 8) -> ArrayWhisperEng
 
 
 def ours_and_theirs(
-    engine: ArrayWhisperEngine, directory: Path, jobs: list[tuple[np.ndarray, str, str]]
+    engine: ArrayWhisperEngine, directory: Path, jobs: list[tuple[np.ndarray, str, str, str]]
 ) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
-    """Greedy token ids (no prompt, no <|endoftext|>) of each (audio, task, language) job: ours
+    """Greedy token ids (no prompt, no <|endoftext|>) of each (audio, task, language, previous text) job: ours
     (one continuous batch, no temperature fallback) and CTranslate2's in float32 and in int8."""
-    features = log_mel([audio for audio, _, _ in jobs], engine.filters)
-    prompts = [engine.tokens.prompt(task, language) for _, task, language in jobs]
+    features = log_mel([audio for audio, *_ in jobs], engine.filters)
+    prompts = [
+        engine.tokens.prompt(task, language, engine.tokens.encode(previous) if previous else ())
+        for _, task, language, previous in jobs
+    ]
     decoded = engine.decode([Sequence(p, i) for i, p in enumerate(prompts)], engine._encode(features), fallback=False)
     ours = [[t for t in decoded[i].chosen if t != engine.tokens.eot] for i in range(len(jobs))]
     theirs = {}
     for compute in ("float32", "int8"):
         model = ctranslate2.models.Whisper(str(directory), device="cpu", compute_type=compute, intra_threads=2)
-        results = model.generate(
-            ctranslate2.StorageView.from_array(features), prompts, beam_size=1, max_initial_timestamp_index=50
-        )
-        theirs[compute] = [list(r.sequences_ids[0]) for r in results]
+        theirs[compute] = []
+        for i, prompt in enumerate(prompts):  # one at a time: CTranslate2 wants <|startoftranscript|> at one position
+            results = model.generate(
+                ctranslate2.StorageView.from_array(features[i : i + 1]),
+                [prompt],
+                beam_size=1,
+                max_initial_timestamp_index=50,
+            )
+            theirs[compute].append(list(results[0].sequences_ids[0]))
     return ours, theirs
 
 
@@ -83,17 +91,27 @@ def base(voice_bundle: Path, keys: Keys) -> Path:
 def test_tiny_en_greedy_tokens_are_ctranslate2s(tiny: Path, tmp_path: Path) -> None:
     engine = converted(tiny, tmp_path)
     # a window of three sentences with pauses (timestamps between them), and two alone
-    jobs = [(recording(ENGLISH)[0], "transcribe", "en"), *[(say(s), "transcribe", "en") for s in ENGLISH[1:]]]
+    # and one after a previous-text prompt (the OpenAI `prompt`), whose words it spells as the prompt does
+    jobs = [
+        (recording(ENGLISH)[0], "transcribe", "en", ""),
+        *[(say(s), "transcribe", "en", "") for s in ENGLISH[1:]],
+        (say(ENGLISH[1]), "transcribe", "en", "Directions to the nearest PHARMACY, please."),
+    ]
     ours, theirs = ours_and_theirs(engine, tiny, jobs)
     check_against_ctranslate2(ours, theirs, engine)
     assert sum(t >= engine.tokens.timestamp_begin for t in ours[0]) >= 6  # a pair per sentence
     assert "pharmacy" in engine.tokens.text(ours[1]).lower()  # and they are the words said
+    assert "PHARMACY" in engine.tokens.text(ours[3])  # the prompt's spelling
 
 
 def test_base_greedy_tokens_are_ctranslate2s_transcribing_and_translating(base: Path, tmp_path: Path) -> None:
     engine = converted(base, tmp_path)
     portuguese = say(PORTUGUESE, "pt")
-    jobs = [(say(ENGLISH[1]), "transcribe", "en"), (portuguese, "transcribe", "pt"), (portuguese, "translate", "pt")]
+    jobs = [
+        (say(ENGLISH[1]), "transcribe", "en", ""),
+        (portuguese, "transcribe", "pt", ""),
+        (portuguese, "translate", "pt", ""),
+    ]
     ours, theirs = ours_and_theirs(engine, base, jobs)
     check_against_ctranslate2(ours, theirs, engine)
     assert "bom dia" in engine.tokens.text(ours[1]).lower()  # Portuguese heard as Portuguese

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from scipy.ndimage import median_filter
+from numpy.lib.stride_tricks import sliding_window_view
 
 from appliance.engine.whisper_batch import _host
 from appliance.engine.whisper_model import KvCache, WhisperModel, softmax
@@ -44,6 +44,13 @@ def alignment(
     weights = np.stack(rows, axis=1)[:, skip:-1, : frames // 2]
     weights = weights / weights.sum(axis=-1, keepdims=True)  # the softmax over the shard's frames only
     return weights, np.asarray(probs)
+
+
+def median_filter(x: np.ndarray) -> np.ndarray:
+    """A running median MEDIAN_WIDTH wide along the last axis, the ends reflected (as torch pads)."""
+    pad = MEDIAN_WIDTH // 2
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], mode="reflect")
+    return np.asarray(np.median(sliding_window_view(padded, MEDIAN_WIDTH, axis=-1), axis=-1))
 
 
 def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +101,7 @@ def words(
     tokens = [*start, no_timestamps, *text, eot]
     weights, probs = alignment(model, cross, at, tokens, len(start), frames, heads)
     mean, std = weights.mean(axis=-2, keepdims=True), weights.std(axis=-2, keepdims=True)
-    weights = median_filter((weights - mean) / std, (1, 1, MEDIAN_WIDTH), mode="mirror")
+    weights = median_filter((weights - mean) / std)
     text_indices, time_indices = dtw(-weights.mean(axis=0))
     found, word_tokens = split_words([*text, eot], decode, eot, language)
     token_probs = [float(p) for p in probs[len(start) + 1 : len(start) + 1 + len(text)]]

@@ -32,7 +32,23 @@ from appliance.engine.whisper_words import Word
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 COMPRESSION_RATIO_LIMIT = 2.4  # openai-whisper's: above it a decode repeats itself
 LOGPROB_LIMIT = -1.0  # and under it Whisper was unsure
+NO_SPEECH_LIMIT = 0.6  # above it (and unsure) the window holds no speech: no second try
 MULTILINGUAL_VOCABULARY = 51865
+
+
+def hotter(sequence: Sequence, tokens: WhisperTokens) -> Sequence | None:
+    """The same prompt at the next temperature, where this decode loops or is unsure (and something
+    was said), as openai-whisper falls back; None where it stands."""
+    ids = [t for t in sequence.chosen if t < tokens.eot]
+    text = tokens.tokenizer.decode(ids).encode()
+    ratio = len(text) / len(zlib.compress(text)) if text else 0.0
+    mean = sequence.logprob / (len(sequence.chosen) or 1)
+    temperatures = [t for t in FALLBACK_TEMPERATURES if t > sequence.temperature]
+    if not temperatures or (ratio <= COMPRESSION_RATIO_LIMIT and mean >= LOGPROB_LIMIT):
+        return None
+    if ratio <= COMPRESSION_RATIO_LIMIT and sequence.no_speech_prob > NO_SPEECH_LIMIT:
+        return None  # unsure because nothing was said: silence, as openai-whisper takes it
+    return Sequence(sequence.prompt, sequence.key, temperatures[0], sequence.timestamps)
 
 
 class ArrayWhisperEngine:
@@ -65,7 +81,8 @@ class ArrayWhisperEngine:
         no_speech = [self.tokens.tokenizer.token_to_id(t) for t in ("<|nospeech|>", "<|nocaptions|>")]
         self.no_speech = next((int(t) for t in no_speech if t is not None), None)
         self.filters = mel_filters(self.model.n_mels)
-        self.fallbacks: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()  # none: it is the GPU engine SpeechCpuFallback counts for
+        self.retried: Counter[str] = Counter()  # decodes run again at a higher temperature
         self.windows: Counter[str] = Counter()
         self.batch = DecodeBatch(self.model, self.rules, max_batch, self.tokens.sot, self.no_speech)
 
@@ -133,8 +150,9 @@ class ArrayWhisperEngine:
                     self.batch.join(sequence, cross[chunk], at)
             for sequence in self.batch.step():
                 finished[sequence.key] = sequence
-                again = self._fallback(sequence) if fallback else None
+                again = hotter(sequence, self.tokens) if fallback else None
                 if again is not None:
+                    self.retried["temperature"] += 1
                     units.append([again])
         return finished
 
@@ -146,18 +164,6 @@ class ArrayWhisperEngine:
         return [
             Sequence(sequence.prompt, sequence.key, 0.0, sequence.timestamps, group=group) for _ in range(group.size)
         ]
-
-    def _fallback(self, sequence: Sequence) -> Sequence | None:
-        """The same prompt at the next temperature, where this decode loops or is unsure."""
-        ids = [t for t in sequence.chosen if t < self.tokens.eot]
-        text = self.tokens.tokenizer.decode(ids).encode()
-        ratio = len(text) / len(zlib.compress(text)) if text else 0.0
-        mean = sequence.logprob / (len(sequence.chosen) or 1)
-        hotter = [t for t in FALLBACK_TEMPERATURES if t > sequence.temperature]
-        if not hotter or (ratio <= COMPRESSION_RATIO_LIMIT and mean >= LOGPROB_LIMIT):
-            return None
-        self.fallbacks["temperature"] += 1
-        return Sequence(sequence.prompt, sequence.key, hotter[0], sequence.timestamps)
 
     def _encode(self, features: np.ndarray) -> list[list[tuple[Any, Any]]]:
         """Encoder windows max_batch at a time; each chunk's cross-attention keys and values."""
