@@ -15,7 +15,9 @@ from speech import RATE, say
 from test_speech_to_text import CLEAR, ENGLISH, words
 
 from appliance import firmware
-from appliance.engine.whisper import Decoded, Piece, Shard, WhisperEngine
+from appliance.engine.speech_engine import Decoded, Shard
+from appliance.engine.whisper import WhisperEngine
+from appliance.engine.whisper_tokens import Piece
 from appliance.engine.whisper_windows import Window, pack, split
 
 PAD = np.zeros(int(0.3 * RATE), np.float32)  # a shard starts and ends with 0.3 s of silence (speech_shards.GAP_S)

@@ -14,49 +14,22 @@ import dataclasses
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import ctranslate2
 import numpy as np
 
 from appliance.engine import nvidia_libs, whisper_language, whisper_loops, whisper_windows
+from appliance.engine.speech_engine import Decoded, Shard, check_request
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel, mel_filters
-from appliance.engine.whisper_tokens import TOKEN_SECONDS, Generated, Piece, Quality, WhisperTokens
-from appliance.engine.whisper_words import Word, aligned_words
-from appliance.errors import ApplianceError, BadRequest
+from appliance.engine.whisper_tokens import TOKEN_SECONDS, Generated, Piece, WhisperTokens
+from appliance.engine.whisper_words import aligned_words
+from appliance.errors import ApplianceError
 
 log = logging.getLogger("appliance")
 
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
-TASKS = ("transcribe", "translate")
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """One window of audio to decode, and how."""
-
-    samples: np.ndarray  # float32 at 16 kHz, at most 30 s
-    language: str | None = None  # None: detected (multilingual models), English for English-only ones
-    task: str = "transcribe"
-    prompt: tuple[int, ...] = ()  # previous-text tokens (the OpenAI `prompt`)
-    temperature: float = 0.0
-    words: bool = False  # word timestamps too (one alignment pass more)
-    # Shards of one request may share a window; None: never shared. In a window Whisper's text of one
-    # shard conditions the next one's, so another request's speech would change this one's text
-    # (measured: "Set the temperature to twenty one degrees" after "Wake me up at seven thirty" in
-    # one window heard as "10.10. Richard at 1.1 degrees").
-    request: Hashable | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Decoded:
-    language: str
-    pieces: list[Piece]
-    words: list[Word] = field(default_factory=list)  # where the shard asked for them
-    language_probability: float = 1.0  # Whisper's own, where it detected the language (1.0 where it was told)
-    quality: Quality = Quality()
 
 
 class WhisperEngine:
@@ -116,16 +89,7 @@ class WhisperEngine:
         )  # a larger Whisper hears better: OpenAI's names pick by it
 
     def check(self, language: str | None, task: str) -> None:
-        """A request's language and task, before its audio is queued: a 400 for what this model cannot do."""
-        if task not in TASKS:
-            raise BadRequest(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-        if not self.tokens.multilingual:
-            if task == "translate":
-                raise BadRequest("this model is English-only: it transcribes English and cannot translate")
-            if language not in (None, "en"):
-                raise BadRequest(f"this model is English-only: language {language!r} is not one it knows")
-        elif language is not None and language not in self.tokens.languages:
-            raise BadRequest(f"language {language!r} is not one of Whisper's ({len(self.tokens.languages)} codes)")
+        check_request(self.tokens, language, task)
 
     def run(self, shards: list[Shard]) -> list[Decoded]:
         """Decode a batch; the answers in the shards' order."""

@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance import keys
 from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
-from appliance.engine import tensorrt
+from appliance.engine import tensorrt, whisper_weights
+from appliance.engine.whisper_features import WINDOW_FRAMES
 from appliance.errors import ApplianceError
 from appliance.firmware import graphs, voices
 from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
@@ -203,6 +204,21 @@ def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> li
     return [relative, *(str(p.relative_to(staging)) for p in binaries)]
 
 
+WINDOW_TOKENS = WINDOW_FRAMES // 2  # Whisper's encoder positions in a 30 s window
+
+
+def _build_whisper_cuda(staging: Path, model: ModelSpec) -> list[str]:
+    """The `cuda` target of a Whisper: its CTranslate2 weights converted for the box's own engine
+    (float16, engine/whisper_weights.py) and kernels/whisper.cu compiled with its batch and shard length."""
+    relative = f"models/{model.name}.whisper.npz"
+    whisper_weights.convert(staging / model.file, staging / relative)
+    params = model.parameters
+    binaries = kernels.compile_whisper_kernels(
+        int(str(params["max_batch"])), min(int(str(params["max_tokens_per_shard"])), WINDOW_TOKENS), staging / "kernels"
+    )
+    return [relative, *(str(p.relative_to(staging)) for p in binaries)]
+
+
 def _check_kokoro(model: ModelSpec, directory: Path, where: str) -> None:
     """Every voice a Kokoro model names: a voice of a served language, with a style table of the right size."""
     names = model.parameters["voices"]
@@ -258,8 +274,10 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
                 _check_kokoro(model, staging / relative, m.where)
             models.append(model)
             files += copied
-            if "cuda" in targets and model.kind == "vad":  # the CUDA kernels are the VAD's
+            if "cuda" in targets and model.kind == "vad":
                 files += _build_cuda(staging, model, baked, m.where)
+            if "cuda" in targets and model.kind == "speech_to_text":
+                files += [f for f in _build_whisper_cuda(staging, model) if f not in files]  # models may share kernels
             if "tensorrt" in targets and model.kind in GRAPH_KINDS:
                 plan = tensorrt.build_plan(staging, model, baked, out_dir.parent / "tensorrt-timing.cache")
                 files.append(plan.file)

@@ -18,7 +18,9 @@ from appliance.engine import reference
 from appliance.errors import ApplianceError
 from appliance.firmware.manifest import AudioSpec, Baked
 
-SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "silero_vad.cu"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+SOURCE = KERNELS / "silero_vad.cu"
+WHISPER_SOURCE = KERNELS / "whisper.cu"
 ARCH = "sm_90"
 NVCC_FALLBACK = Path("/usr/local/cuda/bin/nvcc")
 
@@ -48,16 +50,28 @@ def baked_defines(baked: Baked, audio: AudioSpec) -> list[str]:
 
 def compile_vad_kernels(baked: Baked, audio: AudioSpec, out_dir: Path, arch: str = ARCH) -> list[Path]:
     """nvcc the VAD kernels into `out_dir`: a cubin for `arch` and PTX; return both paths."""
+    return compile_kernels(SOURCE, baked_defines(baked, audio), out_dir, arch)
+
+
+def compile_whisper_kernels(max_batch: int, shard_tokens: int, out_dir: Path, arch: str = ARCH) -> list[Path]:
+    """nvcc kernels/whisper.cu with the model's baked batch (its decode batch's rows) and shard
+    length (encoder positions), into `out_dir` under the model's own names."""
+    defines = [f"-DMAX_BATCH={max_batch}", f"-DSHARD_TOKENS={shard_tokens}"]
+    return compile_kernels(WHISPER_SOURCE, defines, out_dir, arch, f"whisper-b{max_batch}-t{shard_tokens}")
+
+
+def compile_kernels(source: Path, defines: list[str], out_dir: Path, arch: str = ARCH, stem: str = "") -> list[Path]:
+    """nvcc `source` with `defines` into `out_dir`: a cubin for `arch` and PTX; return both paths."""
     nvcc = find_nvcc()
     out_dir.mkdir(parents=True, exist_ok=True)
-    cubin, ptx = out_dir / f"silero_vad.{arch}.cubin", out_dir / "silero_vad.ptx"
-    defines = baked_defines(baked, audio)
+    stem = stem or source.stem
+    cubin, ptx = out_dir / f"{stem}.{arch}.cubin", out_dir / f"{stem}.ptx"
     for output, kind in ((cubin, ["-cubin", f"-arch={arch}"]), (ptx, ["-ptx", f"-arch=compute_{arch[3:]}"])):
         result = subprocess.run(
-            [nvcc, *kind, "-O3", *defines, "-o", str(output), str(SOURCE)], capture_output=True, text=True
+            [nvcc, *kind, "-O3", *defines, "-o", str(output), str(source)], capture_output=True, text=True
         )
         if result.returncode != 0:
-            raise ApplianceError(f"nvcc failed on {SOURCE.name} for {arch}: {result.stderr.strip()[-2000:]}")
+            raise ApplianceError(f"nvcc failed on {source.name} for {arch}: {result.stderr.strip()[-2000:]}")
     return [cubin, ptx]
 
 

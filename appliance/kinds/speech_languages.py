@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from appliance.engine.speech_engine import SpeechEngine
 from appliance.engine.stats import RequestTimes
-from appliance.engine.whisper import WhisperEngine
 from appliance.errors import ApplianceError
 from appliance.firmware import ModelSpec
 from appliance.kinds.speech_api import Options, Segment
@@ -31,7 +31,7 @@ class SegmentLanguages:
     """What it needs of the model is declared here."""
 
     spec: ModelSpec
-    engine: WhisperEngine
+    engine: SpeechEngine
     listener: Any  # the SpeechToText that identifies the languages (None: no segment is identified)
     # SpeechToText._decode and _segment_plans
     _decode: Callable[..., Awaitable[list[Segment]]]

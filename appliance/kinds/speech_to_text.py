@@ -17,12 +17,14 @@ from typing import Any
 import numpy as np
 
 from appliance.config import Live
-from appliance.engine import cuda
 from appliance.engine.batch_queue import BatchQueue
 from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.sequences import OwnedTable
+from appliance.engine.speech_choice import load_speech_engine
+from appliance.engine.speech_engine import Decoded, Shard, SpeechEngine
 from appliance.engine.stats import ModelStats, RequestTimes
-from appliance.engine.whisper import SAMPLE_RATE, TOKEN_SECONDS, Decoded, Shard, WhisperEngine
+from appliance.engine.whisper_features import SAMPLE_RATE
+from appliance.engine.whisper_tokens import TOKEN_SECONDS
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec
 from appliance.firmware.manifest import Parameter
@@ -65,14 +67,8 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         self.split_algorithm: str = str(params["split_algorithm"])
         self.max_batch = _integer(params, "max_batch")
         engine = live.config.engine
-        self.engine = WhisperEngine(
-            bundle.artifact(spec.file),
-            engine.device,
-            engine.threads,
-            _integer(params, "beam_size"),
-            self.baked.fallback_cpu_threshold,
-            cuda.memory_used if cuda.cuda is not None else None,
-            window_samples=self.max_samples,
+        self.engine: SpeechEngine = load_speech_engine(
+            engine.device, bundle, spec, engine.threads, _integer(params, "beam_size"), self.max_samples
         )
         self.weight_bytes = self.engine.weight_bytes
         self.stats = ModelStats()

@@ -1,5 +1,7 @@
 #!/bin/bash
 # The GPU checks (tests/gpu/check.py), one script, run once on a machine with an NVIDIA GPU.
+# `run.sh whisper`: the box's own Whisper instead (tests/gpu/whisper_check.py, on the image's CuPy:
+# no pycuda needed), its report appended to tests/gpu/results.md; held to 560 s by timeout.
 #
 # Where pycuda is missing and nothing can be downloaded (the lent test machine), it is built
 # from the wheelhouse made on a networked machine by `make gpu-wheelhouse` (.gpu/wheels:
@@ -13,6 +15,9 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     exit 0
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
+if [ "${1:-}" = whisper ]; then
+    exec timeout 560 "$PYTHON" -u tests/gpu/whisper_check.py
+fi
 
 if ! "$PYTHON" -c "import pycuda.driver" 2>/dev/null; then
     [ -d .gpu/wheels ] || { echo "pycuda is not installed and there is no .gpu/wheels (make gpu-wheelhouse)"; exit 2; }

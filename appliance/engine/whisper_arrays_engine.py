@@ -1,0 +1,215 @@
+"""The box's own Whisper engine (a `SpeechEngine`): whisper_model.py over an array module, its
+decoder continuously batched (whisper_batch.py).
+
+NumPy computes in float32: the reference CI holds against CTranslate2 on the CPU. CuPy runs the same
+code in float16 on the GPU. A batch's encoder windows run max_batch at a time; its sequences join the
+decode batch while it has a free row, and a decode that loops on itself (compression ratio above
+2.4) or is unsure of itself (mean log probability under -1) joins again at the next temperature
+while the others still decode, as openai-whisper falls back. Greedy or beam search
+(whisper_beams.py); each shard in its own window.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from appliance.engine import whisper_align, whisper_language
+from appliance.engine.speech_engine import Decoded, Shard, check_request
+from appliance.engine.whisper_batch import DecodeBatch, Sequence, _host
+from appliance.engine.whisper_beams import BeamGroup
+from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel, mel_filters
+from appliance.engine.whisper_model import KvCache, WhisperModel, softmax
+from appliance.engine.whisper_rules import Rules
+from appliance.engine.whisper_tokens import Generated, WhisperTokens
+from appliance.engine.whisper_words import Word
+
+FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
+COMPRESSION_RATIO_LIMIT = 2.4  # openai-whisper's: above it a decode repeats itself
+LOGPROB_LIMIT = -1.0  # and under it Whisper was unsure
+NO_SPEECH_LIMIT = 0.6  # above it (and unsure) the window holds no speech: no second try
+MULTILINGUAL_VOCABULARY = 51865
+
+
+def hotter(sequence: Sequence, tokens: WhisperTokens) -> Sequence | None:
+    """The same prompt at the next temperature, where this decode loops or is unsure (and something
+    was said), as openai-whisper falls back; None where it stands."""
+    ids = [t for t in sequence.chosen if t < tokens.eot]
+    text = tokens.tokenizer.decode(ids).encode()
+    ratio = len(text) / len(zlib.compress(text)) if text else 0.0
+    mean = sequence.logprob / (len(sequence.chosen) or 1)
+    temperatures = [t for t in FALLBACK_TEMPERATURES if t > sequence.temperature]
+    if not temperatures or (ratio <= COMPRESSION_RATIO_LIMIT and mean >= LOGPROB_LIMIT):
+        return None
+    if ratio <= COMPRESSION_RATIO_LIMIT and sequence.no_speech_prob > NO_SPEECH_LIMIT:
+        return None  # unsure because nothing was said: silence, as openai-whisper takes it
+    return Sequence(sequence.prompt, sequence.key, temperatures[0], sequence.timestamps)
+
+
+class ArrayWhisperEngine:
+    """One Whisper on an array module; `weights`: the arrays whisper_weights.py converted,
+    `directory`: the model's CTranslate2 directory (tokenizer.json, config.json)."""
+
+    def __init__(
+        self,
+        weights: dict[str, np.ndarray],
+        directory: Path,
+        max_batch: int,
+        xp: Any = np,
+        dtype: Any = np.float32,
+        name: str = "whisper-numpy",
+        weight_bytes: int = 0,
+        beam_size: int = 1,
+    ) -> None:
+        """`beam_size` 1: greedy; more: beam search, each shard's beams rows of the max_batch."""
+        self.model = WhisperModel(weights, xp, dtype)
+        self.beam_size = min(beam_size, max_batch)
+        self.name, self.max_batch, self.weight_bytes = name, max_batch, weight_bytes
+        languages = whisper_language.codes(directory)
+        # as CTranslate2 tells: the English-only models have one token fewer (51864)
+        multilingual = self.model.vocabulary >= MULTILINGUAL_VOCABULARY
+        self.tokens = WhisperTokens(directory / "tokenizer.json", multilingual, languages)
+        self.rules = Rules.of(directory, self.tokens.eot, self.tokens.no_timestamps)
+        config = json.loads((directory / "config.json").read_text())
+        self.language_ids = [int(i) for i in config.get("lang_ids", [])]
+        self.alignment_heads = [(int(layer), int(head)) for layer, head in config.get("alignment_heads", [])]
+        no_speech = [self.tokens.tokenizer.token_to_id(t) for t in ("<|nospeech|>", "<|nocaptions|>")]
+        self.no_speech = next((int(t) for t in no_speech if t is not None), None)
+        self.filters = mel_filters(self.model.n_mels)
+        self.fallbacks: Counter[str] = Counter()  # none: it is the GPU engine SpeechCpuFallback counts for
+        self.retried: Counter[str] = Counter()  # decodes run again at a higher temperature
+        self.windows: Counter[str] = Counter()
+        self.batch = DecodeBatch(self.model, self.rules, max_batch, self.tokens.sot, self.no_speech)
+
+    def check(self, language: str | None, task: str) -> None:
+        check_request(self.tokens, language, task)
+
+    def run(self, shards: list[Shard]) -> list[Decoded]:
+        """Each shard decoded (beam search, or sampled at its temperature), timed pieces out, in the shards' order."""
+        if not shards:
+            return []
+        features = log_mel([s.samples for s in shards], self.filters)
+        cross = self._encode(features)
+        detected = self._languages(shards, cross)
+        prompts = [self.tokens.prompt(s.task, language, s.prompt) for s, (language, _) in zip(shards, detected)]
+        waiting = [Sequence(prompts[i], i, shards[i].temperature) for i in range(len(shards))]
+        finished = self.decode(waiting, cross)
+        self.windows.update(shards=len(shards), windows=len(shards))
+        answers = []
+        for i, shard in enumerate(shards):
+            sequence = finished[i]
+            ids = [t for t in sequence.chosen if t != self.tokens.eot]
+            generated = Generated(ids, sequence.logprob / max(1, len(ids)), sequence.no_speech_prob)
+            language, probability = detected[i]
+            answers.append(
+                Decoded(
+                    language,
+                    self.tokens.pieces(ids, len(shard.samples) / SAMPLE_RATE),
+                    self._words(shard, language, ids, cross, i) if shard.words else [],
+                    language_probability=probability,
+                    quality=self.tokens.quality(generated, sequence.temperature),
+                )
+            )
+        return answers
+
+    def _words(
+        self, shard: Shard, language: str, ids: list[int], cross: list[list[tuple[Any, Any]]], i: int
+    ) -> list[Word]:
+        """The shard's words timed by the alignment heads (whisper_align.py)."""
+        chunk, at = divmod(i, self.max_batch)
+        return whisper_align.words(
+            self.model,
+            cross[chunk],
+            at,
+            self.tokens.prompt(shard.task, language),
+            [t for t in ids if t < self.tokens.eot],
+            (self.tokens.no_timestamps, self.tokens.eot),
+            min(len(shard.samples) // HOP, WINDOW_FRAMES),
+            self.alignment_heads,
+            self.tokens.tokenizer.decode,
+            language,
+        )
+
+    def decode(
+        self, waiting: list[Sequence], cross: list[list[tuple[Any, Any]]], fallback: bool = True
+    ) -> dict[int, Sequence]:
+        """Every sequence (its key: its index in the encoded batch) decoded on the continuous batch:
+        one joins as soon as a row is free, a fallback joins again at its next temperature (unless
+        `fallback` is False); the last answer of each key."""
+        units = [self._beams_of(s) for s in waiting]
+        finished: dict[int, Sequence] = {}
+        while units or self.batch.rows:
+            while units and self.batch.free >= len(units[0]):
+                for sequence in units.pop(0):
+                    chunk, at = divmod(sequence.key, self.max_batch)
+                    self.batch.join(sequence, cross[chunk], at)
+            for sequence in self.batch.step():
+                finished[sequence.key] = sequence
+                again = hotter(sequence, self.tokens) if fallback else None
+                if again is not None:
+                    self.retried["temperature"] += 1
+                    units.append([again])
+        return finished
+
+    def _beams_of(self, sequence: Sequence) -> list[Sequence]:
+        """A greedy decode as beam_size beams of one group (beam search); a sampled one as it is."""
+        if sequence.temperature > 0 or self.beam_size == 1:
+            return [sequence]
+        group = BeamGroup(self.beam_size)
+        return [
+            Sequence(sequence.prompt, sequence.key, 0.0, sequence.timestamps, group=group) for _ in range(group.size)
+        ]
+
+    def _encode(self, features: np.ndarray) -> list[list[tuple[Any, Any]]]:
+        """Encoder windows max_batch at a time; each chunk's cross-attention keys and values."""
+        return [
+            self.model.cross(self.model.encode(features[at : at + self.max_batch]))
+            for at in range(0, len(features), self.max_batch)
+        ]
+
+    def _languages(self, shards: list[Shard], cross: list[list[tuple[Any, Any]]]) -> list[tuple[str, float]]:
+        """The caller's language (1.0), else Whisper's detection on the shard's window."""
+        if not self.tokens.multilingual:
+            return [("en", 1.0)] * len(shards)
+        found: list[tuple[str, float]] = []
+        for chunk, items in enumerate(cross):
+            members = shards[chunk * self.max_batch : (chunk + 1) * self.max_batch]
+            heard = self._detect_on(items, len(members)) if any(s.language is None for s in members) else []
+            found += [(s.language, 1.0) if s.language else heard[k] for k, s in enumerate(members)]
+        return found
+
+    def _detect_on(self, cross: list[tuple[Any, Any]], count: int) -> list[tuple[str, float]]:
+        """The language tokens' distribution after <|startoftranscript|>: the likeliest and its probability."""
+        xp = self.model.xp
+        cache = KvCache(self.model, count, int(cross[0][0].shape[2]))
+        for i in range(count):
+            cache.put(i, cross, i)
+        logits = _host(xp, self.model.step(cache, xp.asarray([self.tokens.sot] * count), xp.zeros(count, int)))
+        probs = softmax(np, logits[:, self.language_ids])
+        best = probs.argmax(axis=1)
+        decode = self.tokens.tokenizer.id_to_token
+        return [
+            (whisper_language.code(str(decode(self.language_ids[b]))), round(float(p[b]), 3))
+            for b, p in zip(best, probs)
+        ]
+
+    def detect(self, clips: list[np.ndarray]) -> list[tuple[str, float]]:
+        """Each clip's language from its first DETECT_MAX_S and DETECT_PAD_S of silence after it, as
+        whisper_language.detect asks CTranslate2."""
+        assert self.tokens.multilingual, "an English-only Whisper detects no language"
+        if not clips:
+            return []
+        clips = [c[: int(whisper_language.DETECT_MAX_S * SAMPLE_RATE)] for c in clips]
+        pad = int(whisper_language.DETECT_PAD_S * SAMPLE_RATE) // HOP
+        frames = min(WINDOW_FRAMES, max(len(c) for c in clips) // HOP + pad)
+        features = np.ascontiguousarray(log_mel(clips, self.filters)[:, :, :frames])
+        found: list[tuple[str, float]] = []
+        for at in range(0, len(clips), self.max_batch):
+            chunk = self.model.cross(self.model.encode(features[at : at + self.max_batch]))
+            found += self._detect_on(chunk, min(self.max_batch, len(clips) - at))
+        return found

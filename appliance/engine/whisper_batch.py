@@ -1,0 +1,163 @@
+"""Continuous batching of Whisper's decoder: every step runs the sequences decoding at that moment.
+
+A sequence joins with its encoder output (its cross-attention keys and values go into a free row of
+the KV cache) and its prompt; each step feeds every row one token (the next of its prompt, else the
+last it chose) and, for a row past its prompt, chooses the next under the logit rules (whisper_rules.py).
+A sequence that ends (<|endoftext|>, or the decoder's context full) leaves at once: the last row
+moves into its place, so the rows decoding are always 0..n-1. Nothing here knows about shards,
+requests or threads; the engine joins sequences while there is room and steps until all have left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from appliance.engine.whisper_beams import BeamGroup, beam_step
+from appliance.engine.whisper_model import MAX_POSITIONS, KvCache, WhisperModel, softmax
+from appliance.engine.whisper_rules import Rules, log_softmax
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One decode: its prompt (the tokens fed before any is chosen) and what it chose."""
+
+    prompt: list[int]
+    key: int = 0  # whose it is: the engine's index of a shard in its batch
+    temperature: float = 0.0  # 0: greedy; above: sampled at that temperature
+    timestamps: bool = True
+    chosen: list[int] = field(default_factory=list)  # generated tokens, <|endoftext|> last where it ended
+    logprob: float = 0.0  # the sum over `chosen`
+    no_speech_prob: float = 0.0  # <|nospeech|>'s probability after <|startoftranscript|>
+    fed: int = 0  # tokens fed to the decoder so far (its next position)
+    group: BeamGroup | None = None  # one of a shard's beams (whisper_beams.py); None: greedy or sampled
+
+    @property
+    def next_input(self) -> int:
+        return self.prompt[self.fed] if self.fed < len(self.prompt) else self.chosen[self.fed - len(self.prompt)]
+
+
+class DecodeBatch:
+    """At most `capacity` sequences (the baked max_batch) decoding together on one KV cache."""
+
+    def __init__(
+        self,
+        model: WhisperModel,
+        rules: Rules,
+        capacity: int,
+        sot: int,
+        no_speech: int | None,
+        rng: np.random.Generator | None = None,
+        frames: int = 1500,
+    ) -> None:
+        """`frames`: the encoder positions of a window (1500: 30 s)."""
+        self.model, self.rules, self.capacity = model, rules, capacity
+        self.sot, self.no_speech = sot, no_speech
+        self.cache = KvCache(model, capacity, frames)
+        self.rows: list[Sequence] = []
+        self.rng = rng or np.random.default_rng(0)
+        self.steps = 0  # decoder steps run, and rows they ran (statistics)
+        self.rows_stepped = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.rows)
+
+    def join(self, sequence: Sequence, cross: list[tuple[Any, Any]], at: int) -> None:
+        """`sequence` decodes from the next step on, on item `at` of a batch's cross-attention keys and values."""
+        if not self.free:
+            raise RuntimeError("the decode batch is full")
+        if not sequence.prompt or len(sequence.prompt) >= MAX_POSITIONS:
+            raise ValueError(f"a prompt of {len(sequence.prompt)} tokens: the decoder takes 1 to {MAX_POSITIONS - 1}")
+        self.cache.put(len(self.rows), cross, at)
+        self.rows.append(sequence)
+
+    def step(self) -> list[Sequence]:
+        """One decoder step for every row; returns the sequences that ended (they have left)."""
+        if not self.rows:
+            return []
+        xp = self.model.xp
+        tokens = xp.asarray([s.next_input for s in self.rows])
+        positions = xp.asarray([s.fed for s in self.rows])
+        logits = _host(xp, self.model.step(self.cache, tokens, positions))
+        self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(self.rows)
+        ended: list[int] = []  # rows that leave
+        answers: list[Sequence] = []  # what they answer (a beam group: one for all its rows)
+        groups: dict[int, list[int]] = {}
+        for row, (sequence, row_logits) in enumerate(zip(self.rows, logits)):
+            fed_token = sequence.next_input
+            sequence.fed += 1
+            if fed_token == self.sot and self.no_speech is not None:
+                sequence.no_speech_prob = float(softmax(np, row_logits)[self.no_speech])
+            if sequence.fed < len(sequence.prompt):
+                continue  # still feeding its prompt
+            if sequence.group is not None:
+                groups.setdefault(id(sequence.group), []).append(row)
+                continue
+            token = self._choose(sequence, row_logits)
+            if token == self.rules.eot or sequence.fed >= MAX_POSITIONS - 1:
+                ended.append(row)
+                answers.append(sequence)
+        for rows in groups.values():
+            if self._beams(rows, logits):
+                ended += rows
+                answers.append(self.rows[rows[0]])
+        for row in sorted(ended, reverse=True):
+            self._leave(row)
+        return answers
+
+    def _beams(self, rows: list[int], logits: np.ndarray) -> bool:
+        """One beam-search step of the group on `rows`: the beams' own caches follow their parents;
+        True where the group ended (its first row then holds the answer)."""
+        beams = [self.rows[r] for r in rows]
+        group = beams[0].group
+        assert group is not None and len(rows) == group.size
+        full = beams[0].fed >= MAX_POSITIONS - 1
+        found = beam_step(
+            group,
+            self.rules,
+            [b.chosen for b in beams],
+            [b.logprob for b in beams],
+            logits[rows],
+            beams[0].timestamps,
+            full,
+        )
+        if found.done:
+            beams[0].logprob, beams[0].chosen = group.best()
+            return True
+        self.cache.reorder(rows, [rows[p] for p in found.parents])
+        for beam, tokens, score in zip(beams, found.tokens, found.scores):
+            beam.chosen, beam.logprob = tokens, score
+        return False
+
+    def _choose(self, sequence: Sequence, logits: np.ndarray) -> int:
+        logits = self.rules.apply(logits, sequence.chosen, sequence.timestamps)
+        logprobs = log_softmax(logits)
+        if sequence.temperature > 0:
+            token = int(self.rng.choice(len(logits), p=softmax(np, logits / sequence.temperature)))
+        else:
+            token = int(np.argmax(logits))
+        sequence.chosen.append(token)
+        sequence.logprob += float(logprobs[token])
+        return token
+
+    def leave(self, sequence: Sequence) -> None:
+        """`sequence` stops decoding now (its caller went away); the others go on."""
+        self._leave(next(row for row, s in enumerate(self.rows) if s is sequence))
+
+    def _leave(self, row: int) -> Sequence:
+        """The row's sequence leaves; the last row takes its place in the cache."""
+        last = len(self.rows) - 1
+        sequence = self.rows[row]
+        if row != last:
+            self.cache.move(last, row)
+            self.rows[row] = self.rows[last]
+        self.rows.pop()
+        return sequence
+
+
+def _host(xp: Any, array: Any) -> np.ndarray:
+    """An array of the model's module as a NumPy one (CuPy's asnumpy copies it from the device)."""
+    return np.asarray(xp.asnumpy(array) if hasattr(xp, "asnumpy") else array)
