@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import Keys, cli
+from conftest import ROOT, Keys, cli
 
-from appliance.config import EngineConfig, ModelQueueConfig, ServerConfig, worker_count
+from appliance.config import Config, EngineConfig, ModelQueueConfig, ServerConfig, worker_count
+from appliance.config.text import to_toml
 from appliance.engine.queue_policy import triton_queue_policy
 
 
@@ -128,3 +131,19 @@ def test_default_worker_count_is_the_documented_one(workers: int, cores: int, ex
 def test_default_worker_count_reads_this_process_cores() -> None:
     usable = len(os.sched_getaffinity(0))
     assert worker_count(ServerConfig()) == (min(usable, 16) if usable >= 8 else 1)
+
+
+def test_docs_config_lists_every_key_with_its_default() -> None:
+    """docs/config.md's example is every key of every section with its true default (a key left
+    commented out there is one whose default is unset); a section or key added to the config without
+    its line in the docs fails here, as does a default changed in one place only."""
+    block = re.search(r"```toml\n(.*?)```", (ROOT / "docs" / "config.md").read_text(), re.S)
+    assert block, "docs/config.md has no toml block"
+    given = tomllib.loads(block[1])
+    documented = tomllib.loads(re.sub(r"^# (\w+ = )", r"\1", block[1], flags=re.M))  # with the commented-out
+    for section, keys in tomllib.loads(to_toml(Config())).items():
+        assert section in documented, f"docs/config.md has no [{section}]"
+        for key, default in keys.items():
+            assert key in documented[section], f"docs/config.md has no {section}.{key}"
+            if key in given[section]:  # a commented-out key shows an example value: its default is unset
+                assert given[section][key] == default, (section, key, given[section][key], default)
