@@ -47,6 +47,7 @@ from wyoming.error import Error
 from wyoming.event import Event, async_write_event
 from zeroconf.asyncio import AsyncZeroconf
 
+from appliance.api.access import wyoming_allow
 from appliance.api.metrics import Metrics
 from appliance.api.wyoming_events import MAX_HEADER_BYTES, Bounds, WyomingError, close_with_error, read_event
 from appliance.api.wyoming_handler import WyomingHandler
@@ -184,7 +185,8 @@ async def start(
     listeners = Listeners(await listen(bind(path), serve), path)
     log.info("Wyoming on %s", path)
     if settings.tcp:
-        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve, MAX_HEADER_BYTES)
+        allowed = wyoming_allow.guard(serve, live, metrics)  # TCP peers from wyoming.allow only
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, allowed, MAX_HEADER_BYTES)
     return listeners
 
 
