@@ -65,14 +65,24 @@ def add_key_actions(keys_sub: Any) -> None:
     add = command(keys_sub, "add", "add an API key for LAN clients; its secret is printed once")
     add.add_argument("name", help="the key's name (letters, digits, '.', '_', '-')")
     add.add_argument("--routes", default="*", help="route names it may use, comma-separated (as /metrics names them)")
-    add.add_argument("--requests-per-minute", type=int, default=key_file.Share().requests_per_minute)
-    add.add_argument("--sessions", type=int, default=key_file.Share().sessions, help="WebSocket sessions at once")
-    add.add_argument("--audio-seconds-per-hour", type=int, default=key_file.Share().audio_seconds_per_hour)
+    share = key_file.Share()
+    add.add_argument(
+        "--requests-per-minute", type=int, default=share.requests_per_minute, help="its requests a minute (0: no bound)"
+    )
+    add.add_argument(
+        "--sessions", type=int, default=share.sessions, help="its WebSocket sessions at once (0: no bound)"
+    )
+    add.add_argument(
+        "--audio-seconds-per-hour",
+        type=int,
+        default=share.audio_seconds_per_hour,
+        help="audio its Realtime sessions may send in any hour (0: no bound)",
+    )
     add.set_defaults(func=cmd_add)
     listing = command(keys_sub, "list", "list the API keys (names and shares; secrets are never stored)")
     listing.set_defaults(func=cmd_list)
     revoke = command(keys_sub, "revoke", "remove an API key")
-    revoke.add_argument("name")
+    revoke.add_argument("name", help="the key's name, as `appliance keys list` prints it")
     revoke.set_defaults(func=cmd_revoke)
     for p in (add, listing, revoke):
         p.add_argument("--file", type=Path, help="the API key file (default: access.keys of the config)")

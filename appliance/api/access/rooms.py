@@ -27,7 +27,7 @@ from appliance.protocol.messages import Request, Response, json_response
 
 # what a room's secret may use: the interpreter's session, its voices, the page's translation panel
 ROOM_ROUTES = frozenset(
-    {"openai_realtime", "openai_speech", "openai_voices", "translate", "languages", "server", "models"}
+    {"openai_realtime", "openai_speech", "openai_voices", "translate", "languages", "server", "models", "model"}
 )
 MAX_MINUTES = 24 * 60
 PIN_DIGITS = 8
