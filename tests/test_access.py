@@ -7,6 +7,7 @@ real `appliance keys add` wrote.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import signal
@@ -40,6 +41,7 @@ KEYS = {  # name: `appliance keys add` options
     "flood": ["--requests-per-minute", "30"],
     "guest": ["--sessions", "1"],
     "leaver": [],
+    "talker": ["--audio-seconds-per-hour", "2"],
 }
 
 
@@ -232,8 +234,13 @@ def test_a_room_pin_buys_a_secret_for_the_interpreter_alone(box: Daemon) -> None
     http = https(box)
     wrong = http.post("/v1/realtime/client_secrets", json={"room": "00000000" if pin != "00000000" else "1"})
     assert wrong.status_code == 401
-    secret = http.post("/v1/realtime/client_secrets", json={"room": pin}).json()
-    assert secret["value"].startswith("ek_") and secret["session"] == {"type": "realtime", "model": PIPELINE}
+    # the openai package's own call, as a page's server would make it (the PIN in place of a key)
+    sdk = openai.OpenAI(api_key="no-key", base_url=box.https_url + "/v1", http_client=http, max_retries=0)
+    made = sdk.realtime.client_secrets.create(
+        expires_after={"anchor": "created_at", "seconds": 600}, extra_body={"room": pin}
+    )
+    assert made.value.startswith("ek_") and made.session.type == "realtime" and made.session.model == PIPELINE
+    secret = {"value": made.value}
     doc = {"q": "Good morning.", "source": "en", "target": "pt"}
     assert http.post("/translate", json=doc, headers=bearer(secret["value"])).status_code == 200
     assert http.get("/v1/audio/voices", headers=bearer(secret["value"])).status_code == 200
@@ -285,6 +292,32 @@ def test_a_key_holds_its_sessions_share(box: Daemon) -> None:
         return 0
 
     assert asyncio.run(asyncio.wait_for(run(), 60)) == 429
+
+
+def test_a_key_audio_share_ends_its_session_and_refuses_the_next(box: Daemon) -> None:
+    """talker may send 2 s of audio an hour: its session is closed once 3 s of silence are appended."""
+    silence = base64.b64encode(bytes(24000 * 2 // 10)).decode()  # 100 ms of PCM16 at 24 kHz
+
+    async def run() -> tuple[int, str]:
+        async with realtime(box, box.secrets["talker"]) as connection:
+            await first_event(connection)
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                for _ in range(30):
+                    await connection.input_audio_buffer.append(audio=silence)
+                while True:
+                    await connection.recv()
+            return closed.value.rcvd.code, closed.value.rcvd.reason
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == (1008, "key:talker spent its audio share for this hour")
+
+    async def again() -> None:
+        async with realtime(box, box.secrets["talker"]) as connection:
+            await first_event(connection)
+
+    with pytest.raises(websockets.InvalidStatus) as refusal:
+        asyncio.run(asyncio.wait_for(again(), 60))
+    assert refusal.value.response.status_code == 429
+    assert refused(box)[("audio", "https")] >= 2  # the close, and the session refused after it
 
 
 def test_revocation_at_sighup_stops_that_key_alone(box: Daemon) -> None:

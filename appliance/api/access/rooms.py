@@ -7,7 +7,7 @@ room's interpreter and its voices (ROOM_ROUTES, its Realtime sessions on the roo
 expires with the room.
 
     POST /v1/rooms                    {"minutes": 60, "model": PIPELINE?} -> {"pin", "link", "expires_at", "model"}
-    POST /v1/realtime/client_secrets  {"room": PIN} -> {"value", "expires_at", "session"}
+    POST /v1/realtime/client_secrets  {"room": PIN, "expires_after"?: {"seconds": N}} -> {"value", "expires_at", "session"}
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Room:
 class Secret:
     name: str  # "room:HASH_PREFIX": whose share it spends
     room: Room
+    expires_at: float  # the room's end, or sooner where the page asked (expires_after); a session begun goes on
 
 
 class Rooms:
@@ -60,8 +61,9 @@ class Rooms:
         room = self.rooms[pin] = Room(pin, model, self.clock() + minutes * 60)
         return room
 
-    def trade(self, pin: str, address: str) -> tuple[str, Room]:
-        """A client secret for the room of `pin`; a 401 for a PIN that opens none, a 429 past the tries."""
+    def trade(self, pin: str, address: str, seconds: float | None = None) -> tuple[str, Secret]:
+        """A client secret for the room of `pin`, for `seconds` at most; a 401 for a PIN that opens none,
+        a 429 past the tries."""
         now = self.clock()
         tries = self.wrong_pins.setdefault(address, deque())
         while tries and tries[0] <= now - 60:
@@ -75,13 +77,14 @@ class Rooms:
         if not tries:
             del self.wrong_pins[address]
         value = "ek_" + secrets.token_urlsafe(24)
-        self.secrets[_hashed(value)] = Secret(f"room:{_hashed(value)[:8]}", room)
-        return value, room
+        expires_at = room.expires_at if seconds is None else min(room.expires_at, now + seconds)
+        secret = self.secrets[_hashed(value)] = Secret(f"room:{_hashed(value)[:8]}", room, expires_at)
+        return value, secret
 
     def secret(self, value: str) -> Secret | None:
         """The live room secret `value` is, if it is one."""
         found = self.secrets.get(_hashed(value))
-        if found is not None and found.room.expires_at <= self.clock():
+        if found is not None and found.expires_at <= self.clock():
             del self.secrets[_hashed(value)]
             return None
         return found
@@ -89,7 +92,7 @@ class Rooms:
     def _forget_expired(self) -> None:
         now = self.clock()
         self.rooms = {pin: r for pin, r in self.rooms.items() if r.expires_at > now}
-        self.secrets = {h: s for h, s in self.secrets.items() if s.room.expires_at > now}
+        self.secrets = {h: s for h, s in self.secrets.items() if s.expires_at > now}
 
 
 def _hashed(value: str) -> str:
@@ -115,9 +118,15 @@ def routes(rooms: Rooms, pipelines: list[str]) -> list[Route]:
         pin = doc.get("room")
         if not isinstance(pin, str) or not re.fullmatch(r"[0-9]{1,16}", pin):
             raise BadRequest(f'send the room\'s PIN: {{"room": "{"1" * PIN_DIGITS}"}} ({PIN_DIGITS} digits)')
-        value, room = rooms.trade(pin, request.address)
-        session = {"type": "realtime", "model": room.model}
-        return json_response(200, {"value": value, "expires_at": int(room.expires_at), "session": session})
+        after = doc.get("expires_after")  # OpenAI's: {"anchor": "created_at", "seconds": 10 to 7200}
+        seconds = after.get("seconds") if isinstance(after, dict) else None
+        if seconds is not None and (
+            not isinstance(seconds, int) or isinstance(seconds, bool) or not 10 <= seconds <= 7200
+        ):
+            raise BadRequest("expires_after.seconds must be a whole number from 10 to 7200")
+        value, secret = rooms.trade(pin, request.address, seconds)
+        session = {"type": "realtime", "model": secret.room.model}
+        return json_response(200, {"value": value, "expires_at": int(secret.expires_at), "session": session})
 
     return [
         ("POST", re.compile(r"/v1/rooms"), "rooms", open_room),
