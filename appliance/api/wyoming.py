@@ -16,7 +16,7 @@ next to the API socket, served from the engine process: the same models, the sam
                                                   synthesize-stopped)
 
 Wyoming has no authentication: whoever reaches the socket may use it (its mode and group are the API
-socket's). Events are read with bounds of our own (the package's reader has none): a header line of at
+socket's); on TCP, the peers of wyoming.allow (api/access/wyoming_allow.py). Events are read with bounds of our own (the package's reader has none): a header line of at
 most MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes, a recording of at most
 the API's body limit; in time as the API's HTTP/1.1 (an idle connection, a header line, a stalled
 payload); and [wyoming] max_connections clients at once, max_connections_per_peer of one user (Unix
