@@ -166,7 +166,7 @@ class WyomingConfig:
 class AccessConfig:
     """Who may use the box over QUIC and HTTPS (api/access): keys once the file holds one."""
 
-    keys: Path = Path("/etc/appliance/api-keys.toml")  # `appliance keys add`; absent or empty: open
+    keys: Path = Path("/var/lib/appliance/api-keys.toml")  # `appliance keys add`; absent or empty: open
     origins: str = ""  # browser origins taken besides the box's own, comma-separated ("https://kiosk.lan")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
 import secrets
 import time
@@ -144,3 +145,6 @@ def _write(path: Path, keys: tuple[Key, ...]) -> None:
             f'created = "{k.created}"',
         ]
     replace_file(path, ("\n".join(lines) + "\n").encode(), 0o640)
+    if os.geteuid() == 0:  # root wrote it: it takes its directory's owner, so the daemon's user reads it
+        directory = path.parent.stat()
+        os.chown(path, directory.st_uid, directory.st_gid)
