@@ -32,6 +32,7 @@ ROOM_ROUTES = frozenset(
 MAX_MINUTES = 24 * 60
 PIN_DIGITS = 8
 PIN_TRIES_PER_MINUTE = 10  # wrong PINs one address may send: 10**8 PINs cannot be walked through
+SECRETS_PER_ROOM = 256  # live secrets of one room: a PIN's holder cannot fill the box's memory with them
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,9 @@ class Rooms:
             raise ApiError("no open room has this PIN (ask the operator for the room's PIN or link)", 401)
         if not tries:
             del self.wrong_pins[address]
+        self._forget_expired()
+        if sum(s.room is room for s in self.secrets.values()) >= SECRETS_PER_ROOM:
+            raise ApiError(f"this room has {SECRETS_PER_ROOM} live client secrets, its most; ask again later", 429)
         value = "ek_" + secrets.token_urlsafe(24)
         expires_at = room.expires_at if seconds is None else min(room.expires_at, now + seconds)
         secret = self.secrets[_hashed(value)] = Secret(f"room:{_hashed(value)[:8]}", room, expires_at)
