@@ -323,10 +323,8 @@ class H3Protocol(WebSocketStreams):
             elif name == b":protocol":  # RFC 9220's extended CONNECT is the API's GET with Upgrade
                 assembler.add_header(b"upgrade", value)
                 method = "GET"
-            elif name == b":authority":  # HTTP/1.1's Host (RFC 9114 4.3.1): a browser's Origin is checked against it
-                assembler.add_header(b"host", value)
-            elif name != b":scheme":
-                assembler.add_header(name, value)
+            elif name != b":scheme":  # :authority is HTTP/1.1's Host (RFC 9114 4.3.1): a browser's Origin meets it
+                assembler.add_header(b"host" if name == b":authority" else name, value)
         assembler.headers_complete(method)
         return assembler
 
