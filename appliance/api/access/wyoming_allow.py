@@ -21,6 +21,9 @@ from appliance.config import Live, cidrs
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LOOPBACK = ("127.0.0.0/8", "::1/128")
+# refused peers whose connection lingers at once, reading what they sent, so the error is read before the
+# close (closing with their bytes unread resets it); past this, closed at once, so a flood holds no more
+LINGERING = 64
 
 
 def networks(setting: str) -> list[Network]:
@@ -44,7 +47,10 @@ def allowed(host: str, setting: str) -> bool:
 def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
     """`serve` for the peers the allow-list takes; the others refused before anything is read."""
 
+    lingering = 0
+
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal lingering
         host = str(writer.get_extra_info("peername")[0])
         if allowed(host, live.config.wyoming.allow):
             await serve(reader, writer)
@@ -52,9 +58,12 @@ def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
         key = ("address", "wyoming")
         metrics.refused[key] = metrics.refused.get(key, 0) + 1
         refusal = WyomingError(f"address {host} may not use Wyoming here (wyoming.allow)", limit="address")
+        linger = lingering < LINGERING
+        lingering += linger
         try:
-            await close_with_error(refusal, host, reader, writer, linger=False)
+            await close_with_error(refusal, host, reader, writer, linger)
         finally:
+            lingering -= linger
             writer.close()
 
     return client
