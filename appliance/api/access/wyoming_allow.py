@@ -9,7 +9,9 @@ per 10 s.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
+import time
 from collections.abc import Awaitable, Callable
 
 import ifaddr
@@ -21,6 +23,7 @@ from appliance.config import Live, cidrs
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LOOPBACK = ("127.0.0.0/8", "::1/128")
+OWN_NETWORKS_S = 10.0
 # refused peers whose connection lingers at once, reading what they sent, so the error is read before the
 # close (closing with their bytes unread resets it); past this, closed at once, so a flood holds no more
 LINGERING = 64
@@ -30,6 +33,13 @@ def networks(setting: str) -> list[Network]:
     """The allow-list `setting` names, or the default where it is empty."""
     if setting.strip():
         return cidrs(setting)
+    return _own_networks(int(time.monotonic() // OWN_NETWORKS_S))
+
+
+@functools.lru_cache(maxsize=1)
+def _own_networks(period: int) -> list[Network]:
+    """Loopback and the subnets of this host's interfaces, read again each period (a DHCP lease may
+    change an address); reading them costs 0.6 ms, too much for every connection of a flood."""
     # an IPv6 address comes from ifaddr as (address, flow info, scope)
     own = [
         f"{a.ip if isinstance(a.ip, str) else a.ip[0]}/{a.network_prefix}" for i in ifaddr.get_adapters() for a in i.ips
