@@ -102,6 +102,8 @@ def test_openai_sdk_rest_needs_a_key_of_the_box(box: Daemon) -> None:
     after = refused(box)
     assert after[("bad_key", "https")] == before.get(("bad_key", "https"), 0) + 1
     assert after[("no_key", "https")] == before.get(("no_key", "https"), 0) + 1
+    log = box.log.read_text()  # one line per reason (and 10 s), not one per refusal
+    assert "limit: refused (bad_key, https)" in log and "limit: refused (no_key, https)" in log
 
 
 def realtime(box: Daemon, secret: str, **query: str):

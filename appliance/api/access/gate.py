@@ -55,9 +55,9 @@ class Grant:
 
 
 class Access:
-    def __init__(self, live: Live, metrics: Metrics, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, live: Live, metrics: Metrics) -> None:
         self.live, self.metrics = live, metrics
-        self.shares = Shares(clock) if clock else Shares()
+        self.shares = Shares()
         self.rooms = Rooms()
         self.keys: tuple[key_file.Key, ...] = key_file.load(live.config.access.keys)
 
@@ -87,11 +87,11 @@ class Access:
         if not secret:
             raise self._refused("no_key", request, 401, "this box needs an API key (Authorization: Bearer KEY)")
         key = key_file.find(self.keys, secret)
-        room = self.rooms.secret(secret) if key is None else None
+        room_secret = self.rooms.secret(secret) if key is None else None
         if key is not None:
             principal, share, allowed = f"key:{key.name}", key.share, key.may_use(route)
-        elif room is not None:
-            principal, share, allowed = room.name, key_file.Share(), _room_allows(room, route, params)
+        elif room_secret is not None:
+            principal, share, allowed = room_secret.name, key_file.Share(), _room_allows(room_secret, route, params)
         else:
             raise self._refused("bad_key", request, 401, "the API key is not one of this box's (or was revoked)")
         if not allowed:
