@@ -277,7 +277,9 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
         "max_connections": 5,
         "max_connections_per_peer": 2,
         "tcp": "127.0.0.1:10300",
+        "allow": "10.0.0.0/8, 127.0.0.2",
     },
+    "access": {"keys": "keys dir/api-keys.toml", "origins": "https://kiosk.lan"},
     "conncache": {
         "backend": "user",
         "max_entries": 10,

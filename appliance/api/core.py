@@ -38,6 +38,8 @@ import numpy as np
 from appliance import __version__
 from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, page, realtime, repository
 from appliance.api import metrics as prometheus
+from appliance.api.access import rooms
+from appliance.api.access.gate import Access
 from appliance.api.operator import OPERATOR_ROUTES, OPERATORS_ARE, status_document
 from appliance.api.routes import Route
 from appliance.config import Live
@@ -45,6 +47,7 @@ from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
 from appliance.firmware import Manifest
 from appliance.kinds.base import SequenceCall, ServedModel
+from appliance.kinds.capabilities import Interpreting
 from appliance.protocol.encoding import accepted_coding, compress
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
@@ -71,6 +74,7 @@ class Api:
     def __init__(self, manifest: Manifest, models: dict[str, ServedModel], live: Live) -> None:
         self.manifest, self.models, self.live = manifest, models, live
         self.metrics = prometheus.Metrics()
+        self.access = Access(live, self.metrics)  # who may use the box (api/access/gate.py)
         self.ready = False
         self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
         self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
@@ -106,6 +110,7 @@ class Api:
             *openai_models.routes(models, manifest),
             *realtime.routes(models, self.metrics),
             *page.routes(lambda: self.certificate_pem),
+            *rooms.routes(self.access.rooms, [m.name for m in models.values() if isinstance(m, Interpreting)]),
         ]
 
     async def handle(self, request: Request) -> Response:
@@ -125,7 +130,8 @@ class Api:
                     params = {k: v for k, v in match.groupdict().items() if v is not None}
                     if url.query:
                         params.update({f"query:{k}": v for k, v in parse_qsl(url.query)})
-                    response = await handler(request, params)
+                    grant = await self.access.admit(request, name, params)
+                    response = self.access.answered(grant, await handler(request, params))
                     break
             else:
                 raise NotFound(f"no route for {url.path}")

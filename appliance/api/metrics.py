@@ -62,6 +62,7 @@ class Metrics:
         self.latency: dict[str, Histogram] = {}
         self.cancelled = 0  # requests whose client went away before their answer was whole
         self.live_latency: dict[tuple[str, str, str], Histogram] = {}  # by model, protocol and until what
+        self.refused: dict[tuple[str, str], int] = {}  # by reason and listener (api/access)
 
     def observe_live(self, model: str, protocol: str, seconds: float, until: str = "transcript") -> None:
         """A live turn: from the audio that ended it reaching the box to its final transcript sent
@@ -100,6 +101,14 @@ def render(
     ]
     out += [
         f'appliance_requests_total{{endpoint="{e}",code="{s}"}} {n}' for (e, s), n in sorted(metrics.requests.items())
+    ]
+    out += [
+        "# HELP appliance_refused_total Requests and connections refused by who may use the box, by reason"
+        " (no_key, bad_key, route, origin, rate, sessions, audio, address) and listener.",
+        "# TYPE appliance_refused_total counter",
+    ]
+    out += [
+        f'appliance_refused_total{{reason="{r}",listener="{w}"}} {n}' for (r, w), n in sorted(metrics.refused.items())
     ]
     out += [
         "# HELP appliance_request_duration_seconds Time from a request's last byte to its response.",

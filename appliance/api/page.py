@@ -20,9 +20,18 @@ TYPES = {
     ".css": "text/css; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
 }
-# the page's own files and the box's routes only; audio it plays is made in the page (blob:)
-POLICY = "default-src 'self'; media-src 'self' blob:; img-src 'self' data:; frame-ancestors 'none'"
-HEADERS = [("Cache-Control", "no-cache"), ("Content-Security-Policy", POLICY), ("X-Content-Type-Options", "nosniff")]
+# the page's own files and the box's routes only; audio it plays is made in the page (blob:); no frame may
+# hold it; its forms post to the box alone; a room's PIN in its address is never sent on as a referrer
+POLICY = (
+    "default-src 'self'; media-src 'self' blob:; img-src 'self' data:; frame-ancestors 'none'; "
+    "form-action 'self'; base-uri 'none'"
+)
+HEADERS = [
+    ("Cache-Control", "no-cache"),
+    ("Content-Security-Policy", POLICY),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+]
 
 
 def routes(certificate: Callable[[], bytes]) -> list[Route]:

@@ -16,7 +16,7 @@ next to the API socket, served from the engine process: the same models, the sam
                                                   synthesize-stopped)
 
 Wyoming has no authentication: whoever reaches the socket may use it (its mode and group are the API
-socket's). Events are read with bounds of our own (the package's reader has none): a header line of at
+socket's); on TCP, the peers of wyoming.allow (api/access/wyoming_allow.py). Events are read with bounds of our own (the package's reader has none): a header line of at
 most MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes, a recording of at most
 the API's body limit; in time as the API's HTTP/1.1 (an idle connection, a header line, a stalled
 payload); and [wyoming] max_connections clients at once, max_connections_per_peer of one user (Unix
@@ -47,6 +47,7 @@ from wyoming.error import Error
 from wyoming.event import Event, async_write_event
 from zeroconf.asyncio import AsyncZeroconf
 
+from appliance.api.access import wyoming_allow
 from appliance.api.metrics import Metrics
 from appliance.api.wyoming_events import MAX_HEADER_BYTES, Bounds, WyomingError, close_with_error, read_event
 from appliance.api.wyoming_handler import WyomingHandler
@@ -184,7 +185,8 @@ async def start(
     listeners = Listeners(await listen(bind(path), serve), path)
     log.info("Wyoming on %s", path)
     if settings.tcp:
-        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve, MAX_HEADER_BYTES)
+        allowed = wyoming_allow.guard(serve, live, metrics)  # TCP peers from wyoming.allow only
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, allowed, MAX_HEADER_BYTES)
     return listeners
 
 

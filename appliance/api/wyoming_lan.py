@@ -52,7 +52,7 @@ async def listen_tcp(address: str, serve: Serve, limit: int) -> tuple[asyncio.Se
     )
     # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
     await zeroconf.async_register_service(info, allow_name_change=True)
-    log.info("Wyoming on TCP %s, announced as %s (no authentication)", address, info.name)
+    log.info("Wyoming on TCP %s, announced as %s (peers from wyoming.allow)", address, info.name)
     return server, zeroconf
 
 

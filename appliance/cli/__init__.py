@@ -14,7 +14,7 @@ import select  # noqa: E402
 from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 
 from appliance import exitcodes  # noqa: E402
-from appliance.cli import box, call, firmware, local, run  # noqa: E402
+from appliance.cli import access, box, call, firmware, local, run  # noqa: E402
 from appliance.cli.options import EmptyAnswer, HelpFormatter  # noqa: E402
 from appliance.client import CertificateRejected, ClientError, NoAnswer, ServerError, SocketUnreachable  # noqa: E402
 from appliance.errors import ApplianceError  # noqa: E402
@@ -40,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     call.add_parsers(sub)  # call, status
     firmware.add_parsers(sub)
     local.add_parsers(sub)  # keys, config, tls
+    access.add_parsers(sub)  # room
     box.add_parsers(sub)  # image, flash, update, recover
     run.add_bench(sub)
     return p

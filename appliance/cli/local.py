@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import config, keys
+from appliance.cli.access import add_key_actions
 from appliance.cli.options import add_config, command
 from appliance.config import QuicConfig
 from appliance.config.text import to_toml
@@ -47,12 +48,13 @@ def cmd_tls(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    keys_ = command(sub, "keys", "signing keys for firmware bundles and images")
+    keys_ = command(sub, "keys", "signing keys for firmware bundles and images (new); API keys (add, list, revoke)")
     keys_sub = keys_.add_subparsers(dest="action", required=True, metavar="ACTION")
     new = command(keys_sub, "new", "make an Ed25519 signing key pair")
     new.add_argument("--out", type=Path, required=True, help="private key path; the public key goes next to it as .pub")
     new.add_argument("--trust-dir", type=Path, help="also trust the public key there")
-    keys_.set_defaults(func=cmd_keys)
+    new.set_defaults(func=cmd_keys)
+    add_key_actions(keys_sub)
 
     cfg = command(sub, "config", "check config files")
     cfg_sub = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -8,6 +8,7 @@ the file, the key and the reason. Baked shard parameters live in the firmware, n
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 import typing
@@ -16,6 +17,7 @@ from typing import Any
 
 from appliance.config.sections import (
     VAD_MAX_MS,
+    AccessConfig,
     Config,
     ConnCacheConfig,
     EngineConfig,
@@ -35,6 +37,7 @@ from appliance.firmware import BAKED_PARAMETERS, read_unverified_name
 
 __all__ = [
     "VAD_MAX_MS",
+    "AccessConfig",
     "Config",
     "ConnCacheConfig",
     "EngineConfig",
@@ -54,6 +57,7 @@ __all__ = [
     "check_model_names",
     "apply_reload",
     "worker_count",
+    "cidrs",
 ]
 
 DEFAULT_FILE = Path("/etc/appliance/appliance.toml")
@@ -264,6 +268,10 @@ def _check_values(config: Config) -> None:
     host, _, port = config.wyoming.tcp.rpartition(":")
     if config.wyoming.tcp and not (host and port.isdigit() and 0 < int(port) < 65536):
         raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
+    try:
+        cidrs(config.wyoming.allow)
+    except ValueError as exc:
+        raise ApplianceError(f"{source}: wyoming.allow: {exc}") from None
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if config.engine.queue_timeout_s < 0:
@@ -282,6 +290,17 @@ def _check_values(config: Config) -> None:
     for key in ("min_speech_ms", "min_silence_ms", "speech_pad_ms"):  # as a request's own values are checked
         if not 0 <= getattr(config.vad, key) <= VAD_MAX_MS:
             raise ApplianceError(f"{source}: vad.{key}: must be between 0 and {VAD_MAX_MS}")
+
+
+def cidrs(setting: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """The networks of a comma-separated list of CIDRs (wyoming.allow); a ValueError names a bad one."""
+    found = []
+    for cidr in (c.strip() for c in setting.split(",") if c.strip()):
+        try:
+            found.append(ipaddress.ip_network(cidr, strict=False))
+        except ValueError:
+            raise ValueError(f"{cidr[:60]!r} is not an address or a CIDR (as 192.168.1.0/24)") from None
+    return found
 
 
 # What SIGHUP can change in a running daemon; every other key needs a restart.
@@ -320,6 +339,9 @@ RELOADABLE_KEYS = frozenset(
         "wyoming.max_payload_bytes",
         "wyoming.max_connections",
         "wyoming.max_connections_per_peer",
+        "wyoming.allow",
+        "access.keys",
+        "access.origins",
         "websocket.ping_interval_s",
         "log.level",
     }

@@ -159,6 +159,15 @@ class WyomingConfig:
     max_connections: int = 64  # clients at once, on the Unix socket and TCP together
     max_connections_per_peer: int = 16  # one user's (Unix socket) or host's (TCP) share of them
     tcp: str = ""  # "HOST:PORT": also on TCP for the LAN, announced by zeroconf (off when empty)
+    allow: str = ""  # TCP peers taken: CIDRs, comma-separated ("": the box's own subnets and loopback)
+
+
+@dataclass(frozen=True, slots=True)
+class AccessConfig:
+    """Who may use the box over QUIC and HTTPS (api/access): keys once the file holds one."""
+
+    keys: Path = Path("/var/lib/appliance/api-keys.toml")  # `appliance keys add`; absent or empty: open
+    origins: str = ""  # browser origins taken besides the box's own, comma-separated ("https://kiosk.lan")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +182,7 @@ class Config:
     https: HttpsConfig = field(default_factory=HttpsConfig)
     conncache: ConnCacheConfig = field(default_factory=ConnCacheConfig)
     firmware: FirmwareConfig = field(default_factory=FirmwareConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
     vad: VadConfig = field(default_factory=VadConfig)

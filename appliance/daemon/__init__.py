@@ -202,6 +202,8 @@ class Daemon:
         running, reloaded, restart = config_files.apply_reload(self.config, new)
         self.live.config = running  # every component reads its settings from here at its next use
         logging.getLogger().setLevel(running.log.level.upper())
+        if self.api is not None:
+            self.api.access.reload()  # the API key file, read again whether or not the config changed
         if reloaded or not restart:
             log.info("reload: applied %s", ", ".join(reloaded) or "nothing: no setting changed")
         if restart:

@@ -32,6 +32,7 @@ class Request:
     # the transport vouches for an operator (/status, /metrics): on the Unix socket a peer of the socket's
     # group (or its owner, or root); over the network a client whose certificate the operator CA signed
     operator: bool = False
+    listener: str = "unix"  # which one it came by: "unix" (local users), "https" or "quic" (the LAN)
 
     @property
     def address(self) -> str:

@@ -67,11 +67,12 @@ class RequestAssembler:
         client: str = "",
         operator: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        listener: str = "unix",
     ) -> None:
         """`clock` times the head's and the body's timeouts (the transport's, which a test may hold)."""
         self.limits = limits  # the live ones at the request's start: a reload applies from the next request
         self.clock = clock
-        self.peer, self.client, self.operator = peer, client, operator  # see Request
+        self.peer, self.client, self.operator, self.listener = peer, client, operator, listener  # see Request
         self.budget = budget  # body bytes are taken from it as they arrive; the transport gives them back
         self.method = self.target = ""
         self.head_complete = False
@@ -144,8 +145,9 @@ class RequestAssembler:
                 self._decoder.finish()
             except ApiError as exc:
                 raise Rejection(exc.status, exc.message) from None
+        body = b"".join(self._body)
         return Request(
-            self.method, self.target, self._headers, b"".join(self._body), self.peer, self.client, self.operator
+            self.method, self.target, self._headers, body, self.peer, self.client, self.operator, self.listener
         )
 
     def quiet_since(self, moment: float) -> bool:

@@ -313,7 +313,7 @@ class H3Protocol(WebSocketStreams):
             raise limit_bit(
                 429, f"too many open streams on this connection (limit {self.server.config.max_streams_per_connection})"
             )
-        assembler = RequestAssembler(self.server.limits, peer=self.peer, budget=self.server.budget)
+        assembler = RequestAssembler(self.server.limits, peer=self.peer, budget=self.server.budget, listener="quic")
         method = ""
         for name, value in event.headers:
             if name == b":method":
@@ -323,8 +323,8 @@ class H3Protocol(WebSocketStreams):
             elif name == b":protocol":  # RFC 9220's extended CONNECT is the API's GET with Upgrade
                 assembler.add_header(b"upgrade", value)
                 method = "GET"
-            elif name not in (b":scheme", b":authority"):
-                assembler.add_header(name, value)
+            elif name != b":scheme":  # :authority is HTTP/1.1's Host (RFC 9114 4.3.1): a browser's Origin meets it
+                assembler.add_header(b"host" if name == b":authority" else name, value)
         assembler.headers_complete(method)
         return assembler
 

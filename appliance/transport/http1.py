@@ -55,6 +55,7 @@ class Http1Server:
     the headers every answer carries, and what a closed connection leaves behind."""
 
     half_close = True  # a client may half-close after its requests and still read the answers
+    listener = "unix"  # Request.listener: who may use it (api/access)
 
     def __init__(
         self, api: Handler, live: Live, budget: BodyBudget, clock: Callable[[], float] = time.monotonic
@@ -250,6 +251,7 @@ class HttpConnection(WebSocketUpgrade):
             client=self.client,
             operator=self.operator,
             clock=self.server.clock,
+            listener=self.server.listener,
         )
 
     def on_url(self, url: bytes) -> None:

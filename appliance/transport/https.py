@@ -86,6 +86,7 @@ class HttpsServer(Http1Server):
     """Shared state of all TLS connections of one process (the engine's, or a protocol worker's)."""
 
     half_close = False
+    listener = "https"
 
     def __init__(self, api: Handler, live: Live, budget: BodyBudget, quic_port: int | None) -> None:
         """`quic_port`: where QUIC serves (advertised in Alt-Svc), or None."""

@@ -25,11 +25,33 @@ function say(id, text, kind = "info") {
 async function call(path, options) {
   let response;
   try {
-    response = await fetch(path, options);
+    response = await fetch(path, keyed(options));
   } catch (exc) {
     throw new Error(`the box does not answer (${exc.message})`);
   }
   return checked(response);
+}
+
+// A room's client secret (traded for the PIN the operator handed out, `/?room=PIN`): sent as the key of
+// every call, and as a WebSocket subprotocol (a browser cannot set a WebSocket's headers).
+function keyed(options = {}) {
+  if (!page.secret) return options;
+  return { ...options, headers: { ...(options.headers || {}), Authorization: `Bearer ${page.secret}` } };
+}
+
+async function joinRoom() {
+  const pin = new URLSearchParams(location.search).get("room");
+  if (!pin) return;
+  $("room-pin").value = pin;
+  try {
+    const body = JSON.stringify({ room: pin });
+    const secret = await json("/v1/realtime/client_secrets", { method: "POST", headers: { "content-type": "application/json" }, body });
+    page.secret = secret.value;
+    page.room = secret.session.model;
+    say("room-message", `In the room until ${new Date(secret.expires_at * 1000).toLocaleTimeString()}.`);
+  } catch (exc) {
+    say("room-message", `The room PIN was refused: ${exc.message}`, "error");
+  }
 }
 
 async function checked(response) {
@@ -262,7 +284,8 @@ class Interpreter {
   // A WebSocket to `path`: true once open, false if the box refused it.
   async open(path) {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    const socket = new WebSocket(`${scheme}://${location.host}${path}`);
+    const protocols = page.secret ? ["realtime", `openai-insecure-api-key.${page.secret}`] : [];
+    const socket = new WebSocket(`${scheme}://${location.host}${path}`, protocols);
     const opened = await new Promise((resolve) => {
       socket.addEventListener("open", () => resolve(true), { once: true });
       socket.addEventListener("close", () => resolve(false), { once: true });
@@ -475,6 +498,7 @@ async function main() {
     interpreter.stop();
     setTalking(false);
   });
+  await joinRoom();
   await refreshStatus();
   setInterval(refreshStatus, STATUS_EVERY_MS);
   try {
