@@ -73,6 +73,12 @@ class Interpreted:
         return {**line, "note": self.note} if self.note else line
 
 
+async def _nothing() -> AsyncGenerator[np.ndarray, None]:
+    """A voice that says nothing."""
+    return
+    yield
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """How one request's speech goes through the stages: one way into `targets[0]`, or, with two targets,
@@ -244,31 +250,51 @@ class SpeechPipeline:
     async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
         """One segment through its route (interpret_routes.py) and the voice of its target; None where
         there is nothing to say."""
+        answered = await self.answer(segment, plan)
+        if answered is None:
+            return None
+        done, voice = answered
+        pieces = [p async for p in voice]
+        return dataclasses.replace(done, audio=np.concatenate(pieces)) if pieces else done
+
+    async def answer(self, segment: Segment, plan: Plan) -> tuple[Interpreted, AsyncGenerator[np.ndarray, None]] | None:
+        """One segment translated (`Interpreted` without its audio) and its voice, a sentence's INT16
+        samples at a time as the engine makes them: a caller that stops reading (a Realtime
+        response.cancel) leaves the sentences not yet made unmade. None where there is nothing to say."""
         heard = segment.text.strip()
         if not heard:
             return None
-        target = plan.target(segment.language)
+        target, found = self._way(segment, plan)
         speaker, voice = self.voices[target]
         silent = np.zeros(0, np.int16)
         doubt = ""
         if segment.language_probability < LOW_LANGUAGE_PROBABILITY:
             doubt = f"Whisper heard {segment.language!r} with probability {segment.language_probability:.2f} only"
-        found = route(segment.language, target, set(self.pairs), self.stt.multilingual)
         if found is None:
             note = f"heard {segment.language!r}: no route from it to {target!r}; not spoken"
             return Interpreted(
                 segment, "", silent, speaker.sample_rate, target, (), f"{doubt}; {note}" if doubt else note
-            )
+            ), _nothing()
         steps = tuple(found.steps(self.stt.name, voice.name))
         text = heard
         for pair in found.pairs:
             text = await self.pairs[pair].translate(text)
+        done = Interpreted(segment, text, silent, speaker.sample_rate, target, steps, doubt)
         try:
             shards = await speaker.prepare(text, voice.name)
         except BadRequest:  # nothing a voice can say ("..."): the text alone
-            return Interpreted(segment, text, silent, speaker.sample_rate, target, steps, doubt)
-        pieces = [p async for p in speaker.synthesize(shards, 1.0, voice=voice.name)]
-        return Interpreted(segment, text, np.concatenate(pieces), speaker.sample_rate, target, steps, doubt)
+            return done, _nothing()
+        return done, speaker.synthesize(shards, 1.0, voice=voice.name)
+
+    def heading(self, segment: Segment, plan: Plan) -> tuple[str, tuple[str, ...]]:
+        """Where a segment's answer goes, before it is made: its target language and the models of its
+        route (empty where none reaches the target)."""
+        target, found = self._way(segment, plan)
+        return target, tuple(found.steps(self.stt.name, self.voices[target][1].name)) if found else ()
+
+    def _way(self, segment: Segment, plan: Plan) -> tuple[str, Any]:
+        target = plan.target(segment.language)
+        return target, route(segment.language, target, set(self.pairs), self.stt.multilingual)
 
     async def recording(
         self, samples: np.ndarray, plan: Plan, times: RequestTimes
