@@ -12,6 +12,7 @@ from typing import Any
 
 from appliance import g711
 from appliance.config import VAD_MAX_MS, VadConfig
+from appliance.denoise import MODES
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.speech_api import check_prompt
 
@@ -21,7 +22,7 @@ SERVER_VAD = {"threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms":
 # semantic_vad's eagerness as the silence that ends a turn: the box has no model of whether a sentence
 # is finished, so a less eager turn detection waits longer (OpenAI's "auto" is "medium")
 EAGERNESS_SILENCE_MS = {"low": 1500, "medium": 800, "auto": 800, "high": 300}
-NOISE_REDUCTION = ("near_field", "far_field")
+
 # the switches both turn detections take; an interpreter's next turn does not cancel the answer being
 # spoken unless the client asks (OpenAI's default is true: an assistant's, not an interpreter's)
 RESPONSES = {"create_response": True, "interrupt_response": False}
@@ -85,7 +86,7 @@ def with_noise_reduction(settings: Settings, given: Any) -> Settings:
     if given is None:
         return dataclasses.replace(settings, noise_reduction=None)
     kind = as_object(given, "session.audio.input.noise_reduction").get("type")
-    if kind not in NOISE_REDUCTION:
+    if kind not in MODES:
         raise RealtimeError(
             f"noise_reduction.type must be near_field or far_field, got {str(kind)[:40]!r}",
             param="session.audio.input.noise_reduction.type",
