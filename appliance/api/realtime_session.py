@@ -249,13 +249,13 @@ class TranscriptionSession:
         except (binascii.Error, ValueError):
             raise RealtimeError("'audio' is not valid base64", "invalid_value", "audio") from None
         assert self._resampler is not None
-        resampled = self._resampler.feed(self._decode(raw, "audio"))
+        resampled = self._resampler.feed(self.decode(raw, "audio"))
         if self._denoiser is not None:  # before the VAD and Whisper; its 20 ms lag shifts the turns' times
             resampled = self._denoiser.feed(resampled)
         self.heard_samples += len(resampled)
         return [Audio(resampled)] if len(resampled) else []
 
-    def _decode(self, raw: bytes, param: str) -> np.ndarray:
+    def decode(self, raw: bytes, param: str) -> np.ndarray:
         """Input audio in the session's format as float samples at its rate."""
         if self.settings.codec != PCM:
             return g711.decode(raw, self.settings.codec)
@@ -263,41 +263,6 @@ class TranscriptionSession:
             return pcm16(raw)
         except ApiError as exc:
             raise RealtimeError(exc.message, "invalid_value", param) from None
-
-    # --- an interpreter session's conversation and responses ---
-    def _create_item(self, event: dict[str, Any]) -> Sequence[Step]:
-        text, audio = user_content(event)
-        previous = event.get("previous_item_id")
-        if previous is not None and not isinstance(previous, str):
-            raise RealtimeError("previous_item_id must be a string", "invalid_type", "previous_item_id")
-        given = as_object(event["item"], "item").get("id")
-        item_id = given if isinstance(given, str) and given not in self.conversation.items else self.new_id("item")
-        if audio is None:
-            segment = Segment(0.0, 0.0, text, self.text_language)
-            return self.conversation.add(
-                Item(item_id, "user", [{"type": "input_text", "text": text}], [segment]), previous
-            )
-        samples = resample(self._decode(audio, "item.content[0].audio"), self.settings.rate, SAMPLE_RATE)
-        if self.settings.noise_reduction:
-            samples = denoise(samples)
-        return [AudioItem(item_id, previous, samples)]
-
-    def _respond(self, event: dict[str, Any]) -> list[Step]:
-        return [Respond()]
-
-    def _cancel(self, event: dict[str, Any]) -> list[Step]:
-        given = event.get("response_id")
-        return [Cancel(given if isinstance(given, str) else None)]
-
-    def _commit(self, event: dict[str, Any]) -> list[Step]:
-        item = self._item or self._new_item()
-        self._item = None
-        return [Commit(item)]
-
-    def _clear(self, event: dict[str, Any]) -> list[Step]:
-        self._item = None
-        self._new_partials()
-        return [Clear(), self.event("input_audio_buffer.cleared")]
 
     # --- what the box heard ---
     def _new_item(self) -> str:
@@ -363,21 +328,63 @@ def _plain(word: str) -> str:
 
 
 COMPLETED = "conversation.item.input_audio_transcription.completed"
+
+
+# an interpreter session's conversation and responses
+def _create_item(session: TranscriptionSession, event: dict[str, Any]) -> Sequence[Step]:
+    text, audio = user_content(event)
+    previous = event.get("previous_item_id")
+    if previous is not None and not isinstance(previous, str):
+        raise RealtimeError("previous_item_id must be a string", "invalid_type", "previous_item_id")
+    given = as_object(event["item"], "item").get("id")
+    item_id = given if isinstance(given, str) and given not in session.conversation.items else session.new_id("item")
+    if audio is None:
+        segment = Segment(0.0, 0.0, text, session.text_language)
+        return session.conversation.add(
+            Item(item_id, "user", [{"type": "input_text", "text": text}], [segment]), previous
+        )
+    samples = resample(session.decode(audio, "item.content[0].audio"), session.settings.rate, SAMPLE_RATE)
+    if session.settings.noise_reduction:
+        samples = denoise(samples)
+    return [AudioItem(item_id, previous, samples)]
+
+
+def _respond(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    return [Respond()]
+
+
+def _cancel(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    given = event.get("response_id")
+    return [Cancel(given if isinstance(given, str) else None)]
+
+
+def _commit(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    item = session._item or session._new_item()
+    session._item = None
+    return [Commit(item)]
+
+
+def _clear(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    session._item = None
+    session._new_partials()
+    return [Clear(), session.event("input_audio_buffer.cleared")]
+
+
 Handler = Callable[["TranscriptionSession", dict[str, Any]], Sequence[Step]]
 HANDLERS: dict[str, Handler] = {
     "session.update": TranscriptionSession._update,
     "transcription_session.update": TranscriptionSession._update,  # the beta name some clients still send
     "input_audio_buffer.append": TranscriptionSession._append,
-    "input_audio_buffer.commit": TranscriptionSession._commit,
-    "input_audio_buffer.clear": TranscriptionSession._clear,
+    "input_audio_buffer.commit": _commit,
+    "input_audio_buffer.clear": _clear,
 }
 CONVERSATION_HANDLERS: dict[str, Handler] = {
-    "conversation.item.create": TranscriptionSession._create_item,
+    "conversation.item.create": _create_item,
     "conversation.item.truncate": lambda session, event: session.conversation.truncate(event),
     "conversation.item.delete": lambda session, event: session.conversation.delete(event),
     "conversation.item.retrieve": lambda session, event: session.conversation.retrieve(event),
-    "response.create": TranscriptionSession._respond,
-    "response.cancel": TranscriptionSession._cancel,
+    "response.create": _respond,
+    "response.cancel": _cancel,
 }
 
 

@@ -120,10 +120,6 @@ class Interpreting(Protocol):
         here: the pipeline module imports this one."""
         ...
 
-    async def interpret(self, segment: Segment, plan: Any) -> Any:
-        """One segment translated and spoken (pipeline.py Interpreted: text, audio), or None."""
-        ...
-
     def heading(self, segment: Segment, plan: Any) -> tuple[str, tuple[str, ...]]:
         """A segment's target language and route, before its answer is made."""
         ...
