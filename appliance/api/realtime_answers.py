@@ -118,7 +118,7 @@ class Answers:
         pipeline, plan = self.interpreter.pipeline, self.interpreter.plan
         target, route = pipeline.heading(segment, plan)
         item = Item(self.session.new_id("item"), "assistant", [])
-        self.session.conversation.items[item.id] = item
+        self.session.conversation.keep(item)
         metadata = {"input_item_id": answer.item, "language": target, "route": " > ".join(route)}
         response = Response(self.session.event, self.session.new_id("resp"), item, metadata)
         task = asyncio.get_running_loop().create_task(self._speak(response, segment))

@@ -12,9 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.api.realtime_settings import RealtimeError, as_object
+from appliance.errors import BadRequest
 from appliance.kinds.speech_api import Segment
+from appliance.kinds.text import checked_text
 
 Event = Callable[..., dict[str, Any]]  # TranscriptionSession.event: a server event with its id
+# a conversation keeps its latest items, no more: a session of hours, or a client creating items in a
+# loop, holds at most this many (the oldest go first, as OpenAI's context truncation drops them)
+MAX_ITEMS = 256
 
 
 @dataclass(slots=True)
@@ -65,11 +70,21 @@ class Conversation:
             at = [k for k, _ in order].index(previous) + 1
             self.items = dict([*order[:at], (item.id, item), *order[at:]])
         else:
-            self.items[item.id] = item
+            self.keep(item)
+        self._trim()
         return [
             self.event("conversation.item.added", previous_item_id=before, item=item.describe("in_progress")),
             self.event("conversation.item.done", previous_item_id=before, item=item.describe()),
         ]
+
+    def keep(self, item: Item) -> None:
+        """An item with no events of its own here (an answer: its response's events tell of it)."""
+        self.items[item.id] = item
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self.items) > MAX_ITEMS:
+            del self.items[next(iter(self.items))]
 
     def user_turn(self, item_id: str, segments: list[Segment]) -> list[dict[str, Any]]:
         """A turn the VAD closed or the client committed, transcribed."""
@@ -131,7 +146,10 @@ def user_content(event: dict[str, Any]) -> tuple[str, bytes | None]:
         raise RealtimeError("item.content must be one input_text or input_audio part", param="item.content")
     part = content[0]
     if part.get("type") == "input_text" and isinstance(part.get("text"), str):
-        return part["text"], None
+        try:
+            return checked_text(part["text"], "item.content[0].text"), None
+        except BadRequest as exc:  # too long, or empty: one error event, the session goes on
+            raise RealtimeError(exc.message, param="item.content[0].text") from None
     if part.get("type") == "input_audio" and isinstance(part.get("audio"), str):
         try:
             return "", base64.b64decode(part["audio"], validate=True)
