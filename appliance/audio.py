@@ -168,6 +168,12 @@ class StreamResampler:
         )
 
 
+def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """A whole clip at another rate."""
+    resampler = StreamResampler(from_rate, to_rate)
+    return np.concatenate([resampler.feed(samples), resampler.flush()])
+
+
 def pcm16(data: bytes) -> np.ndarray:
     """Little-endian PCM16 bytes -> float32 samples in [-1, 1)."""
     if len(data) % 2:

@@ -125,7 +125,7 @@ def test_the_session_hears_the_next_turn_while_it_answers_one(daemon: Daemon) ->
     assert not [e for e in events if e["type"] == "error"], events
     kinds = [e["type"] for e in events]
     heard = [i for i, kind in enumerate(kinds) if kind == "input_audio_buffer.speech_started"]
-    assert len(heard) == 2 and heard[1] < kinds.index("response.created"), kinds
+    assert len(heard) == 2 and heard[1] < kinds.index("response.output_audio.delta"), kinds
     turns = [e["item_id"] for e in events if e["type"] == COMPLETED]
     answered = [e["response"]["metadata"]["input_item_id"] for e in events if e["type"] == "response.done"]
     assert answered == turns, (turns, answered)

@@ -5,7 +5,9 @@ A multipart form (python-multipart parses it): `file`, `model`, `language` (tran
 server-sent events, a `transcript.text.delta` per segment as it is decoded, then `transcript.text.done`),
 `timestamp_granularities[]` (segment, word: word timestamps with probabilities in verbose_json and in
 the stream's events), `chunking_strategy` (`auto` or a server_vad object: the box always cuts at its
-VAD's silences) and `include[]` (accepted; `logprobs` are not served). `model` names a speech_to_text
+VAD's silences), `include[]` (accepted; `logprobs` are not served) and the box's own `noise_reduction`
+(`near_field` or `far_field`: RNNoise before the VAD and Whisper, appliance/denoise.py; `none`, the
+default). `model` names a speech_to_text
 model of the firmware or one of OpenAI's names (openai_models.py picks the best served model for it).
 Errors are in OpenAI's shape, naming the field at fault.
 """
@@ -23,6 +25,7 @@ from python_multipart.multipart import parse_options_header
 
 from appliance.api import openai_models
 from appliance.api.bodies import MAX_FORM_FIELDS, openai_errors, refused
+from appliance.denoise import MODES, denoise
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Transcriber
@@ -44,6 +47,7 @@ FIELDS = {
     "timestamp_granularities[]",
     "chunking_strategy",
     "include[]",
+    "noise_reduction",
 }
 REPEATED = ("timestamp_granularities[]", "include[]")  # list fields: one part per element
 GRANULARITIES = ("segment", "word")
@@ -158,13 +162,27 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
     except ApiError as exc:
         param = "temperature" if not 0.0 <= temperature <= 1.0 else "language" if language else "model"
         raise ApiError(exc.message, exc.status, param=param) from None
-    return await counted(model.stats, _transcribed(model, audio, options, response_format, stream, granularities))
+    noise = fields.get("noise_reduction", "none")
+    if noise not in ("none", *MODES):
+        raise BadRequest(
+            f"noise_reduction must be none, near_field or far_field, got {noise[:40]!r}", param="noise_reduction"
+        )
+    transcribed = _transcribed(model, audio, options, response_format, stream, granularities, noise != "none")
+    return await counted(model.stats, transcribed)
 
 
 async def _transcribed(
-    model: Transcriber, audio: bytes, options: Options, response_format: str, stream: bool, granularities: list[str]
+    model: Transcriber,
+    audio: bytes,
+    options: Options,
+    response_format: str,
+    stream: bool,
+    granularities: list[str],
+    quieter: bool,
 ) -> Response:
     samples = await model.recording(audio)
+    if quieter:  # RNNoise, some 50 ms a second of audio: a long recording's off the loop
+        samples = await off_loop(samples.nbytes, denoise, samples)
     segments = model.transcribe(samples, options)
     if stream:
         events = _events(await begun(segments), model.name, "word" in granularities)

@@ -10,34 +10,34 @@ without, the buffer is transcribed at each commit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import numpy as np
 
 from appliance.api.metrics import Metrics
 from appliance.api.openai_models import speech_to_text
+from appliance.api.realtime_answers import Answer, Answers, Interpreter
+from appliance.api.realtime_conversation import AudioItem, Item
 from appliance.api.realtime_session import (
     COMPLETED,
     MAX_BUFFER_S,
     SAMPLE_RATE,
     Audio,
+    Cancel,
     Clear,
     Commit,
+    Respond,
     Restart,
     Step,
     TranscriptionSession,
 )
 from appliance.api.realtime_settings import RealtimeError, default_settings
 from appliance.api.routes import Route
-from appliance.audio import StreamResampler, to_pcm16
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import SequenceCall, ServedModel
@@ -47,8 +47,6 @@ from appliance.protocol.messages import Close, Request, Response, SessionIO
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
-# an interpreter session's turns transcribed and waiting to be spoken before it stops taking audio
-ANSWERS_WAITING = 4
 # appends closer together than this (10 ms of audio) share one arrival time: a turn is timed from the
 # first of them
 ARRIVAL_STEP = 160
@@ -86,24 +84,6 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
     return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """An interpreter turn waiting to be answered: its transcript's segments, and when the audio that
-    ended it arrived (its answer's first audio is timed from then)."""
-
-    item: str
-    segments: list[Segment]
-    arrived: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class Interpreter:
-    """An interpreter session's pipeline and plan (target language, the voice)."""
-
-    pipeline: Interpreting
-    plan: Any  # the pipeline's Plan: options, target, voice
-
-
 async def transcription(
     models: dict[str, ServedModel],
     metrics: Metrics,
@@ -114,8 +94,15 @@ async def transcription(
     io: SessionIO,
 ) -> Close:
     names = tuple(m.name for m in models.values() if isinstance(m, LiveTranscriber))
-    kind, target = ("realtime", ",".join(interpreter.plan.targets)) if interpreter else ("transcription", "")
-    session = TranscriptionSession(default_settings(model), names, kind=kind, target=target)
+    session = TranscriptionSession(default_settings(model), names)
+    if interpreter is not None:
+        plan = interpreter.plan
+        session.kind, session.target = "realtime", ",".join(plan.targets)
+        # a text item is in the source language, else in one the session answers out of
+        candidates = (*plan.targets, *interpreter.pipeline.conversation)
+        session.text_language = plan.options.language or next(
+            (c for c in candidates if c != plan.targets[-1]), plan.targets[0]
+        )
 
     output = Output(io)
 
@@ -147,7 +134,8 @@ async def transcription(
                     await emit(session.error(exc))
     finally:
         turns.close()
-        await turns.stop_answering()
+        if turns.answers is not None:
+            await turns.answers.stop()
 
 
 class Output:
@@ -200,9 +188,8 @@ class Turns:
         # ARRIVAL_STEP of audio, from where a turn may still end on), to time the turns
         self.arrivals: deque[tuple[int, float]] = deque()
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
-        # an interpreter session's turns to answer, in order, while it goes on listening
-        self.to_answer: asyncio.Queue[Answer] = asyncio.Queue(ANSWERS_WAITING)
-        self.answering = asyncio.get_running_loop().create_task(self._answer()) if interpreter else None
+        # an interpreter session's answers, in order, while it goes on listening
+        self.answers = Answers(interpreter, session, emit, first_audio) if interpreter else None
 
     def _model(self) -> LiveTranscriber:
         model = speech_to_text(self.models, self.session.settings.model, "transcribe", None)
@@ -220,11 +207,13 @@ class Turns:
         s = self.session.settings
         return Options(s.language, "transcribe", s.prompt)
 
-    async def apply(self, step: Audio | Commit | Clear | Restart) -> None:
+    async def apply(self, step: Audio | Commit | Clear | Restart | Respond | Cancel | AudioItem) -> None:
         if isinstance(step, Audio):
             return await self.feed(step.samples)
         if isinstance(step, Commit):
             return await self.commit(step.item_id)
+        if isinstance(step, Respond | Cancel | AudioItem):
+            return await self._converse(step)
         self.close()
         self.pending, self.pending_samples, self.gathered, self.offset = [], 0, 0, self.session.heard_samples
         self.arrivals.clear()  # no turn can end before the new offset
@@ -284,62 +273,54 @@ class Turns:
             closed = self.session.turn_closed(stop + self.offset, " ".join(s.text for s in segments))
             pad = self.session.settings.vad.speech_pad_ms * SAMPLE_RATE // 1000 if self.session.settings.vad else 0
             self._timed(closed[-1]["item_id"], stop + self.offset - pad)  # where the speech itself ended
+            self._barge_in(heard)
             await self._emit(heard + closed)
             await self._interpret(closed[-1]["item_id"], segments)
         if chunk.open_start is not None:
-            await self._emit(self.session.turn_heard(chunk.open_start + self.offset))
+            heard = self.session.turn_heard(chunk.open_start + self.offset)
+            self._barge_in(heard)
+            await self._emit(heard)
             if chunk.partial is not None:
                 await self._emit(self.session.partial(chunk.partial))
         self._forget_arrivals(chunk.open_start)
 
     async def _interpret(self, item: str, segments: list[Segment]) -> None:
-        """An interpreter turn, its transcript sent: queued to be translated and spoken while the session
-        goes on listening. Where ANSWERS_WAITING turns already wait, the session waits (and, holding the
-        client's messages, stops reading it) until the oldest is answered."""
+        """An interpreter turn, its transcript sent: a user item of the conversation, answered (where
+        the turn detection creates responses) while the session goes on listening."""
         arrived = self.arrived.pop(item, None)
-        if self.answering is None:
+        if self.answers is None:
             return
-        put = asyncio.ensure_future(self.to_answer.put(Answer(item, segments, arrived)))
-        try:
-            await asyncio.wait((put, self.answering), return_when=asyncio.FIRST_COMPLETED)
-        finally:  # the session may end meanwhile: a put left pending was logged as a task destroyed
-            if not put.done():
-                put.cancel()
-        if self.answering.done():
-            self.answering.result()  # what ended it ends the session too
+        await self._emit(self.session.conversation.user_turn(item, segments))
+        settings = self.session.settings
+        if settings.vad is not None and settings.create_response:  # manual turns wait for response.create
+            await self.answers.put(Answer(item, segments, arrived))
 
-    async def _answer(self) -> None:
-        """Each queued turn's segments translated and spoken, at the session's output rate, in order."""
-        assert self.interpreter is not None
-        pipeline, plan = self.interpreter.pipeline, self.interpreter.plan
-        while True:
-            answer = await self.to_answer.get()
-            arrived = answer.arrived
-            for segment in answer.segments:
-                try:
-                    done = await pipeline.interpret(segment, plan)
-                except ApiError as exc:
-                    await self.emit(self.session.error(exc))
-                    continue
-                if done is None:
-                    continue
-                resampler = StreamResampler(done.sample_rate, self.session.settings.output_rate)
-                samples = done.audio.astype(np.float32) / 32768.0
-                pcm = to_pcm16(np.concatenate([resampler.feed(samples), resampler.flush()]))
-                step = self.session.settings.output_rate * 2 // 10  # 100 ms a delta
-                pieces = [pcm[i : i + step] for i in range(0, len(pcm), step)]
-                for event in self.session.response(answer.item, done.text, pieces, done.target, " > ".join(done.route)):
-                    await self.emit(event)
-                    if event["type"] == "response.output_audio.delta" and arrived is not None:
-                        self.first_audio(time.monotonic() - arrived)
-                        arrived = None
+    async def _converse(self, step: Respond | Cancel | AudioItem) -> None:
+        """An interpreter session's response.create, response.cancel, and audio items."""
+        assert self.answers is not None  # the session refuses these events in a transcription session
+        if isinstance(step, Cancel):
+            return self.answers.cancel("client_cancelled", step.response_id)
+        if isinstance(step, Respond):
+            item = self.session.conversation.unanswered()
+            if item is None:
+                raise RealtimeError("no user item waits for an answer: speak, or create one first")
+            return await self.answers.put(Answer(item.id, item.segments, None))
+        padded = np.concatenate([step.samples, np.zeros(max(0, MIN_SAMPLES - len(step.samples)), np.float32)])
+        found = [s async for s in self.model.transcribe(padded, self.options())]
+        transcript = " ".join(s.text.strip() for s in found).strip()
+        conversation = self.session.conversation
+        added = conversation.add(
+            Item(step.item_id, "user", [{"type": "input_audio", "transcript": transcript}], found), step.previous
+        )
+        usage = {"type": "duration", "seconds": round(len(step.samples) / SAMPLE_RATE, 3)}
+        done = self.session.event(COMPLETED, item_id=step.item_id, content_index=0, transcript=transcript, usage=usage)
+        await self._emit([*added, done])
 
-    async def stop_answering(self) -> None:
-        """The session ends: the turns not yet answered are dropped, the one under way cancelled."""
-        if self.answering is not None:
-            self.answering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.answering
+    def _barge_in(self, heard: list[dict]) -> None:
+        """Speech heard (`heard`: its speech_started) cancels the answer being made, where the turn
+        detection's interrupt_response asks it, as OpenAI's server VAD does."""
+        if heard and self.answers is not None and self.session.settings.interrupt_response:
+            self.answers.cancel("turn_detected")
 
     def _timed(self, item: str, end_sample: int) -> None:
         """The turn ends at `end_sample`: note when the append that carried it arrived."""

@@ -3,11 +3,12 @@
 turn_closed, partial), the events that tell the client out. realtime.py pumps it.
 
 Client events: `session.update` (session.type "transcription"; audio.input.format audio/pcm at
-24000 or 16000 Hz; audio.input.transcription model, language, prompt; audio.input.turn_detection
-server_vad with threshold, prefix_padding_ms, silence_duration_ms, or null for manual commits),
-`input_audio_buffer.append` (base64 PCM16), `input_audio_buffer.commit`, `input_audio_buffer.clear`.
-A bad event is answered by one `error` event with OpenAI's fields; the session goes on. The settings
-session.update may change are read and checked in realtime_settings.py.
+24000 or 16000 Hz, or G.711's audio/pcmu and audio/pcma; audio.input.transcription model, language,
+prompt; audio.input.noise_reduction; audio.input.turn_detection server_vad or semantic_vad, or null
+for manual commits), `input_audio_buffer.append`, `input_audio_buffer.commit`, `input_audio_buffer.clear`;
+an interpreter session's `response.create`, `response.cancel` and `conversation.item.*` too
+(realtime_conversation.py). A bad event is answered by one `error` event with OpenAI's fields; the
+session goes on. The settings session.update may change are read and checked in realtime_settings.py.
 """
 
 from __future__ import annotations
@@ -18,21 +19,29 @@ import dataclasses
 import itertools
 import json
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from appliance import g711
+from appliance.api.realtime_conversation import AudioItem, Conversation, Item, user_content
 from appliance.api.realtime_settings import (
+    PCM,
     RealtimeError,
     Settings,
     as_object,
-    audio_rate,
+    audio_format,
+    describe_format,
+    with_noise_reduction,
     with_transcription,
     with_turn_detection,
 )
-from appliance.audio import StreamResampler, pcm16
+from appliance.audio import StreamResampler, pcm16, resample
+from appliance.denoise import Denoiser, denoise
 from appliance.errors import ApiError
+from appliance.kinds.speech_api import Segment
 from appliance.protocol.limits import LIMITS_BITTEN
 
 SAMPLE_RATE = 16000  # what the VAD and Whisper take
@@ -64,7 +73,19 @@ class Restart:
     """The settings changed: the next audio starts a new live stream under them."""
 
 
-Step = dict[str, Any] | Audio | Commit | Clear | Restart  # a dict is a server event to send
+@dataclass(frozen=True, slots=True)
+class Respond:
+    """response.create: answer the latest user item not yet answered."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """response.cancel: stop the answer being made (`response_id`, where given, must be it)."""
+
+    response_id: str | None
+
+
+Step = dict[str, Any] | Audio | Commit | Clear | Restart | Respond | Cancel | AudioItem  # a dict: an event
 
 
 @dataclass(slots=True)
@@ -73,10 +94,12 @@ class TranscriptionSession:
     models: tuple[str, ...]  # the speech_to_text models a session may name
     kind: str = "transcription"  # or "realtime": the interpreter session (translated speech back)
     target: str = ""  # the interpreter's target language
+    text_language: str = ""  # the language a text item is taken to be in (an interpreter's)
     id: str = field(default_factory=lambda: "sess_" + secrets.token_hex(12))
     _events: itertools.count[int] = field(default_factory=itertools.count)
     _items: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _resampler: StreamResampler | None = None
+    _denoiser: Denoiser | None = None  # where the session asked for noise_reduction
     heard_samples: int = 0  # 16 kHz samples of input so far: the clock of audio_start_ms / audio_end_ms
     _item: str | None = None  # the turn being heard, from speech_started on
     _previous: str | None = None
@@ -84,8 +107,15 @@ class TranscriptionSession:
     _sent_words: int = 0  # how many of its words went out as deltas
     _client_event: str | None = None  # the event_id of the client event being handled: errors name it
 
+    conversation: Conversation = field(init=False)
+
     def __post_init__(self) -> None:
         self._resampler = StreamResampler(self.settings.rate, SAMPLE_RATE)
+        self.conversation = Conversation(self.event)
+
+    def new_id(self, kind: str) -> str:
+        """A new item's or response's id (`item`, `resp`)."""
+        return f"{kind}_{self.id[5:13]}{next(self._items):04d}"
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "event_id": f"event_{self.id[5:13]}{next(self._events)}", **fields}
@@ -96,8 +126,12 @@ class TranscriptionSession:
     def describe(self) -> dict[str, Any]:
         s = self.settings
         if self.kind == "realtime":
-            audio_in = {"format": {"type": "audio/pcm", "rate": s.rate}, "turn_detection": s.turn_detection}
-            output = {"format": {"type": "audio/pcm", "rate": s.output_rate}, "language": self.target}
+            audio_in = {
+                "format": describe_format(s.codec, s.rate),
+                "turn_detection": s.turn_detection,
+                "noise_reduction": _noise(s),
+            }
+            output = {"format": describe_format(s.output_codec, s.output_rate), "language": self.target}
             return {
                 "type": "realtime",
                 "object": "realtime.session",
@@ -112,10 +146,10 @@ class TranscriptionSession:
             "id": self.id,
             "audio": {
                 "input": {
-                    "format": {"type": "audio/pcm", "rate": s.rate},
+                    "format": describe_format(s.codec, s.rate),
                     "transcription": {"model": s.model, "language": s.language, "prompt": s.prompt},
                     "turn_detection": s.turn_detection,
-                    "noise_reduction": None,
+                    "noise_reduction": _noise(s),
                 }
             },
             "include": [],
@@ -139,11 +173,20 @@ class TranscriptionSession:
             client_id = event.get("event_id")
             self._client_event = client_id if isinstance(client_id, str) else None
             handler = HANDLERS.get(event["type"])
+            if handler is None and self.kind == "realtime":
+                handler = CONVERSATION_HANDLERS.get(event["type"])
+            elif event["type"] in CONVERSATION_HANDLERS:
+                raise RealtimeError(
+                    f"{event['type']} is an interpreter session's (?model= a speech pipeline): a transcription "
+                    "session has no responses or conversation",
+                    "invalid_event",
+                    "type",
+                )
             if handler is None:
                 raise RealtimeError(
                     f"unknown event type {event['type'][:60]!r} (known: {', '.join(HANDLERS)})", "invalid_event", "type"
                 )
-            return handler(self, event)
+            return list(handler(self, event))
         except RealtimeError as exc:
             return [self.error(exc)]
 
@@ -169,7 +212,10 @@ class TranscriptionSession:
         given = as_object(audio.get("input", {}), "session.audio.input")
         settings = self.settings
         if "format" in given:
-            settings = dataclasses.replace(settings, rate=audio_rate(given["format"]))
+            codec, rate = audio_format(given["format"])
+            settings = dataclasses.replace(settings, codec=codec, rate=rate)
+        if "noise_reduction" in given:
+            settings = with_noise_reduction(settings, given["noise_reduction"])
         if "transcription" in given:
             settings = with_transcription(
                 settings, as_object(given["transcription"], "session.audio.input.transcription"), self.models
@@ -178,11 +224,14 @@ class TranscriptionSession:
             settings = with_turn_detection(settings, given["turn_detection"])
         output = as_object(audio.get("output", {}), "session.audio.output")
         if self.kind == "realtime" and "format" in output:
-            settings = dataclasses.replace(settings, output_rate=audio_rate(output["format"], "output"))
+            codec, rate = audio_format(output["format"], "output")
+            settings = dataclasses.replace(settings, output_codec=codec, output_rate=rate)
         steps: list[Step] = []
         if settings != self.settings:
             if settings.rate != self.settings.rate:
                 self._resampler = StreamResampler(settings.rate, SAMPLE_RATE)
+            if settings.noise_reduction != self.settings.noise_reduction:
+                self._denoiser = Denoiser() if settings.noise_reduction else None
             self.settings = settings
             steps.append(Restart())
         return [*steps, self.event("session.updated", session=self.describe())]
@@ -191,30 +240,29 @@ class TranscriptionSession:
         audio = event.get("audio")
         if not isinstance(audio, str):
             raise RealtimeError(
-                "input_audio_buffer.append needs 'audio': base64 PCM16", "missing_required_parameter", "audio"
+                "input_audio_buffer.append needs 'audio': base64 in the input format",
+                "missing_required_parameter",
+                "audio",
             )
         try:
             raw = base64.b64decode(audio, validate=True)
         except (binascii.Error, ValueError):
             raise RealtimeError("'audio' is not valid base64", "invalid_value", "audio") from None
-        try:
-            samples = pcm16(raw)
-        except ApiError as exc:
-            raise RealtimeError(exc.message, "invalid_value", "audio") from None
         assert self._resampler is not None
-        resampled = self._resampler.feed(samples)
+        resampled = self._resampler.feed(self.decode(raw, "audio"))
+        if self._denoiser is not None:  # before the VAD and Whisper; its 20 ms lag shifts the turns' times
+            resampled = self._denoiser.feed(resampled)
         self.heard_samples += len(resampled)
         return [Audio(resampled)] if len(resampled) else []
 
-    def _commit(self, event: dict[str, Any]) -> list[Step]:
-        item = self._item or self._new_item()
-        self._item = None
-        return [Commit(item)]
-
-    def _clear(self, event: dict[str, Any]) -> list[Step]:
-        self._item = None
-        self._new_partials()
-        return [Clear(), self.event("input_audio_buffer.cleared")]
+    def decode(self, raw: bytes, param: str) -> np.ndarray:
+        """Input audio in the session's format as float samples at its rate."""
+        if self.settings.codec != PCM:
+            return g711.decode(raw, self.settings.codec)
+        try:
+            return pcm16(raw)
+        except ApiError as exc:
+            raise RealtimeError(exc.message, "invalid_value", param) from None
 
     # --- what the box heard ---
     def _new_item(self) -> str:
@@ -267,42 +315,6 @@ class TranscriptionSession:
         events.append(self.event(COMPLETED, item_id=item, content_index=0, transcript=transcript.strip(), usage=usage))
         return events
 
-    def response(self, item: str, text: str, audio: list[bytes], language: str, route: str) -> list[dict[str, Any]]:
-        """An interpreter turn's answer: the translated speech (PCM16 at the output rate, in pieces)
-        and its transcript, as a Realtime response with one assistant message; its metadata names the
-        turn it answers, the language it is in and the route it took (the models, in order)."""
-        response_id = f"resp_{self.id[5:13]}{next(self._items):04d}"
-        out_item = f"item_{self.id[5:13]}{next(self._items):04d}"
-        where = {"response_id": response_id, "item_id": out_item, "output_index": 0, "content_index": 0}
-        message = {"id": out_item, "object": "realtime.item", "type": "message", "role": "assistant"}
-        part = {"type": "output_audio", "transcript": text}
-        done = {**message, "status": "completed", "content": [part]}
-        head = {
-            "id": response_id,
-            "object": "realtime.response",
-            "output_modalities": ["audio"],
-            # the turn it answers, from its first event on (OpenAI's metadata: string values)
-            "metadata": {"input_item_id": item, "language": language, "route": route},
-        }
-        return [
-            self.event("response.created", response={**head, "status": "in_progress", "output": []}),
-            self.event(
-                "response.output_item.added",
-                response_id=response_id,
-                output_index=0,
-                item={**message, "status": "in_progress", "content": []},
-            ),
-            self.event("response.output_audio_transcript.delta", **where, delta=text),
-            *(self.event("response.output_audio.delta", **where, delta=base64.b64encode(p).decode()) for p in audio),
-            self.event("response.output_audio.done", **where),
-            self.event("response.output_audio_transcript.done", **where, transcript=text),
-            self.event("response.output_item.done", response_id=response_id, output_index=0, item=done),
-            self.event(
-                "response.done",
-                response={**head, "status": "completed", "output": [done]},
-            ),
-        ]
-
     def _pad_ms(self) -> int:
         return self.settings.vad.speech_pad_ms if self.settings.vad is not None else 0
 
@@ -316,10 +328,65 @@ def _plain(word: str) -> str:
 
 
 COMPLETED = "conversation.item.input_audio_transcription.completed"
-HANDLERS = {
+
+
+# an interpreter session's conversation and responses
+def _create_item(session: TranscriptionSession, event: dict[str, Any]) -> Sequence[Step]:
+    text, audio = user_content(event)
+    previous = event.get("previous_item_id")
+    if previous is not None and not isinstance(previous, str):
+        raise RealtimeError("previous_item_id must be a string", "invalid_type", "previous_item_id")
+    given = as_object(event["item"], "item").get("id")
+    item_id = given if isinstance(given, str) and given not in session.conversation.items else session.new_id("item")
+    if audio is None:
+        segment = Segment(0.0, 0.0, text, session.text_language)
+        return session.conversation.add(
+            Item(item_id, "user", [{"type": "input_text", "text": text}], [segment]), previous
+        )
+    samples = resample(session.decode(audio, "item.content[0].audio"), session.settings.rate, SAMPLE_RATE)
+    if session.settings.noise_reduction:
+        samples = denoise(samples)
+    return [AudioItem(item_id, previous, samples)]
+
+
+def _respond(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    return [Respond()]
+
+
+def _cancel(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    given = event.get("response_id")
+    return [Cancel(given if isinstance(given, str) else None)]
+
+
+def _commit(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    item = session._item or session._new_item()
+    session._item = None
+    return [Commit(item)]
+
+
+def _clear(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
+    session._item = None
+    session._new_partials()
+    return [Clear(), session.event("input_audio_buffer.cleared")]
+
+
+Handler = Callable[["TranscriptionSession", dict[str, Any]], Sequence[Step]]
+HANDLERS: dict[str, Handler] = {
     "session.update": TranscriptionSession._update,
     "transcription_session.update": TranscriptionSession._update,  # the beta name some clients still send
     "input_audio_buffer.append": TranscriptionSession._append,
-    "input_audio_buffer.commit": TranscriptionSession._commit,
-    "input_audio_buffer.clear": TranscriptionSession._clear,
+    "input_audio_buffer.commit": _commit,
+    "input_audio_buffer.clear": _clear,
 }
+CONVERSATION_HANDLERS: dict[str, Handler] = {
+    "conversation.item.create": _create_item,
+    "conversation.item.truncate": lambda session, event: session.conversation.truncate(event),
+    "conversation.item.delete": lambda session, event: session.conversation.delete(event),
+    "conversation.item.retrieve": lambda session, event: session.conversation.retrieve(event),
+    "response.create": _respond,
+    "response.cancel": _cancel,
+}
+
+
+def _noise(settings: Settings) -> dict[str, str] | None:
+    return {"type": settings.noise_reduction} if settings.noise_reduction else None

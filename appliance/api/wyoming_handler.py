@@ -26,7 +26,9 @@ from wyoming.tts import (
 
 from appliance import __version__
 from appliance.api.wyoming_events import WyomingError
+from appliance.api.wyoming_noise import denoiser
 from appliance.audio import StreamResampler, pcm16
+from appliance.denoise import Denoiser
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker
@@ -55,6 +57,7 @@ class WyomingHandler:
         self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
         self.samples = 0
         self.resampler: StreamResampler | None = None
+        self.denoiser: Denoiser | None = None  # where the transcribe event's context asks (wyoming_noise.py)
         self.format = (SAMPLE_RATE, 1)  # the recording's rate and channels, as its audio-start gave them
         self.partial_frame = b""  # a chunk's bytes that end inside a sample frame: the next chunk's start
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
@@ -105,6 +108,7 @@ class WyomingHandler:
             return []
         if AudioStart.is_type(event.type):
             self.format = _pcm_format(AudioStart.from_event(event), "audio-start")
+            self.denoiser = denoiser(self.transcribe)  # a bad one refuses the recording: no audio-start
             self.audio, self.samples, self.partial_frame = [], 0, b""
             self.resampler = StreamResampler(self.format[0], SAMPLE_RATE)
             self._hear()
@@ -166,6 +170,8 @@ class WyomingHandler:
         if channels > 1:
             samples = samples.reshape(-1, channels).mean(axis=1, dtype=np.float32)
         resampled = self.resampler.feed(samples)
+        if self.denoiser is not None:
+            resampled = self.denoiser.feed(resampled)
         self.samples += len(resampled)
         if self.samples > self.max_samples:  # refused whole: no transcript of its beginning
             self.audio, self.resampler = None, None

@@ -109,6 +109,7 @@ class Interpreting(Protocol):
 
     spec: ModelSpec
     stt: LiveTranscriber
+    conversation: tuple[str, ...]  # conversation mode's two languages where none are asked
 
     @property
     def name(self) -> str: ...
@@ -119,8 +120,12 @@ class Interpreting(Protocol):
         here: the pipeline module imports this one."""
         ...
 
-    async def interpret(self, segment: Segment, plan: Any) -> Any:
-        """One segment translated and spoken (pipeline.py Interpreted: text, audio), or None."""
+    def heading(self, segment: Segment, plan: Any) -> tuple[str, tuple[str, ...]]:
+        """A segment's target language and route, before its answer is made."""
+        ...
+
+    async def answer(self, segment: Segment, plan: Any) -> tuple[Any, AsyncGenerator[np.ndarray, None]] | None:
+        """One segment translated (Interpreted, no audio yet) and its voice as the engine makes it, or None."""
         ...
 
 

@@ -73,6 +73,35 @@ class Interpreted:
         return {**line, "note": self.note} if self.note else line
 
 
+async def interpreted(pipeline: SpeechPipeline, segment: Segment, plan: Plan) -> Interpreted | None:
+    """One segment through its route (interpret_routes.py) and its target's voice, whole; or None."""
+    answered = await pipeline.answer(segment, plan)
+    if answered is None:
+        return None
+    done, voice = answered
+    pieces = [p async for p in voice]
+    return dataclasses.replace(done, audio=np.concatenate(pieces)) if pieces else done
+
+
+def _way(pipeline: SpeechPipeline, segment: Segment, plan: Plan) -> tuple[str, Any]:
+    """A segment's target language and its route there (None where none reaches it)."""
+    target = plan.target(segment.language)
+    return target, route(segment.language, target, set(pipeline.pairs), pipeline.stt.multilingual)
+
+
+def _doubt(segment: Segment) -> str:
+    """Why to doubt a segment's language (Whisper's detection was a guess), or nothing."""
+    if segment.language_probability >= LOW_LANGUAGE_PROBABILITY:
+        return ""
+    return f"Whisper heard {segment.language!r} with probability {segment.language_probability:.2f} only"
+
+
+async def _nothing() -> AsyncGenerator[np.ndarray, None]:
+    """A voice that says nothing."""
+    return
+    yield
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """How one request's speech goes through the stages: one way into `targets[0]`, or, with two targets,
@@ -241,34 +270,35 @@ class SpeechPipeline:
         found = routes_from(heard, plan.target, pairs, self.stt.multilingual)
         return "; ".join(f"{h}={'>'.join(r.steps(self.stt.name, self.voices[t][1].name))}" for h, t, r in found)
 
-    async def interpret(self, segment: Segment, plan: Plan) -> Interpreted | None:
-        """One segment through its route (interpret_routes.py) and the voice of its target; None where
-        there is nothing to say."""
+    async def answer(self, segment: Segment, plan: Plan) -> tuple[Interpreted, AsyncGenerator[np.ndarray, None]] | None:
+        """One segment translated (no audio in its `Interpreted`) and its voice, a sentence's INT16 samples at a
+        time as made: one not read (a Realtime response.cancel) is never made. None: nothing to say."""
         heard = segment.text.strip()
         if not heard:
             return None
-        target = plan.target(segment.language)
+        target, found = _way(self, segment, plan)
         speaker, voice = self.voices[target]
-        silent = np.zeros(0, np.int16)
-        doubt = ""
-        if segment.language_probability < LOW_LANGUAGE_PROBABILITY:
-            doubt = f"Whisper heard {segment.language!r} with probability {segment.language_probability:.2f} only"
-        found = route(segment.language, target, set(self.pairs), self.stt.multilingual)
+        silent, doubt = np.zeros(0, np.int16), _doubt(segment)
         if found is None:
             note = f"heard {segment.language!r}: no route from it to {target!r}; not spoken"
             return Interpreted(
-                segment, "", silent, speaker.sample_rate, target, (), f"{doubt}; {note}" if doubt else note
-            )
+                segment, "", silent, speaker.sample_rate, target, (), "; ".join(filter(None, (doubt, note)))
+            ), _nothing()
         steps = tuple(found.steps(self.stt.name, voice.name))
         text = heard
         for pair in found.pairs:
             text = await self.pairs[pair].translate(text)
+        done = Interpreted(segment, text, silent, speaker.sample_rate, target, steps, doubt)
         try:
             shards = await speaker.prepare(text, voice.name)
         except BadRequest:  # nothing a voice can say ("..."): the text alone
-            return Interpreted(segment, text, silent, speaker.sample_rate, target, steps, doubt)
-        pieces = [p async for p in speaker.synthesize(shards, 1.0, voice=voice.name)]
-        return Interpreted(segment, text, np.concatenate(pieces), speaker.sample_rate, target, steps, doubt)
+            return done, _nothing()
+        return done, speaker.synthesize(shards, 1.0, voice=voice.name)
+
+    def heading(self, segment: Segment, plan: Plan) -> tuple[str, tuple[str, ...]]:
+        """Before an answer is made: its target language and its route's models (none where none reaches)."""
+        target, found = _way(self, segment, plan)
+        return target, tuple(found.steps(self.stt.name, self.voices[target][1].name)) if found else ()
 
     async def recording(
         self, samples: np.ndarray, plan: Plan, times: RequestTimes
@@ -276,7 +306,7 @@ class SpeechPipeline:
         """A whole recording's segments through every stage, each as soon as it is done."""
         async with contextlib.aclosing(self.stt.transcribe(samples, plan.options, times)) as segments:
             async for segment in segments:  # closed at once when its client leaves
-                if (done := await self.interpret(segment, plan)) is not None:
+                if (done := await interpreted(self, segment, plan)) is not None:
                     yield done
 
     async def infer(
@@ -292,7 +322,7 @@ class SpeechPipeline:
         samples = self.stt.samples(request)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
         chunk = await self.stt.live_chunk(samples, inner, False, plan.options, times)
-        done = [d for s in chunk.segments if (d := await self.interpret(s, plan)) is not None]
+        done = [d for s in chunk.segments if (d := await interpreted(self, s, plan)) is not None]
         serial = chunk.serial
         opened = Opened(self.name, sequence.id, serial) if serial is not None and not sequence.end else None
         return _tensors(done), opened
