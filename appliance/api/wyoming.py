@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -111,7 +110,9 @@ async def serve_client(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
 ) -> None:
-    handler = WyomingHandler(models, bounds.max_samples, client)
+    handler = WyomingHandler(
+        models, bounds.max_samples, client, lambda model, s: metrics.observe_live(model, "wyoming", s)
+    )
 
     async def send(event: Event) -> None:
         await async_write_event(event, writer)  # drains: a client that does not read stops us
@@ -123,10 +124,6 @@ async def serve_client(
             try:
                 for answer in await handler.handle(event, send):
                     await send(answer)
-                if AudioStop.is_type(event.type):
-                    stopped = time.monotonic()
-                    model = await handler.finish_transcription(send)
-                    metrics.observe_live(model, "wyoming", time.monotonic() - stopped)
             except (ApiError, ValueError, KeyError, TypeError) as exc:  # a bad event's fields: one error, go on
                 message = exc.message if isinstance(exc, ApiError) else f"bad {event.type} event: {exc}"
                 if AudioStop.is_type(event.type):
