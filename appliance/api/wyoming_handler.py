@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
+from wyoming.asr import Transcribe
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.event import Event
 from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
@@ -28,6 +28,7 @@ from wyoming.wake import Detect
 from appliance import __version__
 from appliance.api.wyoming_audio import SAMPLE_RATE, PcmIn
 from appliance.api.wyoming_events import WyomingError
+from appliance.api.wyoming_voice import Follower
 from appliance.api.wyoming_wake import WakeListening, wake_programs
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
@@ -59,6 +60,7 @@ class WyomingHandler:
         self.samples = 0
         self.pcm: PcmIn | None = None  # the recording's audio in, as its audio-start gave it
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
+        self.follower: Follower | None = None  # and its voice events and text so far (wyoming_voice.py)
         self.synthesis: ArrivingText | None = None  # streamed synthesis: its text not spoken yet
         self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
         self.synthesis_audio = False  # and whether its audio-start was sent
@@ -127,8 +129,9 @@ class WyomingHandler:
             return []
         if AudioChunk.is_type(event.type):
             samples = self._chunk(AudioChunk.from_event(event))
-            if self.heard is not None:
+            if self.heard is not None and self.follower is not None:
                 await self.heard.feed(samples)
+                return self.follower.heard_more(self.transcribe.language if self.transcribe else None)
             return []
         if AudioStop.is_type(event.type):
             stopped = time.monotonic()
@@ -189,12 +192,18 @@ class WyomingHandler:
         or options are refused (audio-stop says why, as without)."""
         self.close()
         with contextlib.suppress(ApiError):
-            self.heard = self._model().hear(self._options(), self.client)
+            model, options = self._model(), self._options()
+            self.heard = model.hear(options, self.client)
+            assert self.audio is not None
+            self.follower = Follower(self.heard, self.audio, lambda audio: model.transcribe(audio, options))
 
     def close(self) -> None:
         if self.wake is not None:
             self.wake.close()
             self.wake = None
+        if self.follower is not None:
+            self.follower.close()
+            self.follower = None
         if self.heard is not None:
             self.heard.close()
             self.heard = None
@@ -232,6 +241,7 @@ class WyomingHandler:
         audio = np.concatenate([*self.audio, self.pcm.flush()])
         self.audio, self.pcm = None, None
         heard, self.heard = self.heard, None
+        follower, self.follower = self.follower or Follower(None, []), None
         try:
             model, options = self._model(), self._options()
             model.check(options)  # a refused language or task: the error comes before transcript-start
@@ -239,14 +249,7 @@ class WyomingHandler:
             self.transcribe = None
             audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
             segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
-            texts = []
-            await send(TranscriptStart(language=language).event())
-            async with contextlib.aclosing(segments) as found:
-                async for segment in found:
-                    texts.append(segment.text.strip())
-                    await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
-            await send(TranscriptStop().event())
-            await send(Transcript(text=" ".join(texts), language=language).event())
+            await follower.finish(segments, send, language)
             return model.name
         finally:
             if heard is not None:

@@ -87,8 +87,22 @@ class LiveTranscriber(Transcriber, Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class VoiceHeard:
+    """What the VAD has heard of a recording so far (sample positions at 16 kHz)."""
+
+    listening: bool  # False once the recording is no longer heard as it arrives (sent too fast or slow)
+    speech_from: int | None  # where the speech being heard began; None in silence
+    speech_to: int  # where the last speech that ended ended (0 before any)
+    heard: int  # samples through the VAD
+
+
 class HeardRecording(Protocol):
     """A recording that arrives as it is spoken, its text asked for at its end (LiveTranscriber.hear)."""
+
+    def voice(self) -> VoiceHeard:
+        """Where its speech begins and ends, as far as the VAD heard it."""
+        ...
 
     async def feed(self, samples: np.ndarray) -> None:
         """Its next samples, as they arrive."""
