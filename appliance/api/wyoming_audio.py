@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from wyoming.audio import AudioChunk, AudioStart
 
-from appliance.audio import StreamResampler, pcm16
+from appliance.audio import StreamResampler, pcm16, to_pcm16
 from appliance.errors import BadRequest
 
 SAMPLE_RATE = 16000
@@ -34,6 +34,13 @@ class PcmIn:
         if channels > 1:
             samples = samples.reshape(-1, channels).mean(axis=1, dtype=np.float32)
         return self.resampler.feed(samples)
+
+    def feed_pcm16(self, chunk: AudioChunk) -> bytes:
+        """The same as 16 kHz PCM16 bytes: a satellite's own format passes as it came."""
+        whole = not self.partial_frame and len(chunk.audio) % 2 == 0
+        if whole and self.format == (SAMPLE_RATE, 1) and pcm_format(chunk, "audio-chunk") == self.format:
+            return chunk.audio
+        return to_pcm16(self.feed(chunk))
 
     def flush(self) -> np.ndarray:
         return self.resampler.flush()

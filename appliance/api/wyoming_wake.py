@@ -17,7 +17,6 @@ from wyoming.wake import Detect, Detection, NotDetected
 
 from appliance import __version__
 from appliance.api.wyoming_audio import PcmIn
-from appliance.audio import to_pcm16
 from appliance.errors import BadRequest
 from appliance.kinds.capabilities import WakeWordDetector
 
@@ -67,7 +66,7 @@ class WakeListening:
     async def chunk(self, chunk: AudioChunk) -> list[Event]:
         if self.pcm is None:  # a satellite streams its microphone without an audio-start
             self.pcm = PcmIn(chunk, "audio-chunk")
-        found = await self.detector.hear(self.stream, to_pcm16(self.pcm.feed(chunk)))
+        found = await self.detector.hear(self.stream, self.pcm.feed_pcm16(chunk))
         self.detected |= bool(found)
         return [Detection(name=name, timestamp=ms, context=self.context).event() for name, ms in found]
 

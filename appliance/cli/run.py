@@ -29,13 +29,14 @@ BENCH_PARTS = {
     "live": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
     "voices": {"kokoro_speech"},
+    "wake": {"wake_word"},
 }
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import hostile, https, live, speech, transcription, voices, workers
+    from appliance.bench import hostile, https, live, speech, transcription, voices, wake, workers
     from appliance.bench.daemon import MEMORY_AT_STOP
     from appliance.bench.run import run
     from appliance.config import EngineConfig
@@ -91,6 +92,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["voices"] = voices.run(args.bundle, args.trusted_keys, Path(tmp))
         print(f"appliance bench: {args.bundle}, Kokoro voices")
         print("\n".join(voices.report(results["voices"])))
+    if "wake" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["wake"] = wake.wake_bench(args.bundle, args.trusted_keys, Path(tmp))
+        print(f"appliance bench: {args.bundle}, wake words over Wyoming")
+        print("\n".join(wake.report(results["wake"])))
     print("appliance bench: resident memory of every process as each daemon stopped (MiB)")
     for label, processes in MEMORY_AT_STOP:
         print(f"  {label}: " + ", ".join(f"{name} {mib}" for name, mib in processes.items()))
