@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import numpy as np
 import pytest
@@ -205,3 +206,33 @@ def test_bad_detects_get_one_error_and_the_connection_goes_on(daemon: Daemon) ->
     assert "okay_nabu" in first.data["text"]  # it names the ones there are
     assert second.type == "error" and "names are a list" in second.data["text"], second
     assert third.type == "error" and "16-bit PCM" in third.data["text"], third
+
+
+def test_satellites_that_leave_mid_stream_free_their_streams(daemon: Daemon) -> None:
+    """72 satellites (past the firmware's bound of 64 streams), eight at a time, leave in the middle of
+    their audio (no audio-stop): four once the box has answered a ping after their audio, four at once,
+    while the box may be hearing it. The box is still up, and the next one is heard."""
+    talk = to_pcm16(say(OTHER[1], "en-us"))
+
+    async def leave(wait: bool) -> None:
+        async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+            await client.write_event(Detect().event())
+            for offset in range(0, len(talk) // 2, 640):
+                await client.write_event(
+                    AudioChunk(rate=RATE, width=2, channels=1, audio=talk[offset : offset + 640]).event()
+                )
+            if wait:
+                await client.write_event(Ping().event())
+                while (event := await asyncio.wait_for(client.read_event(), 60)) and not Pong.is_type(event.type):
+                    assert event.type != "error", event
+
+    async def run() -> None:
+        for _ in range(9):
+            await asyncio.gather(*(leave(i < 4) for i in range(8)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 120  # their connections end once the box has read what they sent
+    while (events := asyncio.run(detect(daemon, framed(say("Okay Nabu.", "en-us")))))[0].type == "error":
+        assert events[0].data["code"] == "too_many_connections_from_peer" and time.monotonic() < deadline, events
+        time.sleep(0.5)
+    assert [name for name, _ in detected(events)] == ["okay_nabu"], events

@@ -51,7 +51,7 @@ MARKS = {
 @dataclass(eq=False)
 class WakeStream:
     """One satellite's stream: its frontend, a detector per wake word, and what it has heard. Touched
-    only by the queue's thread once open."""
+    only by the queue's thread once open; its interpreters are freed with it."""
 
     detectors: dict[str, MicroWakeWord]
     frontend: MicroWakeWordFeatures = field(default_factory=MicroWakeWordFeatures)
@@ -73,10 +73,6 @@ class WakeStream:
                     self.last_detected[name] = now_ms
                     found.append((name, now_ms))
         return found
-
-    def close(self) -> None:
-        for detector in self.detectors.values():
-            detector.close()
 
 
 class WakeWordModel(QueuedModel):
@@ -116,8 +112,9 @@ class WakeWordModel(QueuedModel):
         return WakeStream({n: MicroWakeWord.from_config(self.configs[n]) for n in wanted})
 
     def close(self, stream: WakeStream) -> None:
+        """The stream's slot freed. Its interpreters go with the last reference to it (MicroWakeWord's
+        __del__), never here: a batch on the queue's thread may still be invoking them."""
         self.open_streams -= 1
-        stream.close()
 
     async def hear(self, stream: WakeStream, audio: bytes) -> list[tuple[str, int]]:
         """The wake words this audio completes: heard in the next batch, with every other stream's."""
