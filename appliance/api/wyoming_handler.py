@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -260,7 +260,7 @@ class WyomingHandler:
     ) -> None:
         """Each sentence's audio sent as soon as it is made (a client that does not read holds the rest),
         between audio-start and audio-stop (a streamed synthesis sends each once, around all its text)."""
-        model, voice = self._voice(wanted)
+        model, voice = chosen_voice(self.voices, wanted)
         rate = model.sample_rate
         shards = await model.prepare(text, voice)  # a text with nothing to say is an error before any audio
         if start:
@@ -275,24 +275,25 @@ class WyomingHandler:
         await self.speak(text, self.synthesis_voice, send, start=not self.synthesis_audio, stop=False)
         self.synthesis_audio = True
 
-    def _voice(self, wanted: SynthesizeVoice | None) -> tuple[Speaker, str]:
-        """The voice a synthesize event names; else the first of the language it names; else the box's first."""
-        spoken = [(m, v) for m in self.voices for v in m.voices.values()]
-        if not spoken:
-            raise BadRequest("this firmware serves no voice")
-        names = ", ".join(f"{v.name} ({v.language})" for _, v in spoken)
-        if wanted is not None and wanted.name:
-            found = [(m, v.name) for m, v in spoken if v.name == wanted.name]
-            if not found:
-                raise BadRequest(f"unknown voice {wanted.name[:80]!r} (voices: {names})")
-            return found[0]
-        if wanted is not None and wanted.language:
-            language = base_language(wanted.language)
-            found = [(m, v.name) for m, v in spoken if v.language == language]
-            if not found:
-                raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
-            return found[0]
-        return spoken[0][0], spoken[0][1].name
+
+def chosen_voice(voices: Sequence[Speaker], wanted: SynthesizeVoice | None) -> tuple[Speaker, str]:
+    """The voice a synthesize event names; else the first of the language it names; else the box's first."""
+    spoken = [(m, v) for m in voices for v in m.voices.values()]
+    if not spoken:
+        raise BadRequest("this firmware serves no voice")
+    names = ", ".join(f"{v.name} ({v.language})" for _, v in spoken)
+    if wanted is not None and wanted.name:
+        found = [(m, v.name) for m, v in spoken if v.name == wanted.name]
+        if not found:
+            raise BadRequest(f"unknown voice {wanted.name[:80]!r} (voices: {names})")
+        return found[0]
+    if wanted is not None and wanted.language:
+        language = base_language(wanted.language)
+        found = [(m, v.name) for m, v in spoken if v.language == language]
+        if not found:
+            raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
+        return found[0]
+    return spoken[0][0], spoken[0][1].name
 
 
 def _installed(*kinds: str) -> dict[str, Any]:
