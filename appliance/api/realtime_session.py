@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from appliance import g711
+from appliance.api.agreement import LocalAgreement
 from appliance.api.realtime_conversation import AudioItem, Conversation, Item, user_content
 from appliance.api.realtime_settings import (
     PCM,
@@ -103,8 +104,7 @@ class TranscriptionSession:
     heard_samples: int = 0  # 16 kHz samples of input so far: the clock of audio_start_ms / audio_end_ms
     _item: str | None = None  # the turn being heard, from speech_started on
     _previous: str | None = None
-    _hypothesis: list[str] = field(default_factory=list)  # the open turn's last text so far, in words
-    _sent_words: int = 0  # how many of its words went out as deltas
+    _agreement: LocalAgreement = field(default_factory=LocalAgreement)  # the open turn's words sent as deltas
     _client_event: str | None = None  # the event_id of the client event being handled: errors name it
 
     conversation: Conversation = field(init=False)
@@ -278,26 +278,13 @@ class TranscriptionSession:
         return [self.event("input_audio_buffer.speech_started", audio_start_ms=start_ms, item_id=self._item)]
 
     def partial(self, text: str) -> list[dict[str, Any]]:
-        """The open turn's text so far. Whisper revises what it heard as the audio grows (a word cut at
-        the end, a misheard start), and a delta cannot be taken back: so a word goes out once two texts
-        in a row agree on it and on every word before it (whisper_streaming's local agreement)."""
-        if self._item is None:
+        """The open turn's text so far: its words that two texts in a row agree on go out as deltas."""
+        if self._item is None or not (delta := self._agreement.hear(text)):
             return []
-        hypothesis = text.split()
-        agreed = 0
-        for mine, last in zip(hypothesis, self._hypothesis):
-            if _plain(mine) != _plain(last):
-                break
-            agreed += 1
-        self._hypothesis = hypothesis
-        if agreed <= self._sent_words:
-            return []
-        delta = " ".join(hypothesis[self._sent_words : agreed])
-        delta, self._sent_words = (" " + delta if self._sent_words else delta), agreed
         return [self.event(DELTA, item_id=self._item, content_index=0, delta=delta)]
 
     def _new_partials(self) -> None:
-        self._hypothesis, self._sent_words = [], 0
+        self._agreement = LocalAgreement()
 
     def turn_closed(self, end_sample: int | None, transcript: str, item_id: str | None = None) -> list[dict[str, Any]]:
         """A turn ended (the VAD's silence at `end_sample`, or a commit): stopped, committed, completed."""
@@ -320,11 +307,6 @@ class TranscriptionSession:
 
 
 DELTA = "conversation.item.input_audio_transcription.delta"
-
-
-def _plain(word: str) -> str:
-    """A word as two texts are compared: "sandwich," and "Sandwich." agree."""
-    return "".join(c for c in word.lower() if c.isalnum() or c == "'")
 
 
 COMPLETED = "conversation.item.input_audio_transcription.completed"

@@ -3,12 +3,18 @@ next to the API socket, served from the engine process: the same models, the sam
 
     describe                                   -> info: every speech_to_text model (its languages)
                                                   in one asr program, every voice of every speech
-                                                  model (its language) in one tts program
+                                                  model (its language) in one tts program, every
+                                                  wake word in one wake program per wake_word model
     transcribe, audio-start, audio-chunk..., audio-stop
-                                               -> transcript-start, transcript-chunk per segment as
-                                                  it is decoded, transcript-stop, then transcript
-                                                  (made ahead where the recording came as it was
-                                                  spoken and ended in silence: LiveTranscriber.hear)
+                                               -> voice-started / voice-stopped and transcript-start,
+                                                  transcript-chunk while the speech comes (where the
+                                                  recording comes as it is spoken: wyoming_voice.py),
+                                                  the rest as chunks at audio-stop, transcript-stop,
+                                                  then transcript (made ahead where the recording
+                                                  ended in silence: LiveTranscriber.hear)
+    detect, (audio-start,) audio-chunk..., audio-stop
+                                               -> detection per wake word heard, or not-detected at
+                                                  audio-stop (wyoming_wake.py)
     synthesize (or synthesize-start/-chunk.../-stop), its voice by name or by language
                                                -> audio-start, audio-chunk per sentence as it is
                                                   made, audio-stop (the streamed form: each sentence
@@ -26,8 +32,8 @@ its work. Concurrent clients' recordings share engine calls (the speech_to_text 
 wyoming-faster-whisper holds a lock per model.
 
 Here the connections: their admission and each one's loop. An event read with its bounds, and the
-error that closes a connection: wyoming_events.py; each event's answer: wyoming_handler.py; TCP and
-its mDNS announcement: wyoming_lan.py.
+error that closes a connection: wyoming_events.py; each event's answer: wyoming_handler.py (a
+stream's PCM in: wyoming_audio.py); TCP and its mDNS announcement: wyoming_lan.py.
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -112,7 +117,9 @@ async def serve_client(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
 ) -> None:
-    handler = WyomingHandler(models, bounds.max_samples, client)
+    handler = WyomingHandler(
+        models, bounds.max_samples, client, lambda model, s: metrics.observe_live(model, "wyoming", s)
+    )
 
     async def send(event: Event) -> None:
         await async_write_event(event, writer)  # drains: a client that does not read stops us
@@ -124,10 +131,6 @@ async def serve_client(
             try:
                 for answer in await handler.handle(event, send):
                     await send(answer)
-                if AudioStop.is_type(event.type):
-                    stopped = time.monotonic()
-                    model = await handler.finish_transcription(send)
-                    metrics.observe_live(model, "wyoming", time.monotonic() - stopped)
             except (ApiError, ValueError, KeyError, TypeError) as exc:  # a bad event's fields: one error, go on
                 message = exc.message if isinstance(exc, ApiError) else f"bad {event.type} event: {exc}"
                 if AudioStop.is_type(event.type):

@@ -4,13 +4,13 @@ describe, transcription of a recording as it arrives, synthesis whole or streame
 
 from __future__ import annotations
 
-import collections
 import contextlib
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
-from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
+from wyoming.asr import Transcribe
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.event import Event
 from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
@@ -23,20 +23,21 @@ from wyoming.tts import (
     SynthesizeStopped,
     SynthesizeVoice,
 )
+from wyoming.wake import Detect
 
 from appliance import __version__
+from appliance.api.wyoming_audio import SAMPLE_RATE, PcmIn
 from appliance.api.wyoming_events import WyomingError
 from appliance.api.wyoming_noise import denoiser
-from appliance.audio import StreamResampler, pcm16
+from appliance.api.wyoming_voice import Follower
+from appliance.api.wyoming_wake import WakeListening, wake_programs
 from appliance.denoise import Denoiser
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
-from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker
+from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker, WakeWordDetector
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
 from appliance.kinds.text import MAX_TEXT_CHARS, ArrivingText, checked_text
 
-SAMPLE_RATE = 16000
-MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 192000, 8  # the PCM a recording may come as
 # who made the models and voices Home Assistant lists: its voice settings show these beside them
 MADE_BY = {
     "speech_to_text": Attribution(name="OpenAI Whisper", url="https://github.com/openai/whisper"),
@@ -44,29 +45,35 @@ MADE_BY = {
     "kokoro_speech": Attribution(name="Kokoro-82M", url="https://huggingface.co/hexgrad/Kokoro-82M"),
 }
 Send = Callable[[Event], Awaitable[None]]
+Observe = Callable[[str, float], None]  # a model's transcript made, and how long after audio-stop (s)
 
 
 class WyomingHandler:
     """One client's connection: events in order, each answered as the protocol says."""
 
-    def __init__(self, models: dict[str, ServedModel], max_samples: int, client: str) -> None:
-        self.models, self.max_samples, self.client = models, max_samples, client
+    def __init__(self, models: dict[str, ServedModel], max_samples: int, client: str, observe: Observe) -> None:
+        self.models, self.max_samples, self.client, self.observe = models, max_samples, client, observe
+        self.wake_words = [m for m in models.values() if isinstance(m, WakeWordDetector)]
+        self.wake: WakeListening | None = None  # between detect and audio-stop: the audio is heard for wake words
         self.speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
         self.voices = [m for m in models.values() if isinstance(m, Speaker)]
         self.transcribe: Transcribe | None = None
         self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
         self.samples = 0
-        self.resampler: StreamResampler | None = None
+        self.pcm: PcmIn | None = None  # the recording's audio in, as its audio-start gave it
         self.denoiser: Denoiser | None = None  # where the transcribe event's context asks (wyoming_noise.py)
-        self.format = (SAMPLE_RATE, 1)  # the recording's rate and channels, as its audio-start gave them
-        self.partial_frame = b""  # a chunk's bytes that end inside a sample frame: the next chunk's start
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
+        self.follower: Follower | None = None  # and its voice events and text so far (wyoming_voice.py)
         self.synthesis: ArrivingText | None = None  # streamed synthesis: its text not spoken yet
         self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
         self.synthesis_audio = False  # and whether its audio-start was sent
 
     def info(self) -> Info:
-        return Info(asr=[self._asr()] if self.speech else [], tts=[self._tts()] if self.voices else [])
+        return Info(
+            asr=[self._asr()] if self.speech else [],
+            tts=[self._tts()] if self.voices else [],
+            wake=wake_programs(self.wake_words),
+        )
 
     def _asr(self) -> AsrProgram:
         return AsrProgram(
@@ -106,20 +113,35 @@ class WyomingHandler:
             self.transcribe = Transcribe.from_event(event)
             self.close()  # a recording under way was heard for other options
             return []
+        if Detect.is_type(event.type):
+            self.close()
+            self.wake = WakeListening(self.wake_words, Detect.from_event(event))
+            return []
+        if self.wake is not None and AudioChunk.is_type(event.type):
+            return await self.wake.chunk(AudioChunk.from_event(event))
+        if self.wake is not None and AudioStart.is_type(event.type):
+            self.wake.start(AudioStart.from_event(event))
+            return []
+        if self.wake is not None and AudioStop.is_type(event.type):
+            answers, self.wake = self.wake.stop(), None
+            return answers
         if AudioStart.is_type(event.type):
-            self.format = _pcm_format(AudioStart.from_event(event), "audio-start")
+            self.pcm = PcmIn(AudioStart.from_event(event), "audio-start")
             self.denoiser = denoiser(self.transcribe)  # a bad one refuses the recording: no audio-start
-            self.audio, self.samples, self.partial_frame = [], 0, b""
-            self.resampler = StreamResampler(self.format[0], SAMPLE_RATE)
+            self.audio, self.samples = [], 0
             self._hear()
             return []
         if AudioChunk.is_type(event.type):
             samples = self._chunk(AudioChunk.from_event(event))
-            if self.heard is not None:
+            if self.heard is not None and self.follower is not None:
                 await self.heard.feed(samples)
+                return self.follower.heard_more(self.transcribe.language if self.transcribe else None)
             return []
         if AudioStop.is_type(event.type):
-            return []  # the caller runs finish_transcription: its answers stream
+            stopped = time.monotonic()
+            model = await self.finish_transcription(send)  # its answers stream
+            self.observe(model, time.monotonic() - stopped)
+            return []
         if Synthesize.is_type(event.type):
             if self.synthesis is not None:
                 return []  # the streamed form's closing synthesize, for old servers: already spoken
@@ -156,25 +178,14 @@ class WyomingHandler:
         return []  # Wyoming: events a server does not know are ignored
 
     def _chunk(self, chunk: AudioChunk) -> np.ndarray:
-        if self.audio is None or self.resampler is None:
+        if self.audio is None or self.pcm is None:
             raise BadRequest("audio-chunk before audio-start")
-        rate, channels = _pcm_format(chunk, "audio-chunk")
-        if (rate, channels) != self.format:  # the resampler and the frames are audio-start's
-            raise BadRequest(
-                f"audio-chunk: rate {rate} and channels {channels} differ from audio-start's "
-                f"({self.format[0]}, {self.format[1]})"
-            )
-        data = self.partial_frame + chunk.audio
-        whole = len(data) - len(data) % (2 * channels)
-        samples, self.partial_frame = pcm16(data[:whole]), data[whole:]
-        if channels > 1:
-            samples = samples.reshape(-1, channels).mean(axis=1, dtype=np.float32)
-        resampled = self.resampler.feed(samples)
+        resampled = self.pcm.feed(chunk)
         if self.denoiser is not None:
             resampled = self.denoiser.feed(resampled)
         self.samples += len(resampled)
         if self.samples > self.max_samples:  # refused whole: no transcript of its beginning
-            self.audio, self.resampler = None, None
+            self.audio, self.pcm = None, None
             self.close()
             raise WyomingError(
                 f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording_too_long"
@@ -187,9 +198,18 @@ class WyomingHandler:
         or options are refused (audio-stop says why, as without)."""
         self.close()
         with contextlib.suppress(ApiError):
-            self.heard = self._model().hear(self._options(), self.client)
+            model, options = self._model(), self._options()
+            self.heard = model.hear(options, self.client)
+            assert self.audio is not None
+            self.follower = Follower(self.heard, self.audio, lambda audio: model.transcribe(audio, options))
 
     def close(self) -> None:
+        if self.wake is not None:
+            self.wake.close()
+            self.wake = None
+        if self.follower is not None:
+            self.follower.close()
+            self.follower = None
         if self.heard is not None:
             self.heard.close()
             self.heard = None
@@ -222,11 +242,13 @@ class WyomingHandler:
 
     async def finish_transcription(self, send: Send) -> str:
         """audio-stop: the recording's segments, each sent as it is decoded, then the whole transcript."""
-        if self.audio is None or self.resampler is None:
+        if self.audio is None or self.pcm is None:
             raise BadRequest("audio-stop before audio-start")
-        audio = np.concatenate([*self.audio, self.resampler.flush()])
-        self.audio, self.resampler = None, None
+        tail = self.pcm.flush()
+        audio = np.concatenate([*self.audio, self.denoiser.feed(tail) if self.denoiser is not None else tail])
+        self.audio, self.pcm, self.denoiser = None, None, None
         heard, self.heard = self.heard, None
+        follower, self.follower = self.follower or Follower(None, []), None
         try:
             model, options = self._model(), self._options()
             model.check(options)  # a refused language or task: the error comes before transcript-start
@@ -234,17 +256,7 @@ class WyomingHandler:
             self.transcribe = None
             audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
             segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
-            texts, spoken = [], collections.defaultdict[str, float](float)
-            await send(TranscriptStart(language=language).event())
-            async with contextlib.aclosing(segments) as found:
-                async for segment in found:
-                    texts.append(segment.text.strip())
-                    spoken[segment.language] += segment.end - segment.start
-                    await send(TranscriptChunk(text=(" " if len(texts) > 1 else "") + texts[-1]).event())
-            await send(TranscriptStop().event())
-            # none named: the language identified in most of the speech (a segment each, speech_languages.py)
-            heard_in = language or max(spoken, key=spoken.__getitem__, default=None)
-            await send(Transcript(text=" ".join(texts), language=heard_in).event())
+            await follower.finish(segments, send, language)
             return model.name
         finally:
             if heard is not None:
@@ -255,7 +267,7 @@ class WyomingHandler:
     ) -> None:
         """Each sentence's audio sent as soon as it is made (a client that does not read holds the rest),
         between audio-start and audio-stop (a streamed synthesis sends each once, around all its text)."""
-        model, voice = self._voice(wanted)
+        model, voice = chosen_voice(self.voices, wanted)
         rate = model.sample_rate
         shards = await model.prepare(text, voice)  # a text with nothing to say is an error before any audio
         if start:
@@ -270,42 +282,25 @@ class WyomingHandler:
         await self.speak(text, self.synthesis_voice, send, start=not self.synthesis_audio, stop=False)
         self.synthesis_audio = True
 
-    def _voice(self, wanted: SynthesizeVoice | None) -> tuple[Speaker, str]:
-        """The voice a synthesize event names; else the first of the language it names; else the box's first."""
-        spoken = [(m, v) for m in self.voices for v in m.voices.values()]
-        if not spoken:
-            raise BadRequest("this firmware serves no voice")
-        names = ", ".join(f"{v.name} ({v.language})" for _, v in spoken)
-        if wanted is not None and wanted.name:
-            found = [(m, v.name) for m, v in spoken if v.name == wanted.name]
-            if not found:
-                raise BadRequest(f"unknown voice {wanted.name[:80]!r} (voices: {names})")
-            return found[0]
-        if wanted is not None and wanted.language:
-            language = base_language(wanted.language)
-            found = [(m, v.name) for m, v in spoken if v.language == language]
-            if not found:
-                raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
-            return found[0]
-        return spoken[0][0], spoken[0][1].name
 
-
-def _pcm_format(audio: AudioStart | AudioChunk, event: str) -> tuple[int, int]:
-    """An audio event's rate and channels, where it is PCM the box takes: 16-bit, 1 to 8 channels, 8 to
-    192 kHz (a chunk of 0 channels has no frames, one of a billion holds every byte back)."""
-    fields = {"rate": audio.rate, "width": audio.width, "channels": audio.channels}
-    if (
-        not all(type(value) is int for value in fields.values())
-        or audio.width != 2
-        or not 1 <= audio.channels <= MAX_CHANNELS
-        or not MIN_RATE <= audio.rate <= MAX_RATE
-    ):
-        given = ", ".join(f"{name} {str(value)[:20]}" for name, value in fields.items())
-        raise BadRequest(
-            f"{event}: send 16-bit PCM (width 2), 1 to {MAX_CHANNELS} channels, {MIN_RATE // 1000} to "
-            f"{MAX_RATE // 1000} kHz; got {given}"
-        )
-    return audio.rate, audio.channels
+def chosen_voice(voices: Sequence[Speaker], wanted: SynthesizeVoice | None) -> tuple[Speaker, str]:
+    """The voice a synthesize event names; else the first of the language it names; else the box's first."""
+    spoken = [(m, v) for m in voices for v in m.voices.values()]
+    if not spoken:
+        raise BadRequest("this firmware serves no voice")
+    names = ", ".join(f"{v.name} ({v.language})" for _, v in spoken)
+    if wanted is not None and wanted.name:
+        found = [(m, v.name) for m, v in spoken if v.name == wanted.name]
+        if not found:
+            raise BadRequest(f"unknown voice {wanted.name[:80]!r} (voices: {names})")
+        return found[0]
+    if wanted is not None and wanted.language:
+        language = base_language(wanted.language)
+        found = [(m, v.name) for m, v in spoken if v.language == language]
+        if not found:
+            raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
+        return found[0]
+    return spoken[0][0], spoken[0][1].name
 
 
 def _installed(*kinds: str) -> dict[str, Any]:

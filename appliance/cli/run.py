@@ -30,6 +30,7 @@ BENCH_PARTS = {
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
     "voices": {"kokoro_speech"},
     "memory": {"speech_pipeline"},
+    "wake": {"wake_word"},
 }
 # Parts that take an hour or more run only when named.
 LONG_PARTS = {"memory"}
@@ -38,7 +39,7 @@ LONG_PARTS = {"memory"}
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import hostile, https, live, memory, speech, transcription, voices, workers
+    from appliance.bench import hostile, https, live, memory, speech, transcription, voices, wake, workers
     from appliance.bench.daemon import MEMORY_AT_STOP
     from appliance.bench.run import run
     from appliance.config import EngineConfig
@@ -101,6 +102,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["memory"] = memory.memory_soak(args.bundle, args.trusted_keys, Path(tmp), args.minutes)
         print(f"appliance bench: {args.bundle}, resident memory over {args.minutes} min of mixed use")
         print("\n".join(memory.report(results["memory"])))
+    if "wake" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["wake"] = wake.wake_bench(args.bundle, args.trusted_keys, Path(tmp))
+        print(f"appliance bench: {args.bundle}, wake words over Wyoming")
+        print("\n".join(wake.report(results["wake"])))
     print("appliance bench: resident memory of every process as each daemon stopped (MiB)")
     for label, processes in MEMORY_AT_STOP:
         print(f"  {label}: " + ", ".join(f"{name} {mib}" for name, mib in processes.items()))

@@ -106,6 +106,15 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         # request names none, and decodes the segments not in English ("": none, English is assumed)
         "languages_by": ParameterSchema(str, ""),
     },
+    # microWakeWord's streaming models (their .json and .tflite in the model's directory), heard for
+    # Wyoming's detect: at most max_streams streams at once, each of at most max_stream_s seconds, up to
+    # max_batch streams' audio in one engine call
+    "wake_word": {
+        "models": ParameterSchema(list),
+        "max_streams": ParameterSchema(int, 64, bounds=(1, 4096)),
+        "max_stream_s": ParameterSchema(int, 3600, bounds=(1, 86400)),
+        "max_batch": ParameterSchema(int, 64, bounds=(1, 4096)),
+    },
     # speech in, translated speech out, from models listed before it: a speech_to_text model, the
     # voices (the first of a language speaks it) and the text_translation pairs to use
     "speech_pipeline": {

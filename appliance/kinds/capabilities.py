@@ -87,8 +87,22 @@ class LiveTranscriber(Transcriber, Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class VoiceHeard:
+    """What the VAD has heard of a recording so far (sample positions at 16 kHz)."""
+
+    listening: bool  # False once the recording is no longer heard as it arrives (sent too fast or slow)
+    speech_from: int | None  # where the speech being heard began; None in silence
+    speech_to: int  # where the last speech that ended ended (0 before any)
+    heard: int  # samples through the VAD
+
+
 class HeardRecording(Protocol):
     """A recording that arrives as it is spoken, its text asked for at its end (LiveTranscriber.hear)."""
+
+    def voice(self) -> VoiceHeard:
+        """Where its speech begins and ends, as far as the VAD heard it."""
+        ...
 
     async def feed(self, samples: np.ndarray) -> None:
         """Its next samples, as they arrive."""
@@ -182,3 +196,33 @@ class Translator(Protocol):
     def name(self) -> str: ...
 
     async def translate(self, text: str, times: RequestTimes | None = None) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WakePhrase:
+    """One wake word a WakeWordDetector hears: its model's name, the phrase, the languages it was
+    trained on, and what the box says of it where it lists it (another company's mark, where it is)."""
+
+    name: str
+    phrase: str
+    languages: tuple[str, ...]
+    description: str
+
+
+@runtime_checkable
+class WakeWordDetector(Protocol):
+    """Wake words in streamed audio (kind wake_word): a stream opened per detect, its audio heard in
+    batches with every other stream's."""
+
+    spec: ModelSpec
+    phrases: Mapping[str, WakePhrase]
+
+    def open(self, names: list[str] | None) -> Any:
+        """A stream listening for these wake words (None: all); refused past the firmware's bound."""
+        ...
+
+    def close(self, stream: Any) -> None: ...
+
+    async def hear(self, stream: Any, audio: bytes) -> list[tuple[str, int]]:
+        """The wake words this 16 kHz PCM16 audio completes, each with its time in the stream (ms)."""
+        ...

@@ -22,6 +22,7 @@ from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError
 from appliance.kinds.base import SequenceCall
+from appliance.kinds.capabilities import VoiceHeard
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment, merged
 from appliance.kinds.speech_shards import ShardPlan
@@ -302,6 +303,11 @@ class Heard:
         async with contextlib.aclosing(self.model.transcribe(samples, self.options)) as found:
             async for segment in found:
                 yield segment
+
+    def voice(self) -> VoiceHeard:
+        tracker = self.tracker  # a released segment ends its padding after the speech
+        speech_to = max(0, self.spoken_to - tracker.pad) if self.released else 0
+        return VoiceHeard(self.listening, tracker.open_start if tracker.speaking else None, speech_to, self.through_vad)
 
     def close(self) -> None:
         self._drop_ahead()
