@@ -31,7 +31,8 @@ from appliance.client.quic import QuicSession
 from appliance.config import Config, ConnCacheConfig, Live
 from appliance.protocol.messages import Request, Response
 from appliance.transport.assembler import BodyBudget
-from appliance.transport.conncache import STEERING_MAP, ConnectionCache, KernelCache, open_cache
+from appliance.transport.conncache import STEERING_MAP, ConnectionCache, KernelCache
+from appliance.transport.conncache_choice import open_cache
 from appliance.transport.h3 import H3Server
 from appliance.transport.steering_ids import tag_cid, tag_connection_ids
 

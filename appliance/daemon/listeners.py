@@ -18,7 +18,8 @@ from appliance.errors import ApplianceError
 from appliance.front.quic_sockets import quic_sockets, worker_keys
 from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor
 from appliance.transport.assembler import BodyBudget
-from appliance.transport.conncache import ConnectionCache, open_cache
+from appliance.transport.conncache import ConnectionCache
+from appliance.transport.conncache_choice import open_cache
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
 from appliance.transport.https import HttpsServer

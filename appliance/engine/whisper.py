@@ -187,7 +187,7 @@ class WhisperEngine:
             group = [shards[i] for i in members]
             features = log_mel([s.samples for s in group], self.filters)
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
-            detected = self._languages(model, encoded, group)
+            detected = whisper_language.shard_languages(model, encoded, group, self.tokens.multilingual)
             languages = [language for language, _ in detected]
             prompts = [self.tokens.prompt(s.task, language, s.prompt) for s, language in zip(group, languages)]
             generated = self._generate(model, encoded, prompts, temperature)
@@ -266,28 +266,9 @@ class WhisperEngine:
 
     def _looping(self, ids: list[list[int]]) -> list[int]:
         """Which decodes loop on themselves (whisper_loops.py)."""
-        found = []
-        for i, tokens in enumerate(ids):
-            text = [t for t in tokens if t < self.tokens.eot]
-            if whisper_loops.looping(text, self.tokens.tokenizer.decode(text)):
-                found.append(i)
-        return found
+        return whisper_loops.looping_rows(ids, self.tokens.eot, self.tokens.tokenizer.decode)
 
     def detect(self, clips: list[np.ndarray]) -> list[tuple[str, float]]:
         """Each clip's language and its probability, as Whisper detects it (a multilingual model only)."""
         assert self.tokens.multilingual, "an English-only Whisper detects no language"
         return whisper_language.detect(self._model(len(clips)), self.filters, clips)
-
-    def _languages(
-        self, model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, group: list[Shard]
-    ) -> list[tuple[str, float]]:
-        """Each shard's language and its probability: the caller's (1.0), else Whisper's detection."""
-        if not self.tokens.multilingual:
-            return [("en", 1.0)] * len(group)
-        if all(s.language for s in group):
-            return [(s.language or "", 1.0) for s in group]
-        detected = model.detect_language(encoded)
-        return [
-            (s.language, 1.0) if s.language else (whisper_language.code(d[0][0]), round(float(d[0][1]), 3))
-            for s, d in zip(group, detected)
-        ]

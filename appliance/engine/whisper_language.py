@@ -15,6 +15,7 @@ import ctranslate2
 import numpy as np
 import tokenizers
 
+from appliance.engine.speech_engine import Shard
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel
 
 DETECT_PAD_S = 3.0  # silence heard after the segment
@@ -31,6 +32,21 @@ def detect(model: ctranslate2.models.Whisper, filters: np.ndarray, clips: list[n
     features = np.ascontiguousarray(log_mel(clips, filters)[:, :, :frames])
     found = model.detect_language(ctranslate2.StorageView.from_array(features))
     return [(code(best[0][0]), round(float(best[0][1]), 3)) for best in found]
+
+
+def shard_languages(
+    model: ctranslate2.models.Whisper, encoded: ctranslate2.StorageView, shards: list[Shard], multilingual: bool
+) -> list[tuple[str, float]]:
+    """Each shard's language and its probability: the caller's (1.0), else Whisper's detection on the
+    shard's encoded window."""
+    if not multilingual:
+        return [("en", 1.0)] * len(shards)
+    if all(s.language for s in shards):
+        return [(s.language or "", 1.0) for s in shards]
+    detected = model.detect_language(encoded)
+    return [
+        (s.language, 1.0) if s.language else (code(d[0][0]), round(float(d[0][1]), 3)) for s, d in zip(shards, detected)
+    ]
 
 
 def code(token: str) -> str:

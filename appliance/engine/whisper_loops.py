@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
+from collections.abc import Callable
 
 MAX_COMPRESSION = 2.4  # openai-whisper's compression_ratio_threshold
 REPEAT_TOKENS = 4  # a run this long
@@ -27,6 +28,16 @@ def looping(text_tokens: list[int], text: str) -> bool:
         return True
     runs = Counter(tuple(text_tokens[i : i + REPEAT_TOKENS]) for i in range(len(text_tokens) - REPEAT_TOKENS + 1))
     return max(runs.values(), default=0) > MAX_REPEATS
+
+
+def looping_rows(ids: list[list[int]], eot: int, decode: Callable[[list[int]], str]) -> list[int]:
+    """Which of a batch's decodes (token ids, special tokens from `eot` on) loop on themselves."""
+    found = []
+    for i, tokens in enumerate(ids):
+        text = [t for t in tokens if t < eot]
+        if looping(text, decode(text)):
+            found.append(i)
+    return found
 
 
 def cut(ids: list[int], eot: int) -> list[int]:

@@ -279,27 +279,28 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=&words=true]:
         a recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded;
         counted in the statistics as a request of this model."""
-        return await counted(self.stats, self._transcribed(request, query))
-
-    async def _transcribed(self, request: Request, query: dict[str, str]) -> Response:
-        stream, response_format, wanted = speech_api.transcribe_query(query)
-        self.check(wanted)
-        samples = await self.recording(request.body)
-        segments = self.transcribe(samples, wanted)
-        duration = round(len(samples) / SAMPLE_RATE, 3)
-        if stream:
-            return await ndjson(
-                segments,
-                speech_api.segment_json,
-                lambda count: {"model_name": self.name, "duration": duration, "segments": count},
-                f"streamed transcription by {self.name}",
-                {"MODEL": self.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
-            )
-        shown = ("segment", "word") if wanted.words else ("segment",)
-        return speech_api.render(await whole(segments), response_format, wanted.task, duration, shown)
+        return await counted(self.stats, _transcribed(self, request, query))
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+async def _transcribed(model: SpeechToText, request: Request, query: dict[str, str]) -> Response:
+    stream, response_format, wanted = speech_api.transcribe_query(query)
+    model.check(wanted)
+    samples = await model.recording(request.body)
+    segments = model.transcribe(samples, wanted)
+    duration = round(len(samples) / SAMPLE_RATE, 3)
+    if stream:
+        return await ndjson(
+            segments,
+            speech_api.segment_json,
+            lambda count: {"model_name": model.name, "duration": duration, "segments": count},
+            f"streamed transcription by {model.name}",
+            {"MODEL": model.name, "REQUEST_ID": request.headers.get("x-request-id", "-")},
+        )
+    shown = ("segment", "word") if wanted.words else ("segment",)
+    return speech_api.render(await whole(segments), response_format, wanted.task, duration, shown)
 
 
 class Prompts:

@@ -41,7 +41,8 @@ from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Handler, Opened, Request
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
-from appliance.transport.conncache import ConnectionCache, open_cache, peer_name
+from appliance.transport.conncache import ConnectionCache, peer_name
+from appliance.transport.conncache_choice import open_cache
 from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
 from appliance.transport.h3_websocket import WebSocketStreams, is_websocket_connect
 from appliance.transport.owners import SequenceOwners
@@ -128,8 +129,7 @@ class H3Server:
     def connections_from(self, host: str) -> int:
         return sum(c.peer.rpartition(":")[0] == host for c in self.connections)
 
-    def peers_held(self) -> set[str]:
-        """Peers with an open connection."""
+    def peers_held(self) -> set[str]:  # peers with an open connection
         return {c.peer for c in self.connections if c.peer}
 
     def close_peer(self, peer: str, reason: str) -> list[Opened]:
