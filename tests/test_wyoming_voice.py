@@ -30,9 +30,13 @@ def daemon(interpreter_daemon: Daemon) -> Daemon:
     return interpreter_daemon
 
 
-async def stream(daemon: Daemon, samples: np.ndarray, real_time: bool = True) -> list[tuple[Event, bool]]:
+async def stream(
+    daemon: Daemon, samples: np.ndarray, real_time: bool = True, words_before_stop: int = 0
+) -> list[tuple[Event, bool]]:
     """Every event up to the transcript, each with whether the client had sent audio-stop when it came
-    (a reader of its own runs while the audio is sent: the order, not a clock)."""
+    (a reader of its own runs while the audio is sent: the order, not a clock). `words_before_stop`: a
+    microphone that goes on hearing silence (up to 30 s of it) until the chunks hold that many words, so
+    that a busy machine's slower decodes still come while the audio does."""
     async with AsyncUnixClient(wyoming_socket(daemon)) as client:
         stopped, events = False, []
 
@@ -51,6 +55,11 @@ async def stream(daemon: Daemon, samples: np.ndarray, real_time: bool = True) ->
 
         step = RATE * 2 // 10  # 100 ms chunks
         await paced(send, to_pcm16(samples), step, 0.1 if real_time else 0.0)
+        for _ in range(300):
+            chunks = [TranscriptChunk.from_event(e).text for e, _ in events if TranscriptChunk.is_type(e.type)]
+            if len("".join(chunks).split()) >= words_before_stop:
+                break
+            await paced(send, bytes(step), step, 0.1)
         stopped = True
         await client.write_event(AudioStop().event())
         await reader
@@ -89,7 +98,7 @@ def test_transcript_chunks_stream_while_the_speech_comes_and_join_into_the_trans
     audio-stop, their words are the known text's first words, and every chunk joined is the transcript."""
     said = [CLEAR[1], CLEAR[0], CLEAR[5]]
     samples, _ = recording(said, gap_s=0.3, lead_s=0.5)
-    events = asyncio.run(stream(daemon, samples))
+    events = asyncio.run(stream(daemon, samples, words_before_stop=3))
     types = [e.type for e, _ in events]
     assert types[-2:] == ["transcript-stop", "transcript"] and types.count("transcript-start") == 1, types
     assert types.index("transcript-start") < types.index("transcript-chunk")
