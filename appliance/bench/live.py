@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import soxr
-from wyoming.asr import Transcribe, Transcript
+from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStop
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncClient
 from wyoming.info import Describe
@@ -127,9 +127,28 @@ async def realtime_session(socket: Path, query: str, session: dict[str, Any], un
     return figures
 
 
-async def wyoming_transcript(uri: str, samples: np.ndarray, real_time: bool) -> tuple[str, float]:
-    """One transcription as a Wyoming client asks it: its text, and seconds from audio-stop to it."""
+async def wyoming_transcript(
+    uri: str, samples: np.ndarray, real_time: bool, speech_s: float | None = None
+) -> tuple[str, float, dict[str, float]]:
+    """One transcription as a Wyoming client asks it: its text, seconds from audio-stop to it, and
+    seconds from the end of the speech (`speech_s` into the audio; else its end) to the first
+    transcript-chunk ("chunk") and to transcript-stop ("stop"), where the server streams them."""
     async with AsyncClient.from_uri(uri) as client:
+        arrived: dict[str, float] = {}
+
+        async def read() -> str:  # beside the sender: a chunk streamed while the audio still comes is seen then
+            while (event := await client.read_event()) is not None:
+                now = time.monotonic()
+                if TranscriptChunk.is_type(event.type):
+                    arrived.setdefault("chunk", now)
+                elif TranscriptStop.is_type(event.type):
+                    arrived.setdefault("stop", now)
+                elif Transcript.is_type(event.type):
+                    arrived["transcript"] = now
+                    return Transcript.from_event(event).text
+            raise RuntimeError(f"{uri}: closed before the transcript")
+
+        reader = asyncio.create_task(read())
         await client.write_event(Transcribe(language="en").event())
         await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
 
@@ -137,38 +156,44 @@ async def wyoming_transcript(uri: str, samples: np.ndarray, real_time: bool) -> 
             await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=piece).event())
 
         # at real-time pace, or all at once (a pace of 0)
-        await paced(send, to_pcm16(samples), int(RATE * 2 * WYOMING_CHUNK_S), WYOMING_CHUNK_S if real_time else 0.0)
+        step = int(RATE * 2 * WYOMING_CHUNK_S)
+        began = await paced(send, to_pcm16(samples), step, WYOMING_CHUNK_S if real_time else 0.0)
         await client.write_event(AudioStop().event())
         stopped = time.monotonic()
-        while (event := await client.read_event()) is not None:
-            if Transcript.is_type(event.type):
-                return Transcript.from_event(event).text, time.monotonic() - stopped
-    raise RuntimeError(f"{uri}: closed before the transcript")
+        text = await reader
+        spoken = began + (speech_s if speech_s is not None else len(samples) / RATE)
+        streamed: dict[str, float] = {k: arrived[k] - spoken for k in ("chunk", "stop") if k in arrived}
+        return text, arrived["transcript"] - stopped, streamed
 
 
 def wyoming_sentences(
     uri: str, sentences: list[np.ndarray], silence_s: float = 0.0
 ) -> tuple[dict[str, Any], list[str]]:
     """Each sentence at real-time pace, one after another, `silence_s` of silence after it: audio-stop
-    to transcript; and the texts."""
-    delays, texts = [], []
+    to transcript, and (where the server streams it) the end of the speech to the first transcript-chunk
+    and to transcript-stop; and the texts."""
+    delays, texts, streamed = [], [], []
     for samples in sentences:
         then = np.concatenate([samples, np.zeros(int(silence_s * RATE), np.float32)])
-        text, delay = asyncio.run(wyoming_transcript(uri, then, real_time=True))
+        text, delay, timed = asyncio.run(wyoming_transcript(uri, then, True, len(samples) / RATE))
         delays.append(delay)
         texts.append(text)
-    return percentiles(delays, len(sentences)), texts
+        streamed.append(timed)
+    figures = percentiles(delays, len(sentences))
+    for name in ("chunk", "stop"):
+        figures[f"speech_end_to_{name}"] = percentiles([t[name] for t in streamed if name in t], len(sentences))
+    return figures, texts
 
 
 def wyoming_together(uri: str, clips: list[np.ndarray]) -> tuple[float, list[str]]:
     """Every clip from a client of its own at once: the seconds until the last transcript; the texts."""
 
-    async def run() -> list[tuple[str, float]]:
+    async def run() -> list[tuple[str, float, dict[str, float]]]:
         return await asyncio.gather(*(wyoming_transcript(uri, clip, real_time=False) for clip in clips))
 
     began = time.monotonic()
     done = asyncio.run(run())
-    return time.monotonic() - began, [text for text, _ in done]
+    return time.monotonic() - began, [text for text, _, _ in done]
 
 
 class WyomingPeer:
@@ -316,6 +341,11 @@ def report(r: dict[str, Any]) -> list[str]:
         )
         + f"   (WER {r['wer']['box_ha']})",
         latency("the same: wyoming-faster-whisper", r["peer_wyoming_ha"]) + f"   (WER {r['wer']['peer_ha']})",
+        latency(
+            "the box's streamed transcript there, end of the speech to its first transcript-chunk",
+            r["wyoming_ha"]["speech_end_to_chunk"],
+        ),
+        latency("and to transcript-stop", r["wyoming_ha"]["speech_end_to_stop"]),
         f"    8 Wyoming clients x 10 s at once: box {r['clients8_s']} s, wyoming-faster-whisper "
         f"{r['peer_clients8_s']} s = {r['clients8_speedup']}x   target >= 2x   {mark[r['clients8_speedup'] >= 2]}"
         f"   (texts differ by WER {r['wer']['clients8_box_vs_peer']})",
