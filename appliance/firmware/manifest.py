@@ -106,6 +106,14 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
         # request names none, and decodes the segments not in English ("": none, English is assumed)
         "languages_by": ParameterSchema(str, ""),
     },
+    # Resemblyzer's GE2E encoder, converted to ONNX at build (firmware_build/ge2e.py): windows of
+    # window_frames mel frames (10 ms each; 160 = the 1.6 s it was trained on) every step_frames along the
+    # speech a diarization reads; up to max_batch windows of all waiting requests in one engine call
+    "speaker_embedding": {
+        "window_frames": ParameterSchema(int, 160, bounds=(50, 400)),
+        "step_frames": ParameterSchema(int, 40, bounds=(10, 400)),
+        "max_batch": ParameterSchema(int, 32, bounds=(1, 256)),
+    },
     # speech in, translated speech out, from models listed before it: a speech_to_text model, the
     # voices (the first of a language speaks it) and the text_translation pairs to use
     "speech_pipeline": {

@@ -29,6 +29,7 @@ KINDS: dict[str, str] = {
     "text_translation": "translation:TranslationModel",
     "speech_to_text": "speech_to_text:SpeechToText",
     "speech_pipeline": "pipeline:SpeechPipeline",
+    "speaker_embedding": "speaker_embedding:SpeakerEncoder",
 }
 
 
