@@ -29,13 +29,14 @@ BENCH_PARTS = {
     "live": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
     "voices": {"kokoro_speech"},
+    "diarization": {"speaker_embedding"},
 }
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import hostile, https, live, speech, transcription, voices, workers
+    from appliance.bench import diarization, hostile, https, live, speech, transcription, voices, workers
     from appliance.bench.daemon import MEMORY_AT_STOP
     from appliance.bench.run import run
     from appliance.config import EngineConfig
@@ -91,6 +92,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["voices"] = voices.run(args.bundle, args.trusted_keys, Path(tmp))
         print(f"appliance bench: {args.bundle}, Kokoro voices")
         print("\n".join(voices.report(results["voices"])))
+    if "diarization" in wanted:
+        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+            results["diarization"] = diarization.diarization_bench(args.bundle, args.trusted_keys, Path(tmp))
+        print(f"appliance bench: {args.bundle}, who spoke (diarization)")
+        print("\n".join(diarization.report(results["diarization"])))
     print("appliance bench: resident memory of every process as each daemon stopped (MiB)")
     for label, processes in MEMORY_AT_STOP:
         print(f"  {label}: " + ", ".join(f"{name} {mib}" for name, mib in processes.items()))
@@ -121,6 +127,6 @@ def add_bench(sub: Any) -> None:
         "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the "
         "Unix socket and Hypercorn over TLS), hostile (good clients' latency under each attack), transcription (speech to text against faster-whisper), live (Realtime and Wyoming against "
         "wyoming-faster-whisper), speech (speech, "
-        "translation and the pipeline)",
+        "translation and the pipeline), diarization (who spoke, against the same pipeline in process)",
     )
     bench.set_defaults(func=cmd_bench)

@@ -108,8 +108,9 @@ KIND_PARAMETERS: dict[str, dict[str, ParameterSchema]] = {
     },
     # Resemblyzer's GE2E encoder, converted to ONNX at build (firmware_build/ge2e.py): windows of
     # window_frames mel frames (10 ms each; 160 = the 1.6 s it was trained on) every step_frames along the
-    # speech a diarization reads; up to max_batch windows of all waiting requests in one engine call
+    # speech its VAD finds; up to max_batch windows of all waiting requests in one engine call
     "speaker_embedding": {
+        "vad": ParameterSchema(str),  # a VAD model listed before it: where a diarization's speech is
         "window_frames": ParameterSchema(int, 160, bounds=(50, 400)),
         "step_frames": ParameterSchema(int, 40, bounds=(10, 400)),
         "max_batch": ParameterSchema(int, 32, bounds=(1, 256)),

@@ -5,7 +5,8 @@ Its work is windows of mel frames (speaker_mels.py): an utterance's partials of 
 diarization's sliding windows. Every waiting request's windows of one length run together, up to the
 baked `max_batch` per engine call (engine/batch_queue.py).
 
-KServe infer: input `audio` (FP32 or INT16 samples at 16 kHz, or BYTES holding one encoded file),
+Its route `diarize` answers a recording's turns (who speaks when, kinds/diarized.py), in the speech its
+VAD finds. KServe infer: input `audio` (FP32 or INT16 samples at 16 kHz, or BYTES holding one encoded file),
 output `embedding` (FP32 [1, 256], L2-normalized): Resemblyzer's embed_utterance of the audio (its
 partials' mean, normalized), after its volume normalization.
 """
@@ -13,7 +14,7 @@ partials' mean, normalized), after its volume normalization.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import numpy as np
@@ -25,12 +26,14 @@ from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import Bundle, ModelSpec, TensorSpec
-from appliance.kinds import speaker_mels
-from appliance.kinds.audio_in import AUDIO_INPUT, audio_input
+from appliance.kinds import diarize, diarized, speaker_mels
+from appliance.kinds.audio_in import AUDIO_INPUT, audio_input, decode_upload
 from appliance.kinds.base import NoSequences, QueuedModel, SequenceCall, ServedModel, Task, stateless
+from appliance.kinds.counting import counted
 from appliance.kinds.speaker_mels import EMBEDDING_OUTPUT, HIDDEN, MELS_INPUT
 from appliance.kinds.triton_config import model_config
-from appliance.protocol.messages import Opened
+from appliance.kinds.vad import VadModel
+from appliance.protocol.messages import Opened, Request, Response, json_response
 from appliance.protocol.tensors import InferRequest
 
 MIN_SECONDS = 0.5  # shorter audio holds too little voice to say whose it is
@@ -48,8 +51,17 @@ class SpeakerEncoder(QueuedModel):
         self.queue: BatchQueue[np.ndarray, np.ndarray] = BatchQueue(
             self._run, self.max_batch, self.stats, QueuePolicy(spec.name, lambda: live.config.engine, self.stats)
         )
-        self.tasks: Mapping[str, Task] = {}
+        vad = loaded.get(str(params["vad"]))
+        if not isinstance(vad, VadModel):
+            raise ApplianceError(
+                f"model {spec.name}: parameters.vad {params['vad']!r} is not a VAD model listed before it"
+            )
+        self.vad: VadModel = vad
+        self.tasks: Mapping[str, Task] = {"diarize": self._diarize_route}
         self.sequences = NoSequences()
+
+    def speech(self, samples: np.ndarray) -> AsyncGenerator[tuple[int, int], None]:
+        return self.vad.segments(samples, self.live.config.vad)
 
     def _run(self, windows: list[np.ndarray]) -> list[np.ndarray]:
         batch = np.stack(windows)
@@ -76,6 +88,28 @@ class SpeakerEncoder(QueuedModel):
         windows = await asyncio.to_thread(speaker_mels.utterance_mels, speaker_mels.louder(samples))
         mean = (await self.embed(list(windows))).mean(axis=0)
         return (mean / max(float(np.linalg.norm(mean)), 1e-12)).astype(np.float32)
+
+    async def _diarize_route(self, request: Request, query: dict[str, str]) -> Response:
+        """POST /v2/models/{name}/diarize[?min_speakers=&max_speakers=]: a recording's turns, who speaks
+        from when to when (letters in order of first appearance), without its words."""
+        return await counted(self.stats, self._diarized(request, query))
+
+    async def _diarized(self, request: Request, query: dict[str, str]) -> Response:
+        unknown = sorted(set(query) - {"min_speakers", "max_speakers"})
+        if unknown:
+            raise BadRequest(f"unknown query parameter {unknown[0][:40]!r} (known: min_speakers, max_speakers)")
+        count = diarize.speaker_count(query)
+        self.queue.check_room()
+        samples = await asyncio.to_thread(decode_upload, request.body, speaker_mels.SAMPLE_RATE, self.live)
+        turns = await diarized.timeline(self, samples, diarized.Who(count))
+        return json_response(
+            200,
+            {
+                "duration": round(len(samples) / speaker_mels.SAMPLE_RATE, 3),
+                "speakers": len({t.speaker for t in turns}),
+                "turns": [{"start": t.start, "end": t.end, "speaker": t.speaker} for t in turns],
+            },
+        )
 
     async def probe(self) -> None:
         noise = np.random.default_rng(0).normal(0, 0.1, speaker_mels.SAMPLE_RATE).astype(np.float32)
