@@ -54,7 +54,7 @@ lint: venv
 bench: firmware firmware-default $(VOICE_BUNDLE)/manifest.json
 	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
 	$(APPLIANCE) bench --bundle $(VOICE_BUNDLE) --trusted-keys $(TRUSTED) --part transcription
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices,diarization
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
