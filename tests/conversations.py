@@ -12,10 +12,9 @@ import random
 from dataclasses import dataclass
 
 import numpy as np
-from kokoro import ESPEAK, Kokoro
+from kokoro import Kokoro
 from speech import RATE, say
 
-ESPEAK.update({"a": "en-us", "b": "en-gb"})  # Kokoro's American and British English voices
 SENTENCES = [
     "The train leaves at three in the afternoon, so we should hurry.",
     "My brother works at the hospital near the old station.",
