@@ -54,7 +54,7 @@ lint: venv
 bench: firmware firmware-default $(VOICE_BUNDLE)/manifest.json
 	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
 	$(APPLIANCE) bench --bundle $(VOICE_BUNDLE) --trusted-keys $(TRUSTED) --part transcription
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices,wake
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices,wake,diarization
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:
@@ -85,6 +85,9 @@ $(VENV)/.installed: pyproject.toml | deps
 	# RNNoise's library for noise reduction (appliance/denoise.py loads it with ctypes; BSD-3, NOTICE-rnnoise.txt):
 	# --no-deps keeps out what its own Python wrapper imports (audiolab, PyAV, matplotlib).
 	$(VENV)/bin/pip install -q --no-deps pyrnnoise==0.4.5
+	# Resemblyzer's GE2E speaker encoder: the build reads its pretrained.pt without torch. With its dependencies
+	# (torch 2.13 CPU, librosa) for the test that holds the converted graph to Resemblyzer's own output only.
+	$(VENV)/bin/pip install -q torch==2.13.0 resemblyzer==0.1.4
 	# The gpu extra (pycuda, tensorrt) only where an NVIDIA driver answers.
 	if nvidia-smi -L >/dev/null 2>&1; then $(VENV)/bin/pip install -q -e '.[gpu]'; fi
 	touch $@

@@ -20,7 +20,7 @@ import soxr
 ROOT = Path(__file__).resolve().parent.parent
 VOICES = ROOT / "build" / "npm" / "kokoro-js-1.2.1" / "package" / "voices"
 RATE = 24000
-ESPEAK = {"p": "pt-br", "e": "es", "f": "fr-fr", "i": "it"}
+ESPEAK = {"p": "pt-br", "e": "es", "f": "fr-fr", "i": "it", "a": "en-us", "b": "en-gb"}  # by the voice's first letter
 TIES = {
     "a^ɪ": "I", "a^ʊ": "W", "d^z": "ʣ", "d^ʒ": "ʤ", "e^ɪ": "A", "o^ʊ": "O", "ə^ʊ": "Q", "s^s": "S",
     "t^s": "ʦ", "t^ʃ": "ʧ", "ɔ^ɪ": "Y",

@@ -54,15 +54,16 @@ def errors(reference: str, hypothesis: str) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def table(voice_daemon: Daemon) -> dict[tuple[str, int, str], float]:
-    """WER per (noise, SNR, noise_reduction), over the sentences of test_speech_to_text."""
-    found: dict[tuple[str, int, str], float] = {}
+def table(voice_daemon: Daemon) -> dict[tuple[str, int, str], tuple[float, list[str]]]:
+    """WER per (noise, SNR, noise_reduction), over the sentences of test_speech_to_text; and the texts."""
+    found: dict[tuple[str, int, str], tuple[float, list[str]]] = {}
     with tcp_to_unix(voice_daemon.socket) as address:
         client = openai.OpenAI(api_key="on-box", base_url=f"http://{address}/v1", max_retries=0, timeout=300)
         for kind in NOISES:
             for snr in SNRS:
                 for mode in ("none", "near_field"):
                     wrong = total = 0
+                    texts = []
                     for index, sentence in enumerate(SENTENCES):
                         body = wav(noisy(sentence, kind, snr, offset_s=2.9 * index))
                         text = client.audio.transcriptions.create(
@@ -70,11 +71,14 @@ def table(voice_daemon: Daemon) -> dict[tuple[str, int, str], float]:
                         ).text
                         e, n = errors(sentence, text)
                         wrong, total = wrong + e, total + n
-                    found[(kind, snr, mode)] = wrong / total
+                        texts.append(text)
+                    found[(kind, snr, mode)] = (wrong / total, texts)
     print("\nnoise  SNR  WER without  WER with noise_reduction")
     for kind in NOISES:
         for snr in SNRS:
-            print(f"{kind:6} {snr:2} dB  {found[(kind, snr, 'none')]:.3f}  {found[(kind, snr, 'near_field')]:.3f}")
+            print(
+                f"{kind:6} {snr:2} dB  {found[(kind, snr, 'none')][0]:.3f}  {found[(kind, snr, 'near_field')][0]:.3f}"
+            )
     return found
 
 
@@ -82,9 +86,9 @@ def table(voice_daemon: Daemon) -> dict[tuple[str, int, str], float]:
 def test_noise_reduction_changes_what_whisper_hears_and_the_table(table: dict) -> None:
     """The table in docs/speech-and-translation.md#noise-reduction (printed with -s). RNNoise raised
     the word error rate in every row there, so it is off by default everywhere; this holds the
-    route to its word: the option reaches Whisper's input (each noise's rows differ with it)."""
+    route to its word: the option reaches Whisper's input (in each noise, texts differ with it)."""
     for kind in NOISES:
-        assert any(table[(kind, snr, "near_field")] != table[(kind, snr, "none")] for snr in SNRS), table
+        assert any(table[(kind, snr, "near_field")][1] != table[(kind, snr, "none")][1] for snr in SNRS), table
 
 
 def test_a_bad_noise_reduction_is_a_400_naming_it(voice_daemon: Daemon) -> None:
@@ -135,13 +139,16 @@ def test_realtime_session_with_noise_reduction(voice_daemon: Daemon) -> None:
 
 
 def test_wyoming_transcribe_context_asks_for_noise_reduction(voice_daemon: Daemon) -> None:
-    """`context.noise_reduction` in the transcribe event (the box's own key): near_field hears the
-    sentence in fan noise; a value it does not know is an error event naming it, and no transcript."""
+    """`context.noise_reduction` in the transcribe event (the box's own key): near_field reaches what
+    Whisper hears (a sentence in fan noise is heard otherwise than without it: RNNoise changes even
+    clean espeak-ng speech, docs); a value it does not know is an error event naming it, and no
+    transcript."""
     sentence = ENGLISH[2]
     samples = noisy(sentence, "fan", 0, 3.0)
+    plain, _ = asyncio.run(transcribe(voice_daemon, samples, asked=Transcribe(name=TINY, language="en")))
     asked = Transcribe(name=TINY, language="en", context={"noise_reduction": "near_field"})
     text, _ = asyncio.run(transcribe(voice_daemon, samples, asked=asked))
-    assert text is not None and wer(sentence, text) <= 0.2, text
+    assert plain and text and text != plain, (plain, text)
     bad = Transcribe(name=TINY, language="en", context={"noise_reduction": "loud"})
     text, seen = asyncio.run(transcribe(voice_daemon, samples, asked=bad))
     errors = [Error.from_event(e).text for e in seen if Error.is_type(e.type)]

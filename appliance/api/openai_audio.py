@@ -14,6 +14,7 @@ Errors are in OpenAI's shape, naming the field at fault.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -24,16 +25,20 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
 from appliance.api import openai_models
+from appliance.api import openai_speakers as speakers
 from appliance.api.bodies import MAX_FORM_FIELDS, openai_errors, refused
 from appliance.denoise import MODES, denoise
 from appliance.errors import ApiError, BadRequest
+from appliance.kinds import diarized
 from appliance.kinds.base import ServedModel
-from appliance.kinds.capabilities import Transcriber
+from appliance.kinds.capabilities import Transcriber, VoicePrinter
 from appliance.kinds.counting import counted
+from appliance.kinds.diarize import SpeakerCount
+from appliance.kinds.diarized import Who
 from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, SUBTITLES, Options, Segment, render, word_json
 from appliance.kinds.streaming import begun, guarded, query_flag, whole
 from appliance.protocol.json_reader import JsonReader
-from appliance.protocol.messages import Request, Response
+from appliance.protocol.messages import Request, Response, json_response
 from appliance.tasks import off_loop
 
 FIELDS = {
@@ -48,10 +53,18 @@ FIELDS = {
     "chunking_strategy",
     "include[]",
     "noise_reduction",
+    "known_speaker_names[]",
+    "known_speaker_references[]",
+    "min_speakers",  # the box's own: bounds on the speaker count a diarization finds
+    "max_speakers",
 }
-REPEATED = ("timestamp_granularities[]", "include[]")  # list fields: one part per element
+# list fields: one part per element
+REPEATED = ("timestamp_granularities[]", "include[]", "known_speaker_names[]", "known_speaker_references[]")
 GRANULARITIES = ("segment", "word")
-MAX_FIELD_BYTES = 64 * 1024  # any form field but the file
+DIARIZED = "diarized_json"  # OpenAI's answer with speakers
+MAX_FIELD_BYTES = 64 * 1024  # any form field but the file and the speakers' clips
+# a known speaker's clip as a data URL: 10 s of 48 kHz stereo PCM16 in base64 (the body limit bounds them all)
+MAX_CLIP_BYTES = 4 * 1024 * 1024
 
 Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
 
@@ -93,8 +106,9 @@ def parse_form(request: Request) -> tuple[dict[str, str], dict[str, list[str]], 
         count_part()
         name = field.field_name.decode(errors="replace")
         value = field.value or b""
-        if len(value) > MAX_FIELD_BYTES:
-            raise BadRequest(f"form field {name!r} is longer than {MAX_FIELD_BYTES} bytes")
+        limit = MAX_CLIP_BYTES if name == "known_speaker_references[]" else MAX_FIELD_BYTES
+        if len(value) > limit:
+            raise BadRequest(f"form field {name!r} is longer than {limit} bytes")
         if name in lists:
             lists[name].append(value.decode(errors="replace"))
         else:
@@ -132,9 +146,9 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
     language = fields.get("language", "").lower() or None
     model = openai_models.speech_to_text(models, fields.get("model", ""), task, language)
     response_format = fields.get("response_format", "json")
-    if response_format not in FORMATS:
+    if response_format not in (*FORMATS, DIARIZED):
         raise BadRequest(
-            f"response_format must be one of {', '.join(FORMATS)}, got {response_format[:40]!r}",
+            f"response_format must be one of {', '.join(FORMATS)}, {DIARIZED}, got {response_format[:40]!r}",
             param="response_format",
         )
     try:
@@ -155,7 +169,9 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
         stream = query_flag(fields, "stream", where="form field")
     except ApiError as exc:
         raise ApiError(exc.message, exc.status, param="stream") from None
-    words = "word" in granularities or response_format in SUBTITLES  # subtitles are cut at the words
+    asked = speakers.asked(fields, lists, response_format == DIARIZED)
+    # subtitles are cut at the words, and a diarization gives each word its speaker
+    words = "word" in granularities or response_format in SUBTITLES or asked
     options = Options(language, task, fields.get("prompt", ""), temperature, words)
     try:
         model.check(options)
@@ -167,7 +183,12 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
         raise BadRequest(
             f"noise_reduction must be none, near_field or far_field, got {noise[:40]!r}", param="noise_reduction"
         )
-    transcribed = _transcribed(model, audio, options, response_format, stream, granularities, noise != "none")
+    printer = speakers.printer(models) if asked else None
+    who = speakers.count(fields, lists) if asked else None
+    quieter = noise != "none"
+    transcribed = _transcribed(
+        model, audio, options, response_format, stream, granularities, printer, who, lists, quieter
+    )
     return await counted(model.stats, transcribed)
 
 
@@ -178,18 +199,28 @@ async def _transcribed(
     response_format: str,
     stream: bool,
     granularities: list[str],
+    printer: VoicePrinter | None,
+    count: SpeakerCount | None,
+    lists: dict[str, list[str]],
     quieter: bool,
 ) -> Response:
     samples = await model.recording(audio)
     if quieter:  # RNNoise, some 50 ms a second of audio: a long recording's off the loop
         samples = await off_loop(samples.nbytes, denoise, samples)
     segments = model.transcribe(samples, options)
+    if printer is not None and count is not None:
+        who = Who(count, await speakers.known(printer, model, lists))
+        segments = diarized.labelled(segments, asyncio.ensure_future(diarized.timeline(printer, samples, who)))
+    duration = len(samples) / SAMPLE_RATE
     if stream:
-        events = _events(await begun(segments), model.name, "word" in granularities)
+        diarizing = response_format == DIARIZED
+        events = _events(await begun(segments), model.name, "word" in granularities, diarizing, duration)
         return Response(200, content_type="text/event-stream", stream=events)
     found = await whole(segments)
+    if response_format == DIARIZED:
+        return json_response(200, diarized.diarized_json(found, duration))
     shown = tuple(granularities) or ("segment",)
-    return render(found, response_format, options.task, len(samples) / SAMPLE_RATE, shown)
+    return render(found, response_format, options.task, duration, shown)
 
 
 def _check_chunking(value: str) -> None:
@@ -206,9 +237,12 @@ def _check_chunking(value: str) -> None:
         )
 
 
-def _events(segments: AsyncIterator[Segment], model: str, words: bool) -> AsyncGenerator[bytes, None]:
+def _events(
+    segments: AsyncIterator[Segment], model: str, words: bool, diarizing: bool, duration: float
+) -> AsyncGenerator[bytes, None]:
     """Server-sent events as OpenAI streams a transcription: a delta per segment (with its words when
-    asked), then the whole text (and every word)."""
+    asked), then the whole text (and every word). Diarized (diarized_json): each delta names its
+    segment, and a `transcript.text.segment` event with its speaker follows it."""
     texts: list[str] = []
     every: list[dict[str, Any]] = []
 
@@ -218,12 +252,17 @@ def _events(segments: AsyncIterator[Segment], model: str, words: bool) -> AsyncG
         if words:
             doc["words"] = [word_json(w) for w in segment.words]
             every.extend(doc["words"])
-        return _event(doc)
+        if not diarizing:
+            return _event(doc)
+        event = diarized.segment_event(len(texts) - 1, segment)
+        return _event(doc | {"segment_id": event["id"]}) + _event(event)
 
     def done(count: int) -> bytes:
         doc: dict[str, Any] = {"type": "transcript.text.done", "text": " ".join(texts)}
         if words:
             doc["words"] = every
+        if diarizing:
+            doc["usage"] = {"type": "duration", "seconds": round(duration, 3)}
         return _event(doc)
 
     return guarded(

@@ -20,10 +20,11 @@ from appliance.api.routes import Route
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.firmware import Manifest
 from appliance.kinds.base import ServedModel
-from appliance.kinds.capabilities import Speaker, Transcriber
+from appliance.kinds.capabilities import Speaker, Transcriber, VoicePrinter
 from appliance.protocol.messages import Request, Response, json_response
 
 TRANSCRIPTION_ALIASES = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
+DIARIZED_MODEL = "gpt-4o-transcribe-diarize"  # OpenAI's transcription with speakers: where a firmware has voiceprints
 
 
 def routes(models: Mapping[str, ServedModel], manifest: Manifest) -> list[Route]:
@@ -47,6 +48,8 @@ def _names(models: Mapping[str, ServedModel]) -> list[str]:
     aliases: list[str] = []
     if any(isinstance(m, Transcriber) for m in models.values()):
         aliases += TRANSCRIPTION_ALIASES
+        if any(isinstance(m, VoicePrinter) for m in models.values()):
+            aliases.append(DIARIZED_MODEL)
     if any(isinstance(m, Speaker) for m in models.values()):
         aliases += SPEECH_ALIASES
     return [*models, *(a for a in aliases if a not in models)]
@@ -74,7 +77,7 @@ def speech_to_text(models: Mapping[str, ServedModel], name: str, task: str, lang
         if not isinstance(chosen, Transcriber):
             raise BadRequest(f"model {name!r} is a {chosen.spec.kind} model, not speech_to_text", param="model")
         return chosen
-    if name not in TRANSCRIPTION_ALIASES:
+    if name not in (*TRANSCRIPTION_ALIASES, DIARIZED_MODEL):
         served = ", ".join(m.name for m in speech) or "none"
         raise ApiError(
             f"The model '{name[:80]}' does not exist (speech_to_text models served: {served})", 404, param="model"

@@ -245,7 +245,9 @@ class WyomingHandler:
         if self.audio is None or self.pcm is None:
             raise BadRequest("audio-stop before audio-start")
         tail = self.pcm.flush()
-        audio = np.concatenate([*self.audio, self.denoiser.feed(tail) if self.denoiser is not None else tail])
+        if self.denoiser is not None:  # its last 20 ms too
+            tail = np.concatenate([self.denoiser.feed(tail), self.denoiser.flush()])
+        audio = np.concatenate([*self.audio, tail])
         self.audio, self.pcm, self.denoiser = None, None, None
         heard, self.heard = self.heard, None
         follower, self.follower = self.follower or Follower(None, []), None

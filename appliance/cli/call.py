@@ -42,7 +42,8 @@ CALL_ACTIONS = {
     "mode (each turn into the other of --languages A,B, default the pipeline's two); each segment's texts and "
     "route printed as it is spoken (POST /v2/models/MODEL/interpret); nothing spoken exits 1",
     "transcribe": "the text of an audio FILE with segment times (POST /v2/models/MODEL/transcribe); --language, "
-    "--translate (to English), --format json|text|verbose_json|srt|vtt, --stream (a line per segment)",
+    "--translate (to English), --format json|text|verbose_json|srt|vtt, --stream (a line per segment); "
+    "--speakers [N] (who said what: a line per turn, POST /v1/audio/transcriptions), --known NAME=CLIP",
     "live": "sends an audio FILE as a live stream in real time, 256 ms chunks (Triton sequence), and prints "
     "each segment's text as soon as it is final",
 }
@@ -328,6 +329,14 @@ def add_parsers(sub: Any) -> None:
     call.add_argument("--stream", action="store_true", help="vad, transcribe: print each segment when final")
     call.add_argument("--language", help="transcribe, live: the speech's language (ISO 639-1), else detected")
     call.add_argument("--translate", action="store_true", help="transcribe, live: English text of any language")
+    call.add_argument(
+        "--speakers", nargs="?", const="", metavar="N",
+        help="transcribe: who said what (the firmware's speaker model); N: that many speakers, else found",
+    )  # fmt: skip
+    call.add_argument(
+        "--known", action="append", metavar="NAME=CLIP",
+        help="transcribe --speakers: a known speaker's name and a 2 to 10 s clip of their voice (repeatable)",
+    )  # fmt: skip
     call.add_argument(
         "--format",
         choices=sorted({*SPEAK_FORMATS, *speech.FORMATS}),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ BENCH_PARTS = {
     "voices": {"kokoro_speech"},
     "memory": {"speech_pipeline"},
     "wake": {"wake_word"},
+    "diarization": {"speaker_embedding"},
 }
 # Parts that take an hour or more run only when named.
 LONG_PARTS = {"memory"}
@@ -39,10 +41,8 @@ LONG_PARTS = {"memory"}
 def cmd_bench(args: argparse.Namespace) -> int:
     # lazy: the bench loads ONNX Runtime and aioquic in this process
     from appliance import firmware
-    from appliance.bench import hostile, https, live, memory, speech, transcription, voices, wake, workers
     from appliance.bench.daemon import MEMORY_AT_STOP
     from appliance.bench.run import run
-    from appliance.config import EngineConfig
 
     kinds = {m.kind for m in firmware.verify(args.bundle, args.trusted_keys).manifest.models}
     parts = set(args.part.split(","))
@@ -55,58 +55,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if (part in parts or ("all" in parts and part not in LONG_PARTS)) and kinds & part_kinds
     }
     results: dict[str, Any] = {}
-    if "vad" in wanted:
+    if "vad" in wanted:  # the VAD's figures are the document's top level, as they always were
         results = run(args.bundle, args.trusted_keys, args.seconds)
         print("\n".join(report(results)))
-    if "workers" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["workers"] = workers.workers_scaling(args.bundle, args.trusted_keys, Path(tmp), args.seconds)
-        print(f"appliance bench: {args.bundle}, protocol workers")
-        print("\n".join(workers.report(results["workers"])))
-    if "https" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["https"] = https.https_bench(args.bundle, args.trusted_keys, Path(tmp), args.seconds)
-        print(f"appliance bench: {args.bundle}, HTTPS on TCP against QUIC and the Unix socket")
-        print("\n".join(https.report(results["https"])))
-    if "hostile" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["hostile"] = hostile.hostile_bench(
-                args.bundle, args.trusted_keys, Path(tmp), max(3.0, args.seconds)
-            )
-        print(f"appliance bench: {args.bundle}, good clients under attack")
-        print("\n".join(hostile.report(results["hostile"])))
-    if "transcription" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["transcription"] = transcription.transcription_bench(
-                args.bundle, args.trusted_keys, Path(tmp), EngineConfig().threads
-            )
-        print(f"appliance bench: {args.bundle}, speech to text")
-        print("\n".join(transcription.report(results["transcription"])))
-    if "live" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["live"] = live.live_bench(args.bundle, args.trusted_keys, Path(tmp), EngineConfig().threads)
-        print(f"appliance bench: {args.bundle}, live speech over Realtime and Wyoming")
-        print("\n".join(live.report(results["live"])))
-    if "speech" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results.update(speech.run(args.bundle, args.trusted_keys, Path(tmp)))
-        print(f"appliance bench: {args.bundle}, speech and translation")
-        print("\n".join(speech.report(results)))
-    if "voices" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["voices"] = voices.run(args.bundle, args.trusted_keys, Path(tmp))
-        print(f"appliance bench: {args.bundle}, Kokoro voices")
-        print("\n".join(voices.report(results["voices"])))
-    if "memory" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["memory"] = memory.memory_soak(args.bundle, args.trusted_keys, Path(tmp), args.minutes)
-        print(f"appliance bench: {args.bundle}, resident memory over {args.minutes} min of mixed use")
-        print("\n".join(memory.report(results["memory"])))
-    if "wake" in wanted:
-        with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
-            results["wake"] = wake.wake_bench(args.bundle, args.trusted_keys, Path(tmp))
-        print(f"appliance bench: {args.bundle}, wake words over Wyoming")
-        print("\n".join(wake.report(results["wake"])))
+    for part, (title, measure, report_of) in _measured_parts(args).items():
+        if part in wanted:
+            with tempfile.TemporaryDirectory(prefix="appliance-bench-") as tmp:
+                results[part] = measure(Path(tmp))
+            print(f"appliance bench: {args.bundle}, {title}")
+            print("\n".join(report_of(results[part])))
     print("appliance bench: resident memory of every process as each daemon stopped (MiB)")
     for label, processes in MEMORY_AT_STOP:
         print(f"  {label}: " + ", ".join(f"{name} {mib}" for name, mib in processes.items()))
@@ -114,6 +71,57 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+Part = tuple[str, Callable[[Path], Any], Callable[[Any], list[str]]]
+
+
+def _measured_parts(args: argparse.Namespace) -> dict[str, Part]:
+    """Each part after the VAD's: its title, its measurement in a work directory, its report."""
+    from appliance.bench import diarization, hostile, https, live, memory, speech, transcription, voices, wake, workers
+    from appliance.config import EngineConfig
+
+    bundle, trusted, seconds, threads = args.bundle, args.trusted_keys, args.seconds, EngineConfig().threads
+    return {
+        "workers": (
+            "protocol workers",
+            lambda tmp: workers.workers_scaling(bundle, trusted, tmp, seconds),
+            workers.report,
+        ),
+        "https": (
+            "HTTPS on TCP against QUIC and the Unix socket",
+            lambda tmp: https.https_bench(bundle, trusted, tmp, seconds),
+            https.report,
+        ),
+        "hostile": (
+            "good clients under attack",
+            lambda tmp: hostile.hostile_bench(bundle, trusted, tmp, max(3.0, seconds)),
+            hostile.report,
+        ),
+        "transcription": (
+            "speech to text",
+            lambda tmp: transcription.transcription_bench(bundle, trusted, tmp, threads),
+            transcription.report,
+        ),
+        "live": (
+            "live speech over Realtime and Wyoming",
+            lambda tmp: live.live_bench(bundle, trusted, tmp, threads),
+            live.report,
+        ),
+        "speech": ("speech and translation", lambda tmp: speech.run(bundle, trusted, tmp), speech.report),
+        "voices": ("Kokoro voices", lambda tmp: voices.run(bundle, trusted, tmp), voices.report),
+        "memory": (
+            f"resident memory over {args.minutes} min of mixed use",
+            lambda tmp: memory.memory_soak(bundle, trusted, tmp, args.minutes),
+            memory.report,
+        ),
+        "wake": ("wake words over Wyoming", lambda tmp: wake.wake_bench(bundle, trusted, tmp), wake.report),
+        "diarization": (
+            "who spoke (diarization)",
+            lambda tmp: diarization.diarization_bench(bundle, trusted, tmp),
+            diarization.report,
+        ),
+    }
 
 
 def add_run(sub: Any) -> None:
@@ -138,6 +146,8 @@ def add_bench(sub: Any) -> None:
         "transports, one's own model), workers (protocol workers, 2 against 1), https (HTTPS against QUIC, the "
         "Unix socket and Hypercorn over TLS), hostile (good clients' latency under each attack), transcription (speech to text against faster-whisper), live (Realtime and Wyoming against "
         "wyoming-faster-whisper), speech (speech, "
-        "translation and the pipeline), memory (resident memory over --minutes of mixed use; only when named)",
+        "translation and the pipeline), voices (Kokoro), wake (wake words over Wyoming against pymicro-wakeword), "
+        "diarization (who spoke, against the same pipeline in process), memory (resident memory over --minutes of "
+        "mixed use; only when named)",
     )
     bench.set_defaults(func=cmd_bench)

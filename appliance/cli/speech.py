@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import io
 import json
 import sys
@@ -15,6 +16,7 @@ import numpy as np
 
 from appliance.cli.options import read_input
 from appliance.client import Client
+from appliance.client.http import checked, form_call
 from appliance.errors import ApiError, ApplianceError
 
 CHUNK_SAMPLES = 4096  # 256 ms at 16 kHz: a live stream's chunk
@@ -31,6 +33,8 @@ def model_for(args: argparse.Namespace) -> str:
 
 
 def transcribe(client: Client, args: argparse.Namespace, audio: bytes) -> None:
+    if args.speakers is not None:
+        return speakers(client, args, audio)
     params = {"task": "translate" if args.translate else "transcribe", "response_format": args.format or "text"}
     if args.language:
         params["language"] = args.language
@@ -40,6 +44,33 @@ def transcribe(client: Client, args: argparse.Namespace, audio: bytes) -> None:
         return
     body = client.transcribe(audio, model_for(args), **params).body.decode()
     print(body if not body.endswith("\n") else body[:-1])
+
+
+def speakers(client: Client, args: argparse.Namespace, audio: bytes) -> None:
+    """Who said what, through OpenAI's diarized transcription: `--speakers` alone finds how many, `N`
+    asks for N; `--known NAME=CLIP` (2 to 10 s of that voice alone) names a speaker. Text: a line per
+    turn ("A  1.20-4.05  text"); --format verbose_json, srt or vtt: the daemon's answer."""
+    fields = [("model", model_for(args)), ("response_format", args.format or "text")]
+    if args.format in (None, "text", "json"):
+        fields[1] = ("response_format", "diarized_json")
+    if args.language:
+        fields.append(("language", args.language))
+    if args.speakers:
+        fields += [("min_speakers", args.speakers), ("max_speakers", args.speakers)]
+    else:
+        fields.append(("min_speakers", "1"))  # a diarization with its count found
+    for known in args.known or []:
+        name, _, path = known.partition("=")
+        if not name or not path:
+            raise ApplianceError(f"--known {known!r}: give NAME=CLIP (a 2 to 10 s recording of that voice)")
+        clip = base64.b64encode(read_input(path)).decode()
+        fields += [("known_speaker_names[]", name), ("known_speaker_references[]", f"data:audio/wav;base64,{clip}")]
+    answer = checked(client.send(form_call("/v1/audio/transcriptions", fields, {"file": audio})))
+    if fields[1][1] != "diarized_json":
+        print(answer.body.decode().rstrip("\n"))
+        return
+    for segment in answer.json()["segments"]:
+        print(f"{segment['speaker']}  {segment['start']:.2f}-{segment['end']:.2f}  {segment['text']}")
 
 
 def live(client: Client, args: argparse.Namespace, source: str) -> None:

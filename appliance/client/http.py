@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,17 @@ def recording_call(model: str, route: str, audio: bytes, **params: float | str) 
     query = f"?{urlencode(params)}" if params else ""
     content_type = AUDIO_TYPES.get(audio[:4], "application/octet-stream")
     return Call("POST", f"/v2/models/{model}/{route}{query}", audio, (("content-type", content_type),))
+
+
+def form_call(path: str, fields: list[tuple[str, str]], files: dict[str, bytes]) -> Call:
+    """A multipart/form-data POST (OpenAI's audio routes): text fields (a name may repeat) and files."""
+    boundary = "appliance-form-" + uuid.uuid4().hex
+    parts = [f'--{boundary}\r\ncontent-disposition: form-data; name="{n}"\r\n\r\n{v}\r\n'.encode() for n, v in fields]
+    for name, data in files.items():
+        head = f'--{boundary}\r\ncontent-disposition: form-data; name="{name}"; filename="{name}"\r\n'
+        parts.append(head.encode() + b"content-type: application/octet-stream\r\n\r\n" + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return Call("POST", path, body, (("content-type", f"multipart/form-data; boundary={boundary}"),))
 
 
 def encode_request(

@@ -39,7 +39,7 @@ from appliance.firmware.manifest import (
     read_baked,
     read_model_fields,
 )
-from appliance.firmware_build import kernels
+from appliance.firmware_build import ge2e, kernels
 from appliance.progress import QUIET, Progress
 
 # Kinds whose model is one ONNX graph: its tensors are checked (or read) at build, and TensorRT plans it.
@@ -230,6 +230,17 @@ def _check_kokoro(model: ModelSpec, directory: Path, where: str) -> None:
         voices.check_style_table(directory / voices.voice_file(str(name)), where)
 
 
+def _speaker_graph(staging: Path, checkpoint: str, where: str) -> tuple[str, list[str]]:
+    """Resemblyzer's checkpoint, copied into the staging bundle, replaced by its ONNX graph."""
+    graph = str(Path(checkpoint).with_suffix(".onnx"))
+    try:
+        ge2e.convert(staging / checkpoint, staging / graph)
+    except ApplianceError as exc:
+        raise ApplianceError(f"{where}.source: {exc}") from None
+    (staging / checkpoint).unlink()
+    return graph, [graph]
+
+
 def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = QUIET) -> Manifest:
     """Build and sign a bundle from a firmware spec; the output directory is replaced atomically."""
     try:
@@ -263,6 +274,8 @@ def build(spec_path: Path, key_path: Path, out_dir: Path, progress: Progress = Q
             else:
                 relative, copied = _copy_model(m, fields["name"], spec_path, staging, progress)
             m.done()
+            if fields["kind"] == "speaker_embedding":  # a torch checkpoint: the box gets its ONNX graph
+                relative, copied = _speaker_graph(staging, relative, m.where)
             model = ModelSpec(file=relative, audio=audio, **fields)
             if model.kind in GRAPH_KINDS:
                 if not relative.endswith(".onnx"):

@@ -1,6 +1,6 @@
 """Model kinds: how the requests of each kind become engine batches and answers. `base.py` says what a
 kind provides; a firmware spec's `kind` picks the factory registered here. A new kind is a module in
-this package, a line in KINDS and its parameters in firmware/manifest.py KIND_PARAMETERS.
+this package, a line in KINDS and its parameters in firmware/kind_parameters.py KIND_PARAMETERS.
 
 The registry is lazy: a kind's module (and its engine's library: CTranslate2 for speech_to_text,
 fxtranslate and sentencepiece for text_translation) is imported only when the firmware lists a model
@@ -30,6 +30,7 @@ KINDS: dict[str, str] = {
     "speech_to_text": "speech_to_text:SpeechToText",
     "speech_pipeline": "pipeline:SpeechPipeline",
     "wake_word": "wake_word:WakeWordModel",
+    "speaker_embedding": "speaker_embedding:SpeakerEncoder",
 }
 
 

@@ -66,6 +66,26 @@ class Transcriber(Protocol):
 
 
 @runtime_checkable
+class VoicePrinter(Protocol):
+    """Voiceprints (kind speaker_embedding): who speaks, for diarization and known speakers."""
+
+    window_frames: int  # a diarization window, in 10 ms mel frames
+    step_frames: int  # from one window to the next
+
+    async def embed(self, windows: list[np.ndarray]) -> np.ndarray:
+        """[len(windows), dims], L2-normalized: each window of mel frames [frames, mels]."""
+        ...
+
+    async def utterance(self, samples: np.ndarray) -> np.ndarray:
+        """One voiceprint of a whole clip (16 kHz samples)."""
+        ...
+
+    def speech(self, samples: np.ndarray) -> AsyncGenerator[tuple[int, int], None]:
+        """Its VAD's speech spans of a recording (sample positions), as a transcription cuts it."""
+        ...
+
+
+@runtime_checkable
 class LiveTranscriber(Transcriber, Protocol):
     """Speech to text that also takes live streams, chunk by chunk, behind its VAD (/v1/realtime)."""
 

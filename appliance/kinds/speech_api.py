@@ -90,6 +90,7 @@ class Segment:
     avg_logprob: float = 0.0
     compression_ratio: float = 0.0
     no_speech_prob: float = 0.0
+    speaker: str = ""  # who said it, where the request asked (kinds/diarized.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +278,7 @@ def render(
                 "compression_ratio": s.compression_ratio,
                 "no_speech_prob": s.no_speech_prob,
             }
+            | ({"speaker": s.speaker} if s.speaker else {})
             for i, s in enumerate(segments)
         ]
         verbose: dict[str, Any] = {

@@ -33,6 +33,8 @@ class Segment(Protocol):
     def text(self) -> str: ...
     @property
     def words(self) -> Sequence[Word]: ...
+    @property
+    def speaker(self) -> str: ...
 
 
 MAX_CUE_S = 7.0
@@ -48,6 +50,7 @@ class Cue:
     start: float
     end: float
     text: str
+    speaker: str = ""  # who says it, where the transcription was diarized
 
 
 def cues(segments: Sequence[Segment]) -> list[Cue]:
@@ -56,7 +59,7 @@ def cues(segments: Sequence[Segment]) -> list[Cue]:
         pieces = _by_words(segment.words) if segment.words else _by_characters(segment)
         for cue in pieces:
             start = max(cue.start, out[-1].end) if out else cue.start  # cues never overlap
-            out.append(Cue(start, max(cue.end, start), cue.text))
+            out.append(Cue(start, max(cue.end, start), cue.text, segment.speaker))
     return out
 
 
@@ -109,6 +112,14 @@ def lines(text: str) -> str:
     return "\n".join(wrapped[: MAX_LINES - 1] + [" ".join(wrapped[MAX_LINES - 1 :])])
 
 
+def _labelled(cue: Cue, srt: bool) -> str:
+    """The cue's lines, with its speaker where known: WebVTT's voice span (`<v A>`), SRT's `A: ` (SRT
+    has no voice tag; players show the text as it is)."""
+    if not cue.speaker:
+        return lines(cue.text)
+    return f"{cue.speaker}: {lines(cue.text)}" if srt else f"<v {cue.speaker}>{lines(cue.text)}"
+
+
 def render(segments: Sequence[Segment], response_format: str) -> str:
     """SRT (numbered cues, comma decimals) or WebVTT (a header, dot decimals)."""
     comma = response_format == "srt"
@@ -118,7 +129,7 @@ def render(segments: Sequence[Segment], response_format: str) -> str:
         text = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
         return text.replace(".", ",") if comma else text
 
-    shown = [f"{clock(c.start)} --> {clock(c.end)}\n{lines(c.text)}\n" for c in cues(segments)]
+    shown = [f"{clock(c.start)} --> {clock(c.end)}\n{_labelled(c, comma)}\n" for c in cues(segments)]
     if comma:
         return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(shown, 1))
     return "WEBVTT\n\n" + "\n".join(shown)
