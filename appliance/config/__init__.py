@@ -20,6 +20,7 @@ from appliance.config.sections import (
     ConnCacheConfig,
     EngineConfig,
     FirmwareConfig,
+    FleetConfig,
     HttpsConfig,
     LogConfig,
     ModelQueueConfig,
@@ -39,6 +40,7 @@ __all__ = [
     "ConnCacheConfig",
     "EngineConfig",
     "FirmwareConfig",
+    "FleetConfig",
     "HttpsConfig",
     "LogConfig",
     "ModelQueueConfig",
@@ -261,9 +263,10 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
     if not 0 < config.https.port < 65536:
         raise ApplianceError(f"{source}: https.port: {config.https.port} is not a TCP port")
-    host, _, port = config.wyoming.tcp.rpartition(":")
-    if config.wyoming.tcp and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
+    for key, address in (("wyoming.tcp", config.wyoming.tcp), ("fleet.agent_address", config.fleet.agent_address)):
+        host, _, port = address.rpartition(":")
+        if address and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise ApplianceError(f"{source}: {key}: {address!r} is not HOST:PORT")
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if config.engine.queue_timeout_s < 0:
