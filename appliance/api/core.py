@@ -280,6 +280,7 @@ class Api:
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
         workers = self.workers() if self.workers else None
         text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version, workers)
+        text += self.fleet.metrics()
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:

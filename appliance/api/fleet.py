@@ -85,3 +85,36 @@ def not_ready(state: BoxState) -> str | None:
         return "not ready: draining" + (" for an update" if state.updating else "")
     full = state.capacity.full()
     return f"not ready: overloaded: {full}" if full else None
+
+
+def metric_lines(state: BoxState, firmware: str, version: str) -> list[str]:
+    """The fleet's view of the box for Prometheus: one series per box, the firmware as labels."""
+    capacity = state.capacity
+    out = [
+        "# HELP appliance_firmware_info The firmware the box serves (its name and version as labels).",
+        "# TYPE appliance_firmware_info gauge",
+        f'appliance_firmware_info{{firmware="{firmware}",version="{version}"}} 1',
+        "# HELP appliance_ready 1 while /v2/health/ready answers 200 (not starting, draining nor overloaded).",
+        "# TYPE appliance_ready gauge",
+        f"appliance_ready {int(not_ready(state) is None)}",
+        "# HELP appliance_draining 1 while the box drains (SIGUSR2, appliance drain, an update, a stop).",
+        "# TYPE appliance_draining gauge",
+        f"appliance_draining {int(state.draining)}",
+        "# HELP appliance_agent_weight The weight HAProxy's agent check reads, percent (api/fleet.py).",
+        "# TYPE appliance_agent_weight gauge",
+        f"appliance_agent_weight {weight(capacity)}",
+        "# HELP appliance_live_sessions Open sequences of every model (Realtime, Wyoming, KServe sessions).",
+        "# TYPE appliance_live_sessions gauge",
+        f"appliance_live_sessions {capacity.live}",
+        "# HELP appliance_max_live_sessions sequences.max_live.",
+        "# TYPE appliance_max_live_sessions gauge",
+        f"appliance_max_live_sessions {capacity.max_live}",
+    ]
+    if capacity.gpu_used is not None:
+        out += [
+            "# HELP appliance_gpu_memory_used_ratio The GPU's memory in use, by anyone (batches go to the CPU"
+            " past fallback_cpu_threshold).",
+            "# TYPE appliance_gpu_memory_used_ratio gauge",
+            f"appliance_gpu_memory_used_ratio {capacity.gpu_used:.4f}",
+        ]
+    return out

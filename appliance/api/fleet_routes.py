@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.api.bodies import json_body
-from appliance.api.fleet import RETRY_AFTER_S, BoxState, Capacity, agent_reply, not_ready, weight
+from appliance.api.fleet import RETRY_AFTER_S, BoxState, Capacity, agent_reply, metric_lines, not_ready, weight
 from appliance.api.routes import Route
 from appliance.config import Live
 from appliance.errors import BadRequest, Unavailable
@@ -92,6 +92,9 @@ class Fleet:
     def state(self) -> BoxState:
         update = self.order is not None and self.order.update
         return BoxState(not self.ready(), self.draining, update, self.capacity())
+
+    def metrics(self) -> str:
+        return "\n".join(metric_lines(self.state(), self.manifest.name, self.manifest.version)) + "\n"
 
     def routes(self) -> list[Route]:
         return [
