@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import socket
 import subprocess
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,6 +251,55 @@ class HAProxy:
         header = lines[0].lstrip("# ").split(",")
         rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:] if line]
         return {r["svname"]: r for r in rows if r["pxname"] == backend and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class Prometheus:
+    """Debian's prometheus running image/prometheus.yml as shipped, its paths and interval replaced."""
+
+    def __init__(self, workdir: Path, fleet_ca: Path, operator: tuple[str, str], targets: Path) -> None:
+        text = (ROOT / "image" / "prometheus.yml").read_text()
+        for shipped, here in (
+            ("/etc/prometheus/fleet-ca.pem", str(fleet_ca)),
+            ("/etc/prometheus/operator-client.pem", operator[0]),
+            ("/etc/prometheus/operator-client.key", operator[1]),
+            ("/etc/prometheus/appliance-boxes.json", str(targets)),
+            ("scrape_interval: 15s", "scrape_interval: 1s"),
+            ("scrape_timeout: 10s", "scrape_timeout: 1s"),
+            ("refresh_interval: 1m", "refresh_interval: 1s"),
+        ):
+            assert shipped in text, shipped
+            text = text.replace(shipped, here)
+        config = workdir / "prometheus.yml"
+        config.write_text(text)
+        self.port = port_free_on_all(("127.0.0.1",))
+        self.log = workdir / "prometheus.log"
+        self.proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        assert self.proc.poll() is None, self.log.read_text()
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return list(json.load(response)["data"]["result"])
+        except OSError:  # not listening yet
+            return []
+
+    def versions(self) -> dict[str, str]:
+        """Each scraped box's firmware version, as Prometheus holds it now (its latest scrape)."""
+        return {r["metric"]["instance"]: r["metric"]["version"] for r in self.query("appliance_firmware_info")}
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import signal
 import ssl
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -17,14 +19,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import needs
-from fleet import ADDRESSES, FRAME, ONE_FRAME, Box, HAProxy, Ports, fleet_ca, port_free_on_all, wait_until
+from conftest import APPLIANCE, ROOT, needs
+from fleet import (
+    ADDRESSES,
+    FRAME,
+    ONE_FRAME,
+    Box,
+    HAProxy,
+    Ports,
+    Prometheus,
+    agent_says,
+    fleet_ca,
+    port_free_on_all,
+    wait_until,
+)
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 
-from appliance.client import tensors_call
+from appliance.client import Client, tensors_call
 
-pytestmark = needs(not Path("/usr/sbin/haproxy").exists(), "Debian's haproxy (apt-get install haproxy)")
+pytestmark = needs(
+    not (Path("/usr/sbin/haproxy").exists() and Path("/usr/bin/prometheus").exists()),
+    "Debian's haproxy and prometheus (apt-get install haproxy prometheus)",
+)
 
 
 class Fleet:
@@ -44,14 +61,14 @@ class Fleet:
         self.context = ssl.create_default_context(cafile=str(self.ca))
         self.wait_serving(self.boxes)
 
-    def wait_serving(self, boxes: list[Box]) -> None:
-        """Every backend has these boxes UP at their full weight (the agent's "up ready 100%" heard)."""
+    def wait_serving(self, boxes: list[Box], full: bool = True) -> None:
+        """Every backend has these boxes UP (and at their full weight, the agent's "up ready 100%": idle)."""
         names = {f"box{ADDRESSES.index(b.address) + 1}" for b in boxes}
 
         def serving() -> bool:
             for backend in ("stateless", "sessions", "wyoming"):
                 servers = self.haproxy.servers(backend)
-                if any(servers[n]["status"] != "UP" or servers[n]["weight"] != "100" for n in names):
+                if any(servers[n]["status"] != "UP" or (full and servers[n]["weight"] != "100") for n in names):
                     return False
             return True
 
@@ -206,3 +223,153 @@ def test_a_box_killed_under_load_fails_no_stateless_request_and_its_sessions_clo
         assert sequence_step(connection, 500 + n, end=True) == 200
         connection.close()
     assert set(fresh) <= {"127.0.0.3", "127.0.0.4"} and sum(fresh.values()) == 6, fresh
+
+
+def spread(fleet: Fleet, count: int) -> Counter[str]:
+    """`count` one-frame infers through HAProxy on one kept connection: the box that answered each (all 200)."""
+    connection, served = fleet.api(), Counter[str]()
+    for _ in range(count):
+        status, box = infer(connection)
+        assert status == 200
+        served[box] += 1
+    connection.close()
+    return served
+
+
+def test_weights_follow_load_a_box_at_its_bound_gets_no_new_work(tmp_path: Path, bundle: Path, keys, tls) -> None:
+    """sequences.max_live = 4 on each box. Box 127.0.0.2 holds 2 open sequences: its agent says 50%, HAProxy
+    weighs it 50 against 100 and 100, and of 60 requests it gets fewer than either other box. At 4 of 4 it
+    is full: weight 1%, readiness fails, HAProxy takes it out and it gets none of 30. Its sequences ended,
+    it is back at 100 and gets its share again."""
+    fleet = Fleet(tmp_path, bundle, keys.trusted, tls, "[sequences]\nmax_live = 4\nidle_timeout_s = 600.0\n")
+    try:
+        box = fleet.boxes[0]
+        with Client(str(box.socket), timeout=60) as client:
+            for sequence in (1, 2):
+                client.infer("silero_vad", {"audio": FRAME}, sequence_id=sequence, start=True)
+            assert agent_says(box.address, fleet.ports.agent) == "up ready 50%\n"
+            wait_until(lambda: fleet.haproxy.servers("stateless")["box1"]["weight"] == "50", "HAProxy weighs it 50")
+            half = spread(fleet, 60)
+            assert half["box1"] < half["box2"] and half["box1"] < half["box3"], half
+            for sequence in (3, 4):
+                client.infer("silero_vad", {"audio": FRAME}, sequence_id=sequence, start=True)
+            assert agent_says(box.address, fleet.ports.agent) == "up ready 1%\n"
+            wait_until(lambda: fleet.haproxy.servers("stateless")["box1"]["status"] == "DOWN", "HAProxy takes it out")
+            full = spread(fleet, 30)
+            assert full["box1"] == 0 and sum(full.values()) == 30, full
+            for sequence in (1, 2, 3, 4):
+                client.infer("silero_vad", {"audio": FRAME}, sequence_id=sequence, end=True)
+        fleet.wait_serving([box])
+        again = spread(fleet, 30)
+        assert min(again[b] for b in ("box1", "box2", "box3")) > 0, again
+    finally:
+        fleet.close()
+
+
+class Sessions(threading.Thread):
+    """KServe sequences through HAProxy's sessions front, one after another (start, 3 steps, end on one
+    passed-through connection): each finishes on its box, is refused before it starts (a 503 or no
+    connection), or fails once started. Counted."""
+
+    def __init__(self, fleet: Fleet, first_id: int) -> None:
+        super().__init__()
+        self.fleet, self.sequence = fleet, first_id
+        self.finished: Counter[str] = Counter()
+        self.refused: list[str] = []
+        self.failed: list[str] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.sequence += 1
+            connection = self.fleet.session()
+            try:
+                status = sequence_step(connection, self.sequence, start=True)
+            except (OSError, http.client.HTTPException) as exc:
+                status, refusal = 0, repr(exc)
+            else:
+                refusal = str(status)
+            if status != 200:
+                self.refused.append(refusal)
+                connection.close()
+                time.sleep(0.05)  # not a hot loop while the fleet turns it away
+                continue
+            box = box_of(connection)
+            try:
+                steps = [sequence_step(connection, self.sequence) for _ in range(3)]
+                steps.append(sequence_step(connection, self.sequence, end=True))
+            except (OSError, http.client.HTTPException) as exc:
+                steps = [repr(exc)]  # type: ignore[list-item]
+            if steps == [200] * 4:
+                self.finished[box] += 1
+            else:
+                self.failed.append(f"{box}: {steps}")
+            connection.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(300)
+
+
+def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_version(
+    tmp_path: Path, bundle: Path, firmware_of, keys, tls
+) -> None:
+    """`appliance fleet targets` lists the three boxes from their zeroconf announcements; Prometheus scrapes
+    them with the operator's certificate. Under three clients of stateless infers and three of sessions,
+    each box in turn: `appliance drain --update --then stop` (the agent says maint), started again on
+    firmware 1.1.0. Not one stateless request fails; every session finishes on its box or is refused
+    before it starts; after each box, Prometheus shows it at 1.1.0 while the boxes not yet updated
+    still show 1.0.0."""
+    newer = firmware_of("default", version="1.1.0")
+    fleet = Fleet(tmp_path, bundle, keys.trusted, tls)
+    prometheus = None
+    try:
+        targets = tmp_path / "boxes.json"
+        listed = subprocess.run(
+            [*APPLIANCE, "fleet", "targets", "--out", str(targets), "--interface", "127.0.0.1"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert listed.returncode == 0, listed
+        instance = {box.address: f"{box.address}:{fleet.ports.https}" for box in fleet.boxes}
+        ours = [g for g in json.loads(targets.read_text()) if set(g["targets"]) & set(instance.values())]
+        assert sorted(t for g in ours for t in g["targets"]) == sorted(instance.values()), listed.stdout
+        targets.write_text(json.dumps(ours))  # other sessions' boxes announce on this loopback too
+        prometheus = Prometheus(tmp_path, fleet.ca, fleet.operator, targets)
+        wait_until(lambda: prometheus.versions() == dict.fromkeys(instance.values(), "1.0.0"), "the first scrapes")
+        load, sessions = Load(fleet), [Sessions(fleet, 1000 * n) for n in range(1, 4)]
+        for worker in (load, *sessions):
+            worker.start()
+        load.until(30)
+        for n, box in enumerate(fleet.boxes):
+            drain = subprocess.run(
+                [*APPLIANCE, "drain", "--socket", str(box.socket), "--update", "--then", "stop", "--deadline", "120"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert drain.returncode == 0 and "the agent says maint" in drain.stdout, drain
+            assert box.proc is not None and box.proc.wait(120) == 0, box.log.read_text()
+            box.start(newer).wait_ready()
+            fleet.wait_serving([box], full=False)
+            wait_until(lambda: prometheus.versions().get(instance[box.address]) == "1.1.0", f"{box.address} at 1.1.0")
+            seen = prometheus.versions()
+            assert all(seen.get(instance[b.address]) == "1.0.0" for b in fleet.boxes[n + 1 :]), seen
+            answered = sum(load.statuses.values())
+            load.until(answered + 20)  # the fleet serves on, this box among them
+        for worker in (load, *sessions):
+            worker.stop()
+        assert load.errors == [] and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
+        failed = [f for s in sessions for f in s.failed]
+        finished = sum((s.finished for s in sessions), Counter[str]())
+        refused = [r for s in sessions for r in s.refused]
+        assert failed == [], failed
+        assert sum(finished.values()) > 0, (finished, refused)
+        print(f"sessions: {sum(finished.values())} finished {dict(finished)}, {len(refused)} refused before start")
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        fleet.close()

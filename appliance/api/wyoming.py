@@ -190,7 +190,8 @@ async def start(
     listeners = Listeners(await listen(bind(path), serve), path)
     log.info("Wyoming on %s", path)
     if settings.tcp:
-        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve, MAX_HEADER_BYTES)
+        properties = {"https": str(config.https.port)} if config.https.enabled else {}
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, serve, MAX_HEADER_BYTES, properties)
     return listeners
 
 
