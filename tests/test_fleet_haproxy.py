@@ -33,6 +33,8 @@ from fleet import (
     port_free_on_all,
     wait_until,
 )
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 
@@ -53,13 +55,23 @@ class Fleet:
         self.boxes = [
             Box(base / f"box-{a}", a, self.ports, identities[a], operator_ca, trusted, extra) for a in ADDRESSES
         ]
-        for box in self.boxes:
-            box.start(bundle)
-        for box in self.boxes:
-            box.wait_ready()
-        self.haproxy = HAProxy(base, self.ca, base / "balancer-combined.pem", self.ports)
+        self.haproxy: HAProxy | None = None
         self.context = ssl.create_default_context(cafile=str(self.ca))
-        self.wait_serving(self.boxes)
+        try:
+            for box in self.boxes:
+                box.start(bundle)
+            for box in self.boxes:
+                box.wait_ready()
+            self.haproxy = HAProxy(base, self.ca, base / "balancer-combined.pem", self.ports)
+            self.wait_serving(self.boxes)
+        except BaseException:  # a failed start leaves nothing running
+            self.close()
+            raise
+
+    @property
+    def balancer(self) -> HAProxy:
+        assert self.haproxy is not None
+        return self.haproxy
 
     def wait_serving(self, boxes: list[Box], full: bool = True) -> None:
         """Every backend has these boxes UP (and at their full weight, the agent's "up ready 100%": idle)."""
@@ -67,7 +79,7 @@ class Fleet:
 
         def serving() -> bool:
             for backend in ("stateless", "sessions", "wyoming"):
-                servers = self.haproxy.servers(backend)
+                servers = self.balancer.servers(backend)
                 if any(servers[n]["status"] != "UP" or (full and servers[n]["weight"] != "100") for n in names):
                     return False
             return True
@@ -75,13 +87,14 @@ class Fleet:
         wait_until(serving, f"HAProxy serves {sorted(names)}")
 
     def api(self) -> http.client.HTTPSConnection:
-        return http.client.HTTPSConnection("127.0.0.1", self.haproxy.api_port, context=self.context, timeout=120)
+        return http.client.HTTPSConnection("127.0.0.1", self.balancer.api_port, context=self.context, timeout=120)
 
     def session(self) -> http.client.HTTPSConnection:
-        return http.client.HTTPSConnection("127.0.0.1", self.haproxy.sessions_port, context=self.context, timeout=120)
+        return http.client.HTTPSConnection("127.0.0.1", self.balancer.sessions_port, context=self.context, timeout=120)
 
     def close(self) -> None:
-        self.haproxy.stop()
+        if self.haproxy is not None:
+            self.haproxy.stop()
         for box in self.boxes:
             box.stop()
 
@@ -111,7 +124,7 @@ class Load(threading.Thread):
     """Stateless infers through HAProxy, back to back on kept connections, until stopped: every status counted."""
 
     def __init__(self, fleet: Fleet, clients: int = 3) -> None:
-        super().__init__()
+        super().__init__(daemon=True)
         self.fleet, self.clients = fleet, clients
         self.statuses: Counter[int] = Counter()
         self.served: Counter[str] = Counter()
@@ -119,7 +132,7 @@ class Load(threading.Thread):
         self.stopping = threading.Event()
 
     def run(self) -> None:
-        threads = [threading.Thread(target=self.client) for _ in range(self.clients)]
+        threads = [threading.Thread(target=self.client, daemon=True) for _ in range(self.clients)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -190,17 +203,19 @@ def test_a_box_killed_under_load_fails_no_stateless_request_and_its_sessions_clo
         sessions[box_of(connection)] = (connection, sequence)
     assert sorted(sessions) == list(ADDRESSES)
     loop = asyncio.new_event_loop()
-    wyoming = loop.run_until_complete(wyoming_sessions(fleet.haproxy.wyoming_port, 3))
+    wyoming = loop.run_until_complete(wyoming_sessions(fleet.balancer.wyoming_port, 3))
     load = Load(fleet)
     load.start()
-    load.until(60)
-    victim = fleet.boxes[0]
-    assert victim.proc is not None
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait(60)
-    answered = sum(load.statuses.values())
-    load.until(answered + 60)  # HAProxy goes on across the death, and after it
-    load.stop()
+    try:
+        load.until(60)
+        victim = fleet.boxes[0]
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(60)
+        answered = sum(load.statuses.values())
+        load.until(answered + 60)  # HAProxy goes on across the death, and after it
+    finally:
+        load.stop()
     assert load.errors == [] and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
     assert set(load.served) <= {"box1", "box2", "box3"} and load.served["box2"] and load.served["box3"]
 
@@ -248,13 +263,13 @@ def test_weights_follow_load_a_box_at_its_bound_gets_no_new_work(tmp_path: Path,
             for sequence in (1, 2):
                 client.infer("silero_vad", {"audio": FRAME}, sequence_id=sequence, start=True)
             assert agent_says(box.address, fleet.ports.agent) == "up ready 50%\n"
-            wait_until(lambda: fleet.haproxy.servers("stateless")["box1"]["weight"] == "50", "HAProxy weighs it 50")
+            wait_until(lambda: fleet.balancer.servers("stateless")["box1"]["weight"] == "50", "HAProxy weighs it 50")
             half = spread(fleet, 60)
             assert half["box1"] < half["box2"] and half["box1"] < half["box3"], half
             for sequence in (3, 4):
                 client.infer("silero_vad", {"audio": FRAME}, sequence_id=sequence, start=True)
             assert agent_says(box.address, fleet.ports.agent) == "up ready 1%\n"
-            wait_until(lambda: fleet.haproxy.servers("stateless")["box1"]["status"] == "DOWN", "HAProxy takes it out")
+            wait_until(lambda: fleet.balancer.servers("stateless")["box1"]["status"] == "DOWN", "HAProxy takes it out")
             full = spread(fleet, 30)
             assert full["box1"] == 0 and sum(full.values()) == 30, full
             for sequence in (1, 2, 3, 4):
@@ -272,7 +287,7 @@ class Sessions(threading.Thread):
     connection), or fails once started. Counted."""
 
     def __init__(self, fleet: Fleet, first_id: int) -> None:
-        super().__init__()
+        super().__init__(daemon=True)
         self.fleet, self.sequence = fleet, first_id
         self.finished: Counter[str] = Counter()
         self.refused: list[str] = []
@@ -322,7 +337,7 @@ def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_v
     still show 1.0.0."""
     newer = firmware_of("default", version="1.1.0")
     fleet = Fleet(tmp_path, bundle, keys.trusted, tls)
-    prometheus = None
+    prometheus, workers = None, []
     try:
         targets = tmp_path / "boxes.json"
         listed = subprocess.run(
@@ -340,7 +355,8 @@ def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_v
         prometheus = Prometheus(tmp_path, fleet.ca, fleet.operator, targets)
         wait_until(lambda: prometheus.versions() == dict.fromkeys(instance.values(), "1.0.0"), "the first scrapes")
         load, sessions = Load(fleet), [Sessions(fleet, 1000 * n) for n in range(1, 4)]
-        for worker in (load, *sessions):
+        workers = [load, *sessions]
+        for worker in workers:
             worker.start()
         load.until(30)
         for n, box in enumerate(fleet.boxes):
@@ -360,7 +376,7 @@ def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_v
             assert all(seen.get(instance[b.address]) == "1.0.0" for b in fleet.boxes[n + 1 :]), seen
             answered = sum(load.statuses.values())
             load.until(answered + 20)  # the fleet serves on, this box among them
-        for worker in (load, *sessions):
+        for worker in workers:
             worker.stop()
         assert load.errors == [] and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
         failed = [f for s in sessions for f in s.failed]
@@ -370,6 +386,56 @@ def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_v
         assert sum(finished.values()) > 0, (finished, refused)
         print(f"sessions: {sum(finished.values())} finished {dict(finished)}, {len(refused)} refused before start")
     finally:
+        for worker in workers:  # a failed assertion above leaves them running
+            worker.stop()
         if prometheus is not None:
             prometheus.stop()
+        fleet.close()
+
+
+def realtime(fleet: Fleet) -> ClientConnection:
+    """A Realtime transcription session through HAProxy's sessions front (TLS passed through to a box)."""
+    uri = f"wss://127.0.0.1:{fleet.balancer.sessions_port}/v1/realtime?intent=transcription"
+    ws = connect(uri, ssl=fleet.context, open_timeout=60)
+    assert json.loads(ws.recv(timeout=60))["type"] == "session.created"
+    return ws
+
+
+def realtime_box(ws: ClientConnection) -> str:
+    subject = dict(item[0] for item in ws.socket.getpeercert()["subject"])  # type: ignore[attr-defined]
+    return str(subject["commonName"])
+
+
+def still_answers(ws: ClientConnection) -> str:
+    """A session's next exchange: "answered", or "closed" (a close, never a hang: a hang fails the recv's bound)."""
+    try:
+        ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+        event = json.loads(ws.recv(timeout=60))
+    except ConnectionClosed:
+        return "closed"
+    return "answered" if event["type"] == "input_audio_buffer.cleared" else event["type"]
+
+
+def test_realtime_sessions_on_a_killed_box_close_and_new_ones_go_to_the_others(
+    tmp_path: Path, firmware_of, keys, tls
+) -> None:
+    """The voice firmware (the VAD and Whisper: the lightest that serves Realtime) on each box. One Realtime
+    session per box through HAProxy; box 127.0.0.2 gets SIGKILL: its session ends with a close, the two
+    others still answer, and 4 new sessions all open on the living boxes."""
+    fleet = Fleet(tmp_path, firmware_of("voice"), keys.trusted, tls)
+    try:
+        sessions = [realtime(fleet) for _ in range(3)]
+        boxes = [realtime_box(ws) for ws in sessions]
+        assert sorted(boxes) == list(ADDRESSES), boxes
+        victim = fleet.boxes[0]
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(60)
+        after = {box: still_answers(ws) for box, ws in zip(boxes, sessions, strict=True)}
+        assert after == {"127.0.0.2": "closed", "127.0.0.3": "answered", "127.0.0.4": "answered"}, after
+        fresh = [realtime(fleet) for _ in range(4)]
+        assert {realtime_box(ws) for ws in fresh} <= {"127.0.0.3", "127.0.0.4"}
+        for ws in (*sessions, *fresh):
+            ws.close()
+    finally:
         fleet.close()
