@@ -58,10 +58,8 @@ class Fleet:
         self.haproxy: HAProxy | None = None
         self.context = ssl.create_default_context(cafile=str(self.ca))
         try:
-            for box in self.boxes:
-                box.start(bundle)
-            for box in self.boxes:
-                box.wait_ready()
+            for box in self.boxes:  # one after another: boxes that start at once on one host take one
+                box.start(bundle).wait_ready()  # zeroconf name (their probes' unicast answers go astray)
             self.haproxy = HAProxy(base, self.ca, base / "balancer-combined.pem", self.ports)
             self.wait_serving(self.boxes)
         except BaseException:  # a failed start leaves nothing running
@@ -129,6 +127,7 @@ class Load(threading.Thread):
         self.statuses: Counter[int] = Counter()
         self.served: Counter[str] = Counter()
         self.errors: list[str] = []
+        self.replays = 0  # requests the client sent again after HAProxy closed its kept connection
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -143,13 +142,28 @@ class Load(threading.Thread):
         while not self.stopping.is_set():
             try:
                 status, box = infer(connection)
-            except (OSError, http.client.HTTPException) as exc:  # HAProxy itself failed us: counted
-                self.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
+            except http.client.RemoteDisconnected:
+                # HAProxy closes a kept client connection without a byte when the box under its request
+                # died, so that the client replays it (HTTP/1.1's rule, RFC 9112 9.3.1; browsers, httpx
+                # and openai's client do): replayed once here on a new connection, and counted
+                self.replays += 1
                 connection.close()
+                connection = self.fleet.api()
+                try:
+                    status, box = infer(connection)
+                except (OSError, http.client.HTTPException) as exc:
+                    self.failed(exc)
+                    connection = self.fleet.api()
+                    continue
+            except (OSError, http.client.HTTPException) as exc:
+                self.failed(exc)
                 connection = self.fleet.api()
                 continue
             self.statuses[status] += 1
             self.served[box] += 1
+
+    def failed(self, exc: BaseException) -> None:
+        self.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
 
     def until(self, count: int) -> None:
         wait_until(lambda: sum(self.statuses.values()) >= count, f"{count} requests answered")
@@ -218,6 +232,7 @@ def test_a_box_killed_under_load_fails_no_stateless_request_and_its_sessions_clo
         load.stop()
     assert load.errors == [] and set(load.statuses) == {200}, (load.statuses, load.errors[:3])
     assert set(load.served) <= {"box1", "box2", "box3"} and load.served["box2"] and load.served["box3"]
+    print(f"stateless: {sum(load.statuses.values())} answered 200, {load.replays} replayed by the client")
 
     ended = []
     for box, (connection, sequence) in sessions.items():
@@ -340,17 +355,24 @@ def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_v
     prometheus, workers = None, []
     try:
         targets = tmp_path / "boxes.json"
-        listed = subprocess.run(
-            [*APPLIANCE, "fleet", "targets", "--out", str(targets), "--interface", "127.0.0.1"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert listed.returncode == 0, listed
         instance = {box.address: f"{box.address}:{fleet.ports.https}" for box in fleet.boxes}
+
+        def listed_all() -> bool:
+            """`appliance fleet targets` hears our three boxes (on a loaded machine an answer may miss one listen)."""
+            listed = subprocess.run(
+                [*APPLIANCE, "fleet", "targets", "--out", str(targets), "--interface", "127.0.0.1"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert listed.returncode == 0, listed
+            found = [t for g in json.loads(targets.read_text()) for t in g["targets"] if t in instance.values()]
+            return sorted(found) == sorted(instance.values())
+
+        wait_until(listed_all, "the three boxes listed", 300)
         ours = [g for g in json.loads(targets.read_text()) if set(g["targets"]) & set(instance.values())]
-        assert sorted(t for g in ours for t in g["targets"]) == sorted(instance.values()), listed.stdout
+        assert all(len(g["targets"]) == 1 for g in ours), ours
         targets.write_text(json.dumps(ours))  # other sessions' boxes announce on this loopback too
         prometheus = Prometheus(tmp_path, fleet.ca, fleet.operator, targets)
         wait_until(lambda: prometheus.versions() == dict.fromkeys(instance.values(), "1.0.0"), "the first scrapes")
@@ -384,6 +406,7 @@ def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_v
         refused = [r for s in sessions for r in s.refused]
         assert failed == [], failed
         assert sum(finished.values()) > 0, (finished, refused)
+        print(f"stateless: {sum(load.statuses.values())} answered 200, {load.replays} replayed by the client")
         print(f"sessions: {sum(finished.values())} finished {dict(finished)}, {len(refused)} refused before start")
     finally:
         for worker in workers:  # a failed assertion above leaves them running

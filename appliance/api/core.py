@@ -299,7 +299,7 @@ class Api:
         sequence = _sequence_call(infer.parameters)
         if self.fleet.draining and sequence is not None and sequence.start:
             raise fleet_routes.refusal("new sequences")
-        if self.fleet.order is not None and sequence is None:
+        if self.fleet.holding and sequence is None:
             raise fleet_routes.refusal("new requests")
         if sequence is not None:
             sequence = dataclasses.replace(sequence, client=request.client, address=request.address)

@@ -5,10 +5,10 @@
     POST /v2/fleet/drain      {"then": "hold" | "stop" | "resume", "update": bool, "deadline_s": s}
     POST /v2/fleet/resume     end a held drain: take new work again
 
-A drain (SIGUSR2, `appliance drain`, `appliance update`) answers new requests, new sequences,
-Realtime and Wyoming sessions 503 with Retry-After (a balancer retries those elsewhere); requests
-under way and open sessions finish, up to the deadline; then the box holds (refusing), stops, or
-resumes, as asked.
+A drain (SIGUSR2, `appliance drain`, `appliance update`) answers new sequences, Realtime and
+Wyoming sessions 503 with Retry-After (or an error event) at once; requests under way, stateless
+requests that still come and open sessions finish, up to the deadline; then the box holds (new
+requests of every kind refused 503), stops, or resumes, as asked.
 """
 
 from __future__ import annotations
@@ -71,12 +71,21 @@ class Fleet:
     def draining(self) -> bool:
         return self.stopping or self.order is not None
 
+    @property
+    def holding(self) -> bool:
+        """The drain's wait is over and it holds: new requests of every kind are refused (a drain that
+        stops serves them on the connections still open, as a stop does)."""
+        return self.order is not None and self.order.then == "hold" and self.drained is not None
+
     def admit(self, route: str, request: Request) -> None:
-        """Refuse new work while a drain holds; a stop lets the requests of open connections finish."""
-        if self.order is not None and request.method == "POST" and route not in OPEN_DURING_DRAIN:
-            raise refusal("new requests")
+        """A drain refuses new sessions at once (they would hold it); a stateless request is served
+        while the work under way finishes (the balancer stops sending within an agent check: refused,
+        it would rest on the balancer's retry) and refused once the drain holds. A stop lets the
+        requests of open connections finish."""
         if self.order is not None and route == "openai_realtime":
             raise refusal("new Realtime sessions")
+        if self.holding and request.method == "POST" and route not in OPEN_DURING_DRAIN:
+            raise refusal("new requests")
 
     def capacity(self) -> Capacity:
         engine, sequences = self.live.config.engine, self.live.config.sequences
