@@ -278,6 +278,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
         "max_connections_per_peer": 2,
         "tcp": "127.0.0.1:10300",
     },
+    "fleet": {"agent_address": "127.0.0.1:8444"},
     "conncache": {
         "backend": "user",
         "max_entries": 10,
