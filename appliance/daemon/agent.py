@@ -33,7 +33,12 @@ class Agent:
                 return
             with peer, contextlib.suppress(OSError):
                 peer.settimeout(SEND_TIMEOUT_S)
-                peer.sendall(self.reply())
+                try:
+                    line = self.reply()
+                except Exception:  # a bug of ours must not end the agent: this check gets no line (logged)
+                    log.exception("the agent's answer failed")
+                    continue
+                peer.sendall(line)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
