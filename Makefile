@@ -6,7 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APPLIANCE := $(VENV)/bin/appliance
 APT_PACKAGES := python3 python3-venv python3-pip python3-systemd python3-cryptography espeak-ng sox curl systemd systemd-container debootstrap \
-	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl
+	python3-bpfcc bpftool linux-headers-amd64 util-linux iproute2 chromium openssl \
+	haproxy prometheus
+# (haproxy and prometheus: the fleet's balancer and view, which tests/test_fleet_haproxy.py and make bench run)
 # The disk image: file systems without mounts, GPT, and the qemu + OVMF boot tests.
 IMAGE_PACKAGES := e2fsprogs dosfstools mtools fdisk qemu-system-x86 qemu-utils ovmf
 IMAGE := build/image/out
@@ -50,11 +52,12 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 # The VAD, the transports and one's own model on the VAD-only firmware; speech to text, speech, translation
-# and the pipeline on the interpreter firmware.
+# and the pipeline on the interpreter firmware; HAProxy's cost in front of 1, 2 and 3 VAD boxes.
 bench: firmware firmware-default $(VOICE_BUNDLE)/manifest.json
 	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
 	$(APPLIANCE) bench --bundle $(VOICE_BUNDLE) --trusted-keys $(TRUSTED) --part transcription
 	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices,wake,diarization
+	$(PY) tests/bench_fleet.py --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.
 deps:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 log = logging.getLogger("appliance")
 STOP = (signal.SIGTERM, signal.SIGINT)
 RELOAD = signal.SIGHUP
+DRAIN = signal.SIGUSR2  # refuse new work, let work under way finish, keep serving it (api/fleet_routes.py)
 
 # SIGHUP is held (blocked, so it waits pending) from the first thing `appliance run` does (cli/__init__.py)
 # until the daemon has started (allow_reloads); a protocol worker inherits it held and allows it once it
@@ -57,14 +58,15 @@ def watch(
     on_reload: Callable[[], None],
     deadline_s: Callable[[], float],
     on_overdue: Callable[[bool], None],
+    on_drain: Callable[[], None] = lambda: None,
 ) -> None:
-    """Call on_reload for SIGHUP and on_stop for SIGTERM/SIGINT, on the loop; on_overdue from the
-    watcher thread when the process still runs `deadline_s()` seconds after the first stop signal
-    (False), or at once when a second stop signal comes before then (True: Ctrl-C twice stops now).
+    """Call on_reload for SIGHUP, on_drain for SIGUSR2 and on_stop for SIGTERM/SIGINT, on the loop;
+    on_overdue from the watcher thread when the process still runs `deadline_s()` seconds after the first
+    stop signal (False), or at once when a second stop signal comes before then (True: Ctrl-C twice stops now).
     Main thread only (set_wakeup_fd)."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)  # the C handler must never block
-    for sig in (*STOP, RELOAD):
+    for sig in (*STOP, RELOAD, DRAIN):
         signal.signal(sig, lambda *_: None)  # caught, not fatal: the wakeup fd carries it
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
@@ -73,15 +75,15 @@ def watch(
             loop.call_soon_threadsafe(callback)
 
     def wait() -> None:
-        while os.read(read_fd, 1)[0] == RELOAD:  # one byte per signal, its number
-            call(on_reload)
+        while (number := os.read(read_fd, 1)[0]) in (RELOAD, DRAIN):  # one byte per signal, its number
+            call(on_reload if number == RELOAD else on_drain)
         allowed = deadline_s()  # read before the stop begins: it marks the daemon not ready, which shortens it
         # from this thread: the event loop may be the thing that is stuck
         log.info("stop signal: stopping within %.0f s; a second stop signal (Ctrl-C again) stops now", allowed)
         deadline = time.monotonic() + allowed
         call(on_stop)
         while (left := deadline - time.monotonic()) > 0:
-            if select.select([read_fd], [], [], left)[0] and os.read(read_fd, 1)[0] != RELOAD:
+            if select.select([read_fd], [], [], left)[0] and os.read(read_fd, 1)[0] in STOP:
                 on_overdue(True)
                 return
         on_overdue(False)

@@ -280,6 +280,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
         "allow": "10.0.0.0/8, 127.0.0.2",
     },
     "access": {"keys": "keys dir/api-keys.toml", "origins": "https://kiosk.lan"},
+    "fleet": {"agent_address": "127.0.0.1:8444"},
     "conncache": {
         "backend": "user",
         "max_entries": 10,

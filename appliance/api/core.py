@@ -16,6 +16,7 @@ Routes (KServe v2 / Open Inference Protocol, plus the voice task and Prometheus 
     POST /v2/repository/models/{name}/load | unload   refused: the signed firmware decides what is served
     GET  /v1/realtime                     a WebSocket: OpenAI's Realtime API, transcription (api/realtime.py)
     GET  /metrics
+    GET  /v2/fleet | POST /v2/fleet/drain   the box in a fleet: its agent's answer; a drain (api/fleet_routes.py)
     GET  /v1/models[/{id}]                OpenAI's model list (api/openai_models.py)
     GET  /status                          firmware, engines, QUIC peers from the connection cache, TLS
     GET  / and /page/{file}               the box's own page (api/page.py); /tls/certificate.pem
@@ -36,7 +37,16 @@ from urllib.parse import parse_qsl, urlsplit
 import numpy as np
 
 from appliance import __version__
-from appliance.api import libretranslate, openai_audio, openai_models, openai_speech, page, realtime, repository
+from appliance.api import (
+    fleet_routes,
+    libretranslate,
+    openai_audio,
+    openai_models,
+    openai_speech,
+    page,
+    realtime,
+    repository,
+)
 from appliance.api import metrics as prometheus
 from appliance.api.access import rooms
 from appliance.api.access.gate import Access
@@ -44,7 +54,7 @@ from appliance.api.operator import OPERATOR_ROUTES, OPERATORS_ARE, status_docume
 from appliance.api.routes import Route
 from appliance.config import Live
 from appliance.engine.stats import RequestTimes
-from appliance.errors import ApiError, BadRequest, NotFound, Unavailable
+from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.firmware import Manifest
 from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.kinds.capabilities import Interpreting
@@ -76,7 +86,9 @@ class Api:
         self.metrics = prometheus.Metrics()
         self.access = Access(live, self.metrics)  # who may use the box (api/access/gate.py)
         self.ready = False
-        self.draining = False  # shutting down: accepted requests and open sequences finish, no new sequence starts
+        self.fleet = fleet_routes.Fleet(
+            manifest, models, live, lambda: self.ready
+        )  # drains, the agent's answer, readiness
         self.peer_table: PeerTable | None = None  # the QUIC listener's peers, where QUIC serves
         self.workers: Callable[[], list[dict[str, Any]]] | None = None  # the protocol workers, where there are
         self.quic: dict[str, Any] | None = None  # where QUIC serves: how many workers read its port, and why
@@ -111,6 +123,7 @@ class Api:
             *realtime.routes(models, self.metrics),
             *page.routes(lambda: self.certificate_pem),
             *rooms.routes(self.access.rooms, [m.name for m in models.values() if isinstance(m, Interpreting)]),
+            *self.fleet.routes(),
         ]
 
     async def handle(self, request: Request) -> Response:
@@ -127,6 +140,7 @@ class Api:
                         raise ApiError(f"{request.method} is not allowed on {url.path} (use {method})", 405)
                     if name in OPERATOR_ROUTES and not request.operator:
                         raise ApiError(f"{url.path} is for operators: {OPERATORS_ARE}", 403)
+                    self.fleet.admit(name, request)
                     params = {k: v for k, v in match.groupdict().items() if v is not None}
                     if url.query:
                         params.update({f"query:{k}": v for k, v in parse_qsl(url.query)})
@@ -181,7 +195,7 @@ class Api:
 
     def keep_connections(self) -> bool:
         """While draining, a connection stays open only as long as some sequence is still streaming on it."""
-        return not self.draining or streaming(self.models.values()) > 0
+        return not self.fleet.draining or streaming(self.models.values()) > 0
 
     # --- metadata and health ----------------------------------------------------------------------
 
@@ -202,11 +216,15 @@ class Api:
         )
 
     async def _live(self, request: Request, params: dict[str, str]) -> Response:
+        """Triton's liveness: fails only when the process is broken (a task it needs died)."""
+        if self.fleet.broken:
+            return error_response(503, f"not live: {self.fleet.broken}")
         return json_response(200, {"live": True})
 
     async def _ready(self, request: Request, params: dict[str, str]) -> Response:
-        if not self.ready:
-            return error_response(503, "not ready (starting or shutting down)")
+        """Triton's readiness: it takes new work. Fails while starting, draining or overloaded."""
+        if reason := fleet_routes.not_ready(self.fleet.state()):
+            return error_response(503, reason)
         return json_response(200, {"ready": True})
 
     async def _list_models(self, request: Request, params: dict[str, str]) -> Response:
@@ -268,6 +286,7 @@ class Api:
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
         workers = self.workers() if self.workers else None
         text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version, workers)
+        text += self.fleet.metrics()
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:
@@ -284,8 +303,10 @@ class Api:
         json_length = request.headers.get(HEADER_LENGTH)
         infer = await off_loop(len(request.body), decode_infer, request.body, json_length)
         sequence = _sequence_call(infer.parameters)
-        if self.draining and sequence is not None and sequence.start:
-            raise Unavailable("shutting down: no new sequences; open ones may finish")
+        if self.fleet.draining and sequence is not None and sequence.start:
+            raise fleet_routes.refusal("new sequences")
+        if self.fleet.holding and sequence is None:
+            raise fleet_routes.refusal("new requests")
         if sequence is not None:
             sequence = dataclasses.replace(sequence, client=request.client, address=request.address)
         times, started = RequestTimes(), time.perf_counter_ns()

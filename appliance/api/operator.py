@@ -11,7 +11,7 @@ from typing import Any
 from appliance.kinds.base import ServedModel
 from appliance.protocol.peers import PeerTable
 
-OPERATOR_ROUTES = frozenset({"status", "metrics", "rooms"})
+OPERATOR_ROUTES = frozenset({"status", "metrics", "rooms", "fleet", "fleet_drain", "fleet_resume"})
 OPERATORS_ARE = (
     "on the Unix socket, a member of the socket's group; over QUIC or HTTPS, a client whose certificate "
     "the operator CA (quic.operator_ca) signed"

@@ -177,26 +177,40 @@ class Listeners:
 
 
 async def start(
-    config: Config, bind: Callable[[Path], socket.socket], models: dict[str, ServedModel], live: Live, metrics: Metrics
+    config: Config,
+    bind: Callable[[Path], socket.socket],
+    models: dict[str, ServedModel],
+    live: Live,
+    metrics: Metrics,
+    draining: Callable[[], bool],
 ) -> Listeners | None:
-    """[wyoming]: the Unix socket (`bind` makes it as the API's is made), and TCP where asked for."""
+    """[wyoming]: the Unix socket (`bind` makes it as the API's is made), and TCP where asked for.
+    While `draining()`, a new client gets an error event and a close (a drain, api/fleet_routes.py)."""
     settings = config.wyoming
     if not settings.enabled:
         return None
     path = Path(str(settings.socket)) if str(settings.socket) != "." else config.server.socket.with_name("wyoming.sock")
-    serve = _client(models, live, metrics, Admission())  # one count for both listeners
+    serve = _client(models, live, metrics, Admission(), draining)  # one count for both listeners
     listeners = Listeners(await listen(bind(path), serve), path)
     log.info("Wyoming on %s", path)
     if settings.tcp:
         allowed = wyoming_allow.guard(serve, live, metrics)  # TCP peers from wyoming.allow only
-        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, allowed, MAX_HEADER_BYTES)
+        properties = {"https": str(config.https.port)} if config.https.enabled else {}
+        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, allowed, MAX_HEADER_BYTES, properties)
     return listeners
 
 
-def _client(models: dict[str, ServedModel], live: Live, metrics: Metrics, admission: Admission) -> Serve:
+def _client(
+    models: dict[str, ServedModel], live: Live, metrics: Metrics, admission: Admission, draining: Callable[[], bool]
+) -> Serve:
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         config, peer = live.config, _peer(writer)  # as the config is now: a reload bounds new connections
-        if refusal := admission.refusal(peer, config.wyoming):
+        refusal = (
+            WyomingError("draining: new sessions go to another box", code="draining")
+            if draining()
+            else admission.refusal(peer, config.wyoming)
+        )
+        if refusal:
             try:
                 with admission.refusing(config.wyoming) as linger:
                     await close_with_error(refusal, peer, reader, writer, linger)

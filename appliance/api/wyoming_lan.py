@@ -34,9 +34,12 @@ Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]] 
 IP_MULTICAST_ALL, SO_ATTACH_FILTER, SKF_NET_OFF = 49, 26, -0x100000
 
 
-async def listen_tcp(address: str, serve: Serve, limit: int) -> tuple[asyncio.Server, AsyncZeroconf]:
+async def listen_tcp(
+    address: str, serve: Serve, limit: int, properties: dict[str, str]
+) -> tuple[asyncio.Server, AsyncZeroconf]:
     """Wyoming on TCP at `address` (`limit`: a header line's bound), announced on the listening
-    address's interface (all of them for 0.0.0.0), and answering mDNS queries only there."""
+    address's interface (all of them for 0.0.0.0), and answering mDNS queries only there; the
+    announcement's TXT record carries `properties` (the HTTPS port: `appliance fleet targets`)."""
     host, _, port = address.rpartition(":")
     server = await asyncio.start_server(serve, host, int(port), limit=limit)
     bound = server.sockets[0].getsockname()
@@ -48,7 +51,12 @@ async def listen_tcp(address: str, serve: Serve, limit: int) -> tuple[asyncio.Se
     addresses = [socket.inet_aton(a) for a in (_addresses() if everywhere else [host])]
     instance = await _free_instance(zeroconf, f"appliance-{name}")
     info = AsyncServiceInfo(
-        SERVICE, f"{instance}.{SERVICE}", addresses=addresses, port=bound[1], server=f"{_lan_host(name)}.local."
+        SERVICE,
+        f"{instance}.{SERVICE}",
+        addresses=addresses,
+        port=bound[1],
+        properties=properties,
+        server=f"{_lan_host(name, address)}.local.",
     )
     # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
     await zeroconf.async_register_service(info, allow_name_change=True)
@@ -91,17 +99,18 @@ def _narrow(zeroconf: AsyncZeroconf) -> None:
     listen.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
 
 
-def _lan_host(name: str) -> str:
-    """The host name the announcement points to: unique to this machine, so two boxes with one host
-    name do not answer for each other's address. From its machine id, keyed (machine-id(5): the id
-    itself must not leave the machine)."""
+def _lan_host(name: str, address: str) -> str:
+    """The host name the announcement points to: unique to this machine and listening address, so
+    two boxes with one host name, or two on one machine, do not answer for each other's address.
+    From its machine id, keyed (machine-id(5): the id itself must not leave the machine)."""
     try:
         machine = Path("/etc/machine-id").read_text().strip()
     except OSError:
         machine = ""
     if not machine or machine == "uninitialized":  # a first boot's placeholder
-        return f"appliance-{name}"
-    return f"appliance-{name}-{hmac.new(machine.encode(), b'appliance-wyoming', 'sha256').hexdigest()[:8]}"
+        return f"appliance-{name}-{address.replace('.', '-').replace(':', '-')}"
+    keyed = hmac.new(machine.encode(), f"appliance-wyoming {address}".encode(), "sha256").hexdigest()[:8]
+    return f"appliance-{name}-{keyed}"
 
 
 def _addresses() -> list[str]:

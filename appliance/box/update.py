@@ -12,9 +12,11 @@ from pathlib import Path
 
 from appliance import firmware
 from appliance.box import units
+from appliance.box.drain import drain
 from appliance.box.layout import DISK
 from appliance.box.selftest import selftest
 from appliance.box.slots import update_slot
+from appliance.client import ClientError, SocketUnreachable
 from appliance.errors import ApplianceError
 from appliance.firmware import store as firmware_store
 from appliance.progress import QUIET, Progress
@@ -41,6 +43,7 @@ def update(
     if (source / DISK).exists():
         trial = update_slot(source, trust_dir, progress=progress)
         if reboot:
+            drain_for_update(socket_path, tell)
             tell(f"slot {trial} written and verified; rebooting into it, on trial")
             units.reboot()
         else:
@@ -52,10 +55,22 @@ def update(
     if release == store.current:
         tell(f"firmware {release.name} is already current")
         return
+    drain_for_update(socket_path, tell)
     firmware_store.switch(store, release)
     tell(f"installed {release.name}; restarting {units.UNIT} on it, on trial")
     tell(try_firmware(store, socket_path, timeout_s))
     tell(f"firmware {release.name} committed; previous {firmware_store.describe(store.previous)} kept for rollback")
+
+
+def drain_for_update(socket_path: str, tell: Tell) -> None:
+    """Before the switch: the agent says maint, new work goes to other boxes, work under way finishes
+    (up to server.shutdown_grace_s); the restart or reboot that follows ends the drain."""
+    try:
+        drain(socket_path, "hold", True, None, tell)
+    except SocketUnreachable:
+        tell("the daemon is not running: nothing to drain")
+    except ClientError as exc:  # an update must not wait on a daemon that cannot drain
+        tell(f"no drain before the update: {exc}")
 
 
 def rollback_firmware(store: firmware_store.Store, socket_path: str, timeout_s: float, tell: Tell) -> None:

@@ -1,4 +1,4 @@
-"""`appliance image`, `flash`, `update`, `recover`: the disk image and the box's update cycle (appliance.box)."""
+"""`appliance image`, `flash`, `update`, `drain`, `fleet`, `recover`: the disk image and the box's update cycle (appliance.box)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from typing import Any
 
 from appliance.box import manifest
 from appliance.box.assemble import assemble
+from appliance.box.drain import drain, resume
 from appliance.box.flash import flash
+from appliance.box.fleet_targets import write_targets
 from appliance.box.layout import DISK, DISK_SIZE
 from appliance.box.recover import recover
 from appliance.box.selftest import boot_selftest
 from appliance.box.update import update
-from appliance.cli.options import add_selftest_arguments, add_trusted_keys, command, tell
+from appliance.cli.options import add_selftest_arguments, add_trusted_keys, command, default_socket, tell
 from appliance.firmware import store as firmware_store
 from appliance.progress import Progress
 
@@ -42,6 +44,22 @@ def cmd_flash(args: argparse.Namespace) -> int:
 def cmd_update(args: argparse.Namespace) -> int:
     store = firmware_store.Store(args.store)
     update(args.source, args.trusted_keys, store, args.socket, args.timeout, args.reboot, tell, Progress())
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    if args.resume:
+        resume(args.socket, tell)
+    else:
+        drain(args.socket, args.then, args.update, args.deadline, tell)
+    return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    boxes = write_targets(args.out, args.wait, args.interface or None)
+    for name, (addresses, https) in sorted(boxes.items()):
+        print(f"{name}: {', '.join(addresses)}" + (f" HTTPS {https}" if https else " (no HTTPS: not a target)"))
+    print(f"{sum(1 for _, https in boxes.values() if https)} targets written to {args.out}")
     return 0
 
 
@@ -108,6 +126,35 @@ def add_parsers(sub: Any) -> None:
     )
     add_selftest_arguments(upd)
     upd.set_defaults(func=cmd_update)
+
+    drn = command(
+        sub,
+        "drain",
+        "refuse new work (503 with Retry-After; HAProxy's agent hears drain) and let work under way finish",
+    )
+    drn.add_argument("--socket", default=default_socket(), help="the daemon's socket")
+    drn.add_argument(
+        "--then",
+        choices=("hold", "stop", "resume"),
+        default="hold",
+        help="once the work under way finished: keep refusing, stop the daemon, or take new work again",
+    )
+    drn.add_argument(
+        "--deadline", type=float, help="seconds work under way may take (default: server.shutdown_grace_s)"
+    )
+    drn.add_argument("--update", action="store_true", help="the agent says maint: an update follows")
+    drn.add_argument("--resume", action="store_true", help="end a drain that holds: take new work again")
+    drn.set_defaults(func=cmd_drain)
+
+    flt = command(sub, "fleet", "the boxes on the LAN, for the operator's tools")
+    flt_sub = flt.add_subparsers(dest="action", required=True, metavar="ACTION")
+    targets = command(flt_sub, "targets", "write the boxes the LAN announces (zeroconf) as Prometheus file_sd targets")
+    targets.add_argument("--out", type=Path, required=True, help="the file_sd JSON file to write (replaced whole)")
+    targets.add_argument("--wait", type=float, default=5.0, help="seconds to listen for announcements")
+    targets.add_argument(
+        "--interface", action="append", help="an IPv4 address of the interface to listen on (repeatable; default all)"
+    )
+    flt.set_defaults(func=cmd_fleet)
 
     rec = command(sub, "recover", "on the box, after a failed boot self-test (appliance-rollback.service)")
     rec.add_argument(

@@ -22,6 +22,7 @@ from appliance.config.sections import (
     ConnCacheConfig,
     EngineConfig,
     FirmwareConfig,
+    FleetConfig,
     HttpsConfig,
     LogConfig,
     ModelQueueConfig,
@@ -42,6 +43,7 @@ __all__ = [
     "ConnCacheConfig",
     "EngineConfig",
     "FirmwareConfig",
+    "FleetConfig",
     "HttpsConfig",
     "LogConfig",
     "ModelQueueConfig",
@@ -265,9 +267,10 @@ def _check_values(config: Config) -> None:
         raise ApplianceError(f"{source}: quic.port: {config.quic.port} is not a UDP port")
     if not 0 < config.https.port < 65536:
         raise ApplianceError(f"{source}: https.port: {config.https.port} is not a TCP port")
-    host, _, port = config.wyoming.tcp.rpartition(":")
-    if config.wyoming.tcp and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ApplianceError(f"{source}: wyoming.tcp: {config.wyoming.tcp!r} is not HOST:PORT")
+    for key, address in (("wyoming.tcp", config.wyoming.tcp), ("fleet.agent_address", config.fleet.agent_address)):
+        host, _, port = address.rpartition(":")
+        if address and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise ApplianceError(f"{source}: {key}: {address!r} is not HOST:PORT")
     try:
         cidrs(config.wyoming.allow)
     except ValueError as exc:

@@ -171,6 +171,13 @@ class AccessConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """The box behind a load balancer (docs/operations.md, "Many boxes behind HAProxy")."""
+
+    agent_address: str = ""  # "HOST:PORT": HAProxy's agent check reads the box's weight or drain here (off when empty)
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -188,5 +195,6 @@ class Config:
     vad: VadConfig = field(default_factory=VadConfig)
     websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
     wyoming: WyomingConfig = field(default_factory=WyomingConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sources: tuple[Path, ...] = field(default=(), compare=False)  # where it came from, not what it is

@@ -19,9 +19,13 @@ from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api import wyoming
 from appliance.api.core import Api, streaming
+from appliance.api.fleet import BoxState, Capacity, agent_reply
+from appliance.api.fleet_routes import GPU_ENGINES, DrainOrder
 from appliance.config import Config, Live, worker_count
+from appliance.daemon.agent import Agent
 from appliance.daemon.listeners import Listeners, bind_unix_socket
 from appliance.daemon.watchdog import Watchdog
+from appliance.engine import cuda
 from appliance.engine.heap import trim_heap_forever
 from appliance.engine.stats import ModelStats
 from appliance.errors import ApplianceError
@@ -57,6 +61,7 @@ class Daemon:
         self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
         self.wyoming: wyoming.Listeners | None = None
+        self.agent: Agent | None = None  # HAProxy's agent check, from the start of the start
 
     @property
     def config(self) -> Config:
@@ -69,6 +74,8 @@ class Daemon:
         with contextlib.suppress(OSError):  # only a hint for `call health`: a read-only /run goes without
             durable.make_directories(starting.parent)
             starting.write_text(f"{os.getpid()}\n")
+        if config.fleet.agent_address:  # says "down" while the models load
+            self.agent = Agent(config.fleet.agent_address, self._agent_reply)
         bundle = firmware.verify(config.firmware.bundle, config.firmware.trusted_keys)
         manifest = bundle.manifest
         config_files.check_model_names(config, {m.name for m in manifest.models})
@@ -91,8 +98,13 @@ class Daemon:
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         arm_failpoints()  # warmed up: a test's failpoints may fire from now on
         self.api = Api(manifest, self.models, self.live)
+        fleet = self.api.fleet
+        fleet.busy, fleet.stop = self._under_way, self.stopping.set
+        if any(engine in m.engine_name for m in self.models.values() for engine in GPU_ENGINES):
+            fleet.gpu_memory = cuda.memory_used
         bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
-        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics)
+        refusing = lambda: fleet.order is not None  # noqa: E731
+        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics, refusing)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -131,7 +143,7 @@ class Daemon:
     # --- run ---
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, self._overdue)
+        signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, self._overdue, self.drain)
         starting = loop.create_task(self.start())  # awaited below: its failure is a failed start, one line
         stop = spawn(self.stopping.wait(), "the stop signal")
         await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -144,6 +156,8 @@ class Daemon:
         except BaseException as exc:
             if self.listeners is not None:
                 self.listeners.abort()
+            if self.agent is not None:
+                self.agent.close()
             await self._stop_models()
             self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
             if isinstance(exc, asyncio.CancelledError) and self.stopping.is_set():
@@ -166,10 +180,12 @@ class Daemon:
         await self.shutdown()  # which cancels the tasks
         return EXIT_TASK_FAILED if self.failed else 0
 
-    def _fail(self, _: BaseException) -> None:
+    def _fail(self, error: BaseException) -> None:
         """A task the daemon cannot serve without died (spawn logged it): stop, and exit non-zero so
-        that systemd restarts the daemon."""
+        that systemd restarts the daemon. Liveness fails meanwhile."""
         self.failed = True
+        if self.api is not None:
+            self.api.fleet.broken = f"a task it needs crashed ({type(error).__name__}, logged); restarting"
         self.stopping.set()
 
     async def _expire_idle_sequences(self) -> None:
@@ -187,6 +203,21 @@ class Daemon:
             count, now = self.api.metrics.total_requests, time.monotonic()
             systemd.status(self.status_text((count - last_count) / (now - last_time)))
             last_count, last_time = count, now
+
+    # --- in a fleet ---
+    def drain(self) -> None:
+        """SIGUSR2: refuse new work, let work under way finish within the grace time, hold."""
+        if self.api is None or not self.api.ready:
+            log.info("SIGUSR2 during the start: nothing to drain")
+            return
+        self.api.fleet.start_drain(DrainOrder("hold", False, self.config.server.shutdown_grace_s))
+
+    def _under_way(self) -> tuple[int, int]:
+        return self._in_flight(), sum(len(m.sequences) for m in self.models.values())
+
+    def _agent_reply(self) -> bytes:
+        starting = BoxState(True, self.stopping.is_set(), False, Capacity())
+        return agent_reply(self.api.fleet.state() if self.api is not None else starting)
 
     # --- reload ---
     def reload(self) -> None:
@@ -222,7 +253,7 @@ class Daemon:
         log.info("stopping: %d requests in flight, %d sequences open", self._in_flight(), live())
         systemd.stopping(f"stopping: {self._in_flight()} requests in flight, {live()} sequences open")
         api.ready = False
-        api.draining = True
+        api.fleet.stopping = True
         grace = self.config.server.shutdown_grace_s
         deadline = time.monotonic() + grace
         await listeners.stop_accepting(grace)
@@ -237,6 +268,8 @@ class Daemon:
         for task in self.tasks:  # drained: the sweep and the rest must not outlive the sockets they read
             task.cancel()
         listeners.close()
+        if self.agent is not None:
+            self.agent.close()
         await self._stop_models()
         self._remove_socket()
         log.info("stopped")
