@@ -22,7 +22,7 @@ from conftest import Daemon, good_clients_throughout
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.api.core import _sequence_call
+from appliance.api.infer import sequence_call as _sequence_call
 from appliance.audio import decode_audio, encode_wav
 from appliance.client import Call, Client
 from appliance.client.http import encode_request

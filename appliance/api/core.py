@@ -34,11 +34,10 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-import numpy as np
-
 from appliance import __version__
 from appliance.api import (
     fleet_routes,
+    infer,
     libretranslate,
     openai_audio,
     openai_models,
@@ -53,15 +52,13 @@ from appliance.api.access.gate import Access
 from appliance.api.operator import OPERATOR_ROUTES, OPERATORS_ARE, status_document
 from appliance.api.routes import Route
 from appliance.config import Live
-from appliance.engine.stats import RequestTimes
-from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.errors import ApiError, NotFound
 from appliance.firmware import Manifest
-from appliance.kinds.base import SequenceCall, ServedModel
+from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Interpreting
 from appliance.protocol.encoding import accepted_coding, compress
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
-from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
 from appliance.tasks import off_loop
 
 log = logging.getLogger("appliance.api")
@@ -299,38 +296,7 @@ class Api:
     # --- inference ----------------------------------------------------------------------------------
 
     async def _infer(self, request: Request, params: dict[str, str]) -> Response:
-        model = self._model(params)
-        json_length = request.headers.get(HEADER_LENGTH)
-        infer = await off_loop(len(request.body), decode_infer, request.body, json_length)
-        sequence = _sequence_call(infer.parameters)
-        if self.fleet.draining and sequence is not None and sequence.start:
-            raise fleet_routes.refusal("new sequences")
-        if self.fleet.holding and sequence is None:
-            raise fleet_routes.refusal("new requests")
-        if sequence is not None:
-            sequence = dataclasses.replace(sequence, client=request.client, address=request.address)
-        times, started = RequestTimes(), time.perf_counter_ns()
-        try:
-            outputs, opened = await model.infer(infer, sequence, times)
-        except BaseException:
-            model.stats.record_request(False, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)
-            raise
-        model.stats.record_request(True, time.perf_counter_ns() - started, times, time.time_ns() // 1_000_000)
-        if infer.requested_outputs:
-            unknown = [name for name in infer.requested_outputs if name not in outputs]
-            if unknown:
-                raise BadRequest(f"model {model.name} has no output {unknown[0]!r} (it has: {', '.join(outputs)})")
-            outputs = {name: outputs[name] for name in infer.requested_outputs}
-        out_params: dict[str, Any] = {}
-        if sequence is not None:
-            out_params = {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}
-        size = sum(a.nbytes for a in outputs.values() if isinstance(a, np.ndarray))  # JSON of 10 M samples: seconds
-        body, header_length = await off_loop(
-            size, encode_infer, model.name, self.manifest.version, infer, outputs, out_params
-        )
-        headers = [] if header_length is None else [("Inference-Header-Content-Length", str(header_length))]
-        content_type = "application/json" if header_length is None else "application/octet-stream"
-        return Response(200, body, content_type, headers, opened=opened)
+        return await infer.answer(self._model(params), request, self.fleet, self.manifest.version)
 
     async def _task(self, request: Request, params: dict[str, str]) -> Response:
         model = self._model(params)
@@ -373,33 +339,3 @@ async def _compressed(response: Response, coding: str) -> Response:
     body = await off_loop(len(response.body), compress, response.body, coding)
     headers = [*response.headers, ("Content-Encoding", coding)]
     return dataclasses.replace(response, body=body, headers=headers)
-
-
-SEQUENCE_IDS = (-(2**63), 2**64 - 1)  # an integer sequence id is in the int64 or the uint64 range
-
-
-def _sequence_call(parameters: dict[str, Any]) -> SequenceCall | None:
-    """Triton's sequence parameters, or None for a one-off request."""
-    sequence_id = parameters.get("sequence_id")
-    start, end = parameters.get("sequence_start", False), parameters.get("sequence_end", False)
-    for name, flag in (("sequence_start", start), ("sequence_end", end)):
-        if not isinstance(flag, bool):
-            raise BadRequest(f"parameters.{name} must be true or false, got {json_kind(flag)}")
-    accepted = f"an integer from {SEQUENCE_IDS[0]} to {SEQUENCE_IDS[1]} or a string of at most {MAX_NAME_BYTES} bytes"
-    if isinstance(sequence_id, int) and not isinstance(sequence_id, bool):
-        if not SEQUENCE_IDS[0] <= sequence_id <= SEQUENCE_IDS[1]:
-            raise BadRequest(
-                f"parameters.sequence_id must be {accepted}, got an integer of {len(str(sequence_id))} digits"
-            )
-    elif isinstance(sequence_id, str):
-        if len(sequence_id.encode()) > MAX_NAME_BYTES:
-            raise BadRequest(
-                f"parameters.sequence_id must be {accepted}, got a string of {len(sequence_id.encode())} bytes"
-            )
-    elif sequence_id is not None:
-        raise BadRequest(f"parameters.sequence_id must be {accepted}, got {json_kind(sequence_id)}")
-    if sequence_id is None or sequence_id == 0:
-        if start or end:
-            raise BadRequest("sequence_start/sequence_end need a non-zero sequence_id")
-        return None
-    return SequenceCall(sequence_id, start, end)

@@ -158,7 +158,7 @@ class Daemon:
                 self.listeners.abort()
             if self.agent is not None:
                 self.agent.close()
-            await self._stop_models()
+            self.abandoned += await stop_models(self.models)
             self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
             if isinstance(exc, asyncio.CancelledError) and self.stopping.is_set():
                 return 0
@@ -270,7 +270,7 @@ class Daemon:
         listeners.close()
         if self.agent is not None:
             self.agent.close()
-        await self._stop_models()
+        self.abandoned += await stop_models(self.models)
         self._remove_socket()
         log.info("stopped")
 
@@ -291,43 +291,46 @@ class Daemon:
         return self.config.server.shutdown_grace_s + engines_s + STOP_MARGIN_S
 
     def _overdue(self, again: bool) -> None:
-        """From the signal thread: a second stop signal (stop now), or the stop did not end in time, so the
-        event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
-        while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
-        if self.api is None or not self.api.ready:
-            log.info("stopped during start-up (models were loading or warming up)")
-            logging.shutdown()
-            os._exit(0)
-        in_flight = self._in_flight()
-        sequences = sum(len(m.sequences) for m in self.models.values())
-        why = (
-            "a second stop signal"
-            if again
-            else f"still running {self._stop_deadline_s():.0f} s after the stop signal (the event loop is blocked, "
-            "an engine call is wedged)"
-        )
-        log.error(
-            "stopping: %s; abandoned %d requests in flight and %d open sequences, exiting",
-            why,
-            in_flight,
-            sequences,
-        )
-        logging.shutdown()
-        os._exit(EXIT_ABANDONED if in_flight or sequences or self.abandoned or not again else 0)
+        exit_overdue(self, again)
 
-    async def _stop_models(self) -> None:
-        for model in self.models.values():
-            timeout_s = engine_stop_s(model.stats)
-            if not await model.stop(timeout_s):
-                self.abandoned.append(model.name)
-                log.error(
-                    "stopping: the engine of model %s did not finish its batch within %.1f s (twice its longest "
-                    "call so far, %.0f to %.0f s: wedged); abandoned it",
-                    model.name,
-                    timeout_s,
-                    ENGINE_STOP_S,
-                    ENGINE_STOP_MAX_S,
-                )
+
+def exit_overdue(daemon: Daemon, again: bool) -> None:
+    """From the signal thread: a second stop signal (stop now), or the stop did not end in time, so the
+    event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
+    while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
+    if daemon.api is None or not daemon.api.ready:
+        log.info("stopped during start-up (models were loading or warming up)")
+        logging.shutdown()
+        os._exit(0)
+    in_flight = daemon.listeners.in_flight if daemon.listeners is not None else 0
+    sequences = sum(len(m.sequences) for m in daemon.models.values())
+    why = (
+        "a second stop signal"
+        if again
+        else f"still running {daemon._stop_deadline_s():.0f} s after the stop signal (the event loop is blocked, "
+        "an engine call is wedged)"
+    )
+    log.error("stopping: %s; abandoned %d requests in flight and %d open sequences, exiting", why, in_flight, sequences)
+    logging.shutdown()
+    os._exit(EXIT_ABANDONED if in_flight or sequences or daemon.abandoned or not again else 0)
+
+
+async def stop_models(models: dict[str, ServedModel]) -> list[str]:
+    """Each model's engine stopped; the names of those whose batch did not end in time (abandoned)."""
+    abandoned = []
+    for model in models.values():
+        timeout_s = engine_stop_s(model.stats)
+        if not await model.stop(timeout_s):
+            abandoned.append(model.name)
+            log.error(
+                "stopping: the engine of model %s did not finish its batch within %.1f s (twice its longest "
+                "call so far, %.0f to %.0f s: wedged); abandoned it",
+                model.name,
+                timeout_s,
+                ENGINE_STOP_S,
+                ENGINE_STOP_MAX_S,
+            )
+    return abandoned
 
 
 def engine_stop_s(stats: ModelStats) -> float:
