@@ -117,16 +117,22 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     return Keys(base / "signing.key", base / "trusted")
 
 
+def movable_spec(spec: Path) -> str:
+    """A firmware spec's text for a copy that lives elsewhere: its `path` sources (the Kokoro voices, the
+    wake words' notices) made absolute."""
+    return re.sub(
+        r'path = "(?!/)([^"]+)"', lambda m: f'path = "{(spec.parent / m.group(1)).resolve()}"', spec.read_text()
+    )
+
+
 def build_bundle(keys: Keys, out: Path, spec: Path = DEFAULT_SPEC, **baked: object) -> Path:
     """Build a bundle, optionally with other baked values (a new firmware, as the box would get)."""
     if baked:
-        text = spec.read_text()
+        text = movable_spec(spec)
         for key, value in baked.items():
             rendered = f'"{value}"' if isinstance(value, str) else str(value)
             lines = [f"{key} = {rendered}" if line.split("=")[0].strip() == key else line for line in text.splitlines()]
             text = "\n".join(lines) + "\n"
-        # the copy lives elsewhere: its `path` sources (the Kokoro voices) made absolute
-        text = re.sub(r'path = "(?!/)([^"]+)"', lambda m: f'path = "{(spec.parent / m.group(1)).resolve()}"', text)
         spec = out.parent / f"{out.name}.toml"
         spec.write_text(text)
     cli("firmware", "build", spec, "--key", keys.private, "--out", out)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
-from conftest import APPLIANCE, ROOT, Daemon, Keys, cli
+from conftest import APPLIANCE, ROOT, Daemon, Keys, cli, movable_spec
 from faster_whisper import WhisperModel
 from kokoro import Kokoro
 from speech import RATE, say
@@ -234,7 +234,7 @@ def test_a_target_no_translation_reaches_is_a_400_naming_those_that_have_one(
         "pf_dora": "3da7b5b2d91847ebf5646f57631af6ececae3c29a89cd300f06edf9aa6cfe9ee",
         "ef_dora": "f66ec66bd295acb18372e37008533a9a3228483ccd294e7538d5d9294ac9a532",
     }
-    spec = SPEC.read_text().replace('"../build/', f'"{ROOT}/build/').replace(pins["pf_dora"], pins["ef_dora"])
+    spec = movable_spec(SPEC).replace(pins["pf_dora"], pins["ef_dora"])
     spec = spec.replace("voices/pf_dora.bin", "voices/ef_dora.bin")  # the assembled file and its source
     spec = spec.replace('voices = ["pf_dora", "pm_alex"]', 'voices = ["ef_dora"]')
     spec = spec.replace('voices = ["joe", "pf_dora"], translations = ["en-pt", "pt-en"]', 'voices = ["joe", "ef_dora"]')

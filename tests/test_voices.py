@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
-from conftest import ROOT, Daemon, Keys, cli
+from conftest import ROOT, Daemon, Keys, cli, movable_spec
 from faster_whisper import WhisperModel
 from kokoro import VOICES, Kokoro
 
@@ -169,7 +169,7 @@ def _spec_with_voice_file(tmp_path: Path, voice: str, data: bytes) -> Path:
     """firmware/voices.toml with one voice's style table replaced by `data`, pinned by its own sha256."""
     part = tmp_path / f"{voice}.bin"
     part.write_bytes(data)
-    text = SPEC.read_text().replace('"../build/', f'"{ROOT}/build/')  # the spec moves to tmp_path
+    text = movable_spec(SPEC)  # the spec moves to tmp_path
     original = VOICES / f"{voice}.bin"
     pin = hashlib.sha256(original.read_bytes()).hexdigest()
     text = text.replace(f'{{ path = "{VOICES}/{voice}.bin" }}', f'{{ path = "{part}" }}')
