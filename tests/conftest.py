@@ -121,7 +121,7 @@ def movable_spec(spec: Path) -> str:
     """A firmware spec's text for a copy that lives elsewhere: its `path` sources (the Kokoro voices, the
     wake words' notices) made absolute."""
     return re.sub(
-        r'path = "(?!/)([^"]+)"', lambda m: f'path = "{(spec.parent / m.group(1)).resolve()}"', spec.read_text()
+        r'path = "(?!/)([^"]+)"', lambda m: f'path = "{os.path.normpath(spec.parent / m.group(1))}"', spec.read_text()
     )
 
 
