@@ -224,7 +224,8 @@ def test_browsers_are_held_to_the_box_page(box: Daemon) -> None:
     assert refusal.value.response.status_code == 403
 
 
-def test_a_room_pin_buys_a_secret_for_the_interpreter_alone(box: Daemon) -> None:
+def room_pin(box: Daemon) -> str:
+    """A room opened by `appliance room open`, as an operator opens one: its PIN."""
     opened = subprocess.run(
         [*APPLIANCE, "room", "open", "--minutes", "30", "--socket", str(box.socket)],
         capture_output=True,
@@ -232,7 +233,11 @@ def test_a_room_pin_buys_a_secret_for_the_interpreter_alone(box: Daemon) -> None
         cwd=ROOT,
         check=True,
     ).stdout
-    pin = re.search(r"room PIN (\d{8})", opened)[1]
+    return re.search(r"room PIN (\d{8})", opened)[1]
+
+
+def test_a_room_pin_buys_a_secret_for_the_interpreter_alone(box: Daemon) -> None:
+    pin = room_pin(box)
     http = https(box)
     wrong = http.post("/v1/realtime/client_secrets", json={"room": "00000000" if pin != "00000000" else "1"})
     assert wrong.status_code == 401

@@ -5,16 +5,14 @@ origin, holding a good key even, is refused its WebSocket and its form POST."""
 from __future__ import annotations
 
 import http.server
-import re
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import APPLIANCE, ROOT, Daemon, free_tcp_port, needs
-from test_access import KEYS, add_key, refused
+from conftest import Daemon, free_tcp_port, needs
+from test_access import KEYS, add_key, refused, room_pin
 from test_https import SENTENCE
 from test_page import CHROMIUM, TIMEOUT_MS, launch, spoken, wait_until
 
@@ -42,17 +40,6 @@ def browser(box: Daemon, tmp_path_factory: pytest.TempPathFactory):
         chromium = launch(driver, box.cafile, spoken(tmp_path_factory.mktemp("microphone"), SENTENCE, "en"))
         yield chromium
         chromium.close()
-
-
-def room_pin(box: Daemon) -> str:
-    opened = subprocess.run(
-        [*APPLIANCE, "room", "open", "--minutes", "30", "--socket", str(box.socket)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=True,
-    ).stdout
-    return re.search(r"room PIN (\d{8})", opened)[1]
 
 
 def test_a_room_pin_link_lets_a_visitor_talk_through_the_interpreter(browser, box: Daemon, tmp_path: Path) -> None:

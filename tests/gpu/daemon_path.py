@@ -142,12 +142,19 @@ def cuda_libraries() -> str:
     )
 
 
-def whisper_cuda_vs_cpu(bundle_dir: Path, trusted: Path, work: Path, speech: np.ndarray) -> list[str]:
-    """60 s and 8 x 10 s through the daemon, tiny.en and base, engine.device cuda then cpu."""
+def whisper_cuda_vs_cpu(
+    bundle_dir: Path,
+    trusted: Path,
+    work: Path,
+    speech: np.ndarray,
+    devices: tuple[str, ...] = ("cuda", "cpu"),
+    clients: int = 8,
+) -> list[str]:
+    """60 s and `clients` x 10 s through the daemon, tiny.en and base, on each engine.device in turn."""
     recording = np.resize(speech, 60 * RATE).astype(np.float32)
-    clips = [np.roll(recording, -i * 7 * RATE)[: 10 * RATE] for i in range(8)]
+    clips = [np.roll(recording, -i * 7 * RATE)[: 10 * RATE] for i in range(clients)]
     rows = []
-    for device in ("cuda", "cpu"):
+    for device in devices:
         daemon = DaemonProcess(bundle_dir, trusted, work / f"whisper-{device}", f'[engine]\ndevice = "{device}"\n')
         try:
             with Client(str(daemon.socket), timeout=600) as client:
@@ -161,7 +168,7 @@ def whisper_cuda_vs_cpu(bundle_dir: Path, trusted: Path, work: Path, speech: np.
                         with Client(str(daemon.socket), timeout=600) as own:
                             own.transcribe(encode_wav(clips[i], RATE), model)
 
-                    many = concurrently(8, ask)
+                    many = concurrently(clients, ask)
                     rows.append(f"| {model} | {device} | {one:.3f} | {many:.3f} |")
                     print(rows[-1], flush=True)
         finally:

@@ -26,15 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
+import daemon_path  # noqa: E402
 import jiwer  # noqa: E402
 import whisper_kernels  # noqa: E402
 from speech import say  # noqa: E402
 
 from appliance import firmware  # noqa: E402
-from appliance.audio import encode_wav  # noqa: E402
-from appliance.bench.daemon import DaemonProcess  # noqa: E402
-from appliance.bench.measure import concurrently  # noqa: E402
-from appliance.client import Client  # noqa: E402
 from appliance.engine import whisper_weights  # noqa: E402
 from appliance.engine.speech_choice import converted_weights  # noqa: E402
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine  # noqa: E402
@@ -125,30 +122,6 @@ def gpu_times(engine: ArrayWhisperEngine, cupy, audio: np.ndarray) -> None:
         )
 
 
-def daemon_figures(bundle_dir: Path, trusted: Path, work: Path, speech: np.ndarray) -> None:
-    recording = np.resize(speech, 60 * RATE).astype(np.float32)
-    clips = [np.roll(recording, -i * 7 * RATE)[: 10 * RATE] for i in range(64)]
-    for device in ("auto", "cpu"):
-        daemon = DaemonProcess(bundle_dir, trusted, work / f"whisper-{device}", f'[engine]\ndevice = "{device}"\n')
-        try:
-            with Client(str(daemon.socket), timeout=600) as client:
-                for model in ("whisper_tiny_en", "whisper_base"):
-                    client.transcribe(encode_wav(clips[0], RATE), model)  # warm
-                    t = time.perf_counter()
-                    client.transcribe(encode_wav(recording, RATE), model)
-                    one = time.perf_counter() - t
-
-                    def ask(i: int, model: str = model) -> None:
-                        with Client(str(daemon.socket), timeout=600) as own:
-                            own.transcribe(encode_wav(clips[i], RATE), model)
-
-                    say_line(
-                        f"| {model} | {device} | 60 s: {one:.2f} s | 64 x 10 s at once: {concurrently(64, ask):.2f} s |"
-                    )
-        finally:
-            daemon.stop()
-
-
 def main() -> int:
     try:
         import cupy
@@ -168,7 +141,11 @@ def main() -> int:
                     say_line(line)
             tokens_against_reference(reference, gpu, audio)
             gpu_times(gpu, cupy, audio[0])
-        daemon_figures(bundle_dir, trusted, work, np.concatenate(audio))
+        say_line("| model | engine.device | 60 s (s) | 64 x 10 s at once (s) |")
+        for row in daemon_path.whisper_cuda_vs_cpu(
+            bundle_dir, trusted, work, np.concatenate(audio), ("auto", "cpu"), 64
+        ):
+            say_line(row)
     with open(ROOT / "tests" / "gpu" / "results.md", "a") as f:
         f.write("\n" + "\n".join(report) + "\n")
     return 0
