@@ -62,14 +62,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Which suites ran, which ran in part and which were skipped whole (and why), as whom."""
+    """Which suites ran, which ran in part and which were skipped whole (and why), as whom; and the
+    seconds each took (its setups, calls and teardowns), so that where the time goes is seen per run."""
     outcomes: dict[str, dict[str, int]] = {}
     reasons: dict[str, set[str]] = {}
+    seconds: dict[str, float] = {}
     for outcome in ("passed", "failed", "error", "skipped"):
         for report in terminalreporter.stats.get(outcome, []):
+            suite = report.nodeid.split("::", 1)[0]
+            seconds[suite] = seconds.get(suite, 0.0) + getattr(report, "duration", 0.0)
             if getattr(report, "when", "call") != "call" and outcome == "passed":
                 continue
-            suite = report.nodeid.split("::", 1)[0]
             outcomes.setdefault(suite, {}).setdefault(outcome, 0)
             outcomes[suite][outcome] += 1
             if outcome == "skipped" and isinstance(report.longrepr, tuple):
@@ -80,7 +83,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     write(f"suites run as {'root' if AS_ROOT else 'uid ' + str(os.geteuid())}: {len(ran)} ran, {len(skipped)} skipped")
     for suite in ran:
         counts = ", ".join(f"{n} {what}" for what, n in sorted(outcomes[suite].items()))
-        write(f"  ran      {suite}: {counts}")
+        write(f"  ran      {suite}: {counts} in {seconds.get(suite, 0.0):.0f} s")
     for suite in skipped:
         write(f"  SKIPPED  {suite}: {'; '.join(sorted(reasons.get(suite, set())))}")
 
