@@ -67,10 +67,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     outcomes: dict[str, dict[str, int]] = {}
     reasons: dict[str, set[str]] = {}
     seconds: dict[str, float] = {}
-    for outcome in ("passed", "failed", "error", "skipped"):
+    for outcome in ("", "passed", "failed", "error", "skipped"):  # "": the setups and teardowns that passed
         for report in terminalreporter.stats.get(outcome, []):
             suite = report.nodeid.split("::", 1)[0]
             seconds[suite] = seconds.get(suite, 0.0) + getattr(report, "duration", 0.0)
+            if not outcome:
+                continue
             if getattr(report, "when", "call") != "call" and outcome == "passed":
                 continue
             outcomes.setdefault(suite, {}).setdefault(outcome, 0)
@@ -86,6 +88,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         write(f"  ran      {suite}: {counts} in {seconds.get(suite, 0.0):.0f} s")
     for suite in skipped:
         write(f"  SKIPPED  {suite}: {'; '.join(sorted(reasons.get(suite, set())))}")
+    started, ready, stop = DAEMON_SECONDS.values()
+    write(f"daemons (conftest's Daemon): {started} started, {ready:.0f} s until ready, {stop:.0f} s to stop")
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -314,6 +318,10 @@ def process_tree_cpu_s(pid: int) -> float:
     return total
 
 
+# Where the suite's time goes (printed at its end): daemons started, seconds until ready, seconds to stop.
+DAEMON_SECONDS = {"started": 0, "until ready": 0.0, "to stop": 0.0}
+
+
 class Daemon:
     """`appliance run` as a child process with its own config, Unix socket and (with tls) QUIC port."""
 
@@ -365,6 +373,8 @@ class Daemon:
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"
+        self.spawned = time.monotonic()
+        DAEMON_SECONDS["started"] += 1
         self.proc = subprocess.Popen(
             [*prefix, *APPLIANCE, "run", "--config", str(self.config)],
             cwd=ROOT,
@@ -382,6 +392,7 @@ class Daemon:
                 try:
                     with Client(str(self.socket), timeout=5) as client:
                         if client.health()["ready"]:
+                            DAEMON_SECONDS["until ready"] += time.monotonic() - self.spawned
                             return self
                 except OSError:
                     pass
@@ -398,7 +409,11 @@ class Daemon:
         return Client(str(self.socket))
 
     def stop(self) -> int:
-        return terminate(self.proc)
+        began = time.monotonic()
+        try:
+            return terminate(self.proc)
+        finally:
+            DAEMON_SECONDS["to stop"] += time.monotonic() - began
 
     def cpu_seconds(self) -> float:
         """User plus system CPU time the daemon (the engine process and its workers) has used so far."""
