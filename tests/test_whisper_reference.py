@@ -50,7 +50,7 @@ def ours_and_theirs(
         engine.tokens.prompt(task, language, engine.tokens.encode(previous) if previous else ())
         for _, task, language, previous in jobs
     ]
-    decoded = engine.decode([Sequence(p, i) for i, p in enumerate(prompts)], engine._encode(features), fallback=False)
+    decoded = engine.decode([Sequence(p, i) for i, p in enumerate(prompts)], engine.encode(features), fallback=False)
     ours = [[t for t in decoded[i].chosen if t != engine.tokens.eot] for i in range(len(jobs))]
     theirs = {}
     for compute in ("float32", "int8"):

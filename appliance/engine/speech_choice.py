@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
 
 from appliance.engine import cuda, whisper_weights
+from appliance.engine.batch_queue import Runner
 from appliance.engine.speech_engine import Decoded, Shard, SpeechEngine
 from appliance.engine.whisper import WhisperEngine
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine
@@ -97,6 +98,65 @@ class SpeechCpuFallback:
 
     def detect(self, clips: list[np.ndarray]) -> list[tuple[str, float]]:
         return self._engine().detect(clips)
+
+    def decoding(self, max_batch: int) -> FallbackDecoding:
+        return FallbackDecoding(self, self.gpu.decoding(max_batch))
+
+
+class FallbackDecoding:
+    """SpeechCpuFallback's runner: the GPU engine's continuous decoding, with the shards that begin while
+    GPU memory is above the threshold, or that run out of it, decoded whole on the CPU engine."""
+
+    def __init__(self, engines: SpeechCpuFallback, gpu: Runner[Shard, Decoded]) -> None:
+        self.engines, self.gpu = engines, gpu
+        self.grouped = gpu.grouped
+        self._on_cpu: list[tuple[Hashable, Decoded]] = []  # answered, for the next advance
+
+    @property
+    def room(self) -> int:
+        return self.gpu.room
+
+    def begin(self, keyed: list[tuple[Hashable, Shard]]) -> None:
+        engines = self.engines
+        if engines.memory_used() > engines.threshold:
+            engines.fallbacks["memory_pressure"] += 1
+            self._cpu(keyed)
+            return
+        try:
+            self.gpu.begin(keyed)
+        except engines.out_of_memory:
+            for key, _ in keyed:
+                self.gpu.drop(key)
+            self._out_of_memory(keyed)
+
+    def advance(self) -> list[tuple[Hashable, Decoded]]:
+        if self._on_cpu:
+            answered, self._on_cpu = self._on_cpu, []
+            return answered
+        try:
+            return self.gpu.advance()
+        except self.engines.out_of_memory:
+            self._out_of_memory(self.gpu.clear())
+            answered, self._on_cpu = self._on_cpu, []
+            return answered
+
+    def drop(self, key: Hashable) -> None:
+        self.gpu.drop(key)
+        self._on_cpu = [(k, answer) for k, answer in self._on_cpu if k != key]
+
+    def clear(self) -> list[tuple[Hashable, Shard]]:
+        self._on_cpu = []
+        return self.gpu.clear()
+
+    def _out_of_memory(self, keyed: list[tuple[Hashable, Shard]]) -> None:
+        self.engines.fallbacks["out_of_memory"] += 1
+        log.warning("engine %s: out of GPU memory with %d shards, ran them on the CPU", self.engines.name, len(keyed))
+        self._cpu(keyed)
+
+    def _cpu(self, keyed: list[tuple[Hashable, Shard]]) -> None:
+        if keyed:
+            answers = self.engines.cpu.run([shard for _, shard in keyed])
+            self._on_cpu += [(key, answer) for (key, _), answer in zip(keyed, answers)]
 
 
 def load_speech_engine(

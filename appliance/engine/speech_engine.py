@@ -4,9 +4,10 @@ The speech_to_text kind, its live streams and the routes built on it (OpenAI, Re
 the pipeline) hold a `SpeechEngine`, never a particular one: CTranslate2 (whisper.py, the CPU engine,
 and the CUDA one where the box has CUDA 12) and the box's own Whisper over an array module
 (whisper_arrays_engine.py: NumPy as the reference, CuPy on the GPU) both meet it. What a caller
-needs of one: its tokens (prompts, languages), `check` before audio is queued, `run` on a batch of
-at most the baked max_batch shards (called on a worker thread), `detect` for segment languages,
-and the statistics /metrics reads.
+needs of one: its tokens (prompts, languages), `check` before audio is queued, `decoding`: how the
+batch queue runs its shards (on the queue's thread: whole batches of at most the baked max_batch for
+CTranslate2, shards joining and leaving a continuous batch for the box's own), `detect` for segment
+languages, and the statistics /metrics reads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from appliance.engine.batch_queue import Runner
 from appliance.engine.whisper_tokens import Piece, Quality, WhisperTokens
 from appliance.engine.whisper_words import Word
 from appliance.errors import BadRequest
@@ -70,6 +72,10 @@ class SpeechEngine(Protocol):
 
     def run(self, shards: list[Shard]) -> list[Decoded]:
         """Decode a batch of at most max_batch shards; the answers in the shards' order."""
+        ...
+
+    def decoding(self, max_batch: int) -> Runner[Shard, Decoded]:
+        """How the batch queue runs this engine's shards, at most max_batch at once."""
         ...
 
     def detect(self, clips: list[np.ndarray]) -> list[tuple[str, float]]:

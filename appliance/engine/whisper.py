@@ -20,6 +20,7 @@ import ctranslate2
 import numpy as np
 
 from appliance.engine import nvidia_libs, whisper_language, whisper_loops, whisper_windows
+from appliance.engine.batch_queue import WholeBatches
 from appliance.engine.speech_engine import Decoded, Shard, check_request
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, log_mel, mel_filters
 from appliance.engine.whisper_tokens import TOKEN_SECONDS, Generated, Piece, WhisperTokens
@@ -244,6 +245,10 @@ class WhisperEngine:
                 first.setdefault(token, position * TOKEN_SECONDS)
             out.append([first.get(k, 0.0) for k in range(len(text) + 1)] if text else None)
         return out
+
+    def decoding(self, max_batch: int) -> WholeBatches[Shard, Decoded]:
+        """CTranslate2 batches statically: one `generate` per batch, new shards wait for its end."""
+        return WholeBatches(self.run, max_batch)
 
     def _generate(
         self,

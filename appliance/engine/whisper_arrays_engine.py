@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections import Counter
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,11 @@ from appliance.engine import whisper_align, whisper_language
 from appliance.engine.speech_engine import Decoded, Shard, check_request
 from appliance.engine.whisper_batch import DecodeBatch, Sequence, _host
 from appliance.engine.whisper_beams import BeamGroup
+from appliance.engine.whisper_decoding import Decoding
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel, mel_filters
 from appliance.engine.whisper_model import KvCache, WhisperModel, softmax
 from appliance.engine.whisper_rules import Rules
-from appliance.engine.whisper_tokens import Generated, WhisperTokens
+from appliance.engine.whisper_tokens import WhisperTokens
 from appliance.engine.whisper_words import Word
 
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
@@ -91,40 +93,26 @@ class ArrayWhisperEngine:
 
     def run(self, shards: list[Shard]) -> list[Decoded]:
         """Each shard decoded (beam search, or sampled at its temperature), timed pieces out, in the shards' order."""
-        if not shards:
-            return []
-        features = log_mel([s.samples for s in shards], self.filters)
-        cross = self._encode(features)
-        detected = self._languages(shards, cross)
-        prompts = [self.tokens.prompt(s.task, language, s.prompt) for s, (language, _) in zip(shards, detected)]
-        waiting = [Sequence(prompts[i], i, shards[i].temperature) for i in range(len(shards))]
-        finished = self.decode(waiting, cross)
-        self.windows.update(shards=len(shards), windows=len(shards))
-        answers = []
-        for i, shard in enumerate(shards):
-            sequence = finished[i]
-            ids = [t for t in sequence.chosen if t != self.tokens.eot]
-            generated = Generated(ids, sequence.logprob / max(1, len(ids)), sequence.no_speech_prob)
-            language, probability = detected[i]
-            answers.append(
-                Decoded(
-                    language,
-                    self.tokens.pieces(ids, len(shard.samples) / SAMPLE_RATE),
-                    self._words(shard, language, ids, cross, i) if shard.words else [],
-                    language_probability=probability,
-                    quality=self.tokens.quality(generated, sequence.temperature),
-                )
-            )
-        return answers
+        decoding = Decoding(self)
+        decoding.begin(list(enumerate(shards)))
+        answers: dict[Hashable, Decoded] = {}
+        while decoding.busy:
+            answers.update(decoding.advance())
+        return [answers[i] for i in range(len(shards))]
 
-    def _words(
-        self, shard: Shard, language: str, ids: list[int], cross: list[list[tuple[Any, Any]]], i: int
-    ) -> list[Word]:
-        """The shard's words timed by the alignment heads (whisper_align.py)."""
-        chunk, at = divmod(i, self.max_batch)
+    def decoding(self, max_batch: int) -> Decoding:
+        """The batch queue's runner: shards of any request join this engine's batch as rows free up."""
+        assert max_batch == self.max_batch, (max_batch, self.max_batch)
+        return Decoding(self)
+
+    def hotter(self, sequence: Sequence) -> Sequence | None:
+        return hotter(sequence, self.tokens)
+
+    def words(self, shard: Shard, language: str, ids: list[int], cross: list[tuple[Any, Any]], at: int) -> list[Word]:
+        """The shard's words timed by the alignment heads (whisper_align.py); item `at` of `cross`."""
         return whisper_align.words(
             self.model,
-            cross[chunk],
+            cross,
             at,
             self.tokens.prompt(shard.task, language),
             [t for t in ids if t < self.tokens.eot],
@@ -137,26 +125,21 @@ class ArrayWhisperEngine:
 
     def decode(
         self, waiting: list[Sequence], cross: list[list[tuple[Any, Any]]], fallback: bool = True
-    ) -> dict[int, Sequence]:
+    ) -> dict[Hashable, Sequence]:
         """Every sequence (its key: its index in the encoded batch) decoded on the continuous batch:
         one joins as soon as a row is free, a fallback joins again at its next temperature (unless
         `fallback` is False); the last answer of each key."""
-        units = [self._beams_of(s) for s in waiting]
-        finished: dict[int, Sequence] = {}
-        while units or self.batch.rows:
-            while units and self.batch.free >= len(units[0]):
-                for sequence in units.pop(0):
-                    chunk, at = divmod(sequence.key, self.max_batch)
-                    self.batch.join(sequence, cross[chunk], at)
-            for sequence in self.batch.step():
-                finished[sequence.key] = sequence
-                again = hotter(sequence, self.tokens) if fallback else None
-                if again is not None:
-                    self.retried["temperature"] += 1
-                    units.append([again])
+        decoding = Decoding(self, fallback)
+        for sequence in waiting:
+            assert isinstance(sequence.key, int)
+            chunk, at = divmod(sequence.key, self.max_batch)
+            decoding.add(sequence, cross[chunk], at)
+        finished: dict[Hashable, Sequence] = {}
+        while decoding.busy:
+            finished.update((s.key, s) for s in decoding.step())
         return finished
 
-    def _beams_of(self, sequence: Sequence) -> list[Sequence]:
+    def beams_of(self, sequence: Sequence) -> list[Sequence]:
         """A greedy decode as beam_size beams of one group (beam search); a sampled one as it is."""
         if sequence.temperature > 0 or self.beam_size == 1:
             return [sequence]
@@ -165,14 +148,14 @@ class ArrayWhisperEngine:
             Sequence(sequence.prompt, sequence.key, 0.0, sequence.timestamps, group=group) for _ in range(group.size)
         ]
 
-    def _encode(self, features: np.ndarray) -> list[list[tuple[Any, Any]]]:
+    def encode(self, features: np.ndarray) -> list[list[tuple[Any, Any]]]:
         """Encoder windows max_batch at a time; each chunk's cross-attention keys and values."""
         return [
             self.model.cross(self.model.encode(features[at : at + self.max_batch]))
             for at in range(0, len(features), self.max_batch)
         ]
 
-    def _languages(self, shards: list[Shard], cross: list[list[tuple[Any, Any]]]) -> list[tuple[str, float]]:
+    def languages(self, shards: list[Shard], cross: list[list[tuple[Any, Any]]]) -> list[tuple[str, float]]:
         """The caller's language (1.0), else Whisper's detection on the shard's window."""
         if not self.tokens.multilingual:
             return [("en", 1.0)] * len(shards)

@@ -10,6 +10,7 @@ requests or threads; the engine joins sequences while there is room and steps un
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ class Sequence:
     """One decode: its prompt (the tokens fed before any is chosen) and what it chose."""
 
     prompt: list[int]
-    key: int = 0  # whose it is: the engine's index of a shard in its batch
+    key: Hashable = 0  # whose it is: the engine's name for its shard
     temperature: float = 0.0  # 0: greedy; above: sampled at that temperature
     timestamps: bool = True
     chosen: list[int] = field(default_factory=list)  # generated tokens, <|endoftext|> last where it ended
@@ -33,6 +34,9 @@ class Sequence:
     no_speech_prob: float = 0.0  # <|nospeech|>'s probability after <|startoftranscript|>
     fed: int = 0  # tokens fed to the decoder so far (its next position)
     group: BeamGroup | None = None  # one of a shard's beams (whisper_beams.py); None: greedy or sampled
+    # a sampled decode's own generator, seeded by its caller: the same audio is sampled the same way
+    # whatever else shares the batch, and whatever was sampled before it
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     @property
     def next_input(self) -> int:
@@ -49,7 +53,6 @@ class DecodeBatch:
         capacity: int,
         sot: int,
         no_speech: int | None,
-        rng: np.random.Generator | None = None,
         frames: int = 1500,
     ) -> None:
         """`frames`: the encoder positions of a window (1500: 30 s)."""
@@ -57,7 +60,6 @@ class DecodeBatch:
         self.sot, self.no_speech = sot, no_speech
         self.cache = KvCache(model, capacity, frames)
         self.rows: list[Sequence] = []
-        self.rng = rng or np.random.default_rng(0)
         self.steps = 0  # decoder steps run, and rows they ran (statistics)
         self.rows_stepped = 0
 
@@ -136,7 +138,7 @@ class DecodeBatch:
         logits = self.rules.apply(logits, sequence.chosen, sequence.timestamps)
         logprobs = log_softmax(logits)
         if sequence.temperature > 0:
-            token = int(self.rng.choice(len(logits), p=softmax(np, logits / sequence.temperature)))
+            token = int(sequence.rng.choice(len(logits), p=softmax(np, logits / sequence.temperature)))
         else:
             token = int(np.argmax(logits))
         sequence.chosen.append(token)

@@ -75,7 +75,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         self.cutting = 0  # recordings in their VAD: their shards are on the way to the batcher
         self.prompts = Prompts(self.engine.tokens.encode)
         self.batcher: BatchQueue[Shard, Decoded] = BatchQueue(
-            self.engine.run,
+            self.engine.decoding(self.max_batch),
             self.max_batch,
             self.stats,
             QueuePolicy(spec.name, lambda: live.config.engine, self.stats),

@@ -88,7 +88,7 @@ def tokens_against_reference(reference: ArrayWhisperEngine, gpu: ArrayWhisperEng
     decoded = {}
     for engine in (reference, gpu):
         prompts = [engine.tokens.prompt("transcribe", "en")] * len(audio)
-        finished = engine.decode([Sequence(p, i) for i, p in enumerate(prompts)], engine._encode(features), False)
+        finished = engine.decode([Sequence(p, i) for i, p in enumerate(prompts)], engine.encode(features), False)
         decoded[engine.name] = [[t for t in finished[i].chosen if t < engine.tokens.eot] for i in range(len(audio))]
     ours, theirs = decoded[gpu.name], decoded[reference.name]
     same = sum(a == b for a, b in zip(ours, theirs))
