@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment,
 from appliance.kinds.speech_shards import ShardPlan
 from appliance.kinds.streaming import whole
 from appliance.kinds.vad import VadModel
+
+log = logging.getLogger("appliance")
 
 # the speech heard between decodes of a segment's text so far behind the stream (and before the first)
 PARTIAL_GAP = SAMPLE_RATE
@@ -371,8 +374,13 @@ def _partial_ended(stream: LiveStream, task: asyncio.Task[list[Segment]]) -> Non
 
 
 def _consume_error(task: asyncio.Task[list[Segment]]) -> None:
-    if not task.cancelled():
-        task.exception()
+    """A decode started ahead that nobody awaits any more: its refusal (a full queue, an expired
+    sequence) is the client's to see when the stream ends; any other failure is ours, logged."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is not None and not isinstance(error, ApiError):
+        log.error("a live stream's decode ahead failed", exc_info=error)
 
 
 def vad_key(model: str, key: object, stream: LiveStream) -> object:
