@@ -23,7 +23,7 @@ from appliance.config import WebSocketConfig
 from appliance.config.sections import SequenceConfig, VadConfig
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
-from appliance.errors import TooManyRequests
+from appliance.errors import ApiError, TooManyRequests
 from appliance.kinds.base import SequenceCall
 from appliance.kinds.live_speech import Heard, LiveTranscription
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
@@ -363,3 +363,64 @@ def test_a_silent_live_stream_keeps_no_more_audio_after_an_hour_than_after_a_sec
 
     kept = asyncio.run(run())
     assert max(kept[-100:]) == max(kept[:100]), (max(kept[:100]), max(kept[-100:]))
+
+
+class HeldVad(LoudVad):
+    """LoudVad whose first chunk is held until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def infer_stream(
+        self, samples: np.ndarray, key: object, start: bool, end: bool, client: str
+    ) -> tuple[np.ndarray, None]:
+        if start:
+            await self.release.wait()
+        return await super().infer_stream(samples, key, start, end, client)
+
+
+class ChunkedModel(LiveTranscription):
+    """The live half of a speech model on HeldVad, whose decodes give each span's length in samples."""
+
+    name = "whisper"
+
+    def __init__(self) -> None:
+        self.vad = cast(Any, HeldVad())
+        self.live = cast(Any, SimpleNamespace(config=SimpleNamespace(vad=VadConfig())))
+        self.clock = lambda: 0.0
+        self.sequences = OwnedTable(SequenceConfig)
+
+    def check(self, options: Options) -> None:
+        pass
+
+    async def _decode_live(self, stream: Any, audio: np.ndarray, base: int, span: tuple[int, int], times: Any) -> list:
+        return [Segment(span[0] / SAMPLE_RATE, span[1] / SAMPLE_RATE, str(span[1] - span[0]), "en")]
+
+
+def test_a_chunk_sent_while_the_streams_last_one_is_heard_is_refused_and_no_audio_is_lost() -> None:
+    """Two chunks of one live stream at once: the second is a 409 naming the sequence (served, it joined
+    the audio out of turn and the first one's trim lost it); sent again after the first's answer, the
+    stream holds every sample of both."""
+    model = ChunkedModel()
+    speech = np.full(32 * 512, 0.5, np.float32)  # whole VAD frames, about a second
+
+    async def run() -> tuple[int, int]:
+        first = asyncio.create_task(
+            model.live_chunk(speech, SequenceCall("s", True, False), False, Options("en"), RequestTimes())
+        )
+        await asyncio.sleep(0)  # the first chunk is in, held in its VAD
+        with pytest.raises(ApiError) as refused:
+            await model.live_chunk(speech, SequenceCall("s", False, False), False, Options("en"), RequestTimes())
+        assert refused.value.status == 409 and "sequence s" in refused.value.message
+        cast(HeldVad, model.vad).release.set()
+        await first
+        await model.live_chunk(speech, SequenceCall("s", False, False), False, Options("en"), RequestTimes())
+        last = await model.live_chunk(
+            np.zeros(32 * 512, np.float32), SequenceCall("s", False, True), False, Options("en"), RequestTimes()
+        )
+        (span, _), *_ = last.closed
+        return span[0], span[1]
+
+    start, end = asyncio.run(run())
+    assert end - start >= 2 * 32 * 512, (start, end)  # both chunks' speech, in one segment

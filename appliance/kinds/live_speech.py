@@ -144,11 +144,22 @@ class LiveTranscription:
             )
         else:
             stream = self.sequences.get(sequence.id, now, sequence.client)
+            if stream.in_flight:  # its audio would join out of turn, and the one in flight would trim it away
+                raise ApiError(
+                    f"sequence {sequence.id}: its previous chunk is still being heard; send each chunk after the "
+                    "answer to the one before",
+                    409,
+                )
         serial = stream.serial if sequence.start else None
         stream.in_flight += 1
         try:
             key = vad_key(self.name, sequence.id, stream)
-            probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
+            try:
+                probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
+            except BaseException:
+                if sequence.start:  # its VAD sequence did not open: neither does the stream
+                    self.sequences.end(sequence.id)
+                raise
             stream.audio.append(samples)
             stream.position += len(samples)
             closed = stream.tracker.feed(probs)
