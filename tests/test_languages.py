@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import re
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,7 @@ from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncUnixClient
 
 from appliance.audio import encode_wav, to_pcm16
-from appliance.client import Call
+from appliance.client import Call, Client
 from appliance.client.http import checked
 from appliance.engine import whisper_loops
 
@@ -324,3 +325,38 @@ def test_the_realtime_interpreter_without_a_target_answers_each_turn_in_the_othe
         language, expected = ANSWERED[i]
         heard = heard_in(judge_base, np.frombuffer(spoken, "<i2").astype(np.float32) / 32768, 24000, language)
         assert found(expected, heard) >= 2, (i, heard)
+
+
+def test_health_is_answered_while_65536_texts_are_identified(daemon: Daemon) -> None:
+    """An infer of 65,536 texts to the language model (the most it takes: 65,536 characters in all) is
+    identified off the event loop: the box answers a stats call that sees the texts partly identified
+    (on the loop, none could be answered between the first text and the last), and health checks."""
+    count = 65_536
+    texts = np.array([b"a"] * count, dtype=object)
+    failed: list[Exception] = []
+
+    def identify() -> None:
+        try:
+            with Client(str(daemon.socket), timeout=600) as client:
+                client.infer("language", {"text": texts}, binary=True)
+        except Exception as exc:  # noqa: BLE001 - the test's verdict, below
+            failed.append(exc)
+
+    def identified(client: Client) -> int:
+        stats = checked(client.send(Call("GET", "/v2/models/language/stats"))).json()
+        return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
+
+    with Client(str(daemon.socket)) as other:
+        before = identified(other)
+        worker = threading.Thread(target=identify)
+        worker.start()
+        seen = []
+        try:
+            while not seen or seen[-1] == 0:
+                seen.append(identified(other) - before)  # until its texts are counted
+            health = other.health()
+        finally:
+            worker.join()
+    assert not failed, failed
+    assert 0 < seen[-1] < count, f"the stats call saw {seen[-1]} of {count} texts identified: none in between"
+    assert health["ready"]
