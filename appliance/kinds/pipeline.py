@@ -317,9 +317,9 @@ class SpeechPipeline:
             raise BadRequest("parameters.target and parameters.source must be language codes")
         plan = self.plan(languages[0] or self.default_target, languages[1])  # one way: its audio at one rate
         if sequence is None:
-            samples = await asyncio.to_thread(self.stt.samples, request)
+            samples = await self.stt.samples(request)
             return _tensors([d async for d in self.recording(samples, plan, times)]), None
-        samples = self.stt.samples(request)
+        samples = await self.stt.samples(request)
         inner = dataclasses.replace(sequence, id=self.sequences.key(sequence.id))
         chunk = await self.stt.live_chunk(samples, inner, False, plan.options, times)
         done = [d for s in chunk.segments if (d := await interpreted(self, s, plan)) is not None]

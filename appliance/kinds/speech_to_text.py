@@ -9,6 +9,7 @@ tensors, config, query and answers are the codec in speech_api.py; its routes ar
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Hashable, Mapping
@@ -40,6 +41,7 @@ from appliance.kinds.streaming import ndjson, whole
 from appliance.kinds.vad import VadModel
 from appliance.protocol.messages import Opened, Request, Response
 from appliance.protocol.tensors import InferRequest
+from appliance.tasks import off_loop
 
 SHARD_SAMPLES_PER_TOKEN = int(TOKEN_SECONDS * SAMPLE_RATE)  # 320: a token is one encoder position
 PROMPTS_KEPT = 64  # prompts whose tokens are kept: the sessions and requests using them now
@@ -248,9 +250,13 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
                 out += found
         return out
 
-    def samples(self, request: InferRequest) -> np.ndarray:
-        """An infer request's audio: samples, or one encoded file (decoded: call it off the event loop)."""
-        return audio_input(request.inputs, self.name, SAMPLE_RATE, self.live)
+    async def samples(self, request: InferRequest) -> np.ndarray:
+        """An infer request's audio: samples, or one encoded file, decoded off the event loop (a live
+        chunk's too); samples checked there where they are many."""
+        decode = functools.partial(audio_input, request.inputs, self.name, SAMPLE_RATE, self.live)
+        if any(array.dtype == object for array in request.inputs.values()):
+            return await asyncio.to_thread(decode)
+        return await off_loop(sum(array.nbytes for array in request.inputs.values()), decode)
 
     async def recording(self, body: bytes) -> np.ndarray:
         """An uploaded recording as 16 kHz samples, at least MIN_SAMPLES long, decoded off the event loop;
@@ -263,9 +269,9 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
     ) -> tuple[dict[str, np.ndarray], Opened | None]:
         wanted = speech_api.options(request.parameters)
         if sequence is None:
-            samples = speech_api.long_enough(await asyncio.to_thread(self.samples, request))
+            samples = speech_api.long_enough(await self.samples(request))
             return speech_api.tensors(await whole(self.transcribe(samples, wanted, times))), None
-        samples = self.samples(request)
+        samples = await self.samples(request)
         partial = request.parameters.get("partial", False)
         chunk = await self.live_chunk(samples, sequence, partial, wanted, times)
         outputs = speech_api.tensors(chunk.segments)
