@@ -31,6 +31,7 @@ log = logging.getLogger("appliance")
 
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
 FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
+SAMPLING_SEED = 0  # where a looping shard's sampler starts (the box's own Whisper seeds its sequences alike)
 
 
 class WhisperEngine:
@@ -79,6 +80,7 @@ class WhisperEngine:
         self.beam_size, self.fallback_threshold, self.memory_used = beam_size, fallback_threshold, memory_used
         self.fallbacks: Counter[str] = Counter()
         self.window_samples, self.separator = min(window_samples, WINDOW_SAMPLES), int(separator_s * SAMPLE_RATE)
+        self.directory, self.threads = directory, max(1, threads)
         # shards, the windows they ran in, and those decoded alone again after sharing one
         self.windows: Counter[str] = Counter()
         model = self.cpu
@@ -194,9 +196,10 @@ class WhisperEngine:
             generated = self._generate(model, encoded, prompts, temperature)
             used = [temperature] * len(group)
             for at in self._looping([g.ids for g in generated]):  # openai-whisper's fallback: rising temperatures
-                one = model.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
+                sampler = self._sampler()
+                one = sampler.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
                 for fallback in (t for t in FALLBACK_TEMPERATURES if t > temperature):
-                    again = self._generate(model, one, prompts[at : at + 1], fallback)
+                    again = self._generate(sampler, one, prompts[at : at + 1], fallback)
                     if not self._looping([again[0].ids]):
                         generated[at], used[at] = again[0], fallback
                         break
@@ -222,6 +225,17 @@ class WhisperEngine:
                     self.tokens.quality(generated[k], used[k]),
                 )
         return [a for a in answers if a is not None]
+
+    def _sampler(self) -> ctranslate2.models.Whisper:
+        """A model of its own for one looping shard's sampled fallbacks (0.3 s to load tiny.en, 0.5 s base,
+        on 2 cores). CTranslate2 samples from a generator per worker thread, seeded when the thread first
+        samples and carried on from each sampled decode to the next: on the served model a fallback's text
+        depended on every decode sampled before it, in any request, since the daemon started (issue 45: the
+        same recording came back with 9, 11, 13 or 15 segments). A new model's worker starts from the seed."""
+        ctranslate2.set_random_seed(SAMPLING_SEED)
+        return ctranslate2.models.Whisper(
+            str(self.directory), device="cpu", compute_type="int8", intra_threads=self.threads, inter_threads=1
+        )
 
     def _heard(
         self,
