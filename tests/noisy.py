@@ -34,7 +34,7 @@ CHATTER = [
 def _sox(*args: str) -> None:
     if shutil.which("sox") is None:
         raise RuntimeError("sox is not installed (make deps installs it)")
-    subprocess.run(["sox", *args], check=True, capture_output=True)
+    subprocess.run(["sox", "-R", *args], check=True, capture_output=True)  # -R: the same noise every run
 
 
 def _read(path: Path) -> np.ndarray:
