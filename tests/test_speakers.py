@@ -91,7 +91,8 @@ def test_two_and_three_speakers_are_told_apart(interpreter_daemon: Daemon, voice
     when, the timeline diarized_json's words are labelled from): DER at most 15% with two speakers, 25%
     with three, the speaker count right in at least 9 of 10. (Judged on diarized_json's segments, one
     of two full runs gave 20% and 31% on two conversations: Whisper tiny.en's segments of the same audio
-    change after other requests, and one segment over several turns takes one speaker; docs/speakers.md.)"""
+    changed after other requests, its temperature fallback's random draws, seeded since, and one segment
+    over several turns takes one speaker; docs/speakers.md.)"""
     rates: dict[int, list[float]] = {2: [], 3: []}
     counted = 0
     with interpreter_daemon.client() as client:
