@@ -25,6 +25,9 @@ from websockets.asyncio.client import ClientConnection, connect, unix_connect
 
 from appliance.api.realtime_limits import QUANTUM_S, Pace
 from appliance.audio import to_pcm16
+from appliance.config import SequenceConfig
+from appliance.engine.sequences import OwnedTable
+from appliance.errors import TooManyRequests
 
 BUDGET = 8 << 20  # [server] max_buffered_bytes: 131 s of a manual buffer (float32 at 16 kHz)
 MAX_AHEAD_S, MAX_TURN_S = 1.0, 4.0
@@ -81,6 +84,26 @@ def test_pace_lets_a_burst_through_then_real_time() -> None:
     assert pace.spend(0.5, 2.0) == pytest.approx(0.5)  # real time, no credit left
     now[0] += 3600.0  # an hour of silence buys no more than the burst
     assert pace.spend(2.0, 2.0) == 0.0 and pace.spend(1.0, 2.0) == pytest.approx(1.0)
+
+
+def test_a_keys_share_counts_its_entries_from_every_host() -> None:
+    """The table counts a key's entries whichever clients and hosts opened them, and gives each back
+    when it ends; entries admitted for no key count against none."""
+
+    class Entry:
+        client, serial, last_used, in_flight = "", 0, 0.0, 0
+
+    table: OwnedTable[Any] = OwnedTable(lambda: SequenceConfig(max_per_key=2), "streams")
+    table.open("a", 0.0, "quic:1", Entry, "10.0.0.1", "key:flood")
+    table.open("b", 0.0, "quic:2", Entry, "10.0.0.2", "key:flood")
+    with pytest.raises(
+        TooManyRequests, match=r"key:flood holds 2 live streams, its key's share \(\[sequences\] max_per_key\)"
+    ):
+        table.open("c", 0.0, "quic:3", Entry, "10.0.0.3", "key:flood")
+    table.open("d", 0.0, "quic:4", Entry, "10.0.0.3", "key:hall")
+    table.open("e", 0.0, "uid:1000", Entry)
+    table.end("a")
+    table.open("c", 0.0, "quic:3", Entry, "10.0.0.3", "key:flood")
 
 
 def test_a_session_faster_than_real_time_is_paced_and_its_turns_bounded(daemon: Daemon) -> None:

@@ -5,7 +5,7 @@ The pump between the session's events (realtime_session.py, no I/O) and the mode
 the audio goes as a live stream of CHUNK samples through LiveTranscriber.live_chunk (the same VAD state,
 sequence table and urgent batch lane as Triton-style live sequences), each closed span is a turn;
 without, the buffer is transcribed at each commit (its bytes taken from the daemon's byte budget).
-A live stream is read no faster than real time past a burst (realtime_pace.py), and a turn the VAD
+A live stream is read no faster than real time past a burst (realtime_limits.py), and a turn the VAD
 has not closed within [realtime] max_turn_s is committed there.
 """
 
