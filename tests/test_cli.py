@@ -299,7 +299,14 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
         "queue_timeout_s": 0.5,
         "models": {"whisper_base": {"max_queue_size": 3}, "odd model": {"queue_timeout_s": 1.5}},
     },
-    "sequences": {"idle_timeout_s": 0.3333333333333333, "max_live": 5, "max_per_client": 3, "max_per_address": 4},
+    "sequences": {
+        "idle_timeout_s": 0.3333333333333333,
+        "max_live": 5,
+        "max_per_client": 3,
+        "max_per_address": 4,
+        "max_per_key": 2,
+    },
+    "realtime": {"max_ahead_s": 2.5, "max_turn_s": 12.5},
     "vad": {"threshold": 0.123456789012345, "min_speech_ms": 1, "min_silence_ms": 2, "speech_pad_ms": 0},
     "log": {"level": "debug"},
 }

@@ -78,7 +78,7 @@ def test_json_nested_past_the_stack_is_an_error_event_and_the_session_goes_on(da
     `error` event in OpenAI's shape, the session goes on, and the log has one `limit:` line per 10 s."""
 
     def logged() -> int:
-        return sum("nests lists and objects deeper" in line for line in daemon.log.read_text().splitlines())
+        return sum("nests lists and objects more than 32 deep" in line for line in daemon.log.read_text().splitlines())
 
     before = logged()
     nested = ["[" * 100_000, '{"type": "session.update", "session": ' + '{"a": ' * 50_000]
@@ -102,7 +102,7 @@ def test_json_nested_past_the_stack_is_an_error_event_and_the_session_goes_on(da
         assert error["type"] == "error" and error["event_id"].startswith("event_"), error
         detail = error["error"]
         assert detail["type"] == "invalid_request_error" and detail["code"] == "invalid_json", detail
-        assert "nests lists and objects deeper" in detail["message"] and detail["param"] is None, detail
+        assert "nests lists and objects more than 32 deep" in detail["message"] and detail["param"] is None, detail
     assert logged() >= 1 and logged() - before <= 1  # none where an earlier line is under 10 s old
     assert wer(CLEAR[0], good_session(daemon)) <= 0.10
 

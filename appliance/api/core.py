@@ -57,6 +57,7 @@ from appliance.firmware import Manifest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import Interpreting
 from appliance.protocol.encoding import accepted_coding, compress
+from appliance.protocol.limits import ByteBudget
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
 from appliance.protocol.peers import PeerTable
 from appliance.tasks import off_loop
@@ -78,8 +79,12 @@ EXTENSIONS = [
 
 
 class Api:
-    def __init__(self, manifest: Manifest, models: dict[str, ServedModel], live: Live) -> None:
-        self.manifest, self.models, self.live = manifest, models, live
+    def __init__(
+        self, manifest: Manifest, models: dict[str, ServedModel], live: Live, budget: ByteBudget | None = None
+    ) -> None:
+        """`budget`: the bytes the daemon holds for its clients (the transports' BodyBudget), which
+        Realtime's manual audio buffers take from too; None: unbounded (an API without transports)."""
+        self.manifest, self.models, self.live, self.budget = manifest, models, live, budget
         self.metrics = prometheus.Metrics()
         self.access = Access(live, self.metrics)  # who may use the box (api/access/gate.py)
         self.ready = False
@@ -117,7 +122,7 @@ class Api:
             *libretranslate.routes(models),
             *openai_audio.routes(models),
             *openai_models.routes(models, manifest),
-            *realtime.routes(models, self.metrics),
+            *realtime.routes(models, self.metrics, live, budget),
             *page.routes(lambda: self.certificate_pem),
             *rooms.routes(self.access.rooms, [m.name for m in models.values() if isinstance(m, Interpreting)]),
             *self.fleet.routes(),
@@ -142,6 +147,8 @@ class Api:
                     if url.query:
                         params.update({f"query:{k}": v for k, v in parse_qsl(url.query)})
                     grant = await self.access.admit(request, name, params)
+                    if grant.principal:  # its sequences count against the key's share of the table
+                        request = dataclasses.replace(request, principal=grant.principal)
                     response = self.access.answered(grant, await handler(request, params))
                     break
             else:

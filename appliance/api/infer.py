@@ -31,7 +31,9 @@ async def answer(model: ServedModel, request: Request, fleet: fleet_routes.Fleet
     if fleet.holding and sequence is None:
         raise fleet_routes.refusal("new requests")
     if sequence is not None:
-        sequence = dataclasses.replace(sequence, client=request.client, address=request.address)
+        sequence = dataclasses.replace(
+            sequence, client=request.client, address=request.address, principal=request.principal
+        )
     times, started = RequestTimes(), time.perf_counter_ns()
     try:
         outputs, opened = await model.infer(infer, sequence, times)

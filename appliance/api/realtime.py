@@ -4,7 +4,9 @@ model (`?model=` or session.audio.input.transcription.model; OpenAI's names take
 The pump between the session's events (realtime_session.py, no I/O) and the model: with server VAD,
 the audio goes as a live stream of CHUNK samples through LiveTranscriber.live_chunk (the same VAD state,
 sequence table and urgent batch lane as Triton-style live sequences), each closed span is a turn;
-without, the buffer is transcribed at each commit.
+without, the buffer is transcribed at each commit (its bytes taken from the daemon's byte budget).
+A live stream is read no faster than real time past a burst (realtime_limits.py), and a turn the VAD
+has not closed within [realtime] max_turn_s is committed there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from appliance.api.metrics import Metrics
 from appliance.api.openai_models import speech_to_text
 from appliance.api.realtime_answers import Answer, Answers, Interpreter
 from appliance.api.realtime_conversation import AudioItem, Item
+from appliance.api.realtime_limits import Held, Limits, Pace
 from appliance.api.realtime_session import (
     COMPLETED,
     MAX_BUFFER_S,
@@ -38,11 +41,13 @@ from appliance.api.realtime_session import (
 )
 from appliance.api.realtime_settings import RealtimeError, default_settings
 from appliance.api.routes import Route
+from appliance.config import Live
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.kinds.capabilities import Interpreting, LiveTranscriber
 from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
+from appliance.protocol.limits import ByteBudget
 from appliance.protocol.messages import Close, Request, Response, SessionIO
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
@@ -53,7 +58,9 @@ ARRIVAL_STEP = 160
 GATHERED = 256  # a buffer's small appends are joined into one array every this many
 
 
-def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
+def routes(models: dict[str, ServedModel], metrics: Metrics, live: Live, budget: ByteBudget | None) -> list[Route]:
+    limits = Limits(live, budget)
+
     async def realtime(request: Request, params: dict[str, str]) -> Response:
         if request.headers.get("upgrade", "").lower() != "websocket":
             raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
@@ -63,10 +70,7 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
             plan = pipeline.plan(*(params.get(f"query:{k}") for k in ("target", "source", "languages")))
             interpret = Interpreter(pipeline, plan)
             return Response(
-                101,
-                session=partial(
-                    transcription, models, metrics, pipeline.stt.name, request.client, request.address, interpret
-                ),
+                101, session=partial(transcription, models, metrics, limits, pipeline.stt.name, request, interpret)
             )
         intent = params.get("query:intent", "transcription")
         if intent != "transcription":
@@ -77,9 +81,7 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
         if not speech:
             raise NotFound("this firmware serves no speech_to_text model")
         model = speech_to_text(models, params.get("query:model", speech[0].name), "transcribe", None)
-        return Response(
-            101, session=partial(transcription, models, metrics, model.name, request.client, request.address, None)
-        )
+        return Response(101, session=partial(transcription, models, metrics, limits, model.name, request, None))
 
     return [("GET", re.compile(r"/v1/realtime"), "openai_realtime", realtime)]
 
@@ -87,9 +89,9 @@ def routes(models: dict[str, ServedModel], metrics: Metrics) -> list[Route]:
 async def transcription(
     models: dict[str, ServedModel],
     metrics: Metrics,
+    limits: Limits,
     model: str,
-    client: str,
-    address: str,
+    request: Request,
     interpreter: Interpreter | None,
     io: SessionIO,
 ) -> Close:
@@ -116,7 +118,7 @@ async def transcription(
         assert interpreter is not None
         metrics.observe_live(interpreter.pipeline.name, "realtime", seconds, "first_audio")
 
-    turns = Turns(models, session, client, address, emit, interpreter, first_audio)
+    turns = Turns(models, session, limits, request, emit, interpreter, first_audio)
     await io.send(_json(session.created()))
     try:
         while True:
@@ -169,16 +171,18 @@ class Turns:
         self,
         models: dict[str, ServedModel],
         session: TranscriptionSession,
-        client: str,
-        address: str,  # Request.address: a host's sessions share one share of the sequence table
+        limits: Limits,
+        request: Request,  # its client, address and key: each has a share of the sequence table
         emit: Callable[[dict], Awaitable[None]],
         interpreter: Interpreter | None,
         first_audio: Callable[[float], None],  # an interpreter answer's first audio, seconds after its turn
     ) -> None:
-        self.models, self.session, self.client, self.interpreter = models, session, client, interpreter
-        self.emit, self.first_audio, self.address = emit, first_audio, address
+        self.models, self.session, self.limits, self.request = models, session, limits, request
+        self.emit, self.first_audio, self.interpreter = emit, first_audio, interpreter
         self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
         self.pending_samples = 0
+        self.held = Held(limits.budget, session.id)  # the manual buffer's bytes
+        self.pace = Pace()
         self.gathered = 0  # pending's arrays before this one are joined (see feed)
         self.stream = 0  # the live stream's number within the session
         self.started = False  # whether the live stream is open on the model
@@ -215,8 +219,7 @@ class Turns:
         if isinstance(step, Respond | Cancel | AudioItem):
             return await self._converse(step)
         self.close()
-        self.pending, self.pending_samples, self.gathered, self.offset = [], 0, 0, self.session.heard_samples
-        self.arrivals.clear()  # no turn can end before the new offset
+        self.offset = self.session.heard_samples
         if isinstance(step, Restart):
             self.model = self._model()
 
@@ -225,18 +228,16 @@ class Turns:
             await self.emit(event)
 
     async def feed(self, samples: np.ndarray) -> None:
-        self.pending.append(samples)
-        self.pending_samples += len(samples)
         if self.session.settings.vad is None:
-            if self.pending_samples > MAX_BUFFER_S * SAMPLE_RATE:
-                self.pending, self.pending_samples, self.gathered = [], 0, 0
-                raise RealtimeError(
-                    f"the input buffer holds more than {MAX_BUFFER_S:g} s: commit sooner", "buffer_too_large"
-                )
+            self._hold(samples)
             if len(self.pending) - self.gathered >= GATHERED:  # a million tiny appends: arrays, not samples
                 self.pending[self.gathered :] = [np.concatenate(self.pending[self.gathered :])]
                 self.gathered = len(self.pending)
             return
+        self.pending.append(samples)
+        self.pending_samples += len(samples)
+        if wait := self.pace.spend(len(samples) / SAMPLE_RATE, self.limits.live.config.realtime.max_ahead_s):
+            await asyncio.sleep(wait)  # the client is read no further meanwhile
         position = self.session.heard_samples
         if not self.arrivals or position - self.arrivals[-1][0] >= ARRIVAL_STEP:
             self.arrivals.append((position, time.monotonic()))
@@ -245,9 +246,27 @@ class Turns:
             self.pending, self.pending_samples = [audio[CHUNK:]], len(audio) - CHUNK
             await self._chunk(audio[:CHUNK], end=False)
 
+    def _hold(self, samples: np.ndarray) -> None:
+        """A manual buffer's new samples, within MAX_BUFFER_S and the daemon's byte budget; past
+        either the buffer is dropped (its bytes given back) and the error names the bound."""
+        try:
+            if self.pending_samples + len(samples) > MAX_BUFFER_S * SAMPLE_RATE:
+                raise RealtimeError(f"the input buffer holds more than {MAX_BUFFER_S:g} s", "buffer_too_large")
+            self.held.take(samples.nbytes)
+        except RealtimeError as exc:
+            self._drop()
+            raise RealtimeError(f"{exc.message}: the buffer was cleared; commit sooner", exc.code) from None
+        self.pending.append(samples)
+        self.pending_samples += len(samples)
+
+    def _drop(self) -> None:
+        """Forget the audio held (a manual buffer's bytes given back to the budget)."""
+        self.held.give_all()
+        self.pending, self.pending_samples, self.gathered = [], 0, 0
+
     async def commit(self, item: str) -> None:
         audio = np.concatenate(self.pending) if self.pending else np.zeros(0, np.float32)
-        self.pending, self.pending_samples, self.gathered = [], 0, 0
+        self._drop()
         if self.session.settings.vad is None:
             if not len(audio):
                 raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
@@ -259,9 +278,9 @@ class Turns:
             raise RealtimeError("the input buffer is empty: nothing to commit", "input_audio_buffer_commit_empty")
         audio = np.concatenate([audio, np.zeros(-len(audio) % FRAME, np.float32)])
         chunk = await self._send(audio, end=True)
+        end = chunk.closed[-1][0][1] + self.offset if chunk.closed else None  # the stream's offset, not the next's
         self.started, self.stream, self.offset = False, self.stream + 1, self.session.heard_samples
         text = " ".join(s.text for s in chunk.segments)
-        end = chunk.closed[-1][0][1] + self.offset if chunk.closed else None
         self._timed(item, self.session.heard_samples)
         await self._emit(self.session.turn_closed(end, text, item))
         await self._interpret(item, chunk.segments)
@@ -282,6 +301,13 @@ class Turns:
             await self._emit(heard)
             if chunk.partial is not None:
                 await self._emit(self.session.partial(chunk.partial))
+            stream_at = self.session.heard_samples - self.pending_samples
+            if (
+                stream_at - (chunk.open_start + self.offset)
+                >= self.limits.live.config.realtime.max_turn_s * SAMPLE_RATE
+            ):
+                # a turn that never pauses is committed in pieces: none holds the batch for long
+                return await self.commit(self.session.end_turn())
         self._forget_arrivals(chunk.open_start)
 
     async def _interpret(self, item: str, segments: list[Segment]) -> None:
@@ -345,7 +371,8 @@ class Turns:
             self.arrivals.popleft()
 
     async def _send(self, samples: np.ndarray, end: bool) -> LiveChunk:
-        call = SequenceCall(self.key, start=not self.started, end=end, client=self.client, address=self.address)
+        request = self.request
+        call = SequenceCall(self.key, not self.started, end, request.client, request.address, request.principal)
         vad = self.session.settings.vad
         # the open turn's text so far is decoded behind the stream, as often as the model's cadence
         chunk = await self.model.live_chunk(
@@ -355,10 +382,14 @@ class Turns:
         return chunk
 
     def close(self) -> None:
-        """End the live stream without decoding what it holds (the client left, or cleared)."""
+        """End the live stream without decoding what it holds, and drop what the session holds (the
+        client left, cleared, or changed the settings)."""
         if self.started:
             self.model.sequences.end(self.key)
             self.started, self.stream = False, self.stream + 1
+        self._drop()
+        self.arrivals.clear()  # no turn can end before what comes next
+        self.arrived.clear()
 
 
 def _json(event: dict) -> str:

@@ -17,7 +17,6 @@ import base64
 import binascii
 import dataclasses
 import itertools
-import json
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,13 +40,13 @@ from appliance.api.realtime_settings import (
 )
 from appliance.audio import StreamResampler, pcm16, resample
 from appliance.denoise import Denoiser, denoise
-from appliance.errors import ApiError
+from appliance.errors import ApiError, BadRequest
 from appliance.kinds.speech_api import Segment
+from appliance.protocol.json_reader import BeyondBounds, read_json
 from appliance.protocol.limits import LIMITS_BITTEN
 
 SAMPLE_RATE = 16000  # what the VAD and Whisper take
 MAX_BUFFER_S = 600.0  # a manual buffer (no server VAD) not committed by then is refused
-TOO_DEEP = "the event nests lists and objects deeper than the box parses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,13 +160,12 @@ class TranscriptionSession:
         event: Any = None
         self._client_event = None
         try:
-            try:
-                event = json.loads(text)
-            except ValueError as exc:
-                raise RealtimeError(f"the event is not JSON: {exc}", "invalid_json") from None
-            except RecursionError:  # a cheap message that costs a traceback a time: logged as a limit
-                LIMITS_BITTEN.bit("realtime json depth", f"Realtime session {self.id}: {TOO_DEEP}")
-                raise RealtimeError(TOO_DEEP, "invalid_json") from None
+            try:  # bounded as HTTP bodies are: nesting past the stack is an error, never a RecursionError
+                event = read_json(text.encode(), tensors=False, name="the event")
+            except BadRequest as exc:
+                if isinstance(exc, BeyondBounds):  # a cheap message sent in a loop: logged as a limit
+                    LIMITS_BITTEN.bit("realtime json bounds", f"Realtime session {self.id}: {exc.message}")
+                raise RealtimeError(exc.message, "invalid_json") from None
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise RealtimeError("an event is a JSON object with a string 'type'", "invalid_event", "type")
             client_id = event.get("event_id")
@@ -268,6 +266,12 @@ class TranscriptionSession:
     def _new_item(self) -> str:
         return f"item_{self.id[5:13]}{next(self._items):04d}"
 
+    def end_turn(self) -> str:
+        """The turn being heard (or, with none, a new item) is committed: its item id."""
+        item = self._item or self._new_item()
+        self._item = None
+        return item
+
     def turn_heard(self, start_sample: int) -> list[dict[str, Any]]:
         """The VAD hears speech from `start_sample` (16 kHz samples since the session began)."""
         if self._item is not None:
@@ -341,9 +345,7 @@ def _cancel(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
 
 
 def _commit(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:
-    item = session._item or session._new_item()
-    session._item = None
-    return [Commit(item)]
+    return [Commit(session.end_turn())]
 
 
 def _clear(session: TranscriptionSession, event: dict[str, Any]) -> list[Step]:

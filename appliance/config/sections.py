@@ -125,6 +125,7 @@ class SequenceConfig:
     max_live: int = 1024
     max_per_client: int = 256  # one client's share of max_live
     max_per_address: int = 256  # one address's: all its clients (connections) together; a Unix user is one
+    max_per_key: int = 256  # one API key's (or room's): all the sessions and connections that present it
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,16 @@ class WebSocketConfig:
     buffered_bytes: int = 4 << 20  # a connection's messages held in each direction; then reading pauses
     idle_timeout_s: float = 120.0  # no message from the client this long closes it with 1001
     ping_interval_s: float = 20.0  # the box pings a quiet client this often; a pong not back by the next closes it
+
+
+@dataclass(frozen=True, slots=True)
+class RealtimeConfig:
+    """A Realtime session's share of the live batches (/v1/realtime, docs/live.md)."""
+
+    # the audio a session with server VAD may send ahead of real time (a burst); past it the session is
+    # read no faster than real time, so one client's upload cannot hold the live batches' urgent lane
+    max_ahead_s: float = 10.0
+    max_turn_s: float = 30.0  # a turn the VAD has not closed by then is committed (one Whisper window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +205,7 @@ class Config:
     sequences: SequenceConfig = field(default_factory=SequenceConfig)
     vad: VadConfig = field(default_factory=VadConfig)
     websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
+    realtime: RealtimeConfig = field(default_factory=RealtimeConfig)
     wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -33,6 +33,7 @@ from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.tasks import LOOP_LAG, arm_failpoints, spawn
 from appliance.tls import tls_identity
+from appliance.transport.assembler import BodyBudget
 from appliance.transport.https import listen_https
 
 log = logging.getLogger("appliance")
@@ -97,7 +98,8 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         arm_failpoints()  # warmed up: a test's failpoints may fire from now on
-        self.api = Api(manifest, self.models, self.live)
+        # the bytes held for clients: request bodies (this process's transports) and Realtime's buffers
+        self.api = Api(manifest, self.models, self.live, BodyBudget(lambda: self.live.config.server))
         fleet = self.api.fleet
         fleet.busy, fleet.stop = self._under_way, self.stopping.set
         if any(engine in m.engine_name for m in self.models.values() for engine in GPU_ENGINES):

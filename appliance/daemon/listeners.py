@@ -76,7 +76,8 @@ class Listeners:
     ) -> None:
         """server.workers = 1: the transports run in this process, on its event loop."""
         config = self.config
-        budget = BodyBudget(lambda: self.live.config.server)  # one for both transports
+        budget = self.api.budget  # one for both transports and the Realtime sessions' buffers
+        assert isinstance(budget, BodyBudget)
         self.http = Http1Server(self.api, self.live, budget)
         self.servers.append(await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock))
         if config.quic.enabled:

@@ -2,7 +2,8 @@
 
 The VAD's recurrent state rows, a generic ONNX model's state, a speech_to_text model's live streams
 (and through them a pipeline's) are all entries of an OwnedTable. The table bounds their count
-(overall, per client, and per address: one host's many connections cannot take it all), expires the
+(overall, per client, per address and per API key: one host's many connections, or one key's many
+hosts, cannot take it all), expires the
 idle ones, restarts one on a second start and ends them; what a kind keeps besides (a VAD sequence
 under a stream) it releases in `on_drop`. The caller passes the time, so nothing here reads a clock;
 the bounds are read from the live config at each use.
@@ -45,6 +46,8 @@ class OwnedTable(Generic[S]):
         self._per_client: Counter[str] = Counter()
         self._per_address: Counter[str] = Counter()
         self._addresses: dict[object, str] = {}  # each entry's address (its client where none was given)
+        self._per_principal: Counter[str] = Counter()
+        self._principals: dict[object, str] = {}  # each entry's API key or room, where it came with one
         self._serials = 0
 
     @property
@@ -67,9 +70,12 @@ class OwnedTable(Generic[S]):
             if isinstance(key, tuple) and key and key[0] == scope and client in (None, entry.client)
         )
 
-    def open(self, key: object, now: float, client: str, make: Callable[[], S], address: str = "") -> S:
+    def open(
+        self, key: object, now: float, client: str, make: Callable[[], S], address: str = "", principal: str = ""
+    ) -> S:
         """A new entry from `make()` for `client` at `address` (its clients' share; "": the client is
-        its own); a start on its own open key restarts it (it reconnected)."""
+        its own), admitted for `principal` (an API key's or a room's share; "": none was needed); a
+        start on its own open key restarts it (it reconnected)."""
         old = self._open.get(key)
         if old is not None:
             self._check_owner(key, old, client)
@@ -81,6 +87,7 @@ class OwnedTable(Generic[S]):
             len(self._open) >= settings.max_live
             or self._per_client[client] >= settings.max_per_client
             or self._per_address[address] >= settings.max_per_address
+            or (principal and self._per_principal[principal] >= settings.max_per_key)
         ):
             self.expire(now)
         if len(self._open) >= settings.max_live:
@@ -94,6 +101,11 @@ class OwnedTable(Generic[S]):
                 f"{address} holds {settings.max_per_address} live {self.noun}, its address's share "
                 "([sequences] max_per_address): end one or retry later"
             )
+        if principal and self._per_principal[principal] >= settings.max_per_key:
+            raise TooManyRequests(
+                f"{principal} holds {settings.max_per_key} live {self.noun}, its key's share "
+                "([sequences] max_per_key): end one or retry later"
+            )
         entry = make()
         self._serials += 1
         entry.client, entry.serial, entry.last_used = client, self._serials, now
@@ -101,6 +113,9 @@ class OwnedTable(Generic[S]):
         self._per_client[client] += 1
         self._per_address[address] += 1
         self._addresses[key] = address
+        if principal:
+            self._per_principal[principal] += 1
+            self._principals[key] = principal
         return entry
 
     def get(self, key: object, now: float, client: str) -> S:
@@ -156,6 +171,11 @@ class OwnedTable(Generic[S]):
         self._per_address[address] -= 1
         if not self._per_address[address]:
             del self._per_address[address]
+        principal = self._principals.pop(key, "")
+        if principal:
+            self._per_principal[principal] -= 1
+            if not self._per_principal[principal]:
+                del self._per_principal[principal]
         if self._on_drop is not None:
             self._on_drop(key, entry)
 

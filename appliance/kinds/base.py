@@ -32,6 +32,7 @@ class SequenceCall:
     end: bool
     client: str = ""  # who sends it (Request.client): only the client that opened a sequence may use it
     address: str = ""  # where from (Request.address): its clients share one share of the table
+    principal: str = ""  # the API key or room it was admitted for (Request.principal): one share too
 
 
 class OpenSequences(Protocol):

@@ -140,7 +140,12 @@ class LiveTranscription:
             rules = vad or self.live.config.vad
             tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, rules)
             stream = self.sequences.open(
-                sequence.id, now, sequence.client, lambda: LiveStream(options, tracker), sequence.address
+                sequence.id,
+                now,
+                sequence.client,
+                lambda: LiveStream(options, tracker),
+                sequence.address,
+                sequence.principal,
             )
         else:
             stream = self.sequences.get(sequence.id, now, sequence.client)

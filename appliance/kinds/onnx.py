@@ -148,7 +148,7 @@ class OnnxModel(EngineModel):
         now = self.clock()
         if sequence.start:
             held = self.sequences.open(
-                sequence.id, now, sequence.client, self.state_rows.new_sequence, sequence.address
+                sequence.id, now, sequence.client, self.state_rows.new_sequence, sequence.address, sequence.principal
             )
         else:
             held = self.sequences.get(sequence.id, now, sequence.client)

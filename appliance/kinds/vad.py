@@ -83,7 +83,14 @@ class VadModel(EngineModel):
             if sequence is None:
                 return {vad_api.PROB_OUTPUT: await self.infer_recording(samples, times)}, None
             probs, serial = await self.infer_stream(
-                samples, sequence.id, sequence.start, sequence.end, sequence.client, times, sequence.address
+                samples,
+                sequence.id,
+                sequence.start,
+                sequence.end,
+                sequence.client,
+                times,
+                sequence.address,
+                sequence.principal,
             )
         finally:
             times.queued_since(started, time.perf_counter_ns())
@@ -144,6 +151,7 @@ class VadModel(EngineModel):
         client: str = "",
         times: RequestTimes | None = None,
         address: str = "",
+        principal: str = "",
     ) -> tuple[np.ndarray, int | None]:
         """Frames of a live stream; the runtime keeps its state and audio context between calls.
         Also the serial of the sequence when this call opened it."""
@@ -154,7 +162,7 @@ class VadModel(EngineModel):
             )
         now = self.clock()
         if start:
-            sequence = self.sequences.open(sequence_id, now, client, self.frames.new_sequence, address)
+            sequence = self.sequences.open(sequence_id, now, client, self.frames.new_sequence, address, principal)
         else:
             sequence = self.sequences.get(sequence_id, now, client)
         serial = sequence.serial if start else None

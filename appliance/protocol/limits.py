@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 log = logging.getLogger("appliance.limits")
 LOG_EVERY_S = 10.0
@@ -28,3 +29,14 @@ class LimitLog:
 
 
 LIMITS_BITTEN = LimitLog()
+
+
+class ByteBudget(Protocol):
+    """The daemon's one bound on the bytes its clients make it hold (transport/assembler.py's
+    BodyBudget): request bodies, and a Realtime session's manual audio buffer."""
+
+    def refuses(self, count: int, what: str) -> str: ...
+
+    def take(self, count: int, what: str = "request bodies") -> None: ...
+
+    def give(self, count: int) -> None: ...

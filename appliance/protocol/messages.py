@@ -33,6 +33,8 @@ class Request:
     # group (or its owner, or root); over the network a client whose certificate the operator CA signed
     operator: bool = False
     listener: str = "unix"  # which one it came by: "unix" (local users), "https" or "quic" (the LAN)
+    # the API key ("key:NAME") or room the access gate admitted it for; "" where none was needed
+    principal: str = ""
 
     @property
     def address(self) -> str:

@@ -23,12 +23,11 @@ from typing import Any
 import numpy as np
 
 from appliance.errors import BadRequest
-from appliance.protocol.json_reader import MAX_DEPTH, JsonReader, json_kind, shown
+from appliance.protocol.json_reader import json_kind, read_json, shown
 from appliance.protocol.tensor_data import NUMPY_TYPES, data_array
 
 DATATYPES = {np.dtype(v).str: k for k, v in NUMPY_TYPES.items()}
 HEADER_LENGTH = "inference-header-content-length"
-FAST_JSON_BYTES = 4096
 
 MAX_DIMS = 8
 MAX_NAME_BYTES = 256  # input and output names and the request id; the API core bounds sequence ids alike
@@ -51,7 +50,7 @@ def decode_infer(body: bytes, header_length: str | None) -> InferRequest:
     if header_length is not None:
         size = _header_length(header_length, len(body))
         json_part, binary = body[:size], memoryview(body)[size:]
-    doc = _read_json(json_part)
+    doc = read_json(json_part)
     if not isinstance(doc, dict):
         raise BadRequest(f"request body must be a JSON object, got {json_kind(doc)}")
     raw_inputs = doc.get("inputs")
@@ -79,36 +78,6 @@ def decode_infer(body: bytes, header_length: str | None) -> InferRequest:
         raise BadRequest(f"binary data holds {len(binary)} bytes but the inputs' binary_data_size add up to {offset}")
     requested, binary_outputs = _requested_outputs(doc.get("outputs", []))
     return InferRequest(request_id, inputs, parameters, binary_outputs, all_binary, requested)
-
-
-def _read_json(text: bytes) -> Any:
-    """A small header without tensor data (the binary extension's, on every live frame) goes through
-    json.loads, ten times faster; anything else, and anything json.loads refuses or finds nested near
-    the limit, goes through the bounded reader, which also words the error."""
-    if len(text) <= FAST_JSON_BYTES and b'"data"' not in text:
-        try:
-            doc = json.loads(text, parse_constant=_refuse)
-        except (ValueError, RecursionError):
-            pass
-        else:
-            if not _nested_beyond(doc, MAX_DEPTH - 1):
-                return doc
-    return JsonReader.read(text)
-
-
-def _refuse(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
-
-
-def _nested_beyond(doc: Any, depth: int) -> bool:
-    pending = [(doc, 1)]
-    while pending:
-        value, level = pending.pop()
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        if children and level > depth:
-            return True
-        pending += [(child, level + 1) for child in children]
-    return False
 
 
 def _header_length(raw: str, body_size: int) -> int:

@@ -45,14 +45,18 @@ class BodyBudget:
     def limits(self) -> ServerConfig:
         return self._limits()
 
-    def take(self, count: int) -> None:
-        limit = self.limits.max_buffered_bytes // self.shares
-        if self.held + count > limit:
-            share = f" (this worker's share of {self.limits.max_buffered_bytes})" if self.shares > 1 else ""
-            raise limit_bit(
-                503, f"busy: request bodies held by all clients are at the limit of {limit} bytes{share}; retry later"
-            )
+    def take(self, count: int, what: str = "request bodies") -> None:
+        if why := self.refuses(count, what):
+            raise limit_bit(503, f"{why}; retry later")
         self.held += count
+
+    def refuses(self, count: int, what: str) -> str:
+        """Why `count` more bytes of `what` do not fit ("" where they do)."""
+        limit = self.limits.max_buffered_bytes // self.shares
+        if self.held + count <= limit:
+            return ""
+        share = f" (this worker's share of {self.limits.max_buffered_bytes})" if self.shares > 1 else ""
+        return f"busy: {what} held by all clients are at the limit of {limit} bytes{share}"
 
     def give(self, count: int) -> None:
         self.held -= count
