@@ -88,6 +88,7 @@ class Api:
         self.metrics = prometheus.Metrics()
         self.access = Access(live, self.metrics)  # who may use the box (api/access/gate.py)
         self.ready = False
+        self.stopping = asyncio.Event()  # set when the daemon begins its stop: idle sessions close
         self.fleet = fleet_routes.Fleet(
             manifest, models, live, lambda: self.ready
         )  # drains, the agent's answer, readiness
@@ -122,7 +123,7 @@ class Api:
             *libretranslate.routes(models),
             *openai_audio.routes(models),
             *openai_models.routes(models, manifest),
-            *realtime.routes(models, self.metrics, live, budget),
+            *realtime.routes(models, self.metrics, live, budget, self.stopping),
             *page.routes(lambda: self.certificate_pem),
             *rooms.routes(self.access.rooms, [m.name for m in models.values() if isinstance(m, Interpreting)]),
             *self.fleet.routes(),

@@ -25,6 +25,7 @@ from appliance.api.metrics import Metrics
 from appliance.api.openai_models import speech_to_text
 from appliance.api.realtime_answers import Answer, Answers, Interpreter
 from appliance.api.realtime_conversation import AudioItem, Item
+from appliance.api.realtime_io import Output, received
 from appliance.api.realtime_limits import Held, Limits, Pace
 from appliance.api.realtime_session import (
     COMPLETED,
@@ -48,7 +49,7 @@ from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.kinds.capabilities import Interpreting, LiveTranscriber
 from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
 from appliance.protocol.limits import ByteBudget
-from appliance.protocol.messages import Close, Request, Response, SessionIO
+from appliance.protocol.messages import Close, Message, Request, Response, SessionIO
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
@@ -58,8 +59,10 @@ ARRIVAL_STEP = 160
 GATHERED = 256  # a buffer's small appends are joined into one array every this many
 
 
-def routes(models: dict[str, ServedModel], metrics: Metrics, live: Live, budget: ByteBudget | None) -> list[Route]:
-    limits = Limits(live, budget)
+def routes(
+    models: dict[str, ServedModel], metrics: Metrics, live: Live, budget: ByteBudget | None, stopping: asyncio.Event
+) -> list[Route]:
+    limits = Limits(live, budget, stopping)
 
     async def realtime(request: Request, params: dict[str, str]) -> Response:
         if request.headers.get("upgrade", "").lower() != "websocket":
@@ -120,10 +123,14 @@ async def transcription(
 
     turns = Turns(models, session, limits, request, emit, interpreter, first_audio)
     await io.send(_json(session.created()))
+    receiving: asyncio.Future[Message] | None = None
     try:
         while True:
             await output.sent.wait()  # a client that does not read what the session says is not read either
-            message = await io.receive()
+            receiving = receiving or asyncio.ensure_future(io.receive())
+            if not await received(receiving, limits.stopping, lambda: turns.listening_only):
+                return Close(1001, "the box is stopping")
+            message, receiving = receiving.result(), None
             steps: list[Step]
             if isinstance(message, bytes):
                 steps = [session.error(RealtimeError("events are JSON text messages, not binary", "invalid_event"))]
@@ -135,32 +142,11 @@ async def transcription(
                 except ApiError as exc:
                     await emit(session.error(exc))
     finally:
+        if receiving is not None:
+            receiving.cancel()
         turns.close()
         if turns.answers is not None:
             await turns.answers.stop()
-
-
-class Output:
-    """A session's sends, from its reading path and its answers' task. While one waits for the client
-    to take it, the reading path takes none of the client's messages: an interpreter's answers are
-    spoken in a task of their own, and a client that stopped reading them would otherwise still be read
-    (silence, say) for as long as it sent."""
-
-    def __init__(self, io: SessionIO) -> None:
-        self.io = io
-        self.waiting = 0  # sends under way
-        self.sent = asyncio.Event()  # set while none is
-        self.sent.set()
-
-    async def send(self, message: str) -> None:
-        self.waiting += 1
-        self.sent.clear()
-        try:
-            await self.io.send(message)
-        finally:
-            self.waiting -= 1
-            if not self.waiting:
-                self.sent.set()
 
 
 class Turns:
@@ -204,6 +190,13 @@ class Turns:
     @property
     def key(self) -> str:
         return f"realtime:{self.session.id}:{self.stream}"
+
+    @property
+    def listening_only(self) -> bool:
+        """Nothing under way but listening: no turn being heard, no manual buffer held, no answer
+        being spoken or waiting to be."""
+        held = self.session.settings.vad is None and self.pending_samples > 0
+        return not (self.session.turn_open or held or (self.answers is not None and self.answers.busy))
 
     def options(self) -> Options:
         if self.interpreter is not None:

@@ -72,6 +72,11 @@ class Answers:
         self.speaking: Speaking | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
+    @property
+    def busy(self) -> bool:
+        """An answer is being spoken, or waits to be."""
+        return self.speaking is not None or not self.queue.empty()
+
     async def put(self, answer: Answer) -> None:
         """Queue an answer. Where ANSWERS_WAITING already wait, wait (and, holding the client's
         messages, stop reading it) until the oldest is answered."""

@@ -11,9 +11,10 @@ waits; an upload is slowed to the pace of speech, never refused.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.api.realtime_settings import RealtimeError
 from appliance.config import Live
@@ -27,11 +28,13 @@ BUFFERS = "request bodies and Realtime audio buffers"  # what the byte budget ho
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What bounds every session: the live config ([realtime]), and the daemon's byte budget that a
-    manual buffer takes from (None: unbounded, an API without transports)."""
+    """What bounds every session: the live config ([realtime]), the daemon's byte budget that a
+    manual buffer takes from (None: unbounded, an API without transports), and the daemon's stop (set
+    when it begins: a session with nothing under way but listening closes then)."""
 
     live: Live
     budget: ByteBudget | None
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Held:

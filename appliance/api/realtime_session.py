@@ -272,6 +272,11 @@ class TranscriptionSession:
         self._item = None
         return item
 
+    @property
+    def turn_open(self) -> bool:
+        """Whether a turn is being heard (speech_started, not yet closed)."""
+        return self._item is not None
+
     def turn_heard(self, start_sample: int) -> list[dict[str, Any]]:
         """The VAD hears speech from `start_sample` (16 kHz samples since the session began)."""
         if self._item is not None:

@@ -256,6 +256,7 @@ class Daemon:
         systemd.stopping(f"stopping: {self._in_flight()} requests in flight, {live()} sequences open")
         api.ready = False
         api.fleet.stopping = True
+        api.stopping.set()  # a session only waiting for speech closes now (1001); work under way has the grace
         grace = self.config.server.shutdown_grace_s
         deadline = time.monotonic() + grace
         await listeners.stop_accepting(grace)

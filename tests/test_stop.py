@@ -1,0 +1,103 @@
+"""A stop that stops (issue 42), tried as a user would with a Realtime client open: the daemon's stop
+closes a session that only listens at once with a WebSocket close 1001, and lets a turn being heard
+end with its transcript first. The grace time is an hour: where a session held the stop for its
+grace, the daemon would not exit within the test's wait."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import signal
+from pathlib import Path
+
+import numpy as np
+from promtext import sample
+from speech import RATE, recording
+from test_realtime import URI, configure, pcm
+from test_speech_to_text import ENGLISH, wer
+from websockets.asyncio.client import unix_connect
+from websockets.exceptions import ConnectionClosed
+
+from appliance.client import Client
+
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+APPEND_S = 0.1
+HOUR = 3600.0
+
+
+def session_through_stop(  # type: ignore[no-untyped-def]
+    daemon, samples: np.ndarray, stop_after: str | None, uri: str = URI
+) -> list[tuple[str, object]]:
+    """`samples` then silence sent at real-time pace until the daemon closes the session; SIGTERM once
+    the event `stop_after` came (None: once the session is set up). The events in order: each event's
+    type, ("stop", None) where the signal went, then ("close", "CODE REASON")."""
+    events: list[tuple[str, object]] = []
+
+    def stop() -> None:
+        events.append(("stop", None))
+        daemon.proc.send_signal(signal.SIGTERM)
+
+    def listening() -> bool:
+        """Whether the session's live sequences are open on the VAD (its silence being heard)."""
+        with Client(str(daemon.socket)) as client:
+            return sample(client.metrics(), "appliance_live_sequences", model="silero_vad") > 0
+
+    async def run() -> None:
+        async with unix_connect(str(daemon.socket), uri, max_size=None) as ws:
+            if uri == URI:
+                await configure(ws, RATE)
+            else:  # the interpreter's session, as the room page opens it: its defaults
+                assert json.loads(await ws.recv())["type"] == "session.created"
+
+            async def send() -> None:
+                step = int(APPEND_S * RATE)
+                audio = np.concatenate([samples, np.zeros(int(HOUR * RATE) // 60, np.float32)])
+                for at in range(0, len(audio), step):
+                    chunk = pcm(audio[at : at + step], RATE)
+                    event = {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}
+                    await ws.send(json.dumps(event))
+                    await asyncio.sleep(APPEND_S)
+
+            sender = asyncio.create_task(send())
+            if stop_after is None:
+                while not await asyncio.to_thread(listening):
+                    await asyncio.sleep(APPEND_S)
+                stop()
+            try:
+                while True:
+                    event = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                    events.append((event["type"], event.get("transcript")))
+                    if event["type"] == stop_after and ("stop", None) not in events:
+                        stop()
+            except ConnectionClosed as closed:
+                events.append(("close", f"{closed.rcvd.code} {closed.rcvd.reason}" if closed.rcvd else None))
+            finally:
+                sender.cancel()
+
+    asyncio.run(run())
+    assert daemon.proc.wait(300) == 0, daemon.log.read_text()[-2000:]
+    return events
+
+
+def test_a_stop_closes_an_interpreter_session_that_only_listens_at_once(start_daemon, interpreter_bundle: Path) -> None:
+    """The room page's session, sending silence: its two live sequences (the VAD's, Whisper's) held the
+    stop for its whole grace time (measured with a grace of 60 s: closed after 60.3 s, now 0.004 s)."""
+    daemon = start_daemon(bundle_dir=interpreter_bundle, shutdown_grace_s=HOUR)
+    events = session_through_stop(
+        daemon, np.zeros(RATE, np.float32), None, "ws://appliance/v1/realtime?model=interpreter"
+    )
+    assert events == [("stop", None), ("close", "1001 the box is stopping")], events
+
+
+def test_a_turn_being_heard_at_the_stop_ends_with_its_transcript_then_the_close(
+    start_daemon, voice_bundle: Path
+) -> None:
+    daemon = start_daemon(bundle_dir=voice_bundle, shutdown_grace_s=HOUR)
+    samples, _ = recording([ENGLISH[0]], lead_s=0.5)
+    events = session_through_stop(daemon, samples, "input_audio_buffer.speech_started")
+    kinds = [kind for kind, _ in events]
+    assert kinds.index("stop") < kinds.index(COMPLETED) < kinds.index("close"), events
+    transcript = next(text for kind, text in events if kind == COMPLETED)
+    assert wer(ENGLISH[0], str(transcript)) <= 0.25, transcript
+    assert events[-1] == ("close", "1001 the box is stopping"), events
