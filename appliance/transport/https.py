@@ -3,7 +3,7 @@
 The same parser, limits, body budget, flow control and cancellation as the Unix socket; what differs
 is said here: TLS from [quic]'s certificate and key (mutual TLS with its client_ca), the client's
 identity (its verified certificate, else the connection itself), its own connection limit
-(https.max_connections), and `Alt-Svc: h3=":PORT"` on every answer where QUIC serves, so browsers
+(https.max_connections) and one address's share of it (https.max_connections_per_address), and `Alt-Svc: h3=":PORT"` on every answer where QUIC serves, so browsers
 and other capable clients move to HTTP/3. A TLS handshake must end within server.header_timeout_s.
 Without mutual TLS a sequence belongs to the connection that opened it: when that connection ends,
 nobody can continue it, so its sequences end with it. With mutual TLS it belongs to the certificate,
@@ -109,8 +109,13 @@ class HttpsServer(Http1Server):
         )
 
     @property
-    def max_connections(self) -> int:
-        return self.worker_share(self.live.config.https.max_connections)
+    def connection_limits(self) -> tuple[int, int]:
+        https = self.live.config.https
+        return https.max_connections, https.max_connections_per_address
+
+    def share_key(self, client: str, peer: str) -> str:
+        """An address's share, whatever the connection or certificate: one LAN host cannot take all slots."""
+        return peer.rpartition(":")[0]
 
     def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
         host, port = transport.get_extra_info("peername")[:2]

@@ -1,0 +1,50 @@
+"""What every stream connection is held to, whatever its protocol: admission (connections in all, and
+one peer's share of them: a user on a Unix socket, an address on TCP) and the write deadline (a
+connection whose writes make no progress for server.write_timeout_s is closed, its slot freed)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from appliance.transport.assembler import Rejection, limit_bit
+
+
+def worker_share(limit: int, workers: int) -> int:
+    """One process's part of a daemon-wide limit: with N protocol workers each holds 1/N of it."""
+    return max(1, limit // workers)
+
+
+def admission_refusal(held: Iterable[str], key: str, limit: int, share: int, workers: int) -> Rejection | None:
+    """Why a new connection of `key` is refused (503), or None: `held` names the peer of each connection
+    this process holds; `limit` and `share` are the daemon's, of which this process holds 1/workers."""
+    held = list(held)
+    if len(held) >= worker_share(limit, workers):
+        return limit_bit(503, f"too many connections (limit {worker_share(limit, workers)})")
+    if sum(peer == key for peer in held) >= worker_share(share, workers):
+        each = f", {worker_share(share, workers)} in each of {workers} workers" if workers > 1 else ""
+        return limit_bit(503, f"too many connections from {key} (its share is {share}{each})")
+    return None
+
+
+class WriteProgress:
+    """Whether a connection's writes move. The transport says when its buffer goes over the high-water
+    mark (paused) and back under it (resumed); while paused, any drain of the buffer restarts the
+    deadline, so a slow reader is kept and only one that takes nothing is closed."""
+
+    def __init__(self) -> None:
+        self._stalled_since: float | None = None
+        self._buffered = 0
+
+    def paused(self, now: float, buffered: int) -> None:
+        self._stalled_since, self._buffered = now, buffered
+
+    def resumed(self) -> None:
+        self._stalled_since = None
+
+    def overdue(self, now: float, buffered: int, timeout_s: float) -> bool:
+        if self._stalled_since is None:
+            return False
+        if buffered < self._buffered:
+            self._stalled_since, self._buffered = now, buffered
+            return False
+        return now - self._stalled_since > timeout_s
