@@ -9,18 +9,24 @@ Verdicts are the order of events and bounds on memory, never seconds."""
 from __future__ import annotations
 
 import asyncio
+import json
+import select
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx2
+import pytest
+from conftest import Daemon, Keys, good_unix_client_beside
+from websockets.sync.client import unix_connect
 
-from appliance.config import Config, Live, ServerConfig
-from appliance.protocol.messages import Request, Response
+from appliance.config import Config, Live, ServerConfig, WebSocketConfig
+from appliance.protocol.messages import Close, Request, Response
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.http1 import Http1Server
+from appliance.transport.websocket import MAX_MESSAGE_FRAMES, StreamIO, WebSocketPump
 
 BIG = b"x" * (8 << 20)
 
@@ -180,3 +186,198 @@ def cut_off(sock: ssl.SSLSocket) -> bool:
     finally:
         sock.close()
     return taken < 400 * 21000
+
+
+# --- WebSocket: pongs under flow control, messages that never end (the pump on a clock the test holds) ---
+
+
+class FakeStream:
+    """The byte stream under a pump: what it was sent, whether it is read, how it ended."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.events: list[str] = []
+        self.writable = asyncio.Event()
+        self.writable.set()
+
+    def io(self) -> StreamIO:
+        return StreamIO(
+            self.sent.append,
+            lambda: self.events.append("pause"),
+            lambda: self.events.append("resume"),
+            lambda: self.events.append("close"),
+            self.writable,
+            lambda: self.events.append("abort"),
+        )
+
+
+def frame(opcode: int, payload: bytes = b"", fin: bool = True) -> bytes:
+    """A client's frame (masked with a zero key, so the payload reads as it is)."""
+    size = len(payload)
+    length = bytes([0x80 | size]) if size < 126 else bytes([0x80 | 126]) + size.to_bytes(2, "big")
+    return bytes([(0x80 if fin else 0) | opcode]) + length + b"\0\0\0\0" + payload
+
+
+PING, TEXT, CONTINUATION = 9, 1, 0
+
+
+async def quiet_session(io: object) -> Close:
+    await asyncio.Event().wait()
+    return Close(1000, "")
+
+
+def test_pongs_wait_while_the_client_reads_nothing_and_a_close_then_drops_the_queue() -> None:
+    async def run() -> None:
+        stream = FakeStream()
+        pump = WebSocketPump(stream.io(), lambda: WebSocketConfig(), quiet_session)
+        pump.start()
+        stream.writable.clear()  # the client stopped reading: the write buffer is over its window
+        pump.data_received(frame(PING, b"a") * 50)
+        assert len(stream.sent) == 1 and stream.events == ["pause"]  # one pong, then its pings wait unread
+        stream.writable.set()
+        await until(lambda: len(stream.sent) == 50)
+        assert stream.events == ["pause", "resume"]
+        stream.writable.clear()
+        pump.data_received(frame(PING, b"b") * 3)
+        pump.close(Close(1001, "no message for 120 s"))  # e.g. the idle timeout: nothing more is queued
+        assert stream.events[-1] == "abort" and len(stream.sent) == 51 and pump.closed
+
+    asyncio.run(run())
+
+
+def test_a_message_that_never_ends_is_closed_by_its_frames_or_its_time() -> None:
+    async def run() -> None:
+        clock = Clock()
+        stream = FakeStream()
+        pump = WebSocketPump(stream.io(), lambda: WebSocketConfig(idle_timeout_s=60.0), quiet_session, clock)
+        pump.start()
+        pump.data_received(frame(TEXT, b"{", fin=False) + frame(CONTINUATION, b"", fin=False) * 100)
+        clock.now += 59
+        pump.data_received(frame(CONTINUATION, b"", fin=False))  # it keeps the connection heard ...
+        pump.check_timeouts(clock())
+        assert not stream.sent
+        clock.now += 2  # ... but the message began 61 s ago
+        pump.check_timeouts(clock())
+        assert closes(stream.sent) == [(1008, "message not finished within 60 s")]
+
+        stream = FakeStream()
+        pump = WebSocketPump(stream.io(), lambda: WebSocketConfig(), quiet_session, clock)
+        pump.start()
+        pump.data_received(frame(TEXT, b"", fin=False) + frame(CONTINUATION, b"", fin=False) * MAX_MESSAGE_FRAMES)
+        assert closes(stream.sent) == [(1008, f"message in over the limit of {MAX_MESSAGE_FRAMES} frames")]
+        pump.lost()
+
+    asyncio.run(run())
+
+
+def closes(sent: list[bytes]) -> list[tuple[int, str]]:
+    """The close frames among what the server sent (unmasked: code, then reason)."""
+    found = []
+    for data in sent:
+        if data[0] & 0x0F == 8:
+            size = data[1] & 0x7F
+            found.append((int.from_bytes(data[2:4], "big"), data[4 : 2 + size].decode()))
+    return found
+
+
+# --- WebSocket attacks on a real daemon, over the Unix socket and HTTPS ---
+
+HANDSHAKE = (
+    b"GET /v1/realtime?intent=transcription HTTP/1.1\r\nhost: localhost\r\nupgrade: websocket\r\n"
+    b"connection: Upgrade\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+)
+
+
+@pytest.fixture(scope="module")
+def voice_daemon_https(
+    tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bundle: Path, tls
+) -> Iterator[Daemon]:
+    """Whisper for /v1/realtime, on the Unix socket and HTTPS, with a write deadline of 10 s."""
+    workdir = tmp_path_factory.mktemp("wsd")
+    d = Daemon(workdir, voice_bundle, keys.trusted, tls=tls, https="", extra_server="write_timeout_s = 10.0\n")
+    yield d.wait_ready(180)
+    assert d.stop() == 0, d.log.read_text()
+    assert "Traceback" not in d.log.read_text()
+
+
+def websocket_raw(daemon: Daemon, transport: str, rcvbuf: int = 4096) -> socket.socket:
+    """A WebSocket opened by hand (101 read), on a socket that reads little: the attacker's."""
+    if transport == "unix":
+        sock: socket.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.settimeout(30)
+        sock.connect(str(daemon.socket))
+    else:
+        sock = tls_connection(daemon, "127.0.0.4", rcvbuf=rcvbuf)
+    sock.sendall(HANDSHAKE)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def good_session(daemon: Daemon) -> str:
+    """A real client's Realtime session (the websockets package) on the Unix socket: its first event."""
+    with unix_connect(str(daemon.socket), "ws://localhost/v1/realtime?intent=transcription") as ws:
+        return json.loads(ws.recv(timeout=60))["type"]
+
+
+def offered_until_blocked(sock: socket.socket, data: bytes, limit: int) -> int:
+    """Bytes of `data`, sent again and again, that the daemon took before it stopped reading (or `limit`)."""
+    sock.settimeout(3)  # a send that waits this long: the daemon is not reading
+    sent = 0
+    try:
+        while sent < limit:
+            sock.sendall(data)
+            sent += len(data)
+    except TimeoutError:
+        pass
+    return sent
+
+
+@pytest.mark.parametrize("transport", ["unix", "https"])
+def test_a_client_that_pings_and_never_reads_holds_no_pongs_and_is_cut_off(
+    voice_daemon_https: Daemon, transport: str
+) -> None:
+    daemon = voice_daemon_https
+    pings = frame(PING, b"p" * 125) * 1000
+    with good_unix_client_beside(daemon):
+        rss_before = daemon.rss_kib()
+        attacker = websocket_raw(daemon, transport)
+        offered = offered_until_blocked(attacker, pings, 48 << 20)
+        growth_mib = (daemon.rss_kib() - rss_before) / 1024
+        assert good_session(daemon) == "session.created"
+        # still reading nothing, it is cut off by the write deadline: the pongs queued for it are dropped
+        wait_until(lambda: hung_up(attacker), "the client that reads nothing cut off")
+        attacker.close()
+    assert growth_mib < 16, f"the daemon grew by {growth_mib:.0f} MiB of pongs"
+    assert offered < 48 << 20, f"the daemon read every ping of a client that reads nothing (grew {growth_mib:.0f} MiB)"
+
+
+@pytest.mark.parametrize("transport", ["unix", "https"])
+def test_a_message_of_empty_frames_that_never_ends_is_closed_naming_the_limit(
+    voice_daemon_https: Daemon, transport: str
+) -> None:
+    daemon = voice_daemon_https
+    with good_unix_client_beside(daemon):
+        attacker = websocket_raw(daemon, transport, rcvbuf=0)
+        attacker.sendall(frame(TEXT, b"", fin=False) + frame(CONTINUATION, b"", fin=False) * (MAX_MESSAGE_FRAMES + 10))
+        attacker.settimeout(60)
+        received = b""
+        while b"\x88" not in received:  # the session's first events, then the close frame
+            chunk = attacker.recv(65536)
+            assert chunk, "closed without a close frame"
+            received += chunk
+        close = received[received.index(b"\x88") :]
+        assert close[4 : 2 + close[1]].decode() == f"message in over the limit of {MAX_MESSAGE_FRAMES} frames"
+        assert int.from_bytes(close[2:4], "big") == 1008
+        attacker.close()
+        assert good_session(daemon) == "session.created"
+
+
+def hung_up(sock: socket.socket) -> bool:
+    """Whether the daemon ended the connection (a reset, or a Unix socket's peer gone), unread data or not."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
