@@ -25,6 +25,7 @@ from websockets.sync.client import unix_connect
 from appliance.config import Config, Live, ServerConfig, WebSocketConfig
 from appliance.protocol.messages import Close, Request, Response
 from appliance.transport.assembler import BodyBudget
+from appliance.transport.connection_bounds import FD_RESERVE
 from appliance.transport.http1 import Http1Server
 from appliance.transport.websocket import MAX_MESSAGE_FRAMES, StreamIO, WebSocketPump
 
@@ -377,7 +378,65 @@ def test_a_message_of_empty_frames_that_never_ends_is_closed_naming_the_limit(
 
 
 def hung_up(sock: socket.socket) -> bool:
-    """Whether the daemon ended the connection (a reset, or a Unix socket's peer gone), unread data or not."""
+    """Whether the daemon ended the connection (closed or reset it), unread data or not."""
     poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+    return any(events & (select.POLLHUP | select.POLLERR | select.POLLRDHUP) for _, events in poller.poll(0))
+
+
+# --- TLS handshakes that never finish ---
+
+
+def silent_tcp(daemon: Daemon, count: int) -> list[socket.socket]:
+    """Connections to the HTTPS port that never send a ClientHello (the kernel completes each TCP handshake)."""
+    held = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", daemon.https_port), timeout=30)
+        held.append(sock)
+    return held
+
+
+def test_unfinished_tls_handshakes_are_bounded_per_address_and_others_are_served(start_daemon, tls) -> None:
+    daemon = start_daemon(
+        tls=tls, https="max_handshakes = 8\nmax_handshakes_per_address = 4\nhandshake_timeout_s = 60.0\n"
+    )
+    rss_before = daemon.rss_kib()
+    silent = silent_tcp(daemon, 1000)
+    # the address's first 4 are in their handshake; every other is closed at once, long before its deadline
+    wait_until(lambda: sum(map(hung_up, silent)) >= 996, "the handshakes over the address's share closed")
+    growth_mib = (daemon.rss_kib() - rss_before) / 1024
+    assert [hung_up(s) for s in silent[:4]] == [False] * 4
+    assert sum(map(hung_up, silent)) == 996
+    assert growth_mib < 16, f"1000 handshakes begun grew the daemon by {growth_mib:.0f} MiB"
+    with good_https(daemon, "127.0.0.2") as good:
+        assert [good.get("/v2/health/ready").status_code for _ in range(10)] == [200] * 10
+    for sock in silent:
+        sock.close()
+    assert "too many TLS handshakes from 127.0.0.1 (its share is 4)" in daemon.log.read_text()
+
+
+def unix_health(daemon: Daemon) -> str:
+    """One request on a fresh connection to the Unix socket (its accept is what a flood of TCP could starve)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(daemon.socket))
+        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        return sock.recv(4096).decode("latin-1").split("\r\n")[0]
+
+
+def test_a_flood_of_tcp_leaves_the_unix_socket_descriptors_to_accept_with(start_daemon, tls) -> None:
+    """As under systemd's LimitNOFILE: the daemon started with 256 descriptors, the handshake bounds set
+    out of the way, and 300 silent TCP connections: the TCP listener stops short of the limit."""
+    daemon = start_daemon(
+        tls=tls,
+        https="max_handshakes = 1000\nmax_handshakes_per_address = 1000\nhandshake_timeout_s = 60.0\n",
+        prefix=("prlimit", "--nofile=256:256", "--"),
+        extra_server="header_timeout_s = 60.0\n",  # asyncio's TLS server gave handshakes this deadline
+    )
+    silent = silent_tcp(daemon, 300)
+    descriptors = Path(f"/proc/{daemon.proc.pid}/fd")
+    wait_until(lambda: len(list(descriptors.iterdir())) >= 256 - FD_RESERVE, "the flood taken up to the reserve")
+    assert [unix_health(daemon) for _ in range(20)] == ["HTTP/1.1 200 OK"] * 20
+    for sock in silent:
+        sock.close()
+    assert "TCP accepts paused 0.1 s: descriptors" in daemon.log.read_text()

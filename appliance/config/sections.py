@@ -68,6 +68,9 @@ class HttpsConfig:
     port: int = 8443
     max_connections: int = 256  # TLS connections, apart from the Unix socket's server.max_connections
     max_connections_per_address: int = 64  # one address's share of max_connections (the daemon's)
+    handshake_timeout_s: float = 5.0  # a TLS handshake not complete by then is dropped, its descriptor freed
+    max_handshakes: int = 128  # TLS handshakes in flight (the daemon's); a connection past it is closed at once
+    max_handshakes_per_address: int = 16  # one address's share of them
     alt_svc: bool = True  # where QUIC serves, every answer says so (Alt-Svc: h3=":PORT"): browsers move to it
 
 

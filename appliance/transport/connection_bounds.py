@@ -1,12 +1,25 @@
 """What every stream connection is held to, whatever its protocol: admission (connections in all, and
-one peer's share of them: a user on a Unix socket, an address on TCP) and the write deadline (a
-connection whose writes make no progress for server.write_timeout_s is closed, its slot freed)."""
+one peer's share of them: a user on a Unix socket, an address on TCP; TLS handshakes in flight the
+same way), descriptors kept for the Unix sockets, and the write deadline (a connection whose writes
+make no progress for server.write_timeout_s is closed, its slot freed)."""
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Iterable
 
 from appliance.transport.assembler import Rejection, limit_bit
+
+# descriptors a TCP listener leaves to the rest of the process (the Unix sockets' accepts, models,
+# shared memory): more than asyncio accepts in one wake (100), so a flood of TCP cannot starve them
+FD_RESERVE = 128
+
+
+def descriptors_short(fd: int) -> bool:
+    """Whether a socket just accepted as `fd` leaves less than FD_RESERVE under RLIMIT_NOFILE: the
+    kernel gives the lowest free number, so every descriptor below it is taken."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft != resource.RLIM_INFINITY and fd >= soft - FD_RESERVE
 
 
 def worker_share(limit: int, workers: int) -> int:
@@ -14,15 +27,17 @@ def worker_share(limit: int, workers: int) -> int:
     return max(1, limit // workers)
 
 
-def admission_refusal(held: Iterable[str], key: str, limit: int, share: int, workers: int) -> Rejection | None:
-    """Why a new connection of `key` is refused (503), or None: `held` names the peer of each connection
+def admission_refusal(
+    held: Iterable[str], key: str, limit: int, share: int, workers: int, what: str = "connections"
+) -> Rejection | None:
+    """Why a new connection of `key` is refused (503), or None: `held` names the peer of each of `what`
     this process holds; `limit` and `share` are the daemon's, of which this process holds 1/workers."""
     held = list(held)
     if len(held) >= worker_share(limit, workers):
-        return limit_bit(503, f"too many connections (limit {worker_share(limit, workers)})")
+        return limit_bit(503, f"too many {what} (limit {worker_share(limit, workers)})")
     if sum(peer == key for peer in held) >= worker_share(share, workers):
         each = f", {worker_share(share, workers)} in each of {workers} workers" if workers > 1 else ""
-        return limit_bit(503, f"too many connections from {key} (its share is {share}{each})")
+        return limit_bit(503, f"too many {what} from {key} (its share is {share}{each})")
     return None
 
 
