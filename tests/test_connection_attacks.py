@@ -16,10 +16,14 @@ import ssl
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
+from aioquic.asyncio import connect
+from aioquic.quic.events import QuicEvent, StopSendingReceived, StreamReset
 from conftest import Daemon, Keys, good_unix_client_beside
+from test_realtime_h3 import H3Client, configuration, open_websocket
 from websockets.sync.client import unix_connect
 
 from appliance.config import Config, Live, ServerConfig, WebSocketConfig
@@ -440,3 +444,52 @@ def test_a_flood_of_tcp_leaves_the_unix_socket_descriptors_to_accept_with(start_
     for sock in silent:
         sock.close()
     assert "TCP accepts paused 0.1 s: descriptors" in daemon.log.read_text()
+
+
+class NotReadingH3(H3Client):
+    """An HTTP/3 client that never grants the box more stream credit (it reads nothing), and notes
+    each stream the box resets or stops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._quic._write_stream_limits = lambda **frame: None  # type: ignore[method-assign]
+        self.ended_by_box: set[int] = set()
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, StreamReset | StopSendingReceived):
+            self.ended_by_box.add(event.stream_id)
+        super().quic_event_received(event)
+
+
+def test_a_client_that_pings_and_never_reads_over_http3_is_closed_within_the_buffer(voice_daemon_https: Daemon) -> None:
+    daemon = voice_daemon_https
+    pings = frame(PING, b"p" * 125) * 1000
+
+    async def attack() -> tuple[int, bool]:
+        config = configuration(daemon)
+        config.max_stream_data = 65536
+        async with connect("127.0.0.1", daemon.quic_port, configuration=config, create_protocol=NotReadingH3) as client:
+            assert isinstance(client, NotReadingH3)
+            _, ws = await open_websocket(client, "/v1/realtime?intent=transcription")
+            sent = 0
+            while sent < 24 << 20 and ws.stream_id not in client.ended_by_box:
+                client.h3.send_data(ws.stream_id, pings, end_stream=False)
+                client.transmit()
+                sent += len(pings)
+                while unsent(client, ws.stream_id) > 1 << 20 and ws.stream_id not in client.ended_by_box:
+                    await asyncio.sleep(0.01)
+            return sent, ws.stream_id in client.ended_by_box
+
+    with good_unix_client_beside(daemon):
+        rss_before = daemon.rss_kib()
+        sent, ended = asyncio.run(attack())
+        growth_mib = (daemon.rss_kib() - rss_before) / 1024
+        assert good_session(daemon) == "session.created"
+    assert ended and sent < 24 << 20, f"the box took {sent} bytes of pings and kept the stream"
+    assert growth_mib < 16, f"the daemon grew by {growth_mib:.0f} MiB of pongs"
+
+
+def unsent(client: H3Client, stream_id: int) -> int:
+    """The client's bytes of this stream that the box has not acknowledged."""
+    stream = client._quic._streams.get(stream_id)
+    return 0 if stream is None else stream.sender._buffer_stop - stream.sender._buffer_start
