@@ -42,24 +42,18 @@ def admission_refusal(
 
 
 class WriteProgress:
-    """Whether a connection's writes move. The transport says when its buffer goes over the high-water
-    mark (paused) and back under it (resumed); while paused, any drain of the buffer restarts the
-    deadline, so a slow reader is kept and only one that takes nothing is closed."""
+    """Whether a connection's writes move, from what its transport still holds at each check: while it
+    holds something (the kernel's buffer is full) and none of it is taken, the deadline runs; a slow
+    reader that takes anything starts it again."""
 
     def __init__(self) -> None:
-        self._stalled_since: float | None = None
-        self._buffered = 0
+        self._since: float | None = None
+        self._held = 0
 
-    def paused(self, now: float, buffered: int) -> None:
-        self._stalled_since, self._buffered = now, buffered
-
-    def resumed(self) -> None:
-        self._stalled_since = None
-
-    def overdue(self, now: float, buffered: int, timeout_s: float) -> bool:
-        if self._stalled_since is None:
-            return False
-        if buffered < self._buffered:
-            self._stalled_since, self._buffered = now, buffered
-            return False
-        return now - self._stalled_since > timeout_s
+    def overdue(self, now: float, held: int, timeout_s: float) -> bool:
+        if not held:
+            self._since = None
+        elif self._since is None or held < self._held:
+            self._since = now
+        self._held = held
+        return self._since is not None and now - self._since > timeout_s

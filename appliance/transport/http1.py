@@ -182,12 +182,9 @@ class HttpConnection(WebSocketUpgrade):
     def pause_writing(self) -> None:
         """Our send buffer is over its high-water mark: no more answers until the client reads."""
         self._writable.clear()
-        if self.transport is not None:
-            self._progress.paused(self.server.clock(), self.transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
         self._writable.set()
-        self._progress.resumed()
         if self._window is not None and self.transport is not None:
             self._window.hold(self.transport.get_write_buffer_size())
 
@@ -236,8 +233,8 @@ class HttpConnection(WebSocketUpgrade):
                 self._paused = True
 
     def check_timeouts(self, now: float) -> None:
-        if self._write_overdue(now):
-            return
+        if self.transport is None or self._write_overdue(now, self.transport) or self.transport.is_closing():
+            return  # a closing transport is closed once (a TLS one twice loses its protocol)
         if self.websocket is not None:
             self.websocket.check_timeouts(now)
             return
@@ -253,15 +250,15 @@ class HttpConnection(WebSocketUpgrade):
             if now - self._idle_since > (limits.keepalive_timeout_s if self._served_any else limits.header_timeout_s):
                 self.close()
 
-    def _write_overdue(self, now: float) -> bool:
-        """A client that has taken nothing we sent for write_timeout_s is cut off: what is queued for it
-        is dropped (a close would wait for it to be read), and connection_lost frees its slot."""
+    def _write_overdue(self, now: float, transport: asyncio.Transport) -> bool:
+        """A client that has taken nothing we sent for write_timeout_s is cut off, closing or not: what
+        is queued for it is dropped (a close would wait for it to be read), and connection_lost frees
+        its slot."""
         timeout_s = self.server.limits.write_timeout_s
-        if self.transport is None or not self._progress.overdue(now, self.transport.get_write_buffer_size(), timeout_s):
+        if not self._progress.overdue(now, transport.get_write_buffer_size(), timeout_s):
             return False
         LIMITS_BITTEN.bit("write timeout", f"a client read nothing for {timeout_s:g} s: connection closed")
-        self._progress.resumed()
-        self.transport.abort()
+        transport.abort()
         return True
 
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
