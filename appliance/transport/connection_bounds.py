@@ -5,10 +5,11 @@ make no progress for server.write_timeout_s is closed, its slot freed)."""
 
 from __future__ import annotations
 
+import asyncio
 import resource
 from collections.abc import Iterable
 
-from appliance.transport.assembler import Rejection, limit_bit
+from appliance.transport.assembler import LIMITS_BITTEN, Rejection, limit_bit
 
 # descriptors a TCP listener leaves to the rest of the process (the Unix sockets' accepts, models,
 # shared memory): more than asyncio accepts in one wake (100), so a flood of TCP cannot starve them
@@ -57,3 +58,12 @@ class WriteProgress:
             self._since = now
         self._held = held
         return self._since is not None and now - self._since > timeout_s
+
+    def cut_off(self, now: float, transport: asyncio.WriteTransport, timeout_s: float) -> bool:
+        """A client that has taken nothing for `timeout_s` is cut off, closing or not: what is queued
+        for it is dropped (a close would wait for it to be read), and its connection_lost frees its slot."""
+        if not self.overdue(now, transport.get_write_buffer_size(), timeout_s):
+            return False
+        LIMITS_BITTEN.bit("write timeout", f"a client read nothing for {timeout_s:g} s: connection closed")
+        transport.abort()
+        return True

@@ -31,7 +31,7 @@ from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response
 from appliance.tasks import spawn
-from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler
+from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
 from appliance.transport.connection_bounds import WriteProgress, admission_refusal
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
 from appliance.transport.unix_peer import unix_peer
@@ -233,7 +233,8 @@ class HttpConnection(WebSocketUpgrade):
                 self._paused = True
 
     def check_timeouts(self, now: float) -> None:
-        if self.transport is None or self._write_overdue(now, self.transport) or self.transport.is_closing():
+        transport, write_timeout_s = self.transport, self.server.limits.write_timeout_s
+        if transport is None or self._progress.cut_off(now, transport, write_timeout_s) or transport.is_closing():
             return  # a closing transport is closed once (a TLS one twice loses its protocol)
         if self.websocket is not None:
             self.websocket.check_timeouts(now)
@@ -249,17 +250,6 @@ class HttpConnection(WebSocketUpgrade):
             limits = self.server.limits
             if now - self._idle_since > (limits.keepalive_timeout_s if self._served_any else limits.header_timeout_s):
                 self.close()
-
-    def _write_overdue(self, now: float, transport: asyncio.Transport) -> bool:
-        """A client that has taken nothing we sent for write_timeout_s is cut off, closing or not: what
-        is queued for it is dropped (a close would wait for it to be read), and connection_lost frees
-        its slot."""
-        timeout_s = self.server.limits.write_timeout_s
-        if not self._progress.overdue(now, transport.get_write_buffer_size(), timeout_s):
-            return False
-        LIMITS_BITTEN.bit("write timeout", f"a client read nothing for {timeout_s:g} s: connection closed")
-        transport.abort()
-        return True
 
     # --- httptools callbacks: each feeds the assembler; a Rejection stops the parser ---
     def on_message_begin(self) -> None:
