@@ -91,7 +91,7 @@ class Wire:
         self.paused = self.closed = False
 
     def io(self) -> StreamIO:
-        return StreamIO(self.client.receive_data, self.pause, self.resume, self.close, self.writable)
+        return StreamIO(self.client.receive_data, self.pause, self.resume, self.close, self.writable, self.close)
 
     def pause(self) -> None:
         self.paused = True

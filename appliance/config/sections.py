@@ -22,6 +22,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
     body_timeout_s: float = 30.0  # a request body may go quiet this long
     keepalive_timeout_s: float = 75.0  # an idle HTTP/1.1 connection is closed after this
+    write_timeout_s: float = 30.0  # a connection whose writes make no progress this long is closed (HTTP/1.1, HTTPS)
     pipeline_depth: int = 32  # requests read ahead on one HTTP/1.1 connection; then reading pauses
     shutdown_grace_s: float = 30.0
     # protocol worker processes running the transports (0: chosen by the machine's cores, see
@@ -66,6 +67,10 @@ class HttpsConfig:
     host: str = "127.0.0.1"
     port: int = 8443
     max_connections: int = 256  # TLS connections, apart from the Unix socket's server.max_connections
+    max_connections_per_address: int = 64  # one address's share of max_connections (the daemon's)
+    handshake_timeout_s: float = 5.0  # a TLS handshake not complete by then is dropped, its descriptor freed
+    max_handshakes: int = 128  # TLS handshakes in flight (the daemon's); a connection past it is closed at once
+    max_handshakes_per_address: int = 16  # one address's share of them
     alt_svc: bool = True  # where QUIC serves, every answer says so (Alt-Svc: h3=":PORT"): browsers move to it
 
 

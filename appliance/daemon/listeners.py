@@ -23,6 +23,7 @@ from appliance.transport.conncache_choice import open_cache
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
 from appliance.transport.https import HttpsServer
+from appliance.transport.tls_accept import TlsAcceptor
 
 log = logging.getLogger("appliance")
 
@@ -62,7 +63,7 @@ class Listeners:
         self.http: Http1Server | None = None
         self.h3: H3Server | None = None
         self.https: HttpsServer | None = None  # server.workers = 1: the TLS listener in this process
-        self.servers: list[asyncio.base_events.Server] = []  # this process's listeners (workers = 1)
+        self.servers: list[asyncio.base_events.Server | TlsAcceptor] = []  # this process's listeners (workers = 1)
         self.supervisor: Supervisor | None = None
         self.cache: ConnectionCache | None = None  # the QUIC listener's (all QUIC workers share its pins)
         self.quic_reason = ""  # why QUIC runs in one worker where more were asked for

@@ -30,6 +30,7 @@ from appliance.transport.conncache import KernelCache, UserSpaceCache
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
 from appliance.transport.https import HttpsServer
+from appliance.transport.tls_accept import TlsAcceptor
 
 log = logging.getLogger("appliance.worker")
 
@@ -55,7 +56,7 @@ class Worker:
         budget = BodyBudget(server_limits, shares=worker_count(server_limits()))  # this worker's share
         self.http = Http1Server(api, self.live, budget)
         server = await loop.create_unix_server(self.http.protocol, sock=socket.socket(fileno=self.args.unix_fd))
-        listeners = [server]
+        listeners: list[asyncio.base_events.Server | TlsAcceptor] = [server]
         if self.args.tcp_fd is not None:
             self.https = HttpsServer(api, self.live, budget, self.args.quic_port)
             listeners.append(await self.https.start(socket.socket(fileno=self.args.tcp_fd)))

@@ -8,7 +8,8 @@ session; QUIC grants the peer stream credit as data arrives, not as it is read, 
 is holding here, up to [websocket] buffered_bytes, and a client that sends past that while the
 session is behind is closed with 1008; the session's sends wait while the stream's unacknowledged
 bytes are over server.stream_window_bytes. A stream reset, STOP_SENDING, the stream's end or the
-connection's end ends the session.
+connection's end ends the session. A close while the client takes nothing resets the stream, what is
+queued for it dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
+from aioquic.h3.connection import ErrorCode
 from aioquic.h3.events import DataReceived
 
 from appliance.config import Live, ServerConfig, WebSocketConfig
@@ -41,10 +43,13 @@ class H3WebSocket:
         unacknowledged: Callable[[], int],
         window_bytes: Callable[[], int],
         limits: Callable[[], WebSocketConfig],
+        reset: Callable[[], None],
     ) -> None:
         """`send(data, end_stream)` writes to the stream (False where it is gone); `unacknowledged()`:
-        the stream's bytes the peer has not taken yet."""
+        the stream's bytes the peer has not taken yet; `reset()` ends the stream both ways at once,
+        what is queued dropped."""
         self._send, self._unacknowledged, self._window_bytes, self._limits = send, unacknowledged, window_bytes, limits
+        self._reset = reset
         self.writable = asyncio.Event()
         self.writable.set()
         self._held: list[bytes] = []
@@ -54,7 +59,7 @@ class H3WebSocket:
         self.ended = False
 
     def accept(self, session: Session) -> None:
-        stream = StreamIO(self._write, self._pause, self._resume, self._close, self.writable)
+        stream = StreamIO(self._write, self._pause, self._resume, self._close, self.writable, self._abort)
         self.pump = WebSocketPump(stream, self._limits, session)
         held, self._held, self._held_bytes, self._holding = b"".join(self._held), [], 0, False
         self.pump.start(held)
@@ -115,6 +120,11 @@ class H3WebSocket:
             self._send(b"", True)
             self.ended = True
 
+    def _abort(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._reset()
+
 
 class WebSocketServer(Protocol):
     """What the WebSocket streams need of the connection's server (h3.H3Server)."""
@@ -152,7 +162,15 @@ class WebSocketStreams(AnsweringProtocol):
             lambda: self._unacknowledged(stream_id),
             lambda: self.server.limits.stream_window_bytes,
             lambda: self.server.live.config.websocket,
+            lambda: self._reset_stream(stream_id),
         )
+
+    def _reset_stream(self, stream_id: int) -> None:
+        """RESET_STREAM and STOP_SENDING: aioquic sends nothing more of what it holds, the peer nothing more."""
+        if self._quic._streams.get(stream_id) is not None:
+            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self.transmit()
 
     def _open(self, stream_id: int, websocket: H3WebSocket, response: Response) -> None:
         """The API's answer to an extended CONNECT: a 200 and its session, or its refusal (the stream ends)."""

@@ -8,7 +8,9 @@ shared body budget, head and body timeouts; idle keep-alive connections close af
 keepalive_timeout_s, and a client that pipelines more than pipeline_depth requests is not read
 until they are answered. Flow control and cancellation as protocol/flow.py says: a streamed answer's
 next piece is pulled only while the write buffer is under server.stream_window_bytes, and a client
-that closes its connection has the request being served cancelled.
+that closes its connection has the request being served cancelled. Admission and the write deadline
+are every stream listener's (connection_bounds.py): a client that takes nothing of what it is sent for
+server.write_timeout_s is cut off, and its slot freed.
 
 Upgrade: only a WebSocket opening handshake switches protocols (http1_upgrade.py).
 """
@@ -29,7 +31,8 @@ from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response
 from appliance.tasks import spawn
-from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler, limit_bit
+from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
+from appliance.transport.connection_bounds import WriteProgress, admission_refusal
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
 from appliance.transport.unix_peer import unix_peer
 
@@ -70,18 +73,24 @@ class Http1Server:
         return self.live.config.server
 
     @property
-    def max_connections(self) -> int:
-        return self.worker_share(self.limits.max_connections)
-
-    def worker_share(self, limit: int) -> int:
-        """This process's part of a daemon-wide connection limit: with N protocol workers (the body
-        budget's shares) each holds 1/N of it, so that the limit bounds the daemon, not each worker."""
-        return max(1, limit // self.budget.shares)
+    def connection_limits(self) -> tuple[int, int]:
+        """The daemon's limit of connections and one peer's share of it (a user's on the Unix socket)."""
+        return self.limits.max_connections, self.limits.max_connections_per_peer
 
     def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
         """Who the client is (Request.client), its address (Request.peer), and whether it is an operator."""
         client, operator = unix_peer(transport.get_extra_info("socket"))
         return client, "", operator
+
+    def share_key(self, client: str, peer: str) -> str:
+        """Whose share a connection takes: on the Unix socket its user."""
+        return client
+
+    def refusal(self, key: str) -> Rejection | None:
+        """Why a new connection of `key` is not admitted (connection_bounds.admission_refusal), or None.
+        With N protocol workers (the body budget's shares) each holds 1/N of the limit and the share."""
+        limit, share = self.connection_limits
+        return admission_refusal((c.share_key for c in self.connections), key, limit, share, self.budget.shares)
 
     def extra_headers(self) -> Iterable[tuple[str, str]]:
         return ()
@@ -132,6 +141,8 @@ class HttpConnection(WebSocketUpgrade):
         self._rejected = self._half_closed = self._paused = self._served_any = False
         self._writable = asyncio.Event()  # clear while the client does not read what it was sent
         self._writable.set()
+        self._progress = WriteProgress()  # whether what we write is taken (the write deadline)
+        self.share_key = ""  # whose share of the connections this one takes (Http1Server.share_key)
         self._serving: asyncio.Task[None] | None = None
         self._window: SendWindow | None = None  # the streamed answer being written, if one is
         self._upgrade = None
@@ -148,14 +159,9 @@ class HttpConnection(WebSocketUpgrade):
         self.transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=self.server.limits.stream_window_bytes)  # type: ignore[union-attr]
         self.client, self.peer, self.operator = self.server.identify(transport)
-        if len(self.server.connections) >= self.server.max_connections:
-            self._reject(limit_bit(503, f"too many connections (limit {self.server.max_connections})"))
-            return
-        share = self.server.limits.max_connections_per_peer
-        if sum(c.client == self.client for c in self.server.connections) >= self.server.worker_share(share):
-            workers = self.server.budget.shares
-            each = f", {self.server.worker_share(share)} in each of {workers} workers" if workers > 1 else ""
-            self._reject(limit_bit(503, f"too many connections from {self.client} (its share is {share}{each})"))
+        self.share_key = self.server.share_key(self.client, self.peer)
+        if (refusal := self.server.refusal(self.share_key)) is not None:
+            self._reject(refusal)
             return
         self.server.connections.add(self)
 
@@ -227,6 +233,9 @@ class HttpConnection(WebSocketUpgrade):
                 self._paused = True
 
     def check_timeouts(self, now: float) -> None:
+        transport, write_timeout_s = self.transport, self.server.limits.write_timeout_s
+        if transport is None or self._progress.cut_off(now, transport, write_timeout_s) or transport.is_closing():
+            return  # a closing transport is closed once (a TLS one twice loses its protocol)
         if self.websocket is not None:
             self.websocket.check_timeouts(now)
             return

@@ -10,7 +10,7 @@ connection goes on.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Protocol
 
@@ -38,6 +38,7 @@ class UpgradeServer(Protocol):
 
     api: Handler
     live: Live
+    clock: Callable[[], float]
 
     def extra_headers(self) -> Iterable[tuple[str, str]]: ...
 
@@ -110,9 +111,16 @@ class WebSocketUpgrade(asyncio.Protocol):
         self.transport.write((head + "\r\n").encode("latin-1"))
         transport = self.transport
         stream = StreamIO(
-            transport.write, transport.pause_reading, transport.resume_reading, transport.close, self._writable
+            transport.write,
+            transport.pause_reading,
+            transport.resume_reading,
+            transport.close,
+            self._writable,
+            transport.abort,
         )
-        self.websocket = WebSocketPump(stream, lambda: self.server.live.config.websocket, response.session)
+        self.websocket = WebSocketPump(
+            stream, lambda: self.server.live.config.websocket, response.session, self.server.clock
+        )
         trailing, self._trailing, self._upgrade = self._trailing, b"", None
         self.websocket.start(trailing)
         transport.resume_reading()

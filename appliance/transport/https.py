@@ -3,8 +3,8 @@
 The same parser, limits, body budget, flow control and cancellation as the Unix socket; what differs
 is said here: TLS from [quic]'s certificate and key (mutual TLS with its client_ca), the client's
 identity (its verified certificate, else the connection itself), its own connection limit
-(https.max_connections), and `Alt-Svc: h3=":PORT"` on every answer where QUIC serves, so browsers
-and other capable clients move to HTTP/3. A TLS handshake must end within server.header_timeout_s.
+(https.max_connections) and one address's share of it (https.max_connections_per_address), and `Alt-Svc: h3=":PORT"` on every answer where QUIC serves, so browsers
+and other capable clients move to HTTP/3. Handshakes are admitted, bounded and timed in tls_accept.py.
 Without mutual TLS a sequence belongs to the connection that opened it: when that connection ends,
 nobody can continue it, so its sequences end with it. With mutual TLS it belongs to the certificate,
 as on QUIC, and outlives the connection (idle expiry ends it).
@@ -33,6 +33,7 @@ from appliance.transport.assembler import BodyBudget
 from appliance.transport.http1 import Http1Server
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates
+from appliance.transport.tls_accept import TlsAcceptor
 
 log = logging.getLogger("appliance.https")
 ALPN = ["http/1.1"]
@@ -98,19 +99,19 @@ class HttpsServer(Http1Server):
         self.owners = SequenceOwners()  # without mutual TLS: the sequences each open connection opened
         self._forget: asyncio.Task[None] | None = None
 
-    async def start(self, sock: socket.socket) -> asyncio.base_events.Server:
-        loop = asyncio.get_running_loop()
+    async def start(self, sock: socket.socket) -> TlsAcceptor:
         self._forget = spawn(self._forget_ended(), "the HTTPS connections' sequence sweep")
-        return await loop.create_server(
-            self.protocol,
-            sock=sock,
-            ssl=server_context(self.live.config.quic),
-            ssl_handshake_timeout=self.limits.header_timeout_s,
-        )
+        context = server_context(self.live.config.quic)
+        return TlsAcceptor(sock, context, lambda: self.live.config.https, self.protocol, self.budget.shares)
 
     @property
-    def max_connections(self) -> int:
-        return self.worker_share(self.live.config.https.max_connections)
+    def connection_limits(self) -> tuple[int, int]:
+        https = self.live.config.https
+        return https.max_connections, https.max_connections_per_address
+
+    def share_key(self, client: str, peer: str) -> str:
+        """An address's share, whatever the connection or certificate: one LAN host cannot take all slots."""
+        return peer.rpartition(":")[0]
 
     def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
         host, port = transport.get_extra_info("peername")[:2]

@@ -1,0 +1,98 @@
+"""TCP accepted for TLS, admitted before its handshake: asyncio's own TLS server accepts every
+connection and each handshake holds a descriptor and its TLS state until it ends, so a client that
+opens connections and never finishes them was bounded only by the process's descriptors (and took
+the Unix socket's). Here a connection is accepted only while handshakes in flight are under
+https.max_handshakes, and its address's under https.max_handshakes_per_address (each of N workers
+holds 1/N of both); others are closed at once. A handshake must end within https.handshake_timeout_s.
+While a descriptor just accepted leaves less than FD_RESERVE under RLIMIT_NOFILE, it is closed and
+the listener stops accepting for ACCEPT_PAUSE_S (the kernel's backlog holds the rest), so the Unix
+sockets always have descriptors to accept with."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections import Counter
+from collections.abc import Callable
+
+from appliance.config import HttpsConfig
+from appliance.tasks import spawn
+from appliance.transport.assembler import LIMITS_BITTEN
+from appliance.transport.connection_bounds import FD_RESERVE, admission_refusal, descriptors_short
+
+log = logging.getLogger("appliance.https")
+ACCEPTS_PER_WAKE = 64
+ACCEPT_PAUSE_S = 0.1
+
+
+class TlsAcceptor:
+    """The TCP listener of one process: accepts, admits, and hands each handshake to asyncio's TLS."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext,
+        settings: Callable[[], HttpsConfig],
+        connection: Callable[[], asyncio.Protocol],
+        workers: int,
+    ) -> None:
+        """`connection()`: the protocol a connection is once its handshake is done."""
+        self.sock, self.context, self._settings, self._connection, self.workers = (
+            sock,
+            context,
+            settings,
+            connection,
+            workers,
+        )
+        self.handshakes: Counter[str] = Counter()  # in flight, by address
+        self._loop = asyncio.get_running_loop()
+        self._resume: asyncio.TimerHandle | None = None
+        self._loop.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPTS_PER_WAKE):
+            try:
+                conn, address = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors or memory: the Unix sockets go first
+                self._pause(f"accept failed: {exc.strerror or exc}")
+                return
+            if descriptors_short(conn.fileno()):
+                conn.close()
+                self._pause(f"descriptors: under {FD_RESERVE} left below RLIMIT_NOFILE, kept for the Unix sockets")
+                return
+            host, settings = address[0], self._settings()
+            limit, share = settings.max_handshakes, settings.max_handshakes_per_address
+            if admission_refusal(self.handshakes.elements(), host, limit, share, self.workers, "TLS handshakes"):
+                conn.close()
+                continue
+            self.handshakes[host] += 1
+            spawn(self._handshake(conn, host, settings.handshake_timeout_s), f"the TLS handshake of {host}")
+
+    async def _handshake(self, conn: socket.socket, host: str, timeout_s: float) -> None:
+        conn.setblocking(False)
+        try:
+            await self._loop.connect_accepted_socket(
+                self._connection, conn, ssl=self.context, ssl_handshake_timeout=timeout_s
+            )
+        except OSError as exc:  # the client's failure (a bad or late handshake): asyncio closed its socket
+            log.debug("TLS handshake of %s failed: %s", host, exc)
+        finally:
+            self.handshakes[host] -= 1
+            if not self.handshakes[host]:
+                del self.handshakes[host]
+
+    def _pause(self, why: str) -> None:
+        LIMITS_BITTEN.bit("tcp accepts", f"TCP accepts paused {ACCEPT_PAUSE_S:g} s: {why}")
+        self._loop.remove_reader(self.sock.fileno())
+        self._resume = self._loop.call_later(ACCEPT_PAUSE_S, self._loop.add_reader, self.sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        """No more accepts; connections and handshakes under way go on (the stop drains them)."""
+        if self._resume is not None:
+            self._resume.cancel()
+        self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
