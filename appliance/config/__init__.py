@@ -229,6 +229,7 @@ def _check_values(config: Config) -> None:
         "server.header_timeout_s": config.server.header_timeout_s,
         "server.body_timeout_s": config.server.body_timeout_s,
         "server.keepalive_timeout_s": config.server.keepalive_timeout_s,
+        "server.write_timeout_s": config.server.write_timeout_s,
         "server.pipeline_depth": config.server.pipeline_depth,
         "server.stream_window_bytes": config.server.stream_window_bytes,
         "server.request_timeout_s": config.server.request_timeout_s,
@@ -259,6 +260,7 @@ def _check_values(config: Config) -> None:
         "websocket.ping_interval_s": config.websocket.ping_interval_s,
         "wyoming.max_payload_bytes": config.wyoming.max_payload_bytes,
         "wyoming.max_connections": config.wyoming.max_connections,
+        "wyoming.max_tcp_connections": config.wyoming.max_tcp_connections,
         "wyoming.max_connections_per_peer": config.wyoming.max_connections_per_peer,
     }
     for key, value in positive.items():
@@ -323,6 +325,7 @@ RELOADABLE_KEYS = frozenset(
         "server.header_timeout_s",
         "server.body_timeout_s",
         "server.keepalive_timeout_s",
+        "server.write_timeout_s",
         "server.pipeline_depth",
         "server.stream_window_bytes",
         "server.request_timeout_s",
@@ -349,6 +352,7 @@ RELOADABLE_KEYS = frozenset(
         "websocket.idle_timeout_s",
         "wyoming.max_payload_bytes",
         "wyoming.max_connections",
+        "wyoming.max_tcp_connections",
         "wyoming.max_connections_per_peer",
         "wyoming.allow",
         "access.keys",
