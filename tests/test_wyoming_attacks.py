@@ -225,8 +225,8 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed(daemon: Daemo
     """A client that stopped reading was held for ever (the box blocked writing to it, reading nothing,
     so no time bound ran). A LAN host's three connections each send 6 MiB of pings and read none of
     the pongs: its share is taken, a fourth is refused; each is cut off once it has taken nothing for
-    server.write_timeout_s, and the host is served again. A Home Assistant on the Unix socket beside
-    it is served throughout."""
+    server.write_timeout_s, and three new connections of the host are served while the stalled ones
+    are still open on its side. A Home Assistant on the Unix socket beside it is served throughout."""
     host = "127.0.0.5"
 
     async def attack() -> None:
@@ -236,12 +236,17 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed(daemon: Daemo
         refused = await ping_from(daemon, host)
         assert refused is not None and f"its share is {SHARE}" in refused.data["text"], refused
 
-        async def served() -> bool:
-            pong = await ping_from(daemon, host)
-            return pong is not None and pong.type == "pong"
+        async def served() -> bool:  # its whole share again: each stalled connection was cut off
+            connections = [await lan(daemon, host) for _ in range(SHARE)]
+            try:
+                answers = [await answer(connection, Ping(text="again").event()) for connection in connections]
+            finally:
+                for _, writer in connections:
+                    writer.close()
+            return all(a is not None and a.type == "pong" for a in answers)
 
         await until(served, "the stalled connections still hold the host's share")
-        for reader, writer in stalled:  # each was closed: what reached it, then its end
+        for reader, writer in stalled:  # each was closed by the box: what reached it, then its end
             with contextlib.suppress(ConnectionError):
                 while await asyncio.wait_for(reader.read(1 << 20), 30):
                     pass
