@@ -217,7 +217,10 @@ def test_recordings_are_held_against_the_byte_budget_and_given_back(daemon: Daem
                 time.sleep(0.5)
 
     assert wer(CLEAR[0], given_back()) <= 0.10
-    assert "limit: Wyoming client 127.0.0.13: busy: the audio and request bodies" in daemon.log.read_text()
+    assert (
+        "limit: Wyoming client 127.0.0.13: busy: request bodies, audio buffers and recordings held"
+        in daemon.log.read_text()
+    )
 
 
 def pings_unread(count: int, size: int) -> bytes:
