@@ -495,7 +495,7 @@ def test_slow_idle_and_surplus_clients_are_closed_and_the_rest_served(start_daem
     that bit is a `limit:` line in the log."""
     port = free_tcp_port()
     d = start_daemon(
-        extra=f'[wyoming]\nmax_connections = 5\nmax_connections_per_peer = 3\ntcp = "127.0.0.1:{port}"\n',
+        extra=f'[wyoming]\nmax_tcp_connections = 2\nmax_connections_per_peer = 3\ntcp = "127.0.0.1:{port}"\n',
         extra_server="header_timeout_s = 2.0\nbody_timeout_s = 1.0\nkeepalive_timeout_s = 4.0\n",
     )
     path, user = str(wyoming_socket(d)), f"uid:{os.geteuid()}"
@@ -545,8 +545,8 @@ def test_slow_idle_and_surplus_clients_are_closed_and_the_rest_served(start_daem
         held += [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # another peer: the host
         for connection in held:
             await served(*connection)
-        sixth = await asyncio.open_connection("127.0.0.1", port)  # of all
-        assert "too many Wyoming connections (limit 5)" in await error_then_close(*sixth)
+        sixth = await asyncio.open_connection("127.0.0.1", port)  # of all TCP's
+        assert "too many Wyoming connections on TCP (limit 2)" in await error_then_close(*sixth)
         for connection in held:
             await served(*connection)  # the admitted ones served on
             connection[1].close()

@@ -25,10 +25,14 @@ Wyoming has no authentication: whoever reaches the socket may use it (its mode a
 socket's); on TCP, the peers of wyoming.allow (api/access/wyoming_allow.py). Events are read with bounds of our own (the package's reader has none): a header line of at
 most MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes, a recording of at most
 the API's body limit; in time as the API's HTTP/1.1 (an idle connection, a header line, a stalled
-payload); and [wyoming] max_connections clients at once, max_connections_per_peer of one user (Unix
-socket) or host (TCP). A broken or oversized event, a bound in time or a connection past the count is
-answered by one `error` event and the connection closes; a client that disconnects mid-stream cancels
-its work. Concurrent clients' recordings share engine calls (the speech_to_text batch queue), where
+payload), and what the box sends as well (server.write_timeout_s: a client that takes nothing of it
+is cut off, its slot freed); a recording's audio held against the daemon's byte budget
+(server.max_buffered_bytes, shared with the API's request bodies); and [wyoming] max_connections
+clients at once on the Unix socket, max_tcp_connections apart from them on TCP (the LAN cannot take a
+local Home Assistant's slots), max_connections_per_peer of one user (Unix socket) or host (TCP). A
+broken or oversized event, a bound in time, a full budget or a connection past the count is answered
+by one `error` event and the connection closes; a client that disconnects mid-stream cancels its work.
+Concurrent clients' recordings share engine calls (the speech_to_text batch queue), where
 wyoming-faster-whisper holds a lock per model.
 
 Here the connections: their admission and each one's loop. An event read with its bounds, and the
@@ -49,37 +53,50 @@ from pathlib import Path
 
 from wyoming.audio import AudioStop
 from wyoming.error import Error
-from wyoming.event import Event, async_write_event
+from wyoming.event import Event
 from zeroconf.asyncio import AsyncZeroconf
 
 from appliance.api.access import wyoming_allow
 from appliance.api.metrics import Metrics
-from appliance.api.wyoming_events import MAX_HEADER_BYTES, Bounds, WyomingError, close_with_error, read_event
+from appliance.api.wyoming_events import (
+    MAX_HEADER_BYTES,
+    Bounds,
+    WriteTimeout,
+    WyomingError,
+    close_with_error,
+    cut_off,
+    read_event,
+    write_event,
+)
 from appliance.api.wyoming_handler import WyomingHandler
 from appliance.api.wyoming_lan import Serve, listen_tcp
 from appliance.config import Config, Live, WyomingConfig
 from appliance.errors import ApiError
 from appliance.kinds.base import ServedModel
+from appliance.protocol.limits import ByteBudget
 from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
 
 
 class Admission:
-    """The Wyoming clients connected now, per peer (a user on the Unix socket, a host on TCP), against
-    [wyoming] max_connections and max_connections_per_peer: one user or host cannot take them all. A
-    refused connection lingers a moment so its client reads why (_linger): at most max_connections of
-    those at once, the rest closed at once, so a flood of them holds no more sockets than that."""
+    """The Wyoming clients connected now on one listener, per peer (a user on the Unix socket, a host on
+    TCP), against the listener's limit and [wyoming] max_connections_per_peer: one user or host cannot
+    take them all, and each listener has its own slots (max_connections on the Unix socket,
+    max_tcp_connections on TCP), so LAN hosts cannot take a local Home Assistant's. A refused connection
+    lingers a moment so its client reads why (_linger): at most the limit of those at once, the rest
+    closed at once, so a flood of them holds no more sockets than that."""
 
-    def __init__(self) -> None:
+    def __init__(self, listener: str, limit: Callable[[WyomingConfig], int]) -> None:
+        self.listener, self.limit = listener, limit
         self.peers: Counter[str] = Counter()
         self.refused = 0  # refused connections lingering now
 
     def refusal(self, peer: str, settings: WyomingConfig) -> WyomingError | None:
         """Why `peer` may not connect now (None where it may)."""
-        if self.peers.total() >= settings.max_connections:
+        if self.peers.total() >= (limit := self.limit(settings)):
             return WyomingError(
-                f"too many Wyoming connections (limit {settings.max_connections})", "too_many_connections"
+                f"too many Wyoming connections on {self.listener} (limit {limit})", "too_many_connections"
             )
         if self.peers[peer] >= settings.max_connections_per_peer:
             return WyomingError(
@@ -101,7 +118,7 @@ class Admission:
     @contextlib.contextmanager
     def refusing(self, settings: WyomingConfig) -> Iterator[bool]:
         """Whether a refused connection may linger, counted while it does."""
-        lingers = self.refused < settings.max_connections
+        lingers = self.refused < self.limit(settings)
         self.refused += lingers
         try:
             yield lingers
@@ -110,19 +127,10 @@ class Admission:
 
 
 async def serve_client(
-    models: dict[str, ServedModel],
-    metrics: Metrics,
-    bounds: Bounds,
-    client: str,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
+    handler: WyomingHandler, bounds: Bounds, client: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
-    handler = WyomingHandler(
-        models, bounds.max_samples, client, lambda model, s: metrics.observe_live(model, "wyoming", s)
-    )
-
     async def send(event: Event) -> None:
-        await async_write_event(event, writer)  # drains: a client that does not read stops us
+        await write_event(event, writer, bounds.write_s)  # drains: a client that reads nothing is cut off
 
     try:
         idle_s = bounds.header_s  # a new connection's first event comes as soon as a new HTTP one's request
@@ -141,13 +149,15 @@ async def serve_client(
                 # the connection goes on: not at info, where one client could repeat it without end
                 log.debug("Wyoming client %s: %s", client, message)
     except WyomingError as exc:
-        await close_with_error(exc, client, reader, writer)
+        await close_with_error(exc, client, reader, writer, bounds.write_s)
+    except WriteTimeout as exc:
+        cut_off(exc, client, writer)
     except (ConnectionError, asyncio.IncompleteReadError):
         pass  # the client left; what it asked for is cancelled with this task
     except Exception:
         log.exception("Wyoming client crashed")
     finally:
-        handler.close()
+        handler.end()
         writer.close()
 
 
@@ -183,44 +193,63 @@ async def start(
     live: Live,
     metrics: Metrics,
     draining: Callable[[], bool],
+    budget: ByteBudget,
 ) -> Listeners | None:
     """[wyoming]: the Unix socket (`bind` makes it as the API's is made), and TCP where asked for.
-    While `draining()`, a new client gets an error event and a close (a drain, api/fleet_routes.py)."""
+    While `draining()`, a new client gets an error event and a close (a drain, api/fleet_routes.py).
+    Recordings are held against `budget`, the engine process's bytes held for clients."""
     settings = config.wyoming
     if not settings.enabled:
         return None
     path = Path(str(settings.socket)) if str(settings.socket) != "." else config.server.socket.with_name("wyoming.sock")
-    serve = _client(models, live, metrics, Admission(), draining)  # one count for both listeners
-    listeners = Listeners(await listen(bind(path), serve), path)
+    serving = Serving(models, live, metrics, draining, budget)
+    unix = Admission("the Unix socket", lambda s: s.max_connections)
+    listeners = Listeners(await listen(bind(path), serving.client(unix)), path)
     log.info("Wyoming on %s", path)
     if settings.tcp:
-        allowed = wyoming_allow.guard(serve, live, metrics)  # TCP peers from wyoming.allow only
+        lan = Admission("TCP", lambda s: s.max_tcp_connections)  # slots apart from the Unix socket's
+        allowed = wyoming_allow.guard(serving.client(lan), live, metrics)  # TCP peers from wyoming.allow only
         properties = {"https": str(config.https.port)} if config.https.enabled else {}
         listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, allowed, MAX_HEADER_BYTES, properties)
     return listeners
 
 
-def _client(
-    models: dict[str, ServedModel], live: Live, metrics: Metrics, admission: Admission, draining: Callable[[], bool]
-) -> Serve:
-    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        config, peer = live.config, _peer(writer)  # as the config is now: a reload bounds new connections
-        refusal = (
-            WyomingError("draining: new sessions go to another box", code="draining")
-            if draining()
-            else admission.refusal(peer, config.wyoming)
-        )
-        if refusal:
-            try:
-                with admission.refusing(config.wyoming) as linger:
-                    await close_with_error(refusal, peer, reader, writer, linger)
-            finally:
-                writer.close()
-            return
-        with admission.held(peer):
-            await serve_client(models, metrics, Bounds.of(config), peer, reader, writer)
+@dataclass
+class Serving:
+    """What every Wyoming connection is served with, whichever listener took it."""
 
-    return client
+    models: dict[str, ServedModel]
+    live: Live
+    metrics: Metrics
+    draining: Callable[[], bool]
+    budget: ByteBudget
+
+    def client(self, admission: Admission) -> Serve:
+        """A listener's connections, admitted by `admission`."""
+
+        async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            config, peer = self.live.config, _peer(writer)  # as the config is now: a reload bounds new connections
+            bounds = Bounds.of(config)
+            refusal = (
+                WyomingError("draining: new sessions go to another box", code="draining")
+                if self.draining()
+                else admission.refusal(peer, config.wyoming)
+            )
+            if refusal:
+                try:
+                    with admission.refusing(config.wyoming) as linger:
+                        await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger)
+                finally:
+                    writer.close()
+                return
+            with admission.held(peer):
+                await serve_client(self._handler(bounds, peer), bounds, peer, reader, writer)
+
+        return client
+
+    def _handler(self, bounds: Bounds, client: str) -> WyomingHandler:
+        observe = lambda model, s: self.metrics.observe_live(model, "wyoming", s)  # noqa: E731
+        return WyomingHandler(self.models, bounds.max_samples, self.budget, client, observe)
 
 
 async def listen(sock: socket.socket, serve: Serve) -> asyncio.Server:

@@ -1,15 +1,19 @@
 """A Wyoming stream's audio in: 16-bit PCM of 1 to 8 channels at 8 to 192 kHz, as its audio-start (or
-first chunk) gives it, made 16 kHz mono piece by piece for the box's models."""
+first chunk) gives it, made 16 kHz mono piece by piece for the box's models; and a recording's audio
+held until it is transcribed, bounded in length and held against the daemon's byte budget."""
 
 from __future__ import annotations
 
 import numpy as np
 from wyoming.audio import AudioChunk, AudioStart
 
+from appliance.api.wyoming_events import WyomingError
 from appliance.audio import StreamResampler, pcm16, to_pcm16
 from appliance.errors import BadRequest
+from appliance.protocol.limits import ByteBudget
 
 SAMPLE_RATE = 16000
+HELD = "request bodies, audio buffers and recordings"  # what the daemon's byte budget holds, as its refusal says
 MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 192000, 8  # the PCM a recording may come as
 
 
@@ -62,3 +66,31 @@ def pcm_format(audio: AudioStart | AudioChunk, event: str) -> tuple[int, int]:
             f"{MAX_RATE // 1000} kHz; got {given}"
         )
     return audio.rate, audio.channels
+
+
+class Recording:
+    """A recording's 16 kHz samples as they arrive: at most `max_samples` (the API's body as PCM16), each
+    piece held against `budget` (server.max_buffered_bytes, shared with the API's request bodies) until
+    release(): transcribed, replaced, or its connection gone. Past either bound it is refused whole."""
+
+    def __init__(self, max_samples: int, budget: ByteBudget) -> None:
+        self.max_samples, self.budget = max_samples, budget
+        self.pieces: list[np.ndarray] = []
+        self.samples = self.held = 0  # its length, and its bytes taken from the budget
+
+    def add(self, samples: np.ndarray) -> None:
+        if self.samples + len(samples) > self.max_samples:
+            raise WyomingError(
+                f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording_too_long"
+            )
+        if why := self.budget.refuses(samples.nbytes, HELD):
+            raise WyomingError(f"{why} (server.max_buffered_bytes); retry later", "max_buffered_bytes")
+        self.budget.take(samples.nbytes, HELD)
+        self.held += samples.nbytes
+        self.samples += len(samples)
+        self.pieces.append(samples)
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held, self.samples = 0, 0
+        self.pieces.clear()

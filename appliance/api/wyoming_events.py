@@ -1,19 +1,23 @@
 """Wyoming's events read with bounds of our own (the `wyoming` package's reader has none): a header
 line of at most MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes, each in
-time as the API's HTTP/1.1 is (an idle connection, a header line, a stalled payload); and the one
-`error` event that closes a connection which broke one (WyomingError), logged as limits are.
+time as the API's HTTP/1.1 is (an idle connection, a header line, a stalled payload); events written
+with its write deadline (a client that takes nothing of them for server.write_timeout_s is cut off:
+WriteTimeout); and the one `error` event that closes a connection which broke one (WyomingError),
+logged as limits are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 from dataclasses import dataclass
 
 from wyoming.error import Error
-from wyoming.event import Event, async_write_event
+from wyoming.event import Event
+from wyoming.event import write_event as write_sync
 
 from appliance.config import Config
 from appliance.protocol.limits import LIMITS_BITTEN
@@ -42,6 +46,7 @@ class Bounds:
     idle_s: float  # server.keepalive_timeout_s: no next event begun (the first: header_s)
     header_s: float  # server.header_timeout_s: an event's header line, from its first byte; the first event
     quiet_s: float  # server.body_timeout_s: its data and payload may go quiet this long
+    write_s: float  # server.write_timeout_s: what the box sends may go untaken this long
 
     @classmethod
     def of(cls, config: Config) -> Bounds:
@@ -52,6 +57,7 @@ class Bounds:
             server.keepalive_timeout_s,
             server.header_timeout_s,
             server.body_timeout_s,
+            server.write_timeout_s,
         )
 
 
@@ -116,18 +122,58 @@ async def _read_exactly(reader: asyncio.StreamReader, size: int, quiet_s: float)
     return b"".join(parts)
 
 
+class WriteTimeout(Exception):
+    """The client took nothing of what the box sent it for server.write_timeout_s."""
+
+
+async def write_event(event: Event, writer: asyncio.StreamWriter, timeout_s: float) -> None:
+    """`event` sent, returning once the client has taken enough that the send buffer is under its mark.
+    A client that reads slowly is waited for while it takes anything; one that takes nothing for
+    `timeout_s` is a WriteTimeout."""
+    encoded = io.BytesIO()
+    write_sync(event, encoded)
+    writer.write(encoded.getvalue())
+    buffered = writer.transport.get_write_buffer_size()
+    while True:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await writer.drain()
+            return
+        except TimeoutError:
+            if (now := writer.transport.get_write_buffer_size()) >= buffered:
+                raise WriteTimeout(f"it took nothing the box sent for {timeout_s:g} s") from None
+            buffered = now
+
+
+def cut_off(exc: WriteTimeout, client: str, writer: asyncio.StreamWriter) -> None:
+    """A client past its write deadline: what is queued for it dropped (a close would wait for it to be
+    read, and no error event can reach it), the connection aborted, and its slot freed."""
+    LIMITS_BITTEN.bit("wyoming write_timeout", f"Wyoming client {client}: {exc}; connection cut off")
+    writer.transport.abort()
+
+
 async def close_with_error(
-    exc: WyomingError, client: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, linger: bool = True
+    exc: WyomingError,
+    client: str,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    write_s: float,
+    linger: bool = True,
 ) -> None:
-    """The one `error` event before a close, and its line in the log: a bound's as limits are logged."""
+    """The one `error` event before a close (sent within `write_s`, server.write_timeout_s), and its line
+    in the log: a bound's as limits are logged."""
     if exc.limit:
         LIMITS_BITTEN.bit(f"wyoming {exc.limit}", f"Wyoming client {client}: {exc}")
     else:
         log.info("Wyoming client %s: %s; closed", client, exc)
-    with contextlib.suppress(OSError):  # the client gone: ConnectionError, or ENOTCONN as we shut our side
-        await async_write_event(Error(text=str(exc), code=exc.code).event(), writer)
+    try:
+        await write_event(Error(text=str(exc), code=exc.code).event(), writer, write_s)
         if linger:
             await _linger(reader, writer)
+    except WriteTimeout as stalled:
+        cut_off(stalled, client, writer)
+    except OSError:  # the client gone: ConnectionError, or ENOTCONN as we shut our side
+        pass
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

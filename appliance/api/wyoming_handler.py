@@ -26,7 +26,7 @@ from wyoming.tts import (
 from wyoming.wake import Detect
 
 from appliance import __version__
-from appliance.api.wyoming_audio import SAMPLE_RATE, PcmIn
+from appliance.api.wyoming_audio import PcmIn, Recording
 from appliance.api.wyoming_events import WyomingError
 from appliance.api.wyoming_noise import denoiser
 from appliance.api.wyoming_voice import Follower
@@ -37,6 +37,7 @@ from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker, WakeWordDetector
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
 from appliance.kinds.text import MAX_TEXT_CHARS, ArrivingText, checked_text
+from appliance.protocol.limits import ByteBudget
 
 # who made the models and voices Home Assistant lists: its voice settings show these beside them
 MADE_BY = {
@@ -51,15 +52,17 @@ Observe = Callable[[str, float], None]  # a model's transcript made, and how lon
 class WyomingHandler:
     """One client's connection: events in order, each answered as the protocol says."""
 
-    def __init__(self, models: dict[str, ServedModel], max_samples: int, client: str, observe: Observe) -> None:
-        self.models, self.max_samples, self.client, self.observe = models, max_samples, client, observe
+    def __init__(
+        self, models: dict[str, ServedModel], max_samples: int, budget: ByteBudget, client: str, observe: Observe
+    ) -> None:
+        self.models, self.client, self.observe = models, client, observe
+        self.max_samples, self.budget = max_samples, budget  # a recording's bounds (wyoming_audio.Recording)
         self.wake_words = [m for m in models.values() if isinstance(m, WakeWordDetector)]
         self.wake: WakeListening | None = None  # between detect and audio-stop: the audio is heard for wake words
         self.speech = [m for m in models.values() if isinstance(m, LiveTranscriber)]
         self.voices = [m for m in models.values() if isinstance(m, Speaker)]
         self.transcribe: Transcribe | None = None
-        self.audio: list[np.ndarray] | None = None  # while a recording arrives: 16 kHz samples
-        self.samples = 0
+        self.recording: Recording | None = None  # while one arrives: its 16 kHz samples
         self.pcm: PcmIn | None = None  # the recording's audio in, as its audio-start gave it
         self.denoiser: Denoiser | None = None  # where the transcribe event's context asks (wyoming_noise.py)
         self.heard: HeardRecording | None = None  # the recording, heard as it arrives
@@ -128,7 +131,8 @@ class WyomingHandler:
         if AudioStart.is_type(event.type):
             self.pcm = PcmIn(AudioStart.from_event(event), "audio-start")
             self.denoiser = denoiser(self.transcribe)  # a bad one refuses the recording: no audio-start
-            self.audio, self.samples = [], 0
+            self._drop_recording()
+            self.recording = Recording(self.max_samples, self.budget)
             self._hear()
             return []
         if AudioChunk.is_type(event.type):
@@ -178,19 +182,16 @@ class WyomingHandler:
         return []  # Wyoming: events a server does not know are ignored
 
     def _chunk(self, chunk: AudioChunk) -> np.ndarray:
-        if self.audio is None or self.pcm is None:
+        if self.recording is None or self.pcm is None:
             raise BadRequest("audio-chunk before audio-start")
         resampled = self.pcm.feed(chunk)
         if self.denoiser is not None:
             resampled = self.denoiser.feed(resampled)
-        self.samples += len(resampled)
-        if self.samples > self.max_samples:  # refused whole: no transcript of its beginning
-            self.audio, self.pcm = None, None
-            self.close()
-            raise WyomingError(
-                f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording_too_long"
-            )
-        self.audio.append(resampled)
+        try:
+            self.recording.add(resampled)
+        except WyomingError:  # refused whole: no transcript of its beginning
+            self.end()
+            raise
         return resampled
 
     def _hear(self) -> None:
@@ -200,8 +201,19 @@ class WyomingHandler:
         with contextlib.suppress(ApiError):
             model, options = self._model(), self._options()
             self.heard = model.hear(options, self.client)
-            assert self.audio is not None
-            self.follower = Follower(self.heard, self.audio, lambda audio: model.transcribe(audio, options))
+            assert self.recording is not None
+            self.follower = Follower(self.heard, self.recording.pieces, lambda audio: model.transcribe(audio, options))
+
+    def end(self) -> None:
+        """The connection's end (or its recording refused): its work stopped, its audio let go."""
+        self.close()
+        self._drop_recording()
+        self.pcm = None
+
+    def _drop_recording(self) -> None:
+        if self.recording is not None:
+            self.recording.release()
+        self.recording = None
 
     def close(self) -> None:
         if self.wake is not None:
@@ -242,13 +254,13 @@ class WyomingHandler:
 
     async def finish_transcription(self, send: Send) -> str:
         """audio-stop: the recording's segments, each sent as it is decoded, then the whole transcript."""
-        if self.audio is None or self.pcm is None:
+        if self.recording is None or self.pcm is None:
             raise BadRequest("audio-stop before audio-start")
         tail = self.pcm.flush()
         if self.denoiser is not None:  # its last 20 ms too
             tail = np.concatenate([self.denoiser.feed(tail), self.denoiser.flush()])
-        audio = np.concatenate([*self.audio, tail])
-        self.audio, self.pcm, self.denoiser = None, None, None
+        recording, self.recording, self.pcm, self.denoiser = self.recording, None, None, None
+        audio = np.concatenate([*recording.pieces, tail])
         heard, self.heard = self.heard, None
         follower, self.follower = self.follower or Follower(None, []), None
         try:
@@ -261,6 +273,7 @@ class WyomingHandler:
             await follower.finish(segments, send, language)
             return model.name
         finally:
+            recording.release()  # held until transcribed
             if heard is not None:
                 heard.close()
 

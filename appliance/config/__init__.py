@@ -264,6 +264,7 @@ def _check_values(config: Config) -> None:
         "websocket.ping_interval_s": config.websocket.ping_interval_s,
         "wyoming.max_payload_bytes": config.wyoming.max_payload_bytes,
         "wyoming.max_connections": config.wyoming.max_connections,
+        "wyoming.max_tcp_connections": config.wyoming.max_tcp_connections,
         "wyoming.max_connections_per_peer": config.wyoming.max_connections_per_peer,
     }
     for key, value in positive.items():
@@ -359,6 +360,7 @@ RELOADABLE_KEYS = frozenset(
         "websocket.idle_timeout_s",
         "wyoming.max_payload_bytes",
         "wyoming.max_connections",
+        "wyoming.max_tcp_connections",
         "wyoming.max_connections_per_peer",
         "wyoming.allow",
         "access.keys",

@@ -22,7 +22,9 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
     body_timeout_s: float = 30.0  # a request body may go quiet this long
     keepalive_timeout_s: float = 75.0  # an idle HTTP/1.1 connection is closed after this
-    write_timeout_s: float = 30.0  # a connection whose writes make no progress this long is closed (HTTP/1.1, HTTPS)
+    write_timeout_s: float = (
+        30.0  # a connection whose writes make no progress this long is closed (HTTP/1.1, HTTPS, Wyoming)
+    )
     pipeline_depth: int = 32  # requests read ahead on one HTTP/1.1 connection; then reading pauses
     shutdown_grace_s: float = 30.0
     # protocol worker processes running the transports (0: chosen by the machine's cores, see
@@ -172,8 +174,9 @@ class WyomingConfig:
     enabled: bool = True
     socket: Path = Path("")  # "" (unset): wyoming.sock beside server.socket, with its mode and group
     max_payload_bytes: int = 1 << 20  # an event's data or payload; a bigger one is an error and a close
-    max_connections: int = 64  # clients at once, on the Unix socket and TCP together
-    max_connections_per_peer: int = 16  # one user's (Unix socket) or host's (TCP) share of them
+    max_connections: int = 64  # clients at once on the Unix socket (TCP has its own: max_tcp_connections)
+    max_tcp_connections: int = 64  # clients at once on TCP: the LAN cannot take the Unix socket's
+    max_connections_per_peer: int = 16  # one user's share of the Unix socket's, one host's of TCP's
     tcp: str = ""  # "HOST:PORT": also on TCP for the LAN, announced by zeroconf (off when empty)
     allow: str = ""  # TCP peers taken: CIDRs, comma-separated ("": the box's own subnets and loopback)
 

@@ -98,15 +98,17 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         arm_failpoints()  # warmed up: a test's failpoints may fire from now on
-        # the bytes held for clients: request bodies (this process's transports) and Realtime's buffers
-        self.api = Api(manifest, self.models, self.live, BodyBudget(lambda: self.live.config.server))
+        # the bytes held for clients: request bodies (this process's transports), Realtime's buffers and
+        # Wyoming's recordings
+        budget = BodyBudget(lambda: self.live.config.server)
+        self.api = Api(manifest, self.models, self.live, budget)
         fleet = self.api.fleet
         fleet.busy, fleet.stop = self._under_way, self.stopping.set
         if any(engine in m.engine_name for m in self.models.values() for engine in GPU_ENGINES):
             fleet.gpu_memory = cuda.memory_used
         bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
         refusing = lambda: fleet.order is not None  # noqa: E731
-        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics, refusing)
+        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics, refusing, budget)
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)

@@ -71,7 +71,7 @@ def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
         linger = lingering < LINGERING
         lingering += linger
         try:
-            await close_with_error(refusal, host, reader, writer, linger)
+            await close_with_error(refusal, host, reader, writer, live.config.server.write_timeout_s, linger)
         finally:
             lingering -= linger
             writer.close()
