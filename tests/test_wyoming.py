@@ -541,7 +541,7 @@ def test_slow_idle_and_surplus_clients_are_closed_and_the_rest_served(start_daem
         for connection in held:
             await served(*connection)
         fourth = await asyncio.open_unix_connection(path)  # this user's
-        assert f"too many Wyoming connections from {user} (its share is 3)" in await error_then_close(*fourth)
+        assert f"from {user} (its share is 3)" in await error_then_close(*fourth)
         held += [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # another peer: the host
         for connection in held:
             await served(*connection)
@@ -564,4 +564,4 @@ def test_slow_idle_and_surplus_clients_are_closed_and_the_rest_served(start_daem
     asyncio.run(surplus())
     log = d.log.read_text()
     assert f"limit: Wyoming client {user}: an event header not complete within 2 s" in log, log
-    assert f"limit: Wyoming client {user}: too many Wyoming connections from {user}" in log, log
+    assert f"limit: Wyoming client {user}: too many Wyoming connections on the Unix socket from {user}" in log, log

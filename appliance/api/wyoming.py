@@ -73,7 +73,7 @@ from appliance.api.wyoming_lan import Serve, listen_tcp
 from appliance.config import Config, Live, WyomingConfig
 from appliance.errors import ApiError
 from appliance.kinds.base import ServedModel
-from appliance.protocol.limits import ByteBudget
+from appliance.protocol.limits import ByteBudget, over_bound
 from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
@@ -93,17 +93,15 @@ class Admission:
         self.refused = 0  # refused connections lingering now
 
     def refusal(self, peer: str, settings: WyomingConfig) -> WyomingError | None:
-        """Why `peer` may not connect now (None where it may)."""
-        if self.peers.total() >= (limit := self.limit(settings)):
-            return WyomingError(
-                f"too many Wyoming connections on {self.listener} (limit {limit})", "too_many_connections"
-            )
-        if self.peers[peer] >= settings.max_connections_per_peer:
-            return WyomingError(
-                f"too many Wyoming connections from {peer} (its share is {settings.max_connections_per_peer})",
-                "too_many_connections_from_peer",
-            )
-        return None
+        """Why `peer` may not connect now (None where it may): the bound every listener's admission asks."""
+        what = f"Wyoming connections on {self.listener}"
+        found = over_bound(
+            self.peers.elements(), peer, self.limit(settings), settings.max_connections_per_peer, 1, what
+        )
+        if found is None:
+            return None
+        bound, message = found
+        return WyomingError(message, "too_many_connections" if bound == "limit" else "too_many_connections_from_peer")
 
     @contextlib.contextmanager
     def held(self, peer: str) -> Iterator[None]:

@@ -24,6 +24,8 @@ import asyncio
 import weakref
 from dataclasses import dataclass
 
+from appliance.protocol.limits import LIMITS_BITTEN
+
 _OPEN: weakref.WeakSet[SendWindow] = weakref.WeakSet()
 
 
@@ -77,3 +79,30 @@ class Held:
 def held() -> Held:
     windows = [w.held for w in list(_OPEN)]
     return Held(sum(windows), max(windows, default=0), len(windows))
+
+
+class WriteProgress:
+    """Whether a connection's writes move, from what its transport still holds at each check: while it
+    holds something (the kernel's buffer is full) and none of it is taken, the deadline runs; a slow
+    reader that takes anything starts it again."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._held = 0
+
+    def overdue(self, now: float, held: int, timeout_s: float) -> bool:
+        if not held:
+            self._since = None
+        elif self._since is None or held < self._held:
+            self._since = now
+        self._held = held
+        return self._since is not None and now - self._since > timeout_s
+
+    def cut_off(self, now: float, transport: asyncio.WriteTransport, timeout_s: float) -> bool:
+        """A client that has taken nothing for `timeout_s` is cut off, closing or not: what is queued
+        for it is dropped (a close would wait for it to be read), and its connection_lost frees its slot."""
+        if not self.overdue(now, transport.get_write_buffer_size(), timeout_s):
+            return False
+        LIMITS_BITTEN.bit("write timeout", f"a client read nothing for {timeout_s:g} s: connection closed")
+        transport.abort()
+        return True

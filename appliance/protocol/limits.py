@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 log = logging.getLogger("appliance.limits")
@@ -40,3 +41,23 @@ class ByteBudget(Protocol):
     def take(self, count: int, what: str = "request bodies") -> None: ...
 
     def give(self, count: int) -> None: ...
+
+
+def worker_share(limit: int, workers: int) -> int:
+    """One process's part of a daemon-wide limit: with N protocol workers each holds 1/N of it."""
+    return max(1, limit // workers)
+
+
+def over_bound(
+    held: Iterable[str], key: str, limit: int, share: int, workers: int = 1, what: str = "connections"
+) -> tuple[str, str] | None:
+    """Which bound one more of `what` from peer `key` would pass ("limit": all of them, "share": its
+    peer's) and why, or None: `held` names the peer of each this process holds; `limit` and `share` are
+    the daemon's, of which this process holds 1/workers. Every listener's admission asks this."""
+    held = list(held)
+    if len(held) >= worker_share(limit, workers):
+        return "limit", f"too many {what} (limit {worker_share(limit, workers)})"
+    if sum(peer == key for peer in held) >= worker_share(share, workers):
+        each = f", {worker_share(share, workers)} in each of {workers} workers" if workers > 1 else ""
+        return "share", f"too many {what} from {key} (its share is {share}{each})"
+    return None
