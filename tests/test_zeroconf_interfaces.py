@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,21 +75,40 @@ def box(networks: dict[str, Network], tmp_path_factory: pytest.TempPathFactory, 
     assert d.stop() == 0, d.log.read_text()
 
 
-def asked_from(net: Network, address: str, name: str, source: str = "") -> list[int]:
-    """The ports a legacy unicast SRV query for `name`, sent to `address` from a host of `net`, gets."""
-    query = [sys.executable, str(ROOT / "tests" / "mdns.py"), name, address, net.host, *([source] if source else [])]
+def asked_from(net: Network, address: str, name: str, source: str = "", tries: int = 1) -> list[int]:
+    """The ports a legacy unicast SRV query for `name`, sent to `address` from a host of `net` (from
+    `tries` sockets), gets."""
+    script = str(ROOT / "tests" / "mdns.py")
+    query = [sys.executable, script, name, address, net.host, str(tries), *([source] if source else [])]
     done = subprocess.run(["ip", "netns", "exec", net.namespace, *query], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def answered(net: Network, address: str, name: str, port: int) -> bool:
+    """Whether `port` is in the answer, asked up to three times as an mDNS querier retransmits (a
+    datagram's answer may be lost: one in several runs here, its first query after the start)."""
+    return any(port in asked_from(net, address, name) for _ in range(3))
 
 
 def test_zeroconf_answers_the_served_lan_alone(networks: dict[str, Network], box: Daemon) -> None:
     name = re.search(r"announced as (\S+) \(", box.log.read_text())[1]  # type: ignore[index]
     port = int(re.search(r'tcp = "[\d.]+:(\d+)"', box.config.read_text())[1])  # type: ignore[index]
     lan, other = networks["lan"], networks["other"]
-    assert asked_from(lan, MDNS_GROUP, name) == [port]  # Home Assistant's discovery on the LAN
-    assert asked_from(lan, lan.box, name) == [port]
-    assert asked_from(other, lan.box, name) == [], "the other network learnt the served address's port"
-    assert asked_from(other, other.box, name) == []
-    assert asked_from(other, MDNS_GROUP, name) == []
-    assert asked_from(lan, lan.box, name, source=f"{ROUTED}.2") == [], "a query routed onto the LAN was answered"
+    # other boxes on this host may share the name (one host name): only this box's port is judged
+    assert answered(lan, MDNS_GROUP, name, port)  # Home Assistant's discovery on the LAN
+    assert answered(lan, lan.box, name, port)
+    assert port not in asked_from(other, lan.box, name), "the other network learnt the served address's port"
+    assert port not in asked_from(other, other.box, name)
+    assert port not in asked_from(other, MDNS_GROUP, name)
+    # another responder on the box listens on the other network (avahi, a box serving there), so the
+    # box takes the group's datagrams there: the kernel was seen handing one to a box's wildcard
+    # socket whose memberships are all on another interface; from 16 source ports, none is answered
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as member:
+        member.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        member.bind(("", 5353))
+        member.setsockopt(
+            socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(MDNS_GROUP) + socket.inet_aton(other.box)
+        )
+        assert port not in asked_from(other, MDNS_GROUP, name, tries=16), "a query from the other network was answered"
+    assert port not in asked_from(lan, lan.box, name, source=f"{ROUTED}.2"), "a query routed onto the LAN was answered"
