@@ -3,7 +3,8 @@
 One decoder serves every route that takes audio; the container is sniffed from the bytes, whatever
 the content type says. libsndfile (the `soundfile` wheel) reads WAV, FLAC and Ogg, checked to the
 chunk; FFmpeg's decoders (the `av` wheel, audio_av.py) read the rest of what OpenAI accepts: MP3,
-MP4/M4A, WebM/Matroska, MPEG. soxr resamples. Both run block by block, so memory stays near the size
+MP4/M4A, WebM/Matroska, MPEG, and a stream whose header declares no length (a FLAC written to a
+pipe, as the box's own speech is). soxr resamples. Both run block by block, so memory stays near the size
 of the result, and a result too long is refused from the header (or, where none declares it, once
 decoding passes the limit).
 """
@@ -30,7 +31,9 @@ FFMPEG_READS = frozenset({"MP3"})  # what libsndfile recognises but FFmpeg decod
 MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 384000, 8
 BLOCK_FRAMES = 1 << 16  # per read: at most 8 channels x 64 Ki frames x 4 bytes = 2 MiB in flight
 UNRECOGNISED = 1  # libsndfile's SF_ERR_UNRECOGNISED_FORMAT: the bytes are no container it knows
-UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's count for a stream whose header gives no length
+# libsndfile's count for a stream whose header gives no length (a FLAC streamed to a pipe, the box's
+# own among them): libsndfile cannot read those to the end, FFmpeg does, under its budget of samples
+UNKNOWN_FRAMES = 2**63 - 1
 # A RIFF or data size this large is a writer's "length unknown" (sox, espeak-ng --stdout, ffmpeg to a
 # pipe): the chunk runs to the end of the file. No body the daemon accepts comes near 2 GiB.
 STREAMED_SIZE = 0x7FFFF000
@@ -53,7 +56,7 @@ def decode_audio(data: bytes, sample_rate: int, max_seconds: float | None = None
         return audio_av.decode(data, sample_rate, max_seconds, unsupported, _check_format)
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            if f.format not in FFMPEG_READS:
+            if f.format not in FFMPEG_READS and f.frames != UNKNOWN_FRAMES:
                 _check_header(f, data, max_seconds)
                 return _read_mono(f, sample_rate)
     except sf.LibsndfileError as exc:
@@ -78,8 +81,6 @@ def _check_header(f: sf.SoundFile, data: bytes, max_seconds: float | None) -> No
     if f.format not in CONTAINERS:
         raise unsupported(f"{f.format_info} is not an accepted container")
     _check_format(f.samplerate, f.channels)
-    if f.frames == UNKNOWN_FRAMES:
-        raise unsupported(f"the {f.format} header does not declare the length")
     if f.format in ("WAV", "WAVEX"):
         _check_riff(data)  # libsndfile quietly reads what is there; a cut or overrun file is an error here
     seconds = f.frames / f.samplerate

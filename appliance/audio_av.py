@@ -135,11 +135,13 @@ def _too_long(what: str, max_seconds: float) -> ApiError:
 
 
 # OpenAI's compressed speech formats: (muxer, encoder, rate: None keeps the voice's, Opus takes 48 kHz;
-# bits per second for mono speech: transparent for a 22 kHz voice, about OpenAI's sizes)
+# bits per second for mono speech: transparent for a 22 kHz voice, about OpenAI's sizes; FLAC is lossless).
+# Written to a stream that cannot seek, FLAC's STREAMINFO keeps 0 samples: "length unknown".
 ENCODINGS = {
     "mp3": ("mp3", "libmp3lame", None, 64000),
     "opus": ("ogg", "libopus", 48000, 32000),
     "aac": ("adts", "aac", None, 64000),
+    "flac": ("flac", "flac", None, 0),
 }
 
 

@@ -6,17 +6,16 @@ log), and a good client is served beside (an on-box app) and after it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import shutil
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import ifaddr
 import pytest
 from conftest import Daemon, good_unix_client_beside
+from mdns import MDNS_GROUP, srv_ports
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
@@ -25,15 +24,12 @@ from wyoming.client import AsyncUnixClient
 from wyoming.event import Event
 from wyoming.ping import Ping
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart
-from zeroconf import DNSIncoming, DNSOutgoing, DNSQuestion, DNSService
 
 from appliance.audio import to_pcm16
 from appliance.bench.daemon import free_tcp_port
 from appliance.kinds.text import MAX_TEXT_CHARS
 
 TINY = "whisper_tiny_en"
-SRV, IN = 33, 1  # DNS's record type and class numbers
-MDNS_GROUP = "224.0.0.251"
 
 
 @pytest.fixture(scope="module")
@@ -171,32 +167,6 @@ def test_a_text_the_voice_says_nothing_for_is_refused_after_one_espeak_run(daemo
     asyncio.run(send_and_leave())
     answers = asyncio.run(exchange(daemon, [Synthesize(text="Where is it?").event()], "audio-stop"))
     assert spoken(answers) == ["audio-start", "audio-stop"] and runs(espeak_runs) == before + 4
-
-
-def srv_ports(name: str, address: str, tries: int = 1) -> list[int]:
-    """The ports in the SRV records of `name` that answer a legacy unicast query (from a port other
-    than 5353, as `dig -p 5353` asks) sent to port 5353 at `address` (the mDNS group: on loopback),
-    from `tries` sockets: several boxes' sockets share port 5353 (SO_REUSEPORT), and the kernel hands
-    a datagram to one of them by its source port. Answers are read for a second after the last."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(tries)]
-    ports: list[int] = []
-    with contextlib.ExitStack() as stack:
-        for sock in sockets:
-            stack.enter_context(sock)
-            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
-            query = DNSOutgoing(0, multicast=False)
-            query.add_question(DNSQuestion(name, SRV, IN))
-            sock.sendto(query.packets()[0], (address, 5353))
-        for sock in sockets:
-            sock.settimeout(5.0 if address == MDNS_GROUP else 1.0)
-            with contextlib.suppress(TimeoutError):
-                while True:
-                    answer = DNSIncoming(sock.recv(9000))
-                    ports += [
-                        r.port for r in answer.answers() if isinstance(r, DNSService) and r.name.lower() == name.lower()
-                    ]
-                    sock.settimeout(1.0)
-    return ports
 
 
 def test_zeroconf_answers_only_on_the_address_wyoming_is_served_on(daemon: Daemon) -> None:

@@ -104,8 +104,8 @@ def unix_request(path: Path, method: str, target: str, body: bytes = b"") -> soc
     return sock
 
 
-def speech_body(text: str = LONG_TEXT) -> bytes:
-    return json.dumps({"model": "joe", "voice": "joe", "input": text, "response_format": "pcm"}).encode()
+def speech_body(text: str = LONG_TEXT, audio_format: str = "pcm") -> bytes:
+    return json.dumps({"model": "joe", "voice": "joe", "input": text, "response_format": audio_format}).encode()
 
 
 def warmed_rss(daemon: Daemon) -> dict[int, int]:

@@ -4,8 +4,10 @@ The body is OpenAI's: `model`, `input`, `voice`, `response_format` (mp3, the def
 opus, aac, flac, wav or pcm), `speed` (0.25 to 4), `stream_format` (`audio`; `sse` is not served),
 other fields (`instructions`: the voices here take no direction) are ignored. `model` is a speech model of
 this firmware or one of OpenAI's model names (then `voice` picks the model). mp3, opus (Ogg), aac
-(ADTS) and pcm (16-bit mono at the voice's rate, also in the `x-sample-rate` header) stream as each
-sentence is ready; wav and flac are sent whole, their headers carrying the true sizes. `voice` is one of
+(ADTS), flac and pcm (16-bit mono at the voice's rate, also in the `x-sample-rate` header) stream as each
+sentence is ready, and so does wav: its header's sizes say "unknown" (0xFFFFFFFF, as OpenAI's streamed
+WAV does), flac's STREAMINFO a total of 0 samples (unknown, as a FLAC encoder writing to a pipe does).
+A sentence is synthesized only as the client reads (speech.py's SHARDS_AHEAD). `voice` is one of
 the firmware's voices, or one of OpenAI's names (alloy, nova, ...: what OpenAI's clients send by default):
 then the firmware's default voice of the text's language (the language identification model's answer;
 the first voice of a language is its default), or the first voice where the firmware has none of that
@@ -15,18 +17,16 @@ language. The `x-voice` header says which voice spoke. `GET /v1/audio/voices` li
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import re
 import struct
 from collections.abc import AsyncGenerator, Iterable, Mapping
 
 import numpy as np
-import soundfile
 
 from appliance.api.bodies import json_body, openai_errors
 from appliance.api.routes import Route
-from appliance.audio_av import Encoder
+from appliance.audio_av import ENCODINGS, Encoder
 from appliance.errors import BadRequest, NotFound
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import MAX_SPEED, MIN_SPEED, LanguageDetector, Speaker
@@ -47,7 +47,7 @@ FORMATS = {
     "wav": "audio/wav",
     "pcm": "audio/pcm",
 }
-WHOLE = ("wav", "flac")  # formats whose header holds the sizes: sent once all is synthesized
+STREAMED_SIZE = 0xFFFFFFFF  # a WAV's RIFF and data sizes when the length is not known when the header goes
 
 
 def routes(models: Mapping[str, ServedModel]) -> list[Route]:
@@ -89,24 +89,17 @@ async def speech(models: Iterable[ServedModel], request: Request) -> Response:
     pieces = model.synthesize(shards, float(speed), voice=voice)
     rate = model.sample_rate
     headers = [("x-sample-rate", str(rate)), *headers]
-    if audio_format in WHOLE:
-        try:
-            samples = [p async for p in pieces]
-        finally:
-            await pieces.aclose()
-        whole = np.concatenate(samples) if samples else np.zeros(0, np.int16)
-        body = _flac(whole, rate) if audio_format == "flac" else wav_header(rate, 2 * len(whole)) + _pcm(whole)
-        return Response(200, body, FORMATS[audio_format], headers)
     # each sentence's audio as soon as it is ready (the status with the first: a refusal before it is a
     # 503); a later failure ends the stream early, logged; a client gone mid-stream drops the shards not
     # yet started
-    encoder = Encoder(audio_format, rate) if audio_format != "pcm" else None
+    encoder = Encoder(audio_format, rate) if audio_format in ENCODINGS else None
     stream = guarded(
         _encoded(encoder, await begun(pieces)),
         lambda b: b,
         lambda message: b"",
         f"speech from {model.name}",
         {"MODEL": model.name},
+        head=wav_header(rate) if audio_format == "wav" else b"",
     )
     return Response(200, content_type=FORMATS[audio_format], headers=headers, stream=stream)
 
@@ -146,29 +139,22 @@ def _names(voices: list[Speaker]) -> str:
     return ", ".join(v for m in voices for v in m.voices)
 
 
-def wav_header(rate: int, data_bytes: int) -> bytes:
-    """A 16-bit mono PCM WAV header for `data_bytes` of samples."""
-    riff = 36 + data_bytes
+def wav_header(rate: int) -> bytes:
+    """A 16-bit mono PCM WAV header whose samples run to the end of the answer (sizes unknown)."""
     fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
     return (
         b"RIFF"
-        + struct.pack("<I", riff)
+        + struct.pack("<I", STREAMED_SIZE)
         + b"WAVEfmt "
         + struct.pack("<I", 16)
         + fmt
         + b"data"
-        + struct.pack("<I", data_bytes)
+        + struct.pack("<I", STREAMED_SIZE)
     )
 
 
 def _pcm(samples: np.ndarray) -> bytes:
     return samples.astype("<i2").tobytes()
-
-
-def _flac(samples: np.ndarray, rate: int) -> bytes:
-    out = io.BytesIO()
-    soundfile.write(out, samples, rate, format="FLAC")
-    return out.getvalue()
 
 
 async def _encoded(encoder: Encoder | None, pieces: AsyncGenerator[np.ndarray, None]) -> AsyncGenerator[bytes, None]:

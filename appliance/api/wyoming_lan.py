@@ -1,11 +1,14 @@
 """Wyoming on the LAN ([wyoming] tcp = "HOST:PORT"): the TCP listener, and its announcement by
 multicast DNS (zeroconf) as _wyoming._tcp.local., so Home Assistant discovers it.
 
-zeroconf receives on one wildcard socket (0.0.0.0:5353) whatever interfaces it is given: it answered
-a query sent to any address of the box, from any network. Where Wyoming is served on one address,
-that socket is narrowed to what mDNS needs there (_narrow): multicast datagrams to the mDNS group,
-of the memberships it joined on that address's interface; a unicast query reaches only the socket
-zeroconf binds to the address itself.
+zeroconf receives on one wildcard socket (0.0.0.0:5353) whatever interfaces it is given, and on a
+socket bound to each given address's port 5353: it answered a query sent to any address of the box,
+and one sent to the served address from any network (Linux takes a datagram for any of its
+addresses on any interface). Where Wyoming is served on one address, both are narrowed to what mDNS
+needs there (_narrow): the wildcard socket to multicast datagrams to the mDNS group, of the
+memberships it joined on that address's interface; the address's own socket to queries that came in
+on that interface from its subnet (RFC 6762 section 11's source address check), or from the box
+itself.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ MDNS_GROUP = "224.0.0.251"
 NAME_QUERY_MS = 1500  # how long a box waits for another to answer for the name it would take
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]  # one client's connection
 # Linux's constants Python does not name (linux/in.h, asm-generic/socket.h, linux/filter.h)
-IP_MULTICAST_ALL, SO_ATTACH_FILTER, SKF_NET_OFF = 49, 26, -0x100000
+IP_MULTICAST_ALL, SO_ATTACH_FILTER, SKF_NET_OFF, SKF_AD_IFINDEX = 49, 26, -0x100000, -0x1000 + 8
+# classic BPF's opcodes (linux/filter.h): loads, a mask, a comparison, the verdicts
+LOAD_WORD, AND, JUMP_IF_EQUAL, RETURN = 0x20, 0x54, 0x15, 0x06
+KEEP, DROP = (RETURN, 0, 0, 0xFFFFFFFF), (RETURN, 0, 0, 0)
 
 
 async def listen_tcp(
@@ -46,7 +52,7 @@ async def listen_tcp(
     everywhere = host in ("0.0.0.0", "")
     zeroconf = AsyncZeroconf(interfaces=InterfaceChoice.All if everywhere else [host], ip_version=IPVersion.V4Only)
     if not everywhere:
-        _narrow(zeroconf)
+        _narrow(zeroconf, host)
     name = socket.gethostname().split(".")[0] or "appliance"
     addresses = [socket.inet_aton(a) for a in (_addresses() if everywhere else [host])]
     instance = await _free_instance(zeroconf, f"appliance-{name}")
@@ -77,26 +83,64 @@ async def _free_instance(zeroconf: AsyncZeroconf, instance: str) -> str:
     raise ApplianceError(f"[wyoming] tcp: {instance} and its next 98 names are all announced on this LAN")
 
 
-def _narrow(zeroconf: AsyncZeroconf) -> None:
-    """zeroconf's wildcard socket takes only multicast datagrams to the mDNS group (a socket filter on
-    the destination address, read from the IP header), and of those only the ones of the memberships
-    it joined itself (IP_MULTICAST_ALL off), on the interfaces it was given. zeroconf has no setting
-    for it: the socket is its engine's (_listen_socket, there since zeroconf 0.32)."""
-    listen = getattr(zeroconf.zeroconf.engine, "_listen_socket", None)
-    if not isinstance(listen, socket.socket):
-        raise ApplianceError("[wyoming] tcp: this zeroconf has no listening socket to narrow to the served address")
+def _narrow(zeroconf: AsyncZeroconf, host: str) -> None:
+    """zeroconf's wildcard socket takes only multicast datagrams to the mDNS group that came in on
+    `host`'s interface (a socket filter on the destination address, read from the IP header, and the
+    interface: the kernel was seen handing this socket a query that came in on another interface
+    where another process had joined the group), and of those only the ones of the memberships it
+    joined itself (IP_MULTICAST_ALL off); its socket on `host`
+    takes only datagrams that came in on `host`'s interface from `host`'s subnet, or from the box
+    itself (loopback). zeroconf has no setting for either: the sockets are its engine's
+    (_listen_socket and _respond_sockets, there since zeroconf 0.32), before its setup runs."""
+    engine = zeroconf.zeroconf.engine
+    listen, responders = getattr(engine, "_listen_socket", None), getattr(engine, "_respond_sockets", None)
+    if not isinstance(listen, socket.socket) or not responders:
+        raise ApplianceError("[wyoming] tcp: this zeroconf has no sockets to narrow to the served address")
     group = struct.unpack("!I", socket.inet_aton(MDNS_GROUP))[0]
-    program = [  # classic BPF: load the IPv4 destination; the group: keep it whole, else drop it
-        (0x20, 0, 0, (SKF_NET_OFF + 16) & 0xFFFFFFFF),  # ld [net + 16]
-        (0x15, 0, 1, group),  # jeq #group, keep, drop
-        (0x06, 0, 0, 0xFFFFFFFF),  # keep: ret #-1
-        (0x06, 0, 0, 0),  # drop: ret #0
-    ]
-    instructions = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in program))
-    listen.setsockopt(
-        socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HL", len(program), ctypes.addressof(instructions))
+    index, prefix = _interface_of(host)
+    _attach(
+        listen,
+        [
+            (LOAD_WORD, 0, 0, (SKF_NET_OFF + 16) & 0xFFFFFFFF),  # the IPv4 destination
+            (JUMP_IF_EQUAL, 0, 3, group),  # not the group: drop
+            (LOAD_WORD, 0, 0, SKF_AD_IFINDEX & 0xFFFFFFFF),  # the interface it came in on
+            (JUMP_IF_EQUAL, 0, 1, index),  # the served one: keep, else drop
+            KEEP,
+            DROP,
+        ],
     )
     listen.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+    mask = (0xFFFFFFFF << (32 - prefix)) & 0xFFFFFFFF
+    subnet = struct.unpack("!I", socket.inet_aton(host))[0] & mask
+    on_link = [
+        (LOAD_WORD, 0, 0, SKF_AD_IFINDEX & 0xFFFFFFFF),  # the interface it came in on
+        (JUMP_IF_EQUAL, 4, 0, socket.if_nametoindex("lo")),  # from the box itself: keep
+        (JUMP_IF_EQUAL, 0, 4, index),  # another interface: drop
+        (LOAD_WORD, 0, 0, (SKF_NET_OFF + 12) & 0xFFFFFFFF),  # the IPv4 source
+        (AND, 0, 0, mask),
+        (JUMP_IF_EQUAL, 0, 1, subnet),  # from the served subnet: keep, else (routed here) drop
+        KEEP,
+        DROP,
+    ]
+    for responder in responders:
+        _attach(responder, on_link)
+
+
+def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
+    """A classic BPF program as `sock`'s filter: what it returns 0 for is dropped before the socket."""
+    instructions = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in program))
+    sock.setsockopt(
+        socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HL", len(program), ctypes.addressof(instructions))
+    )
+
+
+def _interface_of(host: str) -> tuple[int, int]:
+    """The index of the interface that holds the address `host`, and the address's prefix length."""
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if ip.ip == host:
+                return socket.if_nametoindex(adapter.name), ip.network_prefix
+    raise ApplianceError(f"[wyoming] tcp: no interface of this host holds {host}")
 
 
 def _lan_host(name: str, address: str) -> str:

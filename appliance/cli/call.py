@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import shutil
+import struct
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -135,6 +136,18 @@ def _speak(client: Client, args: argparse.Namespace) -> None:
         for piece in itertools.chain([first], pieces):
             out.write(piece)
             out.flush()
+        if audio_format == "wav" and out.seekable():
+            _true_wav_sizes(out)
+
+
+def _true_wav_sizes(out: BinaryIO) -> None:
+    """The sizes of a streamed WAV written to a file, where its header said "unknown": the daemon's
+    44-byte header (api/openai_speech.py), so Python's wave and strict readers see the true length."""
+    size = out.tell()
+    out.seek(4)
+    out.write(struct.pack("<I", size - 8))
+    out.seek(40)
+    out.write(struct.pack("<I", size - 44))
 
 
 def _interpret(client: Client, args: argparse.Namespace) -> int:

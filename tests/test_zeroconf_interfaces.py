@@ -1,0 +1,115 @@
+"""Issue 47, item 16: a box that serves Wyoming on one address answers mDNS there alone. Two networks
+made of network namespaces and veth pairs: the served LAN (10.47.1.0/24, the box at .1) and another
+one (10.47.2.0/24, the box at .1 too). From the other network, a unicast query to the served address
+(Linux takes a datagram for any of its addresses on any interface), to the box's address there, or
+to the mDNS group gets no answer: it learns neither the host name nor the port. From the served LAN,
+unicast and multicast are answered with the port (Home Assistant's discovery), and a query routed
+onto the LAN from a third subnet (10.47.3.0/24, behind a router on the LAN) is not (RFC 6762's source
+address check). A real daemon; the query is a real mDNS packet from zeroconf's own codec."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from conftest import AS_ROOT, ROOT, Daemon, root_can
+from mdns import MDNS_GROUP
+
+from appliance.bench.daemon import free_tcp_port
+
+SERVED, OTHER, ROUTED = "10.47.1", "10.47.2", "10.47.3"  # the subnets' first three octets
+
+
+@dataclass(frozen=True)
+class Network:
+    namespace: str  # where its hosts are
+    host: str  # their address
+    box: str  # the box's address on it
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def networks() -> Iterator[dict[str, Network]]:
+    """The served LAN and the other network, each a namespace joined to the box by a veth pair; the
+    LAN's host also holds an address of a third subnet, routed to the box through it."""
+    if not AS_ROOT:
+        root_can("network namespaces need root")
+    made = {
+        "lan": Network("web47-lan", f"{SERVED}.2", f"{SERVED}.1"),
+        "other": Network("web47-other", f"{OTHER}.2", f"{OTHER}.1"),
+    }
+    try:
+        for name, net in made.items():
+            ip("netns", "add", net.namespace)
+            ip("link", "add", f"w47{name}", "type", "veth", "peer", "name", "peer", "netns", net.namespace)
+            ip("addr", "add", f"{net.box}/24", "dev", f"w47{name}")
+            ip("link", "set", f"w47{name}", "up")
+            ip("-n", net.namespace, "addr", "add", f"{net.host}/24", "dev", "peer")
+            ip("-n", net.namespace, "link", "set", "peer", "up")
+            ip("-n", net.namespace, "link", "set", "lo", "up")
+        # the other network's hosts reach the served address through the box's address there
+        ip("-n", made["other"].namespace, "route", "add", f"{SERVED}.0/24", "via", made["other"].box)
+        ip("-n", made["lan"].namespace, "addr", "add", f"{ROUTED}.2/24", "dev", "peer")
+        ip("route", "add", f"{ROUTED}.0/24", "via", made["lan"].host)
+        yield made
+    finally:
+        subprocess.run(["ip", "route", "del", f"{ROUTED}.0/24"], capture_output=True)
+        for net in made.values():  # the namespace's end of each pair goes with it, and the box's end too
+            subprocess.run(["ip", "netns", "del", net.namespace], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def box(networks: dict[str, Network], tmp_path_factory: pytest.TempPathFactory, keys, bundle) -> Iterator[Daemon]:
+    extra = f'[wyoming]\ntcp = "{networks["lan"].box}:{free_tcp_port()}"\n'
+    d = Daemon(tmp_path_factory.mktemp("zeroconf"), bundle, keys.trusted, extra=extra).wait_ready(120)
+    yield d
+    assert d.stop() == 0, d.log.read_text()
+
+
+def asked_from(net: Network, address: str, name: str, source: str = "", tries: int = 1) -> list[int]:
+    """The ports a legacy unicast SRV query for `name`, sent to `address` from a host of `net` (from
+    `tries` sockets), gets."""
+    script = str(ROOT / "tests" / "mdns.py")
+    query = [sys.executable, script, name, address, net.host, str(tries), *([source] if source else [])]
+    done = subprocess.run(["ip", "netns", "exec", net.namespace, *query], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def answered(net: Network, address: str, name: str, port: int) -> bool:
+    """Whether `port` is in the answer, asked up to five times as an mDNS querier retransmits: where
+    other boxes' sockets share port 5353 on this host, a group datagram was seen handed to theirs and
+    not to this box's (three asks in a row went unanswered once in about eight runs)."""
+    return any(port in asked_from(net, address, name) for _ in range(5))
+
+
+def test_zeroconf_answers_the_served_lan_alone(networks: dict[str, Network], box: Daemon) -> None:
+    name = re.search(r"announced as (\S+) \(", box.log.read_text())[1]  # type: ignore[index]
+    port = int(re.search(r'tcp = "[\d.]+:(\d+)"', box.config.read_text())[1])  # type: ignore[index]
+    lan, other = networks["lan"], networks["other"]
+    # other boxes on this host may share the name (one host name): only this box's port is judged
+    assert answered(lan, MDNS_GROUP, name, port)  # Home Assistant's discovery on the LAN
+    assert answered(lan, lan.box, name, port)
+    assert port not in asked_from(other, lan.box, name), "the other network learnt the served address's port"
+    assert port not in asked_from(other, other.box, name)
+    assert port not in asked_from(other, MDNS_GROUP, name)
+    # another responder on the box listens on the other network (avahi, a box serving there), so the
+    # box takes the group's datagrams there: the kernel was seen handing one to a box's wildcard
+    # socket whose memberships are all on another interface; from 16 source ports, none is answered
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as member:
+        member.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        member.bind(("", 5353))
+        member.setsockopt(
+            socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(MDNS_GROUP) + socket.inet_aton(other.box)
+        )
+        assert port not in asked_from(other, MDNS_GROUP, name, tries=16), "a query from the other network was answered"
+    assert port not in asked_from(lan, lan.box, name, source=f"{ROUTED}.2"), "a query routed onto the LAN was answered"
