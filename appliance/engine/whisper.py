@@ -196,7 +196,7 @@ class WhisperEngine:
             generated = self._generate(model, encoded, prompts, temperature)
             used = [temperature] * len(group)
             for at in self._looping([g.ids for g in generated]):  # openai-whisper's fallback: rising temperatures
-                sampler = self._sampler()
+                sampler = seeded_sampler(self.directory, self.threads)
                 one = sampler.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
                 for fallback in (t for t in FALLBACK_TEMPERATURES if t > temperature):
                     again = self._generate(sampler, one, prompts[at : at + 1], fallback)
@@ -225,17 +225,6 @@ class WhisperEngine:
                     self.tokens.quality(generated[k], used[k]),
                 )
         return [a for a in answers if a is not None]
-
-    def _sampler(self) -> ctranslate2.models.Whisper:
-        """A model of its own for one looping shard's sampled fallbacks (0.3 s to load tiny.en, 0.5 s base,
-        on 2 cores). CTranslate2 samples from a generator per worker thread, seeded when the thread first
-        samples and carried on from each sampled decode to the next: on the served model a fallback's text
-        depended on every decode sampled before it, in any request, since the daemon started (issue 45: the
-        same recording came back with 9, 11, 13 or 15 segments). A new model's worker starts from the seed."""
-        ctranslate2.set_random_seed(SAMPLING_SEED)
-        return ctranslate2.models.Whisper(
-            str(self.directory), device="cpu", compute_type="int8", intra_threads=self.threads, inter_threads=1
-        )
 
     def _heard(
         self,
@@ -291,3 +280,15 @@ class WhisperEngine:
         """Each clip's language and its probability, as Whisper detects it (a multilingual model only)."""
         assert self.tokens.multilingual, "an English-only Whisper detects no language"
         return whisper_language.detect(self._model(len(clips)), self.filters, clips)
+
+
+def seeded_sampler(directory: Path, threads: int) -> ctranslate2.models.Whisper:
+    """A model of its own for one looping shard's sampled fallbacks (0.3 s to load tiny.en, 0.5 s base,
+    on 2 cores). CTranslate2 samples from a generator per worker thread, seeded when the thread first
+    samples and carried on from each sampled decode to the next: on the served model a fallback's text
+    depended on every decode sampled before it, in any request, since the daemon started (issue 45: the
+    same recording came back with 9, 11, 13 or 15 segments). A new model's worker starts from the seed."""
+    ctranslate2.set_random_seed(SAMPLING_SEED)
+    return ctranslate2.models.Whisper(
+        str(directory), device="cpu", compute_type="int8", intra_threads=threads, inter_threads=1
+    )

@@ -151,20 +151,13 @@ class LiveTranscription:
             stream = self.sequences.get(sequence.id, now, sequence.client)
             if stream.in_flight:  # its audio would join out of turn, and the one in flight would trim it away
                 raise ApiError(
-                    f"sequence {sequence.id}: its previous chunk is still being heard; send each chunk after the "
-                    "answer to the one before",
-                    409,
+                    f"sequence {sequence.id}: its previous chunk is still being heard; send after its answer", 409
                 )
         serial = stream.serial if sequence.start else None
         stream.in_flight += 1
         try:
             key = vad_key(self.name, sequence.id, stream)
-            try:
-                probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
-            except BaseException:
-                if sequence.start:  # its VAD sequence did not open: neither does the stream
-                    self.sequences.end(sequence.id)
-                raise
+            probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
             stream.audio.append(samples)
             stream.position += len(samples)
             closed = stream.tracker.feed(probs)
@@ -202,7 +195,8 @@ class LiveTranscription:
             return LiveChunk(list(zip(closed, decoded, strict=True)), open_start, text, serial)
         finally:
             stream.in_flight -= 1
-            if sequence.end:
+            # a first chunk whose VAD sequence did not open (nothing heard) opens no stream either
+            if sequence.end or (sequence.start and not stream.position):
                 self.sequences.end(sequence.id)
 
     async def _final(

@@ -52,6 +52,16 @@ def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
     return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
+def _linger(transport: asyncio.Transport, close: Callable[[], None]) -> None:
+    """Close after a rejection the way RFC 9112 asks: stop sending, read and drop what the client is
+    still sending for a moment, then close. Closing at once with its bytes unread would reset the
+    connection, and the client could lose the answer that says why."""
+    if transport.can_write_eof():
+        transport.write_eof()
+    transport.resume_reading()  # data_received drops it: the connection is rejected
+    asyncio.get_running_loop().call_later(LINGER_S, close)
+
+
 class Http1Server:
     """Shared state of all connections: the API, the live settings, the body budget, who is connected.
     The Unix socket's; a TCP listener's (https.py) overrides who a client is, its connection limit,
@@ -306,7 +316,8 @@ class HttpConnection(WebSocketUpgrade):
                         self._assembler.reading_resumed()
                 if isinstance(entry, Response):  # a rejection: the last answer on this connection
                     self.transport.write(encode_response(entry, False, self.server.extra_headers()))
-                    self._linger()
+                    assert self.transport is not None
+                    _linger(self.transport, self.close)
                     return
                 if entry is self._upgrade:
                     await self._switch(entry)
@@ -360,16 +371,6 @@ class HttpConnection(WebSocketUpgrade):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
             self._enqueue(rejection.response, False)
-
-    def _linger(self) -> None:
-        """Close after a rejection the way RFC 9112 asks: stop sending, read and drop what the client is
-        still sending for a moment, then close. Closing at once with its bytes unread would reset the
-        connection, and the client could lose the answer that says why."""
-        assert self.transport is not None
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.transport.resume_reading()  # data_received drops it: the connection is rejected
-        asyncio.get_running_loop().call_later(LINGER_S, self.close)
 
     def _release(self, count: int) -> None:
         self.server.budget.give(count)
