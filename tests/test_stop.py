@@ -1,6 +1,6 @@
-"""A stop that stops (issue 42), tried as a user would with a Realtime client open: the daemon's stop
-closes a session that only listens at once with a WebSocket close 1001, and lets a turn being heard
-end with its transcript first. The grace time is an hour: where a session held the stop for its
+"""A stop that stops (issue 42), tried as a user would with a Realtime or Wyoming client open: the
+daemon's stop closes a session that only listens at once with its protocol's goodbye (a WebSocket close
+1001, a Wyoming error event), and lets a turn or recording under way end with its transcript first. The grace time is an hour: where a session held the stop for its
 grace, the daemon would not exit within the test's wait."""
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from test_realtime import URI, configure, pcm
 from test_speech_to_text import ENGLISH, wer
 from websockets.asyncio.client import unix_connect
 from websockets.exceptions import ConnectionClosed
+from wyoming.asr import Transcribe, Transcript
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.client import AsyncUnixClient
+from wyoming.info import Describe, Info
 
 from appliance.client import Client
 
@@ -101,3 +105,56 @@ def test_a_turn_being_heard_at_the_stop_ends_with_its_transcript_then_the_close(
     transcript = next(text for kind, text in events if kind == COMPLETED)
     assert wer(ENGLISH[0], str(transcript)) <= 0.25, transcript
     assert events[-1] == ("close", "1001 the box is stopping"), events
+
+
+def wyoming_through_stop(daemon, samples: np.ndarray | None) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
+    """A Wyoming client on the Unix socket: with `samples`, a recording of them begun, SIGTERM after its
+    first chunk, the rest and audio-stop sent after it; without, SIGTERM once it was described. Every
+    event it reads until the close: (type, its text or code), ("stop", None) where the signal went."""
+    events: list[tuple[str, object]] = []
+
+    def stop() -> None:
+        events.append(("stop", None))
+        daemon.proc.send_signal(signal.SIGTERM)
+
+    async def run() -> None:
+        async with AsyncUnixClient(str(daemon.socket.with_name("wyoming.sock"))) as client:
+            await client.write_event(Describe().event())
+            assert Info.is_type((await client.read_event()).type)
+            if samples is None:
+                stop()
+            else:
+                await client.write_event(Transcribe(name="whisper_tiny_en", language="en").event())
+                await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
+                step = RATE * 2 // 10
+                pcm16 = pcm(samples, RATE)
+                for at in range(0, len(pcm16), step):
+                    chunk = AudioChunk(rate=RATE, width=2, channels=1, audio=pcm16[at : at + step])
+                    await client.write_event(chunk.event())
+                    if not at:
+                        stop()
+                await client.write_event(AudioStop().event())
+            while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
+                if Transcript.is_type(event.type):
+                    events.append((event.type, Transcript.from_event(event).text))
+                else:
+                    events.append((event.type, event.data.get("code")))
+
+    asyncio.run(run())
+    assert daemon.proc.wait(300) == 0, daemon.log.read_text()[-2000:]
+    return events
+
+
+def test_a_stop_closes_an_idle_wyoming_connection_with_an_error_event(start_daemon, voice_bundle: Path) -> None:
+    daemon = start_daemon(bundle_dir=voice_bundle, shutdown_grace_s=HOUR)
+    assert wyoming_through_stop(daemon, None) == [("stop", None), ("error", "stopping")]
+
+
+def test_a_wyoming_recording_under_way_at_the_stop_gets_its_transcript_first(start_daemon, voice_bundle: Path) -> None:
+    daemon = start_daemon(bundle_dir=voice_bundle, shutdown_grace_s=HOUR)
+    samples, _ = recording([ENGLISH[0]], lead_s=0.5)
+    events = wyoming_through_stop(daemon, samples)
+    kinds = [kind for kind, _ in events]
+    assert kinds.index("stop") < kinds.index("transcript") < kinds.index("error"), events
+    assert events[-1] == ("error", "stopping"), events
+    assert wer(ENGLISH[0], str(next(text for kind, text in events if kind == "transcript"))) <= 0.25, events

@@ -25,7 +25,7 @@ from appliance.api.metrics import Metrics
 from appliance.api.openai_models import speech_to_text
 from appliance.api.realtime_answers import Answer, Answers, Interpreter
 from appliance.api.realtime_conversation import AudioItem, Item
-from appliance.api.realtime_io import Output, received
+from appliance.api.realtime_io import Output
 from appliance.api.realtime_limits import Held, Limits, Pace
 from appliance.api.realtime_session import (
     COMPLETED,
@@ -48,6 +48,7 @@ from appliance.errors import ApiError, BadRequest, NotFound
 from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.kinds.capabilities import Interpreting, LiveTranscriber
 from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
+from appliance.protocol.flow import received
 from appliance.protocol.limits import ByteBudget
 from appliance.protocol.messages import Close, Message, Request, Response, SessionIO
 

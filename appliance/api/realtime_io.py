@@ -1,29 +1,11 @@
-"""A Realtime session's I/O on its WebSocket (SessionIO): its sends, from its reading path and its
-answers' task (`Output`), and its receives, which give way to the daemon's stop (`received`)."""
+"""A Realtime session's sends on its WebSocket (SessionIO), from its reading path and its answers'
+task; its receives give way to the daemon's stop (protocol/flow.py's `received`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
-from appliance.protocol.messages import Message, SessionIO
-
-STOP_POLL_S = 0.05  # while the daemon stops, how often a busy session looks whether it is done
-
-
-async def received(receiving: asyncio.Future[Message], stopping: asyncio.Event, idle: Callable[[], bool]) -> bool:
-    """Wait for the client's next message: True once it is there; False where the daemon stops while
-    the session has nothing under way but listening (at once, or once its turn or answer is done: work
-    under way gets the stop's grace time, a session only waiting for speech closes)."""
-    while not receiving.done():
-        if stopping.is_set() and idle():
-            return False
-        waiter = asyncio.ensure_future(asyncio.sleep(STOP_POLL_S) if stopping.is_set() else stopping.wait())
-        try:
-            await asyncio.wait((receiving, waiter), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-    return True
+from appliance.protocol.messages import SessionIO
 
 
 class Output:

@@ -73,6 +73,7 @@ from appliance.api.wyoming_lan import Serve, listen_tcp
 from appliance.config import Config, Live, WyomingConfig
 from appliance.errors import ApiError
 from appliance.kinds.base import ServedModel
+from appliance.protocol.flow import received
 from appliance.protocol.limits import ByteBudget, over_bound
 from appliance.transport.unix_peer import unix_peer
 
@@ -125,14 +126,30 @@ class Admission:
 
 
 async def serve_client(
-    handler: WyomingHandler, bounds: Bounds, client: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    handler: WyomingHandler,
+    bounds: Bounds,
+    client: str,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    stopping: asyncio.Event,
 ) -> None:
+    """The connection's events until it ends; at the daemon's stop it closes with an error event once
+    nothing is under way (a wake word's listening is not: it only waits for speech)."""
+
     async def send(event: Event) -> None:
         await write_event(event, writer, bounds.write_s)  # drains: a client that reads nothing is cut off
 
+    reading: asyncio.Future[Event | None] | None = None
     try:
         idle_s = bounds.header_s  # a new connection's first event comes as soon as a new HTTP one's request
-        while (event := await read_event(reader, bounds, idle_s)) is not None:
+        while True:
+            reading = asyncio.ensure_future(read_event(reader, bounds, idle_s))
+            if not await received(reading, stopping, handler.idle):
+                raise WyomingError(
+                    "the box is stopping: connect again, to another box if there is one", code="stopping"
+                )
+            if (event := reading.result()) is None:
+                break
             idle_s = bounds.idle_s
             try:
                 for answer in await handler.handle(event, send):
@@ -155,6 +172,8 @@ async def serve_client(
     except Exception:
         log.exception("Wyoming client crashed")
     finally:
+        if reading is not None:
+            reading.cancel()
         handler.end()
         writer.close()
 
@@ -173,6 +192,7 @@ class Listeners:
 
     unix: asyncio.Server
     path: Path
+    serving: Serving
     tcp: asyncio.Server | None = None
     zeroconf: AsyncZeroconf | None = None  # its announcement on the LAN (wyoming_lan.py)
 
@@ -192,17 +212,19 @@ async def start(
     metrics: Metrics,
     draining: Callable[[], bool],
     budget: ByteBudget,
+    stopping: asyncio.Event,
 ) -> Listeners | None:
     """[wyoming]: the Unix socket (`bind` makes it as the API's is made), and TCP where asked for.
     While `draining()`, a new client gets an error event and a close (a drain, api/fleet_routes.py).
-    Recordings are held against `budget`, the engine process's bytes held for clients."""
+    Recordings are held against `budget`, the engine process's bytes held for clients. At `stopping`
+    each connection closes with an error event once nothing is under way."""
     settings = config.wyoming
     if not settings.enabled:
         return None
     path = Path(str(settings.socket)) if str(settings.socket) != "." else config.server.socket.with_name("wyoming.sock")
-    serving = Serving(models, live, metrics, draining, budget)
+    serving = Serving(models, live, metrics, draining, budget, stopping)
     unix = Admission("the Unix socket", lambda s: s.max_connections)
-    listeners = Listeners(await listen(bind(path), serving.client(unix)), path)
+    listeners = Listeners(await listen(bind(path), serving.client(unix)), path, serving)
     log.info("Wyoming on %s", path)
     if settings.tcp:
         lan = Admission("TCP", lambda s: s.max_tcp_connections)  # slots apart from the Unix socket's
@@ -221,6 +243,8 @@ class Serving:
     metrics: Metrics
     draining: Callable[[], bool]
     budget: ByteBudget
+    stopping: asyncio.Event  # set at the daemon's stop (api/core.py's)
+    connections: int = 0  # being served now, on both listeners: a stop waits for them (each closes once idle)
 
     def client(self, admission: Admission) -> Serve:
         """A listener's connections, admitted by `admission`."""
@@ -240,8 +264,12 @@ class Serving:
                 finally:
                     writer.close()
                 return
-            with admission.held(peer):
-                await serve_client(self._handler(bounds, peer), bounds, peer, reader, writer)
+            self.connections += 1
+            try:
+                with admission.held(peer):
+                    await serve_client(self._handler(bounds, peer), bounds, peer, reader, writer, self.stopping)
+            finally:
+                self.connections -= 1
 
         return client
 

@@ -71,6 +71,10 @@ class WyomingHandler:
         self.synthesis_voice: SynthesizeVoice | None = None  # and the voice its start named
         self.synthesis_audio = False  # and whether its audio-start was sent
 
+    def idle(self) -> bool:
+        """Nothing under way but listening: no recording arriving, no synthesis streamed in."""
+        return self.recording is None and self.synthesis is None
+
     def info(self) -> Info:
         return Info(
             asr=[self._asr()] if self.speech else [],
@@ -216,15 +220,10 @@ class WyomingHandler:
         self.recording = None
 
     def close(self) -> None:
-        if self.wake is not None:
-            self.wake.close()
-            self.wake = None
-        if self.follower is not None:
-            self.follower.close()
-            self.follower = None
-        if self.heard is not None:
-            self.heard.close()
-            self.heard = None
+        for listening in (self.wake, self.follower, self.heard):
+            if listening is not None:
+                listening.close()
+        self.wake, self.follower, self.heard = None, None, None
 
     def _options(self) -> Options:
         return Options(self._language())

@@ -108,7 +108,9 @@ class Daemon:
             fleet.gpu_memory = cuda.memory_used
         bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
         refusing = lambda: fleet.order is not None  # noqa: E731
-        self.wyoming = await wyoming.start(config, bind, self.models, self.live, self.api.metrics, refusing, budget)
+        self.wyoming = await wyoming.start(
+            config, bind, self.models, self.live, self.api.metrics, refusing, budget, self.api.stopping
+        )
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -280,7 +282,8 @@ class Daemon:
         log.info("stopped")
 
     def _in_flight(self) -> int:
-        return self.listeners.in_flight if self.listeners is not None else 0
+        wyoming = self.wyoming.serving.connections if self.wyoming is not None else 0  # each closes once idle
+        return wyoming + (self.listeners.in_flight if self.listeners is not None else 0)
 
     def _remove_socket(self) -> None:
         for path in (self.bound_socket, self.wyoming.path if self.wyoming else None):

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from appliance.protocol.limits import LIMITS_BITTEN
 
@@ -106,3 +108,23 @@ class WriteProgress:
         LIMITS_BITTEN.bit("write timeout", f"a client read nothing for {timeout_s:g} s: connection closed")
         transport.abort()
         return True
+
+
+# while the daemon stops, how often a busy session looks whether it is done
+STOP_POLL_S = 0.05
+
+
+async def received(receiving: asyncio.Future[Any], stopping: asyncio.Event, idle: Callable[[], bool]) -> bool:
+    """Wait for the client's next message (`receiving`): True once it is there; False where the daemon
+    stops while the session has nothing under way but listening: at once, or once its work is done
+    (Realtime: a turn, a buffer, an answer; Wyoming: a recording, a synthesis). Work under way gets the
+    stop's grace time; a session only waiting for speech closes."""
+    while not receiving.done():
+        if stopping.is_set() and idle():
+            return False
+        waiter = asyncio.ensure_future(asyncio.sleep(STOP_POLL_S) if stopping.is_set() else stopping.wait())
+        try:
+            await asyncio.wait((receiving, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+    return True
