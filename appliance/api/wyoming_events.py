@@ -13,19 +13,25 @@ import contextlib
 import io
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from wyoming.error import Error
 from wyoming.event import Event
 from wyoming.event import write_event as write_sync
 
 from appliance.config import Config
+from appliance.errors import BadRequest
 from appliance.protocol.flow import WriteProgress
 from appliance.protocol.limits import LIMITS_BITTEN
 
 log = logging.getLogger("appliance.wyoming")
 MAX_HEADER_BYTES = 64 << 10
 LINGER_S = 5.0  # how long a connection closing after an error still reads what the client sends
+
+
+E = TypeVar("E")  # an event as the wyoming library reads it
 
 
 class WyomingError(Exception):
@@ -185,3 +191,12 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         async with asyncio.timeout(LINGER_S):
             while await reader.read(1 << 16):
                 pass
+
+
+def read_as(read: Callable[[Event], E], event: Event) -> E:
+    """The client's event read as the wyoming library reads it (`Transcribe.from_event`, ...): a field
+    missing or of the wrong type is the client's error naming the event; any other failure is ours."""
+    try:
+        return read(event)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BadRequest(f"bad {event.type} event: {exc!r}") from None

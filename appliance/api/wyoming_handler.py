@@ -27,7 +27,7 @@ from wyoming.wake import Detect
 
 from appliance import __version__
 from appliance.api.wyoming_audio import PcmIn, Recording
-from appliance.api.wyoming_events import WyomingError
+from appliance.api.wyoming_events import WyomingError, read_as
 from appliance.api.wyoming_noise import denoiser
 from appliance.api.wyoming_voice import Follower
 from appliance.api.wyoming_wake import WakeListening, wake_programs
@@ -117,30 +117,30 @@ class WyomingHandler:
         if Describe.is_type(event.type):
             return [self.info().event()]
         if Transcribe.is_type(event.type):
-            self.transcribe = Transcribe.from_event(event)
+            self.transcribe = read_as(Transcribe.from_event, event)
             self.close()  # a recording under way was heard for other options
             return []
         if Detect.is_type(event.type):
             self.close()
-            self.wake = WakeListening(self.wake_words, Detect.from_event(event))
+            self.wake = WakeListening(self.wake_words, read_as(Detect.from_event, event))
             return []
         if self.wake is not None and AudioChunk.is_type(event.type):
-            return await self.wake.chunk(AudioChunk.from_event(event))
+            return await self.wake.chunk(read_as(AudioChunk.from_event, event))
         if self.wake is not None and AudioStart.is_type(event.type):
-            self.wake.start(AudioStart.from_event(event))
+            self.wake.start(read_as(AudioStart.from_event, event))
             return []
         if self.wake is not None and AudioStop.is_type(event.type):
             answers, self.wake = self.wake.stop(), None
             return answers
         if AudioStart.is_type(event.type):
-            self.pcm = PcmIn(AudioStart.from_event(event), "audio-start")
+            self.pcm = PcmIn(read_as(AudioStart.from_event, event), "audio-start")
             self.denoiser = denoiser(self.transcribe)  # a bad one refuses the recording: no audio-start
             self._drop_recording()
             self.recording = Recording(self.max_samples, self.budget)
             self._hear()
             return []
         if AudioChunk.is_type(event.type):
-            samples = self._chunk(AudioChunk.from_event(event))
+            samples = self._chunk(read_as(AudioChunk.from_event, event))
             if self.heard is not None and self.follower is not None:
                 await self.heard.feed(samples)
                 return self.follower.heard_more(self.transcribe.language if self.transcribe else None)
@@ -153,19 +153,19 @@ class WyomingHandler:
         if Synthesize.is_type(event.type):
             if self.synthesis is not None:
                 return []  # the streamed form's closing synthesize, for old servers: already spoken
-            synthesize = Synthesize.from_event(event)
+            synthesize = read_as(Synthesize.from_event, event)
             await self.speak(checked_text(synthesize.text, "synthesize text"), synthesize.voice, send)
             return []
         if Ping.is_type(event.type):
-            return [Pong(text=Ping.from_event(event).text).event()]
+            return [Pong(text=read_as(Ping.from_event, event).text).event()]
         if SynthesizeStart.is_type(event.type):
-            self.synthesis, self.synthesis_voice = ArrivingText(), SynthesizeStart.from_event(event).voice
+            self.synthesis, self.synthesis_voice = ArrivingText(), read_as(SynthesizeStart.from_event, event).voice
             self.synthesis_audio = False
             return []
         if SynthesizeChunk.is_type(event.type):
             if self.synthesis is None:
                 raise BadRequest("synthesize-chunk before synthesize-start")
-            text = SynthesizeChunk.from_event(event).text
+            text = read_as(SynthesizeChunk.from_event, event).text
             if not isinstance(text, str):
                 raise BadRequest("synthesize-chunk: its text is a string")
             if self.synthesis.length + len(text) > MAX_TEXT_CHARS:  # as the HTTP API's speech input
