@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import hmac
+import ipaddress
 import logging
 import socket
 import struct
@@ -135,10 +136,14 @@ def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> No
 
 
 def _interface_of(host: str) -> tuple[int, int]:
-    """The index of the interface that holds the address `host`, and the address's prefix length."""
-    for adapter in ifaddr.get_adapters():
-        for ip in adapter.ips:
-            if ip.ip == host:
+    """The index of the interface that holds the address `host` (or, as loopback holds all of 127/8,
+    whose network holds it), and the prefix length."""
+    held = [(adapter, ip) for adapter in ifaddr.get_adapters() for ip in adapter.ips if isinstance(ip.ip, str)]
+    address = ipaddress.ip_address(host)
+    for exact in (True, False):
+        for adapter, ip in held:
+            network = ipaddress.ip_network(f"{ip.ip}/{ip.network_prefix}", strict=False)
+            if (ip.ip == host) if exact else (address in network):
                 return socket.if_nametoindex(adapter.name), ip.network_prefix
     raise ApplianceError(f"[wyoming] tcp: no interface of this host holds {host}")
 
