@@ -120,7 +120,7 @@ class DynamicBatcher:
             inferred = time.perf_counter_ns()
             self._split(jobs, outputs)
         except Exception as exc:  # an engine failure fails this batch, not the daemon
-            log.error("engine %s failed a batch of %d", self.engine.name, len(jobs), exc_info=True)
+            log.debug("engine %s failed a batch", self.engine.name, exc_info=True)  # its 500 is logged
             error = Unavailable(f"engine {self.engine.name} failed: {exc}", 500)
             return [(job, error) for job in jobs]
         done = time.perf_counter_ns()

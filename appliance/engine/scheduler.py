@@ -184,7 +184,7 @@ class Batcher:
                 inferred = time.perf_counter_ns()
                 probs = self.model.absorb(sequences, feeds, out)
             except Exception as exc:  # an engine failure fails this batch, not the daemon
-                log.error("engine %s failed a batch of %d", self.model.engine.name, len(active), exc_info=True)
+                log.debug("engine %s failed a batch", self.model.engine.name, exc_info=True)  # its 500 is logged
                 error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
                 failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()
