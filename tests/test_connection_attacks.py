@@ -23,6 +23,7 @@ import pytest
 from aioquic.asyncio import connect
 from aioquic.quic.events import QuicEvent, StopSendingReceived, StreamReset
 from conftest import Daemon, Keys, good_unix_client_beside
+from test_http1_timeouts import until
 from test_realtime_h3 import H3Client, configuration, open_websocket
 from websockets.sync.client import unix_connect
 
@@ -109,14 +110,6 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_deadline_and_a_s
             listening.close()
 
     asyncio.run(run())
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the server did not get there")
 
 
 # --- HTTPS: one address's share, and readers that stop, on a real daemon ---

@@ -10,7 +10,7 @@ import asyncio
 import base64
 import json
 import ssl
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx2
@@ -197,6 +197,28 @@ def test_tiny_appends_hold_their_samples_not_their_count(daemon: Daemon, turn_de
     assert wer(CLEAR[0], good_session(daemon)) <= 0.10
 
 
+async def share_taken_and_freed(
+    opener: Callable[[], Any], other: Callable[[], Any], stream: Callable[[ClientConnection], Awaitable[dict]]
+) -> list[dict[str, Any]]:
+    """Two sessions from `opener` held, a third from it, one from `other` beside them; then one of the
+    two leaves and the opener's next is tried until it is served: each one's answer to `stream`."""
+    held = [await opener() for _ in range(2)]
+    answers = [await stream(ws) for ws in held]
+    async with opener() as third:
+        answers.append(await stream(third))
+    async with other() as beside:
+        answers.append(await stream(beside))
+        await held.pop().close()
+        for _ in range(50):  # the box ends the left session's stream as it reads the close
+            async with opener() as after:
+                if (answer := await stream(after))["type"] == "session.updated":
+                    break
+            await asyncio.sleep(0.1)
+        answers.append(answer)
+    await held[0].close()
+    return answers
+
+
 def test_one_address_cannot_take_the_whole_sequence_table(start_daemon, interpreter_bundle, tls) -> None:
     """Nine QUIC connections of 120 Realtime streams from one address filled all 1024 live slots, and
     every other session was refused: the share was per connection. An address's connections share one
@@ -220,25 +242,9 @@ def test_one_address_cannot_take_the_whole_sequence_table(start_daemon, interpre
         await ws.send(json.dumps({"type": "session.update", "session": session}))
         return await next_event(ws, "session.updated")
 
-    async def run() -> list[dict[str, Any]]:
-        held = [await connect(https, ssl=context) for _ in range(2)]
-        answers = [await stream(ws) for ws in held]
-        async with connect(https, ssl=context) as third:
-            answers.append(await stream(third))
-        async with unix_connect(str(daemon.socket), URI) as beside:
-            answers.append(await stream(beside))
-            await held.pop().close()
-            for _ in range(50):  # the box ends the left session's stream as it reads the close
-                async with connect(https, ssl=context) as after:
-                    if (answer := await stream(after))["type"] == "session.updated":
-                        break
-                await asyncio.sleep(0.1)
-            answers.append(answer)
-        await held[0].close()
-        return answers
-
     with good_unix_client_beside(daemon):
-        answers = asyncio.run(run())
+        beside = lambda: unix_connect(str(daemon.socket), URI)  # noqa: E731
+        answers = asyncio.run(share_taken_and_freed(lambda: connect(https, ssl=context), beside, stream))
     assert [a["type"] for a in answers] == ["session.updated"] * 2 + ["error"] + ["session.updated"] * 2, answers
     message = answers[2]["error"]["message"]
     assert "127.0.0.1 holds 2 live streams, its address's share ([sequences] max_per_address)" in message, message

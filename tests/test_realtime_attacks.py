@@ -18,7 +18,7 @@ import pytest
 from conftest import Daemon, good_unix_client_beside
 from speech import RATE, recording
 from test_access import add_key
-from test_hostile_realtime import URI, good_session, next_event
+from test_hostile_realtime import URI, good_session, next_event, share_taken_and_freed
 from test_realtime import live_session
 from test_speech_to_text import CLEAR, wer, words
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
@@ -231,25 +231,8 @@ def test_one_key_cannot_take_the_whole_sequence_table(daemon: Daemon) -> None:
         await ws.send(session_update({"type": "server_vad"}))
         return await next_event(ws, "session.updated")
 
-    async def run() -> list[dict[str, Any]]:
-        held = [await as_key("flood") for _ in range(2)]
-        answers = [await stream(ws) for ws in held]
-        async with as_key("flood") as third:
-            answers.append(await stream(third))
-        async with as_key("hall") as beside:
-            answers.append(await stream(beside))
-            await held.pop().close()
-            for _ in range(50):  # the box ends the left session's stream as it reads the close
-                async with as_key("flood") as after:
-                    if (answer := await stream(after))["type"] == "session.updated":
-                        break
-                await asyncio.sleep(0.1)
-            answers.append(answer)
-        await held[0].close()
-        return answers
-
     with good_unix_client_beside(daemon):
-        answers = asyncio.run(run())
+        answers = asyncio.run(share_taken_and_freed(lambda: as_key("flood"), lambda: as_key("hall"), stream))
     assert [a["type"] for a in answers] == ["session.updated"] * 2 + ["error"] + ["session.updated"] * 2, answers
     message = answers[2]["error"]["message"]
     assert "key:flood holds 2 live streams, its key's share ([sequences] max_per_key)" in message, message
