@@ -108,8 +108,8 @@ def test_a_turn_being_heard_at_the_stop_ends_with_its_transcript_then_the_close(
 
 
 def wyoming_through_stop(daemon, samples: np.ndarray | None) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
-    """A Wyoming client on the Unix socket: with `samples`, a recording of them begun, SIGTERM after its
-    first chunk, the rest and audio-stop sent after it; without, SIGTERM once it was described. Every
+    """A Wyoming client on the Unix socket: with `samples`, a recording of them sent at the pace of
+    speech, SIGTERM half a second in, the rest and audio-stop sent after it; without, SIGTERM once it was described. Every
     event it reads until the close: (type, its text or code), ("stop", None) where the signal went."""
     events: list[tuple[str, object]] = []
 
@@ -128,10 +128,11 @@ def wyoming_through_stop(daemon, samples: np.ndarray | None) -> list[tuple[str, 
                 await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
                 step = RATE * 2 // 10
                 pcm16 = pcm(samples, RATE)
-                for at in range(0, len(pcm16), step):
+                for at in range(0, len(pcm16), step):  # at the pace of speech, as a microphone sends it
                     chunk = AudioChunk(rate=RATE, width=2, channels=1, audio=pcm16[at : at + step])
                     await client.write_event(chunk.event())
-                    if not at:
+                    await asyncio.sleep(APPEND_S)
+                    if at == 5 * step:  # half a second in: the recording is under way on the box
                         stop()
                 await client.write_event(AudioStop().event())
             while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:

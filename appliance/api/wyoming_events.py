@@ -23,7 +23,6 @@ from wyoming.event import write_event as write_sync
 
 from appliance.config import Config
 from appliance.errors import BadRequest
-from appliance.protocol.flow import WriteProgress
 from appliance.protocol.limits import LIMITS_BITTEN
 
 log = logging.getLogger("appliance.wyoming")
@@ -140,16 +139,16 @@ async def write_event(event: Event, writer: asyncio.StreamWriter, timeout_s: flo
     encoded = io.BytesIO()
     write_sync(event, encoded)
     writer.write(encoded.getvalue())
-    progress, loop = WriteProgress(), asyncio.get_running_loop()  # the transports' one write deadline
-    progress.overdue(loop.time(), writer.transport.get_write_buffer_size(), timeout_s)
+    buffered = writer.transport.get_write_buffer_size()
     while True:
         try:
             async with asyncio.timeout(timeout_s):
                 await writer.drain()
             return
         except TimeoutError:
-            if progress.overdue(loop.time(), writer.transport.get_write_buffer_size(), timeout_s):
+            if (now := writer.transport.get_write_buffer_size()) >= buffered:
                 raise WriteTimeout(f"it took nothing the box sent for {timeout_s:g} s") from None
+            buffered = now
 
 
 def cut_off(exc: WriteTimeout, client: str, writer: asyncio.StreamWriter) -> None:
