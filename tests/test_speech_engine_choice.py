@@ -27,10 +27,10 @@ class FlakyGpu(ArrayWhisperEngine):
 
     oom = False
 
-    def run(self, shards):
+    def encode(self, features):
         if self.oom:
             raise MemoryError("out of memory allocating 1,073,741,824 bytes")
-        return super().run(shards)
+        return super().encode(features)
 
 
 def test_auto_without_a_gpu_engine_is_ctranslate2_on_the_cpu(voice_bundle: Path, keys: Keys, caplog) -> None:
@@ -62,3 +62,27 @@ def test_batches_go_to_the_cpu_above_the_threshold_and_when_the_gpu_runs_out_of_
     assert gpu.windows["shards"] == 2 and cpu.windows["shards"] == 2  # at 0.85 it stayed on the GPU
     assert engine.windows["shards"] == 4
     assert all("pharmacy" in t for t in texts), texts
+
+
+def test_the_continuous_runner_goes_to_the_cpu_above_the_threshold_and_when_the_gpu_runs_out_of_memory(
+    voice_bundle: Path, keys: Keys, tmp_path: Path
+) -> None:
+    """The batch queue's runner of the same engines (FallbackDecoding): shards that begin above the
+    threshold, or whose encoding runs out of GPU memory, are answered by the CPU engine."""
+    directory = model_dir(voice_bundle, keys, "whisper_tiny_en")
+    whisper_weights.convert(directory, tmp_path / "w.npz")
+    gpu = FlakyGpu(whisper_weights.load(tmp_path / "w.npz"), directory, 2)
+    cpu = WhisperEngine(directory, "cpu", 1, 1)
+    reading = {"used": 0.10}
+    engine = SpeechCpuFallback(gpu, cpu, 0.85, lambda: reading["used"])
+    runner = engine.decoding(2)
+    shard = Shard(say("Where is the nearest pharmacy"))
+    texts = {}
+    for key, (used, oom) in enumerate(((0.10, False), (0.92, False), (0.10, True))):
+        reading["used"], gpu.oom = used, oom
+        runner.begin([(key, shard)])
+        while key not in texts:
+            texts.update((k, " ".join(p.text for p in d.pieces).lower()) for k, d in runner.advance())
+    assert engine.fallbacks == {"memory_pressure": 1, "out_of_memory": 1}
+    assert gpu.windows["shards"] == 1 and cpu.windows["shards"] == 2
+    assert all("pharmacy" in t for t in texts.values()), texts

@@ -79,25 +79,30 @@ class SpeechCpuFallback:
     def check(self, language: str | None, task: str) -> None:
         self.cpu.check(language, task)
 
-    def _engine(self) -> SpeechEngine:
+    def engine_now(self) -> SpeechEngine:
+        """The GPU engine, or the CPU one while GPU memory is above the threshold (counted)."""
         if self.memory_used() > self.threshold:
             self.fallbacks["memory_pressure"] += 1
             return self.cpu
         return self.gpu
 
     def run(self, shards: list[Shard]) -> list[Decoded]:
-        engine = self._engine()
+        engine = self.engine_now()
         try:
             return engine.run(shards)
         except self.out_of_memory:
             if engine is self.cpu:
                 raise
-            self.fallbacks["out_of_memory"] += 1
-            log.warning("engine %s: out of GPU memory on a batch of %d, ran it on the CPU", self.name, len(shards))
-            return self.cpu.run(shards)
+            return self.after_out_of_memory(shards)
+
+    def after_out_of_memory(self, shards: list[Shard]) -> list[Decoded]:
+        """Shards the GPU ran out of memory on, decoded on the CPU engine (counted, logged)."""
+        self.fallbacks["out_of_memory"] += 1
+        log.warning("engine %s: out of GPU memory on %d shards, ran them on the CPU", self.name, len(shards))
+        return self.cpu.run(shards)
 
     def detect(self, clips: list[np.ndarray]) -> list[tuple[str, float]]:
-        return self._engine().detect(clips)
+        return self.engine_now().detect(clips)
 
     def decoding(self, max_batch: int) -> FallbackDecoding:
         return FallbackDecoding(self, self.gpu.decoding(max_batch))
@@ -118,16 +123,15 @@ class FallbackDecoding:
 
     def begin(self, keyed: list[tuple[Hashable, Shard]]) -> None:
         engines = self.engines
-        if engines.memory_used() > engines.threshold:
-            engines.fallbacks["memory_pressure"] += 1
-            self._cpu(keyed)
+        if engines.engine_now() is engines.cpu:
+            self._answered(keyed, engines.cpu.run([shard for _, shard in keyed]))
             return
         try:
             self.gpu.begin(keyed)
         except engines.out_of_memory:
             for key, _ in keyed:
                 self.gpu.drop(key)
-            self._out_of_memory(keyed)
+            self._after_out_of_memory(keyed)
 
     def advance(self) -> list[tuple[Hashable, Decoded]]:
         if self._on_cpu:
@@ -136,7 +140,7 @@ class FallbackDecoding:
         try:
             return self.gpu.advance()
         except self.engines.out_of_memory:
-            self._out_of_memory(self.gpu.clear())
+            self._after_out_of_memory(self.gpu.clear())
             answered, self._on_cpu = self._on_cpu, []
             return answered
 
@@ -148,15 +152,12 @@ class FallbackDecoding:
         self._on_cpu = []
         return self.gpu.clear()
 
-    def _out_of_memory(self, keyed: list[tuple[Hashable, Shard]]) -> None:
-        self.engines.fallbacks["out_of_memory"] += 1
-        log.warning("engine %s: out of GPU memory with %d shards, ran them on the CPU", self.engines.name, len(keyed))
-        self._cpu(keyed)
-
-    def _cpu(self, keyed: list[tuple[Hashable, Shard]]) -> None:
+    def _after_out_of_memory(self, keyed: list[tuple[Hashable, Shard]]) -> None:
         if keyed:
-            answers = self.engines.cpu.run([shard for _, shard in keyed])
-            self._on_cpu += [(key, answer) for (key, _), answer in zip(keyed, answers)]
+            self._answered(keyed, self.engines.after_out_of_memory([shard for _, shard in keyed]))
+
+    def _answered(self, keyed: list[tuple[Hashable, Shard]], answers: list[Decoded]) -> None:
+        self._on_cpu += [(key, answer) for (key, _), answer in zip(keyed, answers)]
 
 
 def load_speech_engine(
