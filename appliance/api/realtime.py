@@ -26,7 +26,7 @@ from appliance.api.openai_models import speech_to_text
 from appliance.api.realtime_answers import Answer, Answers, Interpreter
 from appliance.api.realtime_conversation import AudioItem, Item
 from appliance.api.realtime_io import Output
-from appliance.api.realtime_limits import Held, Limits, Pace
+from appliance.api.realtime_limits import Limits, Pace
 from appliance.api.realtime_session import (
     COMPLETED,
     MAX_BUFFER_S,
@@ -49,7 +49,7 @@ from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.kinds.capabilities import Interpreting, LiveTranscriber
 from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
 from appliance.protocol.flow import received
-from appliance.protocol.limits import ByteBudget
+from appliance.protocol.limits import LIMITS_BITTEN, ByteBudget, Held
 from appliance.protocol.messages import Close, Message, Request, Response, SessionIO
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
@@ -168,7 +168,7 @@ class Turns:
         self.emit, self.first_audio, self.interpreter = emit, first_audio, interpreter
         self.pending: list[np.ndarray] = []  # 16 kHz samples not yet sent (or, without VAD, the buffer)
         self.pending_samples = 0
-        self.held = Held(limits.budget, session.id)  # the manual buffer's bytes
+        self.held = Held(limits.budget)  # the manual buffer's bytes
         self.pace = Pace()
         self.gathered = 0  # pending's arrays before this one are joined (see feed)
         self.stream = 0  # the live stream's number within the session
@@ -246,6 +246,9 @@ class Turns:
         try:
             if self.pending_samples + len(samples) > MAX_BUFFER_S * SAMPLE_RATE:
                 raise RealtimeError(f"the input buffer holds more than {MAX_BUFFER_S:g} s", "buffer_too_large")
+            if why := self.held.refusal(samples.nbytes):
+                LIMITS_BITTEN.bit("realtime buffers", f"Realtime session {self.session.id}: {why}")
+                raise RealtimeError(f"{why} ([server] max_buffered_bytes)", "buffer_too_large")
             self.held.take(samples.nbytes)
         except RealtimeError as exc:
             self._drop()

@@ -1,5 +1,5 @@
 """What bounds a Realtime session, without I/O: its audio against the wall clock (the clock is an
-argument), and the bytes of its manual buffer against the daemon's byte budget.
+argument); its manual buffer's bytes are held against the daemon's byte budget (protocol/limits.py's Held).
 
 A live stream's chunks go to the engine's urgent lane, ahead of every recording: a client that sends
 speech faster than it is spoken would hold that lane for as long as it sends (one such client took a
@@ -16,14 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from appliance.api.realtime_settings import RealtimeError
 from appliance.config import Live
-from appliance.protocol.limits import LIMITS_BITTEN, ByteBudget
+from appliance.protocol.limits import ByteBudget
 
 # a debt smaller than this is not waited for yet: a session of tiny appends sleeps once per this much
 # audio, not once per append
 QUANTUM_S = 0.1
-BUFFERS = "request bodies and Realtime audio buffers"  # what the byte budget holds, as its refusal says
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,29 +33,6 @@ class Limits:
     live: Live
     budget: ByteBudget | None
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class Held:
-    """The bytes of one session's manual buffer, taken from the daemon's byte budget as it grows and
-    given back when it is committed, cleared or dropped, or the session ends."""
-
-    def __init__(self, budget: ByteBudget | None, session: str) -> None:
-        self.budget, self.session, self.bytes = budget, session, 0
-
-    def take(self, count: int) -> None:
-        """Hold `count` more bytes, or a RealtimeError naming the bound (logged, rate-limited)."""
-        if self.budget is None:
-            return
-        if why := self.budget.refuses(count, BUFFERS):
-            LIMITS_BITTEN.bit("realtime buffers", f"Realtime session {self.session}: {why}")
-            raise RealtimeError(f"{why} ([server] max_buffered_bytes)", "buffer_too_large")
-        self.budget.take(count, BUFFERS)
-        self.bytes += count
-
-    def give_all(self) -> None:
-        if self.budget is not None:
-            self.budget.give(self.bytes)
-        self.bytes = 0
 
 
 class Pace:

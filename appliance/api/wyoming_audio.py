@@ -10,10 +10,9 @@ from wyoming.audio import AudioChunk, AudioStart
 from appliance.api.wyoming_events import WyomingError
 from appliance.audio import StreamResampler, pcm16, to_pcm16
 from appliance.errors import BadRequest
-from appliance.protocol.limits import ByteBudget
+from appliance.protocol.limits import ByteBudget, Held
 
 SAMPLE_RATE = 16000
-HELD = "request bodies, audio buffers and recordings"  # what the daemon's byte budget holds, as its refusal says
 MIN_RATE, MAX_RATE, MAX_CHANNELS = 8000, 192000, 8  # the PCM a recording may come as
 
 
@@ -74,23 +73,22 @@ class Recording:
     release(): transcribed, replaced, or its connection gone. Past either bound it is refused whole."""
 
     def __init__(self, max_samples: int, budget: ByteBudget) -> None:
-        self.max_samples, self.budget = max_samples, budget
+        self.max_samples, self.held = max_samples, Held(budget)
         self.pieces: list[np.ndarray] = []
-        self.samples = self.held = 0  # its length, and its bytes taken from the budget
+        self.samples = 0
 
     def add(self, samples: np.ndarray) -> None:
         if self.samples + len(samples) > self.max_samples:
             raise WyomingError(
                 f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording_too_long"
             )
-        if why := self.budget.refuses(samples.nbytes, HELD):
+        if why := self.held.refusal(samples.nbytes):
             raise WyomingError(f"{why} (server.max_buffered_bytes); retry later", "max_buffered_bytes")
-        self.budget.take(samples.nbytes, HELD)
-        self.held += samples.nbytes
+        self.held.take(samples.nbytes)
         self.samples += len(samples)
         self.pieces.append(samples)
 
     def release(self) -> None:
-        self.budget.give(self.held)
-        self.held, self.samples = 0, 0
+        self.held.give_all()
+        self.samples = 0
         self.pieces.clear()

@@ -43,6 +43,32 @@ class ByteBudget(Protocol):
     def give(self, count: int) -> None: ...
 
 
+# what the byte budget holds beside request bodies, as a refusal of a Realtime buffer or a Wyoming recording says
+HELD = "request bodies, audio buffers and recordings"
+
+
+class Held:
+    """The bytes one holder (a Realtime session's manual buffer, a Wyoming recording) takes from the
+    daemon's byte budget as it grows, all given back at once (None: nothing bounds them)."""
+
+    def __init__(self, budget: ByteBudget | None) -> None:
+        self.budget, self.bytes = budget, 0
+
+    def refusal(self, count: int) -> str:
+        """Why `count` more bytes do not fit ("" where they do)."""
+        return self.budget.refuses(count, HELD) if self.budget is not None else ""
+
+    def take(self, count: int) -> None:
+        if self.budget is not None:
+            self.budget.take(count, HELD)
+        self.bytes += count
+
+    def give_all(self) -> None:
+        if self.budget is not None:
+            self.budget.give(self.bytes)
+        self.bytes = 0
+
+
 def worker_share(limit: int, workers: int) -> int:
     """One process's part of a daemon-wide limit: with N protocol workers each holds 1/N of it."""
     return max(1, limit // workers)
