@@ -44,15 +44,20 @@ def test_auto_without_a_gpu_engine_is_ctranslate2_on_the_cpu(voice_bundle: Path,
         load_speech_engine("tpu", bundle, spec, 1, 5, 1400 * 320)
 
 
-def test_batches_go_to_the_cpu_above_the_threshold_and_when_the_gpu_runs_out_of_memory(
-    voice_bundle: Path, keys: Keys, tmp_path: Path
-) -> None:
+@pytest.fixture
+def fallback(voice_bundle: Path, keys: Keys, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """tiny.en's own engine (FlakyGpu) with CTranslate2 on the CPU behind it, above 85% of a GPU
+    memory reading the test sets: the engines, the reading, and SpeechCpuFallback over them."""
     directory = model_dir(voice_bundle, keys, "whisper_tiny_en")
     whisper_weights.convert(directory, tmp_path / "w.npz")
     gpu = FlakyGpu(whisper_weights.load(tmp_path / "w.npz"), directory, 2)
     cpu = WhisperEngine(directory, "cpu", 1, 1)
     reading = {"used": 0.10}
-    engine = SpeechCpuFallback(gpu, cpu, 0.85, lambda: reading["used"])
+    return gpu, cpu, reading, SpeechCpuFallback(gpu, cpu, 0.85, lambda: reading["used"])
+
+
+def test_batches_go_to_the_cpu_above_the_threshold_and_when_the_gpu_runs_out_of_memory(fallback) -> None:  # type: ignore[no-untyped-def]
+    gpu, cpu, reading, engine = fallback
     shard = [Shard(say("Where is the nearest pharmacy"))]
     texts = []
     for used, oom in ((0.10, False), (0.92, False), (0.85, False), (0.10, True)):
@@ -65,16 +70,11 @@ def test_batches_go_to_the_cpu_above_the_threshold_and_when_the_gpu_runs_out_of_
 
 
 def test_the_continuous_runner_goes_to_the_cpu_above_the_threshold_and_when_the_gpu_runs_out_of_memory(
-    voice_bundle: Path, keys: Keys, tmp_path: Path
+    fallback,  # type: ignore[no-untyped-def]
 ) -> None:
     """The batch queue's runner of the same engines (FallbackDecoding): shards that begin above the
     threshold, or whose encoding runs out of GPU memory, are answered by the CPU engine."""
-    directory = model_dir(voice_bundle, keys, "whisper_tiny_en")
-    whisper_weights.convert(directory, tmp_path / "w.npz")
-    gpu = FlakyGpu(whisper_weights.load(tmp_path / "w.npz"), directory, 2)
-    cpu = WhisperEngine(directory, "cpu", 1, 1)
-    reading = {"used": 0.10}
-    engine = SpeechCpuFallback(gpu, cpu, 0.85, lambda: reading["used"])
+    gpu, cpu, reading, engine = fallback
     runner = engine.decoding(2)
     shard = Shard(say("Where is the nearest pharmacy"))
     texts = {}
