@@ -4,6 +4,7 @@ daemons (workers 1 and 2), real clients on both transports, the real Piper voice
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import signal
@@ -108,11 +109,17 @@ def speech_body(text: str = LONG_TEXT, audio_format: str = "pcm") -> bytes:
     return json.dumps({"model": "joe", "voice": "joe", "input": text, "response_format": audio_format}).encode()
 
 
-def warmed_rss(daemon: Daemon) -> dict[int, int]:
-    """Every process's resident memory once the voice has run sentences like those of LONG_TEXT (the
-    engine's arenas grow on the first ones: that is not what a slow client holds)."""
-    with daemon.client() as client:
-        client.speech(" ".join(SENTENCES * 3), voice="joe", model="joe", response_format="pcm")
+def warmed_rss(daemon: Daemon, clients: int = 1) -> dict[int, int]:
+    """Every process's resident memory once the voice has run sentences like those of LONG_TEXT for as
+    many clients at once as the test has (the engine's arenas grow on the first ones, and its lanes'
+    sessions only once two requests' sentences meet in a batch: that is not what a slow client holds)."""
+
+    def speak(_: int) -> None:
+        with daemon.client() as client:
+            client.speech(" ".join(SENTENCES * 3), voice="joe", model="joe", response_format="pcm")
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        list(pool.map(speak, range(clients)))
     return process_tree_rss_kib(daemon)
 
 

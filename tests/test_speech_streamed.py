@@ -91,7 +91,7 @@ def test_wav_and_flac_readers_that_never_read_stop_the_synthesis(
     """Two clients ask for 60,000 characters each, one as wav, one as flac, and read nothing: the voice
     runs a bounded number of sentences for them (800 asked), memory stays within the bound, a good
     client beside them gets its whole WAV, and the two leaving are counted as cancellations."""
-    before_rss, before_shards = warmed_rss(speech_daemon), shards_run(speech_daemon)
+    before_rss, before_shards = warmed_rss(speech_daemon, clients=2), shards_run(speech_daemon)
     attackers = [
         unix_request(speech_daemon.socket, "POST", "/v1/audio/speech", speech_body(audio_format=f))
         for f in ("wav", "flac")
