@@ -59,7 +59,7 @@ from appliance.kinds.capabilities import Interpreting
 from appliance.protocol.encoding import accepted_coding, compress
 from appliance.protocol.limits import ByteBudget
 from appliance.protocol.messages import Opened, Request, Response, error_response, json_response
-from appliance.protocol.peers import PeerTable
+from appliance.protocol.peers import PeerTable, reading
 from appliance.tasks import off_loop
 
 log = logging.getLogger("appliance.api")
@@ -290,14 +290,16 @@ class Api:
 
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
         workers = self.workers() if self.workers else None
-        text = prometheus.render(self.metrics, self.models.values(), self.peer_table, self.manifest.version, workers)
+        peers = None if self.peer_table is None else await reading(self.peer_table, every_peer=False)
+        text = prometheus.render(self.metrics, self.models.values(), peers, self.manifest.version, workers)
         text += self.fleet.metrics()
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def _status(self, request: Request, params: dict[str, str]) -> Response:
         workers = self.workers() if self.workers else None
+        peers = None if self.peer_table is None else await reading(self.peer_table, every_peer=True)
         doc = status_document(
-            self.firmware_info(), self.ready, self.models.values(), workers, self.quic, self.tls, self.peer_table
+            self.firmware_info(), self.ready, self.models.values(), workers, self.quic, self.tls, peers
         )
         return json_response(200, doc)
 

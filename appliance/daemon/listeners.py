@@ -111,7 +111,9 @@ class Listeners:
             try:
                 socks, self.quic_reason = quic_sockets(config.quic, quic_sock, workers)
                 keys = worker_keys(len(socks))
-                self.cache = open_cache(lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None)
+                self.cache = await asyncio.to_thread(  # the eBPF loader compiles for seconds: the loop serves
+                    open_cache, lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None
+                )
             except (OSError, ValueError) as exc:
                 raise _quic_start_error(config, quic_sock, exc) from None
             if len(socks) > 1 and self.cache.steering_reason:

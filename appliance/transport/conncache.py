@@ -311,7 +311,9 @@ class KernelCache(ConnectionCache):
 
     def _read(self, table: PinnedMap, size: int) -> tuple[dict[str, Peer], dict[str, bytes]]:
         out, keys = {}, {}
-        for key in table.keys(limit=2 * size):
+        for count, key in enumerate(table.keys(limit=2 * size)):
+            if count % 64 == 63:
+                time.sleep(0)  # a walk runs in a thread: the GIL to the event loop (else it waits 5 ms a turn)
             value = table.lookup(key)
             if value is None:  # evicted while we walked
                 continue

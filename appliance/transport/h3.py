@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives import hashes
 from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Handler, Opened, Request
+from appliance.protocol.peers import without_stalling
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, peer_name
@@ -106,7 +107,10 @@ class H3Server:
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
         udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
-        self.cache = cache if cache is not None else open_cache(lambda: self.live.config.conncache, [udp_socket])
+        if cache is None:  # the eBPF loader compiles and loads for seconds: the loop serves meanwhile, and
+            self._quic_server.admit = lambda data, addr: False  # QUIC drops what comes (clients send again)
+            cache = await asyncio.to_thread(open_cache, lambda: self.live.config.conncache, [udp_socket])
+        self.cache = cache
         self._quic_server.admit = self.cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
@@ -150,7 +154,8 @@ class H3Server:
                 log.warning("conncache: the engine did not say which sequences are open; next sweep retries")
                 continue
             self.owners.forget_ended(still.__contains__)
-            for peer in self.cache.sweep(self.peers_held() | self.owners.peers(), self.peers_held()):
+            holding, live, cache = self.peers_held() | self.owners.peers(), self.peers_held(), self.cache
+            for peer in await without_stalling(cache, lambda: cache.sweep(holding, live)):
                 opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
                 self.api.end_opened(opened)
                 log.info(
