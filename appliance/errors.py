@@ -1,8 +1,16 @@
 """Errors that carry the HTTP status to answer with; each layer raises, the API core catches once."""
 
+import os
+
 
 class ApplianceError(Exception):
     """A problem the user can fix: bad config, a bundle that fails verification, a bad key."""
+
+
+def cannot_listen(key: str, address: str, exc: OSError) -> ApplianceError:
+    """A listener's start failure, naming its config key: "address already in use", not the wording of
+    whichever library bound the socket."""
+    return ApplianceError(f"{key} {address}: cannot listen: {os.strerror(exc.errno) if exc.errno else exc}")
 
 
 class ApiError(Exception):

@@ -9,6 +9,7 @@ import http.client
 import io
 import json
 import re
+import socket
 import ssl
 import subprocess
 import time
@@ -263,6 +264,21 @@ def test_https_that_cannot_start_is_one_line_and_the_start_failure_code(start_da
     assert daemon.proc.wait(60) == 3  # exitcodes.START_FAILED: systemd does not restart it
     lines = [line for line in daemon.log.read_text().splitlines() if "start failed" in line]
     assert len(lines) == 1 and "missing-key.pem" in lines[0], daemon.log.read_text()
+
+
+@pytest.mark.parametrize("key", ["wyoming.tcp", "fleet.agent_address"])
+def test_a_listener_whose_port_is_taken_is_one_start_failure_line_naming_its_key(start_daemon, key: str) -> None:
+    """Another process holds the port: the daemon exits with the start-failure code and one line that
+    names the key and the address, as systemd's status shows it."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        section, name = key.split(".")
+        daemon = start_daemon(extra=f'[{section}]\n{name} = "{address}"\n', wait=False)
+        assert daemon.proc.wait(60) == 3  # exitcodes.START_FAILED: systemd does not restart it
+    lines = [line for line in daemon.log.read_text().splitlines() if "start failed" in line]
+    assert lines == [f"appliance: ERROR: start failed: {key} {address}: cannot listen: Address already in use"], (
+        daemon.log.read_text()
+    )
 
 
 def test_alt_svc_is_left_out_when_turned_off(start_daemon, tls) -> None:

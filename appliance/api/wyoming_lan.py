@@ -25,9 +25,10 @@ from pathlib import Path
 
 import ifaddr
 from zeroconf import DNSQuestionType, InterfaceChoice, IPVersion
+from zeroconf import Error as ZeroconfError
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, cannot_listen
 
 log = logging.getLogger("appliance.wyoming")
 SERVICE = "_wyoming._tcp.local."
@@ -48,8 +49,19 @@ async def listen_tcp(
     address's interface (all of them for 0.0.0.0), and answering mDNS queries only there; the
     announcement's TXT record carries `properties` (the HTTPS port: `appliance fleet targets`)."""
     host, _, port = address.rpartition(":")
-    server = await asyncio.start_server(serve, host, int(port), limit=limit)
-    bound = server.sockets[0].getsockname()
+    try:
+        server = await asyncio.start_server(serve, host, int(port), limit=limit)
+    except OSError as exc:
+        raise cannot_listen("wyoming.tcp", address, exc) from None
+    try:
+        return server, await _announce(address, host, server.sockets[0].getsockname()[1], properties)
+    except (OSError, ZeroconfError) as exc:  # no multicast on that interface, say
+        server.close()
+        raise ApplianceError(f"wyoming.tcp {address}: cannot announce it on zeroconf: {exc}") from None
+
+
+async def _announce(address: str, host: str, port: int, properties: dict[str, str]) -> AsyncZeroconf:
+    """Wyoming on TCP `port` announced by zeroconf on `host`'s interface (every one for 0.0.0.0)."""
     everywhere = host in ("0.0.0.0", "")
     zeroconf = AsyncZeroconf(interfaces=InterfaceChoice.All if everywhere else [host], ip_version=IPVersion.V4Only)
     if not everywhere:
@@ -61,14 +73,14 @@ async def listen_tcp(
         SERVICE,
         f"{instance}.{SERVICE}",
         addresses=addresses,
-        port=bound[1],
+        port=port,
         properties=properties,
         server=f"{_lan_host(name, address)}.local.",
     )
     # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
     await zeroconf.async_register_service(info, allow_name_change=True)
     log.info("Wyoming on TCP %s, announced as %s (peers from wyoming.allow)", address, info.name)
-    return server, zeroconf
+    return zeroconf
 
 
 async def _free_instance(zeroconf: AsyncZeroconf, instance: str) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from cryptography import x509
 
 from appliance.config import Config, Live, QuicConfig
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, cannot_listen
 from appliance.protocol.messages import Handler, Opened
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget
@@ -71,7 +71,7 @@ def listen_https(config: Config) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ApplianceError(f"https: cannot listen on TCP {host}:{port}: {exc.strerror or exc}") from None
+        raise cannot_listen("https", f"{host}:{port}", exc) from None
     sock.listen(1024)
     sock.setblocking(False)
     log.info("https: HTTP/1.1 over TLS on TCP %s:%d", host, sock.getsockname()[1])
