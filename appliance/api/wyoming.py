@@ -75,7 +75,7 @@ from appliance.errors import ApiError
 from appliance.kinds.base import ServedModel
 from appliance.protocol.flow import received
 from appliance.protocol.limits import ByteBudget, over_bound
-from appliance.transport.unix_peer import unix_peer
+from appliance.protocol.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
 

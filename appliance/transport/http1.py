@@ -30,11 +30,11 @@ import httptools
 from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow, WriteProgress
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response
+from appliance.protocol.unix_peer import unix_peer
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
 from appliance.transport.connection_bounds import admission_refusal
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
-from appliance.transport.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.http")
 TIMEOUT_CHECK_S = 0.5
