@@ -292,7 +292,7 @@ EVERY_FIELD = {  # a value other than the default for every key; `client_ca`, `o
         "allow": "10.0.0.0/8, 127.0.0.2",
     },
     "access": {"keys": "keys dir/api-keys.toml", "origins": "https://kiosk.lan"},
-    "fleet": {"agent_address": "127.0.0.1:8444"},
+    "fleet": {"agent_address": "127.0.0.1:8444", "proxies": "10.0.0.5/32"},
     "conncache": {
         "backend": "user",
         "max_entries": 10,

@@ -75,6 +75,7 @@ from appliance.errors import ApiError
 from appliance.kinds.base import ServedModel
 from appliance.protocol.flow import received
 from appliance.protocol.limits import ByteBudget, over_bound
+from appliance.protocol.proxied import ORIGIN
 from appliance.protocol.unix_peer import unix_peer
 
 log = logging.getLogger("appliance.wyoming")
@@ -179,7 +180,10 @@ async def serve_client(
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
-    """Who owns the connection's VAD sequence: the user on the Unix socket, the host on TCP."""
+    """Who owns the connection's VAD sequence: the user on the Unix socket, the host on TCP (behind a
+    balancer, the client's its PROXY header named)."""
+    if (origin := ORIGIN.get()) is not None:
+        return origin[0]
     peername = writer.get_extra_info("peername")
     if isinstance(peername, tuple) and peername:
         return str(peername[0])

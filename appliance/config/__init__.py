@@ -282,10 +282,11 @@ def _check_values(config: Config) -> None:
         host, _, port = address.rpartition(":")
         if address and not (host and port.isdigit() and 0 < int(port) < 65536):
             raise ApplianceError(f"{source}: {key}: {address!r} is not HOST:PORT")
-    try:
-        cidrs(config.wyoming.allow)
-    except ValueError as exc:
-        raise ApplianceError(f"{source}: wyoming.allow: {exc}") from None
+    for key, setting in (("wyoming.allow", config.wyoming.allow), ("fleet.proxies", config.fleet.proxies)):
+        try:
+            cidrs(setting)
+        except ValueError as exc:
+            raise ApplianceError(f"{source}: {key}: {exc}") from None
     if config.engine.queue_delay_us < 0:
         raise ApplianceError(f"{source}: engine.queue_delay_us: must not be negative")
     if config.engine.queue_timeout_s < 0:
@@ -363,6 +364,7 @@ RELOADABLE_KEYS = frozenset(
         "wyoming.max_tcp_connections",
         "wyoming.max_connections_per_peer",
         "wyoming.allow",
+        "fleet.proxies",
         "access.keys",
         "access.origins",
         "websocket.ping_interval_s",

@@ -194,6 +194,7 @@ class FleetConfig:
     """The box behind a load balancer (docs/operations.md, "Many boxes behind HAProxy")."""
 
     agent_address: str = ""  # "HOST:PORT": HAProxy's agent check reads the box's weight or drain here (off when empty)
+    proxies: str = ""  # balancers (CIDRs) whose TCP connections begin with a PROXY v2 header naming the client
 
 
 @dataclass(frozen=True, slots=True)

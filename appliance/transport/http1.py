@@ -30,6 +30,7 @@ import httptools
 from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow, WriteProgress
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response
+from appliance.protocol.proxied import Address
 from appliance.protocol.unix_peer import unix_peer
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
@@ -87,8 +88,9 @@ class Http1Server:
         """The daemon's limit of connections and one peer's share of it (a user's on the Unix socket)."""
         return self.limits.max_connections, self.limits.max_connections_per_peer
 
-    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
-        """Who the client is (Request.client), its address (Request.peer), and whether it is an operator."""
+    def identify(self, transport: asyncio.BaseTransport, origin: Address | None) -> tuple[str, str, bool]:
+        """Who the client is (Request.client), its address (Request.peer), and whether it is an operator;
+        `origin`: the client a balancer's PROXY header named (HTTPS: protocol/proxied.py)."""
         client, operator = unix_peer(transport.get_extra_info("socket"))
         return client, "", operator
 
@@ -153,6 +155,7 @@ class HttpConnection(WebSocketUpgrade):
         self._writable.set()
         self._progress = WriteProgress()  # whether what we write is taken (the write deadline)
         self.share_key = ""  # whose share of the connections this one takes (Http1Server.share_key)
+        self.origin: Address | None = None  # the client its balancer's PROXY header named (HTTPS)
         self._serving: asyncio.Task[None] | None = None
         self._window: SendWindow | None = None  # the streamed answer being written, if one is
         self._upgrade = None
@@ -168,7 +171,7 @@ class HttpConnection(WebSocketUpgrade):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=self.server.limits.stream_window_bytes)  # type: ignore[union-attr]
-        self.client, self.peer, self.operator = self.server.identify(transport)
+        self.client, self.peer, self.operator = self.server.identify(transport, self.origin)
         self.share_key = self.server.share_key(self.client, self.peer)
         if (refusal := self.server.refusal(self.share_key)) is not None:
             self._reject(refusal)

@@ -28,9 +28,10 @@ from cryptography import x509
 from appliance.config import Config, Live, QuicConfig
 from appliance.errors import ApplianceError, cannot_listen
 from appliance.protocol.messages import Handler, Opened
+from appliance.protocol.proxied import Address
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget
-from appliance.transport.http1 import Http1Server
+from appliance.transport.http1 import Http1Server, HttpConnection
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates
 from appliance.transport.tls_accept import TlsAcceptor
@@ -102,7 +103,20 @@ class HttpsServer(Http1Server):
     async def start(self, sock: socket.socket) -> TlsAcceptor:
         self._forget = spawn(self._forget_ended(), "the HTTPS connections' sequence sweep")
         context = server_context(self.live.config.quic)
-        return TlsAcceptor(sock, context, lambda: self.live.config.https, self.protocol, self.budget.shares)
+        return TlsAcceptor(
+            sock,
+            context,
+            lambda: self.live.config.https,
+            self.proxied_protocol,
+            self.budget.shares,
+            lambda: self.live.config.fleet.proxies,
+        )
+
+    def proxied_protocol(self, origin: Address | None) -> HttpConnection:
+        """A connection whose client is `origin` where its balancer's PROXY header named one."""
+        connection = self.protocol()
+        connection.origin = origin
+        return connection
 
     @property
     def connection_limits(self) -> tuple[int, int]:
@@ -113,8 +127,8 @@ class HttpsServer(Http1Server):
         """An address's share, whatever the connection or certificate: one LAN host cannot take all slots."""
         return peer.rpartition(":")[0]
 
-    def identify(self, transport: asyncio.BaseTransport) -> tuple[str, str, bool]:
-        host, port = transport.get_extra_info("peername")[:2]
+    def identify(self, transport: asyncio.BaseTransport, origin: Address | None) -> tuple[str, str, bool]:
+        host, port = origin or transport.get_extra_info("peername")[:2]
         peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         ssl_object = transport.get_extra_info("ssl_object")
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None  # verified by the handshake

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from appliance.config import HttpsConfig
+from appliance.protocol.proxied import Address, BadHeader, from_proxy, origin_from_socket
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN
 from appliance.transport.connection_bounds import FD_RESERVE, admission_refusal, descriptors_short
@@ -35,10 +36,13 @@ class TlsAcceptor:
         sock: socket.socket,
         context: ssl.SSLContext,
         settings: Callable[[], HttpsConfig],
-        connection: Callable[[], asyncio.Protocol],
+        connection: Callable[[Address | None], asyncio.Protocol],
         workers: int,
+        proxies: Callable[[], str],
     ) -> None:
-        """`connection()`: the protocol a connection is once its handshake is done."""
+        """`connection(origin)`: the protocol a connection is once its handshake is done, `origin` the
+        client its balancer's PROXY header named (None: the connection's own address is the client's).
+        `proxies()`: [fleet] proxies, the balancers whose connections begin with that header."""
         self.sock, self.context, self._settings, self._connection, self.workers = (
             sock,
             context,
@@ -46,7 +50,9 @@ class TlsAcceptor:
             connection,
             workers,
         )
-        self.handshakes: Counter[str] = Counter()  # in flight, by address
+        self._proxies = proxies
+        self.handshakes: Counter[str] = Counter()  # in flight, by address (a proxied one's: its client's)
+        self.headers = 0  # balancers' connections whose PROXY header is being read
         self._loop = asyncio.get_running_loop()
         self._resume: asyncio.TimerHandle | None = None
         self._loop.add_reader(sock.fileno(), self._accept)
@@ -65,18 +71,42 @@ class TlsAcceptor:
                 self._pause(f"descriptors: under {FD_RESERVE} left below RLIMIT_NOFILE, kept for the Unix sockets")
                 return
             host, settings = address[0], self._settings()
-            limit, share = settings.max_handshakes, settings.max_handshakes_per_address
-            if admission_refusal(self.handshakes.elements(), host, limit, share, self.workers, "TLS handshakes"):
+            conn.setblocking(False)
+            if not from_proxy(host, self._proxies()):
+                self._admit(conn, host, None)
+            elif self.headers * self.workers < settings.max_handshakes:  # the header first: who the client is
+                self.headers += 1
+                spawn(self._from_proxy(conn, host, settings.handshake_timeout_s), f"the PROXY header of {host}")
+            else:
                 conn.close()
-                continue
-            self.handshakes[host] += 1
-            spawn(self._handshake(conn, host, settings.handshake_timeout_s), f"the TLS handshake of {host}")
 
-    async def _handshake(self, conn: socket.socket, host: str, timeout_s: float) -> None:
-        conn.setblocking(False)
+    def _admit(self, conn: socket.socket, host: str, origin: Address | None) -> None:
+        """The handshake of `host`'s connection, where its share and the listener's bound admit it."""
+        settings = self._settings()
+        limit, share = settings.max_handshakes, settings.max_handshakes_per_address
+        if admission_refusal(self.handshakes.elements(), host, limit, share, self.workers, "TLS handshakes"):
+            conn.close()
+            return
+        self.handshakes[host] += 1
+        spawn(self._handshake(conn, host, origin, settings.handshake_timeout_s), f"the TLS handshake of {host}")
+
+    async def _from_proxy(self, conn: socket.socket, proxy: str, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                origin = await origin_from_socket(conn)
+        except (BadHeader, TimeoutError, OSError) as exc:
+            why = str(exc) if isinstance(exc, BadHeader) else "no whole PROXY header in time"
+            LIMITS_BITTEN.bit("proxy header", f"a connection from proxy {proxy} closed: {why}")
+            conn.close()
+            return
+        finally:
+            self.headers -= 1
+        self._admit(conn, origin[0] if origin else proxy, origin)
+
+    async def _handshake(self, conn: socket.socket, host: str, origin: Address | None, timeout_s: float) -> None:
         try:
             await self._loop.connect_accepted_socket(
-                self._connection, conn, ssl=self.context, ssl_handshake_timeout=timeout_s
+                lambda: self._connection(origin), conn, ssl=self.context, ssl_handshake_timeout=timeout_s
             )
         except OSError as exc:  # the client's failure (a bad or late handshake): asyncio closed its socket
             log.debug("TLS handshake of %s failed: %s", host, exc)

@@ -1,9 +1,10 @@
 """Wyoming over TCP has no credentials (Home Assistant's peers rely on the network): its listener takes
 a peer only from an address allow-list, `wyoming.allow` (CIDRs, comma-separated; read per connection,
 so SIGHUP changes it). Unset, the box's own subnets (each interface's address and prefix) and loopback.
-A refused peer gets one `error` event naming its address and the setting, and the connection closes;
-each refusal is counted (appliance_refused_total{reason="address", listener="wyoming"}) and logged once
-per 10 s.
+Behind a balancer in `[fleet] proxies`, the address is the client's that its PROXY header names
+(protocol/proxied.py). A refused peer gets one `error` event naming its address and the setting, and
+the connection closes; each refusal is counted (appliance_refused_total{reason="address",
+listener="wyoming"}) and logged once per 10 s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import ifaddr
 from appliance.api.metrics import Metrics
 from appliance.api.wyoming_events import WyomingError, close_with_error
 from appliance.config import Live, cidrs
+from appliance.protocol.limits import LIMITS_BITTEN
+from appliance.protocol.proxied import ORIGIN, BadHeader, from_proxy, origin_from
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -62,6 +65,18 @@ def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal lingering
         host = str(writer.get_extra_info("peername")[0])
+        if from_proxy(host, live.config.fleet.proxies):  # a balancer's: its header names the client
+            try:
+                async with asyncio.timeout(live.config.server.header_timeout_s):
+                    origin = await origin_from(reader)
+            except (BadHeader, TimeoutError, OSError) as exc:
+                why = str(exc) if isinstance(exc, BadHeader) else "no whole PROXY header in time"
+                LIMITS_BITTEN.bit("proxy header", f"a Wyoming connection from proxy {host} closed: {why}")
+                writer.close()
+                return
+            if origin is not None:  # for this connection's task: serve's admission and owner see it
+                ORIGIN.set(origin)
+                host = origin[0]
         if allowed(host, live.config.wyoming.allow):
             await serve(reader, writer)
             return
