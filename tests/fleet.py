@@ -60,6 +60,7 @@ def answers(host: str, port: int) -> bool:
 # --- the fleet: three boxes on 127.0.0.2, .3 and .4, HAProxy on 127.0.0.1 ------------------------------
 
 ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+BALANCER_SOURCE = "127.0.0.9"  # HAProxy connects to the boxes from here: their [fleet] proxies
 
 
 def port_free_on_all(addresses: tuple[str, ...]) -> int:
@@ -146,10 +147,12 @@ class Box:
         operator_ca: Path,
         trusted: Path,
         extra: str = "",
+        wyoming: str = "",
     ) -> None:
+        """`extra`: config lines after its [fleet] table; `wyoming`: lines of its [wyoming] table."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir, self.address, self.ports, self.identity = workdir, address, ports, identity
-        self.operator_ca, self.trusted, self.extra = operator_ca, trusted, extra
+        self.operator_ca, self.trusted, self.extra, self.wyoming = operator_ca, trusted, extra, wyoming
         self.socket = workdir / "api.sock"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -161,8 +164,9 @@ class Box:
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{self.trusted}"\n'
             f'[quic]\ncertificate = "{cert}"\nprivate_key = "{key}"\noperator_ca = "{self.operator_ca}"\n'
             f'[https]\nenabled = true\nhost = "{self.address}"\nport = {self.ports.https}\n'
-            f'[wyoming]\ntcp = "{self.address}:{self.ports.wyoming}"\n'
-            f'[fleet]\nagent_address = "{self.address}:{self.ports.agent}"\n{self.extra}'
+            f'[wyoming]\ntcp = "{self.address}:{self.ports.wyoming}"\n{self.wyoming}'
+            f'[fleet]\nagent_address = "{self.address}:{self.ports.agent}"\nproxies = "{BALANCER_SOURCE}/32"\n'
+            f"{self.extra}"
         )
 
     def start(self, bundle: Path, env: dict[str, str] | None = None) -> Box:
@@ -221,6 +225,7 @@ class HAProxy:
             "BALANCER_PEM": str(balancer_pem),
             "HAPROXY_STATS_SOCKET": str(self.stats),
             "HAPROXY_LOG": "stdout",
+            "BALANCER_SOURCE": BALANCER_SOURCE,
             **{f"BOX{i + 1}": address for i, address in enumerate(ADDRESSES)},
         }
         self.log = workdir / "haproxy.log"

@@ -18,15 +18,19 @@ from appliance.client import tensors_call
 
 class Fleet:
     """Three boxes (tests/fleet.py `Box`) on 127.0.0.2, .3 and .4 behind HAProxy on 127.0.0.1, each serving
-    `bundle` with `extra` config lines; `api()` and `session()` dial its stateless and sessions fronts."""
+    `bundle` with `extra` config lines (and `wyoming`'s in [wyoming]); `api()` and `session()` dial its
+    stateless and sessions fronts."""
 
-    def __init__(self, base: Path, bundle: Path, trusted: Path, tls: tuple[Path, Path], extra: str = "") -> None:
+    def __init__(
+        self, base: Path, bundle: Path, trusted: Path, tls: tuple[Path, Path], extra: str = "", wyoming: str = ""
+    ) -> None:
         self.ca, identities = fleet_ca(base)
         self.ports = Ports(*(port_free_on_all(ADDRESSES) for _ in range(3)))
         operator_ca = tls[0].parent / "operator-ca.pem"
         self.operator = tuple(str(tls[0].parent / f"operator-{n}") for n in ("client.pem", "client.key"))
         self.boxes = [
-            Box(base / f"box-{a}", a, self.ports, identities[a], operator_ca, trusted, extra) for a in ADDRESSES
+            Box(base / f"box-{a}", a, self.ports, identities[a], operator_ca, trusted, extra, wyoming)
+            for a in ADDRESSES
         ]
         self.haproxy: HAProxy | None = None
         self.context = ssl.create_default_context(cafile=str(self.ca))

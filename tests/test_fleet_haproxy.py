@@ -267,3 +267,40 @@ def test_realtime_sessions_on_a_killed_box_close_and_new_ones_go_to_the_others(
             ws.close()
     finally:
         fleet.close()
+
+
+async def satellite_through(port: int, source: str) -> AsyncTcpClient | str:
+    """A Wyoming satellite at `source` that dials HAProxy's Wyoming front: connected and described, or
+    the error it got instead."""
+    client = AsyncTcpClient("127.0.0.1", port)
+    client._reader, client._writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    await client.write_event(Describe().event())
+    event = await asyncio.wait_for(client.read_event(), 60)
+    if event is not None and Info.is_type(event.type):
+        return client
+    await client.disconnect()
+    return "closed" if event is None else str(event.data.get("text"))
+
+
+def test_behind_haproxy_a_box_sees_each_satellite_by_its_own_address(tmp_path: Path, bundle: Path, keys, tls) -> None:
+    """HAProxy opens each connection to a box with a PROXY v2 header (send-proxy-v2), so a box's share per
+    host and wyoming.allow are each satellite's: twelve satellites from six addresses all connect,
+    where every box has a share of 2 per host (the balancer's one address would have had 2 at each box
+    of the 12), and one from outside wyoming.allow is refused by its own address."""
+    fleet = Fleet(tmp_path, bundle, keys.trusted, tls, wyoming='max_connections_per_peer = 2\nallow = "127.0.0.0/28"\n')
+    port = fleet.balancer.wyoming_port
+
+    async def run() -> tuple[list[AsyncTcpClient | str], AsyncTcpClient | str]:
+        connected = [await satellite_through(port, f"127.0.0.{10 + i % 6}") for i in range(12)]
+        outsider = await satellite_through(port, "127.0.0.20")
+        for client in [*connected, outsider]:
+            if isinstance(client, AsyncTcpClient):
+                await client.disconnect()
+        return connected, outsider
+
+    try:
+        connected, outsider = asyncio.run(run())
+    finally:
+        fleet.close()
+    assert all(isinstance(c, AsyncTcpClient) for c in connected), connected
+    assert outsider == "address 127.0.0.20 may not use Wyoming here (wyoming.allow)", outsider
