@@ -30,8 +30,10 @@ from appliance import signals
 from appliance.api.core import Api
 from appliance.exitcodes import exit_text
 from appliance.front.channel import (
+    Body,
     Channel,
     WorkerReport,
+    discard,
     pack_body,
     packed,
     remove_leftovers,
@@ -208,10 +210,12 @@ class Supervisor:
             kind = message[0]
             if kind == "request":
                 _, rid, request, body = message
-                request = unpack_request(request, body)  # or the 500 where its body cannot be read
-                task = spawn(self._answer(slot, channel, owner, rid, request), f"request {rid} of worker {slot.index}")
+                task = spawn(
+                    self._answer(slot, channel, owner, rid, request, body), f"request {rid} of worker {slot.index}"
+                )
                 slot.tasks[rid] = task
                 task.add_done_callback(partial(_forget, slot.tasks, rid))
+                task.add_done_callback(partial(_discard, body))
             elif kind == "credit":
                 if (window := slot.windows.get(message[1])) is not None:
                     window.taken(message[2])
@@ -231,7 +235,7 @@ class Supervisor:
                 slot.reported.set()
 
     async def _answer(
-        self, slot: WorkerSlot, channel: Channel, owner: str, rid: int, request: Request | Response
+        self, slot: WorkerSlot, channel: Channel, owner: str, rid: int, request: Request, body: Body
     ) -> None:
         """Answer one request; a streamed body moves by the worker's credit: the next piece is pulled
         from the engine side only once the worker's transport took all but a window of it."""
@@ -239,8 +243,9 @@ class Supervisor:
         answered = False
         window = slot.windows[rid] = SendWindow(self.api.live.config.server.stream_window_bytes)
         try:
-            response = request if isinstance(request, Response) else await self.api.handle(request)
-            response, body = packed(response, owner)  # or the 500 where its body cannot cross
+            whole = await unpack_request(request, body)  # or the 500 where its body cannot be read
+            response = whole if isinstance(whole, Response) else await self.api.handle(whole)
+            response, body = await packed(response, owner)  # or the 500 where its body cannot cross
             stream, session = response.stream, response.session
             reply = dataclasses.replace(response, body=b"", stream=None, session=None)
             mode = "stream" if stream is not None else "session" if session is not None else ""
@@ -381,6 +386,11 @@ async def _exited(process: subprocess.Popen[bytes]) -> int:
         loop.remove_reader(pidfd)
         os.close(pidfd)
     return process.wait()
+
+
+def _discard(body: Body, _: asyncio.Task[None]) -> None:
+    """A request's shared-memory body goes once its task ends, read or not (a cancel can come first)."""
+    discard(body)
 
 
 def _forget(tasks: dict[int, asyncio.Task[None]], rid: int, _: object) -> None:
