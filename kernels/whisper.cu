@@ -18,6 +18,7 @@
 
 #define MAX_POSITIONS 448   // the decoder's context
 #define HEAD_DIMS 64        // every Whisper size
+#define ENCODER_POSITIONS 1500  // a 30 s window's encoder output, which cross-attention reads whole
 #define THREADS 256
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -80,15 +81,15 @@ __global__ void bias_gelu(half *x, const half *bias, int rows, int width) {
 
 // One decoder step's attention for every (row, head): q [rows][heads][64] against keys and values
 // [capacity][heads][positions][64], the first lengths[row] positions (its own tokens for
-// self-attention, SHARD_TOKENS encoder positions for cross-attention); softmax in float.
+// self-attention, the window's encoder positions for cross-attention); softmax in float.
 // One block per (row, head); out [rows][heads][64].
 __global__ void decode_attention(const half *q, const half *keys, const half *values, const int32_t *lengths,
                                  half *out, int heads, int positions) {
-    __shared__ float scores[SHARD_TOKENS > MAX_POSITIONS ? SHARD_TOKENS : MAX_POSITIONS];
+    __shared__ float scores[ENCODER_POSITIONS];  // more than a decoder's MAX_POSITIONS
     __shared__ float query[HEAD_DIMS];
     int row = blockIdx.x / heads, head = blockIdx.x % heads;
     if (row >= MAX_BATCH) return;
-    int length = min(lengths[row], positions);
+    int length = min(min(lengths[row], positions), ENCODER_POSITIONS);
     const half *k = keys + ((size_t)row * heads + head) * positions * HEAD_DIMS;
     const half *v = values + ((size_t)row * heads + head) * positions * HEAD_DIMS;
     if (threadIdx.x < HEAD_DIMS) query[threadIdx.x] = __half2float(q[((size_t)row * heads + head) * HEAD_DIMS + threadIdx.x]) * 0.125f;

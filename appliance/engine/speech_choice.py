@@ -22,6 +22,7 @@ from appliance.engine.batch_queue import Runner
 from appliance.engine.speech_engine import Decoded, Shard, SpeechEngine
 from appliance.engine.whisper import WhisperEngine
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine
+from appliance.engine.whisper_ops import ArrayOps, KernelOps, baked_shape, kernel_files
 from appliance.errors import ApplianceError
 from appliance.firmware import Bundle, ModelSpec
 
@@ -176,9 +177,27 @@ def load_speech_engine(
             weights = whisper_weights.load(bundle.artifact(converted_weights(model)))
             max_batch = int(str(model.parameters["max_batch"]))
             gpu = ArrayWhisperEngine(
-                weights, directory, max_batch, cupy, cupy.float16, "whisper-cupy", cpu.weight_bytes
+                weights,
+                directory,
+                max_batch,
+                cupy,
+                cupy.float16,
+                "whisper-cupy",
+                cpu.weight_bytes,
+                ops=_kernel_ops(cupy, bundle, model),
             )
             return SpeechCpuFallback(gpu, cpu, threshold, _memory_used(cupy), cupy.cuda.memory.OutOfMemoryError)
         log.info("model %s: the box's own Whisper does not run here (%s); CTranslate2 does", model.name, reason)
     memory_used = cuda.memory_used if cuda.cuda is not None else None
     return WhisperEngine(directory, device, threads, beam_size, threshold, memory_used, window_samples=window_samples)
+
+
+def _kernel_ops(cupy: Any, bundle: Bundle, model: ModelSpec) -> ArrayOps:
+    """The firmware's kernels/whisper.cu for this model, checked against its baked values; CuPy's own
+    operations where the firmware carries no binary for it."""
+    max_batch, shard_tokens = baked_shape(model.parameters)
+    cubin, _ = kernel_files(max_batch, shard_tokens)
+    if cubin not in bundle.manifest.artifacts:
+        log.info("model %s: the firmware has no %s: CuPy's own operations run its steps", model.name, cubin)
+        return ArrayOps(cupy)
+    return KernelOps(cupy, cupy.RawModule(path=str(bundle.artifact(cubin))), max_batch, shard_tokens)

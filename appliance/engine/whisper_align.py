@@ -13,7 +13,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from appliance.engine.whisper_batch import _host
-from appliance.engine.whisper_model import KvCache, WhisperModel, softmax
+from appliance.engine.whisper_model import KvCache, WhisperModel
+from appliance.engine.whisper_ops import softmax
 from appliance.engine.whisper_words import Word, split_words, timed_words
 
 MEDIAN_WIDTH = 7

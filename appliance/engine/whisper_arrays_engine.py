@@ -26,7 +26,8 @@ from appliance.engine.whisper_batch import DecodeBatch, Sequence, _host
 from appliance.engine.whisper_beams import BeamGroup
 from appliance.engine.whisper_decoding import Decoding
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel, mel_filters
-from appliance.engine.whisper_model import KvCache, WhisperModel, softmax
+from appliance.engine.whisper_model import KvCache, WhisperModel
+from appliance.engine.whisper_ops import ArrayOps, softmax
 from appliance.engine.whisper_rules import Rules
 from appliance.engine.whisper_tokens import WhisperTokens
 from appliance.engine.whisper_words import Word
@@ -67,9 +68,11 @@ class ArrayWhisperEngine:
         name: str = "whisper-numpy",
         weight_bytes: int = 0,
         beam_size: int = 1,
+        ops: ArrayOps | None = None,
     ) -> None:
-        """`beam_size` 1: greedy; more: beam search, each shard's beams rows of the max_batch."""
-        self.model = WhisperModel(weights, xp, dtype)
+        """`beam_size` 1: greedy; more: beam search, each shard's beams rows of the max_batch. `ops`: the
+        fused steps (the firmware's kernels, whisper_ops.py), else the array module's operations."""
+        self.model = WhisperModel(weights, xp, dtype, ops)
         self.beam_size = min(beam_size, max_batch)
         self.name, self.max_batch, self.weight_bytes = name, max_batch, weight_bytes
         languages = whisper_language.codes(directory)

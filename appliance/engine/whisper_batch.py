@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from appliance.engine.whisper_beams import BeamGroup, beam_step
-from appliance.engine.whisper_model import MAX_POSITIONS, KvCache, WhisperModel, softmax
+from appliance.engine.whisper_model import MAX_POSITIONS, KvCache, WhisperModel
+from appliance.engine.whisper_ops import softmax
 from appliance.engine.whisper_rules import Rules, log_softmax
 
 

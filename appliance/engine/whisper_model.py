@@ -19,38 +19,21 @@ from typing import Any
 
 import numpy as np
 
+from appliance.engine.whisper_ops import ArrayOps, gelu, softmax
+
 MAX_POSITIONS = 448  # the decoder's context
-ERF_P, ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-
-
-def erf(xp: Any, x: Any) -> Any:
-    """Abramowitz and Stegun 7.1.26 (error under 1.5e-7): the array module need not have one."""
-    t = 1.0 / (1.0 + ERF_P * xp.abs(x))
-    a1, a2, a3, a4, a5 = ERF_A
-    y = 1.0 - ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t * xp.exp(-x * x)
-    return xp.sign(x) * y
-
-
-def gelu(xp: Any, x: Any) -> Any:
-    return 0.5 * x * (1.0 + erf(xp, x * np.float32(1 / np.sqrt(2))))
-
-
-def layer_norm(xp: Any, x: Any, gamma: Any, beta: Any) -> Any:
-    mean = x.mean(axis=-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-    return (x - mean) / xp.sqrt(var + 1e-5) * gamma + beta
-
-
-def softmax(xp: Any, x: Any, axis: int = -1) -> Any:
-    e = xp.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
 
 
 class WhisperModel:
     """The weights on the array module, and the two passes."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], xp: Any = np, dtype: Any = np.float32) -> None:
+    def __init__(
+        self, weights: Mapping[str, np.ndarray], xp: Any = np, dtype: Any = np.float32, ops: ArrayOps | None = None
+    ) -> None:
+        """`ops`: the fused steps (whisper_ops.py: the firmware's kernels on the GPU); the array module's own
+        operations where None."""
         self.xp, self.dtype = xp, dtype
+        self.ops = ops or ArrayOps(xp)
         self.w = {name: xp.asarray(value, dtype=dtype) for name, value in weights.items()}
         self.heads = _heads(weights)
         self.encoder_layers = _count(weights, "encoder/layer_")
@@ -63,7 +46,7 @@ class WhisperModel:
         return x @ self.w[f"{name}/weight"].T + self.w[f"{name}/bias"]
 
     def _norm(self, x: Any, name: str) -> Any:
-        return layer_norm(self.xp, x, self.w[f"{name}/gamma"], self.w[f"{name}/beta"])
+        return self.ops.layer_norm(x, self.w[f"{name}/gamma"], self.w[f"{name}/beta"])
 
     def _split(self, x: Any) -> Any:
         """[B, T, d] -> [B, heads, T, d / heads]."""
@@ -112,9 +95,22 @@ class WhisperModel:
         return self._norm(x, "encoder/layer_norm")
 
     def _mlp(self, x: Any, at: str) -> Any:
-        return self._linear(
-            gelu(self.xp, self._linear(self._norm(x, f"{at}/layer_norm"), f"{at}/linear_0")), f"{at}/linear_1"
+        first = f"{at}/linear_0"
+        hidden = self.ops.linear_gelu(
+            self._norm(x, f"{at}/layer_norm"), self.w[f"{first}/weight"], self.w[f"{first}/bias"]
         )
+        return self._linear(hidden, f"{at}/linear_1")
+
+    def _decode_attend(self, q: Any, keys: Any, values: Any, lengths: Any, kept: list[Any] | None = None) -> Any:
+        """A decoder step's attention: rows 0..n-1 of `q` [n, heads, 1, dh] against the first `lengths`
+        positions of their rows of the cache's `keys` and `values` [capacity, heads, positions, dh]; fused
+        where the ops have it (not where the attention weights are kept: word timestamps)."""
+        fused = self.ops.decode_attention(q, keys, values, lengths) if kept is None else None
+        if fused is not None:
+            return fused
+        n, length = len(q), int(lengths.max())
+        mask = (self.xp.arange(length)[None, :] < lengths[:, None])[:, None, None, :]  # [n, 1, 1, T]
+        return self._attend(q, keys[:n, :, :length], values[:n, :, :length], mask, kept)
 
     def cross(self, encoded: Any) -> list[tuple[Any, Any]]:
         """Each decoder layer's cross-attention keys and values of an encoder output [B, 1500, d]."""
@@ -132,8 +128,7 @@ class WhisperModel:
         x = (self.w["decoder/embeddings/weight"][tokens] + self.w["decoder/position_encodings/encodings"][positions])[
             :, None
         ]
-        length = int(positions.max()) + 1
-        mask = (xp.arange(length)[None, :] <= positions[:, None])[:, None, None, :]  # [n, 1, 1, T]
+        own_lengths = positions + 1  # each row attends to its tokens so far
         rows = xp.arange(n)
         for i in range(self.decoder_layers):
             at = f"decoder/layer_{i}"
@@ -145,11 +140,12 @@ class WhisperModel:
             keys, values = cache.own[i]
             keys[rows, :, positions] = self._split(k)[:, :, 0]
             values[rows, :, positions] = self._split(v)[:, :, 0]
-            heard = self._attend(self._split(q), keys[:n, :, :length], values[:n, :, :length], mask)
+            heard = self._decode_attend(self._split(q), keys, values, own_lengths)
             x = x + self._linear(heard, f"{at}/self_attention/linear_1")
             q = self._linear(self._norm(x, f"{at}/attention/layer_norm"), f"{at}/attention/linear_0")
             cross_k, cross_v = cache.cross[i]
-            heard = self._attend(self._split(q), cross_k[:n], cross_v[:n], kept=cross_weights)
+            whole = xp.full(n, cross_k.shape[2], dtype=positions.dtype)  # every encoder position
+            heard = self._decode_attend(self._split(q), cross_k, cross_v, whole, cross_weights)
             x = x + self._linear(heard, f"{at}/attention/linear_2")
             x = x + self._mlp(x, f"{at}/ffn")
         x = self._norm(x[:, 0], "decoder/layer_norm")

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from appliance import keys
 from appliance.durable import DIRECTORY_MODE, FILE_MODE, make_directories
 from appliance.engine import tensorrt, whisper_weights
-from appliance.engine.whisper_features import WINDOW_FRAMES
+from appliance.engine.whisper_ops import baked_shape
 from appliance.errors import ApplianceError
 from appliance.firmware import graphs, voices
 from appliance.firmware.files import copy_file, file_blocks, hash_files, sha256_file, write_blocks
@@ -204,18 +204,12 @@ def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> li
     return [relative, *(str(p.relative_to(staging)) for p in binaries)]
 
 
-WINDOW_TOKENS = WINDOW_FRAMES // 2  # Whisper's encoder positions in a 30 s window
-
-
 def _build_whisper_cuda(staging: Path, model: ModelSpec) -> list[str]:
     """The `cuda` target of a Whisper: its CTranslate2 weights converted for the box's own engine
     (float16, engine/whisper_weights.py) and kernels/whisper.cu compiled with its batch and shard length."""
     relative = f"models/{model.name}.whisper.npz"
     whisper_weights.convert(staging / model.file, staging / relative)
-    params = model.parameters
-    binaries = kernels.compile_whisper_kernels(
-        int(str(params["max_batch"])), min(int(str(params["max_tokens_per_shard"])), WINDOW_TOKENS), staging / "kernels"
-    )
+    binaries = kernels.compile_whisper_kernels(*baked_shape(model.parameters), staging / "kernels")
     return [relative, *(str(p.relative_to(staging)) for p in binaries)]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.engine import reference
+from appliance.engine.whisper_ops import kernel_files
 from appliance.errors import ApplianceError
 from appliance.firmware.manifest import AudioSpec, Baked
 
@@ -57,7 +58,8 @@ def compile_whisper_kernels(max_batch: int, shard_tokens: int, out_dir: Path, ar
     """nvcc kernels/whisper.cu with the model's baked batch (its decode batch's rows) and shard
     length (encoder positions), into `out_dir` under the model's own names."""
     defines = [f"-DMAX_BATCH={max_batch}", f"-DSHARD_TOKENS={shard_tokens}"]
-    return compile_kernels(WHISPER_SOURCE, defines, out_dir, arch, f"whisper-b{max_batch}-t{shard_tokens}")
+    stem = Path(kernel_files(max_batch, shard_tokens, arch)[1]).stem  # the names the engine looks for
+    return compile_kernels(WHISPER_SOURCE, defines, out_dir, arch, stem)
 
 
 def compile_kernels(source: Path, defines: list[str], out_dir: Path, arch: str = ARCH, stem: str = "") -> list[Path]:

@@ -4,9 +4,10 @@ tests/gpu/results.md. Never run on a GPU yet (issue 40 had no device lent): noth
 1. `firmware build` of the voice firmware with the `cuda` target: the Whispers' converted weights and
    kernels/whisper.cu compiled with the model's baked max_batch and shard length.
 2. kernels/whisper.cu loaded from the bundle, each kernel against the reference's function
-   (whisper_kernels.py); the engine does not call them yet (its CuPy path runs CuPy's own ops).
-3. The same code on CuPy (float16) against NumPy (float32, the reference CI holds to CTranslate2) on
-   the same shards, greedy: tokens identical per shard counted, and the WER of each against the text
+   (whisper_kernels.py).
+3. The same code on CuPy (float16), with CuPy's own operations and with the firmware's kernels
+   (engine/whisper_ops.py KernelOps: what the daemon runs), against NumPy (float32, the reference CI
+   holds to CTranslate2) on the same shards, greedy: tokens identical per shard counted, and the WER of each against the text
    said (espeak-ng's sentences).
 4. The engine's GPU time per window (encoder) and per decoder step at batch 1, 8 and 64.
 5. Through the daemon's Unix socket, engine.device = "auto" (the GPU engine) then "cpu" (CTranslate2
@@ -37,6 +38,7 @@ from appliance.engine.speech_choice import converted_weights  # noqa: E402
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine  # noqa: E402
 from appliance.engine.whisper_batch import DecodeBatch, Sequence  # noqa: E402
 from appliance.engine.whisper_features import log_mel  # noqa: E402
+from appliance.engine.whisper_ops import KernelOps, baked_shape, kernel_files  # noqa: E402
 
 RATE = 16000
 SENTENCES = [
@@ -73,14 +75,20 @@ def build(work: Path) -> tuple[Path, Path]:
     return work / "voice-cuda", work / "trusted"
 
 
-def engines(bundle: firmware.Bundle, name: str, cupy) -> tuple[ArrayWhisperEngine, ArrayWhisperEngine]:
+def engines(bundle: firmware.Bundle, name: str, cupy) -> list[ArrayWhisperEngine]:
+    """NumPy (the reference), CuPy's own operations, and the firmware's kernels: the same code on each,
+    at the model's baked max_batch."""
     spec = next(m for m in bundle.manifest.models if m.name == name)
     directory = bundle.artifact(spec.file)
     weights = whisper_weights.load(bundle.artifact(converted_weights(spec)))
-    return (
-        ArrayWhisperEngine(weights, directory, 64),
-        ArrayWhisperEngine(weights, directory, 64, cupy, cupy.float16, "whisper-cupy"),
-    )
+    max_batch, shard_tokens = baked_shape(spec.parameters)
+    module = cupy.RawModule(path=str(bundle.artifact(kernel_files(max_batch, shard_tokens)[0])))
+    kernels = KernelOps(cupy, module, max_batch, shard_tokens)
+    return [
+        ArrayWhisperEngine(weights, directory, max_batch),
+        ArrayWhisperEngine(weights, directory, max_batch, cupy, cupy.float16, "whisper-cupy"),
+        ArrayWhisperEngine(weights, directory, max_batch, cupy, cupy.float16, "whisper-cuda-kernels", ops=kernels),
+    ]
 
 
 def tokens_against_reference(reference: ArrayWhisperEngine, gpu: ArrayWhisperEngine, audio: list[np.ndarray]) -> None:
@@ -135,12 +143,13 @@ def main() -> int:
         bundle = firmware.verify(bundle_dir, trusted)
         audio = [say(s) for s in SENTENCES]
         for name in ("whisper_tiny_en", "whisper_base"):
-            reference, gpu = engines(bundle, name, cupy)
+            reference, *on_gpu = engines(bundle, name, cupy)
             if name == "whisper_base":
                 for line in whisper_kernels.check(bundle_dir, cupy, reference.rules):
                     say_line(line)
-            tokens_against_reference(reference, gpu, audio)
-            gpu_times(gpu, cupy, audio[0])
+            for gpu in on_gpu:
+                tokens_against_reference(reference, gpu, audio)
+                gpu_times(gpu, cupy, audio[0])
         say_line("| model | engine.device | 60 s (s) | 64 x 10 s at once (s) |")
         for row in daemon_path.whisper_cuda_vs_cpu(
             bundle_dir, trusted, work, np.concatenate(audio), ("auto", "cpu"), 64

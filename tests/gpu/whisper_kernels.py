@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.engine.whisper_model import gelu, layer_norm, softmax
+from appliance.engine.whisper_ops import gelu, layer_norm, softmax
 from appliance.engine.whisper_rules import Rules
 
 ROWS, HEADS, DIMS, VOCABULARY = 8, 8, 512, 51865
