@@ -10,7 +10,8 @@ class ApplianceError(Exception):
 def cannot_listen(key: str, address: str, exc: OSError) -> ApplianceError:
     """A listener's start failure, naming its config key: "address already in use", not the wording of
     whichever library bound the socket."""
-    return ApplianceError(f"{key} {address}: cannot listen: {os.strerror(exc.errno) if exc.errno else exc}")
+    why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)  # a name lookup's < 0
+    return ApplianceError(f"{key} {address}: cannot listen: {why}")
 
 
 class ApiError(Exception):

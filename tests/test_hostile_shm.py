@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from conftest import Daemon, good_clients_throughout
 
-from appliance.front import channel
-from appliance.front.channel import INLINE_BYTES, SHM_DIR, Body, Channel, RemoteApi
+from appliance.front import bodies
+from appliance.front.bodies import INLINE_BYTES, SHM_DIR, Body
+from appliance.front.channel import Channel, RemoteApi
 from appliance.protocol.messages import Request, Response
 
 NOBODY = 65534
@@ -78,7 +79,7 @@ def test_bodies_cross_whatever_another_user_put_in_dev_shm(daemon, squatted, tra
 def test_a_body_that_cannot_cross_is_a_logged_500_not_a_hang(monkeypatch, tmp_path, caplog) -> None:
     """The worker's side, in-process over a real socket pair: shared memory unusable, then a response
     whose file is gone."""
-    monkeypatch.setattr(channel, "SHM_DIR", tmp_path / "missing")
+    monkeypatch.setattr(bodies, "SHM_DIR", tmp_path / "missing")
 
     async def main() -> None:
         worker_end, engine_end = socket.socketpair()

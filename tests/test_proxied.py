@@ -115,6 +115,9 @@ def test_a_connection_from_the_balancer_without_a_header_is_closed_and_one_from_
 ) -> None:
     port = box.wyoming_port  # type: ignore[attr-defined]
     assert asyncio.run(answers(port, b"")) == "closed"  # a describe is no PROXY header
+    short = SIGNATURE + bytes([0x21, 0x11]) + struct.pack("!H", 0)  # TCP over IPv4 with no addresses
+    assert asyncio.run(answers(port, short)) == "closed"
+    assert asyncio.run(answers(port, header("198.51.100.7"))) == "info"  # and the next is served
     assert "a Wyoming connection from proxy 127.0.0.1 closed: no PROXY v2 header" in box.log.read_text()
     # from an address that is not a balancer, a header is the client's own bytes: not an event
     spoofed = asyncio.run(answers(port, header("198.51.100.7"), source="127.0.0.2"))
@@ -179,3 +182,5 @@ def test_https_behind_the_balancer_shares_by_the_client_it_names(https_box: Daem
         for connection in held:
             connection.close()
     assert https_status(https_box, b"") == "closed"  # the balancer's connection without its header
+    assert https_status(https_box, SIGNATURE + bytes([0x21, 0x11]) + struct.pack("!H", 0)) == "closed"
+    assert https_status(https_box, header("192.0.2.5")) == 200

@@ -130,6 +130,7 @@ class Daemon:
             )
         # what start-up made lives as long as the daemon: out of the collector's full passes, which held
         # the loop (and the GIL) for up to 17 ms at a time, 84 ms beside a walk of a full QUIC peer table
+        gc.collect()  # start-up's garbage first: what is frozen is never collected
         gc.freeze()
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)

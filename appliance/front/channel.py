@@ -1,12 +1,9 @@
 """The crossing between a protocol worker process and the engine process.
 
 One Unix stream socket pair per worker carries small messages (the doorbell): a 4-byte length and a
-pickled tuple. A body up to INLINE_BYTES rides in its message; a larger one is written once to a file
-in shared memory (/dev/shm, tmpfs) and its message carries the file's name: the reader maps it, takes
-the bytes and unlinks it, so a 64 MiB upload is not pushed through the socket and asyncio's buffers.
-The names end in 128 random bits: no other local user can guess one and create it first (the unit
-gives the daemon a /dev/shm of its own as well). A body that cannot cross (shared memory full, its
-file gone) fails its own request with a logged 500; the channel and every other request go on.
+pickled tuple. A body rides in its message up to INLINE_BYTES, a larger one in shared memory
+(front/bodies.py); one that cannot cross fails its own request with a logged 500, and the channel and
+every other request go on.
 
 Both ends are our own processes, started together from one installed package: pickle is the codec.
 
@@ -33,26 +30,24 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import pickle
-import secrets
 import socket
 import struct
-import tempfile
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from appliance.front.bodies import Body, hand_over_failed, read_body, written_body
 from appliance.front.sessions import WorkerEnd
-from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Close, Opened, Request, Response, Session, SessionIO, error_response
 from appliance.protocol.peers import Peer, Totals
 from appliance.tasks import spawn
 
-INLINE_BYTES = 64 << 10
+log = logging.getLogger("appliance.workers")
+
 FRAME = struct.Struct("<I")
-SHM_DIR = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,92 +70,6 @@ class WorkerReport:
     held_bytes: int = 0  # of streamed answers, held for clients that have not taken them (protocol/flow.py)
     held_largest_bytes: int = 0
     loop_lag_s: float = 0.0  # its event loop's lag, lately
-
-
-@dataclass(frozen=True, slots=True)
-class Body:
-    """A body as it crosses: inline bytes, or the name and length of a shared-memory file."""
-
-    inline: bytes = b""
-    shm: str = ""
-    length: int = 0
-
-
-def pack_body(data: bytes, owner: str) -> Body:
-    """`owner` names the writer (and, for the engine, the worker it writes to), so that the files a
-    dead process left unread can be found: remove_leftovers(owner)."""
-    if len(data) <= INLINE_BYTES:
-        return Body(inline=data)
-    path = SHM_DIR / f"appliance-{owner}-{secrets.token_hex(16)}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    return Body(shm=path.name, length=len(data))
-
-
-async def written_body(data: bytes, owner: str) -> Body:
-    """pack_body, in a thread where the body goes to shared memory: a 64 MiB body is 24 to 53 ms of
-    copying, which the event loop waited for."""
-    return await asyncio.to_thread(pack_body, data, owner) if len(data) > INLINE_BYTES else pack_body(data, owner)
-
-
-async def read_body(body: Body) -> bytes:
-    """The body's bytes, read in a thread where it is in shared memory (a 64 MiB body: 47 to 71 ms)."""
-    return await asyncio.to_thread(unpack_body, body) if body.shm else body.inline
-
-
-async def packed(response: Response, owner: str) -> tuple[Response, Body]:
-    """A response and its body as it crosses; a 500 in its place where the body cannot."""
-    try:
-        return response, await written_body(response.body, owner)
-    except OSError as exc:
-        return hand_over_failed(exc), Body()
-
-
-async def unpack_request(request: Request, body: Body) -> Request | Response:
-    """The request with its body; or, where the body cannot be read, the 500 to answer it with."""
-    try:
-        return dataclasses.replace(request, body=await read_body(body))
-    except OSError as exc:
-        return hand_over_failed(exc)
-
-
-def unpack_body(body: Body) -> bytes:
-    if not body.shm:
-        return body.inline
-    path = SHM_DIR / body.shm
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, body.length)  # one copy, by the kernel, with the GIL released
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    if len(data) != body.length:
-        raise OSError(f"{body.shm}: {len(data)} of its {body.length} bytes")
-    return data
-
-
-def discard(body: Body) -> None:
-    """A body nobody will read: its shared-memory file goes."""
-    if body.shm:
-        (SHM_DIR / body.shm).unlink(missing_ok=True)
-
-
-def remove_leftovers(owner: str) -> None:
-    """Shared-memory bodies written under `owner` that nobody will read (their reader died)."""
-    for path in SHM_DIR.glob(f"appliance-{owner}-*"):
-        with contextlib.suppress(OSError):  # another user's file, in a shared /dev/shm: not ours to remove
-            path.unlink()
-
-
-def hand_over_failed(exc: OSError) -> Response:
-    """The 500 for a body that could not cross between the processes, logged (at most once per 10 s)."""
-    LIMITS_BITTEN.bit("shared memory", f"a body could not cross between processes in {SHM_DIR}: {exc}")
-    return error_response(500, "internal error: the body could not be handed over (logged)")
 
 
 class Channel:
@@ -360,7 +269,9 @@ class RemoteApi:
     async def _answered(self, rid: int, response: Response, body: Body, mode: str) -> None:
         try:
             response.body = await read_body(body)
-        except OSError as exc:
+        except Exception as exc:  # the file gone or short (OSError), or ours: either way its request gets a 500
+            if not isinstance(exc, OSError):
+                log.exception("the body of answer %d could not be read", rid)
             response = hand_over_failed(exc)
             if mode:  # what would follow is not wanted
                 self._streams.pop(rid, None)

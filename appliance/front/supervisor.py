@@ -29,17 +29,8 @@ from typing import Any
 from appliance import signals
 from appliance.api.core import Api
 from appliance.exitcodes import exit_text
-from appliance.front.channel import (
-    Body,
-    Channel,
-    WorkerReport,
-    discard,
-    pack_body,
-    packed,
-    remove_leftovers,
-    serve_tickets,
-    unpack_request,
-)
+from appliance.front.bodies import Body, discard, pack_body, packed, remove_leftovers, unpack_request
+from appliance.front.channel import Channel, WorkerReport, serve_tickets
 from appliance.front.sessions import EngineEnd, run_session, to_session
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Request, Response, error_response

@@ -72,6 +72,7 @@ class Worker:
             tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._stop_on_failure))
         tasks.append(spawn(self._report(channel), f"worker {self.args.slot}'s report", self._stop_on_failure))
         tasks.append(spawn(LOOP_LAG.run(), "the event loop lag probe"))
+        gc.collect()  # start-up's garbage first: what is frozen is never collected
         gc.freeze()  # start-up's objects out of the collector's full passes, as in the engine process
         signals.allow_reloads()  # held since the engine spawned it (signals.py): one sent meanwhile applies now
         engine_gone = loop.create_task(self._receive(channel, api))

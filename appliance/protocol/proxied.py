@@ -62,10 +62,12 @@ async def origin_from_socket(sock: socket.socket) -> Address | None:
 async def _origin(reader: StreamReaderProtocol) -> Address | None:
     try:
         result = await _READER.read(reader)
-    except ValueError as exc:  # proxy-protocol's syntax and checksum errors
-        raise BadHeader(f"no PROXY v2 header ({exc})") from None
     except asyncio.IncompleteReadError:
         raise BadHeader("the connection ended inside its PROXY header") from None
+    except (OSError, BadHeader):
+        raise
+    except Exception as exc:  # proxy-protocol's syntax and checksum errors, struct's on a short address part
+        raise BadHeader(f"no PROXY v2 header ({exc or type(exc).__name__})") from None
     if not result.proxied:
         return None
     peer = result.peername

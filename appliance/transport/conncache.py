@@ -288,13 +288,16 @@ class KernelCache(ConnectionCache):
         self._fresh = PinnedMap(config.pin_dir / "fresh", self.KEY.size, self.STATS_SIZE)
         self._totals = PinnedMap(config.pin_dir / "totals", 4, 8 * possible_cpus())
         self._droppers = PinnedMap(config.pin_dir / "droppers", self.KEY.size, 8)
-        self._keys: dict[str, bytes] = {}  # validated peer name -> map key, as last read
 
-    def validate(self, addr: tuple[Any, ...]) -> None:
+    def _key(self, addr: tuple[Any, ...]) -> bytes:
+        """A socket address's key in the maps (struct peer_key); IPv4-mapped IPv6 as IPv4."""
         ip = ipaddress.ip_address(addr[0])
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
-        key = self.KEY.pack(ip.version, 0, socket.htons(addr[1]), ip.packed.ljust(16, b"\0"))
+        return self.KEY.pack(ip.version, 0, socket.htons(addr[1]), ip.packed.ljust(16, b"\0"))
+
+    def validate(self, addr: tuple[Any, ...]) -> None:
+        key = self._key(addr)
         value = self._fresh.lookup(key)
         if value is None or self._table.lookup(key) is not None:
             return  # evicted from the fresh table meanwhile (its next datagram starts it there again)
@@ -303,14 +306,13 @@ class KernelCache(ConnectionCache):
 
     def peers(self) -> dict[str, Peer]:
         """Both maps. Their times are bpf_ktime_get_ns: CLOCK_MONOTONIC, as time.monotonic()."""
-        return {**self.validated_peers(), **self._read(self._fresh, self.config.max_unvalidated)[0]}
+        return {**self.validated_peers(), **self._read(self._fresh, self.config.max_unvalidated)}
 
     def validated_peers(self) -> dict[str, Peer]:
-        peers, self._keys = self._read(self._table, self.config.max_entries)
-        return peers
+        return self._read(self._table, self.config.max_entries)
 
-    def _read(self, table: PinnedMap, size: int) -> tuple[dict[str, Peer], dict[str, bytes]]:
-        out, keys = {}, {}
+    def _read(self, table: PinnedMap, size: int) -> dict[str, Peer]:
+        out = {}
         for count, key in enumerate(table.keys(limit=2 * size)):
             if count % 64 == 63:
                 time.sleep(0)  # a walk runs in a thread: the GIL to the event loop (else it waits 5 ms a turn)
@@ -319,10 +321,9 @@ class KernelCache(ConnectionCache):
                 continue
             name = self._name(key)
             first, last, packets, size_, drops, _, _, dcid_len, dcid = self.STATS.unpack_from(value)
-            keys[name] = key
             dcid_hex, validated = dcid[:dcid_len].hex(), table is self._table
             out[name] = Peer(name, first / 1e9, last / 1e9, packets, size_, drops, dcid_hex, validated)
-        return out, keys
+        return out
 
     def droppers(self) -> dict[str, int]:
         out = {}
@@ -343,9 +344,8 @@ class KernelCache(ConnectionCache):
         return Totals(*counts)
 
     def forget(self, address: str) -> None:
-        key = self._keys.pop(address, None)
-        if key is not None:
-            self._table.delete(key)  # False if it was evicted meanwhile
+        host, _, port = address.rpartition(":")  # its name, as peer_name made it
+        self._table.delete(self._key((host.strip("[]"), int(port))))  # False if it was evicted meanwhile
 
     def close(self) -> None:
         self._table.close()

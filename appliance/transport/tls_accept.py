@@ -99,6 +99,9 @@ class TlsAcceptor:
             LIMITS_BITTEN.bit("proxy header", f"a connection from proxy {proxy} closed: {why}")
             conn.close()
             return
+        except BaseException:  # cancelled (the stop): the socket goes with it
+            conn.close()
+            raise
         finally:
             self.headers -= 1
         self._admit(conn, origin[0] if origin else proxy, origin)

@@ -74,9 +74,11 @@ def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
                 LIMITS_BITTEN.bit("proxy header", f"a Wyoming connection from proxy {host} closed: {why}")
                 writer.close()
                 return
-            if origin is not None:  # for this connection's task: serve's admission and owner see it
-                ORIGIN.set(origin)
-                host = origin[0]
+            if origin is None:  # LOCAL: the balancer's own health check, which [fleet] proxies trusts
+                await serve(reader, writer)
+                return
+            ORIGIN.set(origin)  # for this connection's task: serve's admission and owner see it
+            host = origin[0]
         if allowed(host, live.config.wyoming.allow):
             await serve(reader, writer)
             return
