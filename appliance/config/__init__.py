@@ -8,7 +8,6 @@ the file, the key and the reason. Baked shard parameters live in the firmware, n
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import tomllib
 import typing
@@ -36,6 +35,7 @@ from appliance.config.sections import (
 )
 from appliance.errors import ApplianceError
 from appliance.firmware import BAKED_PARAMETERS, read_unverified_name
+from appliance.networks import cidrs
 
 __all__ = [
     "VAD_MAX_MS",
@@ -61,7 +61,6 @@ __all__ = [
     "check_model_names",
     "apply_reload",
     "worker_count",
-    "cidrs",
 ]
 
 DEFAULT_FILE = Path("/etc/appliance/appliance.toml")
@@ -305,17 +304,6 @@ def _check_values(config: Config) -> None:
     for key in ("min_speech_ms", "min_silence_ms", "speech_pad_ms"):  # as a request's own values are checked
         if not 0 <= getattr(config.vad, key) <= VAD_MAX_MS:
             raise ApplianceError(f"{source}: vad.{key}: must be between 0 and {VAD_MAX_MS}")
-
-
-def cidrs(setting: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    """The networks of a comma-separated list of CIDRs (wyoming.allow); a ValueError names a bad one."""
-    found = []
-    for cidr in (c.strip() for c in setting.split(",") if c.strip()):
-        try:
-            found.append(ipaddress.ip_network(cidr, strict=False))
-        except ValueError:
-            raise ValueError(f"{cidr[:60]!r} is not an address or a CIDR (as 192.168.1.0/24)") from None
-    return found
 
 
 # What SIGHUP can change in a running daemon; every other key needs a restart.

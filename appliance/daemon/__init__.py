@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import time
@@ -32,7 +31,7 @@ from appliance.engine.stats import ModelStats
 from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
-from appliance.tasks import LOOP_LAG, arm_failpoints, spawn
+from appliance.tasks import LOOP_LAG, arm_failpoints, freeze_start_up, spawn
 from appliance.tls import tls_identity
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.https import listen_https
@@ -99,9 +98,7 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         arm_failpoints()  # warmed up: a test's failpoints may fire from now on
-        # the bytes held for clients: request bodies (this process's transports), Realtime's buffers and
-        # Wyoming's recordings
-        budget = BodyBudget(lambda: self.live.config.server)
+        budget = BodyBudget(lambda: self.live.config.server)  # bodies here, Realtime's buffers, Wyoming's recordings
         self.api = Api(manifest, self.models, self.live, budget)
         fleet = self.api.fleet
         fleet.busy, fleet.stop = self._under_way, self.stopping.set
@@ -128,10 +125,7 @@ class Daemon:
             await self.listeners.start_workers(
                 sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}"
             )
-        # what start-up made lives as long as the daemon: out of the collector's full passes, which held
-        # the loop (and the GIL) for up to 17 ms at a time, 84 ms beside a walk of a full QUIC peer table
-        gc.collect()  # start-up's garbage first: what is frozen is never collected
-        gc.freeze()
+        freeze_start_up()
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
         log.info(

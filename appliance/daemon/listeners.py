@@ -19,7 +19,7 @@ from appliance.front.quic_sockets import quic_sockets, worker_keys
 from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import ConnectionCache
-from appliance.transport.conncache_choice import open_cache
+from appliance.transport.conncache_choice import opened_cache
 from appliance.transport.h3 import H3Server
 from appliance.transport.http1 import Http1Server
 from appliance.transport.https import HttpsServer
@@ -111,8 +111,8 @@ class Listeners:
             try:
                 socks, self.quic_reason = quic_sockets(config.quic, quic_sock, workers)
                 keys = worker_keys(len(socks))
-                self.cache = await asyncio.to_thread(  # the eBPF loader compiles for seconds: the loop serves
-                    open_cache, lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None
+                self.cache = await opened_cache(
+                    lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None
                 )
             except (OSError, ValueError) as exc:
                 raise _quic_start_error(config, quic_sock, exc) from None

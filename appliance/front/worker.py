@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import socket
@@ -25,7 +24,7 @@ from appliance.front.channel import Channel, RemoteApi, RemoteTickets, WorkerRep
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.protocol import flow
 from appliance.protocol.peers import Totals
-from appliance.tasks import LOOP_LAG, spawn
+from appliance.tasks import LOOP_LAG, freeze_start_up, spawn
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import KernelCache, UserSpaceCache
 from appliance.transport.h3 import H3Server
@@ -72,8 +71,7 @@ class Worker:
             tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._stop_on_failure))
         tasks.append(spawn(self._report(channel), f"worker {self.args.slot}'s report", self._stop_on_failure))
         tasks.append(spawn(LOOP_LAG.run(), "the event loop lag probe"))
-        gc.collect()  # start-up's garbage first: what is frozen is never collected
-        gc.freeze()  # start-up's objects out of the collector's full passes, as in the engine process
+        freeze_start_up()  # as the engine process does
         signals.allow_reloads()  # held since the engine spawned it (signals.py): one sent meanwhile applies now
         engine_gone = loop.create_task(self._receive(channel, api))
         stop = loop.create_task(self.stopping.wait())

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
 import socket
+from collections.abc import Awaitable
 from contextvars import ContextVar
 from typing import cast
 
@@ -22,8 +22,10 @@ from proxyprotocol.reader import ProxyProtocolReader
 from proxyprotocol.typing import StreamReaderProtocol
 from proxyprotocol.v2 import ProxyProtocolV2
 
+from appliance.networks import Network, cidrs, within
+from appliance.protocol.limits import LIMITS_BITTEN
+
 Address = tuple[str, int]
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _READER = ProxyProtocolReader(ProxyProtocolV2())
 # the client a Wyoming connection's header named, for the connection's own task (its handler's)
 ORIGIN: ContextVar[Address | None] = ContextVar("origin", default=None)
@@ -34,18 +36,25 @@ class BadHeader(Exception):
 
 
 @functools.lru_cache(maxsize=4)
-def _networks(setting: str) -> tuple[Network, ...]:
-    return tuple(ipaddress.ip_network(c.strip(), strict=False) for c in setting.split(",") if c.strip())
+def _networks(setting: str) -> list[Network]:
+    return cidrs(setting)  # [fleet] proxies, checked when the config was read
 
 
 def from_proxy(host: str, proxies: str) -> bool:
     """Whether `host` is one of `proxies` (CIDRs, comma-separated, as [fleet] proxies holds them)."""
-    if not proxies.strip():
-        return False
-    address = ipaddress.ip_address(host.split("%")[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return any(address in network for network in _networks(proxies))
+    return bool(proxies.strip()) and within(host, _networks(proxies))
+
+
+async def checked(reading: Awaitable[Address | None], timeout_s: float, where: str) -> Address | None:
+    """The client that `reading` (origin_from or origin_from_socket) finds within `timeout_s`; else
+    BadHeader, logged (once per 10 s) as `where` closed."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await reading
+    except (BadHeader, TimeoutError, OSError) as exc:
+        why = str(exc) if isinstance(exc, BadHeader) else "no whole PROXY header in time"
+        LIMITS_BITTEN.bit("proxy header", f"{where} closed: {why}")
+        raise BadHeader(why) from None
 
 
 async def origin_from(reader: asyncio.StreamReader) -> Address | None:

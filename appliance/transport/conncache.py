@@ -37,7 +37,7 @@ from typing import Any
 
 from appliance.config import ConnCacheConfig
 from appliance.errors import ApplianceError
-from appliance.protocol.peers import Peer, Totals
+from appliance.protocol.peers import Peer, Totals, without_stalling
 from appliance.transport.bpfmaps import PinnedMap, possible_cpus
 
 log = logging.getLogger("appliance.conncache")
@@ -105,6 +105,10 @@ class ConnectionCache:
         for address in idle:
             self.forget(address)
         return {a for a in holding if a in idle or (a not in present and a not in live)}
+
+    async def swept(self, holding: set[str], live: Collection[str]) -> set[str]:
+        """sweep, where it cannot stall the loop (protocol/peers.py without_stalling)."""
+        return await without_stalling(self, lambda: self.sweep(holding, live))
 
     def close(self) -> None:
         pass

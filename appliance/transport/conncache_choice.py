@@ -3,6 +3,7 @@ one with the reason; and whether the sockets' SO_REUSEPORT group is steered to i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import subprocess
@@ -47,3 +48,11 @@ def open_cache(
     elif keys is not None and cache.steering_reason:
         log.warning("quic steering: not loaded (%s)", cache.steering_reason)
     return cache
+
+
+async def opened_cache(
+    settings: Callable[[], ConnCacheConfig], socks: list[socket.socket], keys: list[int] | None = None
+) -> ConnectionCache:
+    """open_cache in a thread: the eBPF loader compiles and loads for seconds, and the loop serves
+    meanwhile (health checks answered throughout, where they waited for it)."""
+    return await asyncio.to_thread(open_cache, settings, socks, keys)

@@ -39,11 +39,10 @@ from cryptography.hazmat.primitives import hashes
 from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Handler, Opened, Request
-from appliance.protocol.peers import without_stalling
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import ConnectionCache, peer_name
-from appliance.transport.conncache_choice import open_cache
+from appliance.transport.conncache_choice import opened_cache
 from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
 from appliance.transport.h3_websocket import WebSocketStreams, is_websocket_connect
 from appliance.transport.owners import SequenceOwners
@@ -107,10 +106,8 @@ class H3Server:
             **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
         )
         udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
-        if cache is None:  # the eBPF loader compiles and loads for seconds: the loop serves meanwhile, and
-            self._quic_server.admit = lambda data, addr: False  # QUIC drops what comes (clients send again)
-            cache = await asyncio.to_thread(open_cache, lambda: self.live.config.conncache, [udp_socket])
-        self.cache = cache
+        self._quic_server.admit = lambda data, addr: False  # until the cache is open: clients send again
+        self.cache = cache or await opened_cache(lambda: self.live.config.conncache, [udp_socket])
         self._quic_server.admit = self.cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
@@ -154,13 +151,10 @@ class H3Server:
                 log.warning("conncache: the engine did not say which sequences are open; next sweep retries")
                 continue
             self.owners.forget_ended(still.__contains__)
-            holding, live, cache = self.peers_held() | self.owners.peers(), self.peers_held(), self.cache
-            for peer in await without_stalling(cache, lambda: cache.sweep(holding, live)):
+            for peer in await self.cache.swept(self.peers_held() | self.owners.peers(), self.peers_held()):
                 opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
                 self.api.end_opened(opened)
-                log.info(
-                    "conncache: peer %s idle or evicted: connection closed, %d sequences released", peer, len(opened)
-                )
+                log.info("conncache: peer %s idle or evicted: closed, %d sequences released", peer, len(opened))
 
     async def _reap(self) -> None:
         """Quiet request streams get a 408; handshakes not complete in time lose their slot."""

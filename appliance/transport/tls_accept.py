@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from appliance.config import HttpsConfig
-from appliance.protocol.proxied import Address, BadHeader, from_proxy, origin_from_socket
+from appliance.protocol.proxied import Address, BadHeader, checked, from_proxy, origin_from_socket
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN
 from appliance.transport.connection_bounds import FD_RESERVE, admission_refusal, descriptors_short
@@ -92,11 +92,8 @@ class TlsAcceptor:
 
     async def _from_proxy(self, conn: socket.socket, proxy: str, timeout_s: float) -> None:
         try:
-            async with asyncio.timeout(timeout_s):
-                origin = await origin_from_socket(conn)
-        except (BadHeader, TimeoutError, OSError) as exc:
-            why = str(exc) if isinstance(exc, BadHeader) else "no whole PROXY header in time"
-            LIMITS_BITTEN.bit("proxy header", f"a connection from proxy {proxy} closed: {why}")
+            origin = await checked(origin_from_socket(conn), timeout_s, f"a connection from proxy {proxy}")
+        except BadHeader:
             conn.close()
             return
         except BaseException:  # cancelled (the stop): the socket goes with it

@@ -19,11 +19,10 @@ import ifaddr
 
 from appliance.api.metrics import Metrics
 from appliance.api.wyoming_events import WyomingError, close_with_error
-from appliance.config import Live, cidrs
-from appliance.protocol.limits import LIMITS_BITTEN
-from appliance.protocol.proxied import ORIGIN, BadHeader, from_proxy, origin_from
+from appliance.config import Live
+from appliance.networks import Network, cidrs, within
+from appliance.protocol.proxied import ORIGIN, BadHeader, checked, from_proxy, origin_from
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LOOPBACK = ("127.0.0.0/8", "::1/128")
 OWN_NETWORKS_S = 10.0
@@ -51,10 +50,7 @@ def _own_networks(period: int) -> list[Network]:
 
 
 def allowed(host: str, setting: str) -> bool:
-    address = ipaddress.ip_address(host.split("%")[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return any(address in network for network in networks(setting))
+    return within(host, networks(setting))
 
 
 def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
@@ -67,11 +63,9 @@ def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
         host = str(writer.get_extra_info("peername")[0])
         if from_proxy(host, live.config.fleet.proxies):  # a balancer's: its header names the client
             try:
-                async with asyncio.timeout(live.config.server.header_timeout_s):
-                    origin = await origin_from(reader)
-            except (BadHeader, TimeoutError, OSError) as exc:
-                why = str(exc) if isinstance(exc, BadHeader) else "no whole PROXY header in time"
-                LIMITS_BITTEN.bit("proxy header", f"a Wyoming connection from proxy {host} closed: {why}")
+                timeout_s = live.config.server.header_timeout_s
+                origin = await checked(origin_from(reader), timeout_s, f"a Wyoming connection from proxy {host}")
+            except BadHeader:
                 writer.close()
                 return
             if origin is None:  # LOCAL: the balancer's own health check, which [fleet] proxies trusts
