@@ -44,11 +44,13 @@ class Clock:
 Scenario = Callable[[Http1Server, Clock, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def served(tmp_path: Path, scenario: Scenario) -> None:
+def served(tmp_path: Path, scenario: Scenario, api: Answers | None = None) -> None:
+    """`scenario` against a real server on a Unix socket, answered by `api` (200 to everything)."""
+
     async def run() -> None:
         clock = Clock()
         live = Live(Config(server=LIMITS))
-        server = Http1Server(Answers(), live, BodyBudget(lambda: live.config.server), clock)  # type: ignore[arg-type]
+        server = Http1Server(api or Answers(), live, BodyBudget(lambda: live.config.server), clock)  # type: ignore[arg-type]
         listening = await asyncio.get_running_loop().create_unix_server(server.protocol, str(tmp_path / "s"))
         reader, writer = await asyncio.open_unix_connection(str(tmp_path / "s"))
         try:

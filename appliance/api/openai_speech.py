@@ -164,7 +164,7 @@ async def _encoded(encoder: Encoder | None, pieces: AsyncGenerator[np.ndarray, N
             data = _pcm(samples) if encoder is None else await asyncio.to_thread(encoder.encode, samples)
             if data:
                 yield data
-        if encoder is not None:
-            yield await asyncio.to_thread(encoder.finish)
+        if encoder is not None and (tail := await asyncio.to_thread(encoder.finish)):
+            yield tail
     finally:
         await pieces.aclose()

@@ -354,6 +354,8 @@ class HttpConnection(WebSocketUpgrade):
                 async for piece in pieces:
                     if self.transport is None or self.transport.is_closing():
                         return False
+                    if not piece:  # a zero-size chunk would end the body here
+                        continue
                     self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     window.hold(self.transport.get_write_buffer_size())
                     await self._writable.wait()
