@@ -103,12 +103,23 @@ def decoded(model: WhisperModel, tokens: WhisperTokens, rules: Rules) -> tuple[l
 def test_the_kernels_launch_code_decodes_what_the_array_operations_decode(tiny) -> None:
     weights, tokens, rules = tiny
     kernels = Kernels()
-    ours = WhisperModel(weights, ops=KernelOps(np, kernels, MAX_BATCH, SHARD_TOKENS))
+    ours = WhisperModel(weights, ops=KernelOps(np, kernels, MAX_BATCH, SHARD_TOKENS, np.float32))
     theirs = WhisperModel(weights)
     (fused, fused_encoded), (plain, plain_encoded) = decoded(ours, tokens, rules), decoded(theirs, tokens, rules)
     assert {"layer_norm", "bias_gelu", "decode_attention"} <= set(kernels.launches)
     np.testing.assert_allclose(fused_encoded, plain_encoded, atol=2e-3)
     assert sorted(fused) == sorted(plain) and all(len(ids) > 3 for ids in fused)
+
+
+def test_arrays_the_kernels_cannot_read_go_to_the_array_operations(tiny) -> None:
+    """float32 arrays where the kernels read float16, or a cache of other heads: never launched."""
+    kernels = Kernels()
+    ops = KernelOps(np, kernels, MAX_BATCH, SHARD_TOKENS)
+    x = np.ones((2, 64), np.float32)
+    assert ops.layer_norm(x, np.ones(64, np.float32), np.zeros(64, np.float32)).shape == (2, 64)
+    q, cache = np.zeros((2, 6, 1, 64), np.float16), np.zeros((8, 4, 448, 64), np.float16)
+    assert ops.decode_attention(q, cache, cache, np.ones(2, np.int32)) is None
+    assert kernels.launches == ["appliance_baked"]
 
 
 def test_a_cubin_baked_with_other_values_is_refused(tiny) -> None:

@@ -88,9 +88,10 @@ class KernelOps(ArrayOps):
     with its get_function), on float16 arrays. The cubin must say it was baked with the manifest's
     max_batch and shard length, else it is not used."""
 
-    def __init__(self, xp: Any, module: Any, max_batch: int, shard_tokens: int) -> None:
+    def __init__(self, xp: Any, module: Any, max_batch: int, shard_tokens: int, dtype: Any = None) -> None:
+        """`dtype`: what the kernels read (float16; a test's stand-ins read float32)."""
         super().__init__(xp)
-        self.max_batch = max_batch
+        self.max_batch, self.dtype = max_batch, dtype or xp.float16
         run: Callable[[str], Launch] = module.get_function
         baked = xp.zeros(2, xp.int32)
         run("appliance_baked")((1,), (1,), (baked,))
@@ -103,7 +104,13 @@ class KernelOps(ArrayOps):
         self._layer_norm, self._bias_gelu = run("layer_norm"), run("bias_gelu")
         self._attention = run("decode_attention")
 
+    def _half(self, *arrays: Any) -> bool:
+        """Whether every array is of the kernels' dtype (anything else goes to ArrayOps)."""
+        return all(a.dtype == self.dtype for a in arrays)
+
     def layer_norm(self, x: Any, gamma: Any, beta: Any) -> Any:
+        if not self._half(x, gamma, beta):
+            return super().layer_norm(x, gamma, beta)
         x = self.xp.ascontiguousarray(x)
         out = self.xp.empty_like(x)
         width = x.shape[-1]
@@ -111,6 +118,8 @@ class KernelOps(ArrayOps):
         return out
 
     def linear_gelu(self, x: Any, weight: Any, bias: Any) -> Any:
+        if not self._half(x, weight, bias):
+            return super().linear_gelu(x, weight, bias)
         y = self.xp.ascontiguousarray(x @ weight.T)  # cuBLAS; the bias and GELU in one pass after it
         width = y.shape[-1]
         blocks = (y.size + THREADS - 1) // THREADS
@@ -119,9 +128,10 @@ class KernelOps(ArrayOps):
 
     def decode_attention(self, q: Any, keys: Any, values: Any, lengths: Any) -> Any | None:
         n, heads = q.shape[0], q.shape[1]
-        if n > self.max_batch or keys.shape[2] > ENCODER_POSITIONS or q.shape[-1] != HEAD_DIMS:
-            return None
-        if not (keys.flags.c_contiguous and values.flags.c_contiguous):  # the kernel steps by rows of the cache
+        fits = n <= self.max_batch and len(lengths) >= n and keys.shape[0] >= n and values.shape == keys.shape
+        fits = fits and keys.shape[1] == heads and keys.shape[3] == q.shape[-1] == HEAD_DIMS
+        fits = fits and keys.shape[2] <= ENCODER_POSITIONS and self._half(q, keys, values)
+        if not (fits and keys.flags.c_contiguous and values.flags.c_contiguous):  # it steps by rows of the cache
             return None
         xp = self.xp
         queries = xp.ascontiguousarray(q.reshape(n, heads, HEAD_DIMS))

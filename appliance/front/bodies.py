@@ -44,6 +44,9 @@ def pack_body(data: bytes, owner: str) -> Body:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+    except BaseException:  # shared memory full, say: a part-written file would hold what was left of it
+        path.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
     return Body(shm=path.name, length=len(data))

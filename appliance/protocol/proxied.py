@@ -76,7 +76,7 @@ async def _origin(reader: StreamReaderProtocol) -> Address | None:
     except (OSError, BadHeader):
         raise
     except Exception as exc:  # proxy-protocol's syntax and checksum errors, struct's on a short address part
-        raise BadHeader(f"no PROXY v2 header ({exc or type(exc).__name__})") from None
+        raise BadHeader(f"no PROXY v2 header ({str(exc) or type(exc).__name__})") from None
     if not result.proxied:
         return None
     peer = result.peername

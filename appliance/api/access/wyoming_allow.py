@@ -65,9 +65,11 @@ def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
             try:
                 timeout_s = live.config.server.header_timeout_s
                 origin = await checked(origin_from(reader), timeout_s, f"a Wyoming connection from proxy {host}")
-            except BadHeader:
+            except BaseException as exc:  # a bad header, or cancelled (the stop): the connection goes
                 writer.close()
-                return
+                if isinstance(exc, BadHeader):
+                    return
+                raise
             if origin is None:  # LOCAL: the balancer's own health check, which [fleet] proxies trusts
                 await serve(reader, writer)
                 return
