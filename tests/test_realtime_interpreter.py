@@ -206,13 +206,14 @@ def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(dae
     with daemon.client() as client:
         assert client.health()["ready"], "others are not served"
     # the turns it had taken are transcribed (up to four wait for their answers, which wait for the
-    # client); once the engine is quiet nothing more may grow
+    # client) while the audio it took is read at speech pace ([realtime] max_ahead_s): the engine works
+    # in bursts for minutes, so each process is held to its bound at every sample of 5 s, not to none
     wait_until_quiet(daemon)
-    held = process_tree_rss_kib(daemon)
-    time.sleep(5)
-    after = process_tree_rss_kib(daemon)
-    assert all(after[pid] - held[pid] < 2 << 10 for pid in after), (held, after)
-    grown = {pid: after[pid] - before.get(pid, 0) for pid in after}
+    samples = []
+    for _ in range(6):
+        samples.append(process_tree_rss_kib(daemon))
+        time.sleep(1)
+    grown = {pid: max(s.get(pid, 0) for s in samples) - before.get(pid, 0) for pid in samples[-1]}
     # the engine's arenas grow with the turns it decoded (two windows at once where a decode ahead meets
     # a partial); every other process holds at most its WebSocket buffers (4 MiB) and the channel's 1 MiB
     engine = daemon.proc.pid
