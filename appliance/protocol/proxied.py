@@ -76,7 +76,8 @@ async def _origin(reader: StreamReaderProtocol) -> Address | None:
     except (OSError, BadHeader):
         raise
     except Exception as exc:  # proxy-protocol's syntax and checksum errors, struct's on a short address part
-        raise BadHeader(f"no PROXY v2 header ({str(exc) or type(exc).__name__})") from None
+        why = str(exc) or type(exc).__name__  # a v1 line (send-proxy) fails the v2 signature too
+        raise BadHeader(f"no PROXY v2 header ({why}; the box reads HAProxy's send-proxy-v2)") from None
     if not result.proxied:
         return None
     peer = result.peername
