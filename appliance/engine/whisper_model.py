@@ -110,6 +110,8 @@ class WhisperModel:
             return fused
         n, length = len(q), int(lengths.max())
         mask = (self.xp.arange(length)[None, :] < lengths[:, None])[:, None, None, :]  # [n, 1, 1, T]
+        if bool(mask.all()):  # every row reads every position (cross-attention): no masking pass
+            mask = None
         return self._attend(q, keys[:n, :, :length], values[:n, :, :length], mask, kept)
 
     def cross(self, encoded: Any) -> list[tuple[Any, Any]]:
