@@ -92,13 +92,26 @@ def answered(net: Network, address: str, name: str, port: int) -> bool:
     return any(port in asked_from(net, address, name) for _ in range(5))
 
 
+def unanswered(box: Daemon) -> str:
+    """What the box and the kernel said, for a query that got no answer: the daemon's log, the
+    served interface's memberships, the sockets on port 5353 and the kernel's UDP drop counters."""
+    seen = [box.log.read_text()[-3000:]]
+    for command in (
+        ["ip", "-4", "maddr", "show", "dev", "w47lan"],
+        ["ss", "-uanpe", "sport = :5353"],
+        ["nstat", "-asz", "UdpIgnoredMulti", "UdpInErrors", "UdpRcvbufErrors", "IpExtInMcastPkts"],
+    ):
+        seen.append(subprocess.run(command, capture_output=True, text=True).stdout)
+    return "\n".join(seen)
+
+
 def test_zeroconf_answers_the_served_lan_alone(networks: dict[str, Network], box: Daemon) -> None:
     name = re.search(r"announced as (\S+) \(", box.log.read_text())[1]  # type: ignore[index]
     port = int(re.search(r'tcp = "[\d.]+:(\d+)"', box.config.read_text())[1])  # type: ignore[index]
     lan, other = networks["lan"], networks["other"]
     # other boxes on this host may share the name (one host name): only this box's port is judged
-    assert answered(lan, MDNS_GROUP, name, port)  # Home Assistant's discovery on the LAN
-    assert answered(lan, lan.box, name, port)
+    assert answered(lan, MDNS_GROUP, name, port), unanswered(box)  # Home Assistant's discovery on the LAN
+    assert answered(lan, lan.box, name, port), unanswered(box)
     assert port not in asked_from(other, lan.box, name), "the other network learnt the served address's port"
     assert port not in asked_from(other, other.box, name)
     assert port not in asked_from(other, MDNS_GROUP, name)
