@@ -17,6 +17,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -181,6 +182,7 @@ class Turns:
         self.arrived: dict[str, float] = {}  # item id -> when the audio that ended its turn arrived
         # an interpreter session's answers, in order, while it goes on listening
         self.answers = Answers(interpreter, session, emit, first_audio) if interpreter else None
+        self.after = ""  # the last turn's language: a short next turn's is the other one (conversation mode)
 
     def _model(self) -> LiveTranscriber:
         model = speech_to_text(self.models, self.session.settings.model, "transcribe", None)
@@ -201,7 +203,7 @@ class Turns:
 
     def options(self) -> Options:
         if self.interpreter is not None:
-            return self.interpreter.plan.options
+            return replace(self.interpreter.plan.options, after=self.after)
         s = self.session.settings
         return Options(s.language, "transcribe", s.prompt)
 
@@ -313,6 +315,7 @@ class Turns:
         arrived = self.arrived.pop(item, None)
         if self.answers is None:
             return
+        self.after = segments[-1].language if segments else self.after
         await self._emit(self.session.conversation.user_turn(item, segments))
         settings = self.session.settings
         if settings.vad is not None and settings.create_response:  # manual turns wait for response.create

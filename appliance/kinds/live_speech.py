@@ -13,7 +13,7 @@ import functools
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,11 +42,9 @@ HEARD_BEHIND_S = 2.0
 # the audio gathered for each VAD call while hearing (whole frames of it): Home Assistant's chunks
 # are as short as 10 ms, and a call per frame would cost the loop more than hearing saves
 HEARD_HOP = SAMPLE_RATE // 10
-# the silence after the last segment's padding that starts the transcription ahead. Speech after it
-# drops that transcription (an engine call under way runs to its end: CPU the speaking client was
-# not using), so it starts early: Home Assistant's segmenter stops the recording after 0.7 s of
-# silence, and a window's work on a small CPU is about a second (0.3 s here: audio-stop to
-# transcript p50 590 ms, against 409 to 453 ms with 0.1 s)
+# the silence after the last segment's padding that starts the transcription ahead: early, as speech
+# after it only drops it (Home Assistant stops recording after 0.7 s of silence, and a window takes a
+# small CPU about a second; with 0.3 s audio-stop to transcript p50 was 590 ms, with 0.1 s 409-453 ms)
 HEARD_SILENCE = int(0.1 * SAMPLE_RATE)
 # recordings heard at once: per client (a satellite streams one at a time), and in all a share of the
 # VAD's sequence table, which the API's live streams need (a recording not heard loses no text)
@@ -202,11 +200,15 @@ class LiveTranscription:
     async def _final(
         self, stream: LiveStream, audio: np.ndarray, base: int, span: tuple[int, int], times: RequestTimes
     ) -> list[Segment]:
-        """A closed segment's text: the decode started before the close, where it was of this very span."""
+        """A closed segment's text: the decode started before the close, where it was of this very span.
+        Its language is the speech before the stream's next turns (speech_languages.turn_taking)."""
         if stream.ahead is not None and stream.ahead[0] == span:
             task, stream.ahead = stream.ahead[1], None
-            return await task
-        return await self._decode_live(stream, audio, base, span, times)
+            turn = await task
+        else:
+            turn = await self._decode_live(stream, audio, base, span, times)
+        stream.options = replace(stream.options, after=turn[-1].language) if turn else stream.options
+        return turn
 
     def _decode_ahead(self, stream: LiveStream, audio: np.ndarray, base: int, ending: bool) -> None:
         """Start decoding the span the VAD will close if the silence it hears goes on (the final text

@@ -66,6 +66,10 @@ class Options:
     # where set, no language named: speech in these languages is transcribed, in any other translated
     # to English, each segment by the language identified in it (a speech pipeline's routes)
     transcribed: tuple[str, ...] = ()
+    # conversation mode's two languages: a segment too short for Whisper to tell its language is taken
+    # to be in the other one than the speech before it (kinds/speech_languages.py turn_taking)
+    conversation: tuple[str, ...] = ()
+    after: str = ""  # the language of the speech before this audio, where known (a live session's last turn)
 
 
 @dataclass(frozen=True, slots=True)

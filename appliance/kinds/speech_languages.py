@@ -23,8 +23,13 @@ from appliance.engine.speech_engine import SpeechEngine
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApplianceError
 from appliance.firmware import ModelSpec
-from appliance.kinds.speech_api import Options, Segment
-from appliance.kinds.speech_shards import ShardPlan
+from appliance.kinds.interpret_routes import target_of
+from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
+from appliance.kinds.speech_shards import ShardPlan, Span
+
+# Under this much audio, Whisper's language detection is not to be trusted: base heard Kokoro's "Sim."
+# as English (0.91) and "Não." as Japanese (0.60); "Obrigado." (0.8 s) and longer turns right (docs/live.md)
+SHORT_TURN_S = 1.0
 
 
 class SegmentLanguages:
@@ -84,7 +89,7 @@ class SegmentLanguages:
         keep the shard's `index` in its request (the batcher's turn: a request's first shard goes before
         anyone's next)."""
         clips = [samples[s.start : s.end] for s in plan.spans]
-        heard = await asyncio.to_thread(self.listener.engine.detect, clips)
+        heard = turn_taking(await asyncio.to_thread(self.listener.engine.detect, clips), plan.spans, options)
         runs = itertools.groupby(zip(heard, plan.spans), key=lambda found: found[0][0])
         decodes = []
         for language, run in runs:
@@ -103,3 +108,20 @@ class SegmentLanguages:
             for (probability, _), segments in zip(decodes, found)
             for s in segments
         ]
+
+
+def turn_taking(heard: list[tuple[str, float]], spans: list[Span], options: Options) -> list[tuple[str, float]]:
+    """Each segment's language and its probability, in conversation mode with a short segment's taken
+    from the turns: two people take turns, so a segment too short for Whisper to tell (SHORT_TURN_S) is
+    in the other of the two languages than the speech before it (`options.after`, else the segment
+    before), told as a caller's language is (probability 1.0). Without speech before it, or after
+    speech in a third language, Whisper's detection stands."""
+    if len(options.conversation) != 2:
+        return heard
+    before, found = options.after, []
+    for (language, probability), span in zip(heard, spans):
+        if span.end - span.start < SHORT_TURN_S * SAMPLE_RATE and before in options.conversation:
+            language, probability = target_of(options.conversation, before), 1.0
+        found.append((language, probability))
+        before = language
+    return found
