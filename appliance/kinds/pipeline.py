@@ -250,12 +250,8 @@ class SpeechPipeline:
             if found is None:
                 raise BadRequest(f"no route from {source[:20]!r} to {'/'.join(targets)!r} in this firmware")
             translated, keep = found.whisper_translates, ()
-        options = Options(
-            language=source,
-            task="translate" if translated else "transcribe",
-            transcribed=keep,
-            conversation=targets if len(targets) == 2 else (),
-        )
+        task, conversation = "translate" if translated else "transcribe", targets if len(targets) == 2 else ()
+        options = Options(source, task, transcribed=keep, conversation=conversation)
         self.stt.check(options)  # a source Whisper does not know is a 400 here, before the answer starts
         return Plan(options, targets)
 
