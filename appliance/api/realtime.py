@@ -306,7 +306,9 @@ class Turns:
                 >= self.limits.live.config.realtime.max_turn_s * SAMPLE_RATE
             ):
                 # a turn that never pauses is committed in pieces: none holds the batch for long
-                return await self.commit(self.session.end_turn())
+                await self.commit(self.session.end_turn())
+                self.after = ""  # its speaker goes on: the next piece is not the other person's turn
+                return
         self._forget_arrivals(chunk.open_start)
 
     async def _interpret(self, item: str, segments: list[Segment]) -> None:
@@ -334,6 +336,7 @@ class Turns:
         padded = np.concatenate([step.samples, np.zeros(max(0, MIN_SAMPLES - len(step.samples)), np.float32)])
         found = [s async for s in self.model.transcribe(padded, self.options())]
         transcript = " ".join(s.text.strip() for s in found).strip()
+        self.after = found[-1].language if found and step.previous is None else self.after  # the last turn
         conversation = self.session.conversation
         added = conversation.add(
             Item(step.item_id, "user", [{"type": "input_audio", "transcript": transcript}], found), step.previous

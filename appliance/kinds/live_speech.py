@@ -34,11 +34,10 @@ log = logging.getLogger("appliance")
 
 # the speech heard between decodes of a segment's text so far behind the stream (and before the first)
 PARTIAL_GAP = SAMPLE_RATE
-# how far a recording may run ahead of the clock and still be heard as it arrives (a client's buffering);
-# one sent faster is an upload, transcribed whole at its end (transcribing ahead would only cost it)
-HEARD_AHEAD_S = 1.0
-# and how far behind: a client that stops sending (or a box too busy to read it) is not heard further
-HEARD_BEHIND_S = 2.0
+# how far a recording may run ahead of the clock and still be heard as it arrives (a client's buffering;
+# one sent faster is an upload, transcribed whole at its end), and how far behind (a client that stops
+# sending, or a box too busy to read it, is not heard further)
+HEARD_AHEAD_S, HEARD_BEHIND_S = 1.0, 2.0
 # the audio gathered for each VAD call while hearing (whole frames of it): Home Assistant's chunks
 # are as short as 10 ms, and a call per frame would cost the loop more than hearing saves
 HEARD_HOP = SAMPLE_RATE // 10
@@ -46,10 +45,9 @@ HEARD_HOP = SAMPLE_RATE // 10
 # after it only drops it (Home Assistant stops recording after 0.7 s of silence, and a window takes a
 # small CPU about a second; with 0.3 s audio-stop to transcript p50 was 590 ms, with 0.1 s 409-453 ms)
 HEARD_SILENCE = int(0.1 * SAMPLE_RATE)
-# recordings heard at once: per client (a satellite streams one at a time), and in all a share of the
-# VAD's sequence table, which the API's live streams need (a recording not heard loses no text)
-HEARD_PER_CLIENT = 2
-HEARD_TABLE_SHARE = 16  # at most max_live / this
+# recordings heard at once: per client (a satellite streams one at a time), and in all a share
+# (max_live / 16) of the VAD's sequence table, which live streams need (one not heard loses no text)
+HEARD_PER_CLIENT, HEARD_TABLE_SHARE = 2, 16
 _heard_keys = itertools.count()
 
 
@@ -141,7 +139,7 @@ class LiveTranscription:
                 sequence.id,
                 now,
                 sequence.client,
-                lambda: LiveStream(options, tracker),
+                lambda: LiveStream(replace(options, padding=tracker.pad), tracker),
                 sequence.address,
                 sequence.principal,
             )
@@ -162,7 +160,9 @@ class LiveTranscription:
             if sequence.end:
                 closed += stream.tracker.finish(stream.position)
             audio, base = np.concatenate(stream.audio), stream.base
-            decoded = await asyncio.gather(*(self._final(stream, audio, base, span, times) for span in closed))
+            final = functools.partial(self._final, stream, audio, base, times=times)
+            in_turn = stream.options.conversation  # one after another: a turn's language is the next one's before
+            decoded = [await final(s) for s in closed] if in_turn else await asyncio.gather(*map(final, closed))
             text, open_start = None, None if sequence.end else stream.tracker.open_start
             speaking = open_start is not None and stream.tracker.closing() is None  # else decoded ahead
             if closed or open_start is None:

@@ -70,6 +70,7 @@ class Options:
     # to be in the other one than the speech before it (kinds/speech_languages.py turn_taking)
     conversation: tuple[str, ...] = ()
     after: str = ""  # the language of the speech before this audio, where known (a live session's last turn)
+    padding: int = 0  # the VAD's padding on each side of a segment, samples: its speech is the rest at least
 
 
 @dataclass(frozen=True, slots=True)

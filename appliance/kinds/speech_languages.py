@@ -66,11 +66,15 @@ class SegmentLanguages:
     def identifies(self, plan: ShardPlan, options: Options) -> bool:
         """Its segments' languages are to be identified before decoding: no language was named, and the
         model is English-only, the shard holds more than one segment (a lone segment's language is
-        detected in its own decode) or the task depends on the language (`transcribed`)."""
+        detected in its own decode) or the task or the turn-taking depends on the language."""
         return (
             options.language is None
             and self.listener is not None
-            and (not self.engine.tokens.multilingual or len(plan.spans) > 1 or bool(options.transcribed))
+            and (
+                not self.engine.tokens.multilingual
+                or len(plan.spans) > 1
+                or bool(options.transcribed or options.conversation)
+            )
         )
 
     async def by_language(
@@ -112,7 +116,8 @@ class SegmentLanguages:
 
 def turn_taking(heard: list[tuple[str, float]], spans: list[Span], options: Options) -> list[tuple[str, float]]:
     """Each segment's language and its probability, in conversation mode with a short segment's taken
-    from the turns: two people take turns, so a segment too short for Whisper to tell (SHORT_TURN_S) is
+    from the turns: two people take turns, so a segment whose speech (its span less the VAD's padding)
+    is too short for Whisper to tell (SHORT_TURN_S) is
     in the other of the two languages than the speech before it (`options.after`, else the segment
     before), told as a caller's language is (probability 1.0). Without speech before it, or after
     speech in a third language, Whisper's detection stands."""
@@ -120,7 +125,8 @@ def turn_taking(heard: list[tuple[str, float]], spans: list[Span], options: Opti
         return heard
     before, found = options.after, []
     for (language, probability), span in zip(heard, spans):
-        if span.end - span.start < SHORT_TURN_S * SAMPLE_RATE and before in options.conversation:
+        speech = span.end - span.start - 2 * options.padding
+        if speech < SHORT_TURN_S * SAMPLE_RATE and before in options.conversation:
             language, probability = target_of(options.conversation, before), 1.0
         found.append((language, probability))
         before = language

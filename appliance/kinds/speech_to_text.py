@@ -13,6 +13,7 @@ import functools
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Hashable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -133,6 +134,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         together, once it has filled `max_batch` of them or the recording ends (the VAD is some 50
         times faster than Whisper, and one engine call of several windows costs less than each alone)."""
         self.check(options)
+        options = replace(options, padding=self.live.config.vad.speech_pad_ms * SAMPLE_RATE // 1000)
         spent = times or RequestTimes()
         packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
         shards: asyncio.Queue[asyncio.Task[list[Segment]] | None] = asyncio.Queue()
