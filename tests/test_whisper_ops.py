@@ -1,5 +1,5 @@
-"""KernelOps's launch code (engine/whisper_ops.py) on the CPU: kernels/whisper.cu's layer_norm, bias_gelu
-and decode_attention written again in NumPy from the .cu (flat buffers, its index arithmetic, its grid,
+"""KernelOps's launch code (engine/whisper_ops.py) on the CPU: kernels/whisper.cu's layer_norm, bias_gelu,
+decode_attention and greedy_with_rules written again in NumPy from the .cu (flat buffers, its index arithmetic, its grid,
 contiguous memory required), behind a stand-in for CuPy's RawModule. The box's own Whisper through them
 decodes what it decodes through the array module's own operations, and a cubin baked with other values
 is refused. The kernels themselves run on a GPU in tests/gpu/whisper_kernels.py."""
@@ -20,8 +20,8 @@ from appliance.engine import whisper_weights
 from appliance.engine.whisper_batch import DecodeBatch, Sequence
 from appliance.engine.whisper_features import log_mel, mel_filters
 from appliance.engine.whisper_model import WhisperModel
-from appliance.engine.whisper_ops import ENCODER_POSITIONS, HEAD_DIMS, KernelOps, erf
-from appliance.engine.whisper_rules import Rules
+from appliance.engine.whisper_ops import ENCODER_POSITIONS, HEAD_DIMS, MAX_POSITIONS, KernelOps, erf
+from appliance.engine.whisper_rules import Rules, log_softmax
 from appliance.engine.whisper_tokens import WhisperTokens
 from appliance.errors import ApplianceError
 
@@ -76,6 +76,39 @@ class Kernels:
             e = np.exp(scores - scores.max())
             flat(out)[(row * heads + head) * HEAD_DIMS :][:HEAD_DIMS] = (e @ v) / e.sum()
 
+    def greedy_with_rules(  # type: ignore[no-untyped-def]
+        self, grid, block, logits, history, counts, suppress, suppress_count, suppress_begin, begin_count,
+        vocabulary, eot, no_timestamps, max_initial, tokens, logprobs,
+    ) -> None:  # fmt: skip
+        for row in range(grid[0]):  # one block per row
+            if row >= self.baked[0]:
+                continue
+            x = flat(logits)[row * vocabulary : (row + 1) * vocabulary]  # masked in place
+            chosen = flat(history)[row * MAX_POSITIONS :][: int(flat(counts)[row])]
+            count, begin = len(chosen), no_timestamps + 1
+            x[flat(suppress)[:suppress_count]] = -np.inf
+            if count == 0:
+                x[flat(suppress_begin)[:begin_count]] = -np.inf
+            x[no_timestamps] = -np.inf
+            cut_from, text_to = vocabulary, 0  # [cut_from, vocabulary) and [0, text_to) go
+            if count == 0:
+                text_to, cut_from = begin, begin + max_initial + 1
+            else:
+                last, penultimate = chosen[-1] >= begin, count < 2 or chosen[-2] >= begin
+                cut_from = begin if last and penultimate else cut_from
+                text_to = eot if last and not penultimate else text_to
+                stamps = chosen[chosen >= begin]
+                if len(stamps) and cut_from > begin:  # never back in time; a piece is never empty
+                    x[begin : stamps[-1] + (0 if last and not penultimate else 1)] = -np.inf
+            x[:text_to], x[cut_from:] = -np.inf, -np.inf
+            top, text_top = x.max(), x[:begin].max()
+            e = np.exp(x - top)
+            total, stamped = e.sum(), e[begin:].sum()
+            force_stamp = np.log(stamped) > text_top - top
+            token = begin + int(np.argmax(x[begin:])) if force_stamp else int(np.argmax(x))
+            flat(tokens)[row] = token
+            flat(logprobs)[row] = x[token] - top - np.log(stamped if force_stamp else total)
+
 
 @pytest.fixture(scope="module")
 def tiny(voice_bundle: Path, keys: Keys, tmp_path_factory: pytest.TempPathFactory):
@@ -106,9 +139,38 @@ def test_the_kernels_launch_code_decodes_what_the_array_operations_decode(tiny) 
     ours = WhisperModel(weights, ops=KernelOps(np, kernels, MAX_BATCH, SHARD_TOKENS, np.float32))
     theirs = WhisperModel(weights)
     (fused, fused_encoded), (plain, plain_encoded) = decoded(ours, tokens, rules), decoded(theirs, tokens, rules)
-    assert {"layer_norm", "bias_gelu", "decode_attention"} <= set(kernels.launches)
+    assert {"layer_norm", "bias_gelu", "decode_attention", "greedy_with_rules"} <= set(kernels.launches)
     np.testing.assert_allclose(fused_encoded, plain_encoded, atol=2e-3)
     assert sorted(fused) == sorted(plain) and all(len(ids) > 3 for ids in fused)
+
+
+def test_the_greedy_kernel_chooses_as_the_rules_do_after_every_kind_of_history(tiny) -> None:
+    """Random logits after no token, text, a timestamp that opens a piece, one that closes it, and a
+    pair: each row's token and log probability as whisper_rules.py's rules and argmax give them."""
+    _, tokens, rules = tiny
+    begin, rng = rules.timestamp_begin, np.random.default_rng(7)
+    histories = [
+        [],
+        [400, 401],
+        [begin + 10, 400],
+        [begin + 10, 400, begin + 30],
+        [begin + 10, 400, begin + 30, begin + 30],
+    ]
+    logits = rng.normal(0, 4, (len(histories), begin + 1501)).astype(np.float32)
+    logits[2:, begin + 40 : begin + 60] += 12  # timestamps likelier than text where the rules allow them
+    table = np.zeros((len(histories), MAX_POSITIONS), np.int32)
+    for at, chosen in enumerate(histories):
+        table[at, : len(chosen)] = chosen
+    counts = np.asarray([len(h) for h in histories], np.int32)
+    ops = KernelOps(np, Kernels(), MAX_BATCH, SHARD_TOKENS, np.float32)
+    found = ops.greedy(logits.copy(), list(range(len(histories))), table, counts, rules)
+    assert found is not None
+    for at, chosen in enumerate(histories):
+        masked = rules.apply(logits[at].copy(), chosen, True)
+        expected = int(np.argmax(masked))
+        assert int(found[0][at]) == expected, (at, chosen)
+        assert abs(float(found[1][at]) - float(log_softmax(masked)[expected])) < 1e-4, (at, chosen)
+    assert {int(found[0][at]) >= begin for at in range(2, len(histories))} == {True, False}  # both kinds chosen
 
 
 def test_arrays_the_kernels_cannot_read_go_to_the_array_operations(tiny) -> None:

@@ -84,27 +84,30 @@ class DecodeBatch:
         xp = self.model.xp
         tokens = xp.asarray([s.next_input for s in self.rows])
         positions = xp.asarray([s.fed for s in self.rows])
-        logits = _host(xp, self.model.step(self.cache, tokens, positions))
+        logits = self.model.step(self.cache, tokens, positions)
         self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(self.rows)
+        chosen = self._chosen_on_device(logits)
+        rest = [row for row in range(len(self.rows)) if row not in chosen]  # their logits come to the host
+        host = dict(zip(rest, _host(xp, logits[xp.asarray(rest, dtype=xp.int64)] if chosen else logits)))
         ended: list[int] = []  # rows that leave
         answers: list[Sequence] = []  # what they answer (a beam group: one for all its rows)
         groups: dict[int, list[int]] = {}
-        for row, (sequence, row_logits) in enumerate(zip(self.rows, logits)):
+        for row, sequence in enumerate(self.rows):
             fed_token = sequence.next_input
             sequence.fed += 1
             if fed_token == self.sot and self.no_speech is not None:
-                sequence.no_speech_prob = float(softmax(np, row_logits)[self.no_speech])
+                sequence.no_speech_prob = float(softmax(np, host[row])[self.no_speech])
             if sequence.fed < len(sequence.prompt):
                 continue  # still feeding its prompt
             if sequence.group is not None:
                 groups.setdefault(id(sequence.group), []).append(row)
                 continue
-            token = self._choose(sequence, row_logits)
+            token = self._take(sequence, *chosen[row]) if row in chosen else self._choose(sequence, host[row])
             if token == self.rules.eot or sequence.fed >= MAX_POSITIONS - 1:
                 ended.append(row)
                 answers.append(sequence)
         for rows in groups.values():
-            if self._beams(rows, logits):
+            if self._beams(rows, np.stack([host[r] for r in rows])):
                 ended += rows
                 answers.append(self.rows[rows[0]])
         for row in sorted(ended, reverse=True):
@@ -112,8 +115,8 @@ class DecodeBatch:
         return answers
 
     def _beams(self, rows: list[int], logits: np.ndarray) -> bool:
-        """One beam-search step of the group on `rows`: the beams' own caches follow their parents;
-        True where the group ended (its first row then holds the answer)."""
+        """One beam-search step of the group on `rows` (`logits`: theirs): the beams' own caches follow
+        their parents; True where the group ended (its first row then holds the answer)."""
         beams = [self.rows[r] for r in rows]
         group = beams[0].group
         assert group is not None and len(rows) == group.size
@@ -123,7 +126,7 @@ class DecodeBatch:
             self.rules,
             [b.chosen for b in beams],
             [b.logprob for b in beams],
-            logits[rows],
+            logits,
             beams[0].timestamps,
             full,
         )
@@ -135,6 +138,25 @@ class DecodeBatch:
             beam.chosen, beam.logprob = tokens, score
         return False
 
+    def _chosen_on_device(self, logits: Any) -> dict[int, tuple[int, float]]:
+        """The rows that choose greedily with timestamps at this step, each row's token and its log
+        probability chosen where the logits are (the model's ops; none where they cannot). A row fed
+        <|startoftranscript|> goes to the host: its <|nospeech|> probability is read there."""
+        rows = [
+            row
+            for row, s in enumerate(self.rows)
+            if s.fed + 1 >= len(s.prompt) and s.group is None and not s.temperature and s.timestamps
+            and s.next_input != self.sot
+        ]  # fmt: skip
+        if not rows:
+            return {}
+        histories, counts = np.zeros((len(rows), MAX_POSITIONS), np.int32), np.zeros(len(rows), np.int32)
+        for at, row in enumerate(rows):
+            chosen = self.rows[row].chosen
+            histories[at, : len(chosen)], counts[at] = chosen, len(chosen)
+        found = self.model.ops.greedy(logits, rows, histories, counts, self.rules)
+        return {} if found is None else {row: (int(t), float(p)) for row, t, p in zip(rows, *found)}
+
     def _choose(self, sequence: Sequence, logits: np.ndarray) -> int:
         logits = self.rules.apply(logits, sequence.chosen, sequence.timestamps)
         logprobs = log_softmax(logits)
@@ -142,8 +164,12 @@ class DecodeBatch:
             token = int(sequence.rng.choice(len(logits), p=softmax(np, logits / sequence.temperature)))
         else:
             token = int(np.argmax(logits))
+        return self._take(sequence, token, float(logprobs[token]))
+
+    @staticmethod
+    def _take(sequence: Sequence, token: int, logprob: float) -> int:
         sequence.chosen.append(token)
-        sequence.logprob += float(logprobs[token])
+        sequence.logprob += logprob
         return token
 
     def leave(self, sequence: Sequence) -> None:

@@ -19,9 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.engine.whisper_ops import ArrayOps, gelu, softmax
-
-MAX_POSITIONS = 448  # the decoder's context
+from appliance.engine.whisper_ops import MAX_POSITIONS, ArrayOps, gelu, softmax
 
 
 class WhisperModel:

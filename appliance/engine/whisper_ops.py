@@ -1,8 +1,8 @@
 """The steps of Whisper's forward pass that kernels/whisper.cu fuses, behind one small interface that
 WhisperModel calls: `ArrayOps`, the array module's own operations (NumPy: the reference; CuPy where the
 firmware has no kernels for the model), and `KernelOps`, the firmware's cubin launched with CuPy (layer
-norm, the MLP's bias and GELU after cuBLAS's GEMM, a decoder step's attention). GEMMs stay the array
-module's (cuBLAS). Tested on the CPU through the same launch code with NumPy stand-ins of the kernels
+norm, the MLP's bias and GELU after cuBLAS's GEMM, a decoder step's attention, and the greedy choice
+under the logit rules, so a step's logits stay on the device). GEMMs stay the array module's (cuBLAS). Tested on the CPU through the same launch code with NumPy stand-ins of the kernels
 (tests/test_whisper_ops.py); tests/gpu/whisper_kernels.py runs the real ones against NumPy.
 """
 
@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from appliance.engine.whisper_rules import MAX_INITIAL_TIMESTAMP_INDEX, Rules
 from appliance.errors import ApplianceError
 
 THREADS = 256  # each kernel's block (kernels/whisper.cu's THREADS)
 HEAD_DIMS = 64  # every Whisper size
 ENCODER_POSITIONS = 1500  # what a 30 s window's encoder gives, and the kernel's attention holds at most
+MAX_POSITIONS = 448  # the decoder's context (kernels/whisper.cu's: a row of the tokens chosen)
 
 
 def erf(xp: Any, x: Any) -> Any:
@@ -79,6 +81,15 @@ class ArrayOps:
         each row's [heads, positions, 64] keys and values), or None: the model attends by itself."""
         return None
 
+    def greedy(
+        self, logits: Any, rows: list[int], histories: np.ndarray, counts: np.ndarray, rules: Rules
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The greedy choice under the logit rules with timestamps (whisper_rules.py) of `rows` of a
+        step's `logits` [n, vocabulary], made where the logits are: (tokens, log probabilities) as NumPy
+        arrays; `histories` [len(rows), MAX_POSITIONS] the tokens each chose, `counts` how many. None:
+        the caller brings the logits to the host and applies the rules there."""
+        return None
+
 
 Launch = Callable[[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], None]
 
@@ -102,7 +113,8 @@ class KernelOps(ArrayOps):
                 f"the manifest says {[max_batch, shard_tokens]}"
             )
         self._layer_norm, self._bias_gelu = run("layer_norm"), run("bias_gelu")
-        self._attention = run("decode_attention")
+        self._attention, self._greedy = run("decode_attention"), run("greedy_with_rules")
+        self._suppress: tuple[Rules, Any, Any] | None = None  # the rules' token lists, on the device
 
     def _half(self, *arrays: Any) -> bool:
         """Whether every array is of the kernels' dtype (anything else goes to ArrayOps)."""
@@ -140,3 +152,35 @@ class KernelOps(ArrayOps):
         args = (queries, keys, values, rows, out, np.int32(heads), np.int32(keys.shape[2]))
         self._attention((n * heads,), (THREADS,), args)
         return out.reshape(n, 1, heads * HEAD_DIMS)
+
+    def greedy(
+        self, logits: Any, rows: list[int], histories: np.ndarray, counts: np.ndarray, rules: Rules
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        n, vocabulary = len(rows), logits.shape[-1]
+        if n > self.max_batch or histories.shape != (n, MAX_POSITIONS) or vocabulary <= rules.timestamp_begin:
+            return None
+        xp = self.xp
+        if self._suppress is None or self._suppress[0] is not rules:
+            lists = (xp.asarray(ids.astype(np.int32)) for ids in (rules.suppress, rules.suppress_begin))
+            self._suppress = (rules, *lists)
+        _, suppress, begin = self._suppress
+        x = xp.ascontiguousarray(logits[xp.asarray(rows)].astype(xp.float32))  # masked in place
+        tokens, logprobs = xp.empty(n, xp.int32), xp.empty(n, xp.float32)
+        args = (
+            x,
+            xp.asarray(histories.astype(np.int32)),
+            xp.asarray(counts.astype(np.int32)),
+            suppress,
+            np.int32(len(suppress)),
+            begin,
+            np.int32(len(begin)),
+            np.int32(vocabulary),
+            np.int32(rules.eot),
+            np.int32(rules.no_timestamps),
+            np.int32(MAX_INITIAL_TIMESTAMP_INDEX),
+            tokens,
+            logprobs,
+        )
+        self._greedy((n,), (THREADS,), args)
+        host = (lambda a: a.get()) if hasattr(tokens, "get") else np.asarray
+        return host(tokens), host(logprobs)
