@@ -104,7 +104,8 @@ class Kernels:
             top, text_top = x.max(), x[:begin].max()
             e = np.exp(x - top)
             total, stamped = e.sum(), e[begin:].sum()
-            force_stamp = np.log(stamped) > text_top - top
+            with np.errstate(divide="ignore"):  # no timestamp left: log(0)
+                force_stamp = np.log(stamped) > text_top - top
             token = begin + int(np.argmax(x[begin:])) if force_stamp else int(np.argmax(x))
             flat(tokens)[row] = token
             flat(logprobs)[row] = x[token] - top - np.log(stamped if force_stamp else total)
@@ -145,8 +146,9 @@ def test_the_kernels_launch_code_decodes_what_the_array_operations_decode(tiny) 
 
 
 def test_the_greedy_kernel_chooses_as_the_rules_do_after_every_kind_of_history(tiny) -> None:
-    """Random logits after no token, text, a timestamp that opens a piece, one that closes it, and a
-    pair: each row's token and log probability as whisper_rules.py's rules and argmax give them."""
+    """Random logits after no token, text, a timestamp that opens a piece, one that closes it, a pair,
+    and text again, each with a winner the rules forbid (a timestamp back in time, a suppressed token)
+    or a tie: each row's token and log probability as whisper_rules.py's rules and argmax give them."""
     _, tokens, rules = tiny
     begin, rng = rules.timestamp_begin, np.random.default_rng(7)
     histories = [
@@ -155,9 +157,15 @@ def test_the_greedy_kernel_chooses_as_the_rules_do_after_every_kind_of_history(t
         [begin + 10, 400],
         [begin + 10, 400, begin + 30],
         [begin + 10, 400, begin + 30, begin + 30],
+        [400],
     ]
     logits = rng.normal(0, 4, (len(histories), begin + 1501)).astype(np.float32)
-    logits[2:, begin + 40 : begin + 60] += 12  # timestamps likelier than text where the rules allow them
+    logits[2:5, begin + 40 : begin + 60] += 12  # timestamps likelier than text where the rules allow them
+    logits[0, begin + 60] = 100  # past the first timestamp's limit (1 s in)
+    logits[2, begin + 10], logits[2, begin + 5] = 100, 90  # back in time: the piece's own opening and before
+    logits[3, begin + 20], logits[3, begin + 30] = 110, 100  # before the piece's opening; its closing itself
+    logits[4, int(rules.suppress[0])] = 100  # never generated
+    logits[5, 500] = logits[5, 600] = 100  # a tie: the lower token, as NumPy's argmax
     table = np.zeros((len(histories), MAX_POSITIONS), np.int32)
     for at, chosen in enumerate(histories):
         table[at, : len(chosen)] = chosen
@@ -170,7 +178,8 @@ def test_the_greedy_kernel_chooses_as_the_rules_do_after_every_kind_of_history(t
         expected = int(np.argmax(masked))
         assert int(found[0][at]) == expected, (at, chosen)
         assert abs(float(found[1][at]) - float(log_softmax(masked)[expected])) < 1e-4, (at, chosen)
-    assert {int(found[0][at]) >= begin for at in range(2, len(histories))} == {True, False}  # both kinds chosen
+    assert [int(t) - begin for t in found[0][[0, 3]]] == [int(np.argmax(logits[0, begin : begin + 51])), 30]
+    assert int(found[0][5]) == 500 and int(found[0][4]) < begin
 
 
 def test_arrays_the_kernels_cannot_read_go_to_the_array_operations(tiny) -> None:
