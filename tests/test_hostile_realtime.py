@@ -22,6 +22,7 @@ from test_speech_to_text import CLEAR, wer
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 
 from appliance.audio import encode_wav, to_pcm16
+from appliance.client import Client
 from appliance.kinds.speech_api import MAX_PROMPT_CHARS
 from appliance.kinds.speech_to_text import Prompts
 
@@ -198,16 +199,21 @@ def test_tiny_appends_hold_their_samples_not_their_count(daemon: Daemon, turn_de
 
 
 async def share_taken_and_freed(
-    opener: Callable[[], Any], other: Callable[[], Any], stream: Callable[[ClientConnection], Awaitable[dict]]
+    opener: Callable[[], Any],
+    other: Callable[[], Any],
+    stream: Callable[[ClientConnection], Awaitable[dict]],
+    while_three: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
-    """Two sessions from `opener` held, a third from it, one from `other` beside them; then one of the
-    two leaves and the opener's next is tried until it is served: each one's answer to `stream`."""
+    """Two sessions from `opener` held, a third from it, one from `other` beside them (then
+    `while_three` runs); then one of the two leaves and the opener's next is tried until it is
+    served: each one's answer to `stream`."""
     held = [await opener() for _ in range(2)]
     answers = [await stream(ws) for ws in held]
     async with opener() as third:
         answers.append(await stream(third))
     async with other() as beside:
         answers.append(await stream(beside))
+        while_three()
         await held.pop().close()
         for _ in range(50):  # the box ends the left session's stream as it reads the close
             async with opener() as after:
@@ -224,7 +230,9 @@ def test_one_address_cannot_take_the_whole_sequence_table(start_daemon, interpre
     every other session was refused: the share was per connection. An address's connections share one
     share ([sequences] max_per_address): here 2 of 6. A third session from 127.0.0.1 over HTTPS is
     refused with an error naming the share, a session on the Unix socket (its user is its address)
-    is served beside them, and once one of the address's sessions leaves, its next one is served."""
+    is served beside them, and once one of the address's sessions leaves, its next one is served.
+    With three sessions open (three streams in Whisper's table of 6, three in the VAD's) the box is
+    ready: its tables are half full (it said overloaded when it added the two tables together)."""
     extra = "[sequences]\nmax_live = 6\nmax_per_client = 6\nmax_per_address = 2\n"
     daemon = start_daemon(extra, bundle_dir=interpreter_bundle, tls=tls, https="", wait=False).wait_ready(240)
     context = ssl.create_default_context(cafile=daemon.cafile)
@@ -244,7 +252,13 @@ def test_one_address_cannot_take_the_whole_sequence_table(start_daemon, interpre
 
     with good_unix_client_beside(daemon):
         beside = lambda: unix_connect(str(daemon.socket), URI)  # noqa: E731
-        answers = asyncio.run(share_taken_and_freed(lambda: connect(https, ssl=context), beside, stream))
+        ready: list[dict] = []
+        with Client(str(daemon.socket), timeout=10) as client:
+            while_three = lambda: ready.append(client.health())  # noqa: E731
+            answers = asyncio.run(
+                share_taken_and_freed(lambda: connect(https, ssl=context), beside, stream, while_three)
+            )
+    assert [h["ready"] for h in ready] == [True], ready
     assert [a["type"] for a in answers] == ["session.updated"] * 2 + ["error"] + ["session.updated"] * 2, answers
     message = answers[2]["error"]["message"]
     assert "127.0.0.1 holds 2 live streams, its address's share ([sequences] max_per_address)" in message, message

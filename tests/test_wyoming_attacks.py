@@ -250,7 +250,11 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_slot_freed(daemon: Daemo
     async def attack() -> None:
         stalled = [await lan(daemon, host) for _ in range(SHARE)]
         for _, writer in stalled:
-            writer.write(pings_unread(24, 256 << 10))  # no drain: this client's own buffer holds them
+            # no drain: this client's own buffer holds them. 24 MiB of pongs each: more than the kernel
+            # holds on a connection whose reader reads nothing (the box's send buffer grows to
+            # tcp_wmem's 4 MiB, the receiver's buffer as well): with 6 MiB, two of three connections
+            # once took all their pongs into kernel buffers, so the box never waited on them
+            writer.write(pings_unread(96, 256 << 10))
         refused = await ping_from(daemon, host)
         assert refused is not None and f"its share is {SHARE}" in refused.data["text"], refused
 

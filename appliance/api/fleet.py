@@ -8,7 +8,8 @@ and closes. The line holds words: a weight as a percentage of the server's confi
 
 The weight is the box's free capacity, the least of its parts, each from 0 to 1:
 - each model's queue: 1 - depth / engine.max_queue_size (its own where [engine.models.NAME] sets it);
-- the live sessions: 1 - open sequences / sequences.max_live;
+- the live sessions: 1 - open sequences / sequences.max_live, in the fullest model's table (each model
+  has one of max_live; a Realtime session holds one in Whisper's and one in the VAD's);
 - GPU memory, where a GPU serves: 1 - used / fallback_cpu_threshold (past the threshold batches fall
   back to the CPU, so the GPU is full there).
 A box at a bound answers the least weight, MIN_WEIGHT (1%), not 0: HAProxy reads 0% as a drain, and
@@ -28,7 +29,7 @@ class Capacity:
     """What the box holds against its bounds at one moment."""
 
     queues: dict[str, tuple[int, int]] = field(default_factory=dict)  # model: (depth, max_queue_size)
-    live: int = 0  # open sequences (Realtime, Wyoming and KServe sessions), all models together
+    live: int = 0  # open sequences (Realtime, Wyoming and KServe sessions) in the fullest model's table
     max_live: int = 1
     gpu_used: float | None = None  # fraction of the GPU's memory in use, where a GPU serves
     gpu_threshold: float = 1.0  # fallback_cpu_threshold
@@ -47,7 +48,7 @@ class Capacity:
             if depth >= bound:
                 return f"model {model}'s queue is at its bound ({depth} of engine.max_queue_size {bound})"
         if self.live >= self.max_live:
-            return f"{self.live} sessions are open (sequences.max_live {self.max_live})"
+            return f"a model's sequence table is full ({self.live} of sequences.max_live {self.max_live})"
         return None
 
 
@@ -103,7 +104,7 @@ def metric_lines(state: BoxState, firmware: str, version: str) -> list[str]:
         "# HELP appliance_agent_weight The weight HAProxy's agent check reads, percent (api/fleet.py).",
         "# TYPE appliance_agent_weight gauge",
         f"appliance_agent_weight {weight(capacity)}",
-        "# HELP appliance_live_sessions Open sequences of every model (Realtime, Wyoming, KServe sessions).",
+        "# HELP appliance_live_sessions Open sequences in the fullest model's table (Realtime, Wyoming, KServe sessions).",
         "# TYPE appliance_live_sessions gauge",
         f"appliance_live_sessions {capacity.live}",
         "# HELP appliance_max_live_sessions sequences.max_live.",

@@ -92,7 +92,7 @@ class Fleet:
         gpu = self.gpu_memory() if self.gpu_memory is not None else None
         return Capacity(
             queues={m.name: (m.queue_depth, engine.queue_policy(m.name)[0]) for m in self.models.values()},
-            live=sum(len(m.sequences) for m in self.models.values()),
+            live=max((len(m.sequences) for m in self.models.values()), default=0),
             max_live=sequences.max_live,
             gpu_used=gpu,
             gpu_threshold=self.manifest.baked.fallback_cpu_threshold,
