@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from appliance.engine.whisper_batch import _host
 from appliance.engine.whisper_model import KvCache, WhisperModel
-from appliance.engine.whisper_ops import softmax
+from appliance.engine.whisper_ops import softmax, to_host
 from appliance.engine.whisper_words import Word, split_words, timed_words
 
 MEDIAN_WIDTH = 7
@@ -38,8 +37,8 @@ def alignment(
     rows, probs = [], [1.0]
     for position, token in enumerate(tokens):
         kept: list[object] = []
-        logits = _host(xp, model.step(cache, xp.asarray([token]), xp.asarray([position]), kept))[0]
-        rows.append(np.stack([_host(xp, kept[layer])[0, head, 0] for layer, head in heads]))
+        logits = to_host(xp, model.step(cache, xp.asarray([token]), xp.asarray([position]), kept))[0]
+        rows.append(np.stack([to_host(xp, kept[layer])[0, head, 0] for layer, head in heads]))
         if position + 1 < len(tokens):
             probs.append(float(softmax(np, logits)[tokens[position + 1]]))
     weights = np.stack(rows, axis=1)[:, skip:-1, : frames // 2]

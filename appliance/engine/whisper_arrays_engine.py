@@ -22,12 +22,12 @@ import numpy as np
 
 from appliance.engine import whisper_align, whisper_language
 from appliance.engine.speech_engine import Decoded, Shard, check_request
-from appliance.engine.whisper_batch import DecodeBatch, Sequence, _host
+from appliance.engine.whisper_batch import DecodeBatch, Sequence
 from appliance.engine.whisper_beams import BeamGroup
 from appliance.engine.whisper_decoding import Decoding
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel, mel_filters
 from appliance.engine.whisper_model import KvCache, WhisperModel
-from appliance.engine.whisper_ops import ArrayOps, softmax
+from appliance.engine.whisper_ops import ArrayOps, softmax, to_host
 from appliance.engine.whisper_rules import Rules
 from appliance.engine.whisper_tokens import WhisperTokens
 from appliance.engine.whisper_words import Word
@@ -175,7 +175,7 @@ class ArrayWhisperEngine:
         cache = KvCache(self.model, count, int(cross[0][0].shape[2]))
         for i in range(count):
             cache.put(i, cross, i)
-        logits = _host(xp, self.model.step(cache, xp.asarray([self.tokens.sot] * count), xp.zeros(count, int)))
+        logits = to_host(xp, self.model.step(cache, xp.asarray([self.tokens.sot] * count), xp.zeros(count, int)))
         probs = softmax(np, logits[:, self.language_ids])
         best = probs.argmax(axis=1)
         decode = self.tokens.tokenizer.id_to_token

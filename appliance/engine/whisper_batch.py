@@ -18,7 +18,7 @@ import numpy as np
 
 from appliance.engine.whisper_beams import BeamGroup, beam_step
 from appliance.engine.whisper_model import MAX_POSITIONS, KvCache, WhisperModel
-from appliance.engine.whisper_ops import softmax
+from appliance.engine.whisper_ops import softmax, to_host
 from appliance.engine.whisper_rules import Rules, log_softmax
 
 
@@ -88,7 +88,7 @@ class DecodeBatch:
         self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(self.rows)
         chosen = self._chosen_on_device(logits)
         rest = [row for row in range(len(self.rows)) if row not in chosen]  # their logits come to the host
-        host = dict(zip(rest, _host(xp, logits[xp.asarray(rest, dtype=xp.int64)] if chosen else logits)))
+        host = dict(zip(rest, to_host(xp, logits[xp.asarray(rest, dtype=xp.int64)] if chosen else logits)))
         ended: list[int] = []  # rows that leave
         answers: list[Sequence] = []  # what they answer (a beam group: one for all its rows)
         groups: dict[int, list[int]] = {}
@@ -148,7 +148,7 @@ class DecodeBatch:
             if s.fed + 1 >= len(s.prompt) and s.group is None and not s.temperature and s.timestamps
             and s.next_input != self.sot
         ]  # fmt: skip
-        if not rows:
+        if not rows or not self.model.ops.chooses:
             return {}
         histories, counts = np.zeros((len(rows), MAX_POSITIONS), np.int32), np.zeros(len(rows), np.int32)
         for at, row in enumerate(rows):
@@ -185,8 +185,3 @@ class DecodeBatch:
             self.rows[row] = self.rows[last]
         self.rows.pop()
         return sequence
-
-
-def _host(xp: Any, array: Any) -> np.ndarray:
-    """An array of the model's module as a NumPy one (CuPy's asnumpy copies it from the device)."""
-    return np.asarray(xp.asnumpy(array) if hasattr(xp, "asnumpy") else array)

@@ -2,8 +2,8 @@
 WhisperModel calls: `ArrayOps`, the array module's own operations (NumPy: the reference; CuPy where the
 firmware has no kernels for the model), and `KernelOps`, the firmware's cubin launched with CuPy (layer
 norm, the MLP's bias and GELU after cuBLAS's GEMM, a decoder step's attention, and the greedy choice
-under the logit rules, so a step's logits stay on the device). GEMMs stay the array module's (cuBLAS). Tested on the CPU through the same launch code with NumPy stand-ins of the kernels
-(tests/test_whisper_ops.py); tests/gpu/whisper_kernels.py runs the real ones against NumPy.
+under the logit rules, so a step's logits stay on the device). GEMMs stay the array module's (cuBLAS).
+Tested on the CPU through the same launch code with NumPy stand-ins of the kernels (tests/test_whisper_ops.py); tests/gpu/whisper_kernels.py runs the real ones against NumPy.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ def layer_norm(xp: Any, x: Any, gamma: Any, beta: Any) -> Any:
     return (x - mean) / xp.sqrt(var + 1e-5) * gamma + beta
 
 
+def to_host(xp: Any, array: Any) -> np.ndarray:
+    """An array of the model's module as a NumPy one (CuPy's asnumpy copies it from the device)."""
+    return np.asarray(xp.asnumpy(array) if hasattr(xp, "asnumpy") else array)
+
+
 def softmax(xp: Any, x: Any, axis: int = -1) -> Any:
     e = xp.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
@@ -81,6 +86,8 @@ class ArrayOps:
         each row's [heads, positions, 64] keys and values), or None: the model attends by itself."""
         return None
 
+    chooses = False  # whether `greedy` chooses (else the caller need not gather what it reads)
+
     def greedy(
         self, logits: Any, rows: list[int], histories: np.ndarray, counts: np.ndarray, rules: Rules
     ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -99,6 +106,8 @@ class KernelOps(ArrayOps):
     with its get_function), on float16 arrays. The cubin must say it was baked with the manifest's
     max_batch and shard length, else it is not used."""
 
+    chooses = True
+
     def __init__(self, xp: Any, module: Any, max_batch: int, shard_tokens: int, dtype: Any = None) -> None:
         """`dtype`: what the kernels read (float16; a test's stand-ins read float32)."""
         super().__init__(xp)
@@ -106,7 +115,7 @@ class KernelOps(ArrayOps):
         run: Callable[[str], Launch] = module.get_function
         baked = xp.zeros(2, xp.int32)
         run("appliance_baked")((1,), (1,), (baked,))
-        found = [int(v) for v in (baked.get() if hasattr(baked, "get") else baked)]
+        found = [int(v) for v in to_host(xp, baked)]
         if found != [max_batch, shard_tokens]:
             raise ApplianceError(
                 f"kernels/whisper.cu: the cubin was baked with max_batch, shard tokens = {found}, "
@@ -182,5 +191,4 @@ class KernelOps(ArrayOps):
             logprobs,
         )
         self._greedy((n,), (THREADS,), args)
-        host = (lambda a: a.get()) if hasattr(tokens, "get") else np.asarray
-        return host(tokens), host(logprobs)
+        return to_host(xp, tokens), to_host(xp, logprobs)
