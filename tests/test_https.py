@@ -259,11 +259,20 @@ def test_the_page_and_the_certificate_are_served_on_every_transport(daemon: Daem
         assert client.send(Call("GET", "/tls/certificate.pem")).body == Path(daemon.cafile).read_bytes()
 
 
-def test_https_that_cannot_start_is_one_line_and_the_start_failure_code(start_daemon, tls, tmp_path: Path) -> None:
-    daemon = start_daemon(tls=(tls[0], tmp_path / "missing-key.pem"), https="", wait=False)
+@pytest.mark.parametrize("missing", ["key", "client CA"])
+def test_https_that_cannot_start_is_one_line_and_the_start_failure_code(
+    start_daemon, tls, tmp_path: Path, missing: str
+) -> None:
+    """A missing key, or a missing client CA (it was blamed on the certificate and the key): one line
+    naming the file that is missing."""
+    gone = tmp_path / f"missing-{missing.replace(' ', '-')}.pem"
+    key, quic = (gone, "") if missing == "key" else (tls[1], f'client_ca = "{gone}"\n')
+    daemon = start_daemon(tls=(tls[0], key), https="", extra_quic=quic, wait=False)
     assert daemon.proc.wait(60) == 3  # exitcodes.START_FAILED: systemd does not restart it
     lines = [line for line in daemon.log.read_text().splitlines() if "start failed" in line]
-    assert len(lines) == 1 and "missing-key.pem" in lines[0], daemon.log.read_text()
+    assert len(lines) == 1 and gone.name in lines[0], daemon.log.read_text()
+    if missing == "client CA":
+        assert "client CA file" in lines[0] and str(tls[0]) not in lines[0], lines
 
 
 @pytest.mark.parametrize("key", ["wyoming.tcp", "fleet.agent_address"])

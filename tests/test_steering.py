@@ -33,7 +33,7 @@ from appliance.protocol.messages import Request, Response
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import STEERING_MAP, ConnectionCache, KernelCache
 from appliance.transport.conncache_choice import open_cache
-from appliance.transport.h3 import H3Server
+from appliance.transport.h3_server import H3Server
 from appliance.transport.steering_ids import tag_cid, tag_connection_ids
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")
@@ -324,7 +324,7 @@ async def serve_and_call(
         assert servers[1].cache is not None and set(servers[1].cache.peers()) >= table
     finally:
         for server in servers:
-            server.close()
+            server.close_all()
         if not servers:
             cache.close()
     assert not pin_dir.exists(), "the engine's cache left its pins behind"

@@ -8,10 +8,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import signal
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
+from fleet import wait_until
 from promtext import sample
 from speech import RATE, recording
 from test_realtime import URI, configure, pcm
@@ -23,7 +27,8 @@ from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncUnixClient
 from wyoming.info import Describe, Info
 
-from appliance.client import Client
+from appliance.client import Client, ConnectError, speech_call
+from appliance.engine.choice import HANG_FAILPOINT
 
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 APPEND_S = 0.1
@@ -159,3 +164,36 @@ def test_a_wyoming_recording_under_way_at_the_stop_gets_its_transcript_first(sta
     assert kinds.index("stop") < kinds.index("transcript") < kinds.index("error"), events
     assert events[-1] == ("error", "stopping"), events
     assert wer(ENGLISH[0], str(next(text for kind, text in events if kind == "transcript"))) <= 0.25, events
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["workers1", "workers2"])
+def test_at_the_stop_quic_takes_no_new_connection_and_answers_the_open_one(
+    start_daemon, tls, speech_bundle: Path, tmp_path: Path, workers: int
+) -> None:
+    """QUIC stops accepting at the stop as the stream listeners do (transport/listening.py's table,
+    in the engine process or in each protocol worker): a client that connects once the stop began gets
+    no handshake, while a request under way on a connection opened before it is answered (the speech
+    engine, which runs off the event loop, held by the hang failpoint until the late client gave up),
+    and the daemon exits 0."""
+    hold = tmp_path / "hold"
+    env = {HANG_FAILPOINT: str(hold)}
+    daemon = start_daemon(bundle_dir=speech_bundle, tls=tls, workers=workers, shutdown_grace_s=HOUR, env=env)
+    workers_stop = [rf"appliance worker {n}: INFO: stop signal" for n in range(workers)] if workers > 1 else []
+    stopping = [r"stopping: [1-9]\d* requests in flight", *workers_stop]  # where QUIC is served, the stop began
+    statuses: list[int] = []
+    with daemon.client("quic") as early:
+        assert early.health()["ready"]
+        hold.write_text("0")  # the engine's next call stalls until the file goes
+        speak = lambda: statuses.append(early.send(speech_call("One sentence.", "tts-1", "joe")).status)  # noqa: E731
+        under_way = threading.Thread(target=speak)
+        under_way.start()
+        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
+        daemon.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: all(re.search(line, daemon.log.read_text()) for line in stopping), "the stop began")
+        late = Client(quic=f"127.0.0.1:{daemon.quic_port}", cafile=daemon.cafile, timeout=10, connect_timeout=5)
+        with pytest.raises(ConnectError, match="QUIC"), late:
+            late.health()
+        hold.unlink()
+        under_way.join(120)
+    assert statuses == [200]
+    assert daemon.proc.wait(60) == 0, daemon.log.read_text()[-2000:]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from speech import speech_segments
 
-from appliance.config import SequenceConfig
+from appliance.config import SequenceConfig, ServerConfig
 from appliance.daemon import ENGINE_STOP_MAX_S, ENGINE_STOP_S, engine_stop_s
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable, ScopedSequences
@@ -22,6 +22,8 @@ from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import plan_shards
 from appliance.protocol.messages import Opened
 from appliance.protocol.peers import Peer, Totals, reading, without_stalling
+from appliance.transport.assembler import BodyBudget
+from appliance.transport.budget_ledger import BudgetLedger
 from appliance.transport.owners import SequenceOwners
 
 
@@ -336,3 +338,24 @@ def test_the_kernel_peer_table_is_walked_off_the_event_loop_and_the_user_space_o
         assert (await without_stalling(user, user.peers)) and user.walked_on == loop_thread
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("workers", [1, 2, 7])
+def test_the_byte_budget_is_one_for_the_daemon_whatever_its_workers(workers: int) -> None:
+    """Each process's budget over the engine's ledger (a worker's own view of the shared page): one
+    process may hold all of max_buffered_bytes, and together they hold no more; a worker that ends
+    has its slot cleared, and the others may take what it held."""
+    limits = ServerConfig(max_buffered_bytes=24_000)
+    engine_ledger = BudgetLedger.create(workers) if workers > 1 else None
+    engine = BodyBudget(lambda: limits, workers, engine_ledger)
+    ledgers = [BudgetLedger.attached(engine_ledger.fd, n + 1) for n in range(workers)] if engine_ledger else []
+    processes = [engine, *(BodyBudget(lambda: limits, workers, ledger) for ledger in ledgers)]
+    processes[-1].take(20_000)  # one process alone may hold most of it
+    for budget in processes:
+        while not budget.refuses(1_000, "request bodies"):
+            budget.take(1_000)
+    assert sum(b.held for b in processes) == limits.max_buffered_bytes
+    assert "at the limit of 24000 bytes" in engine.refuses(1, "audio buffers")
+    if engine_ledger is not None:
+        engine_ledger.clear(workers)  # the last worker exited
+        assert not engine.refuses(20_000, "audio buffers")

@@ -291,7 +291,8 @@ class Api:
     async def _metrics(self, request: Request, params: dict[str, str]) -> Response:
         workers = self.workers() if self.workers else None
         peers = None if self.peer_table is None else await reading(self.peer_table, every_peer=False)
-        text = prometheus.render(self.metrics, self.models.values(), peers, self.manifest.version, workers)
+        buffered = self.budget.held_by_daemon if self.budget is not None else 0
+        text = prometheus.render(self.metrics, self.models.values(), peers, self.manifest.version, workers, buffered)
         text += self.fleet.metrics()
         return Response(200, text.encode(), "text/plain; version=0.0.4")
 

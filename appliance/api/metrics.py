@@ -91,9 +91,11 @@ def render(
     conncache: PeerTable | None = None,
     version: str = "",
     workers: list[dict[str, Any]] | None = None,
+    buffered: int = 0,
 ) -> str:
     """Text format 0.0.4; `version`: the firmware's, each model's version label; `workers`: the protocol
-    workers as /status shows them, where there are."""
+    workers as /status shows them, where there are; `buffered`: the bytes the daemon holds against
+    server.max_buffered_bytes."""
     models = list(models)  # read once per section
     out = [
         "# HELP appliance_requests_total API requests by endpoint and HTTP status.",
@@ -168,6 +170,12 @@ def render(
         out += lines
     out += _triton_lines(models, version)
     out += _flow_lines(metrics, models)
+    out += [
+        "# HELP appliance_buffered_bytes Bytes the daemon holds for clients (request bodies, Realtime's manual"
+        " buffers, Wyoming's recordings), its workers' included; bound: server.max_buffered_bytes.",
+        "# TYPE appliance_buffered_bytes gauge",
+        f"appliance_buffered_bytes {buffered}",
+    ]
     if conncache is not None:
         out += _conncache_lines(conncache)
     if workers:

@@ -248,10 +248,9 @@ class Turns:
         try:
             if self.pending_samples + len(samples) > MAX_BUFFER_S * SAMPLE_RATE:
                 raise RealtimeError(f"the input buffer holds more than {MAX_BUFFER_S:g} s", "buffer_too_large")
-            if why := self.held.refusal(samples.nbytes):
+            if why := self.held.take(samples.nbytes):
                 LIMITS_BITTEN.bit("realtime buffers", f"Realtime session {self.session.id}: {why}")
                 raise RealtimeError(f"{why} ([server] max_buffered_bytes)", "buffer_too_large")
-            self.held.take(samples.nbytes)
         except RealtimeError as exc:
             self._drop()
             raise RealtimeError(f"{exc.message}: the buffer was cleared; commit sooner", exc.code) from None

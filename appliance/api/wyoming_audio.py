@@ -82,9 +82,8 @@ class Recording:
             raise WyomingError(
                 f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording_too_long"
             )
-        if why := self.held.refusal(samples.nbytes):
+        if why := self.held.take(samples.nbytes):
             raise WyomingError(f"{why} (server.max_buffered_bytes); retry later", "max_buffered_bytes")
-        self.held.take(samples.nbytes)
         self.samples += len(samples)
         self.pieces.append(samples)
 

@@ -18,12 +18,12 @@ class ServerConfig:
     max_header_bytes: int = 16 << 10
     max_connections: int = 512
     max_connections_per_peer: int = 128  # one user's share of max_connections (Unix socket; the daemon's)
-    max_buffered_bytes: int = 256 << 20  # request bodies held by all clients of both transports together
+    max_buffered_bytes: int = 256 << 20  # bodies, Realtime buffers and Wyoming recordings the whole daemon holds
     header_timeout_s: float = 10.0  # a request head must be whole this soon after it starts
     body_timeout_s: float = 30.0  # a request body may go quiet this long
     keepalive_timeout_s: float = 75.0  # an idle HTTP/1.1 connection is closed after this
     write_timeout_s: float = (
-        30.0  # a connection whose writes make no progress this long is closed (HTTP/1.1, HTTPS, Wyoming)
+        30.0  # a connection whose writes make no progress this long is closed (HTTP/1.1, HTTPS, HTTP/3, Wyoming)
     )
     pipeline_depth: int = 32  # requests read ahead on one HTTP/1.1 connection; then reading pauses
     shutdown_grace_s: float = 30.0

@@ -34,6 +34,7 @@ from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.tasks import LOOP_LAG, arm_failpoints, freeze_start_up, spawn
 from appliance.tls import tls_identity
 from appliance.transport.assembler import BodyBudget
+from appliance.transport.budget_ledger import BudgetLedger
 from appliance.transport.https import listen_https
 
 log = logging.getLogger("appliance")
@@ -98,7 +99,11 @@ class Daemon:
                 raise ApplianceError(f"model {model.name}: warm-up inference failed: {first_line[:300]}") from None
             log.info("model %s loaded on %s and warmed up", model.name, model.engine_name)
         arm_failpoints()  # warmed up: a test's failpoints may fire from now on
-        budget = BodyBudget(lambda: self.live.config.server)  # bodies here, Realtime's buffers, Wyoming's recordings
+        # bodies where the transports run here, Realtime's buffers, Wyoming's recordings; with protocol workers
+        # what they hold too, in the ledger they share
+        workers = worker_count(config.server)
+        ledger = BudgetLedger.create(workers) if workers > 1 else None
+        budget = BodyBudget(lambda: self.live.config.server, workers, ledger)
         self.api = Api(manifest, self.models, self.live, budget)
         fleet = self.api.fleet
         fleet.busy, fleet.stop = self._under_way, self.stopping.set
@@ -117,14 +122,8 @@ class Daemon:
         if config.https.enabled or config.quic.enabled:  # /status and /tls/certificate.pem show who the box is
             self.api.certificate_pem, self.api.tls = tls_identity(config)
         tcp_sock = listen_https(config) if config.https.enabled else None
-        workers = worker_count(config.server)
-        self.listeners = Listeners(self.api, self.live, self.config_paths)
-        if workers == 1:
-            await self.listeners.serve_here(sock, quic_sock, tcp_sock)
-        else:
-            await self.listeners.start_workers(
-                sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}"
-            )
+        self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
+        await self.listeners.start(sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}")
         freeze_start_up()
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
@@ -176,8 +175,6 @@ class Daemon:
             spawn(trim_heap_forever(), "the heap trim", self._fail),
         ]
         assert self.listeners is not None
-        if (h3 := self.listeners.h3) is not None:
-            tasks.append(spawn(h3.sweep_connection_cache(), "the connection cache sweep", self._fail))
         if (interval := systemd.watchdog_interval()) is not None:
             watchdog = Watchdog(self.models, self.listeners.unheard_workers)
             tasks.append(spawn(watchdog.run(interval), "the watchdog", self._fail))
@@ -265,13 +262,17 @@ class Daemon:
         await listeners.stop_accepting(grace)
         if self.wyoming is not None:
             await self.wyoming.close()
-        while (self._in_flight() or streaming(self.models.values())) and time.monotonic() < deadline:
+        drained = lambda: not (self._in_flight() or listeners.delivering or streaming(self.models.values()))  # noqa: E731
+        while not drained() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._in_flight() or streaming(self.models.values()):
-            log.warning("grace time over: %d requests and %d sequences abandoned", self._in_flight(), live())
+        if not drained():
+            undelivered = f", {listeners.delivering} answers not all taken" if listeners.delivering else ""
+            log.warning(
+                "grace time over: %d requests%s and %d sequences abandoned", self._in_flight(), undelivered, live()
+            )
         elif idle := live():
             log.info("stopping: %d idle sequences ended", idle)
-        for task in self.tasks:  # drained: the sweep and the rest must not outlive the sockets they read
+        for task in self.tasks:  # drained: the expiry, the status and the rest must not outlive the listeners
             task.cancel()
         listeners.close()
         if self.agent is not None:

@@ -1,14 +1,15 @@
-"""Where the daemon serves: the transports in the engine process (server.workers = 1), or protocol
-worker processes that it supervises (more); the sockets they share; what they hold at the stop."""
+"""Where the daemon serves: the transports of transport/listening.py's table in the engine process
+(server.workers = 1), or in protocol worker processes that it supervises (more); the sockets they share;
+what they hold at the stop."""
 
 from __future__ import annotations
 
-import asyncio
 import grp
 import logging
 import os
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from appliance import durable
@@ -16,14 +17,14 @@ from appliance.api.core import Api
 from appliance.config import Config, Live, ServerConfig
 from appliance.errors import ApplianceError
 from appliance.front.quic_sockets import quic_sockets, worker_keys
-from appliance.front.supervisor import QuicSlot, ReportedPeers, Supervisor
+from appliance.front.supervisor import Launch, QuicSlot, ReportedPeers, Supervisor
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import ConnectionCache
 from appliance.transport.conncache_choice import opened_cache
-from appliance.transport.h3 import H3Server
-from appliance.transport.http1 import Http1Server
-from appliance.transport.https import HttpsServer
-from appliance.transport.tls_accept import TlsAcceptor
+from appliance.transport.h3_server import quic_configuration
+from appliance.transport.listening import Transports
+from appliance.transport.quic_guards import ClientCertificates
+from appliance.transport.serving import Serving
 
 log = logging.getLogger("appliance")
 
@@ -58,46 +59,22 @@ def bind_unix_socket(server: ServerConfig) -> socket.socket:
 
 
 class Listeners:
-    def __init__(self, api: Api, live: Live, config_paths: list[Path] | None) -> None:
-        self.api, self.live, self.config_paths = api, live, config_paths
-        self.http: Http1Server | None = None
-        self.h3: H3Server | None = None
-        self.https: HttpsServer | None = None  # server.workers = 1: the TLS listener in this process
-        self.servers: list[asyncio.base_events.Server | TlsAcceptor] = []  # this process's listeners (workers = 1)
+    def __init__(
+        self, api: Api, live: Live, config_paths: list[Path] | None, on_failure: Callable[[BaseException], None]
+    ) -> None:
+        """`on_failure`: a background task a transport needs died (server.workers = 1): the daemon stops."""
+        self.api, self.live, self.config_paths, self.on_failure = api, live, config_paths, on_failure
+        self.transports = Transports()  # this process's (server.workers = 1)
         self.supervisor: Supervisor | None = None
         self.cache: ConnectionCache | None = None  # the QUIC listener's (all QUIC workers share its pins)
         self.quic_reason = ""  # why QUIC runs in one worker where more were asked for
+        self.quic_slots: list[QuicSlot] = []  # the QUIC port's sockets, one per QUIC worker
 
     @property
     def config(self) -> Config:
         return self.live.config
 
-    async def serve_here(
-        self, sock: socket.socket, quic_sock: socket.socket | None, tcp_sock: socket.socket | None
-    ) -> None:
-        """server.workers = 1: the transports run in this process, on its event loop."""
-        config = self.config
-        budget = self.api.budget  # one for both transports and the Realtime sessions' buffers
-        assert isinstance(budget, BodyBudget)
-        self.http = Http1Server(self.api, self.live, budget)
-        self.servers.append(await asyncio.get_running_loop().create_unix_server(self.http.protocol, sock=sock))
-        if config.quic.enabled:
-            try:
-                self.h3 = H3Server(self.api, self.live, budget)
-                await self.h3.start(quic_sock)
-            except (OSError, ValueError) as exc:
-                raise _quic_start_error(config, quic_sock, exc) from None
-            log.info("quic: HTTP/3 on UDP port %d%s", self.h3.port, " (socket from systemd)" if quic_sock else "")
-            self.api.peer_table = self.cache = self.h3.cache
-            self.api.quic = {"workers": 1, "reason": "server.workers = 1: QUIC runs in the engine process"}
-            self._log_conncache()
-        elif quic_sock is not None:
-            log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
-        if tcp_sock is not None:
-            self.https = HttpsServer(self.api, self.live, budget, self.h3.port if self.h3 else None)
-            self.servers.append(await self.https.start(tcp_sock))
-
-    async def start_workers(
+    async def start(
         self,
         sock: socket.socket,
         quic_sock: socket.socket | None,
@@ -105,51 +82,64 @@ class Listeners:
         workers: int,
         firmware_label: str,
     ) -> None:
-        """server.workers > 1: protocol worker processes run the transports; this process serves them."""
-        config, quic_slots, conncache, quic_port = self.config, [], "user:", None
-        if config.quic.enabled:
-            try:
-                socks, self.quic_reason = quic_sockets(config.quic, quic_sock, workers)
-                keys = worker_keys(len(socks))
-                self.cache = await opened_cache(
-                    lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None
-                )
-            except (OSError, ValueError) as exc:
-                raise _quic_start_error(config, quic_sock, exc) from None
-            if len(socks) > 1 and self.cache.steering_reason:
-                self.quic_reason = f"the steering program did not load: {self.cache.steering_reason}"
-                for extra in socks[1:]:
-                    extra.close()
-                socks = socks[:1]
-            if self.quic_reason:
-                log.warning("quic: one QUIC worker (of %d): %s", workers, self.quic_reason)
-            quic_slots = [QuicSlot(s, k) for s, k in zip(socks, keys, strict=False)]
-            self.api.quic = {"workers": len(socks), "reason": self.quic_reason}
-            quic_port = socks[0].getsockname()[1]
-            log.info(
-                "quic: HTTP/3 on UDP port %d%s, read by %d QUIC workers",
-                quic_port,
-                " (socket from systemd)" if quic_sock else "",
-                len(socks),
-            )
-            self._log_conncache()
-            # user space: the one QUIC worker keeps the table; the engine shows what it reports
-            conncache = "ebpf" if self.cache.backend == "ebpf" else f"user:{self.cache.reason}"
-        elif quic_sock is not None:
+        """The transports of listening.py's table: in this process where server.workers = 1, else in
+        protocol worker processes that this process serves."""
+        sockets = {"unix": sock, **({"https": tcp_sock} if tcp_sock is not None else {})}
+        quic_slots = self.quic_slots = await self._open_quic(quic_sock, workers) if self.config.quic.enabled else []
+        if quic_sock is not None and not self.config.quic.enabled:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
-        self.supervisor = Supervisor(
-            self.api, self.config_paths, sock, quic_slots, workers, conncache, firmware_label, tcp_sock, quic_port
-        )
+        quic_port = quic_slots[0].sock.getsockname()[1] if quic_slots else None
+        budget = self.api.budget  # the transports', Realtime's and Wyoming's (with workers, its ledger theirs too)
+        assert isinstance(budget, BodyBudget)
+        if workers == 1:
+            serving = Serving(self.api, self.live, budget, self.on_failure, quic_port, self.cache)
+            await self.transports.serve(serving, sockets | ({"quic": quic_slots[0].sock} if quic_slots else {}))
+            return
+        cache = self.cache  # the workers attach to its pins (ebpf), or the one QUIC worker keeps its own table
+        conncache = "user:" if cache is None else "ebpf" if cache.backend == "ebpf" else f"user:{cache.reason}"
+        launch = Launch(sockets, conncache, firmware_label, quic_port, budget.ledger)
+        self.supervisor = Supervisor(self.api, self.config_paths, launch, workers, quic_slots)
         self.api.workers = self.supervisor.status
-        if self.cache is not None:
-            self.api.peer_table = (
-                self.cache if self.cache.backend == "ebpf" else ReportedPeers(self.supervisor, self.cache.reason)
-            )
+        if self.cache is not None and self.cache.backend != "ebpf":
+            # user space: the one QUIC worker keeps the table; the engine shows what it reports
+            self.api.peer_table = ReportedPeers(self.supervisor, self.cache.reason)
         self.api.ready = True  # the models are warm: whatever a worker accepts is served (systemd hears READY later)
         try:
             await self.supervisor.start()
         except OSError as exc:
             raise ApplianceError(f"server.workers: {exc}") from None
+
+    async def _open_quic(self, quic_sock: socket.socket | None, workers: int) -> list[QuicSlot]:
+        """The QUIC port's sockets (one per QUIC worker, steered by the eBPF program where it loads) and
+        the connection cache on them; the certificate checked here, so that a bad one fails the start."""
+        config = self.config
+        try:
+            quic_configuration(config.quic)  # the files read here, so that a bad one is the start's one line
+            ClientCertificates.of(config.quic.client_ca, config.quic.operator_ca)
+            socks, self.quic_reason = quic_sockets(config.quic, quic_sock, workers)
+            keys = worker_keys(len(socks))
+            self.cache = await opened_cache(lambda: self.live.config.conncache, socks, keys if len(socks) > 1 else None)
+        except (OSError, ValueError) as exc:
+            raise _quic_start_error(config, quic_sock, exc) from None
+        if len(socks) > 1 and self.cache.steering_reason:
+            self.quic_reason = f"the steering program did not load: {self.cache.steering_reason}"
+            for extra in socks[1:]:
+                extra.close()
+            socks = socks[:1]
+        if workers == 1:
+            self.quic_reason = "server.workers = 1: QUIC runs in the engine process"
+        elif self.quic_reason:
+            log.warning("quic: one QUIC worker (of %d): %s", workers, self.quic_reason)
+        self.api.quic = {"workers": len(socks), "reason": self.quic_reason}
+        self.api.peer_table = self.cache
+        log.info(
+            "quic: HTTP/3 on UDP port %d%s%s",
+            socks[0].getsockname()[1],
+            " (socket from systemd)" if quic_sock else "",
+            f", read by {len(socks)} QUIC workers" if workers > 1 else "",
+        )
+        self._log_conncache()
+        return [QuicSlot(s, k) for s, k in zip(socks, keys, strict=False)]
 
     def _log_conncache(self) -> None:
         cache, config = self.cache, self.config
@@ -178,30 +168,34 @@ class Listeners:
 
     @property
     def in_flight(self) -> int:
-        in_flight = sum(t.in_flight for t in (self.http, self.h3, self.https) if t is not None)
-        return in_flight + (self.supervisor.in_flight if self.supervisor else 0)
+        return self.transports.in_flight + (self.supervisor.in_flight if self.supervisor else 0)
+
+    @property
+    def delivering(self) -> int:
+        """Answers sent here but not all taken (HTTP/3): the drain waits for them (workers drain their own)."""
+        return self.transports.delivering
 
     async def stop_accepting(self, grace_s: float) -> None:
         """Workers drain their own connections within the grace time; this process's listeners close."""
         if self.supervisor is not None:
             await self.supervisor.stop(grace_s + 1.0)
-        for server in self.servers:
-            server.close()
+        self.transports.stop_accepting()
 
     def close(self) -> None:
-        """Drained: every connection closed, the connection cache let go."""
-        for http in (self.http, self.https):
-            if http is not None:
-                http.close_all()
-        if self.h3 is not None:
-            self.h3.close()
-        elif self.cache is not None:
+        """Drained: every connection closed, the connection cache let go (with QUIC's listener, where it
+        served here)."""
+        self.transports.close_all()
+        if self.cache is not None and "quic" not in self.transports.served:
             self.cache.close()
 
     def abort(self) -> None:
-        """A failed start: the workers are killed at once."""
+        """A failed start: the workers are killed at once; what was opened for them is closed."""
         if self.supervisor is not None:
             self.supervisor.abort()
+        self.transports.stop_accepting()
+        self.close()
+        for slot in self.quic_slots:
+            slot.sock.close()
 
 
 def _quic_start_error(config: Config, quic_sock: socket.socket | None, exc: Exception) -> ApplianceError:

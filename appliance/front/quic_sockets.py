@@ -1,5 +1,5 @@
-"""The UDP sockets of the QUIC port, one per protocol worker in one SO_REUSEPORT group, and the keys
-that name each worker's connections (transport/steering_ids.py)."""
+"""The UDP sockets of the QUIC port: the engine's one where it serves QUIC itself, else one per protocol
+worker in one SO_REUSEPORT group; and the keys that name each worker's connections (transport/steering_ids.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,26 @@ from appliance.config import QuicConfig
 
 
 def quic_sockets(quic: QuicConfig, from_systemd: socket.socket | None, count: int) -> tuple[list[socket.socket], str]:
-    """One UDP socket per worker on the QUIC port, all in one SO_REUSEPORT group: systemd's socket
-    (or our own) first. Fewer than `count` where the group cannot be made, with the reason."""
+    """One UDP socket per worker on the QUIC port, all in one SO_REUSEPORT group (for one, a socket of
+    its own, which no other process can bind): systemd's socket (or our own) first. Fewer than `count`
+    where the group cannot be made, with the reason."""
     first = from_systemd
     if first is None:
         family = socket.AF_INET6 if ":" in quic.host else socket.AF_INET
         first = socket.socket(family, socket.SOCK_DGRAM)
-        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        first.bind((quic.host, quic.port))
-    elif not first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
+        if count > 1:  # alone, the port stays the box's: another process's bind fails
+            first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            first.bind((quic.host, quic.port))
+        except OSError:
+            first.close()
+            raise
+    _receive_buffer(first)
+    if count == 1:
+        return [first], ""
+    if not first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
         return [first], "the UDP socket from systemd is not SO_REUSEPORT (ReusePort=yes in appliance.socket)"
     socks = [first]
-    _receive_buffer(first)
     for _ in range(count - 1):
         extra = socket.socket(first.family, socket.SOCK_DGRAM)
         extra.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

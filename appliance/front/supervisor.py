@@ -3,7 +3,7 @@ API core, restart one that dies, and stop them all.
 
 Every worker accepts on the one Unix socket (systemd's, or the daemon's own) and on the one HTTPS TCP
 socket where that is served, and, where QUIC is served across workers, reads its own UDP socket of the
-SO_REUSEPORT group. The engine process keeps every socket open, so a restarted worker gets the same
+SO_REUSEPORT group: each passed as `--listen NAME=FD`, served by transport/listening.py's table. The engine process keeps every socket open, so a restarted worker gets the same
 ones back: a crash loses only that worker's connections, and datagrams for its QUIC connections wait in
 its socket meanwhile. Sequences live in the engine process: a sequence opened through one worker
 continues through any other."""
@@ -36,6 +36,7 @@ from appliance.protocol.flow import SendWindow
 from appliance.protocol.messages import Request, Response, error_response
 from appliance.protocol.peers import Peer, Totals
 from appliance.tasks import spawn
+from appliance.transport.budget_ledger import BudgetLedger
 from appliance.transport.quic_guards import TicketStore
 
 log = logging.getLogger("appliance.workers")
@@ -79,23 +80,23 @@ class WorkerSlot:
         return doc
 
 
+@dataclass
+class Launch:
+    """What each protocol worker is started with besides its slot."""
+
+    sockets: dict[str, socket.socket]  # by listening.py's name: the sockets every worker accepts on
+    conncache: str  # "ebpf" (the engine's pins), or "user:REASON"
+    firmware_label: str
+    quic_port: int | None = None  # where QUIC serves, for HTTPS's Alt-Svc
+    ledger: BudgetLedger | None = None  # what each process holds of the byte budget (a worker's slot: its index + 1)
+
+
 class Supervisor:
     def __init__(
-        self,
-        api: Api,
-        config_paths: list[Path] | None,
-        unix_sock: socket.socket,
-        quic: list[QuicSlot],
-        count: int,
-        conncache: str,
-        firmware_label: str,
-        tcp_sock: socket.socket | None = None,
-        quic_port: int | None = None,
+        self, api: Api, config_paths: list[Path] | None, launch: Launch, count: int, quic: list[QuicSlot]
     ) -> None:
-        """`tcp_sock`: the HTTPS listener every worker accepts on; `quic_port`: what its Alt-Svc advertises."""
-        self.api, self.config_paths, self.unix_sock = api, config_paths, unix_sock
-        self.tcp_sock, self.quic_port = tcp_sock, quic_port
-        self.conncache, self.firmware_label = conncache, firmware_label
+        """`count` workers; the first len(`quic`) read a QUIC socket each."""
+        self.api, self.config_paths, self.launch = api, config_paths, launch
         self.slots = [WorkerSlot(i, quic[i] if i < len(quic) else None) for i in range(count)]
         self.stopping = False
         self.tickets = TicketStore()  # QUIC session tickets, for every worker (0-RTT resumes anywhere)
@@ -139,34 +140,32 @@ class Supervisor:
     async def _run_once(self, slot: WorkerSlot) -> int:
         engine_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         loop = asyncio.get_running_loop()
-        fds = [worker_end.fileno(), self.unix_sock.fileno()]
+        launch = self.launch
+        sockets = {**launch.sockets, **({"quic": slot.quic.sock} if slot.quic is not None else {})}
+        fds = [worker_end.fileno(), *(sock.fileno() for sock in sockets.values())]
         args = [
             sys.executable,
             "-m",
             "appliance.front.worker",
             f"--slot={slot.index}",
             f"--channel-fd={worker_end.fileno()}",
-            f"--unix-fd={self.unix_sock.fileno()}",
-            f"--conncache={self.conncache}",
-            f"--firmware={self.firmware_label}",
+            *(f"--listen={name}={sock.fileno()}" for name, sock in sockets.items()),
+            f"--conncache={launch.conncache}",
+            f"--firmware={launch.firmware_label}",
             *(f"--config={p}" for p in self.config_paths or []),
         ]
-        if self.tcp_sock is not None:
-            fds.append(self.tcp_sock.fileno())
-            args.append(f"--tcp-fd={self.tcp_sock.fileno()}")
-            args += [f"--quic-port={self.quic_port}"] if self.quic_port is not None else []
+        args += [f"--quic-port={launch.quic_port}"] if launch.quic_port is not None else []
+        if launch.ledger is not None:
+            fds.append(launch.ledger.fd)
+            args.append(f"--ledger-fd={launch.ledger.fd}")
         tickets: socket.socket | None = None  # the engine's end of a QUIC worker's ticket lookups
         tickets_worker: socket.socket | None = None
         if slot.quic is not None:
             tickets, tickets_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             tickets.setblocking(False)
             loop.add_reader(tickets, serve_tickets, tickets, self.tickets)
-            fds += [slot.quic.sock.fileno(), tickets_worker.fileno()]
-            args += [
-                f"--udp-fd={slot.quic.sock.fileno()}",
-                f"--worker-key={slot.quic.key}",
-                f"--tickets-fd={tickets_worker.fileno()}",
-            ]
+            fds.append(tickets_worker.fileno())
+            args += [f"--worker-key={slot.quic.key}", f"--tickets-fd={tickets_worker.fileno()}"]
         slot.heard = time.monotonic()  # a worker has until REPORT_STALE_S from now to report
         try:
             slot.process = signals.spawn_holding_reloads(args, fds)
@@ -185,6 +184,8 @@ class Supervisor:
                 task.cancel()
             slot.tasks.clear()
         code = await _exited(slot.process)
+        if self.launch.ledger is not None:
+            self.launch.ledger.clear(slot.index + 1)  # what it held for its clients went with it
         if tickets is not None:
             loop.remove_reader(tickets)
             tickets.close()
@@ -273,7 +274,9 @@ class Supervisor:
 
     @property
     def in_flight(self) -> int:
-        return sum(r.in_flight for r in self.reports()) + sum(len(s.tasks) for s in self.slots)
+        """Per worker, its last report or the requests the engine answers for it, whichever is more: the
+        report counts those too (once it is sent: it comes every second)."""
+        return sum(max(s.report.in_flight if s.report else 0, len(s.tasks)) for s in self.slots)
 
     def unheard(self) -> list[int]:
         """Workers not serving now: starting, restarting, or silent. The watchdog pings only when none is."""

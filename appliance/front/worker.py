@@ -26,11 +26,11 @@ from appliance.protocol import flow
 from appliance.protocol.peers import Totals
 from appliance.tasks import LOOP_LAG, freeze_start_up, spawn
 from appliance.transport.assembler import BodyBudget
+from appliance.transport.budget_ledger import BudgetLedger
 from appliance.transport.conncache import KernelCache, UserSpaceCache
-from appliance.transport.h3 import H3Server
-from appliance.transport.http1 import Http1Server
-from appliance.transport.https import HttpsServer
-from appliance.transport.tls_accept import TlsAcceptor
+from appliance.transport.h3_server import H3Server
+from appliance.transport.listening import TRANSPORTS, Transports
+from appliance.transport.serving import Serving
 
 log = logging.getLogger("appliance.worker")
 
@@ -43,9 +43,7 @@ class Worker:
         self.args, self.live = args, live
         self.stopping = asyncio.Event()
         self.failed = False
-        self.http: Http1Server | None = None
-        self.h3: H3Server | None = None
-        self.https: HttpsServer | None = None
+        self.transports = Transports()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -53,24 +51,21 @@ class Worker:
         channel = await Channel.open(self.args.channel_fd)
         api = RemoteApi(channel, lambda: self.live.config.server.request_timeout_s)
         server_limits = lambda: self.live.config.server  # noqa: E731
-        budget = BodyBudget(server_limits, shares=worker_count(server_limits()))  # this worker's share
-        self.http = Http1Server(api, self.live, budget)
-        server = await loop.create_unix_server(self.http.protocol, sock=socket.socket(fileno=self.args.unix_fd))
-        listeners: list[asyncio.base_events.Server | TlsAcceptor] = [server]
-        if self.args.tcp_fd is not None:
-            self.https = HttpsServer(api, self.live, budget, self.args.quic_port)
-            listeners.append(await self.https.start(socket.socket(fileno=self.args.tcp_fd)))
-        tasks = []
-        if self.args.udp_fd is not None:
+        ledger_fd = self.args.ledger_fd
+        ledger = BudgetLedger.attached(ledger_fd, self.args.slot + 1) if ledger_fd is not None else None
+        budget = BodyBudget(server_limits, worker_count(server_limits()), ledger)  # held against the daemon's
+        serving = Serving(api, self.live, budget, self._stop_on_failure, quic_port=self.args.quic_port)
+        sockets = {name: socket.socket(fileno=fd) for name, fd in self.args.listen}
+        if "quic" in sockets:
             settings = lambda: self.live.config.conncache  # noqa: E731
             backend, _, reason = self.args.conncache.partition(":")
-            cache = KernelCache.attached(settings) if backend == "ebpf" else UserSpaceCache(settings, reason)
-            tickets = RemoteTickets(self.args.tickets_fd)
-            self.h3 = H3Server(api, self.live, budget, worker_key=self.args.worker_key, tickets=tickets)
-            await self.h3.start(socket.socket(fileno=self.args.udp_fd), cache=cache)
-            tasks.append(spawn(self.h3.sweep_connection_cache(), "the connection cache sweep", self._stop_on_failure))
-        tasks.append(spawn(self._report(channel), f"worker {self.args.slot}'s report", self._stop_on_failure))
-        tasks.append(spawn(LOOP_LAG.run(), "the event loop lag probe"))
+            serving.cache = KernelCache.attached(settings) if backend == "ebpf" else UserSpaceCache(settings, reason)
+            serving.worker_key, serving.tickets = self.args.worker_key, RemoteTickets(self.args.tickets_fd)
+        await self.transports.serve(serving, sockets)
+        tasks = [
+            spawn(self._report(channel), f"worker {self.args.slot}'s report", self._stop_on_failure),
+            spawn(LOOP_LAG.run(), "the event loop lag probe"),
+        ]
         freeze_start_up()  # as the engine process does
         signals.allow_reloads()  # held since the engine spawned it (signals.py): one sent meanwhile applies now
         engine_gone = loop.create_task(self._receive(channel, api))
@@ -79,8 +74,7 @@ class Worker:
         if engine_gone.done():
             log.error("worker %d: the engine process is gone; exiting", self.args.slot)
             return 1
-        for listener in listeners:
-            listener.close()
+        self.transports.stop_accepting()
         await self._drain(api)
         for task in (*tasks, engine_gone):
             task.cancel()
@@ -93,24 +87,25 @@ class Worker:
 
     async def _report(self, channel: Channel) -> None:
         """The heartbeat: in flight, connections, and the peers where the cache is in user space."""
+        transports = self.transports
+        h3 = transports.served.get("quic")
+        assert h3 is None or isinstance(h3, H3Server)
+        cache = h3.cache if h3 is not None else None
+        peers = cache if isinstance(cache, UserSpaceCache) else None
         while True:
-            http, h3 = self.http, self.h3
-            assert http is not None
-            cache = h3.cache if h3 is not None else None
-            user_space = isinstance(cache, UserSpaceCache)
             held = flow.held()
             report = WorkerReport(
                 slot=self.args.slot,
                 pid=os.getpid(),
-                in_flight=self._in_flight(),
-                connections=len(http.connections),
-                tcp_connections=len(self.https.connections) if self.https is not None else 0,
+                in_flight=transports.in_flight,
+                connections=transports.connections("unix"),
+                tcp_connections=transports.connections("https"),
                 quic_peers=sorted(c.peer for c in h3.connections) if h3 is not None else [],
                 quic_datagrams=h3.datagrams if h3 is not None else 0,
                 quic_stray_datagrams=h3.stray_datagrams if h3 is not None else 0,
-                peers=cache.validated_peers() if user_space and cache is not None else None,
-                droppers=cache.droppers() if user_space and cache is not None else None,
-                totals=cache.totals() if user_space and cache is not None else Totals(),
+                peers=peers.validated_peers() if peers is not None else None,
+                droppers=peers.droppers() if peers is not None else None,
+                totals=peers.totals() if peers is not None else Totals(),
                 held_bytes=held.total,
                 held_largest_bytes=held.largest,
                 loop_lag_s=LOOP_LAG.last,
@@ -123,20 +118,12 @@ class Worker:
         self.failed = True
         self.stopping.set()
 
-    def _in_flight(self) -> int:
-        assert self.http is not None
-        return sum(t.in_flight for t in (self.http, self.h3, self.https) if t is not None)
-
     async def _drain(self, api: RemoteApi) -> None:
-        assert self.http is not None
         deadline = time.monotonic() + self.live.config.server.shutdown_grace_s
-        while (self._in_flight() or api.keep_connections()) and time.monotonic() < deadline:
+        transports = self.transports
+        while (transports.in_flight or transports.delivering or api.keep_connections()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        self.http.close_all()
-        if self.https is not None:
-            self.https.close_all()
-        if self.h3 is not None:
-            self.h3.close()
+        self.transports.close_all()
 
     def reload(self) -> None:
         try:
@@ -159,16 +146,24 @@ class Worker:
         os._exit(1)
 
 
+def _listen(text: str) -> tuple[str, int]:
+    name, _, fd = text.partition("=")
+    if name not in TRANSPORTS or not fd.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: not NAME=FD with NAME one of {', '.join(TRANSPORTS)}")
+    return name, int(fd)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--slot", type=int, required=True)
     parser.add_argument("--channel-fd", type=int, required=True)
-    parser.add_argument("--unix-fd", type=int, required=True)
-    parser.add_argument("--udp-fd", type=int)
-    parser.add_argument("--tcp-fd", type=int, help="the HTTPS listener")
+    parser.add_argument(
+        "--listen", type=_listen, action="append", default=[], help="NAME=FD: serve transport NAME on socket FD"
+    )
     parser.add_argument("--quic-port", type=int, help="where QUIC serves, for HTTPS's Alt-Svc")
     parser.add_argument("--worker-key", type=int)
     parser.add_argument("--tickets-fd", type=int)
+    parser.add_argument("--ledger-fd", type=int, help="the byte budget's ledger (the engine's memfd)")
     parser.add_argument("--conncache", default="user:", help="ebpf (the engine's pins), or user:REASON")
     parser.add_argument("--firmware", default="-")
     parser.add_argument("--config", type=Path, action="append", default=[])

@@ -34,13 +34,18 @@ LIMITS_BITTEN = LimitLog()
 
 class ByteBudget(Protocol):
     """The daemon's one bound on the bytes its clients make it hold (transport/assembler.py's
-    BodyBudget): request bodies, and a Realtime session's manual audio buffer."""
+    BodyBudget): request bodies, Realtime's manual audio buffers, Wyoming's recordings."""
 
-    def refuses(self, count: int, what: str) -> str: ...
-
-    def take(self, count: int, what: str = "request bodies") -> None: ...
+    def take_if_fits(self, count: int, what: str) -> str:
+        """Take `count` bytes where they fit, checked once; else why not (taken: "")."""
+        ...
 
     def give(self, count: int) -> None: ...
+
+    @property
+    def held_by_daemon(self) -> int:
+        """What every process of the daemon holds against the bound, together."""
+        ...
 
 
 # what the byte budget holds beside request bodies, as a refusal of a Realtime buffer or a Wyoming recording says
@@ -54,14 +59,13 @@ class Held:
     def __init__(self, budget: ByteBudget | None) -> None:
         self.budget, self.bytes = budget, 0
 
-    def refusal(self, count: int) -> str:
-        """Why `count` more bytes do not fit ("" where they do)."""
-        return self.budget.refuses(count, HELD) if self.budget is not None else ""
-
-    def take(self, count: int) -> None:
-        if self.budget is not None:
-            self.budget.take(count, HELD)
+    def take(self, count: int) -> str:
+        """Take `count` more bytes where they fit; else why not (taken: ""). One check: with protocol
+        workers what the others hold may change between two."""
+        if self.budget is not None and (why := self.budget.take_if_fits(count, HELD)):
+            return why
         self.bytes += count
+        return ""
 
     def give_all(self) -> None:
         if self.budget is not None:

@@ -13,6 +13,7 @@ from appliance.errors import ApiError
 from appliance.protocol.encoding import IDENTITY, BodyDecoder, DecodedTooLarge
 from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Request, error_response
+from appliance.transport.budget_ledger import BudgetLedger
 
 
 class Rejection(Exception):
@@ -34,32 +35,49 @@ def limit_bit(status: int, message: str, target: str = "") -> Rejection:
 
 
 class BodyBudget:
-    """Bytes of request bodies held by all connections of both transports, bounded as a whole:
-    many slow or stalled uploads cannot together take the box's memory. With `shares` protocol
-    workers each holds its share, so that max_buffered_bytes bounds the daemon, not each worker."""
+    """Bytes held for clients (request bodies, Realtime's and Wyoming's buffers), bounded as a whole:
+    many slow or stalled uploads cannot together take the box's memory. With protocol workers each
+    process publishes what it holds in the daemon's `ledger` (budget_ledger.py) and refuses by what all
+    of them hold, so that max_buffered_bytes bounds the daemon, not each process. `workers` divides
+    each listener's connection limits among the workers."""
 
-    def __init__(self, limits: Callable[[], ServerConfig], shares: int = 1) -> None:
-        self._limits, self.shares, self.held = limits, shares, 0
+    def __init__(
+        self, limits: Callable[[], ServerConfig], workers: int = 1, ledger: BudgetLedger | None = None
+    ) -> None:
+        self._limits, self.workers, self.ledger, self.held = limits, workers, ledger, 0
 
     @property
     def limits(self) -> ServerConfig:
         return self._limits()
 
     def take(self, count: int, what: str = "request bodies") -> None:
+        if why := self.take_if_fits(count, what):
+            raise limit_bit(503, f"{why} (server.max_buffered_bytes); retry later")
+
+    def take_if_fits(self, count: int, what: str) -> str:
         if why := self.refuses(count, what):
-            raise limit_bit(503, f"{why}; retry later")
-        self.held += count
+            return why
+        self._hold(self.held + count)
+        return ""
 
     def refuses(self, count: int, what: str) -> str:
         """Why `count` more bytes of `what` do not fit ("" where they do)."""
-        limit = self.limits.max_buffered_bytes // self.shares
-        if self.held + count <= limit:
+        limit = self.limits.max_buffered_bytes
+        if self.held_by_daemon + count <= limit:
             return ""
-        share = f" (this worker's share of {self.limits.max_buffered_bytes})" if self.shares > 1 else ""
-        return f"busy: {what} held by all clients are at the limit of {limit} bytes{share}"
+        return f"busy: {what} held by all clients are at the limit of {limit} bytes"
 
     def give(self, count: int) -> None:
-        self.held -= count
+        self._hold(self.held - count)
+
+    @property
+    def held_by_daemon(self) -> int:
+        return self.ledger.total() if self.ledger is not None else self.held
+
+    def _hold(self, held: int) -> None:
+        self.held = held
+        if self.ledger is not None:
+            self.ledger.publish(held)
 
 
 class RequestAssembler:

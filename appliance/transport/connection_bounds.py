@@ -1,12 +1,14 @@
 """What every stream connection is held to, whatever its protocol: admission (connections in all, and
 one peer's share of them: a user on a Unix socket, an address on TCP; TLS handshakes in flight the
-same way; the bound itself is protocol/limits.py's over_bound, which Wyoming's listeners ask too), and
-descriptors kept for the Unix sockets. The write deadline is protocol/flow.py's WriteProgress."""
+same way; the bound itself is protocol/limits.py's over_bound, which Wyoming's listeners ask too),
+descriptors kept for the Unix sockets, and the close after a rejection (RFC 9112's linger). The write deadline is protocol/flow.py's WriteProgress (HTTP/3's, what its peer acknowledged: h3_answers.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import resource
-from collections.abc import Iterable
+import select
+from collections.abc import Callable, Iterable
 
 from appliance.protocol.limits import over_bound
 from appliance.transport.assembler import Rejection, limit_bit
@@ -14,6 +16,7 @@ from appliance.transport.assembler import Rejection, limit_bit
 # descriptors a TCP listener leaves to the rest of the process (the Unix sockets' accepts, models,
 # shared memory): more than asyncio accepts in one wake (100), so a flood of TCP cannot starve them
 FD_RESERVE = 128
+LINGER_S = 2.0  # after a rejection, how long the rest of what the client sends is read and dropped
 
 
 def descriptors_short(fd: int) -> bool:
@@ -29,3 +32,24 @@ def admission_refusal(
     """Why a new connection of `key` is refused (503, protocol/limits.py's over_bound), or None."""
     found = over_bound(held, key, limit, share, workers, what)
     return None if found is None else limit_bit(503, found[1])
+
+
+def peer_closed(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the peer closed both directions, not only its sending side: on a Unix socket the kernel
+    says so with POLLHUP (TCP cannot tell them apart until a write fails)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
+
+
+def linger(transport: asyncio.Transport, close: Callable[[], None]) -> None:
+    """Close after a rejection the way RFC 9112 asks: stop sending, read and drop what the client is
+    still sending for a moment, then close. Closing at once with its bytes unread would reset the
+    connection, and the client could lose the answer that says why."""
+    if transport.can_write_eof():
+        transport.write_eof()
+    transport.resume_reading()  # data_received drops it: the connection is rejected
+    asyncio.get_running_loop().call_later(LINGER_S, close)

@@ -18,14 +18,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import socket
-import time
-from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aioquic.h3.connection import H3_ALPN
+from aioquic.h3.connection import H3_ALPN, ErrorCode
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
     ConnectionTerminated,
     HandshakeCompleted,
@@ -34,155 +30,27 @@ from aioquic.quic.events import (
     StopSendingReceived,
     StreamReset,
 )
+from aioquic.quic.packet import QuicErrorCode, QuicFrameType
 from cryptography.hazmat.primitives import hashes
 
-from appliance.config import Live, QuicConfig, ServerConfig
 from appliance.protocol.flow import SendWindow
-from appliance.protocol.messages import Handler, Opened, Request
+from appliance.protocol.messages import Request
 from appliance.tasks import spawn
-from appliance.transport.assembler import LIMITS_BITTEN, BodyBudget, Rejection, RequestAssembler, limit_bit
-from appliance.transport.conncache import ConnectionCache, peer_name
-from appliance.transport.conncache_choice import opened_cache
+from appliance.transport.assembler import LIMITS_BITTEN, Rejection, RequestAssembler, limit_bit
+from appliance.transport.conncache import peer_name
 from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
 from appliance.transport.h3_websocket import WebSocketStreams, is_websocket_connect
-from appliance.transport.owners import SequenceOwners
-from appliance.transport.quic_guards import ClientCertificates, GuardedQuicServer, Tickets, TicketStore
 from appliance.transport.steering_ids import tag_connection_ids
+
+if TYPE_CHECKING:
+    from appliance.transport.h3_server import H3Server
 
 log = logging.getLogger("appliance.h3")
 
 SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
-CONNCACHE_SWEEP_S = 1.0
-
-
-class H3Server:
-    """Shared state of all QUIC connections: the API, the live settings, and who is connected."""
-
-    def __init__(
-        self,
-        api: Handler,
-        live: Live,
-        budget: BodyBudget,
-        worker_key: int | None = None,
-        tickets: Tickets | None = None,
-    ) -> None:
-        """`worker_key`: a QUIC worker's; `tickets`: the store shared by all workers (the engine's), so
-        that a client resumes in 0-RTT whichever worker its new connection reaches."""
-        self.api, self.live, self.budget = api, live, budget
-        self.worker_key = worker_key  # every host connection ID starts with it (QUIC steering)
-        self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
-        self.connections: set[H3Protocol] = set()
-        self.tickets = tickets or TicketStore()
-        self.client_certificates = ClientCertificates.of(self.config.client_ca, self.config.operator_ca)
-        self.cache: ConnectionCache | None = None
-        self.owners = SequenceOwners()  # the sequences each peer opened
-        self._quic_server: GuardedQuicServer | None = None
-        self._reaper: asyncio.Task[None] | None = None
-
-    @property
-    def in_flight(self) -> int:
-        return sum(c.in_flight for c in self.connections)
-
-    @property
-    def limits(self) -> ServerConfig:
-        return self.live.config.server
-
-    async def start(self, sock: socket.socket | None = None, cache: ConnectionCache | None = None) -> None:
-        """Listen on `sock` (from systemd, or a worker's socket from the engine) or on the configured host
-        and port; attach the connection cache: `cache` where one was opened elsewhere (a worker's
-        KernelCache.attached, say; closed with this server), else one opened here on this socket."""
-        configuration = QuicConfiguration(
-            is_client=False, alpn_protocols=H3_ALPN, idle_timeout=self.config.idle_timeout_s
-        )
-        configuration.load_cert_chain(self.config.certificate, self.config.private_key)
-        _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: GuardedQuicServer(
-                configuration=configuration,
-                create_protocol=partial(H3Protocol, server=self),
-                session_ticket_fetcher=self.tickets.pop,
-                session_ticket_handler=self.tickets.add,
-                retry=self.config.retry,
-            ),
-            **({"sock": sock} if sock is not None else {"local_addr": (self.config.host, self.config.port)}),
-        )
-        udp_socket = self._quic_server._transport.get_extra_info("socket")  # type: ignore[union-attr]
-        self._quic_server.admit = lambda data, addr: False  # until the cache is open: clients send again
-        self.cache = cache or await opened_cache(lambda: self.live.config.conncache, [udp_socket])
-        self._quic_server.admit = self.cache.admit
-        self._quic_server.handshaking = self.handshaking
-        self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
-        self._reaper = spawn(self._reap(), "the HTTP/3 stream reaper")
-
-    @property
-    def datagrams(self) -> int:
-        return self._quic_server.datagrams if self._quic_server else 0
-
-    @property
-    def stray_datagrams(self) -> int:
-        return self._quic_server.stray_datagrams if self._quic_server else 0
-
-    def handshaking(self) -> int:
-        return sum(not c.handshake_done for c in self.connections)
-
-    def handshaking_from(self, host: str) -> int:
-        return sum(not c.handshake_done and c.peer.rpartition(":")[0] == host for c in self.connections)
-
-    def connections_from(self, host: str) -> int:
-        return sum(c.peer.rpartition(":")[0] == host for c in self.connections)
-
-    def peers_held(self) -> set[str]:  # peers with an open connection
-        return {c.peer for c in self.connections if c.peer}
-
-    def close_peer(self, peer: str, reason: str) -> list[Opened]:
-        """Close a vanished peer's connections; the sequences it opened, for the API to end."""
-        for connection in [c for c in self.connections if c.peer == peer]:
-            connection.close_quietly(reason)
-        return self.owners.release(peer)
-
-    async def sweep_connection_cache(self) -> None:
-        """Forever: release what vanished QUIC peers held (peers idle past the timeout, or evicted)."""
-        assert self.cache is not None
-        while True:
-            await asyncio.sleep(CONNCACHE_SWEEP_S)
-            held = self.owners.held()
-            try:
-                still = {o for o, is_open in zip(held, await self.api.still_open(held), strict=True) if is_open}
-            except TimeoutError:
-                log.warning("conncache: the engine did not say which sequences are open; next sweep retries")
-                continue
-            self.owners.forget_ended(still.__contains__)
-            for peer in await self.cache.swept(self.peers_held() | self.owners.peers(), self.peers_held()):
-                opened = self.close_peer(peer, "peer idle or evicted from the connection cache")
-                self.api.end_opened(opened)
-                log.info("conncache: peer %s idle or evicted: closed, %d sequences released", peer, len(opened))
-
-    async def _reap(self) -> None:
-        """Quiet request streams get a 408; handshakes not complete in time lose their slot."""
-        quic = self.live.config.quic
-        while True:
-            await asyncio.sleep(min(1.0, quic.stream_idle_timeout_s / 2, quic.handshake_timeout_s / 2))
-            quic, now = self.live.config.quic, time.monotonic()
-            for connection in list(self.connections):
-                if not connection.handshake_done and now - connection.created > quic.handshake_timeout_s:
-                    LIMITS_BITTEN.bit("handshake", f"QUIC handshake not complete within {quic.handshake_timeout_s:g} s")
-                    connection.close_quietly("handshake not complete in time")
-                else:
-                    connection.reap_quiet_streams(now - quic.stream_idle_timeout_s)
-
-    def close(self) -> None:
-        for connection in self.connections:
-            connection.websockets_going_away()
-        if self._reaper is not None:
-            self._reaper.cancel()
-        if self._quic_server is not None:
-            self._quic_server.close()
-        if self.cache is not None:
-            self.cache.close()
-
-    @property
-    def port(self) -> int:
-        assert self._quic_server is not None
-        return self._quic_server._transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
+# a refusal is a transport close (a frame type given) with CONNECTION_REFUSED: aioquic turns an application
+# close during the handshake into APPLICATION_ERROR and drops its reason, so the client would not learn why
+REFUSED, PADDING = QuicErrorCode.CONNECTION_REFUSED, QuicFrameType.PADDING
 
 
 class H3Protocol(WebSocketStreams):
@@ -197,17 +65,18 @@ class H3Protocol(WebSocketStreams):
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self.handshake_done = False
         self.operator = False  # its certificate is one the operator CA signed (known once the handshake is done)
-        self.created = time.monotonic()
+        self.created = server.clock()
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
         self._serving: dict[int, asyncio.Task[None]] = {}  # request streams being answered
         self._windows, self._websockets = {}, {}
+        self._write_seen, self._write_since = {}, self.created  # the write deadline's (h3_answers.py)
         self.peer, self._addr = "", None
         self._terminated = False
         if server.client_certificates is not None:
             server.client_certificates.require(self._quic)
         if len(server.connections) >= server.config.max_connections:
-            self._quic.close(error_code=0x2, reason_phrase="too many connections")  # CONNECTION_REFUSED
+            self._quic.close(REFUSED, PADDING, f"too many connections (limit {server.config.max_connections})")
         else:
             server.connections.add(self)
 
@@ -229,7 +98,7 @@ class H3Protocol(WebSocketStreams):
     def _refuse(self, limit: str, reason: str) -> None:
         """This connection would exceed its address's share: CONNECTION_REFUSED, logged (rate-limited)."""
         LIMITS_BITTEN.bit(limit, reason)
-        self._quic.close(error_code=0x2, reason_phrase=reason)
+        self._quic.close(REFUSED, PADDING, reason)
         self.transmit()
         self.server.connections.discard(self)
 
@@ -238,6 +107,25 @@ class H3Protocol(WebSocketStreams):
         self._quic.close(error_code=0x0, reason_phrase=reason)
         self.transmit()
         self.server.connections.discard(self)
+
+    def cut_off(self, timeout_s: float) -> None:
+        """The write deadline passed (h3_server.py): closed, and the work for it ended at once."""
+        LIMITS_BITTEN.bit("write timeout", f"a QUIC client took nothing for {timeout_s:g} s: connection closed")
+        self._quic.close(ErrorCode.H3_NO_ERROR, reason_phrase=f"took nothing for {timeout_s:g} s")
+        self.transmit()
+        self._ended()
+
+    def _ended(self) -> None:
+        """The connection is over: what it asked for is cancelled, what it held given back."""
+        self._terminated = True
+        for serving in self._serving.values():
+            serving.cancel()
+        self._websocket_gone(None)
+        self.server.connections.discard(self)
+        held = sum(a.body_bytes for a in self._incoming.values() if a is not None)
+        self.server.budget.give(held + sum(len(r.body) for _, r in self._waiting_for_handshake))
+        self._incoming.clear()
+        self._waiting_for_handshake.clear()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
@@ -257,15 +145,7 @@ class H3Protocol(WebSocketStreams):
                 serving.cancel()  # the client gave up on this request: stop working for it
             self._websocket_gone(event.stream_id)
         elif isinstance(event, ConnectionTerminated):
-            self._terminated = True
-            for serving in self._serving.values():
-                serving.cancel()
-            self._websocket_gone(None)
-            self.server.connections.discard(self)
-            held = sum(a.body_bytes for a in self._incoming.values() if a is not None)
-            self.server.budget.give(held + sum(len(r.body) for _, r in self._waiting_for_handshake))
-            self._incoming.clear()
-            self._waiting_for_handshake.clear()
+            self._ended()
         if self._http is None:
             return
         # A peer that breaks HTTP/3 is handled inside aioquic: handle_event closes its connection with
@@ -312,7 +192,10 @@ class H3Protocol(WebSocketStreams):
             raise limit_bit(
                 429, f"too many open streams on this connection (limit {self.server.config.max_streams_per_connection})"
             )
-        assembler = RequestAssembler(self.server.limits, peer=self.peer, budget=self.server.budget, listener="quic")
+        server = self.server
+        assembler = RequestAssembler(
+            server.limits, peer=self.peer, budget=server.budget, clock=server.clock, listener="quic"
+        )
         method = ""
         for name, value in event.headers:
             if name == b":method":
@@ -327,14 +210,14 @@ class H3Protocol(WebSocketStreams):
         assembler.headers_complete(method)
         return assembler
 
-    def reap_quiet_streams(self, heard_before: float) -> None:
+    def reap_quiet_streams(self, now: float, heard_before: float) -> None:
         """Answer 408 on request streams that went quiet, and forget what they sent; a WebSocket's own
         timeouts (pings, idle) are checked here too."""
         for stream_id, websocket in list(self._websockets.items()):
             if websocket.ended:
                 del self._websockets[stream_id]
             else:
-                websocket.check_timeouts(time.monotonic())
+                websocket.check_timeouts(now)
         for stream_id, assembler in list(self._incoming.items()):
             if assembler is None:  # rejected and answered: nothing more is read from it
                 del self._incoming[stream_id]

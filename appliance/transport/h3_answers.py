@@ -26,6 +26,36 @@ class AnsweringProtocol(QuicConnectionProtocol):
             return 0
         return stream.sender._buffer_stop - stream.sender._buffer_start
 
+    _write_seen: dict[int, int]  # at the last check: each stream with bytes held, where its held bytes begin
+    _write_since: float  # since when that has not changed
+
+    def _answers_held(self) -> dict[int, int]:
+        """The answers aioquic holds for the peer, by request stream (client-initiated, bidirectional:
+        the server's control and QPACK streams never end), where each one's unacknowledged bytes begin:
+        some not acknowledged or not sent yet, or only its end (FIN). A reset answer holds nothing."""
+        held = {}
+        for stream_id, stream in self._quic._streams.items():
+            sender = stream.sender
+            if stream_id % 4 or sender._reset_error_code is not None:
+                continue
+            if sender._buffer_stop > sender._buffer_start or (sender._buffer_fin is not None and not sender._acked_fin):
+                held[stream_id] = sender._buffer_start
+        return held
+
+    def write_overdue(self, now: float, timeout_s: float) -> bool:
+        """Whether the peer has taken nothing of the answers held for it for `timeout_s`: none of their
+        bytes acknowledged, nor sent where the peer gives no flow-control credit. Any byte taken (or a
+        new answer) starts the deadline again, as HTTP/1.1's WriteProgress does."""
+        held = self._answers_held()
+        if held != self._write_seen:
+            self._write_seen, self._write_since = held, now
+        return bool(held) and now - self._write_since > timeout_s
+
+    @property
+    def delivering(self) -> bool:
+        """Whether the live peer has yet to acknowledge some answer: a drain waits for it."""
+        return not self._terminated and bool(self._answers_held())
+
     def transmit(self) -> None:
         """Send what is due; each answer that waits for its peer learns what the peer took meanwhile
         (acknowledgements and MAX_STREAM_DATA arrive before aioquic's protocol calls this)."""

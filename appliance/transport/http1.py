@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import select
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import httptools
 
@@ -34,33 +35,15 @@ from appliance.protocol.proxied import Address
 from appliance.protocol.unix_peer import unix_peer
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
-from appliance.transport.connection_bounds import admission_refusal
+from appliance.transport.connection_bounds import admission_refusal, linger, peer_closed
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
+from appliance.transport.serving import Serving
+
+if TYPE_CHECKING:
+    from appliance.transport.tls_accept import TlsAcceptor
 
 log = logging.getLogger("appliance.http")
 TIMEOUT_CHECK_S = 0.5
-LINGER_S = 2.0  # after a rejection, how long the rest of what the client sends is read and dropped
-
-
-def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
-    """Whether the peer closed both directions, not only its sending side: on a Unix socket the kernel
-    says so with POLLHUP (TCP cannot tell them apart until a write fails)."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
-        return False
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return any(events & select.POLLHUP for _, events in poller.poll(0))
-
-
-def _linger(transport: asyncio.Transport, close: Callable[[], None]) -> None:
-    """Close after a rejection the way RFC 9112 asks: stop sending, read and drop what the client is
-    still sending for a moment, then close. Closing at once with its bytes unread would reset the
-    connection, and the client could lose the answer that says why."""
-    if transport.can_write_eof():
-        transport.write_eof()
-    transport.resume_reading()  # data_received drops it: the connection is rejected
-    asyncio.get_running_loop().call_later(LINGER_S, close)
 
 
 class Http1Server:
@@ -78,6 +61,21 @@ class Http1Server:
         self.api, self.live, self.budget, self.clock = api, live, budget, clock
         self.connections: set[HttpConnection] = set()
         self._timeouts: asyncio.Task[None] | None = None
+        self._listener: asyncio.Server | TlsAcceptor | None = None
+
+    @classmethod
+    async def serve(cls, serving: Serving, sock: socket.socket) -> Http1Server:
+        """The Unix socket's listener (listening.py's table)."""
+        server = cls(serving.api, serving.live, serving.budget, serving.clock)
+        await server.listen(sock)
+        return server
+
+    async def listen(self, sock: socket.socket) -> None:
+        self._listener = await asyncio.get_running_loop().create_unix_server(self.protocol, sock=sock)
+
+    def stop_accepting(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
 
     @property
     def limits(self) -> ServerConfig:
@@ -100,9 +98,9 @@ class Http1Server:
 
     def refusal(self, key: str) -> Rejection | None:
         """Why a new connection of `key` is not admitted (connection_bounds.admission_refusal), or None.
-        With N protocol workers (the body budget's shares) each holds 1/N of the limit and the share."""
+        With N protocol workers (BodyBudget.workers) each holds 1/N of the limit and the share."""
         limit, share = self.connection_limits
-        return admission_refusal((c.share_key for c in self.connections), key, limit, share, self.budget.shares)
+        return admission_refusal((c.share_key for c in self.connections), key, limit, share, self.budget.workers)
 
     def extra_headers(self) -> Iterable[tuple[str, str]]:
         return ()
@@ -122,12 +120,17 @@ class Http1Server:
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.connections)
 
+    delivering = 0  # a closed transport still sends what asyncio holds for it (close, not abort)
+
     async def _enforce_timeouts(self) -> None:
         while True:
             await asyncio.sleep(TIMEOUT_CHECK_S)
-            now = self.clock()
-            for connection in list(self.connections):
-                connection.check_timeouts(now)
+            self.check_timeouts(self.clock())
+
+    def check_timeouts(self, now: float) -> None:
+        """Each connection's head, body, keep-alive and write deadlines, at `now` on the server's clock."""
+        for connection in list(self.connections):
+            connection.check_timeouts(now)
 
     def close_all(self) -> None:
         if self._timeouts is not None:
@@ -211,7 +214,7 @@ class HttpConnection(WebSocketUpgrade):
             and not self._rejected
             and self.websocket is None
             and bool(self.busy or self.queue)
-            and not _peer_closed(self.transport)
+            and not peer_closed(self.transport)
         )
 
     def data_received(self, data: bytes) -> None:
@@ -320,7 +323,7 @@ class HttpConnection(WebSocketUpgrade):
                 if isinstance(entry, Response):  # a rejection: the last answer on this connection
                     self.transport.write(encode_response(entry, False, self.server.extra_headers()))
                     assert self.transport is not None
-                    _linger(self.transport, self.close)
+                    linger(self.transport, self.close)
                     return
                 if entry is self._upgrade:
                     await self._switch(entry)

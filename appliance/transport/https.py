@@ -21,7 +21,8 @@ import logging
 import secrets
 import socket
 import ssl
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from cryptography import x509
 
@@ -34,6 +35,7 @@ from appliance.transport.assembler import BodyBudget
 from appliance.transport.http1 import Http1Server, HttpConnection
 from appliance.transport.owners import SequenceOwners
 from appliance.transport.quic_guards import ClientCertificates
+from appliance.transport.serving import Serving
 from appliance.transport.tls_accept import TlsAcceptor
 
 log = logging.getLogger("appliance.https")
@@ -60,6 +62,10 @@ def listen_https(config: Config) -> socket.socket:
     """The TCP listening socket on https.host and https.port, which every protocol worker accepts on;
     the TLS files are read once here too, so that a bad key is a start-up error, not a worker's crash."""
     host, port = config.https.host, config.https.port
+    try:
+        ClientCertificates.of(config.quic.client_ca, config.quic.operator_ca)  # names a CA file it cannot read
+    except ValueError as exc:
+        raise ApplianceError(f"https: {exc}") from None
     try:
         server_context(config.quic)
     except (OSError, ValueError) as exc:
@@ -90,9 +96,16 @@ class HttpsServer(Http1Server):
     half_close = False
     listener = "https"
 
-    def __init__(self, api: Handler, live: Live, budget: BodyBudget, quic_port: int | None) -> None:
-        """`quic_port`: where QUIC serves (advertised in Alt-Svc), or None."""
-        super().__init__(api, live, budget)
+    def __init__(
+        self,
+        api: Handler,
+        live: Live,
+        budget: BodyBudget,
+        quic_port: int | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`quic_port`: where QUIC serves (advertised in Alt-Svc), or None; `clock` as Http1Server's."""
+        super().__init__(api, live, budget, clock)
         self.quic_port = quic_port
         quic = live.config.quic  # the listener's TLS changes only with a restart
         self.mutual = bool(quic.client_ca.name)
@@ -100,15 +113,22 @@ class HttpsServer(Http1Server):
         self.owners = SequenceOwners()  # without mutual TLS: the sequences each open connection opened
         self._forget: asyncio.Task[None] | None = None
 
-    async def start(self, sock: socket.socket) -> TlsAcceptor:
+    @classmethod
+    async def serve(cls, serving: Serving, sock: socket.socket) -> HttpsServer:
+        """The TLS listener on TCP (listening.py's table); its Alt-Svc names QUIC's port where it serves."""
+        server = cls(serving.api, serving.live, serving.budget, serving.quic_port, serving.clock)
+        await server.listen(sock)
+        return server
+
+    async def listen(self, sock: socket.socket) -> None:
         self._forget = spawn(self._forget_ended(), "the HTTPS connections' sequence sweep")
         context = server_context(self.live.config.quic)
-        return TlsAcceptor(
+        self._listener = TlsAcceptor(
             sock,
             context,
             lambda: self.live.config.https,
             self.proxied_protocol,
-            self.budget.shares,
+            self.budget.workers,
             lambda: self.live.config.fleet.proxies,
         )
 

@@ -69,12 +69,15 @@ class GuardedQuicServer(QuicServer):
         # datagrams received, and those with a short header whose connection is not here: with workers,
         # the steering program sends a connection's packets to its own worker, so these stay at zero
         self.datagrams = self.stray_datagrams = 0
+        self.accepting = True  # False from the stop on: no new connections
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self.datagrams += 1
         if data and not data[0] & 0x80 and data[1 : 1 + HOST_CID_LENGTH] not in self._protocols:  # type: ignore[operator]
             self.stray_datagrams += 1
         if not self.admit(data, addr):  # type: ignore[arg-type]
+            return
+        if not self.accepting and isinstance(data, bytes) and self._opens_a_connection(data):
             return
         if not self._always_retry and self.retry_when_handshaking:
             self._switch_retry(self.handshaking())
@@ -88,6 +91,10 @@ class GuardedQuicServer(QuicServer):
         ):
             return
         super().datagram_received(data, addr)
+
+    def _opens_a_connection(self, data: bytes) -> bool:
+        """A long header (RFC 9000, 17.2) whose destination connection ID no connection here has."""
+        return len(data) >= 6 and bool(data[0] & 0x80) and data[6 : 6 + data[5]] not in self._protocols
 
     def _switch_retry(self, handshaking: int) -> None:
         if self._retry is None and handshaking >= self.retry_when_handshaking:

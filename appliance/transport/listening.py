@@ -1,0 +1,57 @@
+"""The listener table: every transport the daemon serves, by the name its socket carries from the engine
+process to a protocol worker (`--listen NAME=FD`) and that Request.listener says. The engine process
+(server.workers = 1) and each worker serve the table alike, so adding a transport is its module (a
+sans-I/O codec and a pump with a `serve`) and one line here."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+
+from appliance.transport.h3_server import H3Server
+from appliance.transport.http1 import Http1Server
+from appliance.transport.https import HttpsServer
+from appliance.transport.serving import Served, Serving
+
+TRANSPORTS: dict[str, Callable[[Serving, socket.socket], Awaitable[Served]]] = {
+    "unix": Http1Server.serve,  # HTTP/1.1 and WebSocket for on-box apps
+    "https": HttpsServer.serve,  # the same over TLS on TCP, for the LAN
+    "quic": H3Server.serve,  # HTTP/3 and its WebSockets, for the LAN
+}
+
+
+class Transports:
+    """The transports one process serves, on the sockets it was given."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, Served] = {}
+
+    async def serve(self, serving: Serving, sockets: dict[str, socket.socket]) -> None:
+        """Serve each socket by its name; where one cannot start, those started are closed again."""
+        try:
+            for name, sock in sockets.items():
+                self.served[name] = await TRANSPORTS[name](serving, sock)
+        except BaseException:
+            self.stop_accepting()
+            self.close_all()
+            raise
+
+    def connections(self, name: str) -> int:
+        return len(self.served[name].connections) if name in self.served else 0
+
+    @property
+    def in_flight(self) -> int:
+        return sum(served.in_flight for served in self.served.values())
+
+    @property
+    def delivering(self) -> int:
+        """Connections whose answers are not all taken yet: a drain waits for them too."""
+        return sum(served.delivering for served in self.served.values())
+
+    def stop_accepting(self) -> None:
+        for served in self.served.values():
+            served.stop_accepting()
+
+    def close_all(self) -> None:
+        for served in self.served.values():
+            served.close_all()

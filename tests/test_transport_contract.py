@@ -1,0 +1,337 @@
+"""One contract for every transport of the listener table (appliance/transport/listening.py), as uvicorn
+runs one suite against each of its HTTP implementations: each transport is served in process by its
+table entry, exactly as the engine process and the protocol workers serve it, on a real socket, with a
+stand-in API, and talked to by a real client. The contract: a request is answered; a client that goes
+away cancels the work it asked for; the daemon-wide byte budget refuses a body that does not fit,
+naming the budget; the stop takes no new connection while the request under way is answered, and
+close_all ends the connections. Verdicts are the order of events, never seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.client import Call, ConnectError, NoAnswer
+from appliance.client.quic import QuicSession
+from appliance.config import Config, Live, QuicConfig, ServerConfig
+from appliance.protocol.messages import Request, Response
+from appliance.transport.assembler import BodyBudget
+from appliance.transport.conncache import UserSpaceCache
+from appliance.transport.listening import TRANSPORTS
+from appliance.transport.serving import Served, Serving
+
+BUDGET = 64 << 10  # server.max_buffered_bytes here: a body of BUDGET + 1 fits max_body_bytes, not the budget
+WRITE_TIMEOUT_S = 5.0  # server.write_timeout_s here, on the test's clock
+
+
+class HeldApi:
+    """/held waits until the test releases it and records how it ended; anything else is answered at once."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.events: list[str] = []
+        self.pieces = 0  # of the endless answer, produced so far
+
+    async def handle(self, request: Request) -> Response:
+        if request.target == "/endless":
+            return Response(200, b"", "application/octet-stream", stream=self._endless())
+        if request.target != "/held":
+            return Response(200, b"answered", "text/plain")
+        self.events.append("held")
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.events.append("cancelled")
+            raise
+        self.events.append("released")
+        return Response(200, b"x" * (256 << 10), "application/octet-stream")  # more than one QUIC flight
+
+    async def _endless(self) -> AsyncIterator[bytes]:
+        """A streamed answer that goes on while the client takes it: flow control alone holds it."""
+        try:
+            while True:
+                self.pieces += 1
+                yield b"x" * (64 << 10)
+                await asyncio.sleep(0)
+        finally:
+            self.events.append("answer ended")
+
+    def keep_connections(self) -> bool:
+        return True
+
+    def end_opened(self, opened: object) -> None:
+        pass
+
+    async def still_open(self, opened: list[Any]) -> list[bool]:
+        return [False] * len(opened)
+
+
+class Peer:
+    """A real client of one transport: HTTP/1.1 on the Unix socket or over TLS, HTTP/3 over QUIC."""
+
+    def __init__(self, name: str, address: Any, cafile: str) -> None:
+        self.name, self.address, self.cafile = name, address, cafile
+        self._session: QuicSession | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def send(self, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        if self.name == "quic":
+            self._session = QuicSession(f"127.0.0.1:{self.address}", self.cafile, connect_timeout=5)
+            answer = await self._session.send(Call("POST" if body else "GET", path, body))
+            return answer.status, answer.body
+        if self.name == "unix":
+            reader, self._writer = await asyncio.open_unix_connection(self.address)
+        else:
+            context = ssl.create_default_context(cafile=self.cafile)
+            context.check_hostname = False
+            reader, self._writer = await asyncio.open_connection("127.0.0.1", self.address, ssl=context)
+        method = "POST" if body else "GET"
+        head = f"{method} {path} HTTP/1.1\r\nhost: box\r\ncontent-length: {len(body)}\r\n\r\n"
+        self._writer.write(head.encode() + body)
+        status = int((await reader.readline()).split()[1])
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            length = int(value) if name.lower() == "content-length" else length
+        return status, await reader.readexactly(length)
+
+    async def go_away(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+# each transport's share of one peer (a user on the Unix socket, an address on TCP and QUIC), as config names it
+PEER_SHARES = {
+    "unix": ("server", "max_connections_per_peer"),
+    "https": ("https", "max_connections_per_address"),
+    "quic": ("quic", "max_connections_per_address"),
+}
+
+
+@contextlib.asynccontextmanager
+async def served(
+    name: str,
+    tls: tuple[Path, Path],
+    tmp_path: Path,
+    peer_share: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncIterator[tuple[Served, HeldApi, Any]]:
+    """Transport `name` served by its table entry on a fresh socket (`peer_share`: one peer's share of
+    its connections, where given; `clock`: its deadlines'); yields it, the API and its address."""
+    quic = QuicConfig(enabled=True, certificate=tls[0], private_key=tls[1])
+    config = Config(server=ServerConfig(max_buffered_bytes=BUDGET, write_timeout_s=WRITE_TIMEOUT_S), quic=quic)
+    if peer_share is not None:
+        section, key = PEER_SHARES[name]
+        config = dataclasses.replace(
+            config, **{section: dataclasses.replace(getattr(config, section), **{key: peer_share})}
+        )
+    live = Live(config)
+    api = HeldApi()
+    serving = Serving(api, live, BodyBudget(lambda: live.config.server), lambda error: None, clock=clock)  # type: ignore[arg-type]
+    if name == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(address := str(tmp_path / "api.sock"))
+    else:
+        kind = socket.SOCK_DGRAM if name == "quic" else socket.SOCK_STREAM
+        sock = socket.socket(socket.AF_INET, kind)
+        sock.bind(("127.0.0.1", 0))
+        address = sock.getsockname()[1]
+        serving.cache = UserSpaceCache(lambda: live.config.conncache, "in-process test")
+    if kind_listens := sock.type == socket.SOCK_STREAM:
+        sock.listen(16)
+    sock.setblocking(False)
+    transport = await TRANSPORTS[name](serving, sock)
+    try:
+        yield transport, api, address
+    finally:
+        transport.close_all()
+        if kind_listens:
+            sock.close()
+
+
+async def until(condition: Any) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_a_request_is_answered_and_a_body_past_the_budget_is_refused_naming_it(transport: str, tls, tmp_path) -> None:
+    async def run() -> list[tuple[int, bytes]]:
+        async with served(transport, tls, tmp_path) as (_, _, address):
+            answers = []
+            for body in (b"", b"\0" * (BUDGET + 1)):
+                peer = Peer(transport, address, str(tls[0]))
+                answers.append(await asyncio.wait_for(peer.send("/", body), 30))
+                await peer.go_away()
+            return answers
+
+    answered, refused = asyncio.run(run())
+    assert answered == (200, b"answered")
+    assert refused[0] == 503 and f"at the limit of {BUDGET} bytes (server.max_buffered_bytes)" in refused[1].decode()
+
+
+def test_a_client_that_goes_away_cancels_its_work(transport: str, tls, tmp_path) -> None:
+    async def run() -> list[str]:
+        async with served(transport, tls, tmp_path) as (served_transport, api, address):
+            peer = Peer(transport, address, str(tls[0]))
+            asking = asyncio.create_task(peer.send("/held"))
+            await asyncio.wait_for(until(lambda: api.events), 30)
+            assert served_transport.in_flight == 1
+            await peer.go_away()
+            await asyncio.wait_for(until(lambda: "cancelled" in api.events), 30)
+            asking.cancel()
+            await asyncio.wait_for(until(lambda: served_transport.in_flight == 0), 30)
+            return api.events
+
+    assert asyncio.run(run()) == ["held", "cancelled"]
+
+
+def test_the_stop_takes_no_new_connection_and_answers_the_one_under_way(transport: str, tls, tmp_path) -> None:
+    async def run() -> list[str]:
+        events: list[str] = []
+        async with served(transport, tls, tmp_path) as (served_transport, api, address):
+            early = Peer(transport, address, str(tls[0]))
+            asking = asyncio.create_task(early.send("/held"))
+            await asyncio.wait_for(until(lambda: api.events), 30)
+            served_transport.stop_accepting()
+            late = Peer(transport, address, str(tls[0]))
+            try:
+                await asyncio.wait_for(late.send("/"), 10)
+                events.append("late answered")
+            except (ConnectionRefusedError, NoAnswer):  # the stream listeners closed; QUIC: no handshake
+                events.append("late refused")
+            await late.go_away()
+            api.release.set()
+            drained = lambda: not (served_transport.in_flight or served_transport.delivering)  # noqa: E731
+            await asyncio.wait_for(until(drained), 30)
+            served_transport.close_all()  # drained, as the daemon's stop sees it: the answer is not cut off
+            status, body = await asyncio.wait_for(asking, 30)
+            events.append(f"early {status} {len(body)}")
+            await asyncio.wait_for(until(lambda: not len(served_transport.connections)), 30)
+            events.append("closed")
+            await early.go_away()
+        return events
+
+    assert asyncio.run(run()) == ["late refused", f"early 200 {256 << 10}", "closed"]
+
+
+def test_a_peer_past_its_share_is_refused_naming_it_and_admitted_again_once_under(
+    transport: str, tls, tmp_path
+) -> None:
+    """Admission: with one connection per peer, a second one while the first is held gets the
+    protocol's refusal (503 on HTTP/1.1, CONNECTION_REFUSED on QUIC) naming the share; once the first
+    is gone, the peer is admitted again."""
+
+    async def run() -> tuple[str, tuple[int, bytes]]:
+        async with served(transport, tls, tmp_path, peer_share=1) as (served_transport, api, address):
+            early = Peer(transport, address, str(tls[0]))
+            asking = asyncio.create_task(early.send("/held"))
+            await asyncio.wait_for(until(lambda: api.events), 30)
+            second = Peer(transport, address, str(tls[0]))
+            try:
+                status, body = await asyncio.wait_for(second.send("/"), 30)
+                refusal = f"{status} {body.decode()}"
+            except ConnectError as refused:
+                refusal = str(refused)
+            await second.go_away()
+            api.release.set()
+            await asyncio.wait_for(asking, 30)
+            await early.go_away()
+            await asyncio.wait_for(until(lambda: not len(served_transport.connections)), 30)
+            again = Peer(transport, address, str(tls[0]))
+            answer = await asyncio.wait_for(again.send("/"), 30)
+            await again.go_away()
+            return refusal, answer
+
+    refusal, answer = asyncio.run(run())
+    assert re.search(
+        r"^503 .*too many connections from \S+ \(its share is 1\)|closed the QUIC .*more than 1", refusal
+    ), refusal
+    assert answer == (200, b"answered")
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def stop_reading(transport: str, address: Any, cafile: str, arrived: Callable[[], bool]) -> Any:
+    """A client that asks for the endless answer and then takes nothing: a stream socket with a small
+    receive buffer that is never read; over QUIC, a client whose socket closes without a word (no
+    acknowledgement ever comes back). Returns what to close at the end."""
+    if transport == "quic":
+        session = QuicSession(f"127.0.0.1:{address}", cafile, connect_timeout=5)
+        await session.open()
+        asking = asyncio.create_task(session.send(Call("GET", "/endless")))
+        await asyncio.wait_for(until(arrived), 30)  # the request is being answered: now the socket goes
+        assert session._transport is not None
+        session._transport.close()
+        return asking
+    if transport == "unix":
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: Any = address
+    else:
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        target = ("127.0.0.1", address)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(raw, target)
+    if transport == "https":
+        context = ssl.create_default_context(cafile=cafile)
+        context.check_hostname = False
+        _, writer = await asyncio.open_connection(sock=raw, ssl=context, server_hostname="box")
+        writer.write(b"GET /endless HTTP/1.1\r\nhost: box\r\n\r\n")
+        return writer
+    raw.send(b"GET /endless HTTP/1.1\r\nhost: box\r\n\r\n")
+    return raw
+
+
+def test_a_client_that_takes_nothing_is_cut_off_at_the_write_deadline_and_its_work_ends(
+    transport: str, tls, tmp_path
+) -> None:
+    """The write deadline (server.write_timeout_s, 5 s here) on a clock the test holds: the answer's
+    bytes wait for a client that takes none; 4.9 s on, the connection is open; at 5.1 s it is cut off,
+    and the answer's production ends."""
+
+    async def run() -> list[tuple[str, object]]:
+        clock, events = Clock(), []
+        async with served(transport, tls, tmp_path, clock=clock) as (served_transport, api, address):
+            client = await stop_reading(transport, address, str(tls[0]), lambda: api.pieces > 0)
+            # flow control holds the answer: its production stops where the client stopped taking
+            produced = -1
+            while produced != (produced := api.pieces) or not served_transport.in_flight:
+                await asyncio.sleep(0.2)
+            served_transport.check_timeouts(clock())  # the client holds bytes it has not taken: the deadline runs
+            for step in (WRITE_TIMEOUT_S - 0.1, 0.2):
+                clock.now += step
+                served_transport.check_timeouts(clock())
+                for _ in range(10):  # a cut-off connection is gone within a few turns of the loop
+                    await asyncio.sleep(0)
+                events.append((f"{clock.now - 100:.1f} s on", len(served_transport.connections)))
+            await asyncio.wait_for(until(lambda: "answer ended" in api.events), 30)
+            events.append(("answer ended", served_transport.in_flight))
+            if isinstance(client, asyncio.Task):
+                client.cancel()
+            else:
+                client.close()
+        return events
+
+    assert asyncio.run(run()) == [("4.9 s on", 1), ("5.1 s on", 0), ("answer ended", 0)]
