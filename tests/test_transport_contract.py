@@ -125,18 +125,15 @@ async def served(
     name: str,
     tls: tuple[Path, Path],
     tmp_path: Path,
-    peer_share: int | None = None,
+    settings: dict[str, dict[str, Any]] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[tuple[Served, HeldApi, Any]]:
-    """Transport `name` served by its table entry on a fresh socket (`peer_share`: one peer's share of
-    its connections, where given; `clock`: its deadlines'); yields it, the API and its address."""
+    """Transport `name` served by its table entry on a fresh socket (`settings`: config keys by section
+    that differ from the defaults; `clock`: its deadlines'); yields it, the API and its address."""
     quic = QuicConfig(enabled=True, certificate=tls[0], private_key=tls[1])
     config = Config(server=ServerConfig(max_buffered_bytes=BUDGET, write_timeout_s=WRITE_TIMEOUT_S), quic=quic)
-    if peer_share is not None:
-        section, key = PEER_SHARES[name]
-        config = dataclasses.replace(
-            config, **{section: dataclasses.replace(getattr(config, section), **{key: peer_share})}
-        )
+    for section, values in (settings or {}).items():
+        config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
     live = Live(config)
     api = HeldApi()
     serving = Serving(api, live, BodyBudget(lambda: live.config.server), lambda error: None, clock=clock)  # type: ignore[arg-type]
@@ -239,7 +236,8 @@ def test_a_peer_past_its_share_is_refused_naming_it_and_admitted_again_once_unde
     is gone, the peer is admitted again."""
 
     async def run() -> tuple[str, tuple[int, bytes]]:
-        async with served(transport, tls, tmp_path, peer_share=1) as (served_transport, api, address):
+        section, key = PEER_SHARES[transport]
+        async with served(transport, tls, tmp_path, {section: {key: 1}}) as (served_transport, api, address):
             early = Peer(transport, address, str(tls[0]))
             asking = asyncio.create_task(early.send("/held"))
             await asyncio.wait_for(until(lambda: api.events), 30)
@@ -335,3 +333,18 @@ def test_a_client_that_takes_nothing_is_cut_off_at_the_write_deadline_and_its_wo
         return events
 
     assert asyncio.run(run()) == [("4.9 s on", 1), ("5.1 s on", 0), ("answer ended", 0)]
+
+
+def test_a_tls_handshake_not_done_in_time_is_closed_and_the_operator_told(tls, tmp_path, caplog) -> None:
+    """https.handshake_timeout_s: a client that opens TCP and never sends its ClientHello is closed, with
+    the limit's log line (a good client whose handshake a stalled process cannot finish meets the same)."""
+
+    async def run() -> bytes:
+        async with served("https", tls, tmp_path, {"https": {"handshake_timeout_s": 0.2}}) as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            said = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+            return said
+
+    assert asyncio.run(run()) == b""
+    assert "limit: a TLS handshake not done in 0.2 s: connection closed" in caplog.text, caplog.text
