@@ -27,11 +27,12 @@ from appliance.config import Config, Live, QuicConfig, ServerConfig
 from appliance.protocol.messages import Request, Response
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import UserSpaceCache
-from appliance.transport.listening import TRANSPORTS
+from appliance.transport.listening import TRANSPORTS, Transports
 from appliance.transport.serving import Served, Serving
 
 BUDGET = 64 << 10  # server.max_buffered_bytes here: a body of BUDGET + 1 fits max_body_bytes, not the budget
 WRITE_TIMEOUT_S = 5.0  # server.write_timeout_s here, on the test's clock
+LARGE = 32 << 20  # an answer more than the kernel's socket buffers hold for a client that reads nothing
 
 
 class HeldApi:
@@ -43,6 +44,8 @@ class HeldApi:
         self.pieces = 0  # of the endless answer, produced so far
 
     async def handle(self, request: Request) -> Response:
+        if request.target == "/large":
+            return Response(200, b"x" * LARGE, "application/octet-stream")
         if request.target == "/endless":
             return Response(200, b"", "application/octet-stream", stream=self._endless())
         if request.target != "/held":
@@ -120,6 +123,23 @@ PEER_SHARES = {
 }
 
 
+def serving_for(
+    tls: tuple[Path, Path],
+    settings: dict[str, dict[str, Any]] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Serving, HeldApi]:
+    """What a process serves the table with: the stand-in API, this config (`settings`: keys by section
+    that differ from the defaults), a budget of BUDGET bytes."""
+    quic = QuicConfig(enabled=True, certificate=tls[0], private_key=tls[1])
+    config = Config(server=ServerConfig(max_buffered_bytes=BUDGET, write_timeout_s=WRITE_TIMEOUT_S), quic=quic)
+    for section, values in (settings or {}).items():
+        config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
+    live = Live(config)
+    api = HeldApi()
+    serving = Serving(api, live, BodyBudget(lambda: live.config.server), lambda error: None, clock=clock)  # type: ignore[arg-type]
+    return serving, api
+
+
 @contextlib.asynccontextmanager
 async def served(
     name: str,
@@ -130,13 +150,8 @@ async def served(
 ) -> AsyncIterator[tuple[Served, HeldApi, Any]]:
     """Transport `name` served by its table entry on a fresh socket (`settings`: config keys by section
     that differ from the defaults; `clock`: its deadlines'); yields it, the API and its address."""
-    quic = QuicConfig(enabled=True, certificate=tls[0], private_key=tls[1])
-    config = Config(server=ServerConfig(max_buffered_bytes=BUDGET, write_timeout_s=WRITE_TIMEOUT_S), quic=quic)
-    for section, values in (settings or {}).items():
-        config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
-    live = Live(config)
-    api = HeldApi()
-    serving = Serving(api, live, BodyBudget(lambda: live.config.server), lambda error: None, clock=clock)  # type: ignore[arg-type]
+    serving, api = serving_for(tls, settings, clock)
+    live = serving.live
     if name == "unix":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(address := str(tmp_path / "api.sock"))
@@ -271,7 +286,9 @@ class Clock:
         return self.now
 
 
-async def stop_reading(transport: str, address: Any, cafile: str, arrived: Callable[[], bool]) -> Any:
+async def stop_reading(
+    transport: str, address: Any, cafile: str, arrived: Callable[[], bool], path: str = "/endless"
+) -> Any:
     """A client that asks for the endless answer and then takes nothing: a stream socket with a small
     receive buffer that is never read; over QUIC, a client whose socket closes without a word (no
     acknowledgement ever comes back). Returns what to close at the end."""
@@ -296,9 +313,9 @@ async def stop_reading(transport: str, address: Any, cafile: str, arrived: Calla
         context = ssl.create_default_context(cafile=cafile)
         context.check_hostname = False
         _, writer = await asyncio.open_connection(sock=raw, ssl=context, server_hostname="box")
-        writer.write(b"GET /endless HTTP/1.1\r\nhost: box\r\n\r\n")
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: box\r\n\r\n".encode())
         return writer
-    raw.send(b"GET /endless HTTP/1.1\r\nhost: box\r\n\r\n")
+    raw.send(f"GET {path} HTTP/1.1\r\nhost: box\r\n\r\n".encode())
     return raw
 
 
@@ -347,4 +364,80 @@ def test_a_tls_handshake_not_done_in_time_is_closed_and_the_operator_told(tls, t
             return said
 
     assert asyncio.run(run()) == b""
-    assert "limit: a TLS handshake not done in 0.2 s: connection closed" in caplog.text, caplog.text
+    assert "limit: a TLS handshake of 127.0.0.1 not done in 0.2 s (https.handshake_timeout_s): closed" in caplog.text, (
+        caplog.text
+    )
+
+
+@pytest.mark.parametrize("transport", ["unix", "https"])
+def test_an_answer_the_client_has_not_taken_yet_holds_the_drain(transport: str, tls, tmp_path) -> None:
+    """A whole answer written while its client reads nothing is no longer in flight, but asyncio still
+    holds it: `delivering` says so until the client has taken it (a worker that returned at its stop
+    would drop it with its loop). HTTP/3 counts its unacknowledged answers the same way (h3_answers.py)."""
+
+    async def run() -> list[tuple[str, int]]:
+        events = []
+        async with served(transport, tls, tmp_path) as (served_transport, _, address):
+            if transport == "unix":
+                reader, writer = await asyncio.open_unix_connection(address)
+            else:
+                context = ssl.create_default_context(cafile=str(tls[0]))
+                context.check_hostname = False
+                reader, writer = await asyncio.open_connection("127.0.0.1", address, ssl=context)
+            writer.write(b"GET /large HTTP/1.1\r\nhost: box\r\n\r\n")
+            await asyncio.wait_for(until(lambda: len(served_transport.connections) == 1), 30)
+            await asyncio.wait_for(until(lambda: not served_transport.in_flight), 30)
+            events.append(("answered, not taken", served_transport.delivering))
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(LARGE)
+            await asyncio.wait_for(until(lambda: not served_transport.delivering), 30)
+            events.append(("taken", served_transport.delivering))
+            writer.close()
+        return events
+
+    assert asyncio.run(run()) == [("answered, not taken", 1), ("taken", 0)]
+
+
+def test_a_failed_start_closes_what_it_started_once_however_often_it_is_asked(tls) -> None:
+    """HTTPS started, then QUIC cannot (a stream socket where a datagram socket belongs): the table
+    closes what started, and the daemon's abort asking again finds nothing left to close twice."""
+
+    async def run() -> str:
+        serving, _ = serving_for(tls)
+        serving.cache = UserSpaceCache(lambda: serving.live.config.conncache, "in-process test")
+        https = socket.create_server(("127.0.0.1", 0))
+        https.setblocking(False)
+        transports = Transports()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as not_datagrams:
+            with pytest.raises(ValueError) as failed:
+                await transports.serve(serving, {"https": https, "quic": not_datagrams})
+        assert https.fileno() == -1  # the listener that had started is closed
+        transports.stop_accepting()
+        transports.close_all()
+        return str(failed.value)
+
+    assert "UDP" in asyncio.run(run())
+
+
+@pytest.mark.parametrize("transport", ["unix", "https"])
+def test_a_whole_answer_not_taken_is_cut_off_at_the_write_deadline(transport: str, tls, tmp_path) -> None:
+    """An answer written at once (not streamed), its client taking none of it: the request is no longer
+    in flight, but the write deadline still runs on what the client has not taken (over TLS, what asyncio's
+    TCP transport holds under the TLS one): open 4.9 s on, cut off at 5.1 s."""
+
+    async def run() -> list[tuple[str, int]]:
+        clock, events = Clock(), []
+        async with served(transport, tls, tmp_path, clock=clock) as (served_transport, _, address):
+            client = await stop_reading(transport, address, str(tls[0]), lambda: True, path="/large")
+            await asyncio.wait_for(until(lambda: served_transport.delivering), 30)
+            served_transport.check_timeouts(clock())
+            for step in (WRITE_TIMEOUT_S - 0.1, 0.2):
+                clock.now += step
+                served_transport.check_timeouts(clock())
+                for _ in range(10):
+                    await asyncio.sleep(0)
+                events.append((f"{clock.now - 100:.1f} s on", len(served_transport.connections)))
+            client.close()
+        return events
+
+    assert asyncio.run(run()) == [("4.9 s on", 1), ("5.1 s on", 0)]

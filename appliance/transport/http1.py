@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from appliance.config import Live, ServerConfig
-from appliance.protocol.flow import SendWindow, WriteProgress
+from appliance.protocol.flow import SendWindow, WriteProgress, unsent
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response
 from appliance.protocol.proxied import Address
 from appliance.protocol.unix_peer import unix_peer
@@ -120,7 +120,11 @@ class Http1Server:
     def in_flight(self) -> int:
         return sum(c.in_flight for c in self.connections)
 
-    delivering = 0  # a closed transport still sends what asyncio holds for it (close, not abort)
+    @property
+    def delivering(self) -> int:
+        """Connections whose answers asyncio still holds for a client not taking them yet: a worker that
+        returned at its stop would drop them with its event loop."""
+        return sum(1 for c in self.connections if c.transport is not None and unsent(c.transport))
 
     async def _enforce_timeouts(self) -> None:
         while True:

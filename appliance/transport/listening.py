@@ -25,6 +25,8 @@ class Transports:
 
     def __init__(self) -> None:
         self.served: dict[str, Served] = {}
+        # each is done once: a failed start cleans up what it started, and the daemon's abort asks again
+        self._accepting = self._open = True
 
     async def serve(self, serving: Serving, sockets: dict[str, socket.socket]) -> None:
         """Serve each socket by its name; where one cannot start, those started are closed again."""
@@ -49,9 +51,13 @@ class Transports:
         return sum(served.delivering for served in self.served.values())
 
     def stop_accepting(self) -> None:
-        for served in self.served.values():
-            served.stop_accepting()
+        if self._accepting:
+            self._accepting = False
+            for served in self.served.values():
+                served.stop_accepting()
 
     def close_all(self) -> None:
-        for served in self.served.values():
-            served.close_all()
+        if self._open:
+            self._open = False
+            for served in self.served.values():
+                served.close_all()

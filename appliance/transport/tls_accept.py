@@ -109,9 +109,8 @@ class TlsAcceptor:
                 lambda: self._connection(origin), conn, ssl=self.context, ssl_handshake_timeout=timeout_s
             )
         except ConnectionAbortedError:  # asyncio's handshake timeout: a slowloris, or a loop that stalled
-            LIMITS_BITTEN.bit(
-                "tls handshake timeout", f"a TLS handshake not done in {timeout_s:g} s: connection closed"
-            )
+            why = f"a TLS handshake of {host} not done in {timeout_s:g} s (https.handshake_timeout_s): closed"
+            LIMITS_BITTEN.bit("tls handshake timeout", why)
         except OSError as exc:  # the client's failure (a bad handshake): asyncio closed its socket
             log.debug("TLS handshake of %s failed: %s", host, exc)
         finally:
