@@ -127,6 +127,7 @@ def serving_for(
     tls: tuple[Path, Path],
     settings: dict[str, dict[str, Any]] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    on_failure: Callable[[BaseException], None] = lambda error: None,
 ) -> tuple[Serving, HeldApi]:
     """What a process serves the table with: the stand-in API, this config (`settings`: keys by section
     that differ from the defaults), a budget of BUDGET bytes."""
@@ -136,7 +137,7 @@ def serving_for(
         config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
     live = Live(config)
     api = HeldApi()
-    serving = Serving(api, live, BodyBudget(lambda: live.config.server), lambda error: None, clock=clock)  # type: ignore[arg-type]
+    serving = Serving(api, live, BodyBudget(lambda: live.config.server), on_failure, clock=clock)  # type: ignore[arg-type]
     return serving, api
 
 
@@ -147,10 +148,11 @@ async def served(
     tmp_path: Path,
     settings: dict[str, dict[str, Any]] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    on_failure: Callable[[BaseException], None] = lambda error: None,
 ) -> AsyncIterator[tuple[Served, HeldApi, Any]]:
     """Transport `name` served by its table entry on a fresh socket (`settings`: config keys by section
     that differ from the defaults; `clock`: its deadlines'); yields it, the API and its address."""
-    serving, api = serving_for(tls, settings, clock)
+    serving, api = serving_for(tls, settings, clock, on_failure)
     live = serving.live
     if name == "unix":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -441,3 +443,24 @@ def test_a_whole_answer_not_taken_is_cut_off_at_the_write_deadline(transport: st
         return events
 
     assert asyncio.run(run()) == [("4.9 s on", 1), ("5.1 s on", 0)]
+
+
+def test_a_deadline_check_that_crashes_stops_the_process(transport: str, tls, tmp_path) -> None:
+    """Our bug in the periodic deadline check ends the task that holds every connection to its deadlines:
+    the process's failure callback hears of it (the daemon stops and is started again) rather than
+    serving on with no deadlines."""
+
+    def crash(now: float) -> None:
+        raise RuntimeError("a bug in a deadline check")
+
+    async def run() -> list[str]:
+        failures: list[BaseException] = []
+        async with served(transport, tls, tmp_path, on_failure=failures.append) as (served_transport, _, address):
+            served_transport.check_timeouts = crash  # type: ignore[method-assign]
+            peer = Peer(transport, address, str(tls[0]))
+            assert await asyncio.wait_for(peer.send("/"), 30) == (200, b"answered")
+            await asyncio.wait_for(until(lambda: failures), 30)
+            await peer.go_away()
+        return [str(failure) for failure in failures]
+
+    assert asyncio.run(run()) == ["a bug in a deadline check"]

@@ -84,13 +84,15 @@ class H3Server:
         """The QUIC listener (listening.py's table), with its connection cache swept while it serves."""
         assert serving.cache is not None, "QUIC is served with its connection cache"
         server = cls(serving.api, serving.live, serving.budget, serving.worker_key, serving.tickets, serving.clock)
-        await server.start(sock, serving.cache)
+        await server.start(sock, serving.cache, serving.on_failure)
         server._sweep = spawn(server.sweep_connection_cache(), "the connection cache sweep", serving.on_failure)
         return server
 
-    async def start(self, sock: socket.socket, cache: ConnectionCache) -> None:
+    async def start(
+        self, sock: socket.socket, cache: ConnectionCache, on_failure: Callable[[BaseException], None] | None = None
+    ) -> None:
         """Serve QUIC on `sock` with `cache` attached (the engine's, or a worker's view of its pins;
-        closed with this server)."""
+        closed with this server); `on_failure` hears of a reaper that died (our bug), as Http1Server's."""
         configuration = quic_configuration(self.config)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: GuardedQuicServer(
@@ -106,7 +108,7 @@ class H3Server:
         self._quic_server.admit = cache.admit
         self._quic_server.handshaking = self.handshaking
         self._quic_server.retry_when_handshaking = self.config.retry_when_handshaking
-        self._reaper = spawn(self._reap(), "the HTTP/3 stream reaper")
+        self._reaper = spawn(self._reap(), "the HTTP/3 stream reaper", on_failure)
 
     @property
     def datagrams(self) -> int:

@@ -62,11 +62,15 @@ class Http1Server:
         self.connections: set[HttpConnection] = set()
         self._timeouts: asyncio.Task[None] | None = None
         self._listener: asyncio.Server | TlsAcceptor | None = None
+        # a deadline task that dies (our bug) stops the process (Serving.on_failure) rather than leave it
+        # serving without deadlines; None where a test serves without a process
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     @classmethod
     async def serve(cls, serving: Serving, sock: socket.socket) -> Http1Server:
         """The Unix socket's listener (listening.py's table)."""
         server = cls(serving.api, serving.live, serving.budget, serving.clock)
+        server.on_failure = serving.on_failure
         await server.listen(sock)
         return server
 
@@ -113,7 +117,7 @@ class Http1Server:
 
     def protocol(self) -> HttpConnection:
         if self._timeouts is None:
-            self._timeouts = spawn(self._enforce_timeouts(), "the HTTP/1.1 timeouts")
+            self._timeouts = spawn(self._enforce_timeouts(), "the HTTP/1.1 timeouts", self.on_failure)
         return HttpConnection(self)
 
     @property

@@ -117,6 +117,7 @@ class HttpsServer(Http1Server):
     async def serve(cls, serving: Serving, sock: socket.socket) -> HttpsServer:
         """The TLS listener on TCP (listening.py's table); its Alt-Svc names QUIC's port where it serves."""
         server = cls(serving.api, serving.live, serving.budget, serving.quic_port, serving.clock)
+        server.on_failure = serving.on_failure
         await server.listen(sock)
         return server
 
