@@ -464,3 +464,28 @@ def test_a_deadline_check_that_crashes_stops_the_process(transport: str, tls, tm
         return [str(failure) for failure in failures]
 
     assert asyncio.run(run()) == ["a bug in a deadline check"]
+
+
+def test_plain_http_to_the_https_port_is_told_to_use_https(tls, tmp_path) -> None:
+    """http:// to the HTTPS port: a 400 that names the mistake (as nginx answers), not a silent close;
+    the port goes on serving TLS."""
+
+    async def run() -> tuple[int, bytes, int]:
+        async with served("https", tls, tmp_path) as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /v2/health/ready HTTP/1.1\r\nhost: box\r\n\r\n")
+            said = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+            context = ssl.create_default_context(cafile=str(tls[0]))
+            context.check_hostname = False
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+            writer.write(b"GET /large HTTP/1.1\r\nhost: box\r\n\r\n")
+            status = int((await asyncio.wait_for(reader.readline(), 30)).split()[1])
+            writer.close()
+        return port, said, status
+
+    port, said, status = asyncio.run(run())
+    head, body = said.split(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request", said
+    assert body.decode() == f"this port speaks HTTPS only: plain HTTP was sent to it; use https:// (port {port})\n"
+    assert status == 200

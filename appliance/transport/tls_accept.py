@@ -11,6 +11,7 @@ sockets always have descriptors to accept with."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -26,6 +27,15 @@ from appliance.transport.connection_bounds import FD_RESERVE, admission_refusal,
 log = logging.getLogger("appliance.https")
 ACCEPTS_PER_WAKE = 64
 ACCEPT_PAUSE_S = 0.1
+TLS_HANDSHAKE_RECORD = b"\x16"  # a TLS record's content type: every ClientHello begins with it
+MAX_PLAIN_REQUEST = 65536
+
+
+def plain_http_refusal(port: int) -> bytes:
+    """The answer to an HTTP request sent without TLS to the HTTPS port."""
+    body = f"this port speaks HTTPS only: plain HTTP was sent to it; use https:// (port {port})\n".encode()
+    head = f"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: {len(body)}\r\n"
+    return head.encode() + b"connection: close\r\n\r\n" + body
 
 
 class TlsAcceptor:
@@ -104,11 +114,17 @@ class TlsAcceptor:
         self._admit(conn, origin[0] if origin else proxy, origin)
 
     async def _handshake(self, conn: socket.socket, host: str, origin: Address | None, timeout_s: float) -> None:
+        deadline = self._loop.time() + timeout_s
         try:
+            if not await self._begins_tls(conn, host, timeout_s):
+                return
             await self._loop.connect_accepted_socket(
-                lambda: self._connection(origin), conn, ssl=self.context, ssl_handshake_timeout=timeout_s
+                lambda: self._connection(origin),
+                conn,
+                ssl=self.context,
+                ssl_handshake_timeout=max(deadline - self._loop.time(), 0.001),
             )
-        except ConnectionAbortedError:  # asyncio's handshake timeout: a slowloris, or a loop that stalled
+        except (ConnectionAbortedError, TimeoutError):  # a slowloris, or a loop that stalled
             why = f"a TLS handshake of {host} not done in {timeout_s:g} s (https.handshake_timeout_s): closed"
             LIMITS_BITTEN.bit("tls handshake timeout", why)
         except OSError as exc:  # the client's failure (a bad handshake): asyncio closed its socket
@@ -117,6 +133,34 @@ class TlsAcceptor:
             self.handshakes[host] -= 1
             if not self.handshakes[host]:
                 del self.handshakes[host]
+
+    async def _begins_tls(self, conn: socket.socket, host: str, timeout_s: float) -> bool:
+        """Whether the client's first byte opens a TLS record. A plain HTTP request (http:// to this
+        port) is answered with a 400 that says so, as nginx does, rather than a silent close."""
+        readable = self._loop.create_future()
+        self._loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            try:
+                await asyncio.wait_for(readable, timeout_s)
+            finally:
+                self._loop.remove_reader(conn.fileno())
+        except BaseException:  # the deadline (the caller tells it) or the stop: the socket goes with it
+            conn.close()
+            raise
+        try:
+            first = conn.recv(1, socket.MSG_PEEK)
+        except OSError:
+            first = b""
+        if first == TLS_HANDSHAKE_RECORD:
+            return True
+        if first.isalpha():
+            with contextlib.suppress(OSError):
+                conn.recv(MAX_PLAIN_REQUEST)  # taken, so that the close is a FIN the client reads after the answer
+                conn.send(plain_http_refusal(conn.getsockname()[1]))
+                conn.shutdown(socket.SHUT_WR)
+            log.debug("plain HTTP from %s to the HTTPS port: answered 400", host)
+        conn.close()
+        return False
 
     def _pause(self, why: str) -> None:
         LIMITS_BITTEN.bit("tcp accepts", f"TCP accepts paused {ACCEPT_PAUSE_S:g} s: {why}")
