@@ -137,8 +137,13 @@ class TlsAcceptor:
     async def _begins_tls(self, conn: socket.socket, host: str, timeout_s: float) -> bool:
         """Whether the client's first byte opens a TLS record. A plain HTTP request (http:// to this
         port) is answered with a 400 that says so, as nginx does, rather than a silent close."""
-        readable = self._loop.create_future()
-        self._loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        readable: asyncio.Future[None] = self._loop.create_future()
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        self._loop.add_reader(conn.fileno(), ready)
         try:
             try:
                 await asyncio.wait_for(readable, timeout_s)
