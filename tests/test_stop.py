@@ -86,6 +86,8 @@ def session_through_stop(  # type: ignore[no-untyped-def]
 
     asyncio.run(run())
     assert daemon.proc.wait(300) == 0, daemon.log.read_text()[-2000:]
+    logged = daemon.log.read_text()
+    assert "ERROR" not in logged and "Traceback" not in logged, logged[-3000:]  # a goodbye is not a failure
     return events
 
 
@@ -148,6 +150,8 @@ def wyoming_through_stop(daemon, samples: np.ndarray | None) -> list[tuple[str, 
 
     asyncio.run(run())
     assert daemon.proc.wait(300) == 0, daemon.log.read_text()[-2000:]
+    logged = daemon.log.read_text()
+    assert "ERROR" not in logged and "Traceback" not in logged, logged[-3000:]  # a goodbye is not a failure
     return events
 
 

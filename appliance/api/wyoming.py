@@ -165,6 +165,9 @@ async def serve_client(
                 # the connection goes on: not at info, where one client could repeat it without end
                 log.debug("Wyoming client %s: %s", client, message)
     except WyomingError as exc:
+        if reading is not None and not reading.done():  # the stop's: the goodbye's linger reads next
+            reading.cancel()
+            await asyncio.wait([reading])
         await close_with_error(exc, client, reader, writer, bounds.write_s)
     except WriteTimeout as exc:
         cut_off(exc, client, writer)
