@@ -349,11 +349,11 @@ def test_a_second_stop_signal_stops_now(start_daemon, tmp_path: Path) -> None:
         daemon.proc.send_signal(signal.SIGINT)
         wait_until(lambda: "a second stop signal (Ctrl-C again) stops now" in daemon.log.read_text(), 60, "stopping")
         daemon.proc.send_signal(signal.SIGINT)
-        daemon.proc.wait(300)
+        code = daemon.proc.wait(300)
     finally:
         hold.unlink()
     log = daemon.log.read_text()
-    assert "stopping: a second stop signal; abandoned" in log, log
+    assert "stopping: a second stop signal; abandoned" in log and code == 1, (code, log)
 
 
 @pytest.mark.parametrize("slowdown", [1, 3], ids=["engine-as-is", "engine-3x-slower"])
@@ -464,3 +464,31 @@ def test_200_simultaneous_uploads_are_answered_or_refused_within_the_bounds(star
     print(
         f"200 uploads, workers {workers}: {codes.count(200)} answered, {codes.count(503)} refused, peak growth {grown_mib:.0f} MiB"
     )
+
+
+def test_a_second_stop_signal_during_the_drain_says_what_it_abandons(
+    start_daemon, speech_bundle: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C twice while the loop is free and the first stop drains (the held engine call runs in a
+    thread): the second says what it abandoned and exits 1. Before, the drain had marked the daemon not
+    ready, which the second signal took for a stop during start-up: that line, and exit 0."""
+    hold = tmp_path / "hold-engine"
+    daemon = start_daemon(bundle_dir=speech_bundle, env={HANG_FAILPOINT: str(hold)}, shutdown_grace_s=3600.0)
+    hold.write_text("0")
+
+    def held_request() -> None:
+        with contextlib.suppress(OSError), Client(str(daemon.socket), timeout=300) as client:
+            client.send(Call("POST", "/v1/audio/speech", speech_body(SENTENCES[0]), ()))
+
+    threading.Thread(target=held_request, daemon=True).start()
+    try:
+        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), 60, "the engine held")
+        daemon.proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "stopping: 1 requests in flight" in daemon.log.read_text(), 60, "the drain")
+        daemon.proc.send_signal(signal.SIGINT)
+        code = daemon.proc.wait(300)
+    finally:
+        hold.unlink()
+    log = daemon.log.read_text()
+    assert "stopping: a second stop signal; abandoned 1 requests in flight" in log, log
+    assert "stopped during start-up" not in log and code == 1, (code, log)

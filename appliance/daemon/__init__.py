@@ -62,6 +62,7 @@ class Daemon:
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
         self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
+        self.started = False  # it served (readiness ends at the stop; this does not)
         self.wyoming: wyoming.Listeners | None = None
         self.agent: Agent | None = None  # HAProxy's agent check, from the start of the start
 
@@ -125,7 +126,7 @@ class Daemon:
         self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
         await self.listeners.start(sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}")
         freeze_start_up()
-        self.api.ready = True
+        self.api.ready = self.started = True
         where = str(sock.getsockname() or config.server.socket)
         log.info(
             "ready: serving %s on %s%s%s",
@@ -282,6 +283,7 @@ class Daemon:
         log.info("stopped")
 
     def _in_flight(self) -> int:
+        """Requests under way, Wyoming's connections among them (read from the signal thread too)."""
         wyoming = self.wyoming.serving.connections if self.wyoming is not None else 0  # each closes once idle
         return wyoming + (self.listeners.in_flight if self.listeners is not None else 0)
 
@@ -306,11 +308,11 @@ def exit_overdue(daemon: Daemon, again: bool) -> None:
     """From the signal thread: a second stop signal (stop now), or the stop did not end in time, so the
     event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
     while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
-    if daemon.api is None or not daemon.api.ready:
+    if not daemon.started:
         log.info("stopped during start-up (models were loading or warming up)")
         logging.shutdown()
         os._exit(0)
-    in_flight = daemon.listeners.in_flight if daemon.listeners is not None else 0
+    in_flight = daemon._in_flight()
     sequences = sum(len(m.sequences) for m in daemon.models.values())
     why = (
         "a second stop signal"
