@@ -327,3 +327,11 @@ def test_a_vad_only_firmware_loads_no_other_kinds_engine(daemon) -> None:
     assert "onnxruntime" in maps
     loaded = [name for name in ("ctranslate2", "fxtranslate", "sentencepiece", "tokenizers") if name in maps]
     assert not loaded, f"a VAD-only firmware loaded {loaded}"
+
+
+def test_a_method_not_allowed_names_the_allowed_one_in_allow(client: Client) -> None:
+    """RFC 9110 15.5.6: a 405 carries Allow (a client or a probe learns the method from the header)."""
+    response = client.send(Call("DELETE", "/v2/health/ready"))
+    assert response.status == 405 and response.headers.get("allow") == "GET", (response.status, response.headers)
+    response = client.send(Call("GET", "/v2/models/silero_vad/infer"))
+    assert response.status == 405 and response.headers.get("allow") == "POST", (response.status, response.headers)

@@ -140,7 +140,8 @@ class Api:
                 if match:
                     endpoint = name if name != "task" else self._task_label(match["task"])
                     if request.method != method:
-                        raise ApiError(f"{request.method} is not allowed on {url.path} (use {method})", 405)
+                        why = f"{request.method} is not allowed on {url.path} (use {method})"
+                        raise ApiError(why, 405, headers=(("allow", method),))  # RFC 9110: a 405 names them
                     if name in OPERATOR_ROUTES and not request.operator:
                         raise ApiError(f"{url.path} is for operators: {OPERATORS_ARE}", 403)
                     self.fleet.admit(name, request)
