@@ -567,3 +567,43 @@ def test_slow_idle_and_surplus_clients_are_closed_and_the_rest_served(start_daem
     log = d.log.read_text()
     assert f"limit: Wyoming client {user}: an event header not complete within 2 s" in log, log
     assert f"limit: Wyoming client {user}: too many Wyoming connections on the Unix socket from {user}" in log, log
+
+
+def test_events_with_a_field_missing_or_of_the_wrong_type_get_an_error_naming_it(daemon: Daemon) -> None:
+    """Fields as the wyoming library reads them: one missing or of the wrong type is answered by an
+    error naming the event and the field in words (it said "KeyError('text')", or nothing at all)."""
+    path = wyoming_socket(daemon)
+
+    async def answers(*events: Event) -> list[Event]:
+        said: list[Event] = []
+        async with AsyncUnixClient(path) as client:
+            for event in events:
+                await client.write_event(event)
+            with contextlib.suppress(TimeoutError):
+                while (event := await asyncio.wait_for(client.read_event(), 30)) is not None:
+                    said.append(event)
+                    if Error.is_type(event.type) or Transcript.is_type(event.type):
+                        break
+        return said
+
+    pcm16 = b"\x00\x10" * RATE
+    start, stop = AudioStart(rate=RATE, width=2, channels=1).event(), AudioStop().event()
+    chunk = AudioChunk(rate=RATE, width=2, channels=1, audio=pcm16).event()
+    cases = {
+        "bad synthesize event: it has no 'text'": [Event("synthesize", {})],
+        "bad audio-chunk event: it has no 'width'": [
+            Transcribe(name=TINY).event(),
+            start,
+            Event("audio-chunk", {"rate": RATE, "channels": 1}, pcm16),
+        ],
+        "bad transcribe event: its 'language' is 5, not a string": [
+            Event("transcribe", {"language": 5}),
+            start,
+            chunk,
+            stop,
+        ],
+    }
+    for expected, events in cases.items():
+        said = asyncio.run(answers(*events))
+        errors = [Error.from_event(e).text for e in said if Error.is_type(e.type)]
+        assert errors == [expected], (expected, said)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import io
 import json
 import logging
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -196,6 +199,32 @@ def read_as(read: Callable[[Event], E], event: Event) -> E:
     """The client's event read as the wyoming library reads it (`Transcribe.from_event`, ...): a field
     missing or of the wrong type is the client's error naming the event; any other failure is ours."""
     try:
-        return read(event)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise BadRequest(f"bad {event.type} event: {exc!r}") from None
+        found = read(event)
+    except KeyError as exc:
+        raise BadRequest(f"bad {event.type} event: it has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise BadRequest(f"bad {event.type} event: {exc}") from None
+    if (wrong := mistyped(found)) is not None:
+        raise BadRequest(f"bad {event.type} event: {wrong}")
+    return found
+
+
+@functools.cache
+def hints(event_class: type) -> dict[str, typing.Any]:
+    """An event class's fields and their types (read once: every audio chunk is checked)."""
+    return typing.get_type_hints(event_class)
+
+
+def mistyped(read: object) -> str | None:
+    """The first text field of an event the library read (or of a dataclass in it, a voice) whose value
+    is not a string: the library takes a language of 5 as it comes, and our code failed on it. Numbers
+    are the audio format's, which PcmIn checks and names."""
+    if not dataclasses.is_dataclass(read) or isinstance(read, type):
+        return None
+    for name, hint in hints(type(read)).items():
+        value = getattr(read, name)
+        if hint in (str, str | None) and not isinstance(value, str) and (value is not None or hint is str):
+            return f"its {name!r} is {json.dumps(value)[:40]}, not a string"
+        if (inner := mistyped(value)) is not None:
+            return inner
+    return None
