@@ -7,8 +7,11 @@ LibreTranslate's; `source: "auto"` on `/translate` detects each text's language 
 Both ask the firmware's language identification model (kind `language_identification`).
 
 `/translate` takes a JSON body or a form (urlencoded), as LibreTranslate does: `q` (a string, or a
-list of strings in JSON), `source`, `target`, `format` (`text`, or `html`: the text between tags
-translated, the tags kept, kinds/markup.py), and ignores `api_key` and `alternatives`. The answer is `{"translatedText": ...}`, a string or a list like `q`.
+list of strings in JSON), `source` and `target` (codes in any case: LibreTranslate lower-cases them),
+`format` (`text`, or `html`: the text between tags translated, the tags kept, kinds/markup.py),
+`alternatives` and `api_key` (the access gate's). The answer is `{"translatedText": ...}`, a string or a
+list like `q`, with `alternatives` where more than 0 were asked: a list per text, always empty here,
+as the engine (fxtranslate) gives one translation and no n-best.
 Each (source, target) pair is a model of the firmware (kind `text_translation`): a new pair is a new
 firmware, nothing here changes.
 """
@@ -86,11 +89,13 @@ async def languages(models: Iterable[ServedModel], request: Request) -> Response
 async def translate(models: Iterable[ServedModel], request: Request) -> Response:
     fields = await json_or_form(request)
     source, target, text_format = fields.get("source"), fields.get("target"), fields.get("format", "text")
+    alternatives = _alternatives(fields.get("alternatives", 0))
     if text_format not in FORMATS:
         raise BadRequest(f"format {str(text_format)[:40]!r} is not served (one of: {', '.join(FORMATS)})")
     pairs = _pairs(models)
     if not isinstance(source, str) or not isinstance(target, str):
         raise BadRequest("'source' and 'target' must be language codes (GET /languages lists them)")
+    source, target = source.lower(), target.lower()
     detector = _detector(models) if source == "auto" else None
     q = fields.get("q")
     texts = q if isinstance(q, list) else [q]
@@ -107,7 +112,21 @@ async def translate(models: Iterable[ServedModel], request: Request) -> Response
     answer: dict[str, object] = {"translatedText": translated if isinstance(q, list) else translated[0]}
     if detected:
         answer["detectedLanguage"] = detected if isinstance(q, list) else detected[0]
+    if alternatives > 0:  # none to give: one translation per text is all the engine makes
+        answer["alternatives"] = [[] for _ in checked] if isinstance(q, list) else []
     return json_response(200, answer)
+
+
+def _alternatives(raw: object) -> int:
+    """How many other translations are asked for (a number in JSON, a form's text), 0 at least."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return max(0, raw)
+    if isinstance(raw, str):
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            pass
+    raise BadRequest(f"'alternatives' must be a whole number, got {str(raw)[:20]!r}")
 
 
 def _pair(pairs: dict[tuple[str, str], Translator], source: str, target: str) -> Translator | None:
