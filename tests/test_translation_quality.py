@@ -19,6 +19,7 @@ from libretranslatepy import LibreTranslateAPI
 from tcp_forward import tcp_to_unix
 
 from appliance.client import Call, Client
+from appliance.kinds import markup
 
 # (source language, phrase, the words its translation holds: "a+b" all of them, "x|y" either, at most N words)
 PHRASES = [
@@ -151,23 +152,80 @@ class Markup(HTMLParser):
         (self.markup if self.lasttag == "script" else self.texts).append(data)
 
 
+def posted(daemon: Daemon, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    with Client(str(daemon.socket)) as client:
+        answer = client.send(Call("POST", "/translate", body, (("content-type", content_type),)))
+    return answer.status, json.loads(answer.body)
+
+
 def test_html_keeps_its_markup_and_translates_its_text(daemon: Daemon) -> None:
     document = (
         '<p class="greeting">Good <b>morning</b>, <a href="/x?a=1&amp;b=2" title="Station">where is the '
         "station?</a></p><!-- 3 < 5 --><script>if (a < b) { go(); }</script><p>3 &lt; 5 &amp; 7 &gt; 2</p>"
     )
     body = json.dumps({"q": document, "source": "en", "target": "pt", "format": "html"}).encode()
-    with Client(str(daemon.socket)) as client:
-        answer = client.send(Call("POST", "/translate", body, (("content-type", "application/json"),)))
-    translated = json.loads(answer.body)["translatedText"]
+    translated = posted(daemon, body)[1]["translatedText"]
     before, after = Markup(document), Markup(translated)
     assert after.markup == before.markup, translated  # every tag, attribute, comment and the script as written
     text = " ".join(after.texts).lower()
     assert "bom" in text and "estação" in text and "3 < 5 & 7 > 2" in text, translated
 
 
+@pytest.mark.parametrize(
+    "document,kept",
+    [
+        ("<p>Where is the <b>station</b>? It is far.</p>", ["</b>? ", ".</p>"]),
+        ("Where is the <b>station</b>?", ["</b>?"]),
+        ("<p>Is it <b>far</b>?</p>", ["</b>?</p>"]),
+        ("<p>Good <b>morning</b>, my friend.</p>", ["</b>, "]),
+    ],
+)
+def test_html_keeps_the_punctuation_around_a_tag(daemon: Daemon, document: str, kept: list[str]) -> None:
+    body = json.dumps({"q": document, "source": "en", "target": "pt", "format": "html"}).encode()
+    translated = posted(daemon, body)[1]["translatedText"]
+    assert Markup(translated).markup == Markup(document).markup, translated
+    assert all(k in translated for k in kept), translated
+
+
+def test_a_bare_less_than_does_not_cut_a_text() -> None:
+    """HTMLParser hands "x < 5" over in three pieces: the translator is given the sentence whole."""
+    assert [p.raw for p in markup.parts("<p>If x < 5, call me.</p>") if p.text] == ["If x < 5, call me."]
+
+
+@pytest.mark.parametrize(
+    "text,split",
+    [
+        ("? It is far.", ("? ", "It is far.", "")),
+        ("?", ("?", "", "")),
+        (" ... ", (" ... ", "", "")),
+        ("), see (", ("), ", "see", " (")),
+        (" Where is the ", (" ", "Where is the", " ")),
+        ('" he said.', ("", '" he said.', "")),  # a straight quote opens as often as it closes
+    ],
+)
+def test_what_a_text_keeps_around_its_translation(text: str, split: tuple[str, str, str]) -> None:
+    assert markup.split(text) == split
+
+
+def test_language_codes_in_any_case(libretranslate: LibreTranslateAPI) -> None:
+    assert "estação" in libretranslate.translate("Where is the station?", "EN", "Pt").lower()
+
+
+def test_alternatives_are_a_list_as_libretranslate_answers(daemon: Daemon) -> None:
+    """The engine makes one translation: the alternatives asked for are an empty list, per text."""
+    one = {"q": "Good morning.", "source": "en", "target": "pt"}
+    status, answer = posted(daemon, json.dumps({**one, "alternatives": 3}).encode())
+    assert status == 200 and answer["alternatives"] == [] and "bom dia" in answer["translatedText"].lower()
+    status, answer = posted(daemon, json.dumps({**one, "q": ["Yes.", "No."], "alternatives": 1}).encode())
+    assert status == 200 and answer["alternatives"] == [[], []], answer
+    status, answer = posted(daemon, b"q=Yes.&source=en&target=pt&alternatives=2", "application/x-www-form-urlencoded")
+    assert status == 200 and answer["alternatives"] == [], answer
+    assert "alternatives" not in posted(daemon, json.dumps({**one, "alternatives": 0}).encode())[1]
+    status, answer = posted(daemon, json.dumps({**one, "alternatives": "many"}).encode())
+    assert status == 400 and "'alternatives' must be a whole number" in answer["error"], answer
+
+
 def test_a_format_not_served_is_a_one_line_400(daemon: Daemon) -> None:
     body = json.dumps({"q": "Hello.", "source": "en", "target": "pt", "format": "markdown"}).encode()
-    with Client(str(daemon.socket)) as client:
-        answer = client.send(Call("POST", "/translate", body, (("content-type", "application/json"),)))
-    assert answer.status == 400 and "one of: text, html" in json.loads(answer.body)["error"], answer.body
+    status, answer = posted(daemon, body)
+    assert status == 400 and "one of: text, html" in answer["error"], answer
