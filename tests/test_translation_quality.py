@@ -229,3 +229,13 @@ def test_a_format_not_served_is_a_one_line_400(daemon: Daemon) -> None:
     body = json.dumps({"q": "Hello.", "source": "en", "target": "pt", "format": "markdown"}).encode()
     status, answer = posted(daemon, body)
     assert status == 400 and "one of: text, html" in answer["error"], answer
+
+
+def test_frontend_settings_as_libretranslate_answers(daemon: Daemon) -> None:
+    with Client(str(daemon.socket)) as client:
+        answer = client.send(Call("GET", "/frontend/settings"))
+    settings = json.loads(answer.body)
+    assert answer.status == 200 and settings["charLimit"] == 65536 and settings["keyRequired"] is False, settings
+    assert settings["suggestions"] is False and settings["filesTranslation"] is False, settings
+    assert settings["language"]["source"] == {"code": "en", "name": "English"}, settings
+    assert settings["language"]["target"] == {"code": "pt", "name": "Portuguese"}, settings

@@ -120,7 +120,7 @@ class Api:
             ("GET", re.compile(r"/metrics"), "metrics", self._metrics),
             ("GET", re.compile(r"/status"), "status", self._status),
             *openai_speech.routes(models),
-            *libretranslate.routes(models),
+            *libretranslate.routes(models, lambda: bool(self.access.keys), self.access.needs_key),
             *openai_audio.routes(models),
             *openai_models.routes(models, manifest),
             *realtime.routes(models, self.metrics, live, budget, self.stopping),

@@ -12,6 +12,9 @@ list of strings in JSON), `source` and `target` (codes in any case: LibreTransla
 `alternatives` and `api_key` (the access gate's). The answer is `{"translatedText": ...}`, a string or a
 list like `q`, with `alternatives` where more than 0 were asked: a list per text, always empty here,
 as the engine (fxtranslate) gives one translation and no n-best.
+`GET /frontend/settings` answers what LibreTranslate's frontend and clients read there, true of this box:
+its character limit, whether keys are in use and needed by this caller, no suggestions and no files,
+and the first pair as the default languages.
 Each (source, target) pair is a model of the firmware (kind `text_translation`): a new pair is a new
 firmware, nothing here changes.
 """
@@ -20,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from appliance.api.bodies import json_or_form
 from appliance.api.routes import Route
-from appliance.errors import BadRequest
+from appliance.errors import BadRequest, NotFound
 from appliance.kinds import markup
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import LanguageDetector, Translator
@@ -33,6 +36,7 @@ from appliance.protocol.messages import Request, Response, json_response
 
 DETECT_CANDIDATES = 3  # /detect's answers, best first
 FORMATS = ("text", "html")
+FRONTEND_TIMEOUT_MS = 500  # LibreTranslate's default: how long its frontend waits after typing to translate
 
 # Names for the languages Bergamot models exist for; a code without one is shown as itself.
 NAMES = {
@@ -45,8 +49,16 @@ NAMES = {
 }  # fmt: skip
 
 
-def routes(models: Mapping[str, ServedModel]) -> list[Route]:
+def routes(
+    models: Mapping[str, ServedModel], keys_in_use: Callable[[], bool], needs_key: Callable[[Request], bool]
+) -> list[Route]:
     return [
+        (
+            "GET",
+            re.compile(r"/frontend/settings"),
+            "frontend_settings",
+            lambda r, p: settings(models.values(), keys_in_use(), needs_key(r)),
+        ),
         ("POST", re.compile(r"/translate"), "translate", lambda r, p: translate(models.values(), r)),
         ("GET", re.compile(r"/languages"), "languages", lambda r, p: languages(models.values(), r)),
         ("POST", re.compile(r"/detect"), "detect", lambda r, p: detect(models.values(), r)),
@@ -83,6 +95,29 @@ async def languages(models: Iterable[ServedModel], request: Request) -> Response
     return json_response(
         200,
         [{"code": c, "name": NAMES.get(c, c), "targets": sorted(t for s, t in pairs if s == c)} for c in codes],
+    )
+
+
+async def settings(models: Iterable[ServedModel], keys_in_use: bool, key_required: bool) -> Response:
+    pairs = sorted(_pairs(models))
+    if not pairs:
+        raise NotFound("this firmware has no translation model")
+    source, target = pairs[0]
+    return json_response(
+        200,
+        {
+            "charLimit": MAX_TEXT_CHARS,  # one request's texts in all
+            "frontendTimeout": FRONTEND_TIMEOUT_MS,
+            "apiKeys": keys_in_use,
+            "keyRequired": key_required,
+            "suggestions": False,  # no /suggest: the models are the firmware's, not learned here
+            "filesTranslation": False,
+            "supportedFilesFormat": [],
+            "language": {
+                "source": {"code": source, "name": NAMES.get(source, source)},
+                "target": {"code": target, "name": NAMES.get(target, target)},
+            },
+        },
     )
 
 

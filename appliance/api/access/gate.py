@@ -39,7 +39,7 @@ from appliance.protocol.messages import Close, Request, Response, Session, Sessi
 log = logging.getLogger("appliance.access")
 PUBLIC_ROUTES = frozenset({"page", "certificate", "live", "ready", "client_secrets"})
 KEYED_LISTENERS = ("quic", "https")
-LIBRETRANSLATE_ROUTES = ("translate", "detect", "languages")
+LIBRETRANSLATE_ROUTES = ("translate", "detect", "languages", "frontend_settings")
 SUBPROTOCOL_KEY = "openai-insecure-api-key."
 APPEND = '"input_audio_buffer.append"'
 PCM16_24K_BYTES_S = 48000  # a Realtime session's audio: PCM16 at 24 kHz
@@ -81,7 +81,7 @@ class Access:
             raise self._refused("origin", request, 403, f"origin {request.headers['origin'][:80]!r} is not this box's")
         offered = [p.strip() for p in request.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
         answer = next((p for p in offered if not p.startswith(SUBPROTOCOL_KEY)), "")
-        if request.listener not in KEYED_LISTENERS or route in PUBLIC_ROUTES or request.operator or not self.keys:
+        if route in PUBLIC_ROUTES or not self.needs_key(request):
             return Grant(subprotocol=answer)
         secret = await self._presented(request, route, offered)
         if not secret:
@@ -99,6 +99,10 @@ class Access:
         if why := self.shares.over(principal, share, upgrade):
             raise self._refused(why.split(":")[0], request, 429, f"{principal} is over its share ({why})", "60")
         return Grant(principal, answer, request.listener)
+
+    def needs_key(self, request: Request) -> bool:
+        """A route that is not public needs a key, for this request's listener and caller (as admit asks)."""
+        return request.listener in KEYED_LISTENERS and not request.operator and bool(self.keys)
 
     def answered(self, grant: Grant, response: Response) -> Response:
         """The handler's response as the grant shapes it: a session counted against its key's share, and
