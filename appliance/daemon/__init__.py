@@ -282,8 +282,7 @@ class Daemon:
         self._remove_socket()
         log.info("stopped")
 
-    def _in_flight(self) -> int:
-        """Requests under way, Wyoming's connections among them (read from the signal thread too)."""
+    def _in_flight(self) -> int:  # requests under way, Wyoming's connections among them (the signal thread reads it)
         wyoming = self.wyoming.serving.connections if self.wyoming is not None else 0  # each closes once idle
         return wyoming + (self.listeners.in_flight if self.listeners is not None else 0)
 
