@@ -205,13 +205,15 @@ def test_errors_are_in_openais_shape_even_a_413(daemon, openai_client: openai.Op
 
 
 def test_statistics_count_every_routes_inferences(daemon, unix: Client, openai_client: openai.OpenAI) -> None:
-    """Segments, transcribe, OpenAI and KServe calls all count as successes or failures, as Triton's
-    statistics extension says (read with tritonclient.http.aio, which asks for gzip and reads plain)."""
+    """Segments, transcribe, OpenAI and KServe calls all count as successes or failures, with the engine
+    time they took, as Triton's statistics extension says (read with tritonclient.http.aio, which asks for gzip and reads plain)."""
     before = asyncio.run(_statistics(daemon))
     wav = encode_wav(say(CLEAR[0]), RATE)
     unix.segments(wav)
     assert unix.transcribe(wav, TINY).status == 200
     openai_client.audio.transcriptions.create(model=TINY, file=("e.wav", wav))
+    mid = asyncio.run(_statistics(daemon))  # the transcriptions' engine time is theirs (it was 0 ns)
+    assert mid[TINY]["compute_infer_ns"] > before[TINY]["compute_infer_ns"], (before[TINY], mid[TINY])
     unix.infer(TINY, {"audio": np.array([wav], dtype=object)})
     with pytest.raises(ServerError, match="audio not supported"):
         unix.transcribe(b"not audio at all" * 64, TINY)
@@ -236,6 +238,7 @@ async def _statistics(daemon) -> dict[str, dict[str, int]]:
             "fail": s["inference_stats"]["fail"]["count"],
             "last_inference": s["last_inference"],
             "inference_count": s["inference_count"],
+            "compute_infer_ns": s["inference_stats"]["compute_infer"]["ns"],
         }
         for s in stats["model_stats"]
     }

@@ -28,6 +28,7 @@ from appliance.api import openai_models
 from appliance.api import openai_speakers as speakers
 from appliance.api.bodies import MAX_FORM_FIELDS, openai_errors, refused
 from appliance.denoise import MODES, denoise
+from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds import diarized
 from appliance.kinds.base import ServedModel
@@ -186,10 +187,11 @@ async def answer(models: dict[str, ServedModel], request: Request, task: str) ->
     printer = speakers.printer(models) if asked else None
     who = speakers.count(fields, lists) if asked else None
     quieter = noise != "none"
+    times = RequestTimes()  # filled by its shards' engine calls: the statistics' queue and compute
     transcribed = _transcribed(
-        model, audio, options, response_format, stream, granularities, printer, who, lists, quieter
+        model, audio, options, response_format, stream, granularities, printer, who, lists, quieter, times
     )
-    return await counted(model.stats, transcribed)
+    return await counted(model.stats, transcribed, times)
 
 
 async def _transcribed(
@@ -203,11 +205,12 @@ async def _transcribed(
     count: SpeakerCount | None,
     lists: dict[str, list[str]],
     quieter: bool,
+    times: RequestTimes,
 ) -> Response:
     samples = await model.recording(audio)
     if quieter:  # RNNoise, some 50 ms a second of audio: a long recording's off the loop
         samples = await off_loop(samples.nbytes, denoise, samples)
-    segments = model.transcribe(samples, options)
+    segments = model.transcribe(samples, options, times)
     if printer is not None and count is not None:
         who = Who(count, await speakers.known(printer, model, lists))
         segments = diarized.labelled(segments, asyncio.ensure_future(diarized.timeline(printer, samples, who)))

@@ -89,7 +89,10 @@ class ModelStats:
         self.success.add(total_ns)
         self.queue.add(times.queue_ns)
         self.compute_input.add(times.compute_input_ns)
-        self.compute_infer.add(times.compute_infer_ns)
+        timed = times.compute_input_ns + times.compute_infer_ns + times.compute_output_ns
+        # a kind whose engine calls are not its own (a continuous batch, a stream of sentences) times
+        # none: its time not spent in the queue is its compute
+        self.compute_infer.add(times.compute_infer_ns if timed else max(total_ns - times.queue_ns, 0))
         self.compute_output.add(times.compute_output_ns)
 
     @property

@@ -219,7 +219,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         )
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
-        times.queue_ns += done.queued_ns
+        times.queue_ns = max(times.queue_ns, done.queued_ns)  # the longest its shards waited (side by side)
         decoded = done.result
         pieces = with_their_sentences(decoded.pieces)
         timed = plan.timed([(p.start, p.end) for p in pieces], SAMPLE_RATE)
@@ -287,17 +287,18 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         """POST /v2/models/{name}/transcribe[?stream=true&language=&task=&prompt=&response_format=&words=true]:
         a recording's segments (verbose_json unless asked otherwise), or NDJSON lines as they are decoded;
         counted in the statistics as a request of this model."""
-        return await counted(self.stats, _transcribed(self, request, query))
+        times = RequestTimes()  # filled by its shards' engine calls: the statistics' queue and compute
+        return await counted(self.stats, _transcribed(self, request, query, times), times)
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
 
 
-async def _transcribed(model: SpeechToText, request: Request, query: dict[str, str]) -> Response:
+async def _transcribed(model: SpeechToText, request: Request, query: dict[str, str], times: RequestTimes) -> Response:
     stream, response_format, wanted = speech_api.transcribe_query(query)
     model.check(wanted)
     samples = await model.recording(request.body)
-    segments = model.transcribe(samples, wanted)
+    segments = model.transcribe(samples, wanted, times)
     duration = round(len(samples) / SAMPLE_RATE, 3)
     if stream:
         return await ndjson(

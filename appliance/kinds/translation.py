@@ -143,7 +143,6 @@ class TranslationModel(QueuedModel):
                 future.cancel()
             elapsed = time.perf_counter_ns() - started
             times.queue_ns = max((f.result().queued_ns for f in futures if ok), default=0)
-            times.compute_infer_ns = elapsed - times.queue_ns
             if record:
                 self.stats.record_request(ok, elapsed, times, time.time_ns() // 1_000_000)
         translated = iter(as_said(shard, d.result) for shard, d in zip(shards, done))
