@@ -331,29 +331,43 @@ def test_a_stop_during_start_up_stops_at_once(start_daemon, tmp_path: Path) -> N
     assert "stopped during start-up" in log and "ready: serving" not in log, log
 
 
-def test_a_second_stop_signal_stops_now(start_daemon, tmp_path: Path) -> None:
+@pytest.mark.parametrize("held", ["on-the-loop", "in-a-thread"])
+def test_a_second_stop_signal_stops_now_saying_what_it_abandons(
+    start_daemon, speech_bundle: Path, tmp_path: Path, held: str
+) -> None:
     """Ctrl-C twice: the first stop waits for the engine call a test holds (wedged, as a driver call may
-    be), for as long as its deadline (the grace time is an hour here); the second exits at once, saying
-    what it abandoned. Without it the test gives up waiting (no clock judges this)."""
+    be), for as long as its deadline (the grace time is an hour here); the second exits 1 at once, saying
+    what it abandoned. The VAD's call holds the event loop; the voice's runs in a thread, so the first
+    stop's drain goes on (it marked the daemon not ready, which the second took for a stop during
+    start-up: that line, and exit 0). Without it the test gives up waiting (no clock judges this)."""
     hold = tmp_path / "hold-engine"
-    daemon = start_daemon(env={HANG_FAILPOINT: str(hold)}, shutdown_grace_s=3600.0)
+    bundle = {"bundle_dir": speech_bundle} if held == "in-a-thread" else {}
+    daemon = start_daemon(env={HANG_FAILPOINT: str(hold)}, shutdown_grace_s=3600.0, **bundle)
     hold.write_text("0")
+    call = (
+        Call("POST", "/v1/audio/speech", speech_body(SENTENCES[0]), ())
+        if held == "in-a-thread"
+        else Call("POST", f"/v2/models/{VAD}/infer", json.dumps(vad_step(0)).encode())
+    )
 
     def held_request() -> None:
-        with contextlib.suppress(OSError), daemon.client() as client:
-            client.send(Call("POST", f"/v2/models/{VAD}/infer", json.dumps(vad_step(0)).encode()))
+        with contextlib.suppress(OSError), Client(str(daemon.socket), timeout=300) as client:
+            client.send(call)
 
     threading.Thread(target=held_request, daemon=True).start()
     try:
         wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), 60, "the engine held")
         daemon.proc.send_signal(signal.SIGINT)
         wait_until(lambda: "a second stop signal (Ctrl-C again) stops now" in daemon.log.read_text(), 60, "stopping")
+        if held == "in-a-thread":
+            wait_until(lambda: "stopping: 1 requests in flight" in daemon.log.read_text(), 60, "the drain")
         daemon.proc.send_signal(signal.SIGINT)
         code = daemon.proc.wait(300)
     finally:
         hold.unlink()
     log = daemon.log.read_text()
-    assert "stopping: a second stop signal; abandoned" in log and code == 1, (code, log)
+    assert "stopping: a second stop signal; abandoned 1 requests in flight" in log, log
+    assert "stopped during start-up" not in log and code == 1, (code, log)
 
 
 @pytest.mark.parametrize("slowdown", [1, 3], ids=["engine-as-is", "engine-3x-slower"])
@@ -464,31 +478,3 @@ def test_200_simultaneous_uploads_are_answered_or_refused_within_the_bounds(star
     print(
         f"200 uploads, workers {workers}: {codes.count(200)} answered, {codes.count(503)} refused, peak growth {grown_mib:.0f} MiB"
     )
-
-
-def test_a_second_stop_signal_during_the_drain_says_what_it_abandons(
-    start_daemon, speech_bundle: Path, tmp_path: Path
-) -> None:
-    """Ctrl-C twice while the loop is free and the first stop drains (the held engine call runs in a
-    thread): the second says what it abandoned and exits 1. Before, the drain had marked the daemon not
-    ready, which the second signal took for a stop during start-up: that line, and exit 0."""
-    hold = tmp_path / "hold-engine"
-    daemon = start_daemon(bundle_dir=speech_bundle, env={HANG_FAILPOINT: str(hold)}, shutdown_grace_s=3600.0)
-    hold.write_text("0")
-
-    def held_request() -> None:
-        with contextlib.suppress(OSError), Client(str(daemon.socket), timeout=300) as client:
-            client.send(Call("POST", "/v1/audio/speech", speech_body(SENTENCES[0]), ()))
-
-    threading.Thread(target=held_request, daemon=True).start()
-    try:
-        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), 60, "the engine held")
-        daemon.proc.send_signal(signal.SIGINT)
-        wait_until(lambda: "stopping: 1 requests in flight" in daemon.log.read_text(), 60, "the drain")
-        daemon.proc.send_signal(signal.SIGINT)
-        code = daemon.proc.wait(300)
-    finally:
-        hold.unlink()
-    log = daemon.log.read_text()
-    assert "stopping: a second stop signal; abandoned 1 requests in flight" in log, log
-    assert "stopped during start-up" not in log and code == 1, (code, log)
