@@ -489,3 +489,24 @@ def test_plain_http_to_the_https_port_is_told_to_use_https(tls, tmp_path) -> Non
     assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request", said
     assert body.decode() == f"this port speaks HTTPS only: plain HTTP was sent to it; use https:// (port {port})\n"
     assert status == 200
+
+
+def test_plain_http_whose_body_comes_after_the_answer_still_gets_a_clean_close(tls, tmp_path) -> None:
+    """The 400 is sent as soon as the first byte shows plain HTTP; what the client sends after it (a
+    body written apart from its head) is read to its end, so the close is a FIN: closed with it unread,
+    the kernel resets the connection, and a client may lose the answer."""
+
+    async def run() -> tuple[bytes, bytes]:
+        async with served("https", tls, tmp_path) as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/audio/speech HTTP/1.1\r\nhost: box\r\ncontent-length: 262144\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            writer.write(b"x" * 262144)
+            writer.write_eof()
+            rest = await asyncio.wait_for(reader.read(), 30)  # a reset raises ConnectionResetError here
+            writer.close()
+        return head, rest
+
+    head, rest = asyncio.run(run())
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n"), head
+    assert rest.startswith(b"this port speaks HTTPS only") and rest.endswith(b")\n"), rest

@@ -116,7 +116,7 @@ class TlsAcceptor:
     async def _handshake(self, conn: socket.socket, host: str, origin: Address | None, timeout_s: float) -> None:
         deadline = self._loop.time() + timeout_s
         try:
-            if not await self._begins_tls(conn, host, timeout_s):
+            if not await self._begins_tls(conn, host, deadline):
                 return
             await self._loop.connect_accepted_socket(
                 lambda: self._connection(origin),
@@ -134,21 +134,11 @@ class TlsAcceptor:
             if not self.handshakes[host]:
                 del self.handshakes[host]
 
-    async def _begins_tls(self, conn: socket.socket, host: str, timeout_s: float) -> bool:
+    async def _begins_tls(self, conn: socket.socket, host: str, deadline: float) -> bool:
         """Whether the client's first byte opens a TLS record. A plain HTTP request (http:// to this
         port) is answered with a 400 that says so, as nginx does, rather than a silent close."""
-        readable: asyncio.Future[None] = self._loop.create_future()
-
-        def ready() -> None:
-            if not readable.done():
-                readable.set_result(None)
-
-        self._loop.add_reader(conn.fileno(), ready)
         try:
-            try:
-                await asyncio.wait_for(readable, timeout_s)
-            finally:
-                self._loop.remove_reader(conn.fileno())
+            await self._readable(conn, deadline)
         except BaseException:  # the deadline (the caller tells it) or the stop: the socket goes with it
             conn.close()
             raise
@@ -159,13 +149,30 @@ class TlsAcceptor:
         if first == TLS_HANDSHAKE_RECORD:
             return True
         if first.isalpha():
-            with contextlib.suppress(OSError):
-                conn.recv(MAX_PLAIN_REQUEST)  # taken, so that the close is a FIN the client reads after the answer
+            with contextlib.suppress(OSError, TimeoutError):
                 conn.send(plain_http_refusal(conn.getsockname()[1]))
                 conn.shutdown(socket.SHUT_WR)
+                # what the client still sends is read to its end (within the handshake's time): closed
+                # with it unread, the kernel would reset the connection, and the client lose the answer
+                while conn.recv(MAX_PLAIN_REQUEST):
+                    await self._readable(conn, deadline)
             log.debug("plain HTTP from %s to the HTTPS port: answered 400", host)
         conn.close()
         return False
+
+    async def _readable(self, conn: socket.socket, deadline: float) -> None:
+        """Once `conn` has bytes to read (or its end); TimeoutError at `deadline` (the loop's time)."""
+        readable: asyncio.Future[None] = self._loop.create_future()
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        self._loop.add_reader(conn.fileno(), ready)
+        try:
+            await asyncio.wait_for(readable, max(deadline - self._loop.time(), 0))
+        finally:
+            self._loop.remove_reader(conn.fileno())
 
     def _pause(self, why: str) -> None:
         LIMITS_BITTEN.bit("tcp accepts", f"TCP accepts paused {ACCEPT_PAUSE_S:g} s: {why}")
