@@ -87,7 +87,7 @@ class Api:
         self.manifest, self.models, self.live, self.budget = manifest, models, live, budget
         self.metrics = prometheus.Metrics()
         self.access = Access(live, self.metrics)  # who may use the box (api/access/gate.py)
-        self.ready = False
+        self._readiness = self.started = False  # started: it has been ready (the stop ends readiness, not this)
         self.stopping = asyncio.Event()  # set when the daemon begins its stop: idle sessions close
         self.fleet = fleet_routes.Fleet(
             manifest, models, live, lambda: self.ready
@@ -128,6 +128,14 @@ class Api:
             *rooms.routes(self.access.rooms, [m.name for m in models.values() if isinstance(m, Interpreting)]),
             *self.fleet.routes(),
         ]
+
+    @property
+    def ready(self) -> bool:
+        return self._readiness
+
+    @ready.setter
+    def ready(self, ready: bool) -> None:
+        self._readiness, self.started = ready, self.started or ready
 
     async def handle(self, request: Request) -> Response:
         started = time.perf_counter()

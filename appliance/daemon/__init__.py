@@ -62,7 +62,6 @@ class Daemon:
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
         self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
-        self.started = False  # it served (readiness ends at the stop; this does not)
         self.wyoming: wyoming.Listeners | None = None
         self.agent: Agent | None = None  # HAProxy's agent check, from the start of the start
 
@@ -126,7 +125,7 @@ class Daemon:
         self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
         await self.listeners.start(sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}")
         freeze_start_up()
-        self.api.ready = self.started = True
+        self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
         log.info(
             "ready: serving %s on %s%s%s",
@@ -210,7 +209,7 @@ class Daemon:
     # --- in a fleet ---
     def drain(self) -> None:
         """SIGUSR2: refuse new work, let work under way finish within the grace time, hold."""
-        if self.api is None or not self.api.ready:
+        if self.api is None or not self.api.started:
             log.info("SIGUSR2 during the start: nothing to drain")
             return
         self.api.fleet.start_drain(DrainOrder("hold", False, self.config.server.shutdown_grace_s))
@@ -293,7 +292,7 @@ class Daemon:
                     path.unlink()
 
     def _stop_deadline_s(self) -> float:
-        if self.api is None or not self.api.ready:  # still starting: nothing is served yet, nothing to drain
+        if self.api is None or not self.api.started:  # still starting: nothing is served yet, nothing to drain
             return STOP_WHILE_STARTING_S
         models = tuple(self.models.values())  # at once: the signal thread asks this
         engines_s = max((engine_stop_s(m.stats) for m in models), default=ENGINE_STOP_S)
@@ -307,7 +306,7 @@ def exit_overdue(daemon: Daemon, again: bool) -> None:
     """From the signal thread: a second stop signal (stop now), or the stop did not end in time, so the
     event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
     while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
-    if not daemon.started:
+    if daemon.api is None or not daemon.api.started:
         log.info("stopped during start-up (models were loading or warming up)")
         logging.shutdown()
         os._exit(0)
