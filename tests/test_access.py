@@ -143,6 +143,9 @@ def test_libretranslatepy_sends_its_api_key_field(box: Daemon, monkeypatch: pyte
     with pytest.raises(urllib.error.HTTPError) as refusal:
         LibreTranslateAPI(box.https_url + "/").translate("Good morning.", "en", "pt")
     assert refusal.value.code == 401
+    # as LibreTranslate, its settings tell a client without a key that one is needed
+    settings = https(box).get("/frontend/settings").json()
+    assert settings["apiKeys"] is True and settings["keyRequired"] is True, settings
     # the kiosk's key is for translation only: the OpenAI routes are not its own
     answer = https(box).get("/v1/models", headers=bearer(box.secrets["kiosk"]))
     assert answer.status_code == 403 and answer.json()["error"]["message"] == "key:kiosk may not use openai_models"

@@ -37,7 +37,8 @@ from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Close, Request, Response, Session, SessionIO
 
 log = logging.getLogger("appliance.access")
-PUBLIC_ROUTES = frozenset({"page", "certificate", "live", "ready", "client_secrets"})
+# frontend_settings: LibreTranslate's clients read there whether a key is needed before they ask for one
+PUBLIC_ROUTES = frozenset({"page", "certificate", "live", "ready", "client_secrets", "frontend_settings"})
 KEYED_LISTENERS = ("quic", "https")
 LIBRETRANSLATE_ROUTES = ("translate", "detect", "languages", "frontend_settings")
 SUBPROTOCOL_KEY = "openai-insecure-api-key."
