@@ -201,7 +201,7 @@ def read_as(read: Callable[[Event], E], event: Event) -> E:
     try:
         found = read(event)
     except KeyError as exc:
-        raise BadRequest(f"bad {event.type} event: it has no {exc.args[0]!r}") from None
+        raise BadRequest(f"bad {event.type} event: it has no {exc.args[0] if exc.args else exc!r}") from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise BadRequest(f"bad {event.type} event: {exc}") from None
     if (wrong := mistyped(found)) is not None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from html import escape
 from html.parser import HTMLParser
 
-KEPT_AS_WRITTEN = ("script", "style")  # their insides are code, not text
+# their insides are code, not text: what the parser passes raw (script, style; newer Pythons more)
+KEPT_AS_WRITTEN = HTMLParser.CDATA_CONTENT_ELEMENTS
 # What closes the sentence or clause begun before a tag (text.py's terminators, closing brackets and
 # quotes: not ' or ", which open as often) and what opens one after it: kept around a translated text.
 LEAD = re.compile(r"[\s.!?…,;:”»)\]]*")
