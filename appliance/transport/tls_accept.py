@@ -138,7 +138,8 @@ class TlsAcceptor:
         """Whether the client's first byte opens a TLS record. A plain HTTP request (http:// to this
         port) is answered with a 400 that says so, as nginx does, rather than a silent close."""
         try:
-            await self._readable(conn, deadline)
+            async with asyncio.timeout_at(deadline):
+                await self._readable(conn)
         except BaseException:  # the deadline (the caller tells it) or the stop: the socket goes with it
             conn.close()
             raise
@@ -154,14 +155,15 @@ class TlsAcceptor:
                 conn.shutdown(socket.SHUT_WR)
                 # what the client still sends is read to its end (within the handshake's time): closed
                 # with it unread, the kernel would reset the connection, and the client lose the answer
-                while conn.recv(MAX_PLAIN_REQUEST):
-                    await self._readable(conn, deadline)
+                async with asyncio.timeout_at(deadline):
+                    while await self._loop.sock_recv(conn, MAX_PLAIN_REQUEST):
+                        pass
             log.debug("plain HTTP from %s to the HTTPS port: answered 400", host)
         conn.close()
         return False
 
-    async def _readable(self, conn: socket.socket, deadline: float) -> None:
-        """Once `conn` has bytes to read (or its end); TimeoutError at `deadline` (the loop's time)."""
+    async def _readable(self, conn: socket.socket) -> None:
+        """Once `conn` has bytes to read (or its end), none taken: asyncio's sock_recv would take them."""
         readable: asyncio.Future[None] = self._loop.create_future()
 
         def ready() -> None:
@@ -170,7 +172,7 @@ class TlsAcceptor:
 
         self._loop.add_reader(conn.fileno(), ready)
         try:
-            await asyncio.wait_for(readable, max(deadline - self._loop.time(), 0))
+            await readable
         finally:
             self._loop.remove_reader(conn.fileno())
 

@@ -40,7 +40,7 @@ log = logging.getLogger("appliance.access")
 # frontend_settings: LibreTranslate's clients read there whether a key is needed before they ask for one
 PUBLIC_ROUTES = frozenset({"page", "certificate", "live", "ready", "client_secrets", "frontend_settings"})
 KEYED_LISTENERS = ("quic", "https")
-LIBRETRANSLATE_ROUTES = ("translate", "detect", "languages", "frontend_settings")
+LIBRETRANSLATE_ROUTES = ("translate", "detect", "languages")
 SUBPROTOCOL_KEY = "openai-insecure-api-key."
 APPEND = '"input_audio_buffer.append"'
 PCM16_24K_BYTES_S = 48000  # a Realtime session's audio: PCM16 at 24 kHz
