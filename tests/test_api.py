@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import stat
@@ -332,6 +333,34 @@ def test_a_vad_only_firmware_loads_no_other_kinds_engine(daemon) -> None:
 def test_a_method_not_allowed_names_the_allowed_one_in_allow(client: Client) -> None:
     """RFC 9110 15.5.6: a 405 carries Allow (a client or a probe learns the method from the header)."""
     response = client.send(Call("DELETE", "/v2/health/ready"))
-    assert response.status == 405 and response.headers.get("allow") == "GET", (response.status, response.headers)
+    assert response.status == 405 and response.headers.get("allow") == "GET, HEAD", (response.status, response.headers)
     response = client.send(Call("GET", "/v2/models/silero_vad/infer"))
     assert response.status == 405 and response.headers.get("allow") == "POST", (response.status, response.headers)
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """The standard library's HTTP client on the daemon's Unix socket."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=30)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.path))
+
+
+def test_a_head_answers_the_gets_head_alone_and_the_connection_goes_on(daemon) -> None:
+    """RFC 9110 9.3.2, as health probes use it: HEAD where GET is served, its content-length the GET's
+    body's, no body sent (the GET after it on the same connection is read whole)."""
+    connection = UnixHTTPConnection(daemon.socket)
+    answers = []
+    for method in ("HEAD", "GET"):
+        connection.request(method, "/v2/models")
+        response = connection.getresponse()
+        answers.append((response.status, response.getheader("content-length"), response.read()))
+    connection.close()
+    (head_status, head_length, head_body), (status, length, body) = answers
+    assert (head_status, head_body, status) == (200, b"", 200), answers
+    assert head_length == length == str(len(body)) and json.loads(body)["models"], answers

@@ -147,9 +147,10 @@ class Api:
                 match = pattern.fullmatch(url.path)
                 if match:
                     endpoint = name if name != "task" else self._task_label(match["task"])
-                    if request.method != method:
+                    allowed = ("GET", "HEAD") if method == "GET" else (method,)  # RFC 9110 9.1: HEAD where GET
+                    if request.method not in allowed:
                         why = f"{request.method} is not allowed on {url.path} (use {method})"
-                        raise ApiError(why, 405, headers=(("allow", method),))  # RFC 9110: a 405 names them
+                        raise ApiError(why, 405, headers=(("allow", ", ".join(allowed)),))  # RFC 9110 15.5.6
                     if name in OPERATOR_ROUTES and not request.operator:
                         raise ApiError(f"{url.path} is for operators: {OPERATORS_ARE}", 403)
                     self.fleet.admit(name, request)
@@ -192,6 +193,7 @@ class Api:
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
         if response.stream is not None:
             response.stream = _counted(response.stream, self.metrics)
+        response.head_only = request.method == "HEAD"
         return response
 
     def end_opened(self, opened: Iterable[Opened]) -> None:

@@ -64,11 +64,14 @@ class AnsweringProtocol(QuicConnectionProtocol):
             window.hold(0 if self._terminated else self._unacknowledged(stream_id))
 
     def _respond(self, stream_id: int, response: Response) -> bool:
-        """Send the headers, and the body unless it is streamed; False if the stream is gone."""
+        """Send the headers, and the body unless it is streamed or the answer is a HEAD's; False if the
+        stream is gone."""
         if self._http is None:
             return False
         headers = [(b":status", str(response.status).encode()), (b"content-type", response.content_type.encode())]
-        if response.stream is None:
+        # a HEAD's head states no length here (RFC 9110 8.6 allows): aioquic's client (1.7) checks it
+        # against the DATA received, as if for a GET, and fails the answer
+        if response.stream is None and not response.head_only:
             headers.append((b"content-length", str(len(response.body)).encode()))
         headers += [(k.lower().encode(), v.encode()) for k, v in response.headers]
         try:
@@ -76,7 +79,8 @@ class AnsweringProtocol(QuicConnectionProtocol):
         except Exception as exc:  # the stream or connection went away meanwhile
             log.debug("stream %d: response dropped: %s", stream_id, exc)
             return False
-        return response.stream is not None or self._send_data(stream_id, response.body, end_stream=True)
+        body = b"" if response.head_only else response.body
+        return response.stream is not None or self._send_data(stream_id, body, end_stream=True)
 
     def _send_data(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
         assert self._http is not None

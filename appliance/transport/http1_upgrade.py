@@ -23,14 +23,16 @@ from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token,
 
 def encode_response(response: Response, keep_alive: bool, extra: Iterable[tuple[str, str]] = ()) -> bytes:
     """The status line and headers (the transport's `extra` ones last), and the body unless it is
-    streamed (then chunked follows)."""
+    streamed (then chunked follows) or the answer is a HEAD's."""
     reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
     length = "transfer-encoding: chunked" if response.stream else f"content-length: {len(response.body)}"
     head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
     head += [f"{k}: {v}" for k, v in (*response.headers, *extra)]
     if not keep_alive:
         head.append("connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if response.stream else response.body)
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (
+        b"" if response.stream or response.head_only else response.body
+    )
 
 
 class UpgradeServer(Protocol):
