@@ -191,6 +191,7 @@ def test_kserve_bytes_in_bytes_out(client: Client) -> None:
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "  "}, 400, "empty"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "a" * (1 << 20)}, 413, "characters"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "darth", "input": "hi"}, 400, "unknown voice"),
+        ("/v1/audio/speech", {"model": "tts-2", "voice": "joe", "input": "hi"}, 404, "joe; or tts-1, tts-1-hd"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "hi", "speed": 9}, 400, "speed"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "... !!"}, 400, "nothing to say"),
     ],
@@ -419,7 +420,8 @@ def test_cli_speak_errors_in_one_line_and_to_stdout(speech_daemon: Daemon, tmp_p
     out = tmp_path / "darth.wav"
     wrong = cli("call", "speak", "Hi", "--voice", "darth", "-o", out, "--socket", speech_daemon.socket, check=False)
     assert wrong.returncode == 1 and wrong.stderr == (
-        "appliance: error: the daemon answered HTTP 400: unknown voice 'darth' (voices: joe)\n"
+        "appliance: error: the daemon answered HTTP 400: unknown voice 'darth' (voices: joe; or OpenAI's"
+        " alloy, ash, ballad, coral, echo, fable, nova, onyx, sage, shimmer, verse: the box picks)\n"
     )
     assert not out.exists()
     piped = subprocess.run(

@@ -114,7 +114,8 @@ def _model(
         raise BadRequest(f"'model' and 'voice' must be strings (voices: {_names(voices)})")
     by_name = [m for m in voices if m.name == name]
     if not by_name and name not in OPENAI_MODELS:
-        raise NotFound(f"unknown speech model {name[:80]!r} (speech models: {', '.join(m.name for m in voices)})")
+        names = ", ".join(m.name for m in voices)
+        raise NotFound(f"unknown speech model {name[:80]!r} (speech models: {names}; or {', '.join(OPENAI_MODELS)})")
     candidates = by_name or voices
     for m in candidates:
         if voice in m.voices:
@@ -122,7 +123,10 @@ def _model(
         if voice == m.name:
             return m, m.voice_name, [("x-voice", m.voice_name)]
     if voice.lower() not in OPENAI_VOICES:
-        raise BadRequest(f"unknown voice {voice[:80]!r} (voices: {_names(candidates)})")
+        openai_names = ", ".join(OPENAI_VOICES)
+        raise BadRequest(
+            f"unknown voice {voice[:80]!r} (voices: {_names(candidates)}; or OpenAI's {openai_names}: the box picks)"
+        )
     detector = next((m for m in models if isinstance(m, LanguageDetector)), None)
     if detector is None:
         return candidates[0], candidates[0].voice_name, [("x-voice", candidates[0].voice_name)]
