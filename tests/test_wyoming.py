@@ -205,12 +205,24 @@ def test_a_second_box_on_the_lan_is_announced_under_a_name_of_its_own(daemon: Da
     assert f"announced as {name}" in second.log.read_text()
 
 
+def inference_counts(daemon: Daemon, model: str) -> tuple[int, int]:
+    """The model's Triton statistics: requests that succeeded and that failed."""
+    with daemon.client() as client:
+        stats = client.get(f"/v2/models/{model}/stats")["model_stats"][0]["inference_stats"]
+    return stats["success"]["count"], stats["fail"]["count"]
+
+
 def test_transcription_of_chunks(daemon: Daemon) -> None:
+    """Its transcript, and the transcription counted as a request in the model's statistics."""
+    before = inference_counts(daemon, TINY)
     samples, _ = recording(CLEAR[:3])
     text, seen = asyncio.run(transcribe(daemon, samples))
     assert wer(CLEAR[:3], text) <= 0.10, text
     types = [event.type for event in seen]
     assert types[0] == "transcript-start" and types[-1] == "transcript-stop" and "transcript-chunk" in types, types
+    _, error = asyncio.run(transcribe(daemon, samples[: RATE // 2], asked=Transcribe(name=TINY, language="pt")))
+    assert error and error[-1].type == "error", error  # tiny.en does not hear Portuguese
+    assert inference_counts(daemon, TINY) == (before[0] + 1, before[1] + 1)
 
 
 def test_chunks_that_end_inside_a_sample_lose_nothing(daemon: Daemon) -> None:

@@ -35,6 +35,7 @@ from appliance.denoise import Denoiser
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker, WakeWordDetector
+from appliance.kinds.counting import recorded
 from appliance.kinds.speech_api import MIN_SAMPLES, Options
 from appliance.kinds.text import MAX_TEXT_CHARS, ArrivingText, checked_text
 from appliance.protocol.limits import ByteBudget
@@ -264,12 +265,13 @@ class WyomingHandler:
         follower, self.follower = self.follower or Follower(None, []), None
         try:
             model, options = self._model(), self._options()
-            model.check(options)  # a refused language or task: the error comes before transcript-start
-            language = self.transcribe.language if self.transcribe else None
-            self.transcribe = None
-            audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
-            segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
-            await follower.finish(segments, send, language)
+            with recorded(model.stats):  # a request in the model's statistics, as over HTTP
+                model.check(options)  # a refused language or task: the error comes before transcript-start
+                language = self.transcribe.language if self.transcribe else None
+                self.transcribe = None
+                audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
+                segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
+                await follower.finish(segments, send, language)
             return model.name
         finally:
             recording.release()  # held until transcribed
