@@ -68,30 +68,45 @@ def _read(reader: _Reader) -> dict[str, np.ndarray]:
         shape = [reader.take("<I") for _ in range(reader.take("<B"))]
         dtype = reader.take("<B")
         found[name] = reader.array(dtype, shape, reader.take("<I"))
-    for _ in range(reader.take("<I")):
-        alias, name = reader.text(), reader.text()
-        found[alias] = found[name]
+    aliases = [(reader.text(), reader.text()) for _ in range(reader.take("<I"))]
     for name in [n for n in found if n.endswith("/weight_scale")]:
         weight = name.removesuffix("_scale")
         scale = found.pop(name).astype(np.float32)
         found[weight] = found[weight].astype(np.float32) / scale.reshape(-1, *([1] * (found[weight].ndim - 1)))
+    for alias, name in aliases:  # after the dequantization: an alias is the array its name now holds
+        found[alias] = found[name]
     return found
+
+
+ALIASES = "aliases"  # the .npz's list of "alias=name": an array CTranslate2 shares is stored once
 
 
 def convert(model_dir: Path, out: Path) -> int:
     """model_dir's model.bin -> `out`, an .npz of the float16 arrays the engine reads (the scalars
-    CTranslate2 keeps as flags are left out); returns how many arrays it holds."""
-    weights = {
-        name.replace("/", "."): np.ascontiguousarray(value, np.float16)
-        for name, value in read_ct2(model_dir / "model.bin").items()
-        if value.ndim > 0 and value.dtype != np.int8 and not name.startswith("decoder/alignment")
-    }
+    CTranslate2 keeps as flags are left out; an array it stores under two names is written once: the
+    output projection is tiny.en's 40 MB embedding); returns how many names it holds."""
+    weights: dict[str, np.ndarray] = {}
+    stored: dict[int, str] = {}  # id of an array read -> the name it is written under
+    aliases = []
+    for name, value in read_ct2(model_dir / "model.bin").items():
+        if value.ndim == 0 or value.dtype == np.int8 or name.startswith("decoder/alignment"):
+            continue
+        if (first := stored.get(id(value))) is not None:
+            aliases.append(f"{name}={first}")
+            continue
+        stored[id(value)] = name
+        weights[name.replace("/", ".")] = np.ascontiguousarray(value, np.float16)
     with open(out, "wb") as f:
-        np.savez(f, **weights)  # type: ignore[arg-type]  # numpy's stub puts allow_pickle before **kwds
-    return len(weights)
+        np.savez(f, **weights, **{ALIASES: np.array(aliases, dtype=str)})  # type: ignore[arg-type]  # numpy's stub puts allow_pickle before **kwds
+    return len(weights) + len(aliases)
 
 
 def load(path: Path) -> dict[str, np.ndarray]:
-    """The arrays `convert` wrote, as float32 (the NumPy reference computes in float32)."""
+    """The arrays `convert` wrote, as float32 (the NumPy reference computes in float32), each alias
+    the same array as its name."""
     with np.load(path) as arrays:
-        return {name.replace(".", "/"): arrays[name].astype(np.float32) for name in arrays.files}
+        found = {name.replace(".", "/"): arrays[name].astype(np.float32) for name in arrays.files if name != ALIASES}
+        shared = arrays[ALIASES] if ALIASES in arrays.files else ()  # a bundle built before: each written out
+        for alias, name in (pair.split("=") for pair in shared):
+            found[alias] = found[name]
+    return found
