@@ -334,6 +334,7 @@ def test_a_method_not_allowed_names_the_allowed_one_in_allow(client: Client) -> 
     """RFC 9110 15.5.6: a 405 carries Allow (a client or a probe learns the method from the header)."""
     response = client.send(Call("DELETE", "/v2/health/ready"))
     assert response.status == 405 and response.headers.get("allow") == "GET, HEAD", (response.status, response.headers)
+    assert "(use GET or HEAD)" in response.json()["error"], response.body
     response = client.send(Call("GET", "/v2/models/silero_vad/infer"))
     assert response.status == 405 and response.headers.get("allow") == "POST", (response.status, response.headers)
 

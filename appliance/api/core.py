@@ -149,7 +149,7 @@ class Api:
                     endpoint = name if name != "task" else self._task_label(match["task"])
                     allowed = ("GET", "HEAD") if method == "GET" else (method,)  # RFC 9110 9.1: HEAD where GET
                     if request.method not in allowed:
-                        why = f"{request.method} is not allowed on {url.path} (use {method})"
+                        why = f"{request.method} is not allowed on {url.path} (use {' or '.join(allowed)})"
                         raise ApiError(why, 405, headers=(("allow", ", ".join(allowed)),))  # RFC 9110 15.5.6
                     if name in OPERATOR_ROUTES and not request.operator:
                         raise ApiError(f"{url.path} is for operators: {OPERATORS_ARE}", 403)

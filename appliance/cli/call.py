@@ -217,9 +217,13 @@ def _translate(client: Client, args: argparse.Namespace) -> None:
         raise ApplianceError('usage: appliance call translate --to LANG [--from LANG] "TEXT"')
     source = args.source
     if source is None:
-        sources = [lang["code"] for lang in client.languages() if args.to in lang["targets"]]
+        languages = client.languages()
+        sources = [lang["code"] for lang in languages if args.to in lang["targets"]]
+        if not sources:
+            pairs = ", ".join(f"{lang['code']}->{target}" for lang in languages for target in lang["targets"])
+            raise ApplianceError(f"no translation into {args.to!r} on this box (its pairs: {pairs or 'none'})")
         if len(sources) != 1:
-            raise ApplianceError(f"--from is needed: the sources that translate to {args.to!r} are {sources or 'none'}")
+            raise ApplianceError(f"--from is needed: the sources that translate to {args.to!r} are {sources}")
         source = sources[0]
     print(client.translate(" ".join(args.args), source, args.to))
 
