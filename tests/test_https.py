@@ -135,6 +135,11 @@ def test_the_openai_package_over_https_with_the_box_certificate(daemon: Daemon, 
     assert "doctor" in text and "hospital" in text, text
     with pytest.raises(openai.BadRequestError, match="unknown voice"):
         client.audio.speech.create(model="tts-1", voice="darth", input="Hello.")
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"voice 'joe' belongs to model 'joe', not to 'kokoro' \(whose voices are pf_dora, pm_alex\)",
+    ):
+        client.audio.speech.create(model="kokoro", voice="joe", input="Hello.")  # a voice of another model
     http.close()
 
 

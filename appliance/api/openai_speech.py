@@ -123,9 +123,15 @@ def _model(
         if voice == m.name:
             return m, m.voice_name, [("x-voice", m.voice_name)]
     if voice.lower() not in OPENAI_VOICES:
+        owner = next((m.name for m in voices if voice in m.voices), None)
+        if owner is not None:  # a voice of the box, not of the model asked for
+            raise BadRequest(
+                f"voice {voice[:80]!r} belongs to model {owner!r}, not to {name!r} (whose voices are {_names(candidates)})"
+            )
         openai_names = ", ".join(OPENAI_VOICES)
         raise BadRequest(
-            f"unknown voice {voice[:80]!r} (voices: {_names(candidates)}; or OpenAI's {openai_names}: the box picks)"
+            f"unknown voice {voice[:80]!r} (voices: {_names(candidates)}; or OpenAI's {openai_names}:"
+            " each takes a voice of this box that speaks the text's language)"
         )
     detector = next((m for m in models if isinstance(m, LanguageDetector)), None)
     if detector is None:
