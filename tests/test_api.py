@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import stat
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import cli
 from promtext import sample, samples, total
+from test_workers import UnixConnection
 
 from appliance.audio import encode_wav
 from appliance.client import Call, Client, ClientError, infer_call
@@ -339,23 +339,10 @@ def test_a_method_not_allowed_names_the_allowed_one_in_allow(client: Client) -> 
     assert response.status == 405 and response.headers.get("allow") == "POST", (response.status, response.headers)
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """The standard library's HTTP client on the daemon's Unix socket."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__("localhost", timeout=30)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(str(self.path))
-
-
 def test_a_head_answers_the_gets_head_alone_and_the_connection_goes_on(daemon) -> None:
     """RFC 9110 9.3.2, as health probes use it: HEAD where GET is served, its content-length the GET's
     body's, no body sent (the GET after it on the same connection is read whole)."""
-    connection = UnixHTTPConnection(daemon.socket)
+    connection = UnixConnection(str(daemon.socket))
     answers = []
     for method in ("HEAD", "GET"):
         connection.request(method, "/v2/models")

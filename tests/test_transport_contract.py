@@ -79,6 +79,15 @@ class HeldApi:
         return [False] * len(opened)
 
 
+async def open_stream(name: str, address: Any, cafile: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to a stream transport: the Unix socket, or TLS to the HTTPS port."""
+    if name == "unix":
+        return await asyncio.open_unix_connection(address)
+    context = ssl.create_default_context(cafile=cafile)
+    context.check_hostname = False
+    return await asyncio.open_connection("127.0.0.1", address, ssl=context)
+
+
 class Peer:
     """A real client of one transport: HTTP/1.1 on the Unix socket or over TLS, HTTP/3 over QUIC."""
 
@@ -92,12 +101,7 @@ class Peer:
             self._session = QuicSession(f"127.0.0.1:{self.address}", self.cafile, connect_timeout=5)
             answer = await self._session.send(Call("POST" if body else "GET", path, body))
             return answer.status, answer.body
-        if self.name == "unix":
-            reader, self._writer = await asyncio.open_unix_connection(self.address)
-        else:
-            context = ssl.create_default_context(cafile=self.cafile)
-            context.check_hostname = False
-            reader, self._writer = await asyncio.open_connection("127.0.0.1", self.address, ssl=context)
+        reader, self._writer = await open_stream(self.name, self.address, self.cafile)
         method = "POST" if body else "GET"
         head = f"{method} {path} HTTP/1.1\r\nhost: box\r\ncontent-length: {len(body)}\r\n\r\n"
         self._writer.write(head.encode() + body)
@@ -380,12 +384,7 @@ def test_an_answer_the_client_has_not_taken_yet_holds_the_drain(transport: str, 
     async def run() -> list[tuple[str, int]]:
         events = []
         async with served(transport, tls, tmp_path) as (served_transport, _, address):
-            if transport == "unix":
-                reader, writer = await asyncio.open_unix_connection(address)
-            else:
-                context = ssl.create_default_context(cafile=str(tls[0]))
-                context.check_hostname = False
-                reader, writer = await asyncio.open_connection("127.0.0.1", address, ssl=context)
+            reader, writer = await open_stream(transport, address, str(tls[0]))
             writer.write(b"GET /large HTTP/1.1\r\nhost: box\r\n\r\n")
             await asyncio.wait_for(until(lambda: len(served_transport.connections) == 1), 30)
             await asyncio.wait_for(until(lambda: not served_transport.in_flight), 30)
@@ -525,12 +524,7 @@ def test_a_head_is_answered_with_the_length_of_the_body_and_without_it(transport
                 finally:
                     await session.close()
                 return [(a.status, a.headers.get("content-length"), a.body) for a in answers]
-            if transport == "unix":
-                reader, writer = await asyncio.open_unix_connection(address)
-            else:
-                context = ssl.create_default_context(cafile=str(tls[0]))
-                context.check_hostname = False
-                reader, writer = await asyncio.open_connection("127.0.0.1", address, ssl=context)
+            reader, writer = await open_stream(transport, address, str(tls[0]))
             writer.write(
                 b"HEAD / HTTP/1.1\r\nhost: box\r\n\r\nGET / HTTP/1.1\r\nhost: box\r\nconnection: close\r\n\r\n"
             )

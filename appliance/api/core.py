@@ -147,10 +147,7 @@ class Api:
                 match = pattern.fullmatch(url.path)
                 if match:
                     endpoint = name if name != "task" else self._task_label(match["task"])
-                    allowed = ("GET", "HEAD") if method == "GET" else (method,)  # RFC 9110 9.1: HEAD where GET
-                    if request.method not in allowed:
-                        why = f"{request.method} is not allowed on {url.path} (use {' or '.join(allowed)})"
-                        raise ApiError(why, 405, headers=(("allow", ", ".join(allowed)),))  # RFC 9110 15.5.6
+                    _check_method(request.method, method, url.path)
                     if name in OPERATOR_ROUTES and not request.operator:
                         raise ApiError(f"{url.path} is for operators: {OPERATORS_ARE}", 403)
                     self.fleet.admit(name, request)
@@ -329,6 +326,14 @@ class Api:
                 f"{''.join(', ' + t for t in model.tasks)})"
             )
         return await task(request, {k[6:]: v for k, v in params.items() if k.startswith("query:")})
+
+
+def _check_method(asked: str, route_method: str, path: str) -> None:
+    """A 405 naming the methods the route takes in Allow (RFC 9110 15.5.6); HEAD where GET (9.1)."""
+    allowed = ("GET", "HEAD") if route_method == "GET" else (route_method,)
+    if asked not in allowed:
+        why = f"{asked} is not allowed on {path} (use {' or '.join(allowed)})"
+        raise ApiError(why, 405, headers=(("allow", ", ".join(allowed)),))
 
 
 def _log_fields(request: Request, params: dict[str, str]) -> dict[str, str]:
