@@ -6,6 +6,8 @@ as the VAD's engine does. The box's own engine on NumPy stands in for it on the 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,11 @@ def test_the_continuous_runner_goes_to_the_cpu_above_the_threshold_and_when_the_
     assert engine.fallbacks == {"memory_pressure": 1, "out_of_memory": 1}
     assert gpu.windows["shards"] == 1 and cpu.windows["shards"] == 2
     assert all("pharmacy" in t for t in texts.values()), texts
+
+
+def test_the_boxs_own_whisper_runs_without_ctranslate2() -> None:
+    """Its modules import no CTranslate2 (the lent GPU machine has none: tests/gpu/ carries what runs)."""
+    modules = "whisper_arrays_engine, whisper_ops, whisper_weights, whisper_decoding"
+    probe = f"import sys; from appliance.engine import {modules}; print(sorted(m for m in sys.modules if 'ctranslate2' in m))"
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert found == "[]", found

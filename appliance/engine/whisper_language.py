@@ -10,13 +10,16 @@ on full windows (2 cores). Both miss "Sim." alone (heard as English).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import ctranslate2
 import numpy as np
 import tokenizers
 
 from appliance.engine.speech_engine import Shard
 from appliance.engine.whisper_features import HOP, SAMPLE_RATE, WINDOW_FRAMES, log_mel
+
+if TYPE_CHECKING:  # only CTranslate2's engine calls detect and shard_languages: the box's own Whisper runs without it
+    import ctranslate2
 
 DETECT_PAD_S = 3.0  # silence heard after the segment
 DETECT_MAX_S = 8.0  # of a longer segment, its start: a language is told in seconds, the encoder's cost grows with them
@@ -30,7 +33,9 @@ def detect(model: ctranslate2.models.Whisper, filters: np.ndarray, clips: list[n
     clips = [c[: int(DETECT_MAX_S * SAMPLE_RATE)] for c in clips]
     frames = min(WINDOW_FRAMES, max(len(c) for c in clips) // HOP + int(DETECT_PAD_S * SAMPLE_RATE) // HOP)
     features = np.ascontiguousarray(log_mel(clips, filters)[:, :, :frames])
-    found = model.detect_language(ctranslate2.StorageView.from_array(features))
+    from ctranslate2 import StorageView  # here: the box's own Whisper imports this module, not CTranslate2
+
+    found = model.detect_language(StorageView.from_array(features))
     return [(code(best[0][0]), round(float(best[0][1]), 3)) for best in found]
 
 

@@ -11,9 +11,12 @@ import string
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import ctranslate2
 import numpy as np
+
+if TYPE_CHECKING:  # only CTranslate2's engine calls these: the box's own Whisper runs without it
+    import ctranslate2
 
 TOKEN_SECONDS = 0.02  # an alignment step: one encoder position
 NO_SPACES = frozenset({"zh", "ja", "th", "lo", "my", "yue"})  # languages split into characters, not words
@@ -43,6 +46,8 @@ def aligned_words(
     from one `Whisper.align` call per start sequence (language and task): on the encoder's output
     (`inputs`: the batch's features and its encoding) where every decode of the batch is in it, else
     on those decodes' features."""
+    from ctranslate2 import StorageView  # here: the box's own Whisper imports this module, not CTranslate2
+
     features, encoded = inputs
     texts = [[t for t in decoded if t < eot] for decoded in ids]
     by_start: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -51,11 +56,7 @@ def aligned_words(
             by_start[tuple(start)].append(at)
     found: dict[int, list[Word]] = {}
     for start_ids, members in by_start.items():
-        batch = (
-            encoded
-            if len(members) == len(ids)
-            else ctranslate2.StorageView.from_array(np.ascontiguousarray(features[members]))
-        )
+        batch = encoded if len(members) == len(ids) else StorageView.from_array(np.ascontiguousarray(features[members]))
         aligned = model.align(batch, list(start_ids), [texts[at] for at in members], [frames[at] for at in members])
         for at, result in zip(members, aligned):
             words, word_tokens = split_words(texts[at] + [eot], decode, eot, languages[at])
