@@ -349,6 +349,6 @@ def test_a_head_answers_the_gets_head_alone_and_the_connection_goes_on(daemon) -
         response = connection.getresponse()
         answers.append((response.status, response.getheader("content-length"), response.read()))
     connection.close()
-    (head_status, head_length, head_body), (status, length, body) = answers
-    assert (head_status, head_body, status) == (200, b"", 200), answers
+    (head_status, head_length, _), (status, length, body) = answers
+    assert (head_status, status) == (200, 200), answers  # (http.client reads no body after a HEAD: the GET tells)
     assert head_length == length == str(len(body)) and json.loads(body)["models"], answers

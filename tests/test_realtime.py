@@ -22,6 +22,7 @@ from conftest import Daemon, Keys
 from speech import RATE, recording
 from tcp_forward import tcp_to_unix
 from test_speech_to_text import CLEAR, wer, words
+from test_workers import UnixConnection
 from websockets.asyncio.client import ClientConnection, unix_connect
 from websockets.exceptions import ConnectionClosed
 
@@ -236,10 +237,15 @@ def test_message_over_the_bound_closes_with_1009_and_others_go_on(daemon: Daemon
         assert client.health()["ready"]
 
 
-def test_plain_get_is_426(daemon: Daemon) -> None:
+def test_plain_get_and_a_head_asking_to_upgrade_are_426(daemon: Daemon) -> None:
     with daemon.client() as client:
         answer = client.send(Call("GET", "/v1/realtime"))
     assert answer.status == 426 and b"WebSocket" in answer.body
+    connection = UnixConnection(str(daemon.socket))  # a WebSocket opens by GET alone (RFC 6455 4.1)
+    upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13"}
+    connection.request("HEAD", "/v1/realtime", headers={**upgrade, "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+    assert connection.getresponse().status == 426
+    connection.close()
 
 
 def test_openai_realtime_client_over_a_tcp_bridge(daemon: Daemon) -> None:

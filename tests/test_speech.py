@@ -231,7 +231,8 @@ def test_cli_speak_and_translate(speech_daemon: Daemon, tmp_path: Path) -> None:
     assert result.stdout.strip() == "Bom dia."
     missing = cli("call", "translate", "--to", "de", "Hi", "--socket", speech_daemon.socket, check=False)
     assert (
-        missing.returncode == 2 and "no translation into 'de' on this box (its pairs: en->pt, pt->en)" in missing.stderr
+        missing.returncode == 2
+        and "no translation into 'de' on this box (it translates into: en, pt)" in missing.stderr
     )
 
 
@@ -423,8 +424,8 @@ def test_cli_speak_errors_in_one_line_and_to_stdout(speech_daemon: Daemon, tmp_p
     wrong = cli("call", "speak", "Hi", "--voice", "darth", "-o", out, "--socket", speech_daemon.socket, check=False)
     assert wrong.returncode == 1 and wrong.stderr == (
         "appliance: error: the daemon answered HTTP 400: unknown voice 'darth' (voices: joe; or OpenAI's"
-        " alloy, ash, ballad, coral, echo, fable, nova, onyx, sage, shimmer, verse: each takes a voice of this box"
-        " that speaks the text's language)\n"
+        " alloy, ash, ballad, coral, echo, fable, nova, onyx, sage, shimmer, verse: each maps to this box's voice"
+        " for the text's language)\n"
     )
     assert not out.exists()
     piped = subprocess.run(

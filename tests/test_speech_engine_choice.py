@@ -92,7 +92,7 @@ def test_the_continuous_runner_goes_to_the_cpu_above_the_threshold_and_when_the_
 
 def test_the_boxs_own_whisper_runs_without_ctranslate2() -> None:
     """Its modules import no CTranslate2 (the lent GPU machine has none: tests/gpu/ carries what runs)."""
-    modules = "whisper_arrays_engine, whisper_ops, whisper_weights, whisper_decoding"
+    modules = "whisper_arrays_engine, whisper_ops, whisper_weights, whisper_decoding, whisper_features"
     probe = f"import sys; from appliance.engine import {modules}; print(sorted(m for m in sys.modules if 'ctranslate2' in m))"
     found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert found == "[]", found

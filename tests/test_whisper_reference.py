@@ -23,6 +23,7 @@ from appliance.engine import whisper_language, whisper_weights
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine
 from appliance.engine.whisper_batch import Sequence
 from appliance.engine.whisper_features import log_mel
+from appliance.engine.whisper_model import WhisperModel
 from appliance.errors import ApplianceError
 
 ENGLISH = ["Please turn off the lights in the kitchen", "Where is the nearest pharmacy", "Good bye and thank you"]
@@ -126,6 +127,8 @@ def test_the_weights_converter_reads_what_ctranslate2_stores(tiny: Path, tmp_pat
     weights = whisper_weights.load(tmp_path / "w.npz")
     assert count == len(weights) and weights["decoder/embeddings/weight"].shape == (51864, 384)
     assert weights["decoder/projection/weight"] is weights["decoder/embeddings/weight"]
+    on_device = WhisperModel(weights, dtype=np.float16).w  # and one copy on the array module (float16 as on the GPU)
+    assert on_device["decoder/projection/weight"] is on_device["decoder/embeddings/weight"]
     with np.load(tmp_path / "w.npz") as stored:  # stored once: tiny.en's embedding is 40 MB in float16
         assert "decoder.projection.weight" not in stored.files and "decoder.embeddings.weight" in stored.files
     broken = tmp_path / "broken"

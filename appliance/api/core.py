@@ -188,9 +188,10 @@ class Api:
                 extra=_log_fields(request, params),
             )
         self.metrics.observe_request(endpoint, response.status, time.perf_counter() - started)
+        if request.method == "HEAD" and response.stream is not None:  # its length, as a GET's (RFC 9110 8.6)
+            response.body, response.stream = b"".join([piece async for piece in response.stream]), None
         if response.stream is not None:
             response.stream = _counted(response.stream, self.metrics)
-        response.head_only = request.method == "HEAD"
         return response
 
     def end_opened(self, opened: Iterable[Opened]) -> None:

@@ -131,7 +131,7 @@ def _model(
         openai_names = ", ".join(OPENAI_VOICES)
         raise BadRequest(
             f"unknown voice {voice[:80]!r} (voices: {_names(candidates)}; or OpenAI's {openai_names}:"
-            " each takes a voice of this box that speaks the text's language)"
+            " each maps to this box's voice for the text's language)"
         )
     detector = next((m for m in models if isinstance(m, LanguageDetector)), None)
     if detector is None:

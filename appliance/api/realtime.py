@@ -67,7 +67,7 @@ def routes(
     limits = Limits(live, budget, stopping)
 
     async def realtime(request: Request, params: dict[str, str]) -> Response:
-        if request.headers.get("upgrade", "").lower() != "websocket":
+        if request.method != "GET" or request.headers.get("upgrade", "").lower() != "websocket":
             raise ApiError("/v1/realtime is a WebSocket: connect with an Upgrade: websocket handshake", 426)
         pipeline = models.get(params.get("query:model", ""))
         if isinstance(pipeline, Interpreting):  # the interpreter session: translated speech back

@@ -32,6 +32,7 @@ from appliance.api.wyoming_noise import denoiser
 from appliance.api.wyoming_voice import Follower
 from appliance.api.wyoming_wake import WakeListening, wake_programs
 from appliance.denoise import Denoiser
+from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker, WakeWordDetector
@@ -265,12 +266,13 @@ class WyomingHandler:
         follower, self.follower = self.follower or Follower(None, []), None
         try:
             model, options = self._model(), self._options()
-            with recorded(model.stats):  # a request in the model's statistics, as over HTTP
+            times = RequestTimes()  # filled by its shards' engine calls where not decoded ahead
+            with recorded(model.stats, times):  # a request in the model's statistics, as over HTTP
                 model.check(options)  # a refused language or task: the error comes before transcript-start
                 language = self.transcribe.language if self.transcribe else None
                 self.transcribe = None
                 audio = np.concatenate([audio, np.zeros(max(0, MIN_SAMPLES - len(audio)), np.float32)])
-                segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options)
+                segments = heard.segments(audio) if heard is not None else model.transcribe(audio, options, times)
                 await follower.finish(segments, send, language)
             return model.name
         finally:

@@ -220,10 +220,10 @@ def _translate(client: Client, args: argparse.Namespace) -> None:
         languages = client.languages()
         sources = [lang["code"] for lang in languages if args.to in lang["targets"]]
         if not sources:
-            pairs = ", ".join(f"{lang['code']}->{target}" for lang in languages for target in lang["targets"])
-            raise ApplianceError(f"no translation into {args.to!r} on this box (its pairs: {pairs or 'none'})")
+            targets = ", ".join(sorted({target for lang in languages for target in lang["targets"]})) or "none"
+            raise ApplianceError(f"no translation into {args.to!r} on this box (it translates into: {targets})")
         if len(sources) != 1:
-            raise ApplianceError(f"--from is needed: the sources that translate to {args.to!r} are {sources}")
+            raise ApplianceError(f"--from is needed: {', '.join(sources)} all translate into {args.to!r}")
         source = sources[0]
     print(client.translate(" ".join(args.args), source, args.to))
 

@@ -29,11 +29,6 @@ from appliance.firmware import Bundle, ModelSpec
 log = logging.getLogger("appliance")
 
 
-def converted_weights(model: ModelSpec) -> str:
-    """The bundle's file of the model's weights for the box's own engine (the `cuda` target)."""
-    return f"models/{model.name}.whisper.npz"
-
-
 def _cupy() -> tuple[Any, str | None]:
     """CuPy where it imports and finds a device, else None and why not."""
     try:
@@ -170,11 +165,11 @@ def load_speech_engine(
     threshold = bundle.manifest.baked.fallback_cpu_threshold
     if device != "cpu":
         cupy, reason = _cupy()
-        if cupy is not None and converted_weights(model) not in bundle.manifest.artifacts:
+        if cupy is not None and whisper_weights.bundle_file(model.name) not in bundle.manifest.artifacts:
             cupy, reason = None, f"the firmware has no cuda target for model {model.name}"
         if cupy is not None:
             cpu = WhisperEngine(directory, "cpu", threads, beam_size, window_samples=window_samples)
-            weights = whisper_weights.load(bundle.artifact(converted_weights(model)))
+            weights = whisper_weights.load(bundle.artifact(whisper_weights.bundle_file(model.name)))
             max_batch = int(str(model.parameters["max_batch"]))
             gpu = ArrayWhisperEngine(
                 weights,

@@ -32,7 +32,11 @@ class WhisperModel:
         operations where None."""
         self.xp, self.dtype = xp, dtype
         self.ops = ops or ArrayOps(xp)
-        self.w = {name: xp.asarray(value, dtype=dtype) for name, value in weights.items()}
+        on_device: dict[int, Any] = {}  # an array shared by two names (the projection is the embedding) goes once
+        for value in weights.values():
+            if id(value) not in on_device:
+                on_device[id(value)] = xp.asarray(value, dtype=dtype)
+        self.w = {name: on_device[id(value)] for name, value in weights.items()}
         self.heads = _heads(weights)
         self.encoder_layers = _count(weights, "encoder/layer_")
         self.decoder_layers = _count(weights, "decoder/layer_")

@@ -78,6 +78,11 @@ def _read(reader: _Reader) -> dict[str, np.ndarray]:
     return found
 
 
+def bundle_file(model: str) -> str:
+    """Where a firmware bundle keeps a Whisper's converted weights (the `cuda` target)."""
+    return f"models/{model}.whisper.npz"
+
+
 ALIASES = "aliases"  # the .npz's list of "alias=name": an array CTranslate2 shares is stored once
 
 

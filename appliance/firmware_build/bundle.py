@@ -207,7 +207,7 @@ def _build_cuda(staging: Path, model: ModelSpec, baked: Baked, where: str) -> li
 def _build_whisper_cuda(staging: Path, model: ModelSpec) -> list[str]:
     """The `cuda` target of a Whisper: its CTranslate2 weights converted for the box's own engine
     (float16, engine/whisper_weights.py) and kernels/whisper.cu compiled with its batch and shard length."""
-    relative = f"models/{model.name}.whisper.npz"
+    relative = whisper_weights.bundle_file(model.name)
     whisper_weights.convert(staging / model.file, staging / relative)
     binaries = kernels.compile_whisper_kernels(*baked_shape(model.parameters), staging / "kernels")
     return [relative, *(str(p.relative_to(staging)) for p in binaries)]

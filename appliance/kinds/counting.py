@@ -25,9 +25,10 @@ def _recorder(stats: ModelStats, times: RequestTimes | None = None) -> Callable[
 
 
 @contextlib.contextmanager
-def recorded(stats: ModelStats) -> Iterator[None]:
-    """What the block does, recorded as one request of `stats`' model: a failure if it raises."""
-    record = _recorder(stats)
+def recorded(stats: ModelStats, times: RequestTimes) -> Iterator[None]:
+    """What the block does, recorded as one request of `stats`' model (its queue and compute the
+    `times` its engine calls fill): a failure if it raises."""
+    record = _recorder(stats, times)
     try:
         yield
     except BaseException:

@@ -54,8 +54,6 @@ class Response:
     opened: Opened | None = None
     # set (with status 101): the request was a WebSocket upgrade and this runs its messages (see Session)
     session: Session | None = None
-    # the answer to a HEAD (RFC 9110 9.3.2): the transport sends its head alone, whose length is the body's
-    head_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -266,7 +266,7 @@ class H3Protocol(WebSocketStreams):
                 return
             if response.opened is not None and self.peer:
                 self.server.owners.record(self.peer, response.opened)
-            if self._respond(stream_id, response) and response.stream is not None:
+            if self._respond(stream_id, response, request.method == "HEAD") and response.stream is not None:
                 window = self._windows[stream_id] = SendWindow(self.server.limits.stream_window_bytes)
                 async with contextlib.aclosing(response.stream) as pieces:
                     async for piece in pieces:  # each piece goes out as produced, while the peer takes them

@@ -63,15 +63,15 @@ class AnsweringProtocol(QuicConnectionProtocol):
         for stream_id, window in self._windows.items():
             window.hold(0 if self._terminated else self._unacknowledged(stream_id))
 
-    def _respond(self, stream_id: int, response: Response) -> bool:
-        """Send the headers, and the body unless it is streamed or the answer is a HEAD's; False if the
-        stream is gone."""
+    def _respond(self, stream_id: int, response: Response, head_only: bool = False) -> bool:
+        """Send the headers, and the body unless it is streamed or `head_only` (a HEAD's answer); False
+        if the stream is gone."""
         if self._http is None:
             return False
         headers = [(b":status", str(response.status).encode()), (b"content-type", response.content_type.encode())]
         # a HEAD's head states no length here (RFC 9110 8.6 allows): aioquic's client (1.7) checks it
         # against the DATA received, as if for a GET, and fails the answer
-        if response.stream is None and not response.head_only:
+        if response.stream is None and not head_only:
             headers.append((b"content-length", str(len(response.body)).encode()))
         headers += [(k.lower().encode(), v.encode()) for k, v in response.headers]
         try:
@@ -79,7 +79,7 @@ class AnsweringProtocol(QuicConnectionProtocol):
         except Exception as exc:  # the stream or connection went away meanwhile
             log.debug("stream %d: response dropped: %s", stream_id, exc)
             return False
-        body = b"" if response.head_only else response.body
+        body = b"" if head_only else response.body
         return response.stream is not None or self._send_data(stream_id, body, end_stream=True)
 
     def _send_data(self, stream_id: int, data: bytes, end_stream: bool) -> bool:

@@ -346,7 +346,8 @@ class HttpConnection(WebSocketUpgrade):
                     return
                 keep_alive = keep_alive and (self.server.api.keep_connections() or bool(self.queue))
                 keep_alive = keep_alive and not (self._half_closed and not self.queue)
-                self.transport.write(encode_response(response, keep_alive, self.server.extra_headers()))
+                head_only = entry.method == "HEAD"
+                self.transport.write(encode_response(response, keep_alive, self.server.extra_headers(), head_only))
                 if response.stream is not None and not await self._write_chunks(response.stream):
                     return
                 if not keep_alive:

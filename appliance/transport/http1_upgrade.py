@@ -21,18 +21,20 @@ from appliance.protocol.messages import Handler, Request, Response, error_respon
 from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
 
-def encode_response(response: Response, keep_alive: bool, extra: Iterable[tuple[str, str]] = ()) -> bytes:
+def encode_response(
+    response: Response, keep_alive: bool, extra: Iterable[tuple[str, str]] = (), head_only: bool = False
+) -> bytes:
     """The status line and headers (the transport's `extra` ones last), and the body unless it is
-    streamed (then chunked follows) or the answer is a HEAD's."""
+    streamed (then chunked follows) or `head_only` (a HEAD's answer: RFC 9110 9.3.2, its length the body's;
+    the transport decides it by the request, whoever made the answer: a worker's 504 too)."""
     reason = HTTPStatus(response.status).phrase if response.status in HTTPStatus._value2member_map_ else ""
     length = "transfer-encoding: chunked" if response.stream else f"content-length: {len(response.body)}"
-    head = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
-    head += [f"{k}: {v}" for k, v in (*response.headers, *extra)]
+    lines = [f"HTTP/1.1 {response.status} {reason}", f"content-type: {response.content_type}", length]
+    lines += [f"{k}: {v}" for k, v in (*response.headers, *extra)]
     if not keep_alive:
-        head.append("connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (
-        b"" if response.stream or response.head_only else response.body
-    )
+        lines.append("connection: close")
+    body = b"" if response.stream or head_only else response.body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 class UpgradeServer(Protocol):

@@ -34,7 +34,6 @@ from speech import say  # noqa: E402
 
 from appliance import firmware  # noqa: E402
 from appliance.engine import whisper_weights  # noqa: E402
-from appliance.engine.speech_choice import converted_weights  # noqa: E402
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine  # noqa: E402
 from appliance.engine.whisper_batch import DecodeBatch, Sequence  # noqa: E402
 from appliance.engine.whisper_features import log_mel  # noqa: E402
@@ -80,7 +79,7 @@ def engines(bundle: firmware.Bundle, name: str, cupy) -> list[ArrayWhisperEngine
     at the model's baked max_batch."""
     spec = next(m for m in bundle.manifest.models if m.name == name)
     directory = bundle.artifact(spec.file)
-    weights = whisper_weights.load(bundle.artifact(converted_weights(spec)))
+    weights = whisper_weights.load(bundle.artifact(whisper_weights.bundle_file(spec.name)))
     max_batch, shard_tokens = baked_shape(spec.parameters)
     module = cupy.RawModule(path=str(bundle.artifact(kernel_files(max_batch, shard_tokens)[0])))
     kernels = KernelOps(cupy, module, max_batch, shard_tokens)
