@@ -32,7 +32,6 @@ from appliance.api.wyoming_noise import denoiser
 from appliance.api.wyoming_voice import Follower
 from appliance.api.wyoming_wake import WakeListening, wake_programs
 from appliance.denoise import Denoiser
-from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest
 from appliance.kinds.base import ServedModel
 from appliance.kinds.capabilities import HeardRecording, LiveTranscriber, Speaker, WakeWordDetector
@@ -266,8 +265,7 @@ class WyomingHandler:
         follower, self.follower = self.follower or Follower(None, []), None
         try:
             model, options = self._model(), self._options()
-            times = RequestTimes()  # filled by its shards' engine calls where not decoded ahead
-            with recorded(model.stats, times):  # a request in the model's statistics, as over HTTP
+            with recorded(model.stats) as times:  # a request in the model's statistics, as over HTTP
                 model.check(options)  # a refused language or task: the error comes before transcript-start
                 language = self.transcribe.language if self.transcribe else None
                 self.transcribe = None

@@ -215,7 +215,7 @@ class Daemon:
         self.api.fleet.start_drain(DrainOrder("hold", False, self.config.server.shutdown_grace_s))
 
     def _under_way(self) -> tuple[int, int]:
-        return self._in_flight(), sum(len(m.sequences) for m in self.models.values())
+        return self.in_flight(), sum(len(m.sequences) for m in self.models.values())
 
     def _agent_reply(self) -> bytes:
         starting = BoxState(True, self.stopping.is_set(), False, Capacity())
@@ -252,8 +252,8 @@ class Daemon:
         assert self.api is not None and self.listeners is not None
         api, listeners = self.api, self.listeners
         live = lambda: sum(len(m.sequences) for m in self.models.values())  # noqa: E731
-        log.info("stopping: %d requests in flight, %d sequences open", self._in_flight(), live())
-        systemd.stopping(f"stopping: {self._in_flight()} requests in flight, {live()} sequences open")
+        log.info("stopping: %d requests in flight, %d sequences open", self.in_flight(), live())
+        systemd.stopping(f"stopping: {self.in_flight()} requests in flight, {live()} sequences open")
         api.ready = False
         api.fleet.stopping = True
         api.stopping.set()  # a session only waiting for speech closes now (1001); work under way has the grace
@@ -262,13 +262,13 @@ class Daemon:
         await listeners.stop_accepting(grace)
         if self.wyoming is not None:
             await self.wyoming.close()
-        drained = lambda: not (self._in_flight() or listeners.delivering or streaming(self.models.values()))  # noqa: E731
+        drained = lambda: not (self.in_flight() or listeners.delivering or streaming(self.models.values()))  # noqa: E731
         while not drained() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if not drained():
             undelivered = f", {listeners.delivering} answers not all taken" if listeners.delivering else ""
             log.warning(
-                "grace time over: %d requests%s and %d sequences abandoned", self._in_flight(), undelivered, live()
+                "grace time over: %d requests%s and %d sequences abandoned", self.in_flight(), undelivered, live()
             )
         elif idle := live():
             log.info("stopping: %d idle sequences ended", idle)
@@ -281,7 +281,7 @@ class Daemon:
         self._remove_socket()
         log.info("stopped")
 
-    def _in_flight(self) -> int:  # requests under way, Wyoming's connections among them (the signal thread reads it)
+    def in_flight(self) -> int:  # requests under way, Wyoming's connections among them (the signal thread reads it)
         wyoming = self.wyoming.serving.connections if self.wyoming is not None else 0  # each closes once idle
         return wyoming + (self.listeners.in_flight if self.listeners is not None else 0)
 
@@ -310,7 +310,7 @@ def exit_overdue(daemon: Daemon, again: bool) -> None:
         log.info("stopped during start-up (models were loading or warming up)")
         logging.shutdown()
         os._exit(0)
-    in_flight = daemon._in_flight()
+    in_flight = daemon.in_flight()
     sequences = sum(len(m.sequences) for m in daemon.models.values())
     why = (
         "a second stop signal"

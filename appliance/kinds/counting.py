@@ -25,12 +25,13 @@ def _recorder(stats: ModelStats, times: RequestTimes | None = None) -> Callable[
 
 
 @contextlib.contextmanager
-def recorded(stats: ModelStats, times: RequestTimes) -> Iterator[None]:
-    """What the block does, recorded as one request of `stats`' model (its queue and compute the
-    `times` its engine calls fill): a failure if it raises."""
+def recorded(stats: ModelStats) -> Iterator[RequestTimes]:
+    """What the block does, recorded as one request of `stats`' model, its queue and compute the times
+    it yields (for the block's engine calls to fill): a failure if it raises."""
+    times = RequestTimes()
     record = _recorder(stats, times)
     try:
-        yield
+        yield times
     except BaseException:
         record(False)
         raise
