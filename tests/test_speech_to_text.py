@@ -266,7 +266,7 @@ def test_openai_client_every_response_format_and_streaming(openai_client: openai
     events = list(openai_client.audio.transcriptions.create(model=TINY, file=("e.wav", wav), stream=True))
     assert [e.type for e in events][-1] == "transcript.text.done" and len(events) >= 2
     assert "".join(e.delta for e in events[:-1]) == events[-1].text == plain.text
-    with pytest.raises(openai.BadRequestError, match="English-only"):
+    with pytest.raises(openai.BadRequestError, match="English-only: for translations use whisper_base"):
         openai_client.audio.translations.create(model=TINY, file=("e.wav", wav))
 
 

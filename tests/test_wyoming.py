@@ -221,7 +221,8 @@ def test_transcription_of_chunks(daemon: Daemon) -> None:
     types = [event.type for event in seen]
     assert types[0] == "transcript-start" and types[-1] == "transcript-stop" and "transcript-chunk" in types, types
     _, error = asyncio.run(transcribe(daemon, samples[: RATE // 2], asked=Transcribe(name=TINY, language="pt")))
-    assert error and error[-1].type == "error", error  # tiny.en does not hear Portuguese
+    assert error and error[-1].type == "error", error  # tiny.en does not hear Portuguese, and says who does
+    assert "for language 'pt' use whisper_base" in Error.from_event(error[-1]).text, error
     assert inference_counts(daemon, TINY) == (before[0] + 1, before[1] + 1)
 
 

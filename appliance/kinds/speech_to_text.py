@@ -121,6 +121,14 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         return speech_api.config(self.spec, self.baked, self.live)
 
     def check(self, options: Options) -> None:
+        other = self.listener if self.listener is not self else None  # an English-only model's multilingual peer
+        if other is not None and (options.task == "translate" or options.language not in (None, *self.languages)):
+            if options.task == "translate":
+                raise BadRequest(f"model {self.name} is English-only: for translations use {other.name}")
+            raise BadRequest(
+                f"model {self.name} is English-only: for language {options.language!r} use {other.name}, or name"
+                f" no language (this model hands speech in other languages to {other.name})"
+            )
         self.engine.check(options.language, options.task)
         speech_api.check_prompt(options.prompt)
         if not 0.0 <= options.temperature <= 1.0:
