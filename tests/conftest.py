@@ -384,11 +384,14 @@ class Daemon:
         )
 
     def wait_ready(self, timeout: float = 60.0) -> Daemon:
+        """Ready, and its start over: /health says ready once the models are warm and a protocol worker
+        serves, the log's "ready: serving" once every worker does (a stop or a reload sent before then
+        meets a daemon still starting)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited {self.proc.returncode}: {self.log.read_text()}")
-            if self.socket.exists():
+            if self.socket.exists() and ": ready: serving " in self.log.read_text():
                 try:
                     with Client(str(self.socket), timeout=5) as client:
                         if client.health()["ready"]:

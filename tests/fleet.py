@@ -39,14 +39,16 @@ def agent_says(host: str, port: int) -> str:
     return answer.decode()
 
 
-def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 120.0) -> None:
-    """A bounded wait: fails only when `condition` never holds (no verdict from the clock)."""
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 120.0, log: Path | None = None) -> None:
+    """A bounded wait: fails only when `condition` never holds (no verdict from the clock), with the
+    tail of `log` where one is given (what the daemon did instead)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
         time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
+    tail = "\n" + log.read_text()[-4000:] if log is not None else ""
+    raise AssertionError(f"never happened: {what}{tail}")
 
 
 def answers(host: str, port: int) -> bool:

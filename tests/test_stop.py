@@ -29,6 +29,7 @@ from wyoming.info import Describe, Info
 
 from appliance.client import Client, ConnectError, speech_call
 from appliance.engine.choice import HANG_FAILPOINT
+from appliance.front.worker import START_HOLD_FAILPOINT
 
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 APPEND_S = 0.1
@@ -191,9 +192,12 @@ def test_at_the_stop_quic_takes_no_new_connection_and_answers_the_open_one(
         speak = lambda: statuses.append(early.send(speech_call("One sentence.", "tts-1", "joe")).status)  # noqa: E731
         under_way = threading.Thread(target=speak)
         under_way.start()
-        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
+        wait_until(
+            lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held", log=daemon.log
+        )
         daemon.proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: all(re.search(line, daemon.log.read_text()) for line in stopping), "the stop began")
+        began = lambda: all(re.search(line, daemon.log.read_text()) for line in stopping)  # noqa: E731
+        wait_until(began, "the stop began", log=daemon.log)
         late = Client(quic=f"127.0.0.1:{daemon.quic_port}", cafile=daemon.cafile, timeout=10, connect_timeout=5)
         with pytest.raises(ConnectError, match="QUIC"), late:
             late.health()
@@ -201,3 +205,35 @@ def test_at_the_stop_quic_takes_no_new_connection_and_answers_the_open_one(
         under_way.join(120)
     assert statuses == [200]
     assert daemon.proc.wait(60) == 0, daemon.log.read_text()[-2000:]
+
+
+def test_a_stop_while_a_worker_still_starts_drains_what_the_started_one_serves(
+    start_daemon, speech_bundle: Path, tmp_path: Path
+) -> None:
+    """Health is ready once one protocol worker serves; a stop that comes before the others have
+    started is a stop of a serving daemon: the request that worker took is answered (it was abandoned
+    with the start), and the daemon exits 0. Worker 1's start is held by a failpoint; the engine holds
+    the request until the stop has begun."""
+    engine_hold, start_hold = tmp_path / "engine-hold", tmp_path / "start-hold"
+    start_hold.touch()
+    env = {HANG_FAILPOINT: str(engine_hold), START_HOLD_FAILPOINT: str(start_hold)}
+    daemon = start_daemon(bundle_dir=speech_bundle, workers=2, shutdown_grace_s=HOUR, env=env, wait=False)
+    wait_until(lambda: "start held by the test's failpoint" in daemon.log.read_text(), "worker 1 held", log=daemon.log)
+    statuses: list[int] = []
+    with daemon.client("unix") as early:  # the Unix socket: only a worker that started accepts on it
+        wait_until(lambda: daemon.socket.exists() and early.health()["ready"], "ready on worker 0", log=daemon.log)
+        engine_hold.write_text("0")
+        speak = lambda: statuses.append(early.send(speech_call("One sentence.", "tts-1", "joe")).status)  # noqa: E731
+        under_way = threading.Thread(target=speak)
+        under_way.start()
+        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
+        assert ": ready: serving " not in daemon.log.read_text()  # the start is not over
+        daemon.proc.send_signal(signal.SIGTERM)
+        began = lambda: re.search(r"stopping: 1 requests in flight", daemon.log.read_text())  # noqa: E731
+        wait_until(began, "the stop began with the request in flight", log=daemon.log)
+        engine_hold.unlink()
+        under_way.join(120)
+    assert statuses == [200], daemon.log.read_text()[-3000:]
+    assert daemon.proc.wait(60) == 0, daemon.log.read_text()[-2000:]
+    logged = daemon.log.read_text()
+    assert "ERROR" not in logged and "Traceback" not in logged, logged[-3000:]

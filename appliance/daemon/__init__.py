@@ -152,21 +152,22 @@ class Daemon:
         stop = spawn(self.stopping.wait(), "the stop signal")
         await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
-            starting.cancel()  # a stop during start-up: no need to finish warming up
-            log.info("stopped during start-up")
+            starting.cancel()  # a stop during start-up: no need to finish warming up or starting workers
         try:
             await starting
             signals.allow_reloads()  # one held during the start is applied now
         except BaseException as exc:
-            if self.listeners is not None:
-                self.listeners.abort()
-            if self.agent is not None:
-                self.agent.close()
-            self.abandoned += await stop_models(self.models)
-            self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
-            if isinstance(exc, asyncio.CancelledError) and self.stopping.is_set():
+            if not (isinstance(exc, asyncio.CancelledError) and self.stopping.is_set()):
+                await self._abandon_start()
+                raise
+            if self.api is None or not self.api.started:
+                log.info("stopped during start-up")
+                await self._abandon_start()
                 return 0
-            raise
+            # the workers that started already serve (Listeners.start): what they took is drained as at any stop
+            log.info("stop signal while protocol workers were starting: draining what the started ones serve")
+            await self.shutdown()
+            return 0
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
         tasks = self.tasks = [
             spawn(self._expire_idle_sequences(), "the idle sequence expiry", self._fail),
@@ -181,6 +182,15 @@ class Daemon:
         await stop
         await self.shutdown()  # which cancels the tasks
         return EXIT_TASK_FAILED if self.failed else 0
+
+    async def _abandon_start(self) -> None:
+        """A failed or stopped start: nothing was served, so nothing is drained."""
+        if self.listeners is not None:
+            self.listeners.abort()
+        if self.agent is not None:
+            self.agent.close()
+        self.abandoned += await stop_models(self.models)
+        self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
 
     def _fail(self, error: BaseException) -> None:
         """A task the daemon cannot serve without died (spawn logged it): stop, and exit non-zero so

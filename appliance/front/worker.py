@@ -36,6 +36,9 @@ log = logging.getLogger("appliance.worker")
 
 REPORT_INTERVAL_S = 1.0
 STOP_MARGIN_S = 2.0
+# A failpoint for tests, read from the environment only: while this file exists, every worker but the
+# first holds its start (before it accepts), as a slow one would; a stop signal ends the hold.
+START_HOLD_FAILPOINT = "APPLIANCE_FAILPOINT_WORKER_START_HOLD"
 
 
 class Worker:
@@ -48,6 +51,7 @@ class Worker:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         signals.watch(loop, self.stopping.set, self.reload, self._deadline_s, self._overdue)
+        await self._held_at_start()
         channel = await Channel.open(self.args.channel_fd)
         api = RemoteApi(channel, lambda: self.live.config.server.request_timeout_s)
         server_limits = lambda: self.live.config.server  # noqa: E731
@@ -79,6 +83,14 @@ class Worker:
         for task in (*tasks, engine_gone):
             task.cancel()
         return 1 if self.failed else 0
+
+    async def _held_at_start(self) -> None:
+        named = os.environ.get(START_HOLD_FAILPOINT)
+        if not (named and self.args.slot and Path(named).exists()):
+            return
+        log.warning("worker %d: start held by the test's failpoint (%s)", self.args.slot, named)
+        while Path(named).exists() and not self.stopping.is_set():
+            await asyncio.sleep(0.05)
 
     async def _receive(self, channel: Channel, api: RemoteApi) -> None:
         while (message := await channel.receive()) is not None:
