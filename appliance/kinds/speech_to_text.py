@@ -221,9 +221,17 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         identified first and decoded by language (speech_languages.py)."""
         if self.identifies(plan, options):
             return await self.by_language(plan, samples, options, times, request, urgent, offset, index)
+        options = self.by_turns(plan, options)
         prompt = await self.prompts.tokens(options.prompt)
         shard = Shard(
-            plan.audio(samples), options.language, options.task, prompt, options.temperature, options.words, request
+            plan.audio(samples),
+            options.language,
+            options.task,
+            prompt,
+            options.temperature,
+            options.words,
+            request,
+            options.transcribed,
         )
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
