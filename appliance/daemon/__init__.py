@@ -158,11 +158,11 @@ class Daemon:
             signals.allow_reloads()  # one held during the start is applied now
         except BaseException as exc:
             if not (isinstance(exc, asyncio.CancelledError) and self.stopping.is_set()):
-                await self._abandon_start()
+                await abandon_start(self)
                 raise
             if self.api is None or not self.api.started:
                 log.info("stopped during start-up")
-                await self._abandon_start()
+                await abandon_start(self)
                 return 0
             # the workers that started already serve (Listeners.start): what they took is drained as at any stop
             log.info("stop signal while protocol workers were starting: draining what the started ones serve")
@@ -182,15 +182,6 @@ class Daemon:
         await stop
         await self.shutdown()  # which cancels the tasks
         return EXIT_TASK_FAILED if self.failed else 0
-
-    async def _abandon_start(self) -> None:
-        """A failed or stopped start: nothing was served, so nothing is drained."""
-        if self.listeners is not None:
-            self.listeners.abort()
-        if self.agent is not None:
-            self.agent.close()
-        self.abandoned += await stop_models(self.models)
-        self._remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
 
     def _fail(self, error: BaseException) -> None:
         """A task the daemon cannot serve without died (spawn logged it): stop, and exit non-zero so
@@ -288,14 +279,14 @@ class Daemon:
         if self.agent is not None:
             self.agent.close()
         self.abandoned += await stop_models(self.models)
-        self._remove_socket()
+        self.remove_socket()
         log.info("stopped")
 
     def in_flight(self) -> int:  # requests under way, Wyoming's connections among them (the signal thread reads it)
         wyoming = self.wyoming.serving.connections if self.wyoming is not None else 0  # each closes once idle
         return wyoming + (self.listeners.in_flight if self.listeners is not None else 0)
 
-    def _remove_socket(self) -> None:
+    def remove_socket(self) -> None:
         for path in (self.bound_socket, self.wyoming.path if self.wyoming else None):
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -310,6 +301,16 @@ class Daemon:
 
     def _overdue(self, again: bool) -> None:
         exit_overdue(self, again)
+
+
+async def abandon_start(daemon: Daemon) -> None:
+    """A failed or stopped start: nothing was served, so nothing is drained."""
+    if daemon.listeners is not None:
+        daemon.listeners.abort()
+    if daemon.agent is not None:
+        daemon.agent.close()
+    daemon.abandoned += await stop_models(daemon.models)
+    daemon.remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
 
 
 def exit_overdue(daemon: Daemon, again: bool) -> None:

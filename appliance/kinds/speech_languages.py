@@ -21,7 +21,7 @@ import numpy as np
 
 from appliance.engine.speech_engine import SpeechEngine
 from appliance.engine.stats import RequestTimes
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, BadRequest
 from appliance.firmware import ModelSpec
 from appliance.kinds.interpret_routes import target_of
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
@@ -72,6 +72,19 @@ class SegmentLanguages:
             options.language is None
             and self.listener is not None
             and (not self.engine.tokens.multilingual or len(plan.spans) > 1)
+        )
+
+    def refer_to_listener(self, options: Options) -> None:
+        """An English-only model asked for another language or a translation: a 400 naming the model
+        that hears it (its listener), where it has one."""
+        other = self.listener if self.listener is not self else None
+        if other is None or (options.task != "translate" and options.language in (None, *self.languages)):
+            return
+        if options.task == "translate":
+            raise BadRequest(f"model {self.spec.name} is English-only: for translations use {other.name}")
+        raise BadRequest(
+            f"model {self.spec.name} is English-only: for language {options.language!r} use {other.name}, or name"
+            f" no language (this model hands speech in other languages to {other.name})"
         )
 
     def by_turns(self, plan: ShardPlan, options: Options) -> Options:

@@ -121,14 +121,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         return speech_api.config(self.spec, self.baked, self.live)
 
     def check(self, options: Options) -> None:
-        other = self.listener if self.listener is not self else None  # an English-only model's multilingual peer
-        if other is not None and (options.task == "translate" or options.language not in (None, *self.languages)):
-            if options.task == "translate":
-                raise BadRequest(f"model {self.name} is English-only: for translations use {other.name}")
-            raise BadRequest(
-                f"model {self.name} is English-only: for language {options.language!r} use {other.name}, or name"
-                f" no language (this model hands speech in other languages to {other.name})"
-            )
+        self.refer_to_listener(options)
         self.engine.check(options.language, options.task)
         speech_api.check_prompt(options.prompt)
         if not 0.0 <= options.temperature <= 1.0:
@@ -222,17 +215,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         if self.identifies(plan, options):
             return await self.by_language(plan, samples, options, times, request, urgent, offset, index)
         options = self.by_turns(plan, options)
-        prompt = await self.prompts.tokens(options.prompt)
-        shard = Shard(
-            plan.audio(samples),
-            options.language,
-            options.task,
-            prompt,
-            options.temperature,
-            options.words,
-            request,
-            options.transcribed,
-        )
+        shard = shard_of(plan.audio(samples), options, await self.prompts.tokens(options.prompt), request)
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
         times.queue_ns = max(times.queue_ns, done.queued_ns)  # the longest its shards waited (side by side)
@@ -308,6 +291,19 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def shard_of(samples: np.ndarray, options: Options, prompt: tuple[int, ...], request: Hashable) -> Shard:
+    return Shard(
+        samples,
+        options.language,
+        options.task,
+        prompt,
+        options.temperature,
+        options.words,
+        request,
+        options.transcribed,
+    )
 
 
 async def _transcribed(model: SpeechToText, request: Request, query: dict[str, str], times: RequestTimes) -> Response:
