@@ -42,13 +42,6 @@ class Shard:
     # (measured: "Set the temperature to twenty one degrees" after "Wake me up at seven thirty" in
     # one window heard as "10.10. Richard at 1.1 degrees").
     request: Hashable | None = None
-    # where set and `language` is None: the language Whisper detects is transcribed if it is one of these,
-    # else translated to English (a speech pipeline's routes, decided in the decode's own encoder pass)
-    transcribed: tuple[str, ...] = ()
-
-    def task_in(self, language: str) -> str:
-        """The task for the shard's speech in `language` (told or detected)."""
-        return "translate" if self.transcribed and language not in self.transcribed else self.task
 
 
 @dataclass(frozen=True, slots=True)

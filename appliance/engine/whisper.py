@@ -112,7 +112,7 @@ class WhisperEngine:
         language = shard.language if self.tokens.multilingual else "en"
         if shard.request is None or shard.prompt or language is None:
             return None
-        return (shard.request, language, shard.task_in(language), shard.temperature)
+        return (shard.request, language, shard.task, shard.temperature)
 
     def _shared(self, model: ctranslate2.models.Whisper, shards: list[Shard]) -> list[Decoded]:
         """The batch's shards packed into shared windows (whisper_windows.py), each decoded once; the
@@ -192,7 +192,7 @@ class WhisperEngine:
             encoded = model.encode(ctranslate2.StorageView.from_array(features), to_cpu=False)
             detected = whisper_language.shard_languages(model, encoded, group, self.tokens.multilingual)
             languages = [language for language, _ in detected]
-            prompts = [self.tokens.prompt(s.task_in(lang), lang, s.prompt) for s, lang in zip(group, languages)]
+            prompts = [self.tokens.prompt(s.task, language, s.prompt) for s, language in zip(group, languages)]
             generated = self._generate(model, encoded, prompts, temperature)
             used = [temperature] * len(group)
             for at in self._looping([g.ids for g in generated]):  # openai-whisper's fallback: rising temperatures
@@ -209,9 +209,7 @@ class WhisperEngine:
                     )
             ids = [g.ids for g in generated]
             heard = self._heard(model, encoded, group, languages, ids) if members[0] < shared else None
-            asked = [
-                self.tokens.prompt(s.task_in(lang), lang) if s.words else None for s, lang in zip(group, languages)
-            ]
+            asked = [self.tokens.prompt(s.task, lang) if s.words else None for s, lang in zip(group, languages)]
             frames = [min(len(s.samples) // HOP, WINDOW_FRAMES) for s in group]
             words = aligned_words(
                 model, (features, encoded), asked, ids, frames, self.tokens.eot, self.tokens.tokenizer.decode, languages
@@ -240,7 +238,7 @@ class WhisperEngine:
         first encoder position CTranslate2's alignment (cross-attention, as faster-whisper's word
         timestamps) gives each token; None for a decode with no text."""
         texts = [[t for t in tokens if t < self.tokens.eot] for tokens in ids]
-        start = self.tokens.prompt(group[0].task_in(languages[0]), languages[0])
+        start = self.tokens.prompt(group[0].task, languages[0])
         frames = [max(1, len(s.samples) // HOP) for s in group]
         results = model.align(encoded, start, [t or [self.tokens.eot] for t in texts], frames)
         out: list[list[float] | None] = []

@@ -117,7 +117,7 @@ class ArrayWhisperEngine:
             self.model,
             cross,
             at,
-            self.tokens.prompt(shard.task_in(language), language),
+            self.tokens.prompt(shard.task, language),
             [t for t in ids if t < self.tokens.eot],
             (self.tokens.no_timestamps, self.tokens.eot),
             min(len(shard.samples) // HOP, WINDOW_FRAMES),

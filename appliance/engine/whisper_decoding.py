@@ -117,7 +117,7 @@ class Decoding:
         for i, ((key, shard), (language, probability)) in enumerate(zip(keyed, detected)):
             chunk, at = divmod(i, engine.max_batch)
             self._open[key] = _Open(shard, cross[chunk], at, language, probability)
-            prompt = engine.tokens.prompt(shard.task_in(language), language, shard.prompt)
+            prompt = engine.tokens.prompt(shard.task, language, shard.prompt)
             self.add(Sequence(prompt, key, shard.temperature), cross[chunk], at)
         engine.windows.update(shards=len(shards), windows=len(shards))
 

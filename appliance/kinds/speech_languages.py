@@ -65,13 +65,16 @@ class SegmentLanguages:
 
     def identifies(self, plan: ShardPlan, options: Options) -> bool:
         """Its segments' languages are to be identified before decoding: no language was named, and the
-        model is English-only (the listener may decode them) or the shard holds more than one segment. A
-        lone segment's language is detected in its own decode (one encoder pass, not two), which also
-        picks its task (Shard.transcribed), unless the turns tell it (by_turns)."""
+        model is English-only, the shard holds more than one segment (a lone segment's language is
+        detected in its own decode) or the task or the turn-taking depends on the language."""
         return (
             options.language is None
             and self.listener is not None
-            and (not self.engine.tokens.multilingual or len(plan.spans) > 1)
+            and (
+                not self.engine.tokens.multilingual
+                or len(plan.spans) > 1
+                or bool(options.transcribed or options.conversation)
+            )
         )
 
     def refer_to_listener(self, options: Options) -> None:
@@ -86,14 +89,6 @@ class SegmentLanguages:
             f"model {self.spec.name} is English-only: for language {options.language!r} use {other.name}, or name"
             f" no language (this model hands speech in other languages to {other.name})"
         )
-
-    def by_turns(self, plan: ShardPlan, options: Options) -> Options:
-        """A lone segment's options with its language where the turns tell it (turn_taking: conversation
-        mode, too short for Whisper to tell), else as they were."""
-        if options.language is not None or len(plan.spans) != 1:
-            return options
-        [(language, _)] = turn_taking([("", 0.0)], plan.spans, options)
-        return dataclasses.replace(options, language=language) if language else options
 
     async def by_language(
         self,

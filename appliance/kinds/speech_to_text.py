@@ -214,7 +214,6 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         identified first and decoded by language (speech_languages.py)."""
         if self.identifies(plan, options):
             return await self.by_language(plan, samples, options, times, request, urgent, offset, index)
-        options = self.by_turns(plan, options)
         shard = shard_of(plan.audio(samples), options, await self.prompts.tokens(options.prompt), request)
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
@@ -294,16 +293,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
 
 
 def shard_of(samples: np.ndarray, options: Options, prompt: tuple[int, ...], request: Hashable) -> Shard:
-    return Shard(
-        samples,
-        options.language,
-        options.task,
-        prompt,
-        options.temperature,
-        options.words,
-        request,
-        options.transcribed,
-    )
+    return Shard(samples, options.language, options.task, prompt, options.temperature, options.words, request)
 
 
 async def _transcribed(model: SpeechToText, request: Request, query: dict[str, str], times: RequestTimes) -> Response:
