@@ -11,6 +11,7 @@ import json
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from wyoming.info import Describe, Info
 
 from appliance.client import Client, ConnectError, speech_call
 from appliance.engine.choice import HANG_FAILPOINT
+from appliance.front.supervisor import REPORT_STALE_S
 from appliance.front.worker import START_HOLD_FAILPOINT
 
 COMPLETED = "conversation.item.input_audio_transcription.completed"
@@ -212,8 +214,9 @@ def test_a_stop_while_a_worker_still_starts_drains_what_the_started_one_serves(
 ) -> None:
     """Health is ready once one protocol worker serves; a stop that comes before the others have
     started is a stop of a serving daemon: the request that worker took is answered (it was abandoned
-    with the start), and the daemon exits 0. Worker 1's start is held by a failpoint; the engine holds
-    the request until the stop has begun."""
+    with the start), and the daemon exits 0. Worker 1's start is held by a failpoint past the silence
+    that marks a serving worker wedged (it was killed then, and the start failed); the engine holds the
+    request until the stop has begun."""
     engine_hold, start_hold = tmp_path / "engine-hold", tmp_path / "start-hold"
     start_hold.touch()
     env = {HANG_FAILPOINT: str(engine_hold), START_HOLD_FAILPOINT: str(start_hold)}
@@ -227,6 +230,7 @@ def test_a_stop_while_a_worker_still_starts_drains_what_the_started_one_serves(
         under_way = threading.Thread(target=speak)
         under_way.start()
         wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
+        time.sleep(REPORT_STALE_S + 2)  # the subject: a worker still starting is not killed as wedged
         assert ": ready: serving " not in daemon.log.read_text()  # the start is not over
         daemon.proc.send_signal(signal.SIGTERM)
         began = lambda: re.search(r"stopping: 1 requests in flight", daemon.log.read_text())  # noqa: E731

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -64,6 +65,7 @@ class Daemon:
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
         self.wyoming: wyoming.Listeners | None = None
         self.agent: Agent | None = None  # HAProxy's agent check, from the start of the start
+        self.stopped_starting = False  # the stop signal came before anything was served: no drain
 
     @property
     def config(self) -> Config:
@@ -147,7 +149,8 @@ class Daemon:
     # --- run ---
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, self._overdue, self.drain)
+        overdue = functools.partial(exit_overdue, self)
+        signals.watch(loop, self.stopping.set, self.reload, self._stop_deadline_s, overdue, self.drain)
         starting = loop.create_task(self.start())  # awaited below: its failure is a failed start, one line
         stop = spawn(self.stopping.wait(), "the stop signal")
         await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -160,13 +163,12 @@ class Daemon:
             if not (isinstance(exc, asyncio.CancelledError) and self.stopping.is_set()):
                 await abandon_start(self)
                 raise
-            if self.api is None or not self.api.started:
+            if self.stopped_starting:
                 log.info("stopped during start-up")
                 await abandon_start(self)
-                return 0
-            # the workers that started already serve (Listeners.start): what they took is drained as at any stop
-            log.info("stop signal while protocol workers were starting: draining what the started ones serve")
-            await self.shutdown()
+            else:  # the workers that started already serve (Listeners.start): drained as at any stop
+                log.info("stop signal while protocol workers were starting: draining what the started ones serve")
+                await self.shutdown()
             return 0
         # idle sequences keep expiring while we drain, so a vanished client cannot hold the stop
         tasks = self.tasks = [
@@ -294,17 +296,16 @@ class Daemon:
 
     def _stop_deadline_s(self) -> float:
         if self.api is None or not self.api.started:  # still starting: nothing is served yet, nothing to drain
+            self.stopped_starting = True  # decided here, from the signal thread, once: run() abandons the start
             return STOP_WHILE_STARTING_S
         models = tuple(self.models.values())  # at once: the signal thread asks this
         engines_s = max((engine_stop_s(m.stats) for m in models), default=ENGINE_STOP_S)
         return self.config.server.shutdown_grace_s + engines_s + STOP_MARGIN_S
 
-    def _overdue(self, again: bool) -> None:
-        exit_overdue(self, again)
-
 
 async def abandon_start(daemon: Daemon) -> None:
-    """A failed or stopped start: nothing was served, so nothing is drained."""
+    """A start that failed, or a stop before anything was served: the listeners and workers go at once
+    (what a worker that started had taken goes with it: the start failed), then the engines."""
     if daemon.listeners is not None:
         daemon.listeners.abort()
     if daemon.agent is not None:
@@ -317,7 +318,7 @@ def exit_overdue(daemon: Daemon, again: bool) -> None:
     """From the signal thread: a second stop signal (stop now), or the stop did not end in time, so the
     event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
     while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
-    if daemon.api is None or not daemon.api.started:
+    if daemon.stopped_starting:
         log.info("stopped during start-up (models were loading or warming up)")
         logging.shutdown()
         os._exit(0)

@@ -166,7 +166,7 @@ class Supervisor:
             loop.add_reader(tickets, serve_tickets, tickets, self.tickets)
             fds.append(tickets_worker.fileno())
             args += [f"--worker-key={slot.quic.key}", f"--tickets-fd={tickets_worker.fileno()}"]
-        slot.heard = time.monotonic()  # a worker has until REPORT_STALE_S from now to report
+        slot.heard = time.monotonic()  # a starting worker has until STARTUP_S from now to report (_kill_wedged)
         try:
             slot.process = signals.spawn_holding_reloads(args, fds)
         finally:
@@ -285,12 +285,14 @@ class Supervisor:
 
     async def _kill_wedged(self) -> None:
         """A worker silent for REPORT_STALE_S has a blocked event loop: kill it, and it is restarted as
-        if it had crashed, while the other workers keep serving."""
+        if it had crashed, while the other workers keep serving. One not yet serving has STARTUP_S (on a
+        loaded machine its imports alone can take seconds)."""
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for slot in self.slots:
-                if slot.channel is not None and slot.process is not None and now - slot.heard > REPORT_STALE_S:
+                allowed = REPORT_STALE_S if slot.report is not None else STARTUP_S  # importing is not wedged
+                if slot.channel is not None and slot.process is not None and now - slot.heard > allowed:
                     silent = now - slot.heard
                     log.error("worker %d (pid %d) silent for %.0f s: killing it", slot.index, slot.process.pid, silent)
                     with contextlib.suppress(ProcessLookupError):

@@ -37,7 +37,7 @@ log = logging.getLogger("appliance.worker")
 REPORT_INTERVAL_S = 1.0
 STOP_MARGIN_S = 2.0
 # A failpoint for tests, read from the environment only: while this file exists, every worker but the
-# first holds its start (before it accepts), as a slow one would; a stop signal ends the hold.
+# first holds its start (before it accepts), as one slow to import would; a stop signal ends the hold.
 START_HOLD_FAILPOINT = "APPLIANCE_FAILPOINT_WORKER_START_HOLD"
 
 
@@ -52,6 +52,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         signals.watch(loop, self.stopping.set, self.reload, self._deadline_s, self._overdue)
         await self._held_at_start()
+        if self.stopping.is_set():  # stopped while starting: nothing accepted, nothing to drain
+            return 0
         channel = await Channel.open(self.args.channel_fd)
         api = RemoteApi(channel, lambda: self.live.config.server.request_timeout_s)
         server_limits = lambda: self.live.config.server  # noqa: E731
