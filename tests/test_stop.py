@@ -173,6 +173,17 @@ def test_a_wyoming_recording_under_way_at_the_stop_gets_its_transcript_first(sta
     assert wer(ENGLISH[0], str(next(text for kind, text in events if kind == "transcript"))) <= 0.25, events
 
 
+def speak_held(daemon, client: Client, hold: Path, statuses: list[int]) -> threading.Thread:  # type: ignore[no-untyped-def]
+    """A speech request under way, held in the engine (the hang failpoint's file `hold`) until the test
+    removes it; its status goes to `statuses`."""
+    hold.write_text("0")  # the engine's next call stalls until the file goes
+    speak = lambda: statuses.append(client.send(speech_call("One sentence.", "tts-1", "joe")).status)  # noqa: E731
+    under_way = threading.Thread(target=speak)
+    under_way.start()
+    wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held", log=daemon.log)
+    return under_way
+
+
 @pytest.mark.parametrize("workers", [1, 2], ids=["workers1", "workers2"])
 def test_at_the_stop_quic_takes_no_new_connection_and_answers_the_open_one(
     start_daemon, tls, speech_bundle: Path, tmp_path: Path, workers: int
@@ -190,13 +201,7 @@ def test_at_the_stop_quic_takes_no_new_connection_and_answers_the_open_one(
     statuses: list[int] = []
     with daemon.client("quic") as early:
         assert early.health()["ready"]
-        hold.write_text("0")  # the engine's next call stalls until the file goes
-        speak = lambda: statuses.append(early.send(speech_call("One sentence.", "tts-1", "joe")).status)  # noqa: E731
-        under_way = threading.Thread(target=speak)
-        under_way.start()
-        wait_until(
-            lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held", log=daemon.log
-        )
+        under_way = speak_held(daemon, early, hold, statuses)
         daemon.proc.send_signal(signal.SIGTERM)
         began = lambda: all(re.search(line, daemon.log.read_text()) for line in stopping)  # noqa: E731
         wait_until(began, "the stop began", log=daemon.log)
@@ -225,11 +230,7 @@ def test_a_stop_while_a_worker_still_starts_drains_what_the_started_one_serves(
     statuses: list[int] = []
     with daemon.client("unix") as early:  # the Unix socket: only a worker that started accepts on it
         wait_until(lambda: daemon.socket.exists() and early.health()["ready"], "ready on worker 0", log=daemon.log)
-        engine_hold.write_text("0")
-        speak = lambda: statuses.append(early.send(speech_call("One sentence.", "tts-1", "joe")).status)  # noqa: E731
-        under_way = threading.Thread(target=speak)
-        under_way.start()
-        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
+        under_way = speak_held(daemon, early, engine_hold, statuses)
         time.sleep(REPORT_STALE_S + 2)  # the subject: a worker still starting is not killed as wedged
         assert ": ready: serving " not in daemon.log.read_text()  # the start is not over
         daemon.proc.send_signal(signal.SIGTERM)
