@@ -25,7 +25,8 @@ from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, TooManyRequests
 from appliance.kinds.base import SequenceCall
-from appliance.kinds.live_speech import Heard, LiveTranscription
+from appliance.kinds.heard import Heard
+from appliance.kinds.live_speech import LiveTranscription
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.protocol.messages import Close, SessionIO
 from appliance.transport.websocket import StreamIO, WebSocketPump
@@ -394,7 +395,9 @@ class ChunkedModel(LiveTranscription):
     def check(self, options: Options) -> None:
         pass
 
-    async def _decode_live(self, stream: Any, audio: np.ndarray, base: int, span: tuple[int, int], times: Any) -> list:
+    async def _decode_live(
+        self, stream: Any, audio: np.ndarray, base: int, span: tuple[int, int], times: Any, by_turns: bool = True
+    ) -> list:
         return [Segment(span[0] / SAMPLE_RATE, span[1] / SAMPLE_RATE, str(span[1] - span[0]), "en")]
 
 

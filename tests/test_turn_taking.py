@@ -1,11 +1,24 @@
 """Conversation mode's short turns (kinds/speech_languages.py turn_taking): a segment under a second is
-in the other of the two languages than the speech before it; anything else keeps Whisper's detection."""
+in the other of the two languages than the speech before it; anything else keeps Whisper's detection.
+A live stream's decodes of speech that may go on (kinds/live_speech.py) are not told a language by it."""
 
 from __future__ import annotations
 
-from appliance.kinds.speech_api import SAMPLE_RATE, Options
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
+import numpy as np
+from test_live_units import LoudVad
+
+from appliance.config.sections import SequenceConfig, VadConfig
+from appliance.engine.sequences import OwnedTable
+from appliance.engine.stats import RequestTimes
+from appliance.kinds.base import SequenceCall
+from appliance.kinds.live_speech import LiveTranscription
+from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.kinds.speech_languages import turn_taking
-from appliance.kinds.speech_shards import Span
+from appliance.kinds.speech_shards import ShardPlan, Span
 
 SHORT, LONG = Span(0, SAMPLE_RATE // 2, 0), Span(0, 3 * SAMPLE_RATE, 0)
 CONVERSATION = Options(conversation=("en", "pt"))
@@ -32,3 +45,63 @@ def test_whispers_detection_stands_without_a_turn_before_or_out_of_conversation_
     assert turn_taking([("es", 0.9), ("en", 0.8)], [LONG, SHORT], CONVERSATION) == [("es", 0.9), ("en", 0.8)]
     one_way = Options(transcribed=("en", "pt"), after="en")
     assert turn_taking([("en", 0.91)], [SHORT], one_way) == [("en", 0.91)]
+
+
+class EnglishSpeaker(LiveTranscription):
+    """A live speech model on LoudVad whose Whisper hears every span as English, its segments' languages
+    then given by the real turn-taking rule; each decode's language noted, in order."""
+
+    name = "whisper"
+
+    def __init__(self) -> None:
+        self.vad = cast(Any, LoudVad())
+        self.live = cast(Any, SimpleNamespace(config=SimpleNamespace(vad=VadConfig())))
+        self.clock = lambda: 0.0
+        self.sequences = OwnedTable(SequenceConfig)
+        self.decoded: list[str] = []
+
+    def check(self, options: Options) -> None:
+        pass
+
+    def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
+        return [ShardPlan([Span(*segment, 0)], segment[1] - segment[0])]
+
+    async def _decode(self, plan: ShardPlan, samples: np.ndarray, options: Options, *_: Any) -> list[Segment]:
+        [(language, _)] = turn_taking([("en", 0.9)], plan.spans, options)
+        self.decoded.append(language)
+        return [Segment(0.0, 1.0, "words", language)]
+
+
+def live_turns(model: EnglishSpeaker, *spans: tuple[float, float]) -> list[str]:
+    """(seconds, level) spans fed to a conversation-mode stream after an English turn, in 128 ms chunks,
+    decodes started ahead let run between them: the languages of the segments closed."""
+    frames = [np.full(round(s * SAMPLE_RATE / 512) * 512, level, np.float32) for s, level in spans]
+    audio, chunk = np.concatenate(frames), 4 * 512
+    options = Options(conversation=("en", "pt"), after="en")
+    rules = VadConfig(min_silence_ms=500)  # a pause inside a sentence does not end it
+
+    async def run() -> list[str]:
+        found = []
+        for at in range(0, len(audio), chunk):
+            call = SequenceCall("s", at == 0, at + chunk >= len(audio))
+            out = await model.live_chunk(audio[at : at + chunk], call, False, options, RequestTimes(), rules)
+            found += [s.language for _, segments in out.closed for s in segments]
+            for _ in range(5):
+                await asyncio.sleep(0)  # the decode ahead runs
+        return found
+
+    return asyncio.run(run())
+
+
+def test_a_sentences_first_words_before_a_pause_are_not_decoded_as_the_other_persons_turn() -> None:
+    """0.6 s of English, a 0.25 s pause inside the sentence, 1.5 s more: the decode started ahead at the
+    pause heard Whisper's language (told Portuguese, English was decoded as Portuguese: 1.4 s, looping)."""
+    model = EnglishSpeaker()
+    assert live_turns(model, (0.6, 0.5), (0.25, 0.0), (1.5, 0.5), (1.0, 0.0)) == ["en"]
+    assert len(model.decoded) >= 2 and set(model.decoded) == {"en"}, model.decoded  # the pause's decode ran
+
+
+def test_a_one_word_turn_decoded_ahead_untold_is_decoded_again_in_the_language_the_turns_tell() -> None:
+    model = EnglishSpeaker()
+    assert live_turns(model, (0.5, 0.5), (1.0, 0.0)) == ["pt"]
+    assert model.decoded == ["en", "pt"]  # ahead as Whisper heard it, then again at the close

@@ -129,18 +129,23 @@ class SegmentLanguages:
 
 def turn_taking(heard: list[tuple[str, float]], spans: list[Span], options: Options) -> list[tuple[str, float]]:
     """Each segment's language and its probability, in conversation mode with a short segment's taken
-    from the turns: two people take turns, so a segment whose speech (its span less the VAD's padding)
-    is too short for Whisper to tell (SHORT_TURN_S) is
-    in the other of the two languages than the speech before it (`options.after`, else the segment
-    before), told as a caller's language is (probability 1.0). Without speech before it, or after
-    speech in a third language, Whisper's detection stands."""
-    if len(options.conversation) != 2:
-        return heard
+    from the turns (`told_by_turns`), told as a caller's language is (probability 1.0)."""
     before, found = options.after, []
     for (language, probability), span in zip(heard, spans):
-        speech = span.end - span.start - 2 * options.padding
-        if speech < SHORT_TURN_S * SAMPLE_RATE and before in options.conversation:
-            language, probability = target_of(options.conversation, before), 1.0
+        told = told_by_turns(span.end - span.start, before, options)
+        if told is not None:
+            language, probability = told, 1.0
         found.append((language, probability))
         before = language
     return found
+
+
+def told_by_turns(length: int, before: str, options: Options) -> str | None:
+    """The language of a segment of `length` samples after speech in `before`, where conversation mode
+    tells it: two people take turns, so a segment whose speech (less the VAD's padding) is too short for
+    Whisper to tell (SHORT_TURN_S) is in the other of the two languages. None where Whisper's detection
+    stands: not conversation mode, a longer segment, no speech before it or speech in a third language."""
+    short = length - 2 * options.padding < SHORT_TURN_S * SAMPLE_RATE
+    if len(options.conversation) == 2 and short and before in options.conversation:
+        return target_of(options.conversation, before)
+    return None
