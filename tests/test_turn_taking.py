@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import numpy as np
+import pytest
 from test_live_units import LoudVad
 
 from appliance.config.sections import SequenceConfig, VadConfig
@@ -47,9 +48,15 @@ def test_whispers_detection_stands_without_a_turn_before_or_out_of_conversation_
     assert turn_taking([("en", 0.91)], [SHORT], one_way) == [("en", 0.91)]
 
 
-class EnglishSpeaker(LiveTranscription):
-    """A live speech model on LoudVad whose Whisper hears every span as English, its segments' languages
-    then given by the real turn-taking rule; each decode's language noted, in order."""
+# the language the stand-in Whisper detects in speech at each level (LoudVad hears anything above 0.1 as
+# speech); decoded in Japanese, it has no words
+HEARD_AS = {0.5: "en", 0.7: "pt", 0.3: "ja"}
+
+
+class TwoSpeakers(LiveTranscription):
+    """A live speech model on LoudVad whose Whisper hears speech by its level (HEARD_AS), its segments'
+    languages then given by the real turn-taking rule unless the caller named one; each decode's
+    language noted, in order."""
 
     name = "whisper"
 
@@ -67,17 +74,19 @@ class EnglishSpeaker(LiveTranscription):
         return [ShardPlan([Span(*segment, 0)], segment[1] - segment[0])]
 
     async def _decode(self, plan: ShardPlan, samples: np.ndarray, options: Options, *_: Any) -> list[Segment]:
-        [(language, _)] = turn_taking([("en", 0.9)], plan.spans, options)
-        self.decoded.append(language)
-        return [Segment(0.0, 1.0, "words", language)]
+        span = plan.spans[0]
+        heard = options.language or HEARD_AS[round(float(samples[span.start : span.end].max()), 1)]
+        if options.language is None:
+            [(heard, _)] = turn_taking([(heard, 0.9)], plan.spans, options)
+        self.decoded.append(heard)
+        return [] if heard == "ja" else [Segment(0.0, 1.0, "words", heard)]
 
 
-def live_turns(model: EnglishSpeaker, *spans: tuple[float, float]) -> list[str]:
-    """(seconds, level) spans fed to a conversation-mode stream after an English turn, in 128 ms chunks,
-    decodes started ahead let run between them: the languages of the segments closed."""
+def live_turns(model: TwoSpeakers, options: Options, *spans: tuple[float, float]) -> list[str]:
+    """(seconds, level) spans fed to a live stream, in 128 ms chunks, decodes started ahead let run
+    between them: the languages of the segments closed."""
     frames = [np.full(round(s * SAMPLE_RATE / 512) * 512, level, np.float32) for s, level in spans]
     audio, chunk = np.concatenate(frames), 4 * 512
-    options = Options(conversation=("en", "pt"), after="en")
     rules = VadConfig(min_silence_ms=500)  # a pause inside a sentence does not end it
 
     async def run() -> list[str]:
@@ -93,15 +102,39 @@ def live_turns(model: EnglishSpeaker, *spans: tuple[float, float]) -> list[str]:
     return asyncio.run(run())
 
 
+AFTER_ENGLISH = Options(conversation=("en", "pt"), after="en")  # conversation mode, an English turn before
+
+
 def test_a_sentences_first_words_before_a_pause_are_not_decoded_as_the_other_persons_turn() -> None:
     """0.6 s of English, a 0.25 s pause inside the sentence, 1.5 s more: the decode started ahead at the
     pause heard Whisper's language (told Portuguese, English was decoded as Portuguese: 1.4 s, looping)."""
-    model = EnglishSpeaker()
-    assert live_turns(model, (0.6, 0.5), (0.25, 0.0), (1.5, 0.5), (1.0, 0.0)) == ["en"]
+    model = TwoSpeakers()
+    assert live_turns(model, AFTER_ENGLISH, (0.6, 0.5), (0.25, 0.0), (1.5, 0.5), (1.0, 0.0)) == ["en"]
     assert len(model.decoded) >= 2 and set(model.decoded) == {"en"}, model.decoded  # the pause's decode ran
 
 
-def test_a_one_word_turn_decoded_ahead_untold_is_decoded_again_in_the_language_the_turns_tell() -> None:
-    model = EnglishSpeaker()
-    assert live_turns(model, (0.5, 0.5), (1.0, 0.0)) == ["pt"]
-    assert model.decoded == ["en", "pt"]  # ahead as Whisper heard it, then again at the close
+@pytest.mark.parametrize(
+    ("level", "decoded"),
+    [
+        (0.5, ["en", "pt"]),  # heard ahead as English: decoded again, told Portuguese by the turns
+        (0.3, ["ja", "pt"]),  # heard ahead as Japanese (base on "Não."), no words: again, told
+        (0.7, ["pt"]),  # heard ahead as the turns tell it: that decode is the turn's
+    ],
+)
+def test_a_one_word_turn_is_in_the_language_the_turns_tell_decoded_again_only_where_heard_otherwise(
+    level: float, decoded: list[str]
+) -> None:
+    model = TwoSpeakers()
+    assert live_turns(model, AFTER_ENGLISH, (0.5, level), (1.0, 0.0)) == ["pt"]
+    assert model.decoded == decoded  # ahead as Whisper heard it, then again at the close where it differs
+
+
+@pytest.mark.parametrize(
+    "options",
+    [Options("en", conversation=("en", "pt"), after="en"), Options(transcribed=("en", "pt"), after="en")],
+    ids=["language-named", "one-way"],
+)
+def test_a_one_word_turn_is_decoded_once_where_no_turns_tell_its_language(options: Options) -> None:
+    model = TwoSpeakers()
+    assert live_turns(model, options, (0.5, 0.5), (1.0, 0.0)) == ["en"]
+    assert model.decoded == ["en"]

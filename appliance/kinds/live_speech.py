@@ -165,7 +165,7 @@ class LiveTranscription:
                     )
                     stream.partial.add_done_callback(functools.partial(_partial_ended, stream))
             elif partial and speaking:
-                found = await self._decode_live(stream, audio, base, (open_start, stream.position), times)
+                found = await self._decode_live(stream, audio, base, (open_start, stream.position), times, False)
                 text = " ".join(s.text for s in found)
             # keep only what a segment still to come can include: after a closed segment its padded
             # end, in silence the VAD's padding, so a chunk's cost does not grow with the stream's age
@@ -190,7 +190,7 @@ class LiveTranscription:
         if stream.ahead is not None and stream.ahead[0] == span:
             task, stream.ahead = stream.ahead[1], None
             turn = await task
-            if told is not None and any(s.language != told for s in turn):  # decoded ahead untold: again
+            if told is not None and (not turn or any(s.language != told for s in turn)):  # heard untold: again
                 turn = await self._decode_live(stream, audio, base, span, times)
         else:
             turn = await self._decode_live(stream, audio, base, span, times)

@@ -143,9 +143,10 @@ def turn_taking(heard: list[tuple[str, float]], spans: list[Span], options: Opti
 def told_by_turns(length: int, before: str, options: Options) -> str | None:
     """The language of a segment of `length` samples after speech in `before`, where conversation mode
     tells it: two people take turns, so a segment whose speech (less the VAD's padding) is too short for
-    Whisper to tell (SHORT_TURN_S) is in the other of the two languages. None where Whisper's detection
-    stands: not conversation mode, a longer segment, no speech before it or speech in a third language."""
+    Whisper to tell (SHORT_TURN_S) is in the other of the two languages. None where the caller named the
+    language, and where Whisper's detection stands: not conversation mode, a longer segment, no speech
+    before it or speech in a third language."""
     short = length - 2 * options.padding < SHORT_TURN_S * SAMPLE_RATE
-    if len(options.conversation) == 2 and short and before in options.conversation:
+    if options.language is None and len(options.conversation) == 2 and short and before in options.conversation:
         return target_of(options.conversation, before)
     return None
