@@ -19,12 +19,14 @@ from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessag
 
 from appliance.api.realtime_session import Audio, Commit, TranscriptionSession
 from appliance.api.realtime_settings import default_settings
+from appliance.api.wyoming_voice import Follower
 from appliance.config import WebSocketConfig
 from appliance.config.sections import SequenceConfig, VadConfig
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, TooManyRequests
 from appliance.kinds.base import SequenceCall
+from appliance.kinds.capabilities import VoiceHeard
 from appliance.kinds.heard import Heard
 from appliance.kinds.live_speech import LiveTranscription
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
@@ -427,3 +429,41 @@ def test_a_chunk_sent_while_the_streams_last_one_is_heard_is_refused_and_no_audi
 
     start, end = asyncio.run(run())
     assert end - start >= 2 * 32 * 512, (start, end)  # both chunks' speech, in one segment
+
+
+class SpeakingRecording:
+    """A recording whose VAD has heard `heard` samples of speech from its start, still going on."""
+
+    def __init__(self, heard: int) -> None:
+        self.heard = heard
+
+    def voice(self) -> VoiceHeard:
+        return VoiceHeard(True, 0, 0, self.heard)
+
+
+@pytest.mark.parametrize(
+    ("error", "logged"), [(RuntimeError("a bug of ours"), True), (TooManyRequests("queue full"), False)]
+)
+def test_a_failed_decode_of_the_text_so_far_is_logged_where_it_is_ours(
+    error: Exception, logged: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Wyoming's text so far is decoded behind the stream and may be dropped: a failure of ours is an
+    ERROR with its traceback (it was swallowed), a refusal is the client's to see at audio-stop."""
+
+    async def transcribe(samples: np.ndarray) -> AsyncGenerator[Segment, None]:
+        raise error
+        yield  # an async generator
+
+    async def run() -> None:
+        audio = [np.zeros(2 * SAMPLE_RATE, np.float32)]
+        follower = Follower(SpeakingRecording(2 * SAMPLE_RATE), audio, transcribe)
+        follower.heard_more(None)
+        assert follower.partial is not None  # started behind the stream
+        await asyncio.wait([follower.partial])
+
+    with caplog.at_level("ERROR", logger="appliance"):
+        asyncio.run(run())
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [(r.getMessage(), r.exc_info is not None) for r in errors] == (
+        [("a decode started ahead of its stream (wyoming-partial) failed", True)] if logged else []
+    )

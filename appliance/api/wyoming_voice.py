@@ -1,5 +1,5 @@
 """Wyoming's voice activity and streamed transcript on one transcription stream, from what the box's
-VAD hears of it as it arrives (LiveTranscriber.hear: Silero on the recording at the pace of speech):
+VAD hears of it as it arrives (Heard, kinds/heard.py: Silero on the recording at the pace of speech):
 
     voice-started   where the speech begins (ms from audio-start), once it is long enough to be kept
     voice-stopped   where it ended, once STOP_SILENCE of silence followed (Home Assistant's default
@@ -30,6 +30,7 @@ from wyoming.vad import VoiceStarted, VoiceStopped
 from appliance.api.agreement import LocalAgreement
 from appliance.api.wyoming_audio import SAMPLE_RATE
 from appliance.kinds.capabilities import HeardRecording
+from appliance.kinds.heard import consume_error
 from appliance.kinds.speech_api import Segment
 from appliance.kinds.streaming import whole
 
@@ -89,7 +90,7 @@ class Follower:
             assert self.transcribe is not None
             audio = np.concatenate(self.audio)[max(0, self.first_speech - PARTIAL_PAD) : voice.heard]
             self.partial = asyncio.get_running_loop().create_task(whole(self.transcribe(audio)), name="wyoming-partial")
-            self.partial.add_done_callback(_consume_error)
+            self.partial.add_done_callback(consume_error)
             self.partial_to = voice.heard
         return events
 
@@ -128,8 +129,3 @@ class Follower:
         if self.partial is not None:
             self.partial.cancel()
             self.partial = None
-
-
-def _consume_error(task: asyncio.Task[list[Segment]]) -> None:
-    if not task.cancelled():
-        task.exception()  # a dropped decode's error matters to no one

@@ -184,10 +184,11 @@ class Heard:
 
 
 def consume_error(task: asyncio.Task[list[Segment]]) -> None:
-    """A decode started ahead that nobody awaits any more: its refusal (a full queue, an expired
-    sequence) is the client's to see when the stream ends; any other failure is ours, logged."""
+    """A decode started ahead or behind a stream (its text so far) that nobody may await any more: its
+    refusal (a full queue, an expired sequence) is the client's to see at the stream's end; any other
+    failure is ours, logged with its traceback."""
     if task.cancelled():
         return
     error = task.exception()
     if error is not None and not isinstance(error, ApiError):
-        log.error("a live stream's decode ahead failed", exc_info=error)
+        log.error("a decode started ahead of its stream (%s) failed", task.get_name(), exc_info=error)
