@@ -16,6 +16,7 @@ through the same members (submit, fill, run_steps, finish, busy, waiting, max_ba
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from appliance.engine.interface import Engine
-from appliance.engine.scheduler import Sequence, failed_batch
+from appliance.engine.scheduler import Sequence
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import Unavailable
 from appliance.firmware import StatePair
@@ -44,6 +45,9 @@ class Job:
     def shape_key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         """What must agree for two jobs to share an engine call: every input's shape past the batch axis."""
         return tuple((name, array.shape[1:], array.dtype.str) for name, array in sorted(self.feeds.items()))
+
+
+log = logging.getLogger("appliance.engine")
 
 
 class DynamicBatcher:
@@ -116,7 +120,8 @@ class DynamicBatcher:
             inferred = time.perf_counter_ns()
             self._split(jobs, outputs)
         except Exception as exc:  # an engine failure fails this batch, not the daemon
-            error = failed_batch(self.engine, exc, len(jobs))
+            log.debug("engine %s failed a batch", self.engine.name, exc_info=True)  # its 500 is logged
+            error = Unavailable(f"engine {self.engine.name} failed: {exc}", 500)
             return [(job, error) for job in jobs]
         done = time.perf_counter_ns()
         input_ns, infer_ns, output_ns = inputs_ready - started, inferred - inputs_ready, done - inferred

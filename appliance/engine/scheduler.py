@@ -184,7 +184,8 @@ class Batcher:
                 inferred = time.perf_counter_ns()
                 probs = self.model.absorb(sequences, feeds, out)
             except Exception as exc:  # an engine failure fails this batch, not the daemon
-                error = failed_batch(self.model.engine, exc, len(active))
+                log.debug("engine %s failed a batch", self.model.engine.name, exc_info=True)  # its 500 is logged
+                error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
                 failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()
                 return failed
@@ -217,10 +218,3 @@ class Batcher:
         works = [*self._active, *self._urgent, *self._bulk]
         self._active, self._urgent, self._bulk = [], deque(), deque()
         self.finish([(work, error) for work in works])
-
-
-def failed_batch(engine: Engine, exc: Exception, rows: int) -> Unavailable:
-    """An engine's failure on one call: ours, so logged once with its traceback (each request of the
-    batch is answered a 500 naming the engine, with no traceback of its own)."""
-    log.error("engine %s failed a batch of %d", engine.name, rows, exc_info=exc)
-    return Unavailable(f"engine {engine.name} failed: {exc}", 500)
