@@ -465,5 +465,5 @@ def test_a_failed_decode_of_the_text_so_far_is_logged_where_it_is_ours(
         asyncio.run(run())
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [(r.getMessage(), r.exc_info is not None) for r in errors] == (
-        [("a decode started ahead of its stream (wyoming-partial) failed", True)] if logged else []
+        [("a decode run beside its stream (wyoming-partial) failed", True)] if logged else []
     )

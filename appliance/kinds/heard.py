@@ -191,4 +191,4 @@ def consume_error(task: asyncio.Task[list[Segment]]) -> None:
         return
     error = task.exception()
     if error is not None and not isinstance(error, ApiError):
-        log.error("a decode started ahead of its stream (%s) failed", task.get_name(), exc_info=error)
+        log.error("a decode run beside its stream (%s) failed", task.get_name(), exc_info=error)
