@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -25,8 +24,6 @@ from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment,
 from appliance.kinds.speech_languages import told_by_turns
 from appliance.kinds.speech_shards import ShardPlan
 from appliance.kinds.vad import VadModel
-
-log = logging.getLogger("appliance")
 
 # the speech heard between decodes of a segment's text so far behind the stream (and before the first)
 PARTIAL_GAP = SAMPLE_RATE
@@ -165,7 +162,9 @@ class LiveTranscription:
                     )
                     stream.partial.add_done_callback(functools.partial(_partial_ended, stream))
             elif partial and speaking:
-                found = await self._decode_live(stream, audio, base, (open_start, stream.position), times, False)
+                found = await self._decode_live(
+                    stream, audio, base, (open_start, stream.position), times, by_turns=False
+                )
                 text = " ".join(s.text for s in found)
             # keep only what a segment still to come can include: after a closed segment its padded
             # end, in silence the VAD's padding, so a chunk's cost does not grow with the stream's age
@@ -186,10 +185,10 @@ class LiveTranscription:
         """A closed segment's text: the decode started before the close, where it was of this very span
         and heard in the language the turns tell it, if they do. Its language is the speech before the
         stream's next turns (speech_languages.turn_taking)."""
-        told = told_by_turns(span[1] - span[0], stream.options.after, stream.options)
         if stream.ahead is not None and stream.ahead[0] == span:
             task, stream.ahead = stream.ahead[1], None
             turn = await task
+            told = told_by_turns(span[1] - span[0], stream.options.after, stream.options)
             if told is not None and (not turn or any(s.language != told for s in turn)):  # heard untold: again
                 turn = await self._decode_live(stream, audio, base, span, times)
         else:
@@ -211,7 +210,7 @@ class LiveTranscription:
             task = asyncio.get_running_loop().create_task(
                 self._decode_live(stream, audio, base, heard, RequestTimes(), by_turns=False), name="live-ahead"
             )
-            task.add_done_callback(consume_error)  # a dropped one's error matters to no one
+            task.add_done_callback(consume_error)  # a dropped one's failure is still logged where it is ours
             stream.ahead = (closing, task)
 
     async def _decode_live(
