@@ -67,6 +67,17 @@ def accumulator(path: Path) -> Path:
     return save(graph, path)
 
 
+def pairwise_sum(path: Path) -> Path:
+    """y = a + b, each [batch, n]: a free dimension the graph names for both inputs."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["y"])],
+        "pairwise_sum",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "n"]) for name in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "n"])],
+    )
+    return save(graph, path)
+
+
 def fails_at_run(path: Path) -> Path:
     """Loads, but cannot run: a [batch, 4] input reshaped to 3 elements."""
     graph = helper.make_graph(
@@ -100,6 +111,7 @@ def graphs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "mlp": integer_mlp(work / "mlp.onnx"),
         "accumulator": accumulator(work / "acc.onnx"),
         "broken": fails_at_run(work / "broken.onnx"),
+        "pairwise": pairwise_sum(work / "pairwise.onnx"),
     }
 
 
@@ -118,6 +130,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, keys: Keys, graphs: dict[st
     tables += model_table(
         "accumulator", graphs["accumulator"], 'state = [{ input = "total_in", output = "total_out", batch_axis = 0 }]\n'
     )
+    tables += model_table("pairwise", graphs["pairwise"])
     build(keys, work / "bundle", tables)
     daemon = Daemon(work, work / "bundle", keys.trusted, "[engine]\nqueue_delay_us = 3000\n").wait_ready()
     yield daemon
@@ -217,6 +230,20 @@ def test_inputs_that_do_not_fit_the_graph_are_a_400(served: Daemon, inputs: dict
         status, answer = post_infer(c, "mlp", inputs)
         assert (status, answer["error"]) == (400, message)
         assert post_infer(c, "mlp", {"x": np.ones((1, 8), np.int32)})[0] == 200
+
+
+def test_inputs_disagreeing_on_a_dimension_the_graph_names_for_both_are_a_400(served: Daemon) -> None:
+    """The graph names a's and b's second dimension alike ("n"): a request where they differ is the
+    client's mistake, named, not the engine's failure (it was a 500 from ONNX Runtime)."""
+    a, b = np.ones((2, 3), np.float32), np.full((2, 4), 2.0, np.float32)
+    with served.client() as c:
+        status, answer = post_infer(c, "pairwise", {"a": a, "b": b})
+        assert (status, answer["error"]) == (
+            400,
+            "inputs 'a' and 'b' of model 'pairwise' disagree on dimension 'n': 3 and 4",
+        )
+        status, answer = post_infer(c, "pairwise", {"a": a, "b": b[:, :3]})
+    assert status == 200 and outputs_of(answer)["y"].tolist() == [[3.0] * 3] * 2
 
 
 def test_a_stateful_graph_keeps_each_sequences_state(served: Daemon) -> None:

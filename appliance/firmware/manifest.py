@@ -55,6 +55,8 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    # the graph's names of its free dimensions ("" where fixed or unnamed): tensors sharing a name must agree
+    dim_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +192,9 @@ def read_baked(r: Reader) -> Baked:
 
 
 def _read_tensor(r: Reader) -> TensorSpec:
-    spec = TensorSpec(r.get("name", str), r.get("datatype", str), tuple(r.get("shape", list)))
+    spec = TensorSpec(
+        r.get("name", str), r.get("datatype", str), tuple(r.get("shape", list)), tuple(r.get("dim_names", list, []))
+    )
     r.done()
     if spec.datatype not in DATATYPES:
         raise ApplianceError(f"{r.where}.datatype: unknown datatype {spec.datatype!r}")

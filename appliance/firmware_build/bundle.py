@@ -129,18 +129,20 @@ def _copy_model(m: Reader, name: str, spec_path: Path, staging: Path, progress: 
 
 
 def graph_tensors(model_path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The graph's inputs (initializers excluded) and outputs, as KServe tensors (-1: a free dimension)."""
+    """The graph's inputs (initializers excluded) and outputs, as KServe tensors (-1: a free dimension,
+    with the name the graph gives it)."""
     graph = onnx.load(str(model_path), load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}
 
     def tensor(value: onnx.ValueInfoProto) -> TensorSpec:
         kind = value.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim)
+        names = tuple("" if d.HasField("dim_value") else d.dim_param for d in kind.shape.dim)
         if kind.elem_type == onnx.TensorProto.STRING:
-            return TensorSpec(value.name, "BYTES", dims)
+            return TensorSpec(value.name, "BYTES", dims, names)
         numpy_type = onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type).name
         datatype = next((k for k, v in DATATYPES.items() if v == numpy_type), f"unsupported:{numpy_type}")
-        return TensorSpec(value.name, datatype, dims)
+        return TensorSpec(value.name, datatype, dims, names)
 
     inputs = tuple(tensor(i) for i in graph.input if i.name not in initializers)
     return inputs, tuple(tensor(o) for o in graph.output)

@@ -222,6 +222,7 @@ class OnnxModel(EngineModel):
                 raise BadRequest(f"model {self.name}: a request carries at least one row, got 0")
             if self.stateful and count != 1:
                 raise BadRequest(f"model {self.name} keeps state per sequence: a request carries one row, got {count}")
+        check_named_dims(self.name, self.inputs, feeds)
         return feeds
 
 
@@ -236,6 +237,21 @@ def check_input_names(model: str, expected: list[str], given: Mapping[str, objec
             f"expected {len(expected)} inputs but got {len(given)} inputs for model '{model}'. "
             f"Got input(s) {sorted(given)}, but missing required input(s) {missing}. Please provide all required input(s)."
         )
+
+
+def check_named_dims(model: str, inputs: list[TensorSpec], feeds: Mapping[str, np.ndarray]) -> None:
+    """Free dimensions the graph names alike take one size in a request: the engine would fail on them."""
+    seen: dict[str, tuple[str, int]] = {}
+    for tensor in inputs:
+        for dim_name, size in zip(tensor.dim_names, feeds[tensor.name].shape):
+            if not dim_name:
+                continue
+            first, first_size = seen.setdefault(dim_name, (tensor.name, size))
+            if size != first_size:
+                raise BadRequest(
+                    f"inputs '{first}' and '{tensor.name}' of model '{model}' disagree on dimension "
+                    f"'{dim_name}': {first_size} and {size}"
+                )
 
 
 def _dims(shape: tuple[int, ...] | list[int]) -> str:
