@@ -35,8 +35,9 @@ by one `error` event and the connection closes; a client that disconnects mid-st
 Concurrent clients' recordings share engine calls (the speech_to_text batch queue), where
 wyoming-faster-whisper holds a lock per model.
 
-Here the connections: their admission and each one's loop. An event read with its bounds, and the
-error that closes a connection: wyoming_events.py; each event's answer: wyoming_handler.py (a
+Here the connections: their admission and each one's loop. Events read from bytes with their bounds
+and deadlines (sans I/O): wyoming_codec.py; its pump, writes and the error that closes a connection:
+wyoming_events.py; each event's answer: wyoming_handler.py (a
 stream's PCM in: wyoming_audio.py); TCP and its mDNS announcement: wyoming_lan.py.
 """
 
@@ -46,6 +47,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,16 +60,8 @@ from zeroconf.asyncio import AsyncZeroconf
 
 from appliance.api.access import wyoming_allow
 from appliance.api.metrics import Metrics
-from appliance.api.wyoming_events import (
-    MAX_HEADER_BYTES,
-    Bounds,
-    WriteTimeout,
-    WyomingError,
-    close_with_error,
-    cut_off,
-    read_event,
-    write_event,
-)
+from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
+from appliance.api.wyoming_events import WriteTimeout, close_with_error, cut_off, read_event, write_event
 from appliance.api.wyoming_handler import WyomingHandler
 from appliance.api.wyoming_lan import Serve, listen_tcp
 from appliance.config import Config, Live, WyomingConfig
@@ -133,25 +127,26 @@ async def serve_client(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     stopping: asyncio.Event,
+    clock: Callable[[], float],
 ) -> None:
-    """The connection's events until it ends; at the daemon's stop it closes with an error event once
-    nothing is under way (a wake word's listening is not: it only waits for speech)."""
+    """The connection's events until it ends, read within their deadlines on `clock`; at the daemon's
+    stop it closes with an error event once nothing is under way (a wake word's listening is not: it only
+    waits for speech)."""
 
     async def send(event: Event) -> None:
-        await write_event(event, writer, bounds.write_s)  # drains: a client that reads nothing is cut off
+        await write_event(event, writer, bounds.write_s, clock)  # drains: a client that reads nothing is cut off
 
     reading: asyncio.Future[Event | None] | None = None
+    events = EventReader(bounds, clock())
     try:
-        idle_s = bounds.header_s  # a new connection's first event comes as soon as a new HTTP one's request
         while True:
-            reading = asyncio.ensure_future(read_event(reader, bounds, idle_s))
+            reading = asyncio.ensure_future(read_event(reader, events, clock))
             if not await received(reading, stopping, handler.idle):
                 raise WyomingError(
                     "the box is stopping: connect again, to another box if there is one", code="stopping"
                 )
             if (event := reading.result()) is None:
                 break
-            idle_s = bounds.idle_s
             try:
                 for answer in await handler.handle(event, send):
                     await send(answer)
@@ -168,7 +163,7 @@ async def serve_client(
         if reading is not None and not reading.done():  # the stop's: the goodbye's linger reads next
             reading.cancel()
             await asyncio.wait([reading])
-        await close_with_error(exc, client, reader, writer, bounds.write_s)
+        await close_with_error(exc, client, reader, writer, bounds.write_s, clock=clock)
     except WriteTimeout as exc:
         cut_off(exc, client, writer)
     except (ConnectionError, asyncio.IncompleteReadError):
@@ -251,6 +246,7 @@ class Serving:
     draining: Callable[[], bool]
     budget: ByteBudget
     stopping: asyncio.Event  # set at the daemon's stop (api/core.py's)
+    clock: Callable[[], float] = time.monotonic  # times every connection's deadlines
     connections: int = 0  # being served now, on both listeners: a stop waits for them (each closes once idle)
 
     def client(self, admission: Admission) -> Serve:
@@ -267,14 +263,16 @@ class Serving:
             if refusal:
                 try:
                     with admission.refusing(config.wyoming) as linger:
-                        await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger)
+                        await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger, self.clock)
                 finally:
                     writer.close()
                 return
             self.connections += 1
             try:
                 with admission.held(peer):
-                    await serve_client(self._handler(bounds, peer), bounds, peer, reader, writer, self.stopping)
+                    await serve_client(
+                        self._handler(bounds, peer), bounds, peer, reader, writer, self.stopping, self.clock
+                    )
             finally:
                 self.connections -= 1
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from wyoming.audio import AudioChunk, AudioStart
 
-from appliance.api.wyoming_events import WyomingError
+from appliance.api.wyoming_codec import WyomingError
 from appliance.audio import StreamResampler, pcm16, to_pcm16
 from appliance.errors import BadRequest
 from appliance.protocol.limits import ByteBudget, Held

@@ -27,7 +27,8 @@ from wyoming.wake import Detect
 
 from appliance import __version__
 from appliance.api.wyoming_audio import PcmIn, Recording
-from appliance.api.wyoming_events import WyomingError, read_as
+from appliance.api.wyoming_codec import WyomingError
+from appliance.api.wyoming_events import read_as
 from appliance.api.wyoming_noise import denoiser
 from appliance.api.wyoming_voice import Follower
 from appliance.api.wyoming_wake import WakeListening, wake_programs

@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 import ifaddr
 
 from appliance.api.metrics import Metrics
-from appliance.api.wyoming_events import WyomingError, close_with_error
+from appliance.api.wyoming_codec import WyomingError
+from appliance.api.wyoming_events import close_with_error
 from appliance.config import Live
 from appliance.networks import Network, cidrs, within
 from appliance.protocol.proxied import ORIGIN, BadHeader, checked, from_proxy, origin_from

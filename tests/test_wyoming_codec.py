@@ -1,0 +1,232 @@
+"""Wyoming's events read from bytes (appliance/api/wyoming_codec.py), sans I/O: the bytes fed as a
+connection might cut them, the deadlines on a clock the test holds (no real time enters a verdict), the
+bounds before anything is read into memory. Its pump, and the writes' deadline, on real asyncio streams
+at the end; the same
+bounds are attacked end to end on a real daemon in test_wyoming.py."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+
+import pytest
+from wyoming.audio import AudioChunk
+from wyoming.event import Event
+from wyoming.event import write_event as write_sync
+from wyoming.info import Describe
+
+from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
+from appliance.api.wyoming_events import WriteTimeout, read_event, write_event
+
+BOUNDS = Bounds(max_payload=4096, max_samples=16000, idle_s=4.0, header_s=2.0, quiet_s=1.0, write_s=5.0)
+
+
+def encoded(*events: Event) -> bytes:
+    """Events as the wyoming library writes them (a chunk's data goes in its own part: data_length)."""
+    out = io.BytesIO()
+    for event in events:
+        write_sync(event, out)
+    return out.getvalue()
+
+
+def chunk(payload: bytes) -> Event:
+    return AudioChunk(rate=16000, width=2, channels=1, audio=payload).event()
+
+
+def events_of(reader: EventReader, now: float = 0.0) -> list[Event]:
+    found = []
+    while (event := reader.next_event(now)) is not None:
+        found.append(event)
+    return found
+
+
+def test_events_cut_anywhere_come_out_whole_and_in_order() -> None:
+    """Byte by byte, or three events in one read: the same events, data merged from its part."""
+    sent = [Describe().event(), chunk(bytes(range(200)) * 3), Event("ping", {"text": "é"})]
+    wire = encoded(*sent)
+    assert b'"data_length"' in wire  # the library's data part is read, not only the header's data
+    reader = EventReader(BOUNDS, 0.0)
+    got: list[Event] = []
+    for byte in wire:
+        reader.feed(bytes([byte]), 0.0)
+        got += events_of(reader)
+    whole = EventReader(BOUNDS, 0.0)
+    whole.feed(wire, 0.0)
+    for received in (got, events_of(whole)):
+        assert [(e.type, e.data, e.payload) for e in received] == [(e.type, e.data, e.payload) for e in sent]
+    reader.feed(b"", 0.0)
+    assert reader.next_event(0.0) is None and reader.finished
+
+
+@pytest.mark.parametrize(
+    "wire, message",
+    [
+        (b'{"type": "ping"', "the connection ended inside an event header"),
+        (b'{"type": "audio-chunk", "payload_length": 10}\n' + bytes(4), "the connection ended inside an event"),
+    ],
+)
+def test_a_stream_ending_inside_an_event_is_an_error(wire: bytes, message: str) -> None:
+    reader = EventReader(BOUNDS, 0.0)
+    reader.feed(wire, 0.0)
+    assert reader.next_event(0.0) is None and not reader.finished
+    reader.feed(b"", 0.0)
+    with pytest.raises(WyomingError, match=message):
+        reader.next_event(0.0)
+
+
+@pytest.mark.parametrize(
+    "header, message, code",
+    [
+        (b"this is not json\n", "an event header is not JSON", "protocol"),
+        (b'["ping"]\n', "a JSON object with a string 'type'", "protocol"),
+        (b'{"type": 5}\n', "a JSON object with a string 'type'", "protocol"),
+        (b'{"type": "ping", "data": [1]}\n', "data must be an object", "payload_too_large"),
+        (b'{"type": "audio-chunk", "payload_length": 4097}\n', "integers of at most 4096", "payload_too_large"),
+        (b'{"type": "ping", "data_length": -1}\n', "integers of at most 4096", "payload_too_large"),
+        (b'{"type": "ping", "data_length": 3}\n[1]', "an event's data is a JSON object", "protocol"),
+        (b'{"type": "ping", "data_length": 3}\n{x}', "an event's data is not JSON", "protocol"),
+    ],
+)
+def test_a_broken_event_names_what_is_wrong(header: bytes, message: str, code: str) -> None:
+    reader = EventReader(BOUNDS, 0.0)
+    reader.feed(header, 0.0)
+    with pytest.raises(WyomingError, match=message) as raised:
+        reader.next_event(0.0)
+    assert raised.value.code == code
+
+
+def test_nothing_past_a_bound_is_asked_for_and_a_long_header_line_is_refused_before_its_end() -> None:
+    """The pump reads what `wanted` says: never more than a header line's bound before its newline, nor
+    past the payload the header announced."""
+    reader = EventReader(BOUNDS, 0.0)
+    assert reader.wanted() == MAX_HEADER_BYTES + 1
+    reader.feed(b"x" * 1000, 0.0)
+    assert reader.next_event(0.0) is None and reader.wanted() == MAX_HEADER_BYTES + 1 - 1000
+    reader.feed(b"x" * reader.wanted(), 0.0)  # no newline yet: the line is already past the bound
+    with pytest.raises(WyomingError, match=f"over {MAX_HEADER_BYTES} bytes") as raised:
+        reader.next_event(0.0)
+    assert raised.value.limit == "header_too_large"
+    reader = EventReader(BOUNDS, 0.0)
+    reader.feed(b'{"type": "audio-chunk", "payload_length": 4000}\n' + bytes(1000), 0.0)
+    assert reader.next_event(0.0) is None and reader.wanted() == 3000
+
+
+def expires(reader: EventReader) -> tuple[float, str]:
+    due, error = reader.due()
+    return due, error.limit
+
+
+def test_each_part_of_an_event_has_its_deadline_on_the_clock() -> None:
+    """The first event is begun within header_s, later ones within idle_s of the last; a header line is
+    whole within header_s of its first byte however it trickles; a payload may go quiet for quiet_s, each
+    byte starting that again."""
+    reader = EventReader(BOUNDS, 100.0)
+    assert expires(reader) == (102.0, "idle_timeout")  # a new connection's first event: header_s
+    reader.feed(b'{"type": ', 101.5)
+    assert expires(reader) == (103.5, "header_timeout")
+    reader.feed(b'"audio-chunk", ', 103.0)  # a trickle does not move the header's deadline
+    assert expires(reader) == (103.5, "header_timeout")
+    reader.feed(b'"payload_length": 4}\n', 103.4)
+    assert reader.next_event(103.4) is None
+    assert expires(reader) == (104.4, "payload_timeout")  # the body: quiet_s from the header's end
+    reader.feed(b"\0", 104.3)
+    assert expires(reader) == (105.3, "payload_timeout")  # each byte of it starts the quiet time again
+    reader.feed(b"\0\0\0", 105.0)
+    assert reader.next_event(105.0) is not None
+    assert expires(reader) == (109.0, "idle_timeout")  # then the next event: idle_s from this one
+    reader.feed(b'{"type": "ping"}\n{"ty', 106.0)
+    assert reader.next_event(106.5) is not None
+    assert expires(reader) == (108.5, "header_timeout")  # the next one begun in the same read: its header
+    _, error = reader.due()
+    assert str(error) == "an event header not complete within 2 s"
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_pump_gives_events_as_they_come_and_a_cancel_loses_nothing() -> None:
+    """read_event on a real stream: an event whose header came before a cancel is whole after it."""
+
+    async def run() -> None:
+        stream = asyncio.StreamReader()
+        clock = Clock(0.0)
+        events = EventReader(BOUNDS, clock())
+        wire = encoded(chunk(bytes(8)), Event("ping"))
+        stream.feed_data(wire[:10])
+        reading = asyncio.ensure_future(read_event(stream, events, clock))
+        await asyncio.sleep(0)
+        assert not reading.done()
+        reading.cancel()
+        await asyncio.wait([reading])
+        stream.feed_data(wire[10:])
+        stream.feed_eof()
+        first = await read_event(stream, events, clock)
+        assert first is not None and first.type == "audio-chunk" and first.payload == bytes(8)
+        second = await read_event(stream, events, clock)
+        assert second is not None and second.type == "ping"
+        assert await read_event(stream, events, clock) is None
+
+    asyncio.run(run())
+
+
+def test_the_pump_ends_a_part_when_the_clock_passes_its_deadline_not_the_loops_time() -> None:
+    """The loop's time only wakes the pump (quiet_s here is 50 ms of it); the clock says whether the part
+    has expired: a payload waited for past the loop's 50 ms, its clock not moved, is still read whole;
+    with the clock moved past quiet_s, the pump's read ends with the part's error."""
+    quick = Bounds(max_payload=4096, max_samples=16000, idle_s=4.0, header_s=2.0, quiet_s=0.05, write_s=5.0)
+
+    async def run() -> None:
+        stream = asyncio.StreamReader()
+        clock = Clock(0.0)
+        events = EventReader(quick, clock())
+        stream.feed_data(json.dumps({"type": "audio-chunk", "payload_length": 4}).encode() + b"\n\0")
+        reading = asyncio.ensure_future(read_event(stream, events, clock))
+        await asyncio.sleep(0.3)  # six of the loop's quiet times, none of the clock's
+        assert not reading.done()
+        stream.feed_data(bytes(3))
+        assert (await reading).payload == bytes(4)  # type: ignore[union-attr]
+        stream.feed_data(json.dumps({"type": "audio-chunk", "payload_length": 4}).encode() + b"\n\0")
+        reading = asyncio.ensure_future(read_event(stream, events, clock))
+        await asyncio.sleep(0)
+        clock.now = 0.06
+        with pytest.raises(WyomingError, match="payload stalled for 0.05 s"):
+            await reading
+
+    asyncio.run(run())
+
+
+def test_a_write_the_client_takes_nothing_of_ends_when_the_clock_passes_its_deadline() -> None:
+    """write_event's deadline on the clock (50 ms of the loop's time only wake it): a client that takes
+    nothing is waited for while the clock stays; one that takes some of it starts the deadline again;
+    past it, with nothing taken, a WriteTimeout."""
+
+    async def run() -> None:
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        _, writer = await asyncio.open_connection(sock=ours)
+        clock = Clock(0.0)
+        big = Event("audio-chunk", {"rate": 16000, "width": 2, "channels": 1}, payload=bytes(8 << 20))
+        writing = asyncio.ensure_future(write_event(big, writer, 0.05, clock))
+        await asyncio.sleep(0.3)  # six of the loop's write timeouts, none of the clock's
+        assert not writing.done()
+        clock.now = 0.04
+        taken = theirs.recv(1 << 20)  # the client takes some: the deadline runs from the next look
+        assert taken
+        await asyncio.sleep(0.2)
+        clock.now = 0.08  # past 50 ms from the write, not from what was taken
+        await asyncio.sleep(0.2)
+        assert not writing.done()
+        clock.now = 0.2
+        with pytest.raises(WriteTimeout, match="it took nothing the box sent for 0.05 s"):
+            await writing
+        writer.transport.abort()
+        theirs.close()
+
+    asyncio.run(run())
