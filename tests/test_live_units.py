@@ -319,6 +319,38 @@ def test_a_transcription_ahead_that_fails_after_the_end_gives_way_to_the_whole_r
     assert len(calls) == 2 and text == str(calls[-1]) == str(len(sound(*SAID)))
 
 
+def test_a_transcription_ahead_that_fails_by_our_fault_after_the_end_is_the_requests_failure_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Taken at the end and awaited, a decode ahead's own failure is the request's (its 500 logs it):
+    not logged a second time as a decode that nobody awaits."""
+
+    async def run() -> None:
+        model, calls = heard_model(0.1)
+        failed = asyncio.Event()
+
+        async def transcribe(samples: np.ndarray, options: Options) -> AsyncGenerator[Segment, None]:
+            calls.append(len(samples))
+            await failed.wait()
+            raise RuntimeError("a bug of ours")
+            yield  # an async generator
+
+        model.transcribe = transcribe
+        heard, recording = Heard(model, Options(None), "client"), sound(*SAID)
+        for at in range(0, len(recording), SAMPLE_RATE // 10):
+            await heard.feed(recording[at : at + SAMPLE_RATE // 10])
+            await asyncio.sleep(0)
+        assert calls  # the decode ahead is under way
+        asyncio.get_running_loop().call_later(0.01, failed.set)
+        with pytest.raises(RuntimeError, match="a bug of ours"):
+            [s async for s in heard.segments(recording)]
+        await asyncio.sleep(0.02)  # its done callbacks have run
+
+    with caplog.at_level("ERROR", logger="appliance"):
+        asyncio.run(run())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
 def test_a_client_has_two_recordings_heard_at_once_and_others_theirs() -> None:
     """Each recording heard holds a VAD sequence: a client's third is transcribed at its end only."""
 

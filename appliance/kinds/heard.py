@@ -153,6 +153,7 @@ class Heard:
         if released != self.released or (task.done() and (task.cancelled() or task.exception())):
             return None
         self.ahead = None
+        task.remove_done_callback(consume_error)  # taken: its failure is the awaiter's to report, once
         return task
 
     async def _hear(self, frames: np.ndarray) -> bool:

@@ -187,6 +187,7 @@ class LiveTranscription:
         stream's next turns (speech_languages.turn_taking)."""
         if stream.ahead is not None and stream.ahead[0] == span:
             task, stream.ahead = stream.ahead[1], None
+            task.remove_done_callback(consume_error)  # taken: its failure is this request's, logged once
             turn = await task
             told = told_by_turns(span[1] - span[0], stream.options.after, stream.options)
             if told is not None and (not turn or any(s.language != told for s in turn)):  # heard untold: again
