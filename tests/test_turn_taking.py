@@ -1,6 +1,7 @@
 """Conversation mode's short turns (kinds/speech_languages.py turn_taking): a segment under a second is
 in the other of the two languages than the speech before it; anything else keeps Whisper's detection.
-A live stream's decodes of speech that may go on (kinds/live_speech.py) are not told a language by it."""
+A live stream's decodes of speech that may go on (kinds/live_speech.py) are not told a language by it,
+and a decode ahead's failure is reported once: by the request that takes it, or logged where dropped."""
 
 from __future__ import annotations
 
@@ -138,3 +139,35 @@ def test_a_one_word_turn_is_decoded_once_where_no_turns_tell_its_language(option
     model = TwoSpeakers()
     assert live_turns(model, options, (0.5, 0.5), (1.0, 0.0)) == ["en"]
     assert model.decoded == ["en"]
+
+
+class FailingWhisper(TwoSpeakers):
+    """Every decode fails by a fault of ours."""
+
+    async def _decode(self, plan: ShardPlan, samples: np.ndarray, options: Options, *_: Any) -> list[Segment]:
+        self.decoded.append("failed")
+        raise RuntimeError("a bug of ours")
+
+
+def test_a_decode_ahead_that_failed_is_the_closing_chunks_failure_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The decode started ahead fails before the close takes it: the closing chunk's request fails with
+    it (its 500 logs it), and it is not logged a second time as a decode nobody awaits."""
+    model = FailingWhisper()
+    with caplog.at_level("ERROR", logger="appliance"), pytest.raises(RuntimeError, match="a bug of ours"):
+        live_turns(model, AFTER_ENGLISH, (1.5, 0.5), (1.0, 0.0))
+    assert model.decoded == ["failed"]  # the one ahead, taken at the close
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+def test_a_failed_decode_ahead_that_the_speech_went_on_past_is_logged_where_it_is_ours(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pause inside a sentence: its decode ahead fails, and the speech goes on, so nobody awaits it;
+    its failure is an ERROR with its traceback, once (the close's own decode fails the request)."""
+    model = FailingWhisper()
+    with caplog.at_level("ERROR", logger="appliance"), pytest.raises(RuntimeError, match="a bug of ours"):
+        live_turns(model, AFTER_ENGLISH, (0.6, 0.5), (0.25, 0.0), (1.5, 0.5), (1.0, 0.0))
+    errors = [(r.getMessage(), r.exc_info is not None) for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [("a decode run beside its stream (live-ahead) failed", True)], errors

@@ -108,7 +108,6 @@ class Heard:
             task = asyncio.get_running_loop().create_task(
                 whole(self.model.transcribe(so_far, self.options)), name="heard-ahead"
             )
-            task.add_done_callback(consume_error)
             self.ahead = (self.released, task)
 
     async def segments(self, samples: np.ndarray) -> AsyncGenerator[Segment, None]:
@@ -152,8 +151,7 @@ class Heard:
         released, task = self.ahead
         if released != self.released or (task.done() and (task.cancelled() or task.exception())):
             return None
-        self.ahead = None
-        task.remove_done_callback(consume_error)  # taken: its failure is the awaiter's to report, once
+        self.ahead = None  # taken: its failure is the awaiter's to report
         return task
 
     async def _hear(self, frames: np.ndarray) -> bool:
@@ -180,8 +178,15 @@ class Heard:
 
     def _drop_ahead(self) -> None:
         if self.ahead is not None:
-            self.ahead[1].cancel()
+            drop(self.ahead[1])
             self.ahead = None
+
+
+def drop(task: asyncio.Task[list[Segment]]) -> None:
+    """A decode beside a stream that nobody will await: cancelled, and where it failed before, logged
+    (consume_error). One that is taken is awaited instead, so each failure is reported once."""
+    task.cancel()
+    task.add_done_callback(consume_error)
 
 
 def consume_error(task: asyncio.Task[list[Segment]]) -> None:

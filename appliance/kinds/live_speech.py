@@ -18,7 +18,7 @@ from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError
 from appliance.kinds.base import SequenceCall
-from appliance.kinds.heard import Heard, consume_error
+from appliance.kinds.heard import Heard, consume_error, drop
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment, merged
 from appliance.kinds.speech_languages import told_by_turns
@@ -51,7 +51,7 @@ class LiveStream:
 
     def drop_ahead(self) -> None:
         if self.ahead is not None:
-            self.ahead[1].cancel()
+            drop(self.ahead[1])
             self.ahead = None
 
     def drop_partial(self) -> None:
@@ -187,7 +187,6 @@ class LiveTranscription:
         stream's next turns (speech_languages.turn_taking)."""
         if stream.ahead is not None and stream.ahead[0] == span:
             task, stream.ahead = stream.ahead[1], None
-            task.remove_done_callback(consume_error)  # taken: its failure is this request's, logged once
             turn = await task
             told = told_by_turns(span[1] - span[0], stream.options.after, stream.options)
             if told is not None and (not turn or any(s.language != told for s in turn)):  # heard untold: again
@@ -211,8 +210,7 @@ class LiveTranscription:
             task = asyncio.get_running_loop().create_task(
                 self._decode_live(stream, audio, base, heard, RequestTimes(), by_turns=False), name="live-ahead"
             )
-            task.add_done_callback(consume_error)  # a dropped one's failure is still logged where it is ours
-            stream.ahead = (closing, task)
+            stream.ahead = (closing, task)  # taken at the close, or dropped (its failure logged: heard.drop)
 
     async def _decode_live(
         self,
