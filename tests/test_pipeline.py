@@ -225,6 +225,18 @@ def test_libretranslate_source_auto(client: Client) -> None:
     assert "estação" in doc["translatedText"][0].lower() and doc["translatedText"][1] == q[1]
 
 
+def test_libretranslate_detects_among_the_languages_it_translates(unix: Client) -> None:
+    """As LibreTranslate detects among its loaded languages: "Bom dia" is Portuguese here (of all the
+    firmware's languages, fastText likes Italian best, and the translation was a 400: no it->en)."""
+    form = (("content-type", "application/json"),)
+    call = Call("POST", "/translate", json.dumps({"q": "Bom dia", "source": "auto", "target": "en"}).encode(), form)
+    doc = checked(unix.send(call)).json()
+    assert doc["detectedLanguage"]["language"] == "pt" and "morning" in doc["translatedText"].lower(), doc
+    found = checked(unix.send(Call("POST", "/detect", json.dumps({"q": "Bom dia"}).encode(), form))).json()
+    languages = {entry["code"] for entry in unix.get("/languages")}
+    assert found[0]["language"] == "pt" and {d["language"] for d in found} <= languages == {"en", "pt"}, found
+
+
 def test_a_target_no_translation_reaches_is_a_400_naming_those_that_have_one(
     keys: Keys, tmp_path: Path, tls: tuple[Path, Path]
 ) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from appliance.api.bodies import json_or_form
 from appliance.api.routes import Route
@@ -74,24 +74,33 @@ def _detector(models: Iterable[ServedModel]) -> LanguageDetector:
     return found
 
 
-def _detected(detector: LanguageDetector, text: str, candidates: int = 1) -> list[dict[str, object]]:
-    return [{"language": code, "confidence": round(p * 100, 1)} for code, p in detector.detect(text, candidates)]
+def _detected(
+    detector: LanguageDetector, text: str, among: Collection[str], candidates: int = 1
+) -> list[dict[str, object]]:
+    """As LibreTranslate detects: among the languages it translates (GET /languages), best first."""
+    found = detector.detect(text, candidates, among)
+    return [{"language": code, "confidence": round(p * 100, 1)} for code, p in found]
 
 
 async def detect(models: Iterable[ServedModel], request: Request) -> Response:
     detector = _detector(models)
     q = (await json_or_form(request)).get("q")
     text = checked_text(q, "q")
-    return json_response(200, _detected(detector, text, DETECT_CANDIDATES))
+    return json_response(200, _detected(detector, text, _codes(_pairs(models)), DETECT_CANDIDATES))
 
 
 def _pairs(models: Iterable[ServedModel]) -> dict[tuple[str, str], Translator]:
     return {(m.source, m.target): m for m in models if isinstance(m, Translator)}
 
 
+def _codes(pairs: Iterable[tuple[str, str]]) -> list[str]:
+    """The languages translated from or to."""
+    return sorted({code for pair in pairs for code in pair})
+
+
 async def languages(models: Iterable[ServedModel], request: Request) -> Response:
     pairs = _pairs(models)
-    codes = sorted({code for pair in pairs for code in pair})
+    codes = _codes(pairs)
     return json_response(
         200,
         [{"code": c, "name": NAMES.get(c, c), "targets": sorted(t for s, t in pairs if s == c)} for c in codes],
@@ -139,7 +148,7 @@ async def translate(models: Iterable[ServedModel], request: Request) -> Response
     checked = [checked_text(t, f"q[{i}]" if isinstance(q, list) else "q") for i, t in enumerate(texts)]
     if sum(map(len, checked)) > MAX_TEXT_CHARS:
         raise BadRequest(f"q holds more than {MAX_TEXT_CHARS} characters in all; send fewer at once", 413)
-    detected = [_detected(detector, t)[0] for t in checked] if detector is not None else []
+    detected = [_detected(detector, t, _codes(pairs))[0] for t in checked] if detector is not None else []
     sources = [str(d["language"]) for d in detected] or [source] * len(checked)
     chosen = [_pair(pairs, s, target) for s in sources]
     html = text_format == "html"

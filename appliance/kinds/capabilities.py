@@ -6,7 +6,7 @@ kind's engine (a VAD-only firmware never imports CTranslate2, fxtranslate or sen
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -199,8 +199,9 @@ class LanguageDetector(Protocol):
     @property
     def name(self) -> str: ...
 
-    def detect(self, text: str, candidates: int = 1) -> list[tuple[str, float]]:
-        """Language codes with their probability (0 to 1), best first."""
+    def detect(self, text: str, candidates: int = 1, among: Collection[str] = ()) -> list[tuple[str, float]]:
+        """Language codes with their probability (0 to 1), best first; of `among` where given (else of
+        the firmware's languages)."""
         ...
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import fasttext
@@ -115,14 +115,16 @@ class LanguageIdentifier:
             CONFIDENCE: confidence.reshape(request.inputs[TEXT].shape),
         }, None
 
-    def detect(self, text: str, candidates: int = 1) -> list[tuple[str, float]]:
-        """The text's likeliest languages among the firmware's, best first, with fastText's probability
-        (where none of them is among the model's likely answers, its best answer of any language)."""
+    def detect(self, text: str, candidates: int = 1, among: Collection[str] = ()) -> list[tuple[str, float]]:
+        """The text's likeliest languages among `among` (else the firmware's), best first, with fastText's
+        probability (where none of them is among the model's answers, its best answer of any language).
+        LibreTranslate detects among the languages it translates: "Bom dia" is Portuguese there, though
+        of all the firmware's languages fastText likes Italian best."""
         started = time.perf_counter_ns()
         # one line (fastText's unit); its hierarchical softmax answers the likely labels only
         labels, probabilities = self.model.predict(" ".join(text.split()), k=MOST_LABELS, threshold=0.0)
         ranked = [(label.removeprefix(LABEL), round(float(p), 4)) for label, p in zip(labels, probabilities)]
-        allowed = set(self.languages)
+        allowed = set(among or self.languages)
         found = [(code, p) for code, p in ranked if not allowed or code in allowed][:candidates] or ranked[:1]
         self.stats.record_request(True, time.perf_counter_ns() - started, RequestTimes(), time.time_ns() // 1_000_000)
         return found
