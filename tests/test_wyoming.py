@@ -336,14 +336,16 @@ def test_synthesis(daemon: Daemon) -> None:
 def test_synthesis_in_a_voice_chosen_by_name_or_language_sentence_by_sentence(
     daemon: Daemon, judge_base: WhisperModel
 ) -> None:
-    """Home Assistant names a voice from info, or only a language: a Portuguese voice speaks Portuguese,
-    heard by an independent Whisper; each sentence's audio comes as its own chunk."""
+    """Home Assistant names a voice from info, or only a language, or none (its default): a Portuguese
+    voice speaks Portuguese, heard by an independent Whisper (with none named, the text's language chose
+    it; the English voice read it as nonsense); each sentence's audio comes as its own chunk."""
     text = "Bom dia. Onde fica a estação de trem?"
     by_name = asyncio.run(synthesize(daemon, Synthesize(text=text, voice=SynthesizeVoice(name="pm_alex")).event()))
     by_language = asyncio.run(
         synthesize(daemon, Synthesize(text=text, voice=SynthesizeVoice(language="pt_BR")).event())
     )
-    for events, audio in (by_name, by_language):
+    by_text = asyncio.run(synthesize(daemon, Synthesize(text=text).event()))
+    for events, audio in (by_name, by_language, by_text):
         chunks = [e for e in events if AudioChunk.is_type(e.type)]
         assert len(chunks) >= 2, [e.type for e in events]  # a chunk a sentence, sent as made
         samples, rate = speech_of(events, audio)
@@ -604,6 +606,10 @@ def test_events_with_a_field_missing_or_of_the_wrong_type_get_an_error_naming_it
     chunk = AudioChunk(rate=RATE, width=2, channels=1, audio=pcm16).event()
     cases = {
         "bad synthesize event: it has no 'text'": [Event("synthesize", {})],
+        # the library reads a voice that is not an object as none (the first voice spoke it)
+        "bad synthesize event: its 'voice' is \"pf_dora\", not an object": [
+            Event("synthesize", {"text": "Bom dia.", "voice": "pf_dora"})
+        ],
         "bad audio-chunk event: it has no 'width'": [
             Transcribe(name=TINY).event(),
             start,

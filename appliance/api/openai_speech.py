@@ -20,7 +20,7 @@ import asyncio
 import logging
 import re
 import struct
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -111,7 +111,9 @@ def _model(
     if not voices:
         raise NotFound("this firmware has no speech model")
     if not isinstance(name, str) or not isinstance(voice, str):
-        raise BadRequest(f"'model' and 'voice' must be strings (voices: {_names(voices)})")
+        field, value = ("model", name) if not isinstance(name, str) else ("voice", voice)
+        problem = f"Missing required parameter: '{field}'" if value is None else f"'{field}' must be a string"
+        raise BadRequest(f"{problem} (voices: {_names(voices)})")  # OpenAI's words where it is missing
     by_name = [m for m in voices if m.name == name]
     if not by_name and name not in OPENAI_MODELS:
         names = ", ".join(m.name for m in voices)
@@ -133,16 +135,27 @@ def _model(
             f"unknown voice {voice[:80]!r} (voices: {_names(candidates)}; or OpenAI's {openai_names}:"
             " each maps to this box's voice for the text's language)"
         )
+    model, chosen, detected = voice_for_text(candidates, models, text)
+    headers = [("x-detected-language", f"{detected[0]}; confidence={detected[1]}")] if detected else []
+    return model, chosen, [("x-voice", chosen), *headers]
+
+
+def voice_for_text(
+    voices: Sequence[Speaker], models: Iterable[ServedModel], text: str
+) -> tuple[Speaker, str, tuple[str, float] | None]:
+    """Where no voice is named: the first of `voices` in the text's language, else the first of them;
+    and the language detected (the firmware's language identification, among the languages the box's
+    voices speak: a short "Bom dia." is Italian among all of the firmware's)."""
+    models = list(models)
     detector = next((m for m in models if isinstance(m, LanguageDetector)), None)
     if detector is None:
-        return candidates[0], candidates[0].voice_name, [("x-voice", candidates[0].voice_name)]
-    language, confidence = detector.detect(text)[0]
-    headers = [("x-detected-language", f"{language}; confidence={confidence}")]
-    for m in candidates:
-        for v in m.voices.values():
-            if v.language == language:  # the first voice of a language is its default
-                return m, v.name, [("x-voice", v.name), *headers]
-    return candidates[0], candidates[0].voice_name, [("x-voice", candidates[0].voice_name), *headers]
+        return voices[0], voices[0].voice_name, None
+    spoken = {v.language for m in models if isinstance(m, Speaker) for v in m.voices.values()}
+    detected = detector.detect(text, 1, spoken)[0]
+    for m, v in ((m, v) for m in voices for v in m.voices.values()):
+        if v.language == detected[0]:  # the first voice of a language is its default
+            return m, v.name, detected
+    return voices[0], voices[0].voice_name, detected
 
 
 def _names(voices: list[Speaker]) -> str:

@@ -129,7 +129,7 @@ def read_as(read: Callable[[Event], E], event: Event) -> E:
         raise BadRequest(f"bad {event.type} event: it has no {exc.args[0] if exc.args else exc!r}") from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise BadRequest(f"bad {event.type} event: {exc}") from None
-    if (wrong := mistyped(found)) is not None:
+    if (wrong := mistyped(found) or unread_object(found, event.data)) is not None:
         raise BadRequest(f"bad {event.type} event: {wrong}")
     return found
 
@@ -152,4 +152,17 @@ def mistyped(read: object) -> str | None:
             return f"its {name!r} is {json.dumps(value)[:40]}, not a string"
         if (inner := mistyped(value)) is not None:
             return inner
+    return None
+
+
+def unread_object(read: object, data: dict[str, typing.Any]) -> str | None:
+    """A field the library reads as an object (a voice) that the client sent as something else: the
+    library reads {"voice": "pf_dora"} as no voice at all, and the first voice spoke the text."""
+    if not dataclasses.is_dataclass(read) or isinstance(read, type):
+        return None
+    for name, hint in hints(type(read)).items():
+        value = data.get(name)
+        objects = [t for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)]
+        if objects and value is not None and not isinstance(value, dict):
+            return f"its {name!r} is {json.dumps(value)[:40]}, not an object"
     return None

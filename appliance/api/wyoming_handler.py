@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from wyoming.tts import (
 from wyoming.wake import Detect
 
 from appliance import __version__
+from appliance.api.openai_speech import voice_for_text
 from appliance.api.wyoming_audio import PcmIn, Recording
 from appliance.api.wyoming_codec import WyomingError
 from appliance.api.wyoming_events import read_as
@@ -284,7 +285,7 @@ class WyomingHandler:
     ) -> None:
         """Each sentence's audio sent as soon as it is made (a client that does not read holds the rest),
         between audio-start and audio-stop (a streamed synthesis sends each once, around all its text)."""
-        model, voice = chosen_voice(self.voices, wanted)
+        model, voice = chosen_voice(self.voices, wanted, text, self.models.values())
         rate = model.sample_rate
         shards = await model.prepare(text, voice)  # a text with nothing to say is an error before any audio
         if start:
@@ -296,12 +297,18 @@ class WyomingHandler:
             await send(AudioStop().event())
 
     async def _speak_streamed(self, text: str, send: Send) -> None:
+        if self.synthesis_voice is None:  # none named: the first sentence's language chooses for the rest
+            _, name = chosen_voice(self.voices, None, text, self.models.values())
+            self.synthesis_voice = SynthesizeVoice(name=name)
         await self.speak(text, self.synthesis_voice, send, start=not self.synthesis_audio, stop=False)
         self.synthesis_audio = True
 
 
-def chosen_voice(voices: Sequence[Speaker], wanted: SynthesizeVoice | None) -> tuple[Speaker, str]:
-    """The voice a synthesize event names; else the first of the language it names; else the box's first."""
+def chosen_voice(
+    voices: Sequence[Speaker], wanted: SynthesizeVoice | None, text: str, models: Iterable[ServedModel]
+) -> tuple[Speaker, str]:
+    """The voice a synthesize event names; else the first of the language it names; else the first of
+    the text's language (as OpenAI's voice names choose: Home Assistant's default names none)."""
     spoken = [(m, v) for m in voices for v in m.voices.values()]
     if not spoken:
         raise BadRequest("this firmware serves no voice")
@@ -317,7 +324,8 @@ def chosen_voice(voices: Sequence[Speaker], wanted: SynthesizeVoice | None) -> t
         if not found:
             raise BadRequest(f"no voice speaks {wanted.language[:20]!r} (voices: {names})")
         return found[0]
-    return spoken[0][0], spoken[0][1].name
+    model, voice, _ = voice_for_text(voices, models, text)
+    return model, voice
 
 
 def _installed(*kinds: str) -> dict[str, Any]:
