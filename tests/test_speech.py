@@ -151,6 +151,10 @@ def test_fifty_sentences_come_back_in_order_all_translated(client: Client) -> No
     assert "apples" not in translated and translated.count("maçãs") >= 45
 
 
+FIELDS = (("q", "Good morning"), ("source", "en"), ("target", "pt"))
+MULTIPART = "multipart/form-data; boundary=b0"
+
+
 def test_libretranslate_forms_and_languages(client: Client, speech_daemon: Daemon) -> None:
     assert client.languages() == [
         {"code": "en", "name": "English", "targets": ["pt"]},
@@ -163,6 +167,10 @@ def test_libretranslate_forms_and_languages(client: Client, speech_daemon: Daemo
         (("content-type", "application/x-www-form-urlencoded"),),
     )
     assert client.send(form).json() == {"translatedText": "Bom dia"}
+    # a multipart form (`curl -F q=...`), as LibreTranslate's Flask reads it (it was "not valid JSON")
+    parts = "".join(f'--b0\r\ncontent-disposition: form-data; name="{n}"\r\n\r\n{v}\r\n' for n, v in FIELDS)
+    multipart = Call("POST", "/translate", (parts + "--b0--\r\n").encode(), (("content-type", MULTIPART),))
+    assert client.send(multipart).json() == {"translatedText": "Bom dia"}
     assert client.translate("Line one.\n\nLine two.", "en", "pt").count("\n") == 2
 
 
@@ -185,12 +193,15 @@ def test_kserve_bytes_in_bytes_out(client: Client) -> None:
     ("path", "body", "status", "says"),
     [
         ("/translate", {"q": "", "source": "en", "target": "pt"}, 400, "empty"),
+        ("/translate", {"source": "en", "target": "pt"}, 400, "q is missing"),  # said "got NoneType"
+        ("/translate", {"q": 5, "source": "en", "target": "pt"}, 400, "q must be a string of text, not a number"),
         ("/translate", {"q": "a" * (1 << 20), "source": "en", "target": "pt"}, 413, "characters"),
         ("/translate", {"q": "hello", "source": "en", "target": "de"}, 400, "no translation from 'en' to 'de'"),
         ("/translate", {"q": "hello", "source": "auto", "target": "pt"}, 400, "detect"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "  "}, 400, "empty"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "a" * (1 << 20)}, 413, "characters"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "darth", "input": "hi"}, 400, "unknown voice"),
+        ("/v1/audio/speech", {"model": "tts-1", "input": "hi"}, 400, "Missing required parameter: 'voice'"),
         ("/v1/audio/speech", {"model": "tts-2", "voice": "joe", "input": "hi"}, 404, "joe; or tts-1, tts-1-hd"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "hi", "speed": 9}, 400, "speed"),
         ("/v1/audio/speech", {"model": "tts-1", "voice": "joe", "input": "... !!"}, 400, "nothing to say"),

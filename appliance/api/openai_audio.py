@@ -20,13 +20,9 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from python_multipart import FormParser
-from python_multipart.exceptions import FormParserError
-from python_multipart.multipart import parse_options_header
-
 from appliance.api import openai_models
 from appliance.api import openai_speakers as speakers
-from appliance.api.bodies import MAX_FORM_FIELDS, openai_errors, refused
+from appliance.api.bodies import openai_errors, read_multipart
 from appliance.denoise import MODES, denoise
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, BadRequest
@@ -88,25 +84,11 @@ def routes(models: dict[str, ServedModel]) -> list[tuple[str, re.Pattern[str], s
 def parse_form(request: Request) -> tuple[dict[str, str], dict[str, list[str]], bytes]:
     """The form's text fields, its list fields (REPEATED) and the file's bytes; a 400 naming what is
     wrong with the form."""
-    content_type = request.headers.get("content-type", "")
-    kind, options = parse_options_header(content_type)
-    if kind != b"multipart/form-data" or b"boundary" not in options:
-        raise BadRequest(f"send multipart/form-data with a boundary (got content-type {content_type[:60]!r})")
     fields: dict[str, str] = {}
     lists: dict[str, list[str]] = {name: [] for name in REPEATED}
     files: list[bytes] = []
-    parts = 0
 
-    def count_part() -> None:
-        nonlocal parts
-        parts += 1
-        if parts > MAX_FORM_FIELDS:
-            raise refused(400, f"the form has more than {MAX_FORM_FIELDS} parts")
-
-    def on_field(field: Any) -> None:
-        count_part()
-        name = field.field_name.decode(errors="replace")
-        value = field.value or b""
+    def on_field(name: str, value: bytes) -> None:
         limit = MAX_CLIP_BYTES if name == "known_speaker_references[]" else MAX_FIELD_BYTES
         if len(value) > limit:
             raise BadRequest(f"form field {name!r} is longer than {limit} bytes")
@@ -116,20 +98,12 @@ def parse_form(request: Request) -> tuple[dict[str, str], dict[str, list[str]], 
             fields[name] = value.decode(errors="replace")
 
     def on_file(file: Any) -> None:
-        count_part()
         if file.field_name != b"file":
             raise BadRequest(f"form field {file.field_name.decode(errors='replace')!r} is a file; only 'file' may be")
         file.file_object.seek(0)
         files.append(file.file_object.read())
 
-    # the body is in memory already (bounded by the server's body limit): keep parts there too
-    config = {"MAX_MEMORY_FILE_SIZE": float("inf")}
-    try:
-        parser = FormParser("multipart/form-data", on_field, on_file, boundary=options[b"boundary"], config=config)
-        parser.write(request.body)
-        parser.finalize()
-    except FormParserError as exc:
-        raise BadRequest(f"malformed multipart form: {' '.join(str(exc).split())}") from None
+    read_multipart(request, on_field, on_file)
     if not files:
         raise BadRequest("the form has no 'file' part: send the audio as the file field", param="file")
     unknown = sorted(set(fields) - FIELDS)

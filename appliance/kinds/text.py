@@ -136,10 +136,15 @@ def joined(clauses: list[Clause]) -> str:
     return " ".join(c.text + c.terminator for c in clauses)
 
 
+JSON_TYPES = {bool: "true or false", int: "a number", float: "a number", list: "a list", dict: "an object"}
+
+
 def checked_text(raw: object, where: str) -> str:
     """A request's text: a non-empty string of at most MAX_TEXT_CHARS characters."""
+    if raw is None:
+        raise BadRequest(f"{where} is missing: give the text")
     if not isinstance(raw, str):
-        raise BadRequest(f"{where} must be a string of text, got {type(raw).__name__}")
+        raise BadRequest(f"{where} must be a string of text, not {JSON_TYPES.get(type(raw), type(raw).__name__)}")
     if len(raw) > MAX_TEXT_CHARS:
         raise BadRequest(f"{where} holds {len(raw)} characters; the most one request takes is {MAX_TEXT_CHARS}", 413)
     if not raw.strip():
