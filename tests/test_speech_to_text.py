@@ -112,6 +112,10 @@ def test_spanish_speech_translated_to_english(openai_client: openai.OpenAI) -> N
     answer = openai_client.audio.translations.create(model="whisper-1", file=("es.wav", encode_wav(spanish, RATE)))
     text = words(answer.text)
     assert {"music", "brother", "red"} <= set(text.split()), answer.text
+    verbose = openai_client.audio.translations.create(
+        model="whisper-1", file=("es.wav", encode_wav(spanish, RATE)), response_format="verbose_json"
+    )
+    assert verbose.language == "english" and "music" in words(verbose.text)  # as whisper-1: its text's language
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ def test_segments_are_whispers_own_with_openais_measures(openai_client: openai.O
     answer = openai_client.audio.transcriptions.create(model=model, file=("e.wav", wav), response_format="verbose_json")
     segments = answer.segments or []
     assert wer(SENTENCES, answer.text) <= 0.15, answer.text
+    assert answer.language == "english"  # whisper-1's name for it, not the code
     # Whisper's own segments (tiny.en made 3 of this reading, base 8): not one for the whole reading
     assert len(segments) >= 3, [s.text for s in segments]
     ends = [(s.start, s.end) for s in segments]

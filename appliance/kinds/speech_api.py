@@ -288,7 +288,8 @@ def render(
         ]
         verbose: dict[str, Any] = {
             "task": task,
-            "language": doc["language"],
+            # whisper-1's names ("english"); a translation's is its text's, English
+            "language": "english" if task == "translate" else LANGUAGE_NAMES.get(doc["language"], doc["language"]),
             "duration": round(duration, 3),
             "text": doc["text"],
         }
@@ -298,6 +299,27 @@ def render(
             verbose["segments"] = rows
         return json_response(200, verbose)
     return Response(200, subtitles.render(segments, response_format).encode(), content_type="text/plain; charset=utf-8")
+
+
+# Whisper's languages by the names its verbose_json gives them (OpenAI's whisper-1 says "english" where
+# the box's own answers say "en")
+LANGUAGE_NAMES = dict(
+    pair.replace("_", " ").split(":")
+    for pair in (
+        "en:english zh:chinese de:german es:spanish ru:russian ko:korean fr:french ja:japanese pt:portuguese "
+        "tr:turkish pl:polish ca:catalan nl:dutch ar:arabic sv:swedish it:italian id:indonesian hi:hindi "
+        "fi:finnish vi:vietnamese he:hebrew uk:ukrainian el:greek ms:malay cs:czech ro:romanian da:danish "
+        "hu:hungarian ta:tamil no:norwegian th:thai ur:urdu hr:croatian bg:bulgarian lt:lithuanian la:latin "
+        "mi:maori ml:malayalam cy:welsh sk:slovak te:telugu fa:persian lv:latvian bn:bengali sr:serbian "
+        "az:azerbaijani sl:slovenian kn:kannada et:estonian mk:macedonian br:breton eu:basque is:icelandic "
+        "hy:armenian ne:nepali mn:mongolian bs:bosnian kk:kazakh sq:albanian sw:swahili gl:galician "
+        "mr:marathi pa:punjabi si:sinhala km:khmer sn:shona yo:yoruba so:somali af:afrikaans oc:occitan "
+        "ka:georgian be:belarusian tg:tajik sd:sindhi gu:gujarati am:amharic yi:yiddish lo:lao uz:uzbek "
+        "fo:faroese ht:haitian_creole ps:pashto tk:turkmen nn:nynorsk mt:maltese sa:sanskrit "
+        "lb:luxembourgish my:myanmar bo:tibetan tl:tagalog mg:malagasy as:assamese tt:tatar haw:hawaiian "
+        "ln:lingala ha:hausa ba:bashkir jw:javanese su:sundanese yue:cantonese"
+    ).split()
+)
 
 
 def as_json(segments: list[Segment]) -> dict[str, Any]:
