@@ -123,8 +123,9 @@ def cmd_call(args: argparse.Namespace) -> int:
 
 def _speak(client: Client, args: argparse.Namespace) -> None:
     if not args.args or not args.output:
+        formats = "|".join(SPEAK_FORMATS)
         raise ApplianceError(
-            'usage: appliance call speak "TEXT" -o FILE [--voice NAME] [--format wav|pcm|flac] [--speed X]'
+            f'usage: appliance call speak "TEXT" -o FILE [--voice NAME] [--format {formats}] [--speed X]'
         )
     audio_format = args.format or "wav"
     if audio_format not in SPEAK_FORMATS:
