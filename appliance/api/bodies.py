@@ -19,7 +19,7 @@ from appliance.protocol.messages import Request, Response, json_response, openai
 
 FORM = "application/x-www-form-urlencoded"
 MULTIPART = "multipart/form-data"
-MAX_TEXT_BODY_BYTES = 2 << 20  # a JSON or urlencoded body of a task route: texts and options, never media
+MAX_TEXT_BODY_BYTES = 2 << 20  # a JSON or form body of a task route: texts and options, never media
 MAX_TEXT_VALUES = 4096  # JSON values in such a body (a list of texts to translate, say)
 MAX_FORM_FIELDS = 32  # fields of a urlencoded form, parts of a multipart one
 INLINE_BODY_BYTES = 16 << 10  # smaller bodies are read on the event loop; larger ones in a thread
