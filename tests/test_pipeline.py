@@ -226,13 +226,13 @@ def test_libretranslate_source_auto(client: Client) -> None:
 
 
 def test_libretranslate_detects_among_the_languages_it_translates(unix: Client) -> None:
-    """As LibreTranslate detects among its loaded languages: "Bom dia" is Portuguese here (of all the
+    """As LibreTranslate detects among its loaded languages: "Bom dia." is Portuguese here (of all the
     firmware's languages, fastText likes Italian best, and the translation was a 400: no it->en)."""
     form = (("content-type", "application/json"),)
-    call = Call("POST", "/translate", json.dumps({"q": "Bom dia", "source": "auto", "target": "en"}).encode(), form)
+    call = Call("POST", "/translate", json.dumps({"q": "Bom dia.", "source": "auto", "target": "en"}).encode(), form)
     doc = checked(unix.send(call)).json()
     assert doc["detectedLanguage"]["language"] == "pt" and "morning" in doc["translatedText"].lower(), doc
-    found = checked(unix.send(Call("POST", "/detect", json.dumps({"q": "Bom dia"}).encode(), form))).json()
+    found = checked(unix.send(Call("POST", "/detect", json.dumps({"q": "Bom dia."}).encode(), form))).json()
     languages = {entry["code"] for entry in unix.get("/languages")}
     assert found[0]["language"] == "pt" and {d["language"] for d in found} <= languages == {"en", "pt"}, found
 

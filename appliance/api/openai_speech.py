@@ -143,15 +143,12 @@ def _model(
 def voice_for_text(
     voices: Sequence[Speaker], models: Iterable[ServedModel], text: str
 ) -> tuple[Speaker, str, tuple[str, float] | None]:
-    """Where no voice is named: the first of `voices` in the text's language, else the first of them;
-    and the language detected (the firmware's language identification, among the languages the box's
-    voices speak: a short "Bom dia." is Italian among all of the firmware's)."""
-    models = list(models)
+    """Where no voice is named: the first of `voices` in the text's language (the firmware's language
+    identification), else the first of them; and the language detected."""
     detector = next((m for m in models if isinstance(m, LanguageDetector)), None)
     if detector is None:
         return voices[0], voices[0].voice_name, None
-    spoken = {v.language for m in models if isinstance(m, Speaker) for v in m.voices.values()}
-    detected = detector.detect(text, 1, spoken)[0]
+    detected = detector.detect(text)[0]
     for m, v in ((m, v) for m in voices for v in m.voices.values()):
         if v.language == detected[0]:  # the first voice of a language is its default
             return m, v.name, detected

@@ -118,7 +118,7 @@ class LanguageIdentifier:
     def detect(self, text: str, candidates: int = 1, among: Collection[str] = ()) -> list[tuple[str, float]]:
         """The text's likeliest languages among `among` (else the firmware's), best first, with fastText's
         probability (where none of them is among the model's answers, its best answer of any language).
-        LibreTranslate detects among the languages it translates: "Bom dia" is Portuguese there, though
+        LibreTranslate detects among the languages it translates: "Bom dia." is Portuguese there, though
         of all the firmware's languages fastText likes Italian best."""
         started = time.perf_counter_ns()
         # one line (fastText's unit); its hierarchical softmax answers the likely labels only
