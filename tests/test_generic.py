@@ -280,6 +280,16 @@ def test_a_spec_naming_a_tensor_the_graph_lacks_fails_the_build_in_one_line(
     assert "Traceback" not in result.stderr
 
 
+def test_dimension_names_that_do_not_fit_the_shape_fail_the_build_in_one_line(
+    tmp_path: Path, keys: Keys, graphs: dict[str, Path]
+) -> None:
+    """A tensor's `dim_names` (the manifest's, which a spec may state too) name each dimension or none."""
+    declared = 'inputs = [{ name = "x", datatype = "INT32", shape = [-1, 8], dim_names = ["batch"] }]\n'
+    result = build(keys, tmp_path / "bad", model_table("mlp", graphs["mlp"], declared), check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert 'dim_names: a name (or "") for each of the shape\'s 2 dimensions' in result.stderr.strip().splitlines()[-1]
+
+
 def test_a_model_that_fails_its_warm_up_stops_the_start_with_one_line_and_exit_3(
     tmp_path: Path, keys: Keys, graphs: dict[str, Path]
 ) -> None:

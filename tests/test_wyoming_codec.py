@@ -1,7 +1,8 @@
 """Wyoming's events read from bytes (appliance/api/wyoming_codec.py), sans I/O: the bytes fed as a
 connection might cut them, the deadlines on a clock the test holds (no real time enters a verdict), the
-bounds before anything is read into memory. Its pump, and the writes' deadline, on real asyncio streams
-at the end; the same
+bounds before anything is read into memory; the time the box takes to answer is not the client's; a
+field the wyoming package would drop is named. Its pump, and the writes' deadline, on real asyncio
+streams at the end; the same
 bounds are attacked end to end on a real daemon in test_wyoming.py."""
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from wyoming.audio import AudioChunk
 from wyoming.event import Event
 from wyoming.event import write_event as write_sync
 from wyoming.info import Describe
+from wyoming.tts import Synthesize
 
 from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
-from appliance.api.wyoming_events import WriteTimeout, read_event, write_event
+from appliance.api.wyoming_events import WriteTimeout, read_as, read_event, write_event
+from appliance.errors import BadRequest
 
 BOUNDS = Bounds(max_payload=4096, max_samples=16000, idle_s=4.0, header_s=2.0, quiet_s=1.0, write_s=5.0)
 
@@ -135,12 +138,18 @@ def test_each_part_of_an_event_has_its_deadline_on_the_clock() -> None:
     assert expires(reader) == (105.3, "payload_timeout")  # each byte of it starts the quiet time again
     reader.feed(b"\0\0\0", 105.0)
     assert reader.next_event(105.0) is not None
-    assert expires(reader) == (109.0, "idle_timeout")  # then the next event: idle_s from this one
-    reader.feed(b'{"type": "ping"}\n{"ty', 106.0)
-    assert reader.next_event(106.5) is not None
-    assert expires(reader) == (108.5, "header_timeout")  # the next one begun in the same read: its header
+    reader.resume(180.0)  # the box answered it for 75 s: that time is not the client's
+    assert expires(reader) == (184.0, "idle_timeout")  # the next event: idle_s from reading again
+    reader.feed(b'{"type": "ping"}\n{"ty', 181.0)
+    assert reader.next_event(181.0) is not None
+    reader.resume(190.0)
+    assert expires(reader) == (192.0, "header_timeout")  # the next one begun in the same read: its header
     _, error = reader.due()
     assert str(error) == "an event header not complete within 2 s"
+    reader.feed(b'pe": "audio-chunk", "payload_length": 2}\n\0', 191.0)
+    assert reader.next_event(191.0) is None
+    reader.resume(500.0)  # a read begun again inside an event (after a cancel): its quiet time runs on
+    assert expires(reader) == (192.0, "payload_timeout")
 
 
 class Clock:
@@ -172,6 +181,26 @@ def test_the_pump_gives_events_as_they_come_and_a_cancel_loses_nothing() -> None
         second = await read_event(stream, events, clock)
         assert second is not None and second.type == "ping"
         assert await read_event(stream, events, clock) is None
+
+    asyncio.run(run())
+
+
+def test_the_time_the_box_takes_to_answer_an_event_is_not_counted_against_the_client() -> None:
+    """An answer that takes longer than the idle bound (a long synthesis, a long recording's text): the
+    next event's deadline runs from when the pump reads again, so the client is not closed as idle."""
+
+    async def run() -> None:
+        stream = asyncio.StreamReader()
+        clock = Clock(0.0)
+        events = EventReader(BOUNDS, clock())
+        stream.feed_data(encoded(Event("ping")))
+        assert (await read_event(stream, events, clock)) is not None
+        clock.now = 100.0  # the answer took 100 s, past idle_s (4)
+        reading = asyncio.ensure_future(read_event(stream, events, clock))
+        await asyncio.sleep(0.05)
+        assert not reading.done()  # not "no event for 4 s" at once
+        stream.feed_data(encoded(Event("ping")))
+        assert (await reading) is not None
 
     asyncio.run(run())
 
@@ -230,3 +259,23 @@ def test_a_write_the_client_takes_nothing_of_ends_when_the_clock_passes_its_dead
         theirs.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("voice", "error"),
+    [
+        ({"name": "pf_dora"}, None),
+        ("", None),  # no voice, as the wyoming package reads it (clients send it for their default)
+        ("pf_dora", "bad synthesize event: its 'voice' is \"pf_dora\", not an object"),
+        (["pf_dora"], "bad synthesize event: its 'voice' is [\"pf_dora\"], not an object"),
+    ],
+)
+def test_a_voice_that_is_not_an_object_is_named_not_dropped(voice: object, error: str | None) -> None:
+    """The package reads {"voice": "pf_dora"} as no voice at all: the box's first voice spoke the text."""
+    event = Event("synthesize", {"text": "Bom dia.", "voice": voice})
+    if error is None:
+        assert read_as(Synthesize.from_event, event).text == "Bom dia."
+    else:
+        with pytest.raises(BadRequest) as raised:
+            read_as(Synthesize.from_event, event)
+        assert raised.value.message == error

@@ -3,8 +3,9 @@ time the caller's clock says, and `next_event` gives the next whole event (None 
 or where the stream ended between two events: `finished`). Nothing is read into memory past its bound: a header line of at most
 MAX_HEADER_BYTES, data and payload of at most [wyoming] max_payload_bytes. Each part has its deadline,
 as the API's HTTP/1.1: the next event begun within the idle time, its header line within header_s of
-its first byte, its data and payload never quiet for quiet_s. `due` says when the part read now
-expires and the error then; the pump (wyoming_events.read_event) waits that long and no longer.
+its first byte, its data and payload never quiet for quiet_s; the time the box takes to answer an
+event is not the client's (`resume`). `due` says when the part read now expires and the error then;
+the pump (wyoming_events.read_event) waits that long and no longer.
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ class EventReader:
         elif self._part is Part.BODY:
             self._since = now  # progress: the quiet time counts from here
 
+    def resume(self, now: float) -> None:
+        """The connection is read again at `now`, its last event answered: the next one's deadline runs
+        from here (while the box answers it reads nothing, so no bound runs)."""
+        if self._part is not Part.BODY:
+            self._since = now
+
     def due(self) -> tuple[float, WyomingError]:
         """When the part read now expires, and the error that closes the connection then."""
         part, bounds = self._part, self.bounds
@@ -132,7 +139,7 @@ class EventReader:
         del self._buffer[: data_length + payload_length]
         self._header, self._lengths = None, (0, 0)
         self._part, self._since, self._idle_s = Part.BETWEEN, now, self.bounds.idle_s
-        if self._buffer:  # the next event has begun already
+        if self._buffer:  # the next event has begun already (its deadline runs from `resume`)
             self._part = Part.HEADER
         return event
 
@@ -144,12 +151,10 @@ class EventReader:
     def _read_header(self, now: float) -> bool:
         """The header line, where it has come whole: checked, and the body's part begun."""
         end = self._buffer.find(b"\n")
-        if end < 0:
-            if len(self._buffer) > MAX_HEADER_BYTES:
-                raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes", "header_too_large")
-            return False
-        if end + 1 > MAX_HEADER_BYTES:
+        if (end if end >= 0 else len(self._buffer)) >= MAX_HEADER_BYTES:  # the line, its newline included
             raise WyomingError(f"an event header line is over {MAX_HEADER_BYTES} bytes", "header_too_large")
+        if end < 0:
+            return False
         try:
             header = json.loads(self._buffer[: end + 1])
         except (ValueError, RecursionError) as exc:

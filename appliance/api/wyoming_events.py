@@ -38,6 +38,7 @@ E = TypeVar("E")  # an event as the wyoming library reads it
 async def read_event(reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float]) -> Event | None:
     """The connection's next event (None at its end), read by `events` within its deadlines on `clock`.
     Cancelled, it loses nothing: what was read is fed to `events` at once."""
+    events.resume(clock())
     while (event := events.next_event(clock())) is None:
         if events.finished:
             return None
@@ -163,6 +164,6 @@ def unread_object(read: object, data: dict[str, typing.Any]) -> str | None:
     for name, hint in hints(type(read)).items():
         value = data.get(name)
         objects = [t for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)]
-        if objects and value is not None and not isinstance(value, dict):
+        if objects and value not in (None, "") and not isinstance(value, dict):  # "" for none, as the package reads it
             return f"its {name!r} is {json.dumps(value)[:40]}, not an object"
     return None

@@ -297,7 +297,8 @@ class WyomingHandler:
             await send(AudioStop().event())
 
     async def _speak_streamed(self, text: str, send: Send) -> None:
-        if self.synthesis_voice is None:  # none named: the first sentence's language chooses for the rest
+        named = self.synthesis_voice
+        if not (named and (named.name or named.language)):  # none: the first sentence's language chooses for the rest
             _, name = chosen_voice(self.voices, None, text, self.models.values())
             self.synthesis_voice = SynthesizeVoice(name=name)
         await self.speak(text, self.synthesis_voice, send, start=not self.synthesis_audio, stop=False)

@@ -198,6 +198,12 @@ def _read_tensor(r: Reader) -> TensorSpec:
     r.done()
     if spec.datatype not in DATATYPES:
         raise ApplianceError(f"{r.where}.datatype: unknown datatype {spec.datatype!r}")
+    if spec.dim_names and (
+        len(spec.dim_names) != len(spec.shape) or not all(isinstance(n, str) for n in spec.dim_names)
+    ):
+        raise ApplianceError(
+            f'{r.where}.dim_names: a name (or "") for each of the shape\'s {len(spec.shape)} dimensions'
+        )
     return spec
 
 
