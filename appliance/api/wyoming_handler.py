@@ -297,12 +297,19 @@ class WyomingHandler:
             await send(AudioStop().event())
 
     async def _speak_streamed(self, text: str, send: Send) -> None:
-        named = self.synthesis_voice
-        if not (named and (named.name or named.language)):  # none: the first sentence's language chooses for the rest
-            _, name = chosen_voice(self.voices, None, text, self.models.values())
-            self.synthesis_voice = SynthesizeVoice(name=name)
+        self.synthesis_voice = streamed_voice(self.voices, self.synthesis_voice, text, self.models.values())
         await self.speak(text, self.synthesis_voice, send, start=not self.synthesis_audio, stop=False)
         self.synthesis_audio = True
+
+
+def streamed_voice(
+    voices: Sequence[Speaker], named: SynthesizeVoice | None, text: str, models: Iterable[ServedModel]
+) -> SynthesizeVoice:
+    """A streamed synthesis's voice: the one its start named, else its first sentence's language's, kept
+    for the rest of it."""
+    if named and (named.name or named.language):
+        return named
+    return SynthesizeVoice(name=chosen_voice(voices, None, text, models)[1])
 
 
 def chosen_voice(
