@@ -1,10 +1,12 @@
 """One contract for every transport of the listener table (appliance/transport/listening.py), as uvicorn
 runs one suite against each of its HTTP implementations: each transport is served in process by its
 table entry, exactly as the engine process and the protocol workers serve it, on a real socket, with a
-stand-in API, and talked to by a real client. The contract: a request is answered; a client that goes
-away cancels the work it asked for; the daemon-wide byte budget refuses a body that does not fit,
-naming the budget; the stop takes no new connection while the request under way is answered, and
-close_all ends the connections. Verdicts are the order of events, never seconds."""
+stand-in API (for Wyoming, which serves the models themselves, a stand-in voice), and talked to by a
+real client (HTTP/1.1 and HTTP/3: the box's own; Wyoming: the `wyoming` package's). The contract: a
+request is answered; a client that goes away cancels the work it asked for; the daemon-wide byte budget
+refuses a body that does not fit, naming the budget; a peer past its share is refused naming it; the
+stop takes no new connection while the request under way is answered, and close_all ends the
+connections. Verdicts are the order of events, never seconds."""
 
 from __future__ import annotations
 
@@ -19,20 +21,32 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from wyoming.asr import Transcribe
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.client import AsyncClient, AsyncTcpClient, AsyncUnixClient
+from wyoming.error import Error
+from wyoming.info import Describe, Info
+from wyoming.tts import Synthesize, SynthesizeVoice
 
+from appliance.api.metrics import Metrics
 from appliance.client import Call, ConnectError, NoAnswer
 from appliance.client.quic import QuicSession
 from appliance.config import Config, Live, QuicConfig, ServerConfig
+from appliance.kinds.capabilities import SpokenVoice
 from appliance.protocol.messages import Request, Response
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import UserSpaceCache
 from appliance.transport.listening import TRANSPORTS, Transports
-from appliance.transport.serving import Served, Serving
+from appliance.transport.serving import EngineSide, Served, Serving
 
 BUDGET = 64 << 10  # server.max_buffered_bytes here: a body of BUDGET + 1 fits max_body_bytes, not the budget
 WRITE_TIMEOUT_S = 5.0  # server.write_timeout_s here, on the test's clock
 LARGE = 32 << 20  # an answer more than the kernel's socket buffers hold for a client that reads nothing
+HELD_ANSWER = 256 << 10  # /held's answer, and the stand-in voice's speech: more than one QUIC flight
+WYOMING = ("wyoming", "wyoming-tcp")  # served where the models are: their stand-in here is HeldVoice
+HTTP = tuple(sorted(set(TRANSPORTS) - set(WYOMING)))
 
 
 class HeldApi:
@@ -57,7 +71,7 @@ class HeldApi:
             self.events.append("cancelled")
             raise
         self.events.append("released")
-        return Response(200, b"x" * (256 << 10), "application/octet-stream")  # more than one QUIC flight
+        return Response(200, b"x" * HELD_ANSWER, "application/octet-stream")
 
     async def _endless(self) -> AsyncIterator[bytes]:
         """A streamed answer that goes on while the client takes it: flow control alone holds it."""
@@ -77,6 +91,37 @@ class HeldApi:
 
     async def still_open(self, opened: list[Any]) -> list[bool]:
         return [False] * len(opened)
+
+
+class HeldVoice:
+    """Wyoming's /held: a voice (a Speaker to the box) whose speech waits until the test releases the
+    API's event, recorded in the API's events as /held's are."""
+
+    voice_name, language, sample_rate = "held", "en", 16000
+    voices = {"held": SpokenVoice("held", "en", "en")}
+
+    def __init__(self, api: HeldApi) -> None:
+        self.api = api
+        self.spec = dataclasses.make_dataclass("Spec", [("kind", str)])("speech_synthesis")
+
+    @property
+    def name(self) -> str:
+        return "held_voice"
+
+    def voice(self, name: object | None) -> SpokenVoice:
+        return self.voices["held"]
+
+    def listing(self) -> list[dict[str, Any]]:
+        return []
+
+    async def prepare(self, text: str, voice: str | None = None) -> list[list[int]]:
+        return [[1]]
+
+    async def synthesize(
+        self, shards: list[list[int]], speed: float, times: object = None, voice: str | None = None
+    ) -> AsyncIterator[np.ndarray]:
+        await self.api.handle(Request("POST", "/held", {}, b""))  # held, cancelled or released as /held is
+        yield np.zeros(HELD_ANSWER // 2, np.int16)
 
 
 async def open_stream(name: str, address: Any, cafile: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -118,12 +163,78 @@ class Peer:
         if self._writer is not None:
             self._writer.close()
 
+    # the contract's requests, as each protocol asks them
+    async def ask(self) -> str:
+        """A request answered at once: what came back (its body, or why it was refused)."""
+        status, body = await self.send("/")
+        return body.decode() if status == 200 else f"{status} {body.decode()}"
+
+    async def past_budget(self) -> str:
+        status, body = await self.send("/", b"\0" * (BUDGET + 1))  # fits max_body_bytes, not the budget
+        return f"{status} {body.decode()}"
+
+    async def held(self) -> int:
+        """/held: the length of its answer once released."""
+        status, body = await self.send("/held")
+        assert status == 200, (status, body[:200])
+        return len(body)
+
+
+class WyomingPeer:
+    """The contract's requests as a Home Assistant asks them, with the `wyoming` package's client: describe
+    (answered at once), a recording past the byte budget, a synthesis in the held voice."""
+
+    def __init__(self, name: str, address: Any) -> None:
+        self.client: AsyncClient = (
+            AsyncUnixClient(address) if name == "wyoming" else AsyncTcpClient("127.0.0.1", address)
+        )
+        self._connected = False
+
+    async def _exchange(self, *events: Any) -> Any:
+        """The events sent, then the first answer that is not audio (audio's length kept in self.audio)."""
+        if not self._connected:
+            await self.client.connect()
+            self._connected = True
+        for event in events:
+            await self.client.write_event(event.event())
+        self.audio = 0
+        while (answer := await self.client.read_event()) is not None:
+            if AudioChunk.is_type(answer.type):
+                self.audio += len(AudioChunk.from_event(answer).audio)
+            elif not AudioStart.is_type(answer.type):
+                return answer
+        raise ConnectionError("the box closed the connection")
+
+    async def ask(self) -> str:
+        answer = await self._exchange(Describe())
+        return "answered" if Info.is_type(answer.type) else Error.from_event(answer).text
+
+    async def past_budget(self) -> str:
+        audio = AudioChunk(rate=16000, width=2, channels=1, audio=b"\0" * (BUDGET + 2))
+        answer = await self._exchange(Transcribe(), AudioStart(rate=16000, width=2, channels=1), audio)
+        return f"{answer.type} {Error.from_event(answer).text}"
+
+    async def held(self) -> int:
+        answer = await self._exchange(Synthesize(text="Hold on.", voice=SynthesizeVoice(name="held")))
+        assert AudioStop.is_type(answer.type), answer
+        return self.audio
+
+    async def go_away(self) -> None:
+        if self._connected:
+            await self.client.disconnect()
+
+
+def peer_of(transport: str, address: Any, cafile: str) -> Peer | WyomingPeer:
+    return WyomingPeer(transport, address) if transport in WYOMING else Peer(transport, address, cafile)
+
 
 # each transport's share of one peer (a user on the Unix socket, an address on TCP and QUIC), as config names it
 PEER_SHARES = {
     "unix": ("server", "max_connections_per_peer"),
     "https": ("https", "max_connections_per_address"),
     "quic": ("quic", "max_connections_per_address"),
+    "wyoming": ("wyoming", "max_connections_per_peer"),
+    "wyoming-tcp": ("wyoming", "max_connections_per_peer"),
 }
 
 
@@ -141,7 +252,9 @@ def serving_for(
         config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
     live = Live(config)
     api = HeldApi()
-    serving = Serving(api, live, BodyBudget(lambda: live.config.server), on_failure, clock=clock)  # type: ignore[arg-type]
+    engine = EngineSide({"held_voice": HeldVoice(api)}, Metrics(), lambda: False, asyncio.Event())  # type: ignore[dict-item]
+    budget = BodyBudget(lambda: live.config.server)
+    serving = Serving(api, live, budget, on_failure, clock=clock, engine=engine)  # type: ignore[arg-type]
     return serving, api
 
 
@@ -158,9 +271,9 @@ async def served(
     that differ from the defaults; `clock`: its deadlines'); yields it, the API and its address."""
     serving, api = serving_for(tls, settings, clock, on_failure)
     live = serving.live
-    if name == "unix":
+    if name in ("unix", "wyoming"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(address := str(tmp_path / "api.sock"))
+        sock.bind(address := str(tmp_path / f"{name}.sock"))
     else:
         kind = socket.SOCK_DGRAM if name == "quic" else socket.SOCK_STREAM
         sock = socket.socket(socket.AF_INET, kind)
@@ -170,7 +283,7 @@ async def served(
     if kind_listens := sock.type == socket.SOCK_STREAM:
         sock.listen(16)
     sock.setblocking(False)
-    transport = await TRANSPORTS[name](serving, sock)
+    transport = await TRANSPORTS[name].serve(serving, sock)
     try:
         yield transport, api, address
     finally:
@@ -189,26 +302,33 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(params=HTTP)
+def http_transport(request: pytest.FixtureRequest) -> str:
+    """The transports whose requests are HTTP's (the deadlines' and the answers' tests below speak it)."""
+    return str(request.param)
+
+
 def test_a_request_is_answered_and_a_body_past_the_budget_is_refused_naming_it(transport: str, tls, tmp_path) -> None:
-    async def run() -> list[tuple[int, bytes]]:
+    async def run() -> list[str]:
         async with served(transport, tls, tmp_path) as (_, _, address):
             answers = []
-            for body in (b"", b"\0" * (BUDGET + 1)):
-                peer = Peer(transport, address, str(tls[0]))
-                answers.append(await asyncio.wait_for(peer.send("/", body), 30))
+            for past_budget in (False, True):
+                peer = peer_of(transport, address, str(tls[0]))
+                answers.append(await asyncio.wait_for(peer.past_budget() if past_budget else peer.ask(), 30))
                 await peer.go_away()
             return answers
 
     answered, refused = asyncio.run(run())
-    assert answered == (200, b"answered")
-    assert refused[0] == 503 and f"at the limit of {BUDGET} bytes (server.max_buffered_bytes)" in refused[1].decode()
+    assert answered == "answered"
+    refusal = "error" if transport in WYOMING else "503"  # Wyoming's error event, then the close
+    assert refused.startswith(refusal) and f"at the limit of {BUDGET} bytes (server.max_buffered_bytes)" in refused
 
 
 def test_a_client_that_goes_away_cancels_its_work(transport: str, tls, tmp_path) -> None:
     async def run() -> list[str]:
         async with served(transport, tls, tmp_path) as (served_transport, api, address):
-            peer = Peer(transport, address, str(tls[0]))
-            asking = asyncio.create_task(peer.send("/held"))
+            peer = peer_of(transport, address, str(tls[0]))
+            asking = asyncio.create_task(peer.held())
             await asyncio.wait_for(until(lambda: api.events), 30)
             assert served_transport.in_flight == 1
             await peer.go_away()
@@ -221,16 +341,20 @@ def test_a_client_that_goes_away_cancels_its_work(transport: str, tls, tmp_path)
 
 
 def test_the_stop_takes_no_new_connection_and_answers_the_one_under_way(transport: str, tls, tmp_path) -> None:
+    """As the daemon stops: the stop is announced (sessions that only wait close: Wyoming's), then no
+    new connection is taken; the request under way is answered; drained, close_all ends the rest."""
+
     async def run() -> list[str]:
         events: list[str] = []
         async with served(transport, tls, tmp_path) as (served_transport, api, address):
-            early = Peer(transport, address, str(tls[0]))
-            asking = asyncio.create_task(early.send("/held"))
+            early = peer_of(transport, address, str(tls[0]))
+            asking = asyncio.create_task(early.held())
             await asyncio.wait_for(until(lambda: api.events), 30)
+            stopping(served_transport).set()
             served_transport.stop_accepting()
-            late = Peer(transport, address, str(tls[0]))
+            late = peer_of(transport, address, str(tls[0]))
             try:
-                await asyncio.wait_for(late.send("/"), 10)
+                await asyncio.wait_for(late.ask(), 10)
                 events.append("late answered")
             except (ConnectionRefusedError, NoAnswer):  # the stream listeners closed; QUIC: no handshake
                 events.append("late refused")
@@ -239,33 +363,38 @@ def test_the_stop_takes_no_new_connection_and_answers_the_one_under_way(transpor
             drained = lambda: not (served_transport.in_flight or served_transport.delivering)  # noqa: E731
             await asyncio.wait_for(until(drained), 30)
             served_transport.close_all()  # drained, as the daemon's stop sees it: the answer is not cut off
-            status, body = await asyncio.wait_for(asking, 30)
-            events.append(f"early {status} {len(body)}")
+            events.append(f"early answered {await asyncio.wait_for(asking, 30)} bytes")
             await asyncio.wait_for(until(lambda: not len(served_transport.connections)), 30)
             events.append("closed")
             await early.go_away()
         return events
 
-    assert asyncio.run(run()) == ["late refused", f"early 200 {256 << 10}", "closed"]
+    assert asyncio.run(run()) == ["late refused", f"early answered {HELD_ANSWER} bytes", "closed"]
+
+
+def stopping(served_transport: Served) -> asyncio.Event:
+    """The daemon's stop announced to a transport's sessions (Wyoming's close once idle; HTTP's requests
+    need no word: the listener's close is the stop)."""
+    sessions = getattr(served_transport, "sessions", None)
+    return sessions.stopping if sessions is not None else asyncio.Event()
 
 
 def test_a_peer_past_its_share_is_refused_naming_it_and_admitted_again_once_under(
     transport: str, tls, tmp_path
 ) -> None:
     """Admission: with one connection per peer, a second one while the first is held gets the
-    protocol's refusal (503 on HTTP/1.1, CONNECTION_REFUSED on QUIC) naming the share; once the first
-    is gone, the peer is admitted again."""
+    protocol's refusal (503 on HTTP/1.1, CONNECTION_REFUSED on QUIC, an error event on Wyoming) naming the
+    share; once the first is gone, the peer is admitted again."""
 
-    async def run() -> tuple[str, tuple[int, bytes]]:
+    async def run() -> tuple[str, str]:
         section, key = PEER_SHARES[transport]
         async with served(transport, tls, tmp_path, {section: {key: 1}}) as (served_transport, api, address):
-            early = Peer(transport, address, str(tls[0]))
-            asking = asyncio.create_task(early.send("/held"))
+            early = peer_of(transport, address, str(tls[0]))
+            asking = asyncio.create_task(early.held())
             await asyncio.wait_for(until(lambda: api.events), 30)
-            second = Peer(transport, address, str(tls[0]))
+            second = peer_of(transport, address, str(tls[0]))
             try:
-                status, body = await asyncio.wait_for(second.send("/"), 30)
-                refusal = f"{status} {body.decode()}"
+                refusal = await asyncio.wait_for(second.ask(), 30)
             except ConnectError as refused:
                 refusal = str(refused)
             await second.go_away()
@@ -273,16 +402,23 @@ def test_a_peer_past_its_share_is_refused_naming_it_and_admitted_again_once_unde
             await asyncio.wait_for(asking, 30)
             await early.go_away()
             await asyncio.wait_for(until(lambda: not len(served_transport.connections)), 30)
-            again = Peer(transport, address, str(tls[0]))
-            answer = await asyncio.wait_for(again.send("/"), 30)
+            again = peer_of(transport, address, str(tls[0]))
+            answer = await asyncio.wait_for(again.ask(), 30)
             await again.go_away()
             return refusal, answer
 
     refusal, answer = asyncio.run(run())
-    assert re.search(
-        r"^503 .*too many connections from \S+ \(its share is 1\)|closed the QUIC .*more than 1", refusal
-    ), refusal
-    assert answer == (200, b"answered")
+    assert re.search(r"too many .*connections.* from \S+ \(its share is 1\)|closed the QUIC .*more than 1", refusal), (
+        refusal
+    )
+    assert answer == "answered"
+
+
+def test_the_contract_covers_every_transport_of_the_table() -> None:
+    """A transport added to the table is either HTTP's (every test here runs on it) or named among
+    those served where the models are: none is left out of the contract."""
+    assert set(HTTP) | set(WYOMING) == set(TRANSPORTS)
+    assert {name for name, entry in TRANSPORTS.items() if entry.in_engine} == set(WYOMING)
 
 
 class Clock:
@@ -326,7 +462,7 @@ async def stop_reading(
 
 
 def test_a_client_that_takes_nothing_is_cut_off_at_the_write_deadline_and_its_work_ends(
-    transport: str, tls, tmp_path
+    http_transport: str, tls, tmp_path
 ) -> None:
     """The write deadline (server.write_timeout_s, 5 s here) on a clock the test holds: the answer's
     bytes wait for a client that takes none; 4.9 s on, the connection is open; at 5.1 s it is cut off,
@@ -334,8 +470,8 @@ def test_a_client_that_takes_nothing_is_cut_off_at_the_write_deadline_and_its_wo
 
     async def run() -> list[tuple[str, object]]:
         clock, events = Clock(), []
-        async with served(transport, tls, tmp_path, clock=clock) as (served_transport, api, address):
-            client = await stop_reading(transport, address, str(tls[0]), lambda: api.pieces > 0)
+        async with served(http_transport, tls, tmp_path, clock=clock) as (served_transport, api, address):
+            client = await stop_reading(http_transport, address, str(tls[0]), lambda: api.pieces > 0)
             # flow control holds the answer: its production stops where the client stopped taking
             produced = -1
             while produced != (produced := api.pieces) or not served_transport.in_flight:
@@ -444,7 +580,7 @@ def test_a_whole_answer_not_taken_is_cut_off_at_the_write_deadline(transport: st
     assert asyncio.run(run()) == [("4.9 s on", 1), ("5.1 s on", 0)]
 
 
-def test_a_deadline_check_that_crashes_stops_the_process(transport: str, tls, tmp_path) -> None:
+def test_a_deadline_check_that_crashes_stops_the_process(http_transport: str, tls, tmp_path) -> None:
     """Our bug in the periodic deadline check ends the task that holds every connection to its deadlines:
     the process's failure callback hears of it (the daemon stops and is started again) rather than
     serving on with no deadlines."""
@@ -454,9 +590,9 @@ def test_a_deadline_check_that_crashes_stops_the_process(transport: str, tls, tm
 
     async def run() -> list[str]:
         failures: list[BaseException] = []
-        async with served(transport, tls, tmp_path, on_failure=failures.append) as (served_transport, _, address):
+        async with served(http_transport, tls, tmp_path, on_failure=failures.append) as (served_transport, _, address):
             served_transport.check_timeouts = crash  # type: ignore[method-assign]
-            peer = Peer(transport, address, str(tls[0]))
+            peer = Peer(http_transport, address, str(tls[0]))
             assert await asyncio.wait_for(peer.send("/"), 30) == (200, b"answered")
             await asyncio.wait_for(until(lambda: failures), 30)
             await peer.go_away()
@@ -511,20 +647,20 @@ def test_plain_http_whose_body_comes_after_the_answer_still_gets_a_clean_close(t
     assert rest.startswith(b"this port speaks HTTPS only") and rest.endswith(b")\n"), rest
 
 
-def test_a_head_is_answered_with_the_length_of_the_body_and_without_it(transport: str, tls, tmp_path) -> None:
+def test_a_head_is_answered_with_the_length_of_the_body_and_without_it(http_transport: str, tls, tmp_path) -> None:
     """RFC 9110 9.3.2: the head alone, whose content-length (on HTTP/1.1) is the GET's body's; the next
     answer on the connection is read right after it (a body sent anyway would be read as its start)."""
 
     async def run() -> Any:
-        async with served(transport, tls, tmp_path) as (_, _, address):
-            if transport == "quic":
+        async with served(http_transport, tls, tmp_path) as (_, _, address):
+            if http_transport == "quic":
                 session = QuicSession(f"127.0.0.1:{address}", str(tls[0]), connect_timeout=5)
                 try:
                     answers = [await asyncio.wait_for(session.send(Call(m, "/")), 30) for m in ("HEAD", "GET")]
                 finally:
                     await session.close()
                 return [(a.status, a.headers.get("content-length"), a.body) for a in answers]
-            reader, writer = await open_stream(transport, address, str(tls[0]))
+            reader, writer = await open_stream(http_transport, address, str(tls[0]))
             writer.write(
                 b"HEAD / HTTP/1.1\r\nhost: box\r\n\r\nGET / HTTP/1.1\r\nhost: box\r\nconnection: close\r\n\r\n"
             )
@@ -533,7 +669,7 @@ def test_a_head_is_answered_with_the_length_of_the_body_and_without_it(transport
             return answer
 
     answer = asyncio.run(run())
-    if transport == "quic":
+    if http_transport == "quic":
         assert answer == [(200, None, b""), (200, "8", b"answered")]  # (h3_answers.py: why no length)
     else:
         head, get = answer.split(b"\r\n\r\n", 1)

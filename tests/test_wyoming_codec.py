@@ -20,7 +20,7 @@ from wyoming.info import Describe
 from wyoming.tts import Synthesize
 
 from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
-from appliance.api.wyoming_events import WriteTimeout, read_as, read_event, write_event
+from appliance.api.wyoming_events import WriteTimeout, answered, read_as, read_event, write_event
 from appliance.errors import BadRequest
 
 BOUNDS = Bounds(max_payload=4096, max_samples=16000, idle_s=4.0, header_s=2.0, quiet_s=1.0, write_s=5.0)
@@ -203,6 +203,68 @@ def test_the_time_the_box_takes_to_answer_an_event_is_not_counted_against_the_cl
         assert (await reading) is not None
 
     asyncio.run(run())
+
+
+def test_what_a_client_sends_while_the_box_answers_is_read_ahead_within_a_bound_and_kept() -> None:
+    """While an answer is made, the connection is watched for its end: what the client pipelines meanwhile
+    is read ahead (up to the next header line's bound; the rest stays in the stream), and every event of
+    it comes whole after the answer."""
+
+    pipelined = encoded(*[Event("ping", {"text": "x" * 1000}) for _ in range(200)])  # 200 KiB
+
+    async def run() -> tuple[int, int, list[str]]:
+        stream = asyncio.StreamReader(limit=1 << 22)
+        clock, release = Clock(0.0), asyncio.Event()
+        events = EventReader(BOUNDS, clock())
+        stream.feed_data(encoded(Event("ping")) + pipelined)
+        stream.feed_eof()
+        assert await read_event(stream, events, clock) is not None
+
+        async def handling() -> list[Event]:
+            await release.wait()
+            return [Event("pong")]
+
+        answering = asyncio.ensure_future(answered(handling(), stream, events, clock))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        room, left_in_stream = events.room_ahead(), len(stream._buffer)  # type: ignore[attr-defined]
+        release.set()
+        assert [e.type for e in await answering] == ["pong"]
+        later = []
+        while (event := await read_event(stream, events, clock)) is not None:
+            later.append(event.type)
+        return room, left_in_stream, later
+
+    room, left_in_stream, later = asyncio.run(run())
+    assert room == 0 and left_in_stream == len(pipelined) - (MAX_HEADER_BYTES + 1)  # the codec holds the bound
+    assert later == ["ping"] * 200
+
+
+def test_a_client_that_leaves_while_the_box_answers_cancels_the_answer() -> None:
+    """A synthesis sends nothing before its first sentence is spoken: the client's end, seen while it is
+    made, cancels it (the connection's end raised), rather than the box speaking to no one."""
+
+    async def run() -> list[str]:
+        stream, clock, steps = asyncio.StreamReader(), Clock(0.0), []
+        events = EventReader(BOUNDS, clock())
+
+        async def handling() -> list[Event]:
+            steps.append("answering")
+            try:
+                await asyncio.get_running_loop().create_future()
+            except asyncio.CancelledError:
+                steps.append("cancelled")
+                raise
+            return []
+
+        answering = asyncio.ensure_future(answered(handling(), stream, events, clock))
+        await asyncio.sleep(0)
+        stream.feed_eof()
+        with pytest.raises(ConnectionResetError, match="the client left"):
+            await answering
+        return steps
+
+    assert asyncio.run(run()) == ["answering", "cancelled"]
 
 
 def test_the_pump_ends_a_part_when_the_clock_passes_its_deadline_not_the_loops_time() -> None:

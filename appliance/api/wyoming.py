@@ -53,17 +53,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from wyoming.audio import AudioStop
+from wyoming.audio import AudioChunk, AudioStop
 from wyoming.error import Error
 from wyoming.event import Event
 from zeroconf.asyncio import AsyncZeroconf
 
-from appliance.api.access import wyoming_allow
 from appliance.api.metrics import Metrics
-from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
-from appliance.api.wyoming_events import WriteTimeout, close_with_error, cut_off, read_event, write_event
+from appliance.api.wyoming_codec import Bounds, EventReader, WyomingError
+from appliance.api.wyoming_events import (
+    WriteTimeout,
+    answered,
+    close_with_error,
+    cut_off,
+    read_event,
+    write_event,
+)
 from appliance.api.wyoming_handler import WyomingHandler
-from appliance.api.wyoming_lan import Serve, listen_tcp
+from appliance.api.wyoming_lan import announce, tcp_socket
 from appliance.config import Config, Live, WyomingConfig
 from appliance.errors import ApiError
 from appliance.kinds.base import ServedModel
@@ -148,7 +154,10 @@ async def serve_client(
             if (event := reading.result()) is None:
                 break
             try:
-                for answer in await handler.handle(event, send):
+                handling = handler.handle(event, send)
+                # an audio chunk's answer is at once, and the next read sees a client gone: no watch for it
+                watched = not AudioChunk.is_type(event.type)
+                for answer in await (answered(handling, reader, events, clock) if watched else handling):
                     await send(answer)
             except ApiError as exc:  # the client's: a bad event's fields (wyoming_events.read_as), one error, go on
                 message = exc.message
@@ -188,58 +197,48 @@ def _peer(writer: asyncio.StreamWriter) -> str:
     return unix_peer(writer.get_extra_info("socket"))[0]
 
 
-@dataclass
-class Listeners:
-    """Where Wyoming is served: the Unix socket, and TCP with its mDNS announcement where it is on."""
-
-    unix: asyncio.Server
-    path: Path
-    serving: Serving
-    tcp: asyncio.Server | None = None
-    zeroconf: AsyncZeroconf | None = None  # its announcement on the LAN (wyoming_lan.py)
-
-    async def close(self) -> None:
-        for server in (self.unix, self.tcp):
-            if server is not None:
-                server.close()
-        if self.zeroconf is not None:
-            await self.zeroconf.async_close()  # says goodbye on the LAN
+def unix_socket_path(config: Config) -> Path:
+    """Where Wyoming's Unix socket is: [wyoming] socket, else wyoming.sock beside the API's."""
+    socket_setting = str(config.wyoming.socket)
+    return Path(socket_setting) if socket_setting != "." else config.server.socket.with_name("wyoming.sock")
 
 
-async def start(
-    config: Config,
-    bind: Callable[[Path], socket.socket],
-    models: dict[str, ServedModel],
-    live: Live,
-    metrics: Metrics,
-    draining: Callable[[], bool],
-    budget: ByteBudget,
-    stopping: asyncio.Event,
-) -> Listeners | None:
-    """[wyoming]: the Unix socket (`bind` makes it as the API's is made), and TCP where asked for.
-    While `draining()`, a new client gets an error event and a close (a drain, api/fleet_routes.py).
-    Recordings are held against `budget`, the engine process's bytes held for clients. At `stopping`
-    each connection closes with an error event once nothing is under way."""
+def listening_sockets(config: Config, bind: Callable[[Path], socket.socket]) -> dict[str, socket.socket]:
+    """[wyoming]'s sockets by their names in the listener table (transport/listening.py): the Unix socket
+    (`bind` makes it as the API's is made), and TCP where asked for (announced once served: wyoming_lan)."""
     settings = config.wyoming
     if not settings.enabled:
-        return None
-    path = Path(str(settings.socket)) if str(settings.socket) != "." else config.server.socket.with_name("wyoming.sock")
-    serving = Serving(models, live, metrics, draining, budget, stopping)
-    unix = Admission("the Unix socket", lambda s: s.max_connections)
-    listeners = Listeners(await listen(bind(path), serving.client(unix)), path, serving)
+        return {}
+    path = unix_socket_path(config)
+    sockets = {"wyoming": bind(path)}
     log.info("Wyoming on %s", path)
     if settings.tcp:
-        lan = Admission("TCP", lambda s: s.max_tcp_connections)  # slots apart from the Unix socket's
-        allowed = wyoming_allow.guard(serving.client(lan), live, metrics)  # TCP peers from wyoming.allow only
-        properties = {"https": str(config.https.port)} if config.https.enabled else {}
-        listeners.tcp, listeners.zeroconf = await listen_tcp(settings.tcp, allowed, MAX_HEADER_BYTES, properties)
-    return listeners
+        try:
+            sockets["wyoming-tcp"] = tcp_socket(settings.tcp)
+        except BaseException:  # the start fails: the socket made for it goes too
+            sockets["wyoming"].close()
+            path.unlink(missing_ok=True)
+            raise
+    return sockets
+
+
+async def announced(config: Config, sockets: dict[str, socket.socket]) -> AsyncZeroconf | None:
+    """Wyoming on TCP announced on the LAN once it serves (closing it says goodbye); None without TCP.
+    The announcement's TXT record carries the HTTPS port (`appliance fleet targets`)."""
+    if "wyoming-tcp" not in sockets:
+        return None
+    properties = {"https": str(config.https.port)} if config.https.enabled else {}
+    return await announce(config.wyoming.tcp, sockets["wyoming-tcp"].getsockname()[1], properties)
 
 
 @dataclass
-class Serving:
-    """What every Wyoming connection is served with, whichever listener took it."""
+class Sessions:
+    """What every Wyoming connection of one listener is served with. While `draining()`, a new client
+    gets an error event and a close (a drain, api/fleet_routes.py). Recordings are held against
+    `budget`, the engine process's bytes held for clients. At `stopping` each connection closes with an
+    error event once nothing is under way."""
 
+    admission: Admission
     models: dict[str, ServedModel]
     live: Live
     metrics: Metrics
@@ -247,42 +246,31 @@ class Serving:
     budget: ByteBudget
     stopping: asyncio.Event  # set at the daemon's stop (api/core.py's)
     clock: Callable[[], float] = time.monotonic  # times every connection's deadlines
-    connections: int = 0  # being served now, on both listeners: a stop waits for them (each closes once idle)
+    connections: int = 0  # admitted and served now: a stop waits for them (each closes once idle)
 
-    def client(self, admission: Admission) -> Serve:
-        """A listener's connections, admitted by `admission`."""
-
-        async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            config, peer = self.live.config, _peer(writer)  # as the config is now: a reload bounds new connections
-            bounds = Bounds.of(config)
-            refusal = (
-                WyomingError("draining: new sessions go to another box", code="draining")
-                if self.draining()
-                else admission.refusal(peer, config.wyoming)
-            )
-            if refusal:
-                try:
-                    with admission.refusing(config.wyoming) as linger:
-                        await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger, self.clock)
-                finally:
-                    writer.close()
-                return
-            self.connections += 1
+    async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection, admitted by the listener's admission or refused with an error event."""
+        config, peer = self.live.config, _peer(writer)  # as the config is now: a reload bounds new connections
+        bounds, admission = Bounds.of(config), self.admission
+        refusal = (
+            WyomingError("draining: new sessions go to another box", code="draining")
+            if self.draining()
+            else admission.refusal(peer, config.wyoming)
+        )
+        if refusal:
             try:
-                with admission.held(peer):
-                    await serve_client(
-                        self._handler(bounds, peer), bounds, peer, reader, writer, self.stopping, self.clock
-                    )
+                with admission.refusing(config.wyoming) as linger:
+                    await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger, self.clock)
             finally:
-                self.connections -= 1
-
-        return client
+                writer.close()
+            return
+        self.connections += 1
+        try:
+            with admission.held(peer):
+                await serve_client(self._handler(bounds, peer), bounds, peer, reader, writer, self.stopping, self.clock)
+        finally:
+            self.connections -= 1
 
     def _handler(self, bounds: Bounds, client: str) -> WyomingHandler:
         observe = lambda model, s: self.metrics.observe_live(model, "wyoming", s)  # noqa: E731
         return WyomingHandler(self.models, bounds.max_samples, self.budget, client, observe)
-
-
-async def listen(sock: socket.socket, serve: Serve) -> asyncio.Server:
-    """Serve Wyoming on a bound, listening Unix socket; each client in its own task."""
-    return await asyncio.start_unix_server(serve, sock=sock, limit=MAX_HEADER_BYTES)

@@ -108,6 +108,11 @@ class EventReader:
             return max(MAX_HEADER_BYTES + 1 - len(self._buffer), 1)
         return sum(self._lengths) - len(self._buffer)
 
+    def room_ahead(self) -> int:
+        """How many bytes may be read ahead while the box answers the last event: up to the next header
+        line's bound (nothing read ahead is parsed until the next event is asked for)."""
+        return MAX_HEADER_BYTES + 1 - len(self._buffer) if self._header is None else 0
+
     @property
     def finished(self) -> bool:
         """The stream ended between two events."""

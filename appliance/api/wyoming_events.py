@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from wyoming.error import Error
@@ -52,6 +52,36 @@ async def read_event(reader: asyncio.StreamReader, events: EventReader, clock: C
             continue  # the clock says not yet: wait again
         events.feed(data, clock())
     return event
+
+
+async def answered(
+    handling: Awaitable[list[Event]], reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float]
+) -> list[Event]:
+    """An event's answers, once `handling` has made them; where the client leaves meanwhile, its work is
+    cancelled and the connection's end raised (a synthesis makes no answer until its first sentence is
+    spoken: nothing else would notice). What the client sends meanwhile is read ahead into `events`."""
+    task, watching = asyncio.ensure_future(handling), asyncio.ensure_future(_until_gone(reader, events, clock))
+    try:
+        await asyncio.wait([task, watching], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not task.done():  # the client left (or this was cancelled): its work goes
+            task.cancel()
+        await asyncio.wait([task, watching])
+    if task.cancelled():
+        raise ConnectionResetError("the client left while the box answered it")
+    return task.result()
+
+
+async def _until_gone(reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float]) -> None:
+    """Returns at the connection's end (or raises its reset); reads ahead within the next header's bound,
+    past which the rest waits in the socket for the answer to be done."""
+    while (room := events.room_ahead()) > 0:
+        data = await reader.read(room)
+        events.feed(data, clock())
+        if not data:
+            return
+    await asyncio.get_running_loop().create_future()  # cancelled once the answer is made
 
 
 class WriteTimeout(Exception):

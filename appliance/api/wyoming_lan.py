@@ -13,14 +13,12 @@ itself.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import hmac
 import ipaddress
 import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import ifaddr
@@ -34,7 +32,6 @@ log = logging.getLogger("appliance.wyoming")
 SERVICE = "_wyoming._tcp.local."
 MDNS_GROUP = "224.0.0.251"
 NAME_QUERY_MS = 1500  # how long a box waits for another to answer for the name it would take
-Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]  # one client's connection
 # Linux's constants Python does not name (linux/in.h, asm-generic/socket.h, linux/filter.h)
 IP_MULTICAST_ALL, SO_ATTACH_FILTER, SKF_NET_OFF, SKF_AD_IFINDEX = 49, 26, -0x100000, -0x1000 + 8
 # classic BPF's opcodes (linux/filter.h): loads, a mask, a comparison, the verdicts
@@ -42,21 +39,26 @@ LOAD_WORD, AND, JUMP_IF_EQUAL, RETURN = 0x20, 0x54, 0x15, 0x06
 KEEP, DROP = (RETURN, 0, 0, 0xFFFFFFFF), (RETURN, 0, 0, 0)
 
 
-async def listen_tcp(
-    address: str, serve: Serve, limit: int, properties: dict[str, str]
-) -> tuple[asyncio.Server, AsyncZeroconf]:
-    """Wyoming on TCP at `address` (`limit`: a header line's bound), announced on the listening
-    address's interface (all of them for 0.0.0.0), and answering mDNS queries only there; the
-    announcement's TXT record carries `properties` (the HTTPS port: `appliance fleet targets`)."""
+def tcp_socket(address: str) -> socket.socket:
+    """[wyoming] tcp's listening socket at "HOST:PORT" (served by the listener table's wyoming-tcp,
+    announced by `announce` once it serves); a failure is the start's one line naming the key."""
     host, _, port = address.rpartition(":")
     try:
-        server = await asyncio.start_server(serve, host, int(port), limit=limit)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, int(port)), family=family, backlog=1024)
     except OSError as exc:
         raise cannot_listen("wyoming.tcp", address, exc) from None
+    sock.setblocking(False)
+    return sock
+
+
+async def announce(address: str, port: int, properties: dict[str, str]) -> AsyncZeroconf:
+    """Wyoming on TCP `port` ([wyoming] tcp `address`) announced on the listening address's interface
+    (all of them for 0.0.0.0), answering mDNS queries only there; the announcement's TXT record carries
+    `properties` (the HTTPS port: `appliance fleet targets`). Closing it says goodbye on the LAN."""
     try:
-        return server, await _announce(address, host, server.sockets[0].getsockname()[1], properties)
+        return await _announce(address, address.rpartition(":")[0], port, properties)
     except (OSError, ZeroconfError) as exc:  # no multicast on that interface, say
-        server.close()
         raise ApplianceError(f"wyoming.tcp {address}: cannot announce it on zeroconf: {exc}") from None
 
 

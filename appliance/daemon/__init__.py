@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zeroconf.asyncio import AsyncZeroconf
+
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
 from appliance.api import wyoming
@@ -63,7 +65,8 @@ class Daemon:
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
         self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
-        self.wyoming: wyoming.Listeners | None = None
+        self.wyoming_path: Path | None = None  # Wyoming's socket file, where it serves (removed when it ends)
+        self.announcement: AsyncZeroconf | None = None  # Wyoming on TCP's, on the LAN
         self.agent: Agent | None = None  # HAProxy's agent check, from the start of the start
         self.stopped_starting = False  # the stop signal came before anything was served: no drain
 
@@ -112,10 +115,8 @@ class Daemon:
         if any(engine in m.engine_name for m in self.models.values() for engine in GPU_ENGINES):
             fleet.gpu_memory = cuda.memory_used
         bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
-        refusing = lambda: fleet.order is not None  # noqa: E731
-        self.wyoming = await wyoming.start(
-            config, bind, self.models, self.live, self.api.metrics, refusing, budget, self.api.stopping
-        )
+        wyoming_sockets = wyoming.listening_sockets(config, bind)
+        self.wyoming_path = wyoming.unix_socket_path(config) if wyoming_sockets else None
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -123,9 +124,11 @@ class Daemon:
         starting.unlink(missing_ok=True)
         if config.https.enabled or config.quic.enabled:  # /status and /tls/certificate.pem show who the box is
             self.api.certificate_pem, self.api.tls = tls_identity(config)
-        tcp_sock = listen_https(config) if config.https.enabled else None
+        https = {"https": listen_https(config)} if config.https.enabled else {}
         self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
-        await self.listeners.start(sock, quic_sock, tcp_sock, workers, f"{manifest.name} {manifest.version}")
+        label = f"{manifest.name} {manifest.version}"
+        await self.listeners.start({"unix": sock, **https, **wyoming_sockets}, quic_sock, workers, label)
+        self.announcement = await wyoming.announced(config, wyoming_sockets)  # served: Home Assistant may find it
         freeze_start_up()
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
@@ -263,8 +266,8 @@ class Daemon:
         grace = self.config.server.shutdown_grace_s
         deadline = time.monotonic() + grace
         await listeners.stop_accepting(grace)
-        if self.wyoming is not None:
-            await self.wyoming.close()
+        if self.announcement is not None:
+            await self.announcement.async_close()  # says goodbye on the LAN
         drained = lambda: not (self.in_flight() or listeners.delivering or streaming(self.models.values()))  # noqa: E731
         while not drained() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -284,12 +287,11 @@ class Daemon:
         self.remove_socket()
         log.info("stopped")
 
-    def in_flight(self) -> int:  # requests under way, Wyoming's connections among them (the signal thread reads it)
-        wyoming = self.wyoming.serving.connections if self.wyoming is not None else 0  # each closes once idle
-        return wyoming + (self.listeners.in_flight if self.listeners is not None else 0)
+    def in_flight(self) -> int:  # requests under way, Wyoming's sessions among them (the signal thread reads it)
+        return self.listeners.in_flight if self.listeners is not None else 0
 
     def remove_socket(self) -> None:
-        for path in (self.bound_socket, self.wyoming.path if self.wyoming else None):
+        for path in (self.bound_socket, self.wyoming_path):
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

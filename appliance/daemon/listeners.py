@@ -22,9 +22,9 @@ from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import ConnectionCache
 from appliance.transport.conncache_choice import opened_cache
 from appliance.transport.h3_server import quic_configuration
-from appliance.transport.listening import Transports
+from appliance.transport.listening import TRANSPORTS, Transports
 from appliance.transport.quic_guards import ClientCertificates
-from appliance.transport.serving import Serving
+from appliance.transport.serving import EngineSide, Serving
 
 log = logging.getLogger("appliance")
 
@@ -64,7 +64,7 @@ class Listeners:
     ) -> None:
         """`on_failure`: a background task a transport needs died (server.workers = 1): the daemon stops."""
         self.api, self.live, self.config_paths, self.on_failure = api, live, config_paths, on_failure
-        self.transports = Transports()  # this process's (server.workers = 1)
+        self.transports = Transports()  # this process's (every one where server.workers = 1)
         self.supervisor: Supervisor | None = None
         self.cache: ConnectionCache | None = None  # the QUIC listener's (all QUIC workers share its pins)
         self.quic_reason = ""  # why QUIC runs in one worker where more were asked for
@@ -75,26 +75,26 @@ class Listeners:
         return self.live.config
 
     async def start(
-        self,
-        sock: socket.socket,
-        quic_sock: socket.socket | None,
-        tcp_sock: socket.socket | None,
-        workers: int,
-        firmware_label: str,
+        self, sockets: dict[str, socket.socket], quic_sock: socket.socket | None, workers: int, firmware_label: str
     ) -> None:
-        """The transports of listening.py's table: in this process where server.workers = 1, else in
-        protocol worker processes that this process serves."""
-        sockets = {"unix": sock, **({"https": tcp_sock} if tcp_sock is not None else {})}
+        """The transports of listening.py's table on `sockets` (by name; QUIC's apart): in this process
+        where server.workers = 1, else in protocol worker processes that this process serves, but for
+        those that serve the models themselves, which are served here."""
+        api = self.api
+        engine = EngineSide(api.models, api.metrics, lambda: api.fleet.order is not None, api.stopping)
+        here = {name: sock for name, sock in sockets.items() if TRANSPORTS[name].in_engine}
+        sockets = {name: sock for name, sock in sockets.items() if name not in here}
         quic_slots = self.quic_slots = await self._open_quic(quic_sock, workers) if self.config.quic.enabled else []
         if quic_sock is not None and not self.config.quic.enabled:
             log.warning("systemd passed a UDP socket but quic.enabled is false: not serving QUIC")
         quic_port = quic_slots[0].sock.getsockname()[1] if quic_slots else None
-        budget = self.api.budget  # the transports', Realtime's and Wyoming's (with workers, its ledger theirs too)
+        budget = api.budget  # the transports', Realtime's and Wyoming's (with workers, its ledger theirs too)
         assert isinstance(budget, BodyBudget)
+        serving = Serving(self.api, self.live, budget, self.on_failure, quic_port, self.cache, engine=engine)
         if workers == 1:
-            serving = Serving(self.api, self.live, budget, self.on_failure, quic_port, self.cache)
-            await self.transports.serve(serving, sockets | ({"quic": quic_slots[0].sock} if quic_slots else {}))
+            await self.transports.serve(serving, here | sockets | ({"quic": quic_slots[0].sock} if quic_slots else {}))
             return
+        await self.transports.serve(serving, here)
         cache = self.cache  # the workers attach to its pins (ebpf), or the one QUIC worker keeps its own table
         conncache = "user:" if cache is None else "ebpf" if cache.backend == "ebpf" else f"user:{cache.reason}"
         launch = Launch(sockets, conncache, firmware_label, quic_port, budget.ledger)

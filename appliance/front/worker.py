@@ -162,8 +162,9 @@ class Worker:
 
 def _listen(text: str) -> tuple[str, int]:
     name, _, fd = text.partition("=")
-    if name not in TRANSPORTS or not fd.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: not NAME=FD with NAME one of {', '.join(TRANSPORTS)}")
+    names = [n for n, transport in TRANSPORTS.items() if not transport.in_engine]  # the others need the models
+    if name not in names or not fd.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: not NAME=FD with NAME one of {', '.join(names)}")
     return name, int(fd)
 
 

@@ -1,22 +1,34 @@
 """The listener table: every transport the daemon serves, by the name its socket carries from the engine
 process to a protocol worker (`--listen NAME=FD`) and that Request.listener says. The engine process
 (server.workers = 1) and each worker serve the table alike, so adding a transport is its module (a
-sans-I/O codec and a pump with a `serve`) and one line here."""
+sans-I/O codec and a pump with a `serve`) and one line here. A transport that serves the models
+themselves (Wyoming) is served by the engine process whatever server.workers."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from appliance.transport.h3_server import H3Server
 from appliance.transport.http1 import Http1Server
 from appliance.transport.https import HttpsServer
 from appliance.transport.serving import Served, Serving
+from appliance.transport.wyoming_server import WyomingServer
 
-TRANSPORTS: dict[str, Callable[[Serving, socket.socket], Awaitable[Served]]] = {
-    "unix": Http1Server.serve,  # HTTP/1.1 and WebSocket for on-box apps
-    "https": HttpsServer.serve,  # the same over TLS on TCP, for the LAN
-    "quic": H3Server.serve,  # HTTP/3 and its WebSockets, for the LAN
+
+@dataclass(frozen=True)
+class Transport:
+    serve: Callable[[Serving, socket.socket], Awaitable[Served]]
+    in_engine: bool = False  # it serves the models themselves (Serving.engine): the engine process runs it
+
+
+TRANSPORTS: dict[str, Transport] = {
+    "unix": Transport(Http1Server.serve),  # HTTP/1.1 and WebSocket for on-box apps
+    "https": Transport(HttpsServer.serve),  # the same over TLS on TCP, for the LAN
+    "quic": Transport(H3Server.serve),  # HTTP/3 and its WebSockets, for the LAN
+    "wyoming": Transport(WyomingServer.serve_unix, in_engine=True),  # Home Assistant's, beside the API socket
+    "wyoming-tcp": Transport(WyomingServer.serve_tcp, in_engine=True),  # the same for the LAN (wyoming.allow)
 }
 
 
@@ -32,7 +44,7 @@ class Transports:
         """Serve each socket by its name; where one cannot start, those started are closed again."""
         try:
             for name, sock in sockets.items():
-                self.served[name] = await TRANSPORTS[name](serving, sock)
+                self.served[name] = await TRANSPORTS[name].serve(serving, sock)
         except BaseException:
             self.stop_accepting()
             self.close_all()

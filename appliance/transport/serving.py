@@ -4,18 +4,32 @@ transports is listening.py's."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from appliance.api.metrics import Metrics
 from appliance.config import Live
+from appliance.kinds.base import ServedModel
 from appliance.protocol.messages import Handler
 from appliance.transport.assembler import BodyBudget
 
 if TYPE_CHECKING:
     from appliance.transport.conncache import ConnectionCache
     from appliance.transport.quic_guards import Tickets
+
+
+@dataclass
+class EngineSide:
+    """What a transport that serves the models themselves is served with (Wyoming, whose sessions use
+    them directly): the engine process's, so such a transport runs there whatever server.workers."""
+
+    models: dict[str, ServedModel]
+    metrics: Metrics
+    draining: Callable[[], bool]  # a drain order stands: new sessions go to another box (api/fleet_routes.py)
+    stopping: asyncio.Event  # the daemon's stop has begun: sessions close once idle
 
 
 @dataclass
@@ -29,6 +43,7 @@ class Serving:
     worker_key: int | None = None  # a QUIC worker's: its connection IDs start with it (QUIC steering)
     tickets: Tickets | None = None  # QUIC session tickets shared by every worker (the engine's store)
     clock: Callable[[], float] = time.monotonic  # times every connection's deadlines (a test may hold it)
+    engine: EngineSide | None = None  # in the engine process: the models, for the transports served there
 
 
 class Served(Protocol):

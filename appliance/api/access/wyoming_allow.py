@@ -54,8 +54,9 @@ def allowed(host: str, setting: str) -> bool:
     return within(host, networks(setting))
 
 
-def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
-    """`serve` for the peers the allow-list takes; the others refused before anything is read."""
+def guard(serve: Serve, live: Live, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> Serve:
+    """`serve` for the peers the allow-list takes; the others refused before anything is read (the
+    refusal's write deadline on `clock`, the listener's)."""
 
     lingering = 0
 
@@ -85,7 +86,7 @@ def guard(serve: Serve, live: Live, metrics: Metrics) -> Serve:
         linger = lingering < LINGERING
         lingering += linger
         try:
-            await close_with_error(refusal, host, reader, writer, live.config.server.write_timeout_s, linger)
+            await close_with_error(refusal, host, reader, writer, live.config.server.write_timeout_s, linger, clock)
         finally:
             lingering -= linger
             writer.close()

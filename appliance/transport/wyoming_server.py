@@ -1,0 +1,80 @@
+"""Home Assistant's Wyoming as a transport of the listener table: the pump on each connection (api/wyoming.py:
+admission and the events' loop, on wyoming_codec.py's sans-I/O reader), on the Unix socket beside the
+API's and on TCP for the LAN (its peers from wyoming.allow). Its sessions use the models themselves (the
+same batches as the API's), so it is served in the engine process (Serving.engine), whatever
+server.workers; the stop and the drain are the table's, as for every transport."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from appliance.api.access import wyoming_allow
+from appliance.api.wyoming import Admission, Sessions
+from appliance.api.wyoming_codec import MAX_HEADER_BYTES
+from appliance.transport.serving import Serving
+
+
+class WyomingServer:
+    """Wyoming served on one listening socket: its connections, admitted by its own slots."""
+
+    def __init__(self, serving: Serving, admission: Admission) -> None:
+        engine = serving.engine
+        if engine is None:
+            raise ValueError("Wyoming is served where the models are: the engine process")
+        self.sessions = Sessions(
+            admission,
+            engine.models,
+            serving.live,
+            engine.metrics,
+            engine.draining,
+            serving.budget,
+            engine.stopping,
+            serving.clock,
+        )
+        self.connections: set[asyncio.StreamWriter] = set()  # refused ones lingering too: close_all ends them
+        self.server: asyncio.Server | None = None
+
+    @classmethod
+    async def serve_unix(cls, serving: Serving, sock: socket.socket) -> WyomingServer:
+        """The Unix socket: max_connections, max_connections_per_peer of one user."""
+        served = cls(serving, Admission("the Unix socket", lambda s: s.max_connections))
+        served.server = await asyncio.start_unix_server(served.client, sock=sock, limit=MAX_HEADER_BYTES)
+        return served
+
+    @classmethod
+    async def serve_tcp(cls, serving: Serving, sock: socket.socket) -> WyomingServer:
+        """TCP: slots apart from the Unix socket's (the LAN cannot take a local Home Assistant's), its
+        peers from wyoming.allow only."""
+        served = cls(serving, Admission("TCP", lambda s: s.max_tcp_connections))
+        assert serving.engine is not None
+        allowed = wyoming_allow.guard(served.client, serving.live, serving.engine.metrics, serving.clock)
+        served.server = await asyncio.start_server(allowed, sock=sock, limit=MAX_HEADER_BYTES)
+        return served
+
+    async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections.add(writer)
+        try:
+            await self.sessions.client(reader, writer)
+        finally:
+            self.connections.discard(writer)
+
+    @property
+    def in_flight(self) -> int:
+        """Sessions open: each closes once idle after the stop (a recording under way gets its transcript)."""
+        return self.sessions.connections
+
+    @property
+    def delivering(self) -> int:
+        return 0  # an event is written within its write deadline before the session goes on
+
+    def check_timeouts(self, now: float) -> None:
+        """Each connection's pump holds its own deadlines on Serving.clock (api/wyoming_events.py)."""
+
+    def stop_accepting(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    def close_all(self) -> None:
+        for writer in list(self.connections):
+            writer.transport.abort()
