@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import re
 import socket
 import ssl
@@ -27,6 +28,7 @@ from wyoming.asr import Transcribe
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncClient, AsyncTcpClient, AsyncUnixClient
 from wyoming.error import Error
+from wyoming.event import async_read_event, write_event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
@@ -224,6 +226,13 @@ class WyomingPeer:
             await self.client.disconnect()
 
 
+def encoded(event: Any) -> bytes:
+    """An event as the wyoming package writes it."""
+    out = io.BytesIO()
+    write_event(event, out)
+    return out.getvalue()
+
+
 def peer_of(transport: str, address: Any, cafile: str) -> Peer | WyomingPeer:
     return WyomingPeer(transport, address) if transport in WYOMING else Peer(transport, address, cafile)
 
@@ -412,6 +421,29 @@ def test_a_peer_past_its_share_is_refused_naming_it_and_admitted_again_once_unde
         refusal
     )
     assert answer == "answered"
+
+
+def test_a_wyoming_client_that_only_shuts_its_sending_side_is_answered(tls, tmp_path) -> None:
+    """A half-close (shutdown(SHUT_WR)) on the Unix socket is not leaving, as on HTTP/1.1: the kernel
+    tells it from a close, and the synthesis asked before it is spoken whole."""
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with served("wyoming", tls, tmp_path) as (_, api, address):
+            reader, writer = await asyncio.open_unix_connection(address)
+            writer.write(encoded(Synthesize(text="Hold on.", voice=SynthesizeVoice(name="held")).event()))
+            writer.write_eof()
+            await asyncio.wait_for(until(lambda: api.events), 30)
+            await asyncio.sleep(0.1)  # the box has seen the end of what it sends
+            api.release.set()
+            answers = []
+            while (event := await asyncio.wait_for(async_read_event(reader), 30)) is not None:
+                answers.append(event.type)
+            writer.close()
+            return api.events, answers
+
+    events, answers = asyncio.run(run())
+    assert events == ["held", "released"]
+    assert answers[0] == "audio-start" and answers[-1] == "audio-stop" and "audio-chunk" in answers, answers
 
 
 def test_the_contract_covers_every_transport_of_the_table() -> None:

@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -244,3 +245,17 @@ def test_large_bodies_cross_through_shared_memory_whole(two_workers: Daemon) -> 
     np.testing.assert_array_equal(a, b)
     assert len(a) == len(audio) // CHUNK
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("appliance-")]
+
+
+def test_a_protocol_worker_loads_no_model_code() -> None:
+    """A worker serves the transports that need no model (the listener table's Wyoming entries run in the
+    engine process): importing it loads no engine, no kind and no audio decoder, so each worker costs
+    neither their import time nor their memory."""
+    heavy = ["onnxruntime", "ctranslate2", "av", "soxr", "appliance.kinds", "appliance.engine"]
+    heavy += ["appliance.api.wyoming", "appliance.api.wyoming_handler"]  # the codec alone is light
+    probe = (
+        f"import sys, appliance.front.worker; heavy = {heavy!r}; "
+        "print(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy)))"
+    )
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert found == "[]", found

@@ -205,6 +205,14 @@ def test_the_time_the_box_takes_to_answer_an_event_is_not_counted_against_the_cl
     asyncio.run(run())
 
 
+class NoSocket:
+    """The writer of an in-memory stream: no socket to ask whether the client only half-closed, so its
+    end is its leaving (as on TCP)."""
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
 def test_what_a_client_sends_while_the_box_answers_is_read_ahead_within_a_bound_and_kept() -> None:
     """While an answer is made, the connection is watched for its end: what the client pipelines meanwhile
     is read ahead (up to the next header line's bound; the rest stays in the stream), and every event of
@@ -224,7 +232,7 @@ def test_what_a_client_sends_while_the_box_answers_is_read_ahead_within_a_bound_
             await release.wait()
             return [Event("pong")]
 
-        answering = asyncio.ensure_future(answered(handling(), stream, events, clock))
+        answering = asyncio.ensure_future(answered(handling(), stream, NoSocket(), events, clock))  # type: ignore[arg-type]
         for _ in range(20):
             await asyncio.sleep(0)
         room, left_in_stream = events.room_ahead(), len(stream._buffer)  # type: ignore[attr-defined]
@@ -257,7 +265,7 @@ def test_a_client_that_leaves_while_the_box_answers_cancels_the_answer() -> None
                 raise
             return []
 
-        answering = asyncio.ensure_future(answered(handling(), stream, events, clock))
+        answering = asyncio.ensure_future(answered(handling(), stream, NoSocket(), events, clock))  # type: ignore[arg-type]
         await asyncio.sleep(0)
         stream.feed_eof()
         with pytest.raises(ConnectionResetError, match="the client left"):

@@ -157,7 +157,7 @@ async def serve_client(
                 handling = handler.handle(event, send)
                 # an audio chunk's answer is at once, and the next read sees a client gone: no watch for it
                 watched = not AudioChunk.is_type(event.type)
-                for answer in await (answered(handling, reader, events, clock) if watched else handling):
+                for answer in await (answered(handling, reader, writer, events, clock) if watched else handling):
                     await send(answer)
             except ApiError as exc:  # the client's: a bad event's fields (wyoming_events.read_as), one error, go on
                 message = exc.message
@@ -229,6 +229,12 @@ async def announced(config: Config, sockets: dict[str, socket.socket]) -> AsyncZ
         return None
     properties = {"https": str(config.https.port)} if config.https.enabled else {}
     return await announce(config.wyoming.tcp, sockets["wyoming-tcp"].getsockname()[1], properties)
+
+
+async def goodbye(announcement: AsyncZeroconf | None) -> None:
+    """The announcement withdrawn (zeroconf's goodbye on the LAN), where there is one."""
+    if announcement is not None:
+        await announcement.async_close()
 
 
 @dataclass

@@ -14,6 +14,7 @@ import functools
 import io
 import json
 import logging
+import socket
 import time
 import typing
 from collections.abc import Awaitable, Callable
@@ -25,7 +26,7 @@ from wyoming.event import write_event as write_sync
 
 from appliance.api.wyoming_codec import EventReader, WyomingError
 from appliance.errors import BadRequest
-from appliance.protocol.flow import WriteProgress, unsent
+from appliance.protocol.flow import WriteProgress, peer_closed, unsent
 from appliance.protocol.limits import LIMITS_BITTEN
 
 log = logging.getLogger("appliance.wyoming")
@@ -55,33 +56,51 @@ async def read_event(reader: asyncio.StreamReader, events: EventReader, clock: C
 
 
 async def answered(
-    handling: Awaitable[list[Event]], reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float]
+    handling: Awaitable[list[Event]],
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    events: EventReader,
+    clock: Callable[[], float],
 ) -> list[Event]:
     """An event's answers, once `handling` has made them; where the client leaves meanwhile, its work is
     cancelled and the connection's end raised (a synthesis makes no answer until its first sentence is
     spoken: nothing else would notice). What the client sends meanwhile is read ahead into `events`."""
-    task, watching = asyncio.ensure_future(handling), asyncio.ensure_future(_until_gone(reader, events, clock))
+    task = asyncio.ensure_future(handling)
+    watching = asyncio.ensure_future(_until_gone(reader, events, clock, lambda: _left(writer)))
     try:
         await asyncio.wait([task, watching], return_when=asyncio.FIRST_COMPLETED)
+        gone = watching.done()
     finally:
         watching.cancel()
         if not task.done():  # the client left (or this was cancelled): its work goes
             task.cancel()
         await asyncio.wait([task, watching])
-    if task.cancelled():
+    if gone and task.cancelled():
         raise ConnectionResetError("the client left while the box answered it")
     return task.result()
 
 
-async def _until_gone(reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float]) -> None:
+async def _until_gone(
+    reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float], left: Callable[[], bool]
+) -> None:
     """Returns at the connection's end (or raises its reset); reads ahead within the next header's bound,
     past which the rest waits in the socket for the answer to be done."""
     while (room := events.room_ahead()) > 0:
         data = await reader.read(room)
         events.feed(data, clock())
         if not data:
-            return
+            if left():
+                return
+            break  # only its sending side shut: it still reads, and is answered
     await asyncio.get_running_loop().create_future()  # cancelled once the answer is made
+
+
+def _left(writer: asyncio.StreamWriter) -> bool:
+    """At the end of what a client sends, whether it left: on a Unix socket the kernel tells a close
+    from a half-close (shutdown(SHUT_WR): still reading, so answered on, as HTTP/1.1 is); on TCP it
+    cannot, and Wyoming's clients keep the stream open both ways, so the end is a close."""
+    sock = writer.get_extra_info("socket")
+    return sock is None or sock.family != socket.AF_UNIX or peer_closed(writer.transport)
 
 
 class WriteTimeout(Exception):

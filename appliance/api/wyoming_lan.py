@@ -66,21 +66,25 @@ async def _announce(address: str, host: str, port: int, properties: dict[str, st
     """Wyoming on TCP `port` announced by zeroconf on `host`'s interface (every one for 0.0.0.0)."""
     everywhere = host in ("0.0.0.0", "")
     zeroconf = AsyncZeroconf(interfaces=InterfaceChoice.All if everywhere else [host], ip_version=IPVersion.V4Only)
-    if not everywhere:
-        _narrow(zeroconf, host)
-    name = socket.gethostname().split(".")[0] or "appliance"
-    addresses = [socket.inet_aton(a) for a in (_addresses() if everywhere else [host])]
-    instance = await _free_instance(zeroconf, f"appliance-{name}")
-    info = AsyncServiceInfo(
-        SERVICE,
-        f"{instance}.{SERVICE}",
-        addresses=addresses,
-        port=port,
-        properties=properties,
-        server=f"{_lan_host(name, address)}.local.",
-    )
-    # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
-    await zeroconf.async_register_service(info, allow_name_change=True)
+    try:
+        if not everywhere:
+            _narrow(zeroconf, host)
+        name = socket.gethostname().split(".")[0] or "appliance"
+        addresses = [socket.inet_aton(a) for a in (_addresses() if everywhere else [host])]
+        instance = await _free_instance(zeroconf, f"appliance-{name}")
+        info = AsyncServiceInfo(
+            SERVICE,
+            f"{instance}.{SERVICE}",
+            addresses=addresses,
+            port=port,
+            properties=properties,
+            server=f"{_lan_host(name, address)}.local.",
+        )
+        # boxes flashed from one image share a host name: the second one on the LAN is "appliance-NAME-2"
+        await zeroconf.async_register_service(info, allow_name_change=True)
+    except BaseException:  # failed, or cancelled (a stop during the start): its sockets go
+        await zeroconf.async_close()
+        raise
     log.info("Wyoming on TCP %s, announced as %s (peers from wyoming.allow)", address, info.name)
     return zeroconf
 

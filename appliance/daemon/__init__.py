@@ -117,6 +117,7 @@ class Daemon:
         bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
         wyoming_sockets = wyoming.listening_sockets(config, bind)
         self.wyoming_path = wyoming.unix_socket_path(config) if wyoming_sockets else None
+        self.announcement = await wyoming.announced(config, wyoming_sockets)  # before it serves, as it has a port
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -128,7 +129,6 @@ class Daemon:
         self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
         label = f"{manifest.name} {manifest.version}"
         await self.listeners.start({"unix": sock, **https, **wyoming_sockets}, quic_sock, workers, label)
-        self.announcement = await wyoming.announced(config, wyoming_sockets)  # served: Home Assistant may find it
         freeze_start_up()
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
@@ -265,9 +265,9 @@ class Daemon:
         api.stopping.set()  # a session only waiting for speech closes now (1001); work under way has the grace
         grace = self.config.server.shutdown_grace_s
         deadline = time.monotonic() + grace
+        goodbye = asyncio.ensure_future(wyoming.goodbye(self.announcement))  # on the LAN, as it stops accepting
         await listeners.stop_accepting(grace)
-        if self.announcement is not None:
-            await self.announcement.async_close()  # says goodbye on the LAN
+        await goodbye
         drained = lambda: not (self.in_flight() or listeners.delivering or streaming(self.models.values()))  # noqa: E731
         while not drained() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -312,6 +312,7 @@ async def abandon_start(daemon: Daemon) -> None:
         daemon.listeners.abort()
     if daemon.agent is not None:
         daemon.agent.close()
+    await wyoming.goodbye(daemon.announcement)
     daemon.abandoned += await stop_models(daemon.models)
     daemon.remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
 

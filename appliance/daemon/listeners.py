@@ -176,10 +176,11 @@ class Listeners:
         return self.transports.delivering
 
     async def stop_accepting(self, grace_s: float) -> None:
-        """Workers drain their own connections within the grace time; this process's listeners close."""
+        """This process's listeners close (Wyoming's where workers serve the rest); workers drain their own
+        connections within the grace time."""
+        self.transports.stop_accepting()
         if self.supervisor is not None:
             await self.supervisor.stop(grace_s + 1.0)
-        self.transports.stop_accepting()
 
     def close(self) -> None:
         """Drained: every connection closed, the connection cache let go (with QUIC's listener, where it

@@ -21,6 +21,7 @@ are taken). So a client that does not read stops the engine working for it, if e
 from __future__ import annotations
 
 import asyncio
+import select
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,3 +137,14 @@ async def received(receiving: asyncio.Future[Any], stopping: asyncio.Event, idle
         finally:
             waiter.cancel()
     return True
+
+
+def peer_closed(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the peer closed both directions, not only its sending side: on a Unix socket the kernel
+    says so with POLLHUP (TCP cannot tell them apart until a write fails)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import select
 from collections.abc import Callable, Iterable
 
 from appliance.protocol.limits import over_bound
@@ -32,17 +31,6 @@ def admission_refusal(
     """Why a new connection of `key` is refused (503, protocol/limits.py's over_bound), or None."""
     found = over_bound(held, key, limit, share, workers, what)
     return None if found is None else limit_bit(503, found[1])
-
-
-def peer_closed(transport: asyncio.BaseTransport | None) -> bool:
-    """Whether the peer closed both directions, not only its sending side: on a Unix socket the kernel
-    says so with POLLHUP (TCP cannot tell them apart until a write fails)."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
-        return False
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
 def linger(transport: asyncio.Transport, close: Callable[[], None]) -> None:

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 import httptools
 
 from appliance.config import Live, ServerConfig
-from appliance.protocol.flow import SendWindow, WriteProgress, unsent
+from appliance.protocol.flow import SendWindow, WriteProgress, peer_closed, unsent
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response
 from appliance.protocol.proxied import Address
 from appliance.protocol.unix_peer import unix_peer
 from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
-from appliance.transport.connection_bounds import admission_refusal, linger, peer_closed
+from appliance.transport.connection_bounds import admission_refusal, linger
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
 from appliance.transport.serving import Serving
 

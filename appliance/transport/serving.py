@@ -10,13 +10,13 @@ from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from appliance.api.metrics import Metrics
 from appliance.config import Live
-from appliance.kinds.base import ServedModel
 from appliance.protocol.messages import Handler
 from appliance.transport.assembler import BodyBudget
 
 if TYPE_CHECKING:
+    from appliance.api.metrics import Metrics
+    from appliance.kinds.base import ServedModel
     from appliance.transport.conncache import ConnectionCache
     from appliance.transport.quic_guards import Tickets
 
