@@ -184,4 +184,9 @@ def pcm16(data: bytes) -> np.ndarray:
 
 def to_pcm16(samples: np.ndarray) -> bytes:
     """float32 samples -> little-endian PCM16 bytes (clipped)."""
-    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()
+    return int16_samples(samples).astype("<i2").tobytes()
+
+
+def int16_samples(samples: np.ndarray) -> np.ndarray:
+    """float32 samples in [-1, 1) -> int16 (clipped): audio held at half float32's bytes."""
+    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int16)

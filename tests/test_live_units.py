@@ -19,9 +19,10 @@ from wsproto.events import BytesMessage, CloseConnection, Ping, Pong, TextMessag
 
 from appliance.api.realtime_session import Audio, Commit, TranscriptionSession
 from appliance.api.realtime_settings import default_settings
+from appliance.api.wyoming_audio import Recording
 from appliance.api.wyoming_voice import Follower
 from appliance.config import WebSocketConfig
-from appliance.config.sections import SequenceConfig, VadConfig
+from appliance.config.sections import SequenceConfig, ServerConfig, VadConfig
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError, TooManyRequests
@@ -31,6 +32,7 @@ from appliance.kinds.heard import Heard
 from appliance.kinds.live_speech import LiveTranscription
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.protocol.messages import Close, SessionIO
+from appliance.transport.assembler import BodyBudget
 from appliance.transport.websocket import StreamIO, WebSocketPump
 
 
@@ -487,8 +489,9 @@ def test_a_failed_decode_of_the_text_so_far_is_logged_where_it_is_ours(
         yield  # an async generator
 
     async def run() -> None:
-        audio = [np.zeros(2 * SAMPLE_RATE, np.float32)]
-        follower = Follower(SpeakingRecording(2 * SAMPLE_RATE), audio, transcribe)
+        recording = Recording(10 * SAMPLE_RATE, BodyBudget(lambda: ServerConfig()))
+        recording.add(np.zeros(2 * SAMPLE_RATE, np.float32))
+        follower = Follower(SpeakingRecording(2 * SAMPLE_RATE), recording, transcribe)
         follower.heard_more(None)
         assert follower.partial is not None  # started behind the stream
         await asyncio.wait([follower.partial])

@@ -34,7 +34,7 @@ from appliance.audio import to_pcm16
 from appliance.bench.daemon import free_tcp_port
 
 MIB = 1 << 20
-HELD = 16 * MIB  # what one attacker's recording holds in the box (16 kHz float32 samples)
+HELD = 8 * MIB  # what one attacker's recording holds in the box (16 kHz samples, kept as PCM16)
 BUDGET = 7 * HELD // 2  # server.max_buffered_bytes: three such recordings and half of a fourth
 TCP_SLOTS, SHARE = 8, 3  # [wyoming] max_tcp_connections, max_connections_per_peer
 CHUNK = 1 << 16  # the attackers' chunks of 8 kHz audio
@@ -50,7 +50,7 @@ max_connections_per_peer = {SHARE}
 
 @pytest.fixture(scope="module")
 def daemon(voice_bundle, keys, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """Recordings of up to 262 s (16 MiB bodies as 16 kHz PCM16), a budget of 56 MiB, a write deadline
+    """Recordings of up to 524 s (16 MiB bodies as 16 kHz PCM16), a budget of 28 MiB, a write deadline
     of 1 s; four Unix socket slots, eight on TCP, three for one user or host."""
     d = Daemon(
         tmp_path_factory.mktemp("daemon"),
@@ -166,20 +166,20 @@ async def record(daemon: Daemon, host: str) -> tuple[Event | None, tuple[asyncio
     connection = await lan(daemon, host)
     await async_write_event(Transcribe(name=TINY).event(), connection[1])
     await async_write_event(AudioStart(8000, 2, 1).event(), connection[1])
-    chunk = AudioChunk(8000, 2, 1, bytes(CHUNK)).event()  # 8 kHz PCM16 as 16 kHz float32: 4 bytes held a byte
+    chunk = AudioChunk(8000, 2, 1, bytes(CHUNK)).event()  # 8 kHz PCM16 made 16 kHz PCM16: 2 bytes held a byte
     with contextlib.suppress(ConnectionError):  # refused: the box reads on a while, then closes
-        for _ in range(HELD // 4 // CHUNK):
+        for _ in range(HELD // 2 // CHUNK):
             await async_write_event(chunk, connection[1])
     return await answer(connection, Ping(text="all sent").event()), connection
 
 
 def test_recordings_are_held_against_the_byte_budget_and_given_back(daemon: Daemon) -> None:
     """32 LAN hosts' recordings added 4.35 GB: no budget counted them. Here twelve hosts send, one after
-    another, recordings that hold 16 MiB each in the box (an 8 kHz stream, made 16 kHz float32) and
-    keep them open: three fit the 56 MiB budget; each next one is refused with one `error` naming
+    another, recordings that hold 8 MiB each in the box (an 8 kHz stream, made 16 kHz PCM16) and
+    keep them open: three fit the 28 MiB budget; each next one is refused with one `error` naming
     server.max_buffered_bytes once it passes it, and its bytes are given back (the next gets as far).
-    The daemon grows by the budget, not by twelve recordings (192 MiB). A Home Assistant's recording
-    fits beside the three, and once they go, one of 24 MiB, which fits only where theirs were given back."""
+    The daemon grows by the budget, not by twelve recordings (96 MiB). A Home Assistant's recording
+    fits beside the three, and once they go, one of 12 MiB, which fits only where theirs were given back."""
     rss_before = daemon.rss_kib()
 
     async def attack() -> tuple[list[str], int]:
@@ -189,7 +189,7 @@ def test_recordings_are_held_against_the_byte_budget_and_given_back(daemon: Daem
             assert answered is not None, index
             outcomes.append(answered.type)
             if answered.type == "error":
-                assert "at the limit of 58720256 bytes (server.max_buffered_bytes)" in answered.data["text"]
+                assert f"at the limit of {BUDGET} bytes (server.max_buffered_bytes)" in answered.data["text"]
                 assert answered.data["code"] == "max_buffered_bytes", answered.data
                 connection[1].close()
             else:
@@ -203,8 +203,8 @@ def test_recordings_are_held_against_the_byte_budget_and_given_back(daemon: Daem
     with good_unix_client_beside(daemon):
         outcomes, grown_kib = asyncio.run(attack())
     assert outcomes == ["pong"] * 3 + ["error"] * 9, outcomes
-    assert grown_kib < (BUDGET + 16 * MIB) // 1024, f"grew {grown_kib // 1024} MiB with a budget of 56 MiB"
-    long_speech = np.concatenate([SPEECH, np.zeros(24 * MIB // 4 - len(SPEECH), np.float32)])
+    assert grown_kib < (BUDGET + 16 * MIB) // 1024, f"grew {grown_kib // 1024} MiB with a budget of 28 MiB"
+    long_speech = np.concatenate([SPEECH, np.zeros(12 * MIB // 2 - len(SPEECH), np.float32)])  # 12 MiB held
 
     def given_back() -> str:  # the three closed: the box counts them gone as it reads their ends
         deadline = time.monotonic() + 30

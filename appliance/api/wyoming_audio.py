@@ -8,7 +8,7 @@ import numpy as np
 from wyoming.audio import AudioChunk, AudioStart
 
 from appliance.api.wyoming_codec import WyomingError
-from appliance.audio import StreamResampler, pcm16, to_pcm16
+from appliance.audio import StreamResampler, int16_samples, pcm16, to_pcm16
 from appliance.errors import BadRequest
 from appliance.protocol.limits import ByteBudget, Held
 
@@ -68,9 +68,10 @@ def pcm_format(audio: AudioStart | AudioChunk, event: str) -> tuple[int, int]:
 
 
 class Recording:
-    """A recording's 16 kHz samples as they arrive: at most `max_samples` (the API's body as PCM16), each
-    piece held against `budget` (server.max_buffered_bytes, shared with the API's request bodies) until
-    release(): transcribed, replaced, or its connection gone. Past either bound it is refused whole."""
+    """A recording's 16 kHz samples as they arrive, kept as PCM16 (half float32's bytes): at most
+    `max_samples` (the API's body as PCM16), each piece held against `budget` (server.max_buffered_bytes,
+    shared with the API's request bodies) until release(): transcribed, replaced, or its connection
+    gone. Past either bound it is refused whole."""
 
     def __init__(self, max_samples: int, budget: ByteBudget) -> None:
         self.max_samples, self.held = max_samples, Held(budget)
@@ -82,10 +83,16 @@ class Recording:
             raise WyomingError(
                 f"recording over {self.max_samples / SAMPLE_RATE:.0f} s: send shorter ones", "recording_too_long"
             )
-        if why := self.held.take(samples.nbytes):
+        kept = int16_samples(samples)
+        if why := self.held.take(kept.nbytes):
             raise WyomingError(f"{why} (server.max_buffered_bytes); retry later", "max_buffered_bytes")
-        self.samples += len(samples)
-        self.pieces.append(samples)
+        self.samples += len(kept)
+        self.pieces.append(kept)
+
+    def audio(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Its samples from `start` to `end`, float32 as the models hear them."""
+        kept = np.concatenate(self.pieces) if self.pieces else np.zeros(0, np.int16)
+        return kept[start:end].astype(np.float32) / 32768.0
 
     def release(self) -> None:
         self.held.give_all()

@@ -209,7 +209,7 @@ class WyomingHandler:
             model, options = self._model(), self._options()
             self.heard = model.hear(options, self.client)
             assert self.recording is not None
-            self.follower = Follower(self.heard, self.recording.pieces, lambda audio: model.transcribe(audio, options))
+            self.follower = Follower(self.heard, self.recording, lambda audio: model.transcribe(audio, options))
 
     def end(self) -> None:
         """The connection's end (or its recording refused): its work stopped, its audio let go."""
@@ -262,9 +262,9 @@ class WyomingHandler:
         if self.denoiser is not None:  # its last 20 ms too
             tail = np.concatenate([self.denoiser.feed(tail), self.denoiser.flush()])
         recording, self.recording, self.pcm, self.denoiser = self.recording, None, None, None
-        audio = np.concatenate([*recording.pieces, tail])
+        audio = np.concatenate([recording.audio(), tail])
         heard, self.heard = self.heard, None
-        follower, self.follower = self.follower or Follower(None, []), None
+        follower, self.follower = self.follower or Follower(None, recording), None
         try:
             model, options = self._model(), self._options()
             with recorded(model.stats) as times:  # a request in the model's statistics, as over HTTP

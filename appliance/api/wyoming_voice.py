@@ -28,7 +28,7 @@ from wyoming.event import Event
 from wyoming.vad import VoiceStarted, VoiceStopped
 
 from appliance.api.agreement import LocalAgreement
-from appliance.api.wyoming_audio import SAMPLE_RATE
+from appliance.api.wyoming_audio import SAMPLE_RATE, Recording
 from appliance.kinds.capabilities import HeardRecording
 from appliance.kinds.heard import consume_error
 from appliance.kinds.speech_api import Segment
@@ -49,14 +49,14 @@ def ms(samples: int) -> int:
 
 
 class Follower:
-    """One transcription stream's voice events and streamed text. `audio`: the recording so far
-    (the handler's list, 16 kHz); `transcribe`: its model's transcription with the stream's options.
+    """One transcription stream's voice events and streamed text. `recording`: the recording so far
+    (the handler's); `transcribe`: its model's transcription with the stream's options.
     Without `heard` (a recording not heard as it arrives), only its transcript at audio-stop."""
 
     def __init__(
-        self, heard: HeardRecording | None, audio: list[np.ndarray], transcribe: Transcribe | None = None
+        self, heard: HeardRecording | None, recording: Recording, transcribe: Transcribe | None = None
     ) -> None:
-        self.heard, self.audio, self.transcribe = heard, audio, transcribe
+        self.heard, self.recording, self.transcribe = heard, recording, transcribe
         self.agreement = LocalAgreement()
         self.in_voice, self.first_speech, self.speech_to, self.silent = False, -1, 0, True
         self.started = False  # transcript-start sent
@@ -88,7 +88,7 @@ class Follower:
         speaking = voice.speech_from is not None and self.transcribe is not None
         if speaking and self.partial is None and due <= voice.heard <= MAX_PARTIAL:
             assert self.transcribe is not None
-            audio = np.concatenate(self.audio)[max(0, self.first_speech - PARTIAL_PAD) : voice.heard]
+            audio = self.recording.audio(max(0, self.first_speech - PARTIAL_PAD), voice.heard)
             self.partial = asyncio.get_running_loop().create_task(whole(self.transcribe(audio)), name="wyoming-partial")
             self.partial.add_done_callback(consume_error)
             self.partial_to = voice.heard
@@ -106,7 +106,7 @@ class Follower:
         final decode's words past those streamed, each segment's as it is decoded."""
         self.close()
         if self.in_voice:  # where it ended, or the recording's end where it was still going on
-            end = self.speech_to if self.silent else sum(len(a) for a in self.audio)
+            end = self.speech_to if self.silent else self.recording.samples
             await send(VoiceStopped(timestamp=ms(end)).event())
         if not self.started:
             await send(TranscriptStart(language=language).event())
