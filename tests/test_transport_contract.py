@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import json
 import re
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,7 @@ class HeldVoice:
     API's event, recorded in the API's events as /held's are."""
 
     voice_name, language, sample_rate = "held", "en", 16000
-    voices = {"held": SpokenVoice("held", "en", "en")}
+    voices = {name: SpokenVoice(name, "en", "en") for name in ("held", "endless")}  # "endless": /endless
 
     def __init__(self, api: HeldApi) -> None:
         self.api = api
@@ -122,8 +123,14 @@ class HeldVoice:
     async def synthesize(
         self, shards: list[list[int]], speed: float, times: object = None, voice: str | None = None
     ) -> AsyncIterator[np.ndarray]:
-        await self.api.handle(Request("POST", "/held", {}, b""))  # held, cancelled or released as /held is
-        yield np.zeros(HELD_ANSWER // 2, np.int16)
+        path = "/endless" if voice == "endless" else "/held"  # held, cancelled or released as /held is
+        answer = await self.api.handle(Request("POST", path, {}, b""))
+        if answer.stream is None:
+            yield np.zeros(HELD_ANSWER // 2, np.int16)
+            return
+        async with contextlib.aclosing(answer.stream) as pieces:  # as /endless, pulled while it is taken
+            async for piece in pieces:
+                yield np.frombuffer(piece, np.int16)
 
 
 async def open_stream(name: str, address: Any, cafile: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -474,7 +481,7 @@ async def stop_reading(
         assert session._transport is not None
         session._transport.close()
         return asking
-    if transport == "unix":
+    if transport in ("unix", "wyoming"):
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         target: Any = address
     else:
@@ -483,6 +490,9 @@ async def stop_reading(
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.setblocking(False)
     await asyncio.get_running_loop().sock_connect(raw, target)
+    if transport in WYOMING:  # the endless voice: its speech goes on while the client takes it
+        raw.send(encoded(Synthesize(text="On and on.", voice=SynthesizeVoice(name="endless")).event()))
+        return raw
     if transport == "https":
         context = ssl.create_default_context(cafile=cafile)
         context.check_hostname = False
@@ -494,7 +504,7 @@ async def stop_reading(
 
 
 def test_a_client_that_takes_nothing_is_cut_off_at_the_write_deadline_and_its_work_ends(
-    http_transport: str, tls, tmp_path
+    transport: str, tls, tmp_path
 ) -> None:
     """The write deadline (server.write_timeout_s, 5 s here) on a clock the test holds: the answer's
     bytes wait for a client that takes none; 4.9 s on, the connection is open; at 5.1 s it is cut off,
@@ -502,8 +512,8 @@ def test_a_client_that_takes_nothing_is_cut_off_at_the_write_deadline_and_its_wo
 
     async def run() -> list[tuple[str, object]]:
         clock, events = Clock(), []
-        async with served(http_transport, tls, tmp_path, clock=clock) as (served_transport, api, address):
-            client = await stop_reading(http_transport, address, str(tls[0]), lambda: api.pieces > 0)
+        async with served(transport, tls, tmp_path, clock=clock) as (served_transport, api, address):
+            client = await stop_reading(transport, address, str(tls[0]), lambda: api.pieces > 0)
             # flow control holds the answer: its production stops where the client stopped taking
             produced = -1
             while produced != (produced := api.pieces) or not served_transport.in_flight:
@@ -524,6 +534,88 @@ def test_a_client_that_takes_nothing_is_cut_off_at_the_write_deadline_and_its_wo
         return events
 
     assert asyncio.run(run()) == [("4.9 s on", 1), ("5.1 s on", 0), ("answer ended", 0)]
+
+
+# server.body_timeout_s and quic.stream_idle_timeout_s here, on the test's clock: far past the test's own
+# hang guards, so an answer that came by the loop's time rather than the clock's would never come in time
+READ_TIMEOUT_S = 600.0
+READ_TIMEOUTS = {"server": {"body_timeout_s": READ_TIMEOUT_S}, "quic": {"stream_idle_timeout_s": READ_TIMEOUT_S}}
+
+
+async def stall(transport: str, address: Any, cafile: str) -> Callable[[], Awaitable[str]]:
+    """A request begun and then quiet: a body (Wyoming: a payload) announced and never sent whole; over
+    QUIC a request stream whose body never ends. Returns what reads the box's answer to it."""
+    if transport == "quic":
+        session = QuicSession(f"127.0.0.1:{address}", cafile, connect_timeout=5)
+        await session.open()
+        protocol = session._protocol
+        assert protocol is not None
+        stream_id = protocol._quic.get_next_available_stream_id()
+        parts = protocol._streams[stream_id] = asyncio.Queue()
+        head = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"box"), (b":path", b"/")]
+        protocol.http.send_headers(stream_id, head)
+        protocol.transmit()
+
+        async def status() -> str:
+            answer = str((await parts.get())[":status"])
+            await session.close()
+            return answer
+
+        return status
+    if transport in WYOMING:
+        reader, writer = await (
+            asyncio.open_unix_connection(address)
+            if transport == "wyoming"
+            else asyncio.open_connection("127.0.0.1", address)
+        )
+        writer.write(json.dumps({"type": "audio-chunk", "payload_length": 10}).encode() + b"\n" + bytes(3))
+
+        async def error() -> str:
+            event = await async_read_event(reader)
+            writer.close()
+            return "no answer" if event is None else f"{event.type}: {Error.from_event(event).text}"
+
+        return error
+    reader, writer = await open_stream(transport, address, cafile)
+    writer.write(b"POST / HTTP/1.1\r\nhost: box\r\ncontent-length: 10\r\n\r\nabc")
+
+    async def status_line() -> str:
+        line = (await reader.readline()).decode().strip()
+        writer.close()
+        return line
+
+    return status_line
+
+
+def test_a_request_that_goes_quiet_is_answered_when_the_clock_passes_its_read_deadline(
+    transport: str, tls, tmp_path
+) -> None:
+    """The read deadline (server.body_timeout_s; QUIC's quic.stream_idle_timeout_s), 600 s here, on a
+    clock the test holds: 599.9 s on, the request is still waited for; at 600.1 s the protocol's own
+    timeout answers it (a 408; Wyoming's error event)."""
+
+    async def run() -> tuple[bool, str]:
+        clock = Clock()
+        async with served(transport, tls, tmp_path, READ_TIMEOUTS, clock=clock) as (served_transport, _, address):
+            answer = asyncio.create_task((await stall(transport, address, str(tls[0])))())
+            await asyncio.wait_for(until(lambda: len(served_transport.connections) == 1), 30)
+            for _ in range(20):  # what the client sent has arrived
+                await asyncio.sleep(0.01)
+            clock.now += READ_TIMEOUT_S - 0.1
+            served_transport.check_timeouts(clock())
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+            waited = not answer.done()
+            clock.now += 0.2
+            served_transport.check_timeouts(clock())
+            return waited, await asyncio.wait_for(answer, 30)
+
+    waited, answer = asyncio.run(run())
+    assert waited, answer
+    if transport in WYOMING:
+        assert answer == f"error: an event's data or payload stalled for {READ_TIMEOUT_S:g} s", answer
+    else:
+        assert answer.startswith("HTTP/1.1 408") or answer == "408", answer
 
 
 def test_a_tls_handshake_not_done_in_time_is_closed_and_the_operator_told(tls, tmp_path, caplog) -> None:

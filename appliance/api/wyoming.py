@@ -50,7 +50,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from wyoming.audio import AudioChunk, AudioStop
@@ -61,6 +61,7 @@ from zeroconf.asyncio import AsyncZeroconf
 from appliance.api.metrics import Metrics
 from appliance.api.wyoming_codec import Bounds, EventReader, WyomingError
 from appliance.api.wyoming_events import (
+    Wake,
     WriteTimeout,
     answered,
     close_with_error,
@@ -134,19 +135,20 @@ async def serve_client(
     writer: asyncio.StreamWriter,
     stopping: asyncio.Event,
     clock: Callable[[], float],
+    wake: Wake,
 ) -> None:
-    """The connection's events until it ends, read within their deadlines on `clock`; at the daemon's
-    stop it closes with an error event once nothing is under way (a wake word's listening is not: it only
-    waits for speech)."""
+    """The connection's events until it ends, read within their deadlines on `clock` (`wake`: its listener's
+    deadline check asks the clock at once); at the daemon's stop it closes with an error event once
+    nothing is under way (a wake word's listening is not: it only waits for speech)."""
 
     async def send(event: Event) -> None:
-        await write_event(event, writer, bounds.write_s, clock)  # drains: a client that reads nothing is cut off
+        await write_event(event, writer, bounds.write_s, clock, wake)  # drains: one that reads nothing is cut off
 
     reading: asyncio.Future[Event | None] | None = None
     events = EventReader(bounds, clock())
     try:
         while True:
-            reading = asyncio.ensure_future(read_event(reader, events, clock))
+            reading = asyncio.ensure_future(read_event(reader, events, clock, wake))
             if not await received(reading, stopping, handler.idle):
                 raise WyomingError(
                     "the box is stopping: connect again, to another box if there is one", code="stopping"
@@ -253,6 +255,7 @@ class Sessions:
     stopping: asyncio.Event  # set at the daemon's stop (api/core.py's)
     clock: Callable[[], float] = time.monotonic  # times every connection's deadlines
     connections: int = 0  # admitted and served now: a stop waits for them (each closes once idle)
+    wakes: set[Wake] = field(default_factory=set)  # each served connection's: check_timeouts ends its wait
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection, admitted by the listener's admission or refused with an error event."""
@@ -271,11 +274,15 @@ class Sessions:
                 writer.close()
             return
         self.connections += 1
+        wake = Wake()
+        self.wakes.add(wake)
         try:
             with admission.held(peer):
-                await serve_client(self._handler(bounds, peer), bounds, peer, reader, writer, self.stopping, self.clock)
+                handler = self._handler(bounds, peer)
+                await serve_client(handler, bounds, peer, reader, writer, self.stopping, self.clock, wake)
         finally:
             self.connections -= 1
+            self.wakes.discard(wake)
 
     def _handler(self, bounds: Bounds, client: str) -> WyomingHandler:
         observe = lambda model, s: self.metrics.observe_live(model, "wyoming", s)  # noqa: E731

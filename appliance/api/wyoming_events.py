@@ -17,7 +17,7 @@ import logging
 import socket
 import time
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from wyoming.error import Error
@@ -36,17 +36,41 @@ LINGER_S = 5.0  # how long a connection closing after an error still reads what 
 E = TypeVar("E")  # an event as the wyoming library reads it
 
 
-async def read_event(reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float]) -> Event | None:
+class Wake:
+    """The wait a connection's pump is in now (a read or a write): the listener's check_timeouts ends it
+    early, so the pump asks its clock at once (the loop's time only wakes it; the clock judges)."""
+
+    def __init__(self) -> None:
+        self._waiting: asyncio.Timeout | None = None
+
+    @contextlib.contextmanager
+    def waiting(self, timeout: asyncio.Timeout) -> Iterator[None]:
+        self._waiting = timeout
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def now(self) -> None:
+        if self._waiting is not None and not self._waiting.expired():
+            self._waiting.reschedule(asyncio.get_running_loop().time())
+
+
+async def read_event(
+    reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float], wake: Wake | None = None
+) -> Event | None:
     """The connection's next event (None at its end), read by `events` within its deadlines on `clock`.
     Cancelled, it loses nothing: what was read is fed to `events` at once."""
     events.resume(clock())
+    wake = wake or Wake()
     while (event := events.next_event(clock())) is None:
         if events.finished:
             return None
         due, expired = events.due()
         try:
-            async with asyncio.timeout(max(due - clock(), 0.0)):
-                data = await reader.read(events.wanted())
+            async with asyncio.timeout(max(due - clock(), 0.0)) as timeout:
+                with wake.waiting(timeout):
+                    data = await reader.read(events.wanted())
         except TimeoutError:
             if clock() >= due:
                 raise expired from None
@@ -108,7 +132,11 @@ class WriteTimeout(Exception):
 
 
 async def write_event(
-    event: Event, writer: asyncio.StreamWriter, timeout_s: float, clock: Callable[[], float] = time.monotonic
+    event: Event,
+    writer: asyncio.StreamWriter,
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    wake: Wake | None = None,
 ) -> None:
     """`event` sent, returning once the client has taken enough that the send buffer is under its mark.
     A client that reads slowly is waited for while it takes anything; one that takes nothing for
@@ -118,10 +146,12 @@ async def write_event(
     writer.write(encoded.getvalue())
     progress = WriteProgress()
     progress.overdue(clock(), unsent(writer.transport), timeout_s)  # the deadline runs from this write
+    wake = wake or Wake()
     while True:
         try:
-            async with asyncio.timeout(timeout_s):  # the loop's time wakes it to look; the clock judges
-                await writer.drain()
+            async with asyncio.timeout(timeout_s) as timeout:  # the loop's time wakes it to look; the clock judges
+                with wake.waiting(timeout):
+                    await writer.drain()
             return
         except TimeoutError:
             if progress.overdue(clock(), unsent(writer.transport), timeout_s):

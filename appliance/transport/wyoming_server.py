@@ -70,7 +70,10 @@ class WyomingServer:
         return 0  # an event is written within its write deadline before the session goes on
 
     def check_timeouts(self, now: float) -> None:
-        """Each connection's pump holds its own deadlines on Serving.clock (api/wyoming_events.py)."""
+        """Each connection's pump holds its own deadlines on Serving.clock (api/wyoming_events.py), woken
+        by the loop's time: here each asks the clock at once."""
+        for wake in list(self.sessions.wakes):
+            wake.now()
 
     def stop_accepting(self) -> None:
         if self.server is not None:
