@@ -1,6 +1,7 @@
-"""Home Assistant's Wyoming as a transport of the listener table: the pump on each connection (api/wyoming.py:
-admission and the events' loop, on wyoming_codec.py's sans-I/O reader), on the Unix socket beside the
-API's and on TCP for the LAN (its peers from wyoming.allow). Its sessions use the models themselves (the
+"""Home Assistant's Wyoming as a transport of the listener table (the protocol: api/wyoming.py): each
+listener's admission and the pump on each connection, its events read by api/wyoming_codec.py's sans-I/O
+reader and answered by api/wyoming_handler.py, on the Unix socket beside the API's and on TCP for the
+LAN (its peers from wyoming.allow). Its sessions use the models themselves (the
 same batches as the API's), so it is served in the engine process (Serving.engine), whatever
 server.workers; the stop and the drain are the table's, as for every transport. The Wyoming modules
 are imported when it is served: a protocol worker, which never serves it, loads no model code."""
@@ -8,17 +9,213 @@ are imported when it is served: a protocol worker, which never serves it, loads 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import socket
-from collections.abc import Awaitable, Callable
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from appliance.api.wyoming_codec import MAX_HEADER_BYTES  # asyncio's stream buffer is sized by it
+from wyoming.audio import AudioChunk, AudioStop
+from wyoming.error import Error
+from wyoming.event import Event
+
+from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
+from appliance.api.wyoming_events import (
+    Wake,
+    WriteTimeout,
+    answered,
+    close_with_error,
+    cut_off,
+    read_event,
+    write_event,
+)
+from appliance.config import Live, WyomingConfig
+from appliance.errors import ApiError
+from appliance.protocol.flow import received
+from appliance.protocol.limits import ByteBudget, over_bound
+from appliance.protocol.proxied import ORIGIN
+from appliance.protocol.unix_peer import unix_peer
 from appliance.transport.serving import Serving
 
 if TYPE_CHECKING:
-    from appliance.api.wyoming import Sessions
+    from appliance.api.metrics import Metrics
+    from appliance.api.wyoming_handler import WyomingHandler
+    from appliance.kinds.base import ServedModel
 
+log = logging.getLogger("appliance.wyoming")
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Admission:
+    """The Wyoming clients connected now on one listener, per peer (a user on the Unix socket, a host on
+    TCP), against the listener's limit and [wyoming] max_connections_per_peer: one user or host cannot
+    take them all, and each listener has its own slots (max_connections on the Unix socket,
+    max_tcp_connections on TCP), so LAN hosts cannot take a local Home Assistant's. A refused connection
+    lingers a moment so its client reads why (_linger): at most the limit of those at once, the rest
+    closed at once, so a flood of them holds no more sockets than that."""
+
+    def __init__(self, listener: str, limit: Callable[[WyomingConfig], int]) -> None:
+        self.listener, self.limit = listener, limit
+        self.peers: Counter[str] = Counter()
+        self.refused = 0  # refused connections lingering now
+
+    def refusal(self, peer: str, settings: WyomingConfig) -> WyomingError | None:
+        """Why `peer` may not connect now (None where it may): the bound every listener's admission asks."""
+        what = f"Wyoming connections on {self.listener}"
+        found = over_bound(
+            self.peers.elements(), peer, self.limit(settings), settings.max_connections_per_peer, 1, what
+        )
+        if found is None:
+            return None
+        bound, message = found
+        return WyomingError(message, "too_many_connections" if bound == "limit" else "too_many_connections_from_peer")
+
+    @contextlib.contextmanager
+    def held(self, peer: str) -> Iterator[None]:
+        self.peers[peer] += 1
+        try:
+            yield
+        finally:
+            self.peers[peer] -= 1
+            if not self.peers[peer]:
+                del self.peers[peer]
+
+    @contextlib.contextmanager
+    def refusing(self, settings: WyomingConfig) -> Iterator[bool]:
+        """Whether a refused connection may linger, counted while it does."""
+        lingers = self.refused < self.limit(settings)
+        self.refused += lingers
+        try:
+            yield lingers
+        finally:
+            self.refused -= lingers
+
+
+async def serve_client(
+    handler: WyomingHandler,
+    bounds: Bounds,
+    client: str,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    stopping: asyncio.Event,
+    clock: Callable[[], float],
+    wake: Wake,
+) -> None:
+    """The connection's events until it ends, read within their deadlines on `clock` (`wake`: its listener's
+    deadline check asks the clock at once); at the daemon's stop it closes with an error event once
+    nothing is under way (a wake word's listening is not: it only waits for speech)."""
+
+    async def send(event: Event) -> None:
+        await write_event(event, writer, bounds.write_s, clock, wake)  # drains: one that reads nothing is cut off
+
+    reading: asyncio.Future[Event | None] | None = None
+    events = EventReader(bounds, clock())
+    try:
+        while True:
+            reading = asyncio.ensure_future(read_event(reader, events, clock, wake))
+            if not await received(reading, stopping, handler.idle):
+                raise WyomingError(
+                    "the box is stopping: connect again, to another box if there is one", code="stopping"
+                )
+            if (event := reading.result()) is None:
+                break
+            try:
+                handling = handler.handle(event, send)
+                # an audio chunk's answer is at once, and the next read sees a client gone: no watch for it
+                watched = not AudioChunk.is_type(event.type)
+                for answer in await (answered(handling, reader, writer, events, clock) if watched else handling):
+                    await send(answer)
+            except ApiError as exc:  # the client's: a bad event's fields (wyoming_events.read_as), one error, go on
+                message = exc.message
+                if AudioStop.is_type(event.type):
+                    # no transcript will come, and a client may wait for one (Home Assistant's does,
+                    # ignoring errors): the connection closes, which it takes as the end
+                    raise WyomingError(message, code=type(exc).__name__) from None
+                await send(Error(text=message, code=type(exc).__name__).event())
+                # the connection goes on: not at info, where one client could repeat it without end
+                log.debug("Wyoming client %s: %s", client, message)
+    except WyomingError as exc:
+        if reading is not None and not reading.done():  # the stop's: the goodbye's linger reads next
+            reading.cancel()
+            await asyncio.wait([reading])
+        await close_with_error(exc, client, reader, writer, bounds.write_s, clock=clock)
+    except WriteTimeout as exc:
+        cut_off(exc, client, writer)
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass  # the client left; what it asked for is cancelled with this task
+    except Exception:
+        log.exception("Wyoming client crashed")
+    finally:
+        if reading is not None:
+            reading.cancel()
+        handler.end()
+        writer.close()
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    """Who owns the connection's VAD sequence: the user on the Unix socket, the host on TCP (behind a
+    balancer, the client's its PROXY header named)."""
+    if (origin := ORIGIN.get()) is not None:
+        return origin[0]
+    peername = writer.get_extra_info("peername")
+    if isinstance(peername, tuple) and peername:
+        return str(peername[0])
+    return unix_peer(writer.get_extra_info("socket"))[0]
+
+
+@dataclass
+class Sessions:
+    """What every Wyoming connection of one listener is served with. While `draining()`, a new client
+    gets an error event and a close (a drain, api/fleet_routes.py). Recordings are held against
+    `budget`, the engine process's bytes held for clients. At `stopping` each connection closes with an
+    error event once nothing is under way."""
+
+    admission: Admission
+    models: dict[str, ServedModel]
+    live: Live
+    metrics: Metrics
+    draining: Callable[[], bool]
+    budget: ByteBudget
+    stopping: asyncio.Event  # set at the daemon's stop (api/core.py's)
+    clock: Callable[[], float] = time.monotonic  # times every connection's deadlines
+    connections: int = 0  # admitted and served now: a stop waits for them (each closes once idle)
+    wakes: set[Wake] = field(default_factory=set)  # each served connection's: check_timeouts ends its wait
+
+    async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection, admitted by the listener's admission or refused with an error event."""
+        config, peer = self.live.config, _peer(writer)  # as the config is now: a reload bounds new connections
+        bounds, admission = Bounds.of(config), self.admission
+        refusal = (
+            WyomingError("draining: new sessions go to another box", code="draining")
+            if self.draining()
+            else admission.refusal(peer, config.wyoming)
+        )
+        if refusal:
+            try:
+                with admission.refusing(config.wyoming) as linger:
+                    await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger, self.clock)
+            finally:
+                writer.close()
+            return
+        self.connections += 1
+        wake = Wake()
+        self.wakes.add(wake)
+        try:
+            with admission.held(peer):
+                handler = self._handler(bounds, peer)
+                await serve_client(handler, bounds, peer, reader, writer, self.stopping, self.clock, wake)
+        finally:
+            self.connections -= 1
+            self.wakes.discard(wake)
+
+    def _handler(self, bounds: Bounds, client: str) -> WyomingHandler:
+        from appliance.api.wyoming_handler import WyomingHandler  # the models' code: the engine's alone
+
+        observe = lambda model, s: self.metrics.observe_live(model, "wyoming", s)  # noqa: E731
+        return WyomingHandler(self.models, bounds.max_samples, self.budget, client, observe)
 
 
 class WyomingServer:
@@ -86,8 +283,6 @@ class WyomingServer:
 
 def _sessions(serving: Serving, listener: str) -> Sessions:
     """A listener's sessions: on the Unix socket max_connections, on TCP max_tcp_connections apart."""
-    from appliance.api.wyoming import Admission, Sessions
-
     engine = serving.engine
     if engine is None:
         raise ValueError("Wyoming is served where the models are: the engine process")
