@@ -33,6 +33,7 @@ from wyoming.event import async_read_event, write_event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
+from appliance.api import wyoming_events
 from appliance.api.metrics import Metrics
 from appliance.client import Call, ConnectError, NoAnswer
 from appliance.client.quic import QuicSession
@@ -49,7 +50,7 @@ WRITE_TIMEOUT_S = 5.0  # server.write_timeout_s here, on the test's clock
 LARGE = 32 << 20  # an answer more than the kernel's socket buffers hold for a client that reads nothing
 HELD_ANSWER = 256 << 10  # /held's answer, and the stand-in voice's speech: more than one QUIC flight
 WYOMING = ("wyoming", "wyoming-tcp")  # served where the models are: their stand-in here is HeldVoice
-HTTP = tuple(sorted(set(TRANSPORTS) - set(WYOMING)))
+HTTP = ("https", "quic", "unix")
 
 
 class HeldApi:
@@ -430,17 +431,20 @@ def test_a_peer_past_its_share_is_refused_naming_it_and_admitted_again_once_unde
     assert answer == "answered"
 
 
-def test_a_wyoming_client_that_only_shuts_its_sending_side_is_answered(tls, tmp_path) -> None:
+def test_a_wyoming_client_that_only_shuts_its_sending_side_is_answered(tls, tmp_path, monkeypatch) -> None:
     """A half-close (shutdown(SHUT_WR)) on the Unix socket is not leaving, as on HTTP/1.1: the kernel
-    tells it from a close, and the synthesis asked before it is spoken whole."""
+    tells it from a close, and the synthesis asked before it is spoken whole (released only once the box
+    has judged the end of what the client sends)."""
+    verdicts: list[bool] = []
+    judge = wyoming_events._left
+    monkeypatch.setattr(wyoming_events, "_left", lambda writer: verdicts.append(judge(writer)) or verdicts[-1])
 
     async def run() -> tuple[list[str], list[str]]:
         async with served("wyoming", tls, tmp_path) as (_, api, address):
             reader, writer = await asyncio.open_unix_connection(address)
             writer.write(encoded(Synthesize(text="Hold on.", voice=SynthesizeVoice(name="held")).event()))
             writer.write_eof()
-            await asyncio.wait_for(until(lambda: api.events), 30)
-            await asyncio.sleep(0.1)  # the box has seen the end of what it sends
+            await asyncio.wait_for(until(lambda: api.events and verdicts), 30)
             api.release.set()
             answers = []
             while (event := await asyncio.wait_for(async_read_event(reader), 30)) is not None:
@@ -449,6 +453,7 @@ def test_a_wyoming_client_that_only_shuts_its_sending_side_is_answered(tls, tmp_
             return api.events, answers
 
     events, answers = asyncio.run(run())
+    assert verdicts == [False]  # seen, and judged a half-close
     assert events == ["held", "released"]
     assert answers[0] == "audio-start" and answers[-1] == "audio-stop" and "audio-chunk" in answers, answers
 

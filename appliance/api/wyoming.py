@@ -65,7 +65,7 @@ def unix_socket_path(config: Config) -> Path:
 
 def listening_sockets(config: Config, bind: Callable[[Path], socket.socket]) -> dict[str, socket.socket]:
     """[wyoming]'s sockets by their names in the listener table (transport/listening.py): the Unix socket
-    (`bind` makes it as the API's is made), and TCP where asked for (announced once served: wyoming_lan)."""
+    (`bind` makes it as the API's is made), and TCP where asked for (announced before it serves: wyoming_lan)."""
     settings = config.wyoming
     if not settings.enabled:
         return {}
@@ -83,7 +83,7 @@ def listening_sockets(config: Config, bind: Callable[[Path], socket.socket]) -> 
 
 
 async def announced(config: Config, sockets: dict[str, socket.socket]) -> AsyncZeroconf | None:
-    """Wyoming on TCP announced on the LAN once it serves (closing it says goodbye); None without TCP.
+    """Wyoming on TCP announced on the LAN, its socket bound (closing it says goodbye); None without TCP.
     The announcement's TXT record carries the HTTPS port (`appliance fleet targets`)."""
     if "wyoming-tcp" not in sockets:
         return None

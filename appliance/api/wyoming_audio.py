@@ -92,7 +92,9 @@ class Recording:
     def audio(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Its samples from `start` to `end`, float32 as the models hear them."""
         kept = np.concatenate(self.pieces) if self.pieces else np.zeros(0, np.int16)
-        return kept[start:end].astype(np.float32) / 32768.0
+        samples = kept[start:end].astype(np.float32)
+        samples *= 1 / 32768  # in place: a long recording's float32 copy is made once
+        return samples
 
     def release(self) -> None:
         self.held.give_all()

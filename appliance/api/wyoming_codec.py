@@ -87,7 +87,7 @@ class EventReader:
 
     def resume(self, now: float) -> None:
         """The connection is read again at `now`, its last event answered: the next one's deadline runs
-        from here (while the box answers it reads nothing, so no bound runs)."""
+        from here (while the box answers no bound runs: what it reads then is only read ahead)."""
         if self._part is not Part.BODY:
             self._since = now
 

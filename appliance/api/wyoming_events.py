@@ -36,7 +36,7 @@ LINGER_S = 5.0  # how long a connection closing after an error still reads what 
 E = TypeVar("E")  # an event as the wyoming library reads it
 
 
-class Wake:
+class Nudge:
     """The wait a connection's pump is in now (a read or a write): the listener's check_timeouts ends it
     early, so the pump asks its clock at once (the loop's time only wakes it; the clock judges)."""
 
@@ -57,19 +57,19 @@ class Wake:
 
 
 async def read_event(
-    reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float], wake: Wake | None = None
+    reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float], nudge: Nudge | None = None
 ) -> Event | None:
     """The connection's next event (None at its end), read by `events` within its deadlines on `clock`.
     Cancelled, it loses nothing: what was read is fed to `events` at once."""
     events.resume(clock())
-    wake = wake or Wake()
+    nudge = nudge or Nudge()
     while (event := events.next_event(clock())) is None:
         if events.finished:
             return None
         due, expired = events.due()
         try:
             async with asyncio.timeout(max(due - clock(), 0.0)) as timeout:
-                with wake.waiting(timeout):
+                with nudge.waiting(timeout):
                     data = await reader.read(events.wanted())
         except TimeoutError:
             if clock() >= due:
@@ -136,7 +136,7 @@ async def write_event(
     writer: asyncio.StreamWriter,
     timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
-    wake: Wake | None = None,
+    nudge: Nudge | None = None,
 ) -> None:
     """`event` sent, returning once the client has taken enough that the send buffer is under its mark.
     A client that reads slowly is waited for while it takes anything; one that takes nothing for
@@ -146,11 +146,11 @@ async def write_event(
     writer.write(encoded.getvalue())
     progress = WriteProgress()
     progress.overdue(clock(), unsent(writer.transport), timeout_s)  # the deadline runs from this write
-    wake = wake or Wake()
+    nudge = nudge or Nudge()
     while True:
         try:
             async with asyncio.timeout(timeout_s) as timeout:  # the loop's time wakes it to look; the clock judges
-                with wake.waiting(timeout):
+                with nudge.waiting(timeout):
                     await writer.drain()
             return
         except TimeoutError:

@@ -1,4 +1,4 @@
-"""One Wyoming client's events answered as the protocol says (api/wyoming.py serves the connection):
+"""One Wyoming client's events answered as the protocol says (transport/wyoming_server.py serves the connection):
 describe, transcription of a recording as it arrives, synthesis whole or streamed, ping.
 """
 

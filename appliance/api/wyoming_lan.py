@@ -41,7 +41,7 @@ KEEP, DROP = (RETURN, 0, 0, 0xFFFFFFFF), (RETURN, 0, 0, 0)
 
 def tcp_socket(address: str) -> socket.socket:
     """[wyoming] tcp's listening socket at "HOST:PORT" (served by the listener table's wyoming-tcp,
-    announced by `announce` once it serves); a failure is the start's one line naming the key."""
+    announced by `announce` once bound); a failure is the start's one line naming the key."""
     host, _, port = address.rpartition(":")
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -24,7 +24,7 @@ from wyoming.event import Event
 
 from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
 from appliance.api.wyoming_events import (
-    Wake,
+    Nudge,
     WriteTimeout,
     answered,
     close_with_error,
@@ -102,20 +102,20 @@ async def serve_client(
     writer: asyncio.StreamWriter,
     stopping: asyncio.Event,
     clock: Callable[[], float],
-    wake: Wake,
+    nudge: Nudge,
 ) -> None:
-    """The connection's events until it ends, read within their deadlines on `clock` (`wake`: its listener's
+    """The connection's events until it ends, read within their deadlines on `clock` (`nudge`: its listener's
     deadline check asks the clock at once); at the daemon's stop it closes with an error event once
     nothing is under way (a wake word's listening is not: it only waits for speech)."""
 
     async def send(event: Event) -> None:
-        await write_event(event, writer, bounds.write_s, clock, wake)  # drains: one that reads nothing is cut off
+        await write_event(event, writer, bounds.write_s, clock, nudge)  # drains: one that reads nothing is cut off
 
     reading: asyncio.Future[Event | None] | None = None
     events = EventReader(bounds, clock())
     try:
         while True:
-            reading = asyncio.ensure_future(read_event(reader, events, clock, wake))
+            reading = asyncio.ensure_future(read_event(reader, events, clock, nudge))
             if not await received(reading, stopping, handler.idle):
                 raise WyomingError(
                     "the box is stopping: connect again, to another box if there is one", code="stopping"
@@ -182,7 +182,7 @@ class Sessions:
     stopping: asyncio.Event  # set at the daemon's stop (api/core.py's)
     clock: Callable[[], float] = time.monotonic  # times every connection's deadlines
     connections: int = 0  # admitted and served now: a stop waits for them (each closes once idle)
-    wakes: set[Wake] = field(default_factory=set)  # each served connection's: check_timeouts ends its wait
+    nudges: set[Nudge] = field(default_factory=set)  # each served connection's: check_timeouts ends its wait
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection, admitted by the listener's admission or refused with an error event."""
@@ -201,15 +201,15 @@ class Sessions:
                 writer.close()
             return
         self.connections += 1
-        wake = Wake()
-        self.wakes.add(wake)
+        nudge = Nudge()
+        self.nudges.add(nudge)
         try:
             with admission.held(peer):
                 handler = self._handler(bounds, peer)
-                await serve_client(handler, bounds, peer, reader, writer, self.stopping, self.clock, wake)
+                await serve_client(handler, bounds, peer, reader, writer, self.stopping, self.clock, nudge)
         finally:
             self.connections -= 1
-            self.wakes.discard(wake)
+            self.nudges.discard(nudge)
 
     def _handler(self, bounds: Bounds, client: str) -> WyomingHandler:
         from appliance.api.wyoming_handler import WyomingHandler  # the models' code: the engine's alone
@@ -229,7 +229,7 @@ class WyomingServer:
     @classmethod
     async def serve_unix(cls, serving: Serving, sock: socket.socket) -> WyomingServer:
         """The Unix socket: max_connections, max_connections_per_peer of one user."""
-        served = cls(_sessions(serving, "the Unix socket"))
+        served = cls(_sessions(serving, Admission("the Unix socket", lambda s: s.max_connections)))
         served.server = await asyncio.start_unix_server(
             served.tracked(served.sessions.client), sock=sock, limit=MAX_HEADER_BYTES
         )
@@ -241,7 +241,7 @@ class WyomingServer:
         peers from wyoming.allow only."""
         from appliance.api.access import wyoming_allow
 
-        served = cls(_sessions(serving, "TCP"))
+        served = cls(_sessions(serving, Admission("TCP", lambda s: s.max_tcp_connections)))
         metrics = served.sessions.metrics
         allowed = wyoming_allow.guard(served.sessions.client, serving.live, metrics, serving.clock)
         served.server = await asyncio.start_server(served.tracked(allowed), sock=sock, limit=MAX_HEADER_BYTES)
@@ -269,8 +269,8 @@ class WyomingServer:
     def check_timeouts(self, now: float) -> None:
         """Each connection's pump holds its own deadlines on Serving.clock (api/wyoming_events.py), woken
         by the loop's time: here each asks the clock at once."""
-        for wake in list(self.sessions.wakes):
-            wake.now()
+        for nudge in list(self.sessions.nudges):
+            nudge.now()
 
     def stop_accepting(self) -> None:
         if self.server is not None:
@@ -281,14 +281,13 @@ class WyomingServer:
             writer.transport.abort()
 
 
-def _sessions(serving: Serving, listener: str) -> Sessions:
-    """A listener's sessions: on the Unix socket max_connections, on TCP max_tcp_connections apart."""
+def _sessions(serving: Serving, admission: Admission) -> Sessions:
+    """A listener's sessions, admitted by its own slots."""
     engine = serving.engine
     if engine is None:
         raise ValueError("Wyoming is served where the models are: the engine process")
-    limit = (lambda s: s.max_connections) if listener != "TCP" else (lambda s: s.max_tcp_connections)
     return Sessions(
-        Admission(listener, limit),
+        admission,
         engine.models,
         serving.live,
         engine.metrics,
