@@ -138,10 +138,13 @@ async def serve_client(
                 # the connection goes on: not at info, where one client could repeat it without end
                 log.debug("Wyoming client %s: %s", client, message)
     except WyomingError as exc:
-        if reading is not None and not reading.done():  # the stop's: the goodbye's linger reads next
+        if reading is not None and not reading.done():  # the stop's
             reading.cancel()
             await asyncio.wait([reading])
-        await close_with_error(exc, client, reader, writer, bounds.write_s, clock=clock)
+        # the stop's goodbye does not linger for the client's close: the drain would wait for it (5 s
+        # where a client keeps its connection open, as Home Assistant's does after an error)
+        linger = exc.code != "stopping"
+        await close_with_error(exc, client, reader, writer, bounds.write_s, linger, clock)
     except WriteTimeout as exc:
         cut_off(exc, client, writer)
     except (ConnectionError, asyncio.IncompleteReadError):
