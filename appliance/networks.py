@@ -1,10 +1,13 @@
 """Address lists in the config (wyoming.allow, fleet.proxies): CIDRs, comma-separated, and whether a
-host is within them."""
+host is within them; and the TCP sockets the daemon listens on at configured addresses."""
 
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Iterable
+
+from appliance.errors import cannot_listen
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -27,3 +30,16 @@ def within(host: str, networks: Iterable[Network]) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return any(address in network for network in networks)
+
+
+def tcp_listener(key: str, host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A TCP socket listening on `host`:`port` (IPv6 where the host is, IPv4 too on "::", as Linux has it;
+    SO_REUSEADDR, so a restart binds again at once); a failure is the start's one line naming the config
+    `key`."""
+    six = ":" in host
+    try:
+        return socket.create_server(
+            (host, port), family=socket.AF_INET6 if six else socket.AF_INET, backlog=backlog, dualstack_ipv6=six
+        )
+    except OSError as exc:
+        raise cannot_listen(key, f"{host}:{port}", exc) from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import io
 import json
 import re
 import socket
@@ -25,11 +24,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_wyoming_codec import encoded
 from wyoming.asr import Transcribe
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncClient, AsyncTcpClient, AsyncUnixClient
 from wyoming.error import Error
-from wyoming.event import async_read_event, write_event
+from wyoming.event import async_read_event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
@@ -234,13 +234,6 @@ class WyomingPeer:
             await self.client.disconnect()
 
 
-def encoded(event: Any) -> bytes:
-    """An event as the wyoming package writes it."""
-    out = io.BytesIO()
-    write_event(event, out)
-    return out.getvalue()
-
-
 def peer_of(transport: str, address: Any, cafile: str) -> Peer | WyomingPeer:
     return WyomingPeer(transport, address) if transport in WYOMING else Peer(transport, address, cafile)
 
@@ -398,7 +391,7 @@ def stopping(served_transport: Served) -> asyncio.Event:
     """The daemon's stop announced to a transport's sessions (Wyoming's close once idle; HTTP's requests
     need no word: the listener's close is the stop)."""
     sessions = getattr(served_transport, "sessions", None)
-    return sessions.stopping if sessions is not None else asyncio.Event()
+    return sessions.engine.stopping if sessions is not None else asyncio.Event()
 
 
 def test_a_peer_past_its_share_is_refused_naming_it_and_admitted_again_once_under(

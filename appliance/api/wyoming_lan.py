@@ -26,7 +26,8 @@ from zeroconf import DNSQuestionType, InterfaceChoice, IPVersion
 from zeroconf import Error as ZeroconfError
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from appliance.errors import ApplianceError, cannot_listen
+from appliance.errors import ApplianceError
+from appliance.networks import tcp_listener
 
 log = logging.getLogger("appliance.wyoming")
 SERVICE = "_wyoming._tcp.local."
@@ -43,11 +44,7 @@ def tcp_socket(address: str) -> socket.socket:
     """[wyoming] tcp's listening socket at "HOST:PORT" (served by the listener table's wyoming-tcp,
     announced by `announce` once bound); a failure is the start's one line naming the key."""
     host, _, port = address.rpartition(":")
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, int(port)), family=family, backlog=1024)
-    except OSError as exc:
-        raise cannot_listen("wyoming.tcp", address, exc) from None
+    sock = tcp_listener("wyoming.tcp", host, int(port))
     sock.setblocking(False)
     return sock
 

@@ -13,7 +13,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from appliance.errors import cannot_listen
+from appliance.networks import tcp_listener
 
 log = logging.getLogger("appliance.fleet")
 SEND_TIMEOUT_S = 5.0  # a peer that does not take one short line in this long is dropped
@@ -23,10 +23,7 @@ class Agent:
     def __init__(self, address: str, reply: Callable[[], bytes]) -> None:
         host, _, port = address.rpartition(":")
         self.reply = reply
-        try:
-            self.sock = socket.create_server((host, int(port)), backlog=64)
-        except OSError as exc:
-            raise cannot_listen("fleet.agent_address", address, exc) from None
+        self.sock = tcp_listener("fleet.agent_address", host, int(port), backlog=64)
         threading.Thread(target=self._serve, name="agent", daemon=True).start()
         log.info("HAProxy's agent check on %s", address)
 

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable
 from cryptography import x509
 
 from appliance.config import Config, Live, QuicConfig
-from appliance.errors import ApplianceError, cannot_listen
+from appliance.errors import ApplianceError
+from appliance.networks import tcp_listener
 from appliance.protocol.messages import Handler, Opened
 from appliance.protocol.proxied import Address
 from appliance.tasks import spawn
@@ -72,14 +73,7 @@ def listen_https(config: Config) -> socket.socket:
         raise ApplianceError(
             f"https: cannot use {config.quic.certificate} and {config.quic.private_key}: {exc}"
         ) from None
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart binds again at once
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise cannot_listen("https", f"{host}:{port}", exc) from None
-    sock.listen(1024)
+    sock = tcp_listener("https", host, port)
     sock.setblocking(False)
     log.info("https: HTTP/1.1 over TLS on TCP %s:%d", host, sock.getsockname()[1])
     return sock

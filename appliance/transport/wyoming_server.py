@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,18 +31,16 @@ from appliance.api.wyoming_events import (
     read_event,
     write_event,
 )
-from appliance.config import Live, WyomingConfig
+from appliance.config import WyomingConfig
 from appliance.errors import ApiError
 from appliance.protocol.flow import received
-from appliance.protocol.limits import ByteBudget, over_bound
+from appliance.protocol.limits import over_bound
 from appliance.protocol.proxied import ORIGIN
 from appliance.protocol.unix_peer import unix_peer
-from appliance.transport.serving import Serving
+from appliance.transport.serving import EngineSide, Serving
 
 if TYPE_CHECKING:
-    from appliance.api.metrics import Metrics
     from appliance.api.wyoming_handler import WyomingHandler
-    from appliance.kinds.base import ServedModel
 
 log = logging.getLogger("appliance.wyoming")
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -171,54 +168,49 @@ def _peer(writer: asyncio.StreamWriter) -> str:
 
 @dataclass
 class Sessions:
-    """What every Wyoming connection of one listener is served with. While `draining()`, a new client
-    gets an error event and a close (a drain, api/fleet_routes.py). Recordings are held against
-    `budget`, the engine process's bytes held for clients. At `stopping` each connection closes with an
-    error event once nothing is under way."""
+    """The Wyoming connections of one listener: admitted by `admission`, served with the engine process's
+    models (`engine`; while it drains, a new client gets an error event and a close: api/fleet_routes.py;
+    at its stop each connection closes with an error event once nothing is under way), recordings held
+    against the process's byte budget, deadlines on its clock (`serving`)."""
 
     admission: Admission
-    models: dict[str, ServedModel]
-    live: Live
-    metrics: Metrics
-    draining: Callable[[], bool]
-    budget: ByteBudget
-    stopping: asyncio.Event  # set at the daemon's stop (api/core.py's)
-    clock: Callable[[], float] = time.monotonic  # times every connection's deadlines
-    connections: int = 0  # admitted and served now: a stop waits for them (each closes once idle)
-    nudges: set[Nudge] = field(default_factory=set)  # each served connection's: check_timeouts ends its wait
+    engine: EngineSide
+    serving: Serving
+    nudges: set[Nudge] = field(default_factory=set)  # one per session being served: a stop waits for them
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection, admitted by the listener's admission or refused with an error event."""
-        config, peer = self.live.config, _peer(writer)  # as the config is now: a reload bounds new connections
-        bounds, admission = Bounds.of(config), self.admission
+        serving, admission = self.serving, self.admission
+        config, peer = serving.live.config, _peer(writer)  # as the config is now: a reload bounds new connections
+        bounds = Bounds.of(config)
         refusal = (
             WyomingError("draining: new sessions go to another box", code="draining")
-            if self.draining()
+            if self.engine.draining()
             else admission.refusal(peer, config.wyoming)
         )
         if refusal:
             try:
                 with admission.refusing(config.wyoming) as linger:
-                    await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger, self.clock)
+                    await close_with_error(refusal, peer, reader, writer, bounds.write_s, linger, serving.clock)
             finally:
                 writer.close()
             return
-        self.connections += 1
-        nudge = Nudge()
+        nudge = Nudge()  # check_timeouts ends the wait its pump is in
         self.nudges.add(nudge)
         try:
             with admission.held(peer):
                 handler = self._handler(bounds, peer)
-                await serve_client(handler, bounds, peer, reader, writer, self.stopping, self.clock, nudge)
+                stopping = self.engine.stopping
+                await serve_client(handler, bounds, peer, reader, writer, stopping, serving.clock, nudge)
         finally:
-            self.connections -= 1
             self.nudges.discard(nudge)
 
     def _handler(self, bounds: Bounds, client: str) -> WyomingHandler:
         from appliance.api.wyoming_handler import WyomingHandler  # the models' code: the engine's alone
 
-        observe = lambda model, s: self.metrics.observe_live(model, "wyoming", s)  # noqa: E731
-        return WyomingHandler(self.models, bounds.max_samples, self.budget, client, observe)
+        metrics = self.engine.metrics
+        observe = lambda model, s: metrics.observe_live(model, "wyoming", s)  # noqa: E731
+        return WyomingHandler(self.engine.models, bounds.max_samples, self.serving.budget, client, observe)
 
 
 class WyomingServer:
@@ -232,7 +224,7 @@ class WyomingServer:
     @classmethod
     async def serve_unix(cls, serving: Serving, sock: socket.socket) -> WyomingServer:
         """The Unix socket: max_connections, max_connections_per_peer of one user."""
-        served = cls(_sessions(serving, Admission("the Unix socket", lambda s: s.max_connections)))
+        served = cls(Sessions(Admission("the Unix socket", lambda s: s.max_connections), _engine(serving), serving))
         served.server = await asyncio.start_unix_server(
             served.tracked(served.sessions.client), sock=sock, limit=MAX_HEADER_BYTES
         )
@@ -244,9 +236,9 @@ class WyomingServer:
         peers from wyoming.allow only."""
         from appliance.api.access import wyoming_allow
 
-        served = cls(_sessions(serving, Admission("TCP", lambda s: s.max_tcp_connections)))
-        metrics = served.sessions.metrics
-        allowed = wyoming_allow.guard(served.sessions.client, serving.live, metrics, serving.clock)
+        engine = _engine(serving)
+        served = cls(Sessions(Admission("TCP", lambda s: s.max_tcp_connections), engine, serving))
+        allowed = wyoming_allow.guard(served.sessions.client, serving.live, engine.metrics, serving.clock)
         served.server = await asyncio.start_server(served.tracked(allowed), sock=sock, limit=MAX_HEADER_BYTES)
         return served
 
@@ -263,7 +255,7 @@ class WyomingServer:
     @property
     def in_flight(self) -> int:
         """Sessions open: each closes once idle after the stop (a recording under way gets its transcript)."""
-        return self.sessions.connections
+        return len(self.sessions.nudges)
 
     @property
     def delivering(self) -> int:
@@ -284,18 +276,7 @@ class WyomingServer:
             writer.transport.abort()
 
 
-def _sessions(serving: Serving, admission: Admission) -> Sessions:
-    """A listener's sessions, admitted by its own slots."""
-    engine = serving.engine
-    if engine is None:
+def _engine(serving: Serving) -> EngineSide:
+    if serving.engine is None:
         raise ValueError("Wyoming is served where the models are: the engine process")
-    return Sessions(
-        admission,
-        engine.models,
-        serving.live,
-        engine.metrics,
-        engine.draining,
-        serving.budget,
-        engine.stopping,
-        serving.clock,
-    )
+    return serving.engine
