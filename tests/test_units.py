@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import numpy as np
@@ -11,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from speech import speech_segments
 
-from appliance.config import SequenceConfig, ServerConfig
+from appliance.config import EngineConfig, SequenceConfig, ServerConfig
 from appliance.daemon import ENGINE_STOP_MAX_S, ENGINE_STOP_S, engine_stop_s
+from appliance.engine.loop import EngineLoop
+from appliance.engine.queue_policy import QueuePolicy
 from appliance.engine.scheduler import Batcher, FrameModel, Sequence, Work
 from appliance.engine.sequences import OwnedTable, ScopedSequences
 from appliance.engine.stats import ModelStats
@@ -126,6 +129,61 @@ def test_batcher_fails_the_batch_when_the_engine_raises() -> None:
     batcher.submit(Work(seq, np.zeros((2, 512), np.float32), lambda w, e: errors.append(e)))
     step(batcher)
     assert not batcher.busy and "device lost" in str(errors[0]) and errors[0].status == 500
+
+
+def test_a_failed_batch_is_logged_once_with_its_traceback_once_the_engine_has_served() -> None:
+    """Each request of a failed batch gets its 500 (logged by the API in one line each); the batch's
+    failure is ours and logged once at ERROR with the engine's traceback, except before the engine has
+    served at all: that is the warm-up's failure, which the start reports in one line."""
+
+    class FailingAfter(CountingEngine):
+        def __init__(self, fail: set[int]) -> None:
+            super().__init__()
+            self.fail, self.calls = fail, 0
+
+        def run(self, feeds, batch):
+            self.calls += 1
+            if self.calls in self.fail:
+                raise RuntimeError(f"device lost at call {self.calls}")
+            return super().run(feeds, batch)
+
+    async def serve(engine: CountingEngine, requests: int) -> list[BaseException | None]:
+        stats = ModelStats()
+        batcher = Batcher(frame_model(engine), max_batch=4)
+        engine_loop = EngineLoop(batcher, QueuePolicy("fake", EngineConfig, stats))
+        engine_loop.start()
+        errors: list[BaseException | None] = []
+        for _ in range(requests):  # one after another: each its own batch
+            done = asyncio.Event()
+
+            def on_done(work: Work, error: BaseException | None, done: asyncio.Event = done) -> None:
+                errors.append(error)
+                done.set()
+
+            engine_loop.submit(Work(batcher.model.new_sequence(), np.zeros((1, 512), np.float32), on_done))
+            await done.wait()
+        await engine_loop.stop(1.0)
+        return errors
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    engine_log = logging.getLogger("appliance.engine")
+    engine_log.addHandler(handler)
+    engine_log.setLevel(logging.DEBUG)
+    try:
+        warm_up = asyncio.run(serve(FailingAfter({1}), 1))
+        assert warm_up[0] is not None and warm_up[0].status == 500  # type: ignore[attr-defined]
+        assert [r.levelno for r in records] == [logging.DEBUG]
+        records.clear()
+        served = asyncio.run(serve(FailingAfter({2, 3}), 4))
+    finally:
+        engine_log.removeHandler(handler)
+        engine_log.setLevel(logging.NOTSET)
+    assert [e is None for e in served] == [True, False, False, True]
+    assert [r.levelno for r in records] == [logging.ERROR, logging.ERROR]
+    assert records[0].exc_info is not None and "device lost at call 2" in str(records[0].exc_info[1])
+    assert "model fake: its engine failed a batch of 1" in records[0].getMessage()
 
 
 def sequence_table(max_live: int, dropped: list[object] | None = None) -> OwnedTable[Sequence]:

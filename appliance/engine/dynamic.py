@@ -16,7 +16,6 @@ through the same members (submit, fill, run_steps, finish, busy, waiting, max_ba
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -45,9 +44,6 @@ class Job:
     def shape_key(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         """What must agree for two jobs to share an engine call: every input's shape past the batch axis."""
         return tuple((name, array.shape[1:], array.dtype.str) for name, array in sorted(self.feeds.items()))
-
-
-log = logging.getLogger("appliance.engine")
 
 
 class DynamicBatcher:
@@ -119,9 +115,9 @@ class DynamicBatcher:
             outputs = self.engine.run(feeds, rows)
             inferred = time.perf_counter_ns()
             self._split(jobs, outputs)
-        except Exception as exc:  # an engine failure fails this batch, not the daemon
-            log.debug("engine %s failed a batch", self.engine.name, exc_info=True)  # its 500 is logged
+        except Exception as exc:  # an engine failure fails this batch, not the daemon (the loop logs it)
             error = Unavailable(f"engine {self.engine.name} failed: {exc}", 500)
+            error.__cause__ = exc
             return [(job, error) for job in jobs]
         done = time.perf_counter_ns()
         input_ns, infer_ns, output_ns = inputs_ready - started, inferred - inputs_ready, done - inferred

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
@@ -15,6 +16,7 @@ from appliance.errors import Unavailable
 from appliance.tasks import failpoint, spawn
 
 W = TypeVar("W")
+log = logging.getLogger("appliance.engine")
 
 
 class Schedule(Protocol[W]):
@@ -61,6 +63,8 @@ class EngineLoop(Generic[W]):
         self._requests = 0  # admitted and not answered yet
         self._task: asyncio.Task[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        # until a work is done, a failure is the warm-up's: the start reports it in one line, no traceback
+        self._warmed = False
 
     def start(self) -> None:
         self._task = spawn(self._run(), f"the engine loop of model {self.policy.model}", self._crashed)
@@ -124,3 +128,15 @@ class EngineLoop(Generic[W]):
                     finished = batcher.run_steps()
                     await asyncio.sleep(0)  # read sockets between engine calls
                 batcher.finish(finished)
+                self._report(finished)
+
+    def _report(self, finished: list[tuple[W, BaseException | None]]) -> None:
+        """A failed batch logged once, with the engine's traceback (each request's 500 is one line)."""
+        failure = next((e.__cause__ for _, e in finished if e is not None and e.__cause__ is not None), None)
+        if failure is None:
+            self._warmed = self._warmed or any(e is None for _, e in finished)
+            return
+        level = logging.ERROR if self._warmed else logging.DEBUG
+        log.log(
+            level, "model %s: its engine failed a batch of %d works", self.policy.model, len(finished), exc_info=failure
+        )

@@ -14,7 +14,6 @@ Batcher runs one engine call when asked. Open sequences are kept in engine/seque
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,8 +25,6 @@ from appliance.engine.interface import Engine
 from appliance.engine.stats import ModelStats, RequestTimes
 from appliance.errors import ApplianceError, Unavailable
 from appliance.firmware import ModelSpec
-
-log = logging.getLogger("appliance.engine")
 
 
 class FrameModel:
@@ -183,9 +180,9 @@ class Batcher:
                 out = self.model.engine.run(feeds, len(active))
                 inferred = time.perf_counter_ns()
                 probs = self.model.absorb(sequences, feeds, out)
-            except Exception as exc:  # an engine failure fails this batch, not the daemon
-                log.debug("engine %s failed a batch", self.model.engine.name, exc_info=True)  # its 500 is logged
+            except Exception as exc:  # an engine failure fails this batch, not the daemon (the loop logs it)
                 error = Unavailable(f"engine {self.model.engine.name} failed: {exc}", 500)
+                error.__cause__ = exc
                 failed: list[tuple[Work, BaseException | None]] = [(w, error) for w in active]
                 active.clear()
                 return failed
