@@ -126,3 +126,40 @@ def test_zeroconf_answers_the_served_lan_alone(networks: dict[str, Network], box
         )
         assert port not in asked_from(other, MDNS_GROUP, name, tries=16), "a query from the other network was answered"
     assert port not in asked_from(lan, lan.box, name, source=f"{ROUTED}.2"), "a query routed onto the LAN was answered"
+
+
+def test_an_announcement_that_cannot_start_is_one_start_failure_line(start_daemon, tmp_path) -> None:
+    """Another mDNS responder holds port 5353 for itself (no SO_REUSEPORT, which zeroconf asks for): the
+    announcement cannot start, and the daemon exits with the start-failure code and one line naming
+    `wyoming.tcp`, its sockets removed. In a network namespace of its own, away from the responders of
+    the suite's other boxes, which share the port on this host."""
+    if not AS_ROOT:
+        root_can("network namespaces need root")
+    namespace, address = "web47-held", f"127.0.0.1:{free_tcp_port()}"
+    ip("netns", "add", namespace)
+    try:
+        ip("-n", namespace, "link", "set", "lo", "up")
+        hold = "import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('', 5353));"
+        hold += " print('held', flush=True); sys.stdin.read()"
+        holder = subprocess.Popen(
+            ["ip", "netns", "exec", namespace, sys.executable, "-c", hold],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            prefix = ("ip", "netns", "exec", namespace)
+            daemon = start_daemon(extra=f'[wyoming]\ntcp = "{address}"\n', wait=False, prefix=prefix)
+            assert daemon.proc.wait(60) == 3, daemon.log.read_text()  # exitcodes.START_FAILED
+        finally:
+            holder.communicate("")
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+    lines = [line for line in daemon.log.read_text().splitlines() if "ERROR" in line]
+    assert lines == [
+        f"appliance: ERROR: start failed: wyoming.tcp {address}: cannot announce it on zeroconf: "
+        "[Errno 98] Address already in use (another mDNS responder holds port 5353 and does not share it: "
+        "avahi's disallow-other-stacks)"
+    ], daemon.log.read_text()
+    assert not daemon.socket.exists() and not list(daemon.socket.parent.glob("*.sock"))

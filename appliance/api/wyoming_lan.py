@@ -14,6 +14,7 @@ itself.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hmac
 import ipaddress
 import logging
@@ -56,13 +57,20 @@ async def announce(address: str, port: int, properties: dict[str, str]) -> Async
     try:
         return await _announce(address, address.rpartition(":")[0], port, properties)
     except (OSError, ZeroconfError) as exc:  # no multicast on that interface, say
-        raise ApplianceError(f"wyoming.tcp {address}: cannot announce it on zeroconf: {exc}") from None
+        held = " (another mDNS responder holds port 5353 and does not share it: avahi's disallow-other-stacks)"
+        why = held if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE else ""
+        raise ApplianceError(f"wyoming.tcp {address}: cannot announce it on zeroconf: {exc}{why}") from None
 
 
 async def _announce(address: str, host: str, port: int, properties: dict[str, str]) -> AsyncZeroconf:
     """Wyoming on TCP `port` announced by zeroconf on `host`'s interface (every one for 0.0.0.0)."""
     everywhere = host in ("0.0.0.0", "")
-    zeroconf = AsyncZeroconf(interfaces=InterfaceChoice.All if everywhere else [host], ip_version=IPVersion.V4Only)
+    zeroconf_log = logging.getLogger("zeroconf")
+    zeroconf_log.addFilter(_below_error)  # its own line for a socket it cannot bind: the start's failure says it
+    try:
+        zeroconf = AsyncZeroconf(interfaces=InterfaceChoice.All if everywhere else [host], ip_version=IPVersion.V4Only)
+    finally:
+        zeroconf_log.removeFilter(_below_error)
     try:
         if not everywhere:
             _narrow(zeroconf, host)
@@ -84,6 +92,10 @@ async def _announce(address: str, host: str, port: int, properties: dict[str, st
         raise
     log.info("Wyoming on TCP %s, announced as %s (peers from wyoming.allow)", address, info.name)
     return zeroconf
+
+
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
 
 
 async def _free_instance(zeroconf: AsyncZeroconf, instance: str) -> str:
