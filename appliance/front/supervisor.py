@@ -32,7 +32,7 @@ from appliance.exitcodes import exit_text
 from appliance.front.bodies import Body, discard, pack_body, packed, remove_leftovers, unpack_request
 from appliance.front.channel import Channel, WorkerReport, serve_tickets
 from appliance.front.sessions import EngineEnd, run_session, to_session
-from appliance.protocol.flow import SendWindow
+from appliance.protocol.flow import SendWindow, send_stream
 from appliance.protocol.messages import Request, Response, error_response
 from appliance.protocol.peers import Peer, Totals
 from appliance.tasks import spawn
@@ -247,12 +247,14 @@ class Supervisor:
                 await run_session(slot.sessions, channel, rid, session)
             if stream is None:
                 return
-            async with contextlib.aclosing(stream) as pieces:
-                async for piece in pieces:
-                    channel.send(("chunk", rid, piece))
-                    window.add(len(piece))
-                    await window.wait()  # the generator stays suspended while the client does not read
-                    await channel.drain()
+
+            async def send(piece: bytes) -> int:  # held: what the worker has not given credit for
+                channel.send(("chunk", rid, piece))
+                window.add(len(piece))  # before any credit for it can come
+                await channel.drain()
+                return window.held
+
+            await send_stream(stream, window, send)
         except Exception:  # not the API's errors (it answers those): ours, logged; the worker waits no longer
             log.exception("request %d of worker %d crashed", rid, slot.index)
             if not answered:

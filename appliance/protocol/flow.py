@@ -21,9 +21,10 @@ are taken). So a client that does not read stops the engine working for it, if e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import select
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,22 @@ class SendWindow:
         self.closed = True
         self._room.set()
         _OPEN.discard(self)
+
+
+async def send_stream(
+    stream: AsyncGenerator[bytes, None], window: SendWindow, send: Callable[[bytes], Awaitable[int | None]]
+) -> bool:
+    """A streamed answer handed on by one hop (rule 1 above), the loop every hop shares: each piece as
+    it is produced (`send` hands it on and says what the hop holds now, None where its peer went), the
+    next pulled only once the window has room; the generator closed however it ends. False where the
+    peer went."""
+    async with contextlib.aclosing(stream) as pieces:
+        async for piece in pieces:
+            if (held := await send(piece)) is None:
+                return False
+            window.hold(held)
+            await window.wait()
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,6 @@ client, or its connection's end, cancels the request being served on it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from aioquic.quic.events import (
 from aioquic.quic.packet import QuicErrorCode, QuicFrameType
 from cryptography.hazmat.primitives import hashes
 
-from appliance.protocol.flow import SendWindow
+from appliance.protocol.flow import SendWindow, send_stream
 from appliance.protocol.messages import Request
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, Rejection, RequestAssembler, limit_bit
@@ -268,13 +267,13 @@ class H3Protocol(WebSocketStreams):
                 self.server.owners.record(self.peer, response.opened)
             if self._respond(stream_id, response, request.method == "HEAD") and response.stream is not None:
                 window = self._windows[stream_id] = SendWindow(self.server.limits.stream_window_bytes)
-                async with contextlib.aclosing(response.stream) as pieces:
-                    async for piece in pieces:  # each piece goes out as produced, while the peer takes them
-                        if self._terminated or not self._send_data(stream_id, piece, end_stream=False):
-                            return
-                        window.hold(self._unacknowledged(stream_id))
-                        await window.wait()
-                self._send_data(stream_id, b"", end_stream=True)
+
+                async def send(piece: bytes) -> int | None:  # held: what the peer has not acknowledged
+                    sent = not self._terminated and self._send_data(stream_id, piece, end_stream=False)
+                    return self._unacknowledged(stream_id) if sent else None
+
+                if await send_stream(response.stream, window, send):
+                    self._send_data(stream_id, b"", end_stream=True)
         finally:
             if (held := self._windows.pop(stream_id, None)) is not None:
                 held.close()

@@ -18,7 +18,6 @@ Upgrade: only a WebSocket opening handshake switches protocols (http1_upgrade.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from appliance.config import Live, ServerConfig
-from appliance.protocol.flow import SendWindow, WriteProgress, peer_closed, unsent
+from appliance.protocol.flow import SendWindow, WriteProgress, peer_closed, send_stream, unsent
 from appliance.protocol.messages import Close, Handler, Opened, Request, Response
 from appliance.protocol.proxied import Address
 from appliance.protocol.unix_peer import unix_peer
@@ -362,22 +361,22 @@ class HttpConnection(WebSocketUpgrade):
         window; False if the client went away meanwhile."""
         window = self._window = SendWindow(self.server.limits.stream_window_bytes)
         try:
-            async with contextlib.aclosing(stream) as pieces:
-                async for piece in pieces:
-                    if self.transport is None or self.transport.is_closing():
-                        return False
-                    if not piece:  # a zero-size chunk would end the body here
-                        continue
-                    self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                    window.hold(self.transport.get_write_buffer_size())
-                    await self._writable.wait()
+            sent = await send_stream(stream, window, self._send_chunk)
         finally:
             window.close()
             self._window = None
-        if self.transport is None or self.transport.is_closing():
+        if not sent or self.transport is None or self.transport.is_closing():
             return False
         self.transport.write(b"0\r\n\r\n")
         return True
+
+    async def _send_chunk(self, piece: bytes) -> int | None:
+        """One piece as a chunk: what the write buffer holds then, None where the client went."""
+        if self.transport is None or self.transport.is_closing():
+            return None
+        if piece:  # a zero-size chunk would end the body here
+            self.transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        return self.transport.get_write_buffer_size()
 
     def _reject(self, rejection: Rejection) -> None:
         """Stop reading; the rejection is answered after the requests before it, then the connection closes."""
