@@ -197,7 +197,7 @@ class LoudVad:
         return (np.abs(samples.reshape(-1, 512)).mean(axis=1) > 0.1).astype(np.float32) * 0.9, None
 
 
-def heard_model(clock_step: float, vad: VadConfig = VadConfig()) -> tuple[LiveTranscription, list[int]]:
+def heard_model(clock_step: float, vad: VadConfig = VadConfig()) -> tuple[Any, list[int]]:
     """A model whose transcription's text is the length it was given; and those lengths, one per call."""
     calls: list[int] = []
 
@@ -212,7 +212,7 @@ def heard_model(clock_step: float, vad: VadConfig = VadConfig()) -> tuple[LiveTr
         clock=lambda: next(ticks) * clock_step,
         transcribe=transcribe,
     )
-    return cast(LiveTranscription, model), calls
+    return model, calls
 
 
 def sound(*spans: tuple[float, float]) -> np.ndarray:
@@ -366,17 +366,16 @@ def test_a_client_has_two_recordings_heard_at_once_and_others_theirs() -> None:
     assert asyncio.run(run()) == [True, True, False, True]
 
 
-class SilentStreams(LiveTranscription):
+def live_streams(vad: LoudVad) -> SimpleNamespace:
+    """A speech model's stand-in for its live streams: on `vad`, no check; nothing decoded where it
+    hears no speech."""
+    live = SimpleNamespace(config=SimpleNamespace(vad=VadConfig()))
+    return SimpleNamespace(name="whisper", vad=vad, live=live, clock=lambda: 0.0, check=lambda options: None)
+
+
+def silent_streams() -> LiveTranscription:
     """The live half of speech to text over LoudVad: nothing to decode in silence."""
-
-    def __init__(self) -> None:
-        self.name, self.vad = "whisper", cast(Any, LoudVad())
-        self.live = cast(Any, SimpleNamespace(config=SimpleNamespace(vad=VadConfig())))
-        self.sequences = OwnedTable(SequenceConfig, "streams")
-        self.clock = lambda: 0.0
-
-    def check(self, options: Options) -> None:
-        pass
+    return LiveTranscription(cast(Any, live_streams(LoudVad())), OwnedTable(SequenceConfig, "streams"))
 
 
 def test_a_silent_live_stream_keeps_no_more_audio_after_an_hour_than_after_a_second() -> None:
@@ -388,7 +387,7 @@ def test_a_silent_live_stream_keeps_no_more_audio_after_an_hour_than_after_a_sec
     bound = SAMPLE_RATE * VadConfig().speech_pad_ms // 1000 + 512 + len(chunk)
 
     async def run() -> list[int]:
-        streams, kept = SilentStreams(), []
+        streams, kept = silent_streams(), []
         for i in range(count):
             call = SequenceCall(7, start=i == 0, end=False, client="c")
             out = await streams.live_chunk(chunk, call, False, Options(None), RequestTimes())
@@ -417,19 +416,11 @@ class HeldVad(LoudVad):
         return await super().infer_stream(samples, key, start, end, client)
 
 
-class ChunkedModel(LiveTranscription):
+class ChunkedStreams(LiveTranscription):
     """The live half of a speech model on HeldVad, whose decodes give each span's length in samples."""
 
-    name = "whisper"
-
     def __init__(self) -> None:
-        self.vad = cast(Any, HeldVad())
-        self.live = cast(Any, SimpleNamespace(config=SimpleNamespace(vad=VadConfig())))
-        self.clock = lambda: 0.0
-        self.sequences = OwnedTable(SequenceConfig)
-
-    def check(self, options: Options) -> None:
-        pass
+        super().__init__(cast(Any, live_streams(HeldVad())), OwnedTable(SequenceConfig))
 
     async def _decode_live(
         self, stream: Any, audio: np.ndarray, base: int, span: tuple[int, int], times: Any, by_turns: bool = True
@@ -441,7 +432,7 @@ def test_a_chunk_sent_while_the_streams_last_one_is_heard_is_refused_and_no_audi
     """Two chunks of one live stream at once: the second is a 409 naming the sequence (served, it joined
     the audio out of turn and the first one's trim lost it); sent again after the first's answer, the
     stream holds every sample of both."""
-    model = ChunkedModel()
+    model = ChunkedStreams()
     speech = np.full(32 * 512, 0.5, np.float32)  # whole VAD frames, about a second
 
     async def run() -> tuple[int, int]:
@@ -452,7 +443,7 @@ def test_a_chunk_sent_while_the_streams_last_one_is_heard_is_refused_and_no_audi
         with pytest.raises(ApiError) as refused:
             await model.live_chunk(speech, SequenceCall("s", False, False), False, Options("en"), RequestTimes())
         assert refused.value.status == 409 and "sequence s" in refused.value.message
-        cast(HeldVad, model.vad).release.set()
+        cast(HeldVad, model.model.vad).release.set()
         await first
         await model.live_chunk(speech, SequenceCall("s", False, False), False, Options("en"), RequestTimes())
         last = await model.live_chunk(

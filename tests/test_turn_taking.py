@@ -54,10 +54,10 @@ def test_whispers_detection_stands_without_a_turn_before_or_out_of_conversation_
 HEARD_AS = {0.5: "en", 0.7: "pt", 0.3: "ja"}
 
 
-class TwoSpeakers(LiveTranscription):
-    """A live speech model on LoudVad whose Whisper hears speech by its level (HEARD_AS), its segments'
+class TwoSpeakers:
+    """A speech model on LoudVad whose Whisper hears speech by its level (HEARD_AS), its segments'
     languages then given by the real turn-taking rule unless the caller named one; each decode's
-    language noted, in order."""
+    language noted, in order. Its live streams are the real ones (`streams`)."""
 
     name = "whisper"
 
@@ -65,16 +65,16 @@ class TwoSpeakers(LiveTranscription):
         self.vad = cast(Any, LoudVad())
         self.live = cast(Any, SimpleNamespace(config=SimpleNamespace(vad=VadConfig())))
         self.clock = lambda: 0.0
-        self.sequences = OwnedTable(SequenceConfig)
         self.decoded: list[str] = []
+        self.streams = LiveTranscription(cast(Any, self), OwnedTable(SequenceConfig))
 
     def check(self, options: Options) -> None:
         pass
 
-    def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
-        return [ShardPlan([Span(*segment, 0)], segment[1] - segment[0])]
+    def plans(self, samples: np.ndarray, segments: list[tuple[int, int]]) -> list[ShardPlan]:
+        return [ShardPlan([Span(*segment, 0)], segment[1] - segment[0]) for segment in segments]
 
-    async def _decode(self, plan: ShardPlan, samples: np.ndarray, options: Options, *_: Any) -> list[Segment]:
+    async def decode(self, plan: ShardPlan, samples: np.ndarray, options: Options, *_: Any) -> list[Segment]:
         span = plan.spans[0]
         heard = options.language or HEARD_AS[round(float(samples[span.start : span.end].max()), 1)]
         if options.language is None:
@@ -94,7 +94,7 @@ def live_turns(model: TwoSpeakers, options: Options, *spans: tuple[float, float]
         found = []
         for at in range(0, len(audio), chunk):
             call = SequenceCall("s", at == 0, at + chunk >= len(audio))
-            out = await model.live_chunk(audio[at : at + chunk], call, False, options, RequestTimes(), rules)
+            out = await model.streams.live_chunk(audio[at : at + chunk], call, False, options, RequestTimes(), rules)
             found += [s.language for _, segments in out.closed for s in segments]
             for _ in range(5):
                 await asyncio.sleep(0)  # the decode ahead runs
@@ -144,7 +144,7 @@ def test_a_one_word_turn_is_decoded_once_where_no_turns_tell_its_language(option
 class FailingWhisper(TwoSpeakers):
     """Every decode fails by a fault of ours."""
 
-    async def _decode(self, plan: ShardPlan, samples: np.ndarray, options: Options, *_: Any) -> list[Segment]:
+    async def decode(self, plan: ShardPlan, samples: np.ndarray, options: Options, *_: Any) -> list[Segment]:
         self.decoded.append("failed")
         raise RuntimeError("a bug of ours")
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from appliance.audio import to_frames
 from appliance.config import Live
+from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError
 from appliance.kinds.capabilities import VoiceHeard
 from appliance.kinds.segments import SegmentTracker
@@ -46,7 +47,12 @@ class Listener(Protocol):
     vad: VadModel
     live: Live
     clock: Callable[[], float]
-    transcribe: Callable[..., AsyncGenerator[Segment, None]]  # a recording's segments (samples, options)
+
+    def transcribe(
+        self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
+    ) -> AsyncGenerator[Segment, None]:
+        """A recording's segments."""
+        ...
 
 
 class Heard:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from appliance.kinds.heard import Heard, consume_error, drop
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment, merged
 from appliance.kinds.speech_languages import told_by_turns
-from appliance.kinds.speech_shards import ShardPlan
+from appliance.kinds.speech_shards import ShardDecoder
 from appliance.kinds.vad import VadModel
 
 # the speech heard between decodes of a segment's text so far behind the stream (and before the first)
@@ -67,29 +68,32 @@ class LiveStream:
         return None if task.cancelled() or task.exception() else " ".join(s.text for s in task.result())
 
 
-class LiveTranscription:
-    """The live half of SpeechToText: what it needs of the model is declared here."""
+class SpeechDecoding(ShardDecoder, Protocol):
+    """What the live streams need of their speech model (SpeechToText)."""
 
-    name: str
     live: Live
     vad: VadModel
-    sequences: OwnedTable[LiveStream]
     clock: Callable[[], float]
 
-    def check(self, options: Options) -> None:
-        raise NotImplementedError
+    def check(self, options: Options) -> None: ...
 
-    def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
-        raise NotImplementedError
+    def transcribe(
+        self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
+    ) -> AsyncGenerator[Segment, None]:
+        """A recording's segments (Heard's transcription)."""
+        ...
 
-    # SpeechToText._decode: a shard plan's segments (plan, samples, options, times, request, urgent, offset)
-    _decode: Callable[..., Awaitable[list[Segment]]]
-    # SpeechToText.transcribe: a recording's segments (samples, options)
-    transcribe: Callable[..., AsyncGenerator[Segment, None]]
+
+class LiveTranscription:
+    """A speech model's live streams (its `sequences`, each a LiveStream) and the recordings it hears
+    as they arrive."""
+
+    def __init__(self, model: SpeechDecoding, sequences: OwnedTable[LiveStream]) -> None:
+        self.model, self.sequences = model, sequences
 
     def hear(self, options: Options, client: str) -> Heard:
-        self.check(options)
-        return Heard(self, options, client)
+        self.model.check(options)
+        return Heard(self.model, options, client)
 
     async def live_chunk(
         self,
@@ -108,11 +112,12 @@ class LiveTranscription:
         PARTIAL_GAP of speech, and comes with the first chunk after it is done (a live session then
         never waits a window for it: the chunk where the speech stops goes on at once to decode the
         segment ahead)."""
-        now = self.clock()
+        now = self.model.clock()
         if sequence.start:
-            self.check(options)
-            rules = vad or self.live.config.vad
-            tracker = SegmentTracker(self.vad.frames.frame_samples, self.vad.frames.sample_rate, rules)
+            self.model.check(options)
+            rules = vad or self.model.live.config.vad
+            frames = self.model.vad.frames
+            tracker = SegmentTracker(frames.frame_samples, frames.sample_rate, rules)
             stream = self.sequences.open(
                 sequence.id,
                 now,
@@ -130,8 +135,8 @@ class LiveTranscription:
         serial = stream.serial if sequence.start else None
         stream.in_flight += 1
         try:
-            key = vad_key(self.name, sequence.id, stream)
-            probs, _ = await self.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
+            key = vad_key(self.model.name, sequence.id, stream)
+            probs, _ = await self.model.vad.infer_stream(samples, key, sequence.start, sequence.end, sequence.client)
             stream.audio.append(samples)
             stream.position += len(samples)
             closed = stream.tracker.feed(probs)
@@ -226,9 +231,9 @@ class LiveTranscription:
         the language Whisper detects, not told one by conversation mode's turns: it is often a sentence's
         first words before a pause inside it, and English decoded as Portuguese cost 1.4 s and could loop."""
         options = stream.options if by_turns else replace(stream.options, after="")  # no turn before it
-        plans = self._plans(audio, (span[0] - base, span[1] - base))
+        plans = self.model.plans(audio, [(span[0] - base, span[1] - base)])
         request = object()  # the span's shards may share Whisper windows, no one else's
-        found = await asyncio.gather(*(self._decode(p, audio, options, times, request, True, base) for p in plans))
+        found = await asyncio.gather(*(self.model.decode(p, audio, options, times, request, True, base) for p in plans))
         return merged([s for segments in found for s in segments])  # one turn
 
 

@@ -14,54 +14,43 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import Any
+from collections.abc import Hashable
+from typing import Protocol
 
 import numpy as np
 
 from appliance.engine.speech_engine import SpeechEngine
 from appliance.engine.stats import RequestTimes
-from appliance.errors import ApplianceError, BadRequest
+from appliance.errors import BadRequest
 from appliance.firmware import ModelSpec
 from appliance.kinds.interpret_routes import target_of
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
-from appliance.kinds.speech_shards import ShardPlan, Span
+from appliance.kinds.speech_shards import ShardDecoder, ShardPlan, Span
 
 # Under this much audio, Whisper's language detection is not to be trusted: base heard Kokoro's "Sim."
 # as English (0.91) and "Não." as Japanese (0.60); "Obrigado." (0.8 s) and longer turns right (docs/live.md)
 SHORT_TURN_S = 1.0
 
 
-class SegmentLanguages:
-    """What it needs of the model is declared here."""
+class LanguageDecoding(ShardDecoder, Protocol):
+    """What the segments' languages need of their speech model (SpeechToText)."""
 
     spec: ModelSpec
     engine: SpeechEngine
-    listener: Any  # the SpeechToText that identifies the languages (None: no segment is identified)
-    # SpeechToText._decode and _segment_plans
-    _decode: Callable[..., Awaitable[list[Segment]]]
-    _segment_plans: Callable[[np.ndarray, list[tuple[int, int]]], list[ShardPlan]]
 
     @property
     def languages(self) -> list[str]:
-        """The languages it hears (SpeechToText's)."""
-        raise NotImplementedError
+        """The languages it hears."""
+        ...
 
-    def find_listener(self, models: Mapping[str, object]) -> Any:
-        """The model that identifies segments' languages: this one where it is multilingual, else the
-        one `languages_by` names (a multilingual speech_to_text model anywhere in the firmware: all are
-        loaded when a model starts), else None."""
-        if self.engine.tokens.multilingual:
-            return self
-        name = str(self.spec.parameters.get("languages_by", ""))
-        if not name:
-            return None
-        found = models.get(name)
-        if not isinstance(found, SegmentLanguages) or not found.engine.tokens.multilingual:
-            raise ApplianceError(
-                f"model {self.spec.name}: parameters.languages_by {name!r} is not a multilingual speech_to_text model"
-            )
-        return found
+
+class SegmentLanguages:
+    """A speech model's segments given their languages by its `listener`: the model itself where it is
+    multilingual, else the one its `languages_by` parameter names (set at its start), else None."""
+
+    def __init__(self, model: LanguageDecoding) -> None:
+        self.model: LanguageDecoding = model
+        self.listener: LanguageDecoding | None = None
 
     def identifies(self, plan: ShardPlan, options: Options) -> bool:
         """Its segments' languages are to be identified before decoding: no language was named, and the
@@ -71,7 +60,7 @@ class SegmentLanguages:
             options.language is None
             and self.listener is not None
             and (
-                not self.engine.tokens.multilingual
+                not self.model.engine.tokens.multilingual
                 or len(plan.spans) > 1
                 or bool(options.transcribed or options.conversation)
             )
@@ -80,13 +69,13 @@ class SegmentLanguages:
     def refer_to_listener(self, options: Options) -> None:
         """An English-only model asked for another language or a translation: a 400 naming the model
         that hears it (its listener), where it has one."""
-        other = self.listener if self.listener is not self else None
-        if other is None or (options.task != "translate" and options.language in (None, *self.languages)):
+        other = self.listener if self.listener is not self.model else None
+        if other is None or (options.task != "translate" and options.language in (None, *self.model.languages)):
             return
         if options.task == "translate":
-            raise BadRequest(f"model {self.spec.name} is English-only: for translations use {other.name}")
+            raise BadRequest(f"model {self.model.name} is English-only: for translations use {other.name}")
         raise BadRequest(
-            f"model {self.spec.name} is English-only: for language {options.language!r} use {other.name}, or name"
+            f"model {self.model.name} is English-only: for language {options.language!r} use {other.name}, or name"
             f" no language (this model hands speech in other languages to {other.name})"
         )
 
@@ -105,19 +94,21 @@ class SegmentLanguages:
         by the listener; each segment keeps the probability its language was identified with. The runs
         keep the shard's `index` in its request (the batcher's turn: a request's first shard goes before
         anyone's next)."""
+        listener = self.listener
+        assert listener is not None  # it identifies
         clips = [samples[s.start : s.end] for s in plan.spans]
-        heard = turn_taking(await asyncio.to_thread(self.listener.engine.detect, clips), plan.spans, options)
+        heard = turn_taking(await asyncio.to_thread(listener.engine.detect, clips), plan.spans, options)
         runs = itertools.groupby(zip(heard, plan.spans), key=lambda found: found[0][0])
         decodes = []
         for language, run in runs:
             members = list(run)
             probability = min(p for (_, p), _ in members)
-            model = self if language in self.languages else self.listener
+            model = self.model if language in self.model.languages else listener
             translated = bool(options.transcribed) and language not in options.transcribed
             told = dataclasses.replace(options, language=language, task="translate" if translated else options.task)
-            plans = self._segment_plans(samples, [(span.start, span.end) for _, span in members])
+            plans = self.model.plans(samples, [(span.start, span.end) for _, span in members])
             decodes += [
-                (probability, model._decode(p, samples, told, times, request, urgent, offset, index)) for p in plans
+                (probability, model.decode(p, samples, told, times, request, urgent, offset, index)) for p in plans
             ]
         found = await asyncio.gather(*(decode for _, decode in decodes))
         return [

@@ -9,14 +9,17 @@ each shard to the limit, cutting wherever the limit falls.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from appliance.engine.stats import RequestTimes
 from appliance.engine.whisper_tokens import Piece
 from appliance.engine.whisper_words import Word as EngineWord
 from appliance.kinds.shards import frame_energy, plan_shards
-from appliance.kinds.speech_api import Word
+from appliance.kinds.speech_api import Options, Segment, Word
 from appliance.kinds.text import ends_sentence
 
 GAP_S = 0.3  # silence put between two segments in one shard
@@ -92,6 +95,32 @@ class ShardPlan:
                 out[-1] = (out[-1][0], start)
             out.append((start, self.spans[last].end))
         return out
+
+
+class ShardDecoder(Protocol):
+    """A speech model as the parts that cut and decode for it see it (SpeechToText): shards planned
+    for segments of a recording, and a shard decoded into its segments."""
+
+    @property
+    def name(self) -> str: ...
+
+    def plans(self, samples: np.ndarray, segments: list[tuple[int, int]]) -> list[ShardPlan]:
+        """The shards of these segments of `samples` on their own."""
+        ...
+
+    async def decode(
+        self,
+        plan: ShardPlan,
+        samples: np.ndarray,
+        options: Options,
+        times: RequestTimes,
+        request: Hashable,
+        urgent: bool = False,
+        offset: int = 0,
+        index: int = 0,
+    ) -> list[Segment]:
+        """One shard's segments (times in seconds, `offset` samples added)."""
+        ...
 
 
 class Packer:

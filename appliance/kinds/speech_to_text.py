@@ -49,7 +49,10 @@ PROMPTS_KEPT = 64  # prompts whose tokens are kept: the sessions and requests us
 assert SAMPLE_RATE == speech_api.SAMPLE_RATE
 
 
-class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
+class SpeechToText(EngineModel):
+    """Recordings cut by the VAD and decoded in shards; its live streams are `streams`' (live_speech.py),
+    its segments' languages `segment_languages`' (speech_languages.py)."""
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -89,11 +92,14 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
             "streams",
             lambda key, stream: dropped(stream, vad, vad_key(spec.name, key, stream)),
         )
+        self.streams = LiveTranscription(self, self.sequences)
+        self.live_chunk, self.hear = self.streams.live_chunk, self.streams.hear
+        self.segment_languages = SegmentLanguages(self)
         self.tasks: Mapping[str, Task] = {"transcribe": self._transcribe_route}
-        self.loaded, self.listener = loaded, None
+        self.loaded = loaded
 
     def start(self) -> None:
-        self.listener = self.find_listener(self.loaded)
+        self.segment_languages.listener = _listener(self, self.loaded)
         self.batcher.start()
 
     async def stop(self, timeout_s: float) -> bool:
@@ -121,7 +127,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         return speech_api.config(self.spec, self.baked, self.live)
 
     def check(self, options: Options) -> None:
-        self.refer_to_listener(options)
+        self.segment_languages.refer_to_listener(options)
         self.engine.check(options.language, options.task)
         speech_api.check_prompt(options.prompt)
         if not 0.0 <= options.temperature <= 1.0:
@@ -149,9 +155,7 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
             held.extend(plans)
             if len(held) >= self.max_batch or last:
                 for plan in held:  # the shard's index: every request's first shard goes before anyone's next
-                    shards.put_nowait(
-                        loop.create_task(self._decode(plan, samples, options, spent, request, index=sent))
-                    )
+                    shards.put_nowait(loop.create_task(self.decode(plan, samples, options, spent, request, index=sent)))
                     sent += 1
                 held.clear()
 
@@ -186,16 +190,12 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
             for task in started:
                 task.cancel()
 
-    def _plans(self, samples: np.ndarray, segment: tuple[int, int]) -> list[ShardPlan]:
-        """The shards of one segment on its own."""
-        return self._segment_plans(samples, [segment])
-
-    def _segment_plans(self, samples: np.ndarray, segments: list[tuple[int, int]]) -> list[ShardPlan]:
+    def plans(self, samples: np.ndarray, segments: list[tuple[int, int]]) -> list[ShardPlan]:
         """The shards of these segments on their own."""
         packer = Packer(samples, self.max_samples, self.split_algorithm, SAMPLE_RATE)
         return [p for segment in segments for p in packer.add(segment)] + packer.finish()
 
-    async def _decode(
+    async def decode(
         self,
         plan: ShardPlan,
         samples: np.ndarray,
@@ -212,40 +212,23 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
         their own (a batched window has no seek as openai-whisper's loop has). Shards of one
         `request` may share a Whisper window. Where no language is named, a shard's segments may be
         identified first and decoded by language (speech_languages.py)."""
-        if self.identifies(plan, options):
-            return await self.by_language(plan, samples, options, times, request, urgent, offset, index)
+        if self.segment_languages.identifies(plan, options):
+            return await self.segment_languages.by_language(
+                plan, samples, options, times, request, urgent, offset, index
+            )
         shard = shard_of(plan.audio(samples), options, await self.prompts.tokens(options.prompt), request)
         group = (len(shard.prompt), shard.temperature)
         done = await self.batcher.submit([shard], group, urgent=urgent, first_index=index)[0]
         times.queue_ns = max(times.queue_ns, done.queued_ns)  # the longest its shards waited (side by side)
         decoded = done.result
-        pieces = with_their_sentences(decoded.pieces)
-        timed = plan.timed([(p.start, p.end) for p in pieces], SAMPLE_RATE)
-        placed = placed_words(plan, timed, decoded.words, offset, SAMPLE_RATE)
-        quality = decoded.quality
-        out = [
-            Segment(
-                round((offset + start) / SAMPLE_RATE, 3),
-                round((offset + end) / SAMPLE_RATE, 3),
-                piece.text,
-                decoded.language,
-                words,
-                decoded.language_probability,
-                tokens=piece.tokens,
-                temperature=quality.temperature,
-                avg_logprob=quality.avg_logprob,
-                compression_ratio=quality.compression_ratio,
-                no_speech_prob=quality.no_speech_prob,
-            )
-            for piece, (start, end), words in zip(pieces, timed, placed)
-        ]
+        out = _segments(decoded, plan, offset)
         # Whisper read up to its last timestamp: the spans that start after it were not heard
         reached = max((p.end for p in decoded.pieces), default=0.0) * SAMPLE_RATE
         heard = sum(1 for span in plan.spans if span.offset < reached)
         if 0 < heard < len(plan.spans):
-            rest = self._segment_plans(samples, [(span.start, span.end) for span in plan.spans[heard:]])
+            rest = self.plans(samples, [(span.start, span.end) for span in plan.spans[heard:]])
             for found in await asyncio.gather(
-                *(self._decode(p, samples, options, times, request, True, offset) for p in rest)
+                *(self.decode(p, samples, options, times, request, True, offset) for p in rest)
             ):
                 out += found
         return out
@@ -290,6 +273,48 @@ class SpeechToText(LiveTranscription, SegmentLanguages, EngineModel):
 
     def expire_idle(self) -> int:
         return self.sequences.expire(self.clock())
+
+
+def _listener(model: SpeechToText, models: Mapping[str, ServedModel]) -> SpeechToText | None:
+    """The model that identifies `model`'s segments' languages: itself where it is multilingual, else
+    the one `languages_by` names (a multilingual speech_to_text model anywhere in the firmware: all are
+    loaded when a model starts), else None."""
+    if model.multilingual:
+        return model
+    name = str(model.spec.parameters.get("languages_by", ""))
+    if not name:
+        return None
+    found = models.get(name)
+    if not isinstance(found, SpeechToText) or not found.multilingual:
+        raise ApplianceError(
+            f"model {model.name}: parameters.languages_by {name!r} is not a multilingual speech_to_text model"
+        )
+    return found
+
+
+def _segments(decoded: Decoded, plan: ShardPlan, offset: int) -> list[Segment]:
+    """A decoded shard's segments: one per piece of Whisper's text between its timestamps (a sentence's
+    tail joined to it), timed in the VAD's spans, `offset` samples added."""
+    pieces = with_their_sentences(decoded.pieces)
+    timed = plan.timed([(p.start, p.end) for p in pieces], SAMPLE_RATE)
+    placed = placed_words(plan, timed, decoded.words, offset, SAMPLE_RATE)
+    quality = decoded.quality
+    return [
+        Segment(
+            round((offset + start) / SAMPLE_RATE, 3),
+            round((offset + end) / SAMPLE_RATE, 3),
+            piece.text,
+            decoded.language,
+            words,
+            decoded.language_probability,
+            tokens=piece.tokens,
+            temperature=quality.temperature,
+            avg_logprob=quality.avg_logprob,
+            compression_ratio=quality.compression_ratio,
+            no_speech_prob=quality.no_speech_prob,
+        )
+        for piece, (start, end), words in zip(pieces, timed, placed)
+    ]
 
 
 def shard_of(samples: np.ndarray, options: Options, prompt: tuple[int, ...], request: Hashable) -> Shard:
