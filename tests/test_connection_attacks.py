@@ -80,7 +80,7 @@ def test_a_client_that_reads_nothing_is_cut_off_after_the_write_deadline_and_a_s
         await asyncio.get_running_loop().sock_connect(client, str(tmp_path / "s"))
         client.send(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
         try:
-            await until(lambda: len(server.connections) == 1 and not next(iter(server.connections))._writable.is_set())
+            await until(lambda: len(server.connections) == 1 and not next(iter(server.connections)).writable.is_set())
             (connection,) = server.connections
             assert connection.transport is not None
             events = []

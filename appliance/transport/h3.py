@@ -19,6 +19,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
+from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.events import (
@@ -37,6 +38,7 @@ from appliance.protocol.messages import Request
 from appliance.tasks import spawn
 from appliance.transport.assembler import LIMITS_BITTEN, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import peer_name
+from appliance.transport.h3_answers import StreamAnswers
 from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
 from appliance.transport.h3_websocket import WebSocketStreams, is_websocket_connect
 from appliance.transport.steering_ids import tag_connection_ids
@@ -52,7 +54,7 @@ SAFE_TO_REPLAY = frozenset({"GET", "HEAD"})
 REFUSED, PADDING = QuicErrorCode.CONNECTION_REFUSED, QuicFrameType.PADDING
 
 
-class H3Protocol(WebSocketStreams):
+class H3Protocol(QuicConnectionProtocol):
     server: H3Server
 
     def __init__(self, *args: object, server: H3Server, **kwargs: object) -> None:
@@ -60,7 +62,7 @@ class H3Protocol(WebSocketStreams):
         self.server = server
         if server.worker_key is not None:
             tag_connection_ids(self._quic, server.worker_key)
-        self._http = None
+        self._http: BoundedH3Connection | None = None
         self._incoming: dict[int, RequestAssembler | None] = {}  # None: rejected, the rest is ignored
         self.handshake_done = False
         self.operator = False  # its certificate is one the operator CA signed (known once the handshake is done)
@@ -68,10 +70,12 @@ class H3Protocol(WebSocketStreams):
         self._waiting_for_handshake: list[tuple[int, Request]] = []
         self.in_flight = 0
         self._serving: dict[int, asyncio.Task[None]] = {}  # request streams being answered
-        self._windows, self._websockets = {}, {}
-        self._write_seen, self._write_since = {}, self.created  # the write deadline's (h3_answers.py)
         self.peer, self._addr = "", None
         self._terminated = False
+        self.answers = StreamAnswers(
+            self._quic, lambda: self._http, self.transmit, lambda: self._terminated, self.created
+        )
+        self.websockets = WebSocketStreams(server, self.answers, lambda: self._http, self._reset_stream, self.transmit)
         if server.client_certificates is not None:
             server.client_certificates.require(self._quic)
         if len(server.connections) >= server.config.max_connections:
@@ -119,7 +123,7 @@ class H3Protocol(WebSocketStreams):
         self._terminated = True
         for serving in self._serving.values():
             serving.cancel()
-        self._websocket_gone(None)
+        self.websockets.gone(None)
         self.server.connections.discard(self)
         held = sum(a.body_bytes for a in self._incoming.values() if a is not None)
         self.server.budget.give(held + sum(len(r.body) for _, r in self._waiting_for_handshake))
@@ -142,7 +146,7 @@ class H3Protocol(WebSocketStreams):
         elif isinstance(event, (StreamReset, StopSendingReceived)):
             if (serving := self._serving.get(event.stream_id)) is not None:
                 serving.cancel()  # the client gave up on this request: stop working for it
-            self._websocket_gone(event.stream_id)
+            self.websockets.gone(event.stream_id)
         elif isinstance(event, ConnectionTerminated):
             self._ended()
         if self._http is None:
@@ -156,12 +160,12 @@ class H3Protocol(WebSocketStreams):
         if isinstance(event, HeadersRefused):
             if (dropped := self._incoming.pop(event.stream_id, None)) is not None:  # trailers over the limit
                 self.server.budget.give(dropped.body_bytes)
-            self._respond(event.stream_id, limit_bit(431, event.reason).response)
+            self.answers.respond(event.stream_id, limit_bit(431, event.reason).response)
             return
         if not isinstance(event, (HeadersReceived, DataReceived)):
             return
         stream_id = event.stream_id
-        if isinstance(event, DataReceived) and self._websocket_data(event):
+        if isinstance(event, DataReceived) and self.websockets.data(event):
             return
         if isinstance(event, DataReceived) and stream_id not in self._incoming:
             return
@@ -170,7 +174,7 @@ class H3Protocol(WebSocketStreams):
                 if stream_id not in self._incoming:
                     self._incoming[stream_id] = self._start(event)
                     if is_websocket_connect(event.headers):  # its request is whole: what follows is the WebSocket's
-                        self._websockets[stream_id] = self._websocket(stream_id)
+                        self.websockets.opened(stream_id)
                         self._complete(stream_id)
                         return
             elif (assembler := self._incoming[stream_id]) is not None:
@@ -179,13 +183,13 @@ class H3Protocol(WebSocketStreams):
             if (dropped := self._incoming.get(stream_id)) is not None:
                 self.server.budget.give(dropped.body_bytes)
             self._incoming[stream_id] = None
-            self._respond(stream_id, rejection.response)
+            self.answers.respond(stream_id, rejection.response)
         if event.stream_ended:
             self._complete(stream_id)
 
     def _start(self, event: HeadersReceived) -> RequestAssembler:
         if (
-            len(self._incoming) + self.in_flight + len(self._websockets)
+            len(self._incoming) + self.in_flight + len(self.websockets.streams)
             >= self.server.config.max_streams_per_connection
         ):
             raise limit_bit(
@@ -212,18 +216,14 @@ class H3Protocol(WebSocketStreams):
     def reap_quiet_streams(self, now: float, heard_before: float) -> None:
         """Answer 408 on request streams that went quiet, and forget what they sent; a WebSocket's own
         timeouts (pings, idle) are checked here too."""
-        for stream_id, websocket in list(self._websockets.items()):
-            if websocket.ended:
-                del self._websockets[stream_id]
-            else:
-                websocket.check_timeouts(now)
+        self.websockets.check_timeouts(now)
         for stream_id, assembler in list(self._incoming.items()):
             if assembler is None:  # rejected and answered: nothing more is read from it
                 del self._incoming[stream_id]
             elif assembler.quiet_since(heard_before):
                 del self._incoming[stream_id]
                 self.server.budget.give(assembler.body_bytes)
-                self._respond(stream_id, limit_bit(408, "request stream went quiet before its end").response)
+                self.answers.respond(stream_id, limit_bit(408, "request stream went quiet before its end").response)
 
     def _complete(self, stream_id: int) -> None:
         assembler = self._incoming.pop(stream_id)
@@ -233,7 +233,7 @@ class H3Protocol(WebSocketStreams):
             request = assembler.request()
         except Rejection as rejection:  # a compressed body that ends before its end
             self.server.budget.give(assembler.body_bytes)
-            self._respond(stream_id, rejection.response)
+            self.answers.respond(stream_id, rejection.response)
             return
         if not self.handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
             self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
@@ -260,22 +260,34 @@ class H3Protocol(WebSocketStreams):
     async def _serve(self, stream_id: int, request: Request) -> None:
         try:
             response = await self.server.api.handle(request)
-            if (websocket := self._websockets.get(stream_id)) is not None:
-                self._open(stream_id, websocket, response)
+            if self.websockets.open(stream_id, response, self._terminated):
                 return
             if response.opened is not None and self.peer:
                 self.server.owners.record(self.peer, response.opened)
-            if self._respond(stream_id, response, request.method == "HEAD") and response.stream is not None:
-                window = self._windows[stream_id] = SendWindow(self.server.limits.stream_window_bytes)
+            if self.answers.respond(stream_id, response, request.method == "HEAD") and response.stream is not None:
+                window = self.answers.windows[stream_id] = SendWindow(self.server.limits.stream_window_bytes)
 
                 async def send(piece: bytes) -> int | None:  # held: what the peer has not acknowledged
-                    sent = not self._terminated and self._send_data(stream_id, piece, end_stream=False)
-                    return self._unacknowledged(stream_id) if sent else None
+                    sent = not self._terminated and self.answers.send_data(stream_id, piece, end_stream=False)
+                    return self.answers.unacknowledged(stream_id) if sent else None
 
                 if await send_stream(response.stream, window, send):
-                    self._send_data(stream_id, b"", end_stream=True)
+                    self.answers.send_data(stream_id, b"", end_stream=True)
         finally:
-            if (held := self._windows.pop(stream_id, None)) is not None:
+            if (held := self.answers.windows.pop(stream_id, None)) is not None:
                 held.close()
             self.in_flight -= 1
             self.server.budget.give(len(request.body))
+
+    def transmit(self) -> None:
+        """Send what is due; the answers and WebSockets that wait for their peer learn what it took."""
+        super().transmit()
+        self.answers.transmitted()
+        self.websockets.transmitted()
+
+    def _reset_stream(self, stream_id: int) -> None:
+        """RESET_STREAM and STOP_SENDING: aioquic sends nothing more of what it holds, the peer nothing more."""
+        if self._quic._streams.get(stream_id) is not None:
+            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self.transmit()

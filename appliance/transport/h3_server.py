@@ -73,7 +73,7 @@ class H3Server:
     def delivering(self) -> int:
         """Connections whose answers the peer has not all acknowledged: a drain that closed them at once
         would cut off what aioquic still holds for the peer."""
-        return sum(c.delivering for c in self.connections)
+        return sum(c.answers.delivering for c in self.connections)
 
     @property
     def limits(self) -> ServerConfig:
@@ -167,7 +167,7 @@ class H3Server:
             if not connection.handshake_done and now - connection.created > quic.handshake_timeout_s:
                 LIMITS_BITTEN.bit("handshake", f"QUIC handshake not complete within {quic.handshake_timeout_s:g} s")
                 connection.close_quietly("handshake not complete in time")
-            elif connection.write_overdue(now, write_timeout_s):
+            elif connection.answers.write_overdue(now, write_timeout_s):
                 connection.cut_off(write_timeout_s)
             else:
                 connection.reap_quiet_streams(now, now - quic.stream_idle_timeout_s)
@@ -179,7 +179,7 @@ class H3Server:
 
     def close_all(self) -> None:
         for connection in self.connections:
-            connection.websockets_going_away()
+            connection.websockets.going_away()
         for task in (self._reaper, self._sweep):
             if task is not None:
                 task.cancel()

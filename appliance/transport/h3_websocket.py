@@ -18,13 +18,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-from aioquic.h3.connection import ErrorCode
 from aioquic.h3.events import DataReceived
 
 from appliance.config import Live, ServerConfig, WebSocketConfig
 from appliance.protocol.messages import Close, Response, Session
 from appliance.transport.assembler import LIMITS_BITTEN
-from appliance.transport.h3_answers import AnsweringProtocol
+from appliance.transport.h3_answers import StreamAnswers
+from appliance.transport.h3_bounds import BoundedH3Connection
 from appliance.transport.websocket import StreamIO, WebSocketPump
 
 
@@ -135,59 +135,75 @@ class WebSocketServer(Protocol):
     def limits(self) -> ServerConfig: ...
 
 
-class WebSocketStreams(AnsweringProtocol):
-    """The WebSocket half of an HTTP/3 connection (h3.H3Protocol): its streams opened by extended CONNECT."""
+class WebSocketStreams:
+    """One HTTP/3 connection's WebSockets (h3.H3Protocol's): its streams opened by extended CONNECT,
+    answered through `answers`; `reset(stream_id)` ends a stream both ways."""
 
-    server: WebSocketServer
-    _websockets: dict[int, H3WebSocket]  # streams an extended CONNECT opened
+    def __init__(
+        self,
+        server: WebSocketServer,
+        answers: StreamAnswers,
+        http: Callable[[], BoundedH3Connection | None],
+        reset: Callable[[int], None],
+        transmit: Callable[[], None],
+    ) -> None:
+        self._server, self._answers, self._http, self._reset, self._transmit = server, answers, http, reset, transmit
+        self.streams: dict[int, H3WebSocket] = {}  # streams an extended CONNECT opened
 
-    def _websocket_data(self, event: DataReceived) -> bool:
+    def opened(self, stream_id: int) -> None:
+        """An extended CONNECT's request is whole: what follows on its stream is the WebSocket's."""
+        answers, server = self._answers, self._server
+        self.streams[stream_id] = H3WebSocket(
+            lambda data, end: answers.send_data(stream_id, data, end_stream=end),
+            lambda: answers.unacknowledged(stream_id),
+            lambda: server.limits.stream_window_bytes,
+            lambda: server.live.config.websocket,
+            lambda: self._reset(stream_id),
+        )
+
+    def data(self, event: DataReceived) -> bool:
         """True where the data is a WebSocket's (given to it; the stream's end ends it)."""
-        if (websocket := self._websockets.get(event.stream_id)) is None:
+        if (websocket := self.streams.get(event.stream_id)) is None:
             return False
         websocket.data_received(event.data)
         if event.stream_ended:
             websocket.lost()
         return True
 
-    def _websocket_gone(self, stream_id: int | None) -> None:
+    def gone(self, stream_id: int | None) -> None:
         """A stream reset or STOP_SENDING (its id), or the connection's end (None)."""
-        for websocket_id in list(self._websockets) if stream_id is None else [stream_id]:
-            if (websocket := self._websockets.pop(websocket_id, None)) is not None:
+        for websocket_id in list(self.streams) if stream_id is None else [stream_id]:
+            if (websocket := self.streams.pop(websocket_id, None)) is not None:
                 websocket.lost()
 
-    def _websocket(self, stream_id: int) -> H3WebSocket:
-        return H3WebSocket(
-            lambda data, end: self._send_data(stream_id, data, end_stream=end),
-            lambda: self._unacknowledged(stream_id),
-            lambda: self.server.limits.stream_window_bytes,
-            lambda: self.server.live.config.websocket,
-            lambda: self._reset_stream(stream_id),
-        )
-
-    def _reset_stream(self, stream_id: int) -> None:
-        """RESET_STREAM and STOP_SENDING: aioquic sends nothing more of what it holds, the peer nothing more."""
-        if self._quic._streams.get(stream_id) is not None:
-            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-        self.transmit()
-
-    def _open(self, stream_id: int, websocket: H3WebSocket, response: Response) -> None:
-        """The API's answer to an extended CONNECT: a 200 and its session, or its refusal (the stream ends)."""
-        if response.session is None or self._http is None or self._terminated:
-            del self._websockets[stream_id]
-            self._respond(stream_id, response)
-            return
+    def open(self, stream_id: int, response: Response, ended: bool) -> bool:
+        """The API's answer to an extended CONNECT where `stream_id` is one: a 200 and its session, or
+        its refusal (the stream ends); False where it is not a WebSocket's."""
+        if (websocket := self.streams.get(stream_id)) is None:
+            return False
+        http = self._http()
+        if response.session is None or http is None or ended:
+            del self.streams[stream_id]
+            self._answers.respond(stream_id, response)
+            return True
         headers = [(b":status", b"200"), *((k.lower().encode(), v.encode()) for k, v in response.headers)]
-        self._http.send_headers(stream_id, headers)
-        self.transmit()
+        http.send_headers(stream_id, headers)
+        self._transmit()
         websocket.accept(response.session)
+        return True
 
-    def transmit(self) -> None:
-        super().transmit()
-        for websocket in self._websockets.values():
+    def check_timeouts(self, now: float) -> None:
+        """Each WebSocket's own timeouts (pings, idle); the ended ones forgotten."""
+        for stream_id, websocket in list(self.streams.items()):
+            if websocket.ended:
+                del self.streams[stream_id]
+            else:
+                websocket.check_timeouts(now)
+
+    def transmitted(self) -> None:
+        for websocket in self.streams.values():
             websocket.update()
 
-    def websockets_going_away(self) -> None:
-        for websocket in self._websockets.values():
+    def going_away(self) -> None:
+        for websocket in self.streams.values():
             websocket.going_away()

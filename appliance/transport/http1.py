@@ -37,6 +37,7 @@ from appliance.transport.assembler import BodyBudget, Rejection, RequestAssemble
 from appliance.transport.connection_bounds import admission_refusal, linger
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
 from appliance.transport.serving import Serving
+from appliance.transport.websocket import WebSocketPump
 
 if TYPE_CHECKING:
     from appliance.transport.tls_accept import TlsAcceptor
@@ -146,7 +147,7 @@ class Http1Server:
             connection.close()
 
 
-class HttpConnection(WebSocketUpgrade):
+class HttpConnection(asyncio.Protocol):
     server: Http1Server
 
     def __init__(self, server: Http1Server) -> None:
@@ -161,16 +162,15 @@ class HttpConnection(WebSocketUpgrade):
         self.operator = False
         self._idle_since = server.clock()
         self._rejected = self._half_closed = self._paused = self._served_any = False
-        self._writable = asyncio.Event()  # clear while the client does not read what it was sent
-        self._writable.set()
+        self.writable = asyncio.Event()  # clear while the client does not read what it was sent
+        self.writable.set()
         self._progress = WriteProgress()  # whether what we write is taken (the write deadline)
         self.share_key = ""  # whose share of the connections this one takes (Http1Server.share_key)
         self.origin: Address | None = None  # the client its balancer's PROXY header named (HTTPS)
         self._serving: asyncio.Task[None] | None = None
         self._window: SendWindow | None = None  # the streamed answer being written, if one is
-        self._upgrade = None
-        self._trailing = self._replay = b""
-        self.websocket = None
+        self.upgrade = WebSocketUpgrade(self)
+        self.websocket: WebSocketPump | None = None  # after an upgrade, the connection's protocol
 
     @property
     def in_flight(self) -> int:
@@ -194,20 +194,20 @@ class HttpConnection(WebSocketUpgrade):
             self.server.closed(self.client)
         if self.websocket is not None:
             self.websocket.lost()
-        self._writable.set()  # a task waiting to write finds the transport closed and ends
+        self.writable.set()  # a task waiting to write finds the transport closed and ends
         if self._serving is not None and not self._serving.done():
             self._serving.cancel()  # the client is gone: nobody reads the answer (its shards leave the queues)
-        self._release(self._assembler.body_bytes if self._assembler else 0)
+        self.release(self._assembler.body_bytes if self._assembler else 0)
         self._assembler = None
-        self._release(sum(len(r.body) for r, _ in self.queue if isinstance(r, Request)))
+        self.release(sum(len(r.body) for r, _ in self.queue if isinstance(r, Request)))
         self.queue.clear()
 
     def pause_writing(self) -> None:
         """Our send buffer is over its high-water mark: no more answers until the client reads."""
-        self._writable.clear()
+        self.writable.clear()
 
     def resume_writing(self) -> None:
-        self._writable.set()
+        self.writable.set()
         if self._window is not None and self.transport is not None:
             self._window.hold(self.transport.get_write_buffer_size())
 
@@ -228,10 +228,7 @@ class HttpConnection(WebSocketUpgrade):
         if self.websocket is not None:
             self.websocket.data_received(data)
             return
-        if self._upgrade is not None:  # read before the switch (reading is paused soon after)
-            self._trailing += data
-            return
-        if self._rejected:
+        if self.upgrade.held(data) or self._rejected:
             return
         in_head = self._assembler if self._assembler is not None and not self._assembler.head_complete else None
         try:
@@ -247,7 +244,7 @@ class HttpConnection(WebSocketUpgrade):
                 log.exception("HTTP/1.1 request assembly crashed")
                 self._reject(Rejection(500, "internal error (logged)"))
         except httptools.HttpParserUpgrade as upgrade:
-            self._upgraded(data[upgrade.args[0] :] if upgrade.args else b"")
+            self.upgrade.upgraded(data[upgrade.args[0] :] if upgrade.args else b"")
         except httptools.HttpParserError as exc:
             self._reject(Rejection(400, f"malformed HTTP request: {exc}"))
         else:
@@ -301,15 +298,15 @@ class HttpConnection(WebSocketUpgrade):
     def on_message_complete(self) -> None:
         request = self._step().request()
         self._assembler = None
-        if not (self.parser.should_upgrade() and self._upgrade_requested(request)):
-            self._enqueue(request, self.parser.should_keep_alive())
+        if not (self.parser.should_upgrade() and self.upgrade.requested(request)):
+            self.enqueue(request, self.parser.should_keep_alive())
 
     def _step(self) -> RequestAssembler:
         assert self._assembler is not None  # httptools calls on_message_begin first
         return self._assembler
 
     # --- serving ---
-    def _enqueue(self, entry: Request | Response, keep_alive: bool) -> None:
+    def enqueue(self, entry: Request | Response, keep_alive: bool) -> None:
         self.queue.append((entry, keep_alive))
         if not self.busy:
             self.busy = True
@@ -318,7 +315,7 @@ class HttpConnection(WebSocketUpgrade):
     async def _serve(self) -> None:
         try:
             while self.queue and self.transport is not None:
-                await self._writable.wait()  # a client that does not read gets no more answers queued
+                await self.writable.wait()  # a client that does not read gets no more answers queued
                 if not self.queue or self.transport.is_closing():
                     return
                 entry, keep_alive = self.queue.popleft()
@@ -332,13 +329,13 @@ class HttpConnection(WebSocketUpgrade):
                     assert self.transport is not None
                     linger(self.transport, self.close)
                     return
-                if entry is self._upgrade:
-                    await self._switch(entry)
+                if entry is self.upgrade.request:
+                    await self.upgrade.switch(entry)
                     return
                 try:
                     response = await self.server.api.handle(entry)
                 finally:
-                    self._release(len(entry.body))
+                    self.release(len(entry.body))
                 if response.opened is not None:
                     self.server.opened(self.client, response.opened)
                 if self.transport.is_closing():
@@ -382,13 +379,13 @@ class HttpConnection(WebSocketUpgrade):
         """Stop reading; the rejection is answered after the requests before it, then the connection closes."""
         self._rejected = True
         if self._assembler is not None:
-            self._release(self._assembler.body_bytes)
+            self.release(self._assembler.body_bytes)
             self._assembler = None
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
-            self._enqueue(rejection.response, False)
+            self.enqueue(rejection.response, False)
 
-    def _release(self, count: int) -> None:
+    def release(self, count: int) -> None:
         self.server.budget.give(count)
 
     def close(self) -> None:

@@ -47,86 +47,105 @@ class UpgradeServer(Protocol):
     def extra_headers(self) -> Iterable[tuple[str, str]]: ...
 
 
-class WebSocketUpgrade(asyncio.Protocol):
-    """The Upgrade half of an HTTP/1.1 connection: the handshake waits for its turn, then the
-    connection is the WebSocket's."""
+class Upgrading(Protocol):
+    """What the Upgrade path needs of its HTTP/1.1 connection (http1.HttpConnection)."""
 
-    server: UpgradeServer
     transport: asyncio.Transport | None
     parser: httptools.HttpRequestParser
-    _writable: asyncio.Event  # clear while the client does not read what it was sent
-    _upgrade: Request | None  # a WebSocket handshake read, waiting for its turn
-    _trailing: bytes  # what the client sent after it: the WebSocket's first bytes
-    _replay: bytes  # the head of a request whose Upgrade is ignored, to parse again with its body
+    writable: asyncio.Event  # clear while the client does not read what it was sent
     websocket: WebSocketPump | None  # after the switch, the connection's protocol
 
-    def _enqueue(self, entry: Request | Response, keep_alive: bool) -> None:
-        raise NotImplementedError
+    @property
+    def server(self) -> UpgradeServer: ...
 
-    def _release(self, count: int) -> None:
-        raise NotImplementedError
+    def enqueue(self, entry: Request | Response, keep_alive: bool) -> None: ...
 
-    def _upgrade_requested(self, request: Request) -> bool:
+    def release(self, count: int) -> None: ...
+
+    def data_received(self, data: bytes) -> None: ...
+
+
+class WebSocketUpgrade:
+    """The Upgrade path of one HTTP/1.1 connection: the handshake waits for its turn, then the
+    connection is the WebSocket's."""
+
+    def __init__(self, connection: Upgrading) -> None:
+        self.connection = connection
+        self.request: Request | None = None  # a WebSocket handshake read, waiting for its turn
+        self._trailing = b""  # what the client sent after it: the WebSocket's first bytes
+        self._replay = b""  # the head of a request whose Upgrade is ignored, to parse again with its body
+
+    def requested(self, request: Request) -> bool:
         """A request llhttp read with Upgrade: True where this path took it (a WebSocket handshake,
         queued; or a body to parse again without Upgrade, as llhttp ends the request at its head and
         takes the body for the new protocol), False where it is served as plain HTTP."""
         if is_upgrade(request.method, request.headers):
-            self._upgrade = request
-            self._enqueue(request, False)
+            self.request = request
+            self.connection.enqueue(request, False)
             return True
         if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
             self._replay = head_without_upgrade(request)
             return True
         return False
 
-    def _upgraded(self, rest: bytes) -> None:
+    def held(self, data: bytes) -> bool:
+        """Bytes read while a handshake waits for its turn (reading is paused soon after): the
+        WebSocket's, kept for it."""
+        if self.request is None:
+            return False
+        self._trailing += data
+        return True
+
+    def upgraded(self, rest: bytes) -> None:
         """llhttp stopped after a request with Upgrade. A WebSocket handshake: what follows is the
         WebSocket's, kept until the switch. Any other: ignored, and HTTP goes on with a fresh parser."""
-        if self._upgrade is not None:
+        connection = self.connection
+        if self.request is not None:
             self._trailing = rest
-            if self.transport is not None:
-                self.transport.pause_reading()
+            if connection.transport is not None:
+                connection.transport.pause_reading()
             return
-        self.parser = httptools.HttpRequestParser(self)
+        connection.parser = httptools.HttpRequestParser(connection)
         rest, self._replay = self._replay + rest, b""
         if rest:
-            self.data_received(rest)
+            connection.data_received(rest)
 
-    async def _switch(self, request: Request) -> None:
+    async def switch(self, request: Request) -> None:
         """The WebSocket handshake's turn: the API's session, or its refusal and the connection closes."""
-        assert self.transport is not None
+        connection, server = self.connection, self.connection.server
+        assert connection.transport is not None
         key, version = request.headers.get("sec-websocket-key", ""), request.headers.get("sec-websocket-version")
         if not key or version != "13":
             response = error_response(400, "a WebSocket handshake needs Sec-WebSocket-Key and Sec-WebSocket-Version 13")
             response.headers.append(("Sec-WebSocket-Version", "13"))
         else:
             try:
-                response = await self.server.api.handle(request)
+                response = await server.api.handle(request)
             finally:
-                self._release(len(request.body))
-        if self.transport.is_closing():
+                connection.release(len(request.body))
+        transport = connection.transport
+        if transport.is_closing():
             return
         if response.session is None:
-            self.transport.write(encode_response(response, False, self.server.extra_headers()))
-            self.transport.close()
+            transport.write(encode_response(response, False, server.extra_headers()))
+            transport.close()
             return
         head = f"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept_token(key)}\r\n"
         head += "".join(f"{k}: {v}\r\n" for k, v in response.headers)
-        self.transport.write((head + "\r\n").encode("latin-1"))
-        transport = self.transport
+        transport.write((head + "\r\n").encode("latin-1"))
         stream = StreamIO(
             transport.write,
             transport.pause_reading,
             transport.resume_reading,
             transport.close,
-            self._writable,
+            connection.writable,
             transport.abort,
         )
-        self.websocket = WebSocketPump(
-            stream, lambda: self.server.live.config.websocket, response.session, self.server.clock
+        websocket = connection.websocket = WebSocketPump(
+            stream, lambda: server.live.config.websocket, response.session, server.clock
         )
-        trailing, self._trailing, self._upgrade = self._trailing, b"", None
-        self.websocket.start(trailing)
+        trailing, self._trailing, self.request = self._trailing, b"", None
+        websocket.start(trailing)
         transport.resume_reading()
 
 
