@@ -1,15 +1,27 @@
 """Address lists in the config (wyoming.allow, fleet.proxies): CIDRs, comma-separated, and whether a
-host is within them; and the TCP sockets the daemon listens on at configured addresses."""
+host is within them; and the sockets the daemon listens on at configured addresses."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 from appliance.errors import cannot_listen
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Bind = Callable[[Path], socket.socket]  # a Unix socket made at a path, as the API's is made
+
+
+@dataclass(frozen=True)
+class Listening:
+    """A listener's socket as the daemon made it at its start, and what its end undoes."""
+
+    sock: socket.socket
+    path: Path | None = None  # its socket file, removed when the daemon ends
+    goodbye: Callable[[], Awaitable[None]] | None = None  # its announcement on the LAN withdrawn
 
 
 def cidrs(setting: str) -> list[Network]:

@@ -150,7 +150,8 @@ def test_a_text_the_voice_says_nothing_for_is_refused_after_one_espeak_run(daemo
     """espeak-ng says nothing for U+1D7E0 (a digit): the box ran espeak-ng once more per clause, 21,000
     runs a request, going on for minutes after the client left. Now one run: a text of nothing else
     is one error, and beside other words it is left out. A client that leaves at once leaves no runs
-    behind: those that follow are the next client's."""
+    behind: at most the one begun before the box saw it leave (none where it saw that first), and those
+    that follow are the next client's."""
     odd = "\U0001d7e0. " * 2000
     before = runs(espeak_runs)
     with good_unix_client_beside(daemon):
@@ -166,7 +167,7 @@ def test_a_text_the_voice_says_nothing_for_is_refused_after_one_espeak_run(daemo
 
     asyncio.run(send_and_leave())
     answers = asyncio.run(exchange(daemon, [Synthesize(text="Where is it?").event()], "audio-stop"))
-    assert spoken(answers) == ["audio-start", "audio-stop"] and runs(espeak_runs) == before + 4
+    assert spoken(answers) == ["audio-start", "audio-stop"] and before + 3 <= runs(espeak_runs) <= before + 4
 
 
 def test_zeroconf_answers_only_on_the_address_wyoming_is_served_on(daemon: Daemon) -> None:

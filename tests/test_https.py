@@ -283,7 +283,8 @@ def test_https_that_cannot_start_is_one_line_and_the_start_failure_code(
 @pytest.mark.parametrize("key", ["wyoming.tcp", "fleet.agent_address"])
 def test_a_listener_whose_port_is_taken_is_one_start_failure_line_naming_its_key(start_daemon, key: str) -> None:
     """Another process holds the port: the daemon exits with the start-failure code and one line that
-    names the key and the address, as systemd's status shows it."""
+    names the key and the address, as systemd's status shows it; the socket files it made are gone
+    (Wyoming's Unix socket is made before its TCP one)."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         section, name = key.split(".")
@@ -293,6 +294,7 @@ def test_a_listener_whose_port_is_taken_is_one_start_failure_line_naming_its_key
     assert lines == [f"appliance: ERROR: start failed: {key} {address}: cannot listen: Address already in use"], (
         daemon.log.read_text()
     )
+    assert not list(daemon.socket.parent.glob("*.sock"))
 
 
 def test_alt_svc_is_left_out_when_turned_off(start_daemon, tls) -> None:

@@ -35,7 +35,7 @@ by one `error` event and the connection closes; a client that disconnects mid-st
 Concurrent clients' recordings share engine calls (the speech_to_text batch queue), where
 wyoming-faster-whisper holds a lock per model.
 
-Here its sockets and its announcement on the LAN. The connections, their admission and each one's
+Here its sockets and its announcement on the LAN, made at the start by the listener table's entries. The connections, their admission and each one's
 loop: transport/wyoming_server.py (a transport of the listener table). Events read from bytes with
 their bounds and deadlines (sans I/O): wyoming_codec.py; its pump, writes and the error that closes a
 connection: wyoming_events.py; each event's answer: wyoming_handler.py (a stream's PCM in:
@@ -45,14 +45,11 @@ wyoming_audio.py); TCP and its mDNS announcement: wyoming_lan.py.
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Callable
 from pathlib import Path
-
-from zeroconf.asyncio import AsyncZeroconf
 
 from appliance.api.wyoming_lan import announce, tcp_socket
 from appliance.config import Config
+from appliance.networks import Bind, Listening
 
 log = logging.getLogger("appliance.wyoming")
 
@@ -63,35 +60,28 @@ def unix_socket_path(config: Config) -> Path:
     return Path(socket_setting) if socket_setting != "." else config.server.socket.with_name("wyoming.sock")
 
 
-def listening_sockets(config: Config, bind: Callable[[Path], socket.socket]) -> dict[str, socket.socket]:
-    """[wyoming]'s sockets by their names in the listener table (transport/listening.py): the Unix socket
-    (`bind` makes it as the API's is made), and TCP where asked for (announced before it serves: wyoming_lan)."""
-    settings = config.wyoming
-    if not settings.enabled:
-        return {}
-    path = unix_socket_path(config)
-    sockets = {"wyoming": bind(path)}
-    log.info("Wyoming on %s", path)
-    if settings.tcp:
-        try:
-            sockets["wyoming-tcp"] = tcp_socket(settings.tcp)
-        except BaseException:  # the start fails: the socket made for it goes too
-            sockets["wyoming"].close()
-            path.unlink(missing_ok=True)
-            raise
-    return sockets
-
-
-async def announced(config: Config, sockets: dict[str, socket.socket]) -> AsyncZeroconf | None:
-    """Wyoming on TCP announced on the LAN, its socket bound (closing it says goodbye); None without TCP.
-    The announcement's TXT record carries the HTTPS port (`appliance fleet targets`)."""
-    if "wyoming-tcp" not in sockets:
+async def open_unix(config: Config, bind: Bind) -> Listening | None:
+    """[wyoming]'s Unix socket (`bind` makes it as the API's is made); None where Wyoming is off."""
+    if not config.wyoming.enabled:
         return None
-    properties = {"https": str(config.https.port)} if config.https.enabled else {}
-    return await announce(config.wyoming.tcp, sockets["wyoming-tcp"].getsockname()[1], properties)
+    path = unix_socket_path(config)
+    listening = Listening(bind(path), path=path)
+    log.info("Wyoming on %s", path)
+    return listening
 
 
-async def goodbye(announcement: AsyncZeroconf | None) -> None:
-    """The announcement withdrawn (zeroconf's goodbye on the LAN), where there is one."""
-    if announcement is not None:
-        await announcement.async_close()
+async def open_tcp(config: Config, bind: Bind) -> Listening | None:
+    """[wyoming] tcp's socket, announced on the LAN before it serves, as it has a port (closing the
+    announcement says goodbye); its TXT record carries the HTTPS port (`appliance fleet targets`). None
+    where Wyoming is off or not on TCP."""
+    settings = config.wyoming
+    if not (settings.enabled and settings.tcp):
+        return None
+    sock = tcp_socket(settings.tcp)
+    try:
+        properties = {"https": str(config.https.port)} if config.https.enabled else {}
+        announcement = await announce(settings.tcp, sock.getsockname()[1], properties)
+    except BaseException:  # the start fails: the socket made for it goes too
+        sock.close()
+        raise
+    return Listening(sock, goodbye=announcement.async_close)

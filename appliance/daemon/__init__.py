@@ -16,11 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zeroconf.asyncio import AsyncZeroconf
-
 from appliance import config as config_files
 from appliance import durable, exitcodes, firmware, signals, systemd
-from appliance.api import wyoming
 from appliance.api.core import Api, streaming
 from appliance.api.fleet import BoxState, Capacity, agent_reply
 from appliance.api.fleet_routes import GPU_ENGINES, DrainOrder
@@ -34,11 +31,12 @@ from appliance.engine.stats import ModelStats
 from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
+from appliance.networks import Listening
 from appliance.tasks import LOOP_LAG, arm_failpoints, freeze_start_up, spawn
 from appliance.tls import tls_identity
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.budget_ledger import BudgetLedger
-from appliance.transport.https import listen_https
+from appliance.transport.listening import goodbye, open_listeners, remove_files
 
 log = logging.getLogger("appliance")
 
@@ -65,8 +63,7 @@ class Daemon:
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
         self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
-        self.wyoming_path: Path | None = None  # Wyoming's socket file, where it serves (removed when it ends)
-        self.announcement: AsyncZeroconf | None = None  # Wyoming on TCP's, on the LAN
+        self.opened: dict[str, Listening] = {}  # the listener table's sockets the config turns on (HTTPS, Wyoming)
         self.agent: Agent | None = None  # HAProxy's agent check, from the start of the start
         self.stopped_starting = False  # the stop signal came before anything was served: no drain
 
@@ -115,9 +112,6 @@ class Daemon:
         if any(engine in m.engine_name for m in self.models.values() for engine in GPU_ENGINES):
             fleet.gpu_memory = cuda.memory_used
         bind = lambda path: bind_unix_socket(dataclasses.replace(config.server, socket=path))  # noqa: E731
-        wyoming_sockets = wyoming.listening_sockets(config, bind)
-        self.wyoming_path = wyoming.unix_socket_path(config) if wyoming_sockets else None
-        self.announcement = await wyoming.announced(config, wyoming_sockets)  # before it serves, as it has a port
         sock, quic_sock = systemd.listen_sockets()
         if sock is None:
             sock = bind_unix_socket(config.server)
@@ -125,10 +119,11 @@ class Daemon:
         starting.unlink(missing_ok=True)
         if config.https.enabled or config.quic.enabled:  # /status and /tls/certificate.pem show who the box is
             self.api.certificate_pem, self.api.tls = tls_identity(config)
-        https = {"https": listen_https(config)} if config.https.enabled else {}
+        self.opened = await open_listeners(config, bind)  # announced before they serve, as they have a port
+        opened = {name: listening.sock for name, listening in self.opened.items()}
         self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
         label = f"{manifest.name} {manifest.version}"
-        await self.listeners.start({"unix": sock, **https, **wyoming_sockets}, quic_sock, workers, label)
+        await self.listeners.start({"unix": sock, **opened}, quic_sock, workers, label)
         freeze_start_up()
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)
@@ -265,9 +260,9 @@ class Daemon:
         api.stopping.set()  # a session only waiting for speech closes now (1001); work under way has the grace
         grace = self.config.server.shutdown_grace_s
         deadline = time.monotonic() + grace
-        goodbye = asyncio.ensure_future(wyoming.goodbye(self.announcement))  # on the LAN, as it stops accepting
+        goodbyes = asyncio.ensure_future(goodbye(self.opened))  # on the LAN, as it stops accepting
         await listeners.stop_accepting(grace)
-        await goodbye
+        await goodbyes
         drained = lambda: not (self.in_flight() or listeners.delivering or streaming(self.models.values()))  # noqa: E731
         while not drained() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -291,10 +286,9 @@ class Daemon:
         return self.listeners.in_flight if self.listeners is not None else 0
 
     def remove_socket(self) -> None:
-        for path in (self.bound_socket, self.wyoming_path):
-            if path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        if self.bound_socket is not None:
+            self.bound_socket.unlink(missing_ok=True)
+        remove_files(self.opened)
 
     def _stop_deadline_s(self) -> float:
         if self.api is None or not self.api.started:  # still starting: nothing is served yet, nothing to drain
@@ -312,7 +306,7 @@ async def abandon_start(daemon: Daemon) -> None:
         daemon.listeners.abort()
     if daemon.agent is not None:
         daemon.agent.close()
-    await wyoming.goodbye(daemon.announcement)
+    await goodbye(daemon.opened)
     daemon.abandoned += await stop_models(daemon.models)
     daemon.remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
 

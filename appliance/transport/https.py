@@ -28,7 +28,7 @@ from cryptography import x509
 
 from appliance.config import Config, Live, QuicConfig
 from appliance.errors import ApplianceError
-from appliance.networks import tcp_listener
+from appliance.networks import Bind, Listening, tcp_listener
 from appliance.protocol.messages import Handler, Opened
 from appliance.protocol.proxied import Address
 from appliance.tasks import spawn
@@ -59,9 +59,12 @@ def server_context(quic: QuicConfig) -> ssl.SSLContext:
     return context
 
 
-def listen_https(config: Config) -> socket.socket:
-    """The TCP listening socket on https.host and https.port, which every protocol worker accepts on;
-    the TLS files are read once here too, so that a bad key is a start-up error, not a worker's crash."""
+async def open_https(config: Config, bind: Bind) -> Listening | None:
+    """The TCP listening socket on https.host and https.port, which every protocol worker accepts on
+    (None where [https] is off); the TLS files are read once here too, so that a bad key is a start-up
+    error, not a worker's crash."""
+    if not config.https.enabled:
+        return None
     host, port = config.https.host, config.https.port
     try:
         ClientCertificates.of(config.quic.client_ca, config.quic.operator_ca)  # names a CA file it cannot read
@@ -76,7 +79,7 @@ def listen_https(config: Config) -> socket.socket:
     sock = tcp_listener("https", host, port)
     sock.setblocking(False)
     log.info("https: HTTP/1.1 over TLS on TCP %s:%d", host, sock.getsockname()[1])
-    return sock
+    return Listening(sock)
 
 
 def certificate_client(der: bytes | None) -> str:

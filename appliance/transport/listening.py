@@ -1,18 +1,23 @@
 """The listener table: every transport the daemon serves, by the name its socket carries from the engine
 process to a protocol worker (`--listen NAME=FD`) and that Request.listener says. The engine process
 (server.workers = 1) and each worker serve the table alike, so adding a transport is its module (a
-sans-I/O codec and a pump with a `serve`) and one line here. A transport that serves the models
-themselves (Wyoming) is served by the engine process whatever server.workers."""
+sans-I/O codec and a pump with a `serve`, and the `open` that makes its socket from the config) and
+one line here. A transport that serves the models themselves (Wyoming) is served by the engine process
+whatever server.workers."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from appliance.api import wyoming
+from appliance.config import Config
+from appliance.networks import Bind, Listening
 from appliance.transport.h3_server import H3Server
 from appliance.transport.http1 import Http1Server
-from appliance.transport.https import HttpsServer
+from appliance.transport.https import HttpsServer, open_https
 from appliance.transport.serving import Served, Serving
 from appliance.transport.wyoming_server import WyomingServer
 
@@ -21,15 +26,48 @@ from appliance.transport.wyoming_server import WyomingServer
 class Transport:
     serve: Callable[[Serving, socket.socket], Awaitable[Served]]
     in_engine: bool = False  # it serves the models themselves (Serving.engine): the engine process runs it
+    # its socket made from the config at the start, announced where it is (None where the config turns it
+    # off); the API's Unix socket and QUIC's are the daemon's own, as systemd may hand them over
+    open: Callable[[Config, Bind], Awaitable[Listening | None]] | None = None
 
 
 TRANSPORTS: dict[str, Transport] = {
     "unix": Transport(Http1Server.serve),  # HTTP/1.1 and WebSocket for on-box apps
-    "https": Transport(HttpsServer.serve),  # the same over TLS on TCP, for the LAN
+    "https": Transport(HttpsServer.serve, open=open_https),  # the same over TLS on TCP, for the LAN
     "quic": Transport(H3Server.serve),  # HTTP/3 and its WebSockets, for the LAN
-    "wyoming": Transport(WyomingServer.serve_unix, in_engine=True),  # Home Assistant's, beside the API socket
-    "wyoming-tcp": Transport(WyomingServer.serve_tcp, in_engine=True),  # the same for the LAN (wyoming.allow)
+    # Home Assistant's, beside the API socket; and the same for the LAN (wyoming.allow)
+    "wyoming": Transport(WyomingServer.serve_unix, in_engine=True, open=wyoming.open_unix),
+    "wyoming-tcp": Transport(WyomingServer.serve_tcp, in_engine=True, open=wyoming.open_tcp),
 }
+
+
+async def open_listeners(config: Config, bind: Bind) -> dict[str, Listening]:
+    """The sockets of the table's entries that the config turns on, by name; where one cannot be made,
+    those made are undone and the start fails."""
+    opened: dict[str, Listening] = {}
+    try:
+        for name, transport in TRANSPORTS.items():
+            if transport.open is not None and (listening := await transport.open(config, bind)) is not None:
+                opened[name] = listening
+    except BaseException:
+        for listening in opened.values():
+            listening.sock.close()
+        await goodbye(opened)
+        remove_files(opened)
+        raise
+    return opened
+
+
+async def goodbye(opened: dict[str, Listening]) -> None:
+    """Their announcements withdrawn on the LAN (as the daemon stops accepting)."""
+    await asyncio.gather(*(listening.goodbye() for listening in opened.values() if listening.goodbye is not None))
+
+
+def remove_files(opened: dict[str, Listening]) -> None:
+    """Their socket files removed (the daemon ends)."""
+    for listening in opened.values():
+        if listening.path is not None:
+            listening.path.unlink(missing_ok=True)
 
 
 class Transports:
