@@ -40,6 +40,7 @@ from appliance.client.quic import QuicSession
 from appliance.config import Config, Live, QuicConfig, ServerConfig
 from appliance.kinds.capabilities import SpokenVoice
 from appliance.protocol.messages import Request, Response
+from appliance.transport import http1
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.conncache import UserSpaceCache
 from appliance.transport.listening import TRANSPORTS, Transports
@@ -454,6 +455,39 @@ def test_a_wyoming_client_that_only_shuts_its_sending_side_is_answered(tls, tmp_
     assert verdicts == [False]  # seen, and judged a half-close
     assert events == ["held", "released"]
     assert answers[0] == "audio-start" and answers[-1] == "audio-stop" and "audio-chunk" in answers, answers
+
+
+HELD_ASKED = {  # /held asked of each transport on the Unix socket, as its clients ask it
+    "unix": b"GET /held HTTP/1.1\r\nhost: box\r\n\r\n",
+    "wyoming": encoded(Synthesize(text="Hold on.", voice=SynthesizeVoice(name="held")).event()),
+}
+
+
+@pytest.mark.parametrize("transport", HELD_ASKED)
+def test_a_client_that_closes_after_a_half_close_cancels_its_work(transport: str, tls, tmp_path, monkeypatch) -> None:
+    """A half-close on the Unix socket is not leaving (above); a close after it is, though the box reads
+    no new end of the stream then: the listener's next check_timeouts asks the kernel again (POLLHUP)
+    and the work for it is cancelled. It ran on for no one until its answer's first write."""
+    verdicts: list[bool] = []
+    module = http1 if transport == "unix" else wyoming_events
+    judge = module.peer_closed
+    monkeypatch.setattr(module, "peer_closed", lambda transport: verdicts.append(judge(transport)) or verdicts[-1])
+
+    async def run() -> list[str]:
+        async with served(transport, tls, tmp_path) as (served_transport, api, address):
+            _, writer = await asyncio.open_unix_connection(address)
+            writer.write(HELD_ASKED[transport])
+            writer.write_eof()
+            await asyncio.wait_for(until(lambda: api.events and verdicts), 30)  # held, and judged a half-close
+            writer.close()
+            await writer.wait_closed()
+            events = [*api.events, "closed"]
+            served_transport.check_timeouts(time.monotonic())  # the listener's periodic check
+            await asyncio.wait_for(until(lambda: len(api.events) > 1), 30)
+            return events + api.events[1:]
+
+    assert asyncio.run(run()) == ["held", "closed", "cancelled"]
+    assert verdicts == [False, True]
 
 
 def test_the_contract_covers_every_transport_of_the_table() -> None:

@@ -20,7 +20,7 @@ from wyoming.info import Describe
 from wyoming.tts import Synthesize
 
 from appliance.api.wyoming_codec import MAX_HEADER_BYTES, Bounds, EventReader, WyomingError
-from appliance.api.wyoming_events import WriteTimeout, answered, read_as, read_event, write_event
+from appliance.api.wyoming_events import Nudge, WriteTimeout, answered, read_as, read_event, write_event
 from appliance.errors import BadRequest
 
 BOUNDS = Bounds(max_payload=4096, max_samples=16000, idle_s=4.0, header_s=2.0, quiet_s=1.0, write_s=5.0)
@@ -232,7 +232,7 @@ def test_what_a_client_sends_while_the_box_answers_is_read_ahead_within_a_bound_
             await release.wait()
             return [Event("pong")]
 
-        answering = asyncio.ensure_future(answered(handling(), stream, NoSocket(), events, clock))  # type: ignore[arg-type]
+        answering = asyncio.ensure_future(answered(handling(), stream, NoSocket(), events, clock, Nudge()))  # type: ignore[arg-type]
         for _ in range(20):
             await asyncio.sleep(0)
         room, left_in_stream = events.room_ahead(), len(stream._buffer)  # type: ignore[attr-defined]
@@ -265,7 +265,7 @@ def test_a_client_that_leaves_while_the_box_answers_cancels_the_answer() -> None
                 raise
             return []
 
-        answering = asyncio.ensure_future(answered(handling(), stream, NoSocket(), events, clock))  # type: ignore[arg-type]
+        answering = asyncio.ensure_future(answered(handling(), stream, NoSocket(), events, clock, Nudge()))  # type: ignore[arg-type]
         await asyncio.sleep(0)
         stream.feed_eof()
         with pytest.raises(ConnectionResetError, match="the client left"):

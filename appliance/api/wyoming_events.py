@@ -42,6 +42,15 @@ class Nudge:
 
     def __init__(self) -> None:
         self._waiting: asyncio.Timeout | None = None
+        self._check: asyncio.Future[None] | None = None  # a wait for the listener's next check
+
+    async def next_check(self) -> None:
+        """Until the listener's next check_timeouts (a half-closed client's close makes no event here)."""
+        self._check = asyncio.get_running_loop().create_future()
+        try:
+            await self._check
+        finally:
+            self._check = None
 
     @contextlib.contextmanager
     def waiting(self, timeout: asyncio.Timeout) -> Iterator[None]:
@@ -54,6 +63,8 @@ class Nudge:
     def now(self) -> None:
         if self._waiting is not None and not self._waiting.expired():
             self._waiting.reschedule(asyncio.get_running_loop().time())
+        if self._check is not None and not self._check.done():
+            self._check.set_result(None)
 
 
 async def read_event(
@@ -85,12 +96,14 @@ async def answered(
     writer: asyncio.StreamWriter,
     events: EventReader,
     clock: Callable[[], float],
+    nudge: Nudge,
 ) -> list[Event]:
     """An event's answers, once `handling` has made them; where the client leaves meanwhile, its work is
     cancelled and the connection's end raised (a synthesis makes no answer until its first sentence is
-    spoken: nothing else would notice). What the client sends meanwhile is read ahead into `events`."""
+    spoken: nothing else would notice). What the client sends meanwhile is read ahead into `events`; a
+    client that only half-closed is looked at again at each of the listener's checks (`nudge`)."""
     task = asyncio.ensure_future(handling)
-    watching = asyncio.ensure_future(_until_gone(reader, events, clock, lambda: _left(writer)))
+    watching = asyncio.ensure_future(_until_gone(reader, events, clock, lambda: _left(writer), nudge))
     try:
         await asyncio.wait([task, watching], return_when=asyncio.FIRST_COMPLETED)
         gone = watching.done()
@@ -105,18 +118,22 @@ async def answered(
 
 
 async def _until_gone(
-    reader: asyncio.StreamReader, events: EventReader, clock: Callable[[], float], left: Callable[[], bool]
+    reader: asyncio.StreamReader,
+    events: EventReader,
+    clock: Callable[[], float],
+    left: Callable[[], bool],
+    nudge: Nudge,
 ) -> None:
     """Returns at the connection's end (or raises its reset); reads ahead within the next header's bound,
-    past which the rest waits in the socket for the answer to be done."""
+    past which the rest waits in the socket for the answer to be done (cancelled once it is made)."""
     while (room := events.room_ahead()) > 0:
         data = await reader.read(room)
         events.feed(data, clock())
-        if not data:
-            if left():
-                return
-            break  # only its sending side shut: it still reads, and is answered
-    await asyncio.get_running_loop().create_future()  # cancelled once the answer is made
+        if not data:  # its sending side shut: it still reads, and is answered, unless it closes
+            while not left():
+                await nudge.next_check()
+            return
+    await asyncio.get_running_loop().create_future()
 
 
 def _left(writer: asyncio.StreamWriter) -> bool:

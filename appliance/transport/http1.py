@@ -36,14 +36,13 @@ from appliance.tasks import spawn
 from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
 from appliance.transport.connection_bounds import admission_refusal, linger
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
-from appliance.transport.serving import Serving
+from appliance.transport.serving import Serving, checking_timeouts
 from appliance.transport.websocket import WebSocketPump
 
 if TYPE_CHECKING:
     from appliance.transport.tls_accept import TlsAcceptor
 
 log = logging.getLogger("appliance.http")
-TIMEOUT_CHECK_S = 0.5
 
 
 class Http1Server:
@@ -117,7 +116,7 @@ class Http1Server:
 
     def protocol(self) -> HttpConnection:
         if self._timeouts is None:
-            self._timeouts = spawn(self._enforce_timeouts(), "the HTTP/1.1 timeouts", self.on_failure)
+            self._timeouts = spawn(checking_timeouts(self, self.clock), "the HTTP/1.1 timeouts", self.on_failure)
         return HttpConnection(self)
 
     @property
@@ -129,11 +128,6 @@ class Http1Server:
         """Connections whose answers asyncio still holds for a client not taking them yet: a worker that
         returned at its stop would drop them with its event loop."""
         return sum(1 for c in self.connections if c.transport is not None and unsent(c.transport))
-
-    async def _enforce_timeouts(self) -> None:
-        while True:
-            await asyncio.sleep(TIMEOUT_CHECK_S)
-            self.check_timeouts(self.clock())
 
     def check_timeouts(self, now: float) -> None:
         """Each connection's head, body, keep-alive and write deadlines, at `now` on the server's clock."""
@@ -256,6 +250,9 @@ class HttpConnection(asyncio.Protocol):
         transport, write_timeout_s = self.transport, self.server.limits.write_timeout_s
         if transport is None or self._progress.cut_off(now, transport, write_timeout_s) or transport.is_closing():
             return  # a closing transport is closed once (a TLS one twice loses its protocol)
+        if self._half_closed and peer_closed(transport):  # closed since: gone, and its work with it
+            transport.abort()
+            return
         if self.websocket is not None:
             self.websocket.check_timeouts(now)
             return

@@ -67,3 +67,14 @@ class Served(Protocol):
 
     def close_all(self) -> None:
         """Drained (or out of grace time): every connection closed."""
+
+
+TIMEOUT_CHECK_S = 0.5  # how often a stream listener checks its connections' deadlines on its clock
+
+
+async def checking_timeouts(served: Served, clock: Callable[[], float]) -> None:
+    """A stream listener's periodic check of its connections (check_timeouts at `clock`'s time): the
+    loop's time only wakes it; each connection's clock judges."""
+    while True:
+        await asyncio.sleep(TIMEOUT_CHECK_S)
+        served.check_timeouts(clock())

@@ -37,7 +37,8 @@ from appliance.protocol.flow import received
 from appliance.protocol.limits import over_bound
 from appliance.protocol.proxied import ORIGIN
 from appliance.protocol.unix_peer import unix_peer
-from appliance.transport.serving import EngineSide, Serving
+from appliance.tasks import spawn
+from appliance.transport.serving import EngineSide, Serving, checking_timeouts
 
 if TYPE_CHECKING:
     from appliance.api.wyoming_handler import WyomingHandler
@@ -123,7 +124,7 @@ async def serve_client(
                 handling = handler.handle(event, send)
                 # an audio chunk's answer is at once, and the next read sees a client gone: no watch for it
                 watched = not AudioChunk.is_type(event.type)
-                for answer in await (answered(handling, reader, writer, events, clock) if watched else handling):
+                for answer in await (answered(handling, reader, writer, events, clock, nudge) if watched else handling):
                     await send(answer)
             except ApiError as exc:  # the client's: a bad event's fields (wyoming_events.read_as), one error, go on
                 message = exc.message
@@ -216,15 +217,18 @@ class Sessions:
 class WyomingServer:
     """Wyoming served on one listening socket: its connections, admitted by its own slots."""
 
-    def __init__(self, sessions: Sessions) -> None:
+    def __init__(self, sessions: Sessions, serving: Serving) -> None:
         self.sessions = sessions
         self.connections: set[asyncio.StreamWriter] = set()  # the refused, lingering, too: close_all ends them
         self.server: asyncio.Server | None = None
+        # as HTTP/1.1's: each pump's deadlines asked at once, and a half-closed client's close seen
+        self._timeouts = spawn(checking_timeouts(self, serving.clock), "the Wyoming timeouts", serving.on_failure)
 
     @classmethod
     async def serve_unix(cls, serving: Serving, sock: socket.socket) -> WyomingServer:
         """The Unix socket: max_connections, max_connections_per_peer of one user."""
-        served = cls(Sessions(Admission("the Unix socket", lambda s: s.max_connections), _engine(serving), serving))
+        sessions = Sessions(Admission("the Unix socket", lambda s: s.max_connections), _engine(serving), serving)
+        served = cls(sessions, serving)
         served.server = await asyncio.start_unix_server(
             served.tracked(served.sessions.client), sock=sock, limit=MAX_HEADER_BYTES
         )
@@ -237,7 +241,7 @@ class WyomingServer:
         from appliance.api.access import wyoming_allow
 
         engine = _engine(serving)
-        served = cls(Sessions(Admission("TCP", lambda s: s.max_tcp_connections), engine, serving))
+        served = cls(Sessions(Admission("TCP", lambda s: s.max_tcp_connections), engine, serving), serving)
         allowed = wyoming_allow.guard(served.sessions.client, serving.live, engine.metrics, serving.clock)
         served.server = await asyncio.start_server(served.tracked(allowed), sock=sock, limit=MAX_HEADER_BYTES)
         return served
@@ -272,6 +276,7 @@ class WyomingServer:
             self.server.close()
 
     def close_all(self) -> None:
+        self._timeouts.cancel()
         for writer in list(self.connections):
             writer.transport.abort()
 
