@@ -147,6 +147,13 @@ def test_a_failed_batch_is_logged_once_with_its_traceback_once_the_engine_has_se
                 raise RuntimeError(f"device lost at call {self.calls}")
             return super().run(feeds, batch)
 
+    class FailingSame(FailingAfter):
+        def run(self, feeds, batch):
+            try:
+                return super().run(feeds, batch)
+            except RuntimeError:
+                raise RuntimeError("device lost") from None
+
     async def serve(engine: CountingEngine, requests: int) -> list[BaseException | None]:
         stats = ModelStats()
         batcher = Batcher(frame_model(engine), max_batch=4)
@@ -177,13 +184,19 @@ def test_a_failed_batch_is_logged_once_with_its_traceback_once_the_engine_has_se
         assert [r.levelno for r in records] == [logging.DEBUG]
         records.clear()
         served = asyncio.run(serve(FailingAfter({2, 3}), 4))
+        failures = records[:]
+        records.clear()
+        repeated = asyncio.run(serve(FailingSame({2, 3, 5}), 5))
     finally:
         engine_log.removeHandler(handler)
         engine_log.setLevel(logging.NOTSET)
     assert [e is None for e in served] == [True, False, False, True]
-    assert [r.levelno for r in records] == [logging.ERROR, logging.ERROR]
-    assert records[0].exc_info is not None and "device lost at call 2" in str(records[0].exc_info[1])
-    assert "model fake: its engine failed a batch of 1" in records[0].getMessage()
+    assert [r.levelno for r in failures] == [logging.ERROR, logging.ERROR]  # two failures, each its own
+    assert failures[0].exc_info is not None and "device lost at call 2" in str(failures[0].exc_info[1])
+    assert "model fake: its engine failed a batch of 1" in failures[0].getMessage()
+    # the same failure batch after batch is logged once; again after a batch that went through
+    assert [e is None for e in repeated] == [True, False, False, True, False]
+    assert [r.levelno for r in records] == [logging.ERROR, logging.DEBUG, logging.ERROR]
 
 
 def sequence_table(max_live: int, dropped: list[object] | None = None) -> OwnedTable[Sequence]:

@@ -36,7 +36,7 @@ from appliance.tasks import LOOP_LAG, arm_failpoints, freeze_start_up, spawn
 from appliance.tls import tls_identity
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.budget_ledger import BudgetLedger
-from appliance.transport.listening import goodbye, open_listeners, remove_files
+from appliance.transport.listening import open_listeners, remove_files, withdraw_announcements
 
 log = logging.getLogger("appliance")
 
@@ -63,7 +63,7 @@ class Daemon:
         self.bound_socket: Path | None = None  # the socket file this daemon made, removed when it ends
         self.tasks: list[asyncio.Task[Any]] = []  # its background tasks while it serves
         self.failed = False  # a task it needs died: it stops and exits EXIT_TASK_FAILED
-        self.opened: dict[str, Listening] = {}  # the listener table's sockets the config turns on (HTTPS, Wyoming)
+        self.listening: dict[str, Listening] = {}  # the listener table's sockets the config turns on (HTTPS, Wyoming)
         self.agent: Agent | None = None  # HAProxy's agent check, from the start of the start
         self.stopped_starting = False  # the stop signal came before anything was served: no drain
 
@@ -116,11 +116,11 @@ class Daemon:
         if sock is None:
             sock = bind_unix_socket(config.server)
             self.bound_socket = config.server.socket
-        starting.unlink(missing_ok=True)
         if config.https.enabled or config.quic.enabled:  # /status and /tls/certificate.pem show who the box is
             self.api.certificate_pem, self.api.tls = tls_identity(config)
-        self.opened = await open_listeners(config, bind)  # announced before they serve, as they have a port
-        opened = {name: listening.sock for name, listening in self.opened.items()}
+        self.listening = await open_listeners(config, bind)  # announced before they serve, as they have a port
+        starting.unlink(missing_ok=True)  # `call health` says "starting" until here (an announcement takes seconds)
+        opened = {name: listening.sock for name, listening in self.listening.items()}
         self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
         label = f"{manifest.name} {manifest.version}"
         await self.listeners.start({"unix": sock, **opened}, quic_sock, workers, label)
@@ -260,7 +260,7 @@ class Daemon:
         api.stopping.set()  # a session only waiting for speech closes now (1001); work under way has the grace
         grace = self.config.server.shutdown_grace_s
         deadline = time.monotonic() + grace
-        goodbyes = asyncio.ensure_future(goodbye(self.opened))  # on the LAN, as it stops accepting
+        goodbyes = asyncio.ensure_future(withdraw_announcements(self.listening))  # as it stops accepting
         await listeners.stop_accepting(grace)
         await goodbyes
         drained = lambda: not (self.in_flight() or listeners.delivering or streaming(self.models.values()))  # noqa: E731
@@ -288,7 +288,7 @@ class Daemon:
     def remove_socket(self) -> None:
         if self.bound_socket is not None:
             self.bound_socket.unlink(missing_ok=True)
-        remove_files(self.opened)
+        remove_files(self.listening)
 
     def _stop_deadline_s(self) -> float:
         if self.api is None or not self.api.started:  # still starting: nothing is served yet, nothing to drain
@@ -306,7 +306,7 @@ async def abandon_start(daemon: Daemon) -> None:
         daemon.listeners.abort()
     if daemon.agent is not None:
         daemon.agent.close()
-    await goodbye(daemon.opened)
+    await withdraw_announcements(daemon.listening)
     daemon.abandoned += await stop_models(daemon.models)
     daemon.remove_socket()  # a failed start leaves nothing a client could mistake for a daemon
 

@@ -65,6 +65,7 @@ class EngineLoop(Generic[W]):
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         # until a work is done, a failure is the warm-up's: the start reports it in one line, no traceback
         self._warmed = False
+        self._failing = ""  # the failure the last batch ended with, if it failed: a repeat is not logged again
 
     def start(self) -> None:
         self._task = spawn(self._run(), f"the engine loop of model {self.policy.model}", self._crashed)
@@ -131,12 +132,15 @@ class EngineLoop(Generic[W]):
                 self._report(finished)
 
     def _report(self, finished: list[tuple[W, BaseException | None]]) -> None:
-        """A failed batch logged once, with the engine's traceback (each request's 500 is one line)."""
+        """A failed batch logged once, with the engine's traceback (each request's 500 is one line); the
+        same failure batch after batch (an engine that stays broken) at debug level after the first."""
         failure = next((e.__cause__ for _, e in finished if e is not None and e.__cause__ is not None), None)
         if failure is None:
             self._warmed = self._warmed or any(e is None for _, e in finished)
+            self._failing = "" if finished else self._failing
             return
-        level = logging.ERROR if self._warmed else logging.DEBUG
+        again, self._failing = self._failing == repr(failure), repr(failure)
+        level = logging.ERROR if self._warmed and not again else logging.DEBUG
         log.log(
             level, "model %s: its engine failed a batch of %d works", self.policy.model, len(finished), exc_info=failure
         )

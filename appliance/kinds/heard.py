@@ -42,7 +42,7 @@ _heard_keys = itertools.count()
 
 
 class Listener(Protocol):
-    """What a recording heard needs of its speech model (live_speech.LiveTranscription)."""
+    """What a recording heard needs of its speech model (SpeechToText)."""
 
     vad: VadModel
     live: Live

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
-from appliance.config import Live, VadConfig
+from appliance.config import VadConfig
 from appliance.engine.sequences import OwnedTable
 from appliance.engine.stats import RequestTimes
 from appliance.errors import ApiError
 from appliance.kinds.base import SequenceCall
-from appliance.kinds.heard import Heard, consume_error, drop
+from appliance.kinds.heard import Heard, Listener, consume_error, drop
 from appliance.kinds.segments import SegmentTracker
 from appliance.kinds.speech_api import SAMPLE_RATE, LiveChunk, Options, Segment, merged
 from appliance.kinds.speech_languages import told_by_turns
@@ -68,20 +67,11 @@ class LiveStream:
         return None if task.cancelled() or task.exception() else " ".join(s.text for s in task.result())
 
 
-class SpeechDecoding(ShardDecoder, Protocol):
-    """What the live streams need of their speech model (SpeechToText)."""
-
-    live: Live
-    vad: VadModel
-    clock: Callable[[], float]
+class SpeechDecoding(ShardDecoder, Listener, Protocol):
+    """What the live streams need of their speech model (SpeechToText): its shards decoded, and what a
+    recording heard as it arrives needs of it."""
 
     def check(self, options: Options) -> None: ...
-
-    def transcribe(
-        self, samples: np.ndarray, options: Options, times: RequestTimes | None = None
-    ) -> AsyncGenerator[Segment, None]:
-        """A recording's segments (Heard's transcription)."""
-        ...
 
 
 class LiveTranscription:

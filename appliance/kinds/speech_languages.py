@@ -22,7 +22,6 @@ import numpy as np
 from appliance.engine.speech_engine import SpeechEngine
 from appliance.engine.stats import RequestTimes
 from appliance.errors import BadRequest
-from appliance.firmware import ModelSpec
 from appliance.kinds.interpret_routes import target_of
 from appliance.kinds.speech_api import SAMPLE_RATE, Options, Segment
 from appliance.kinds.speech_shards import ShardDecoder, ShardPlan, Span
@@ -35,7 +34,6 @@ SHORT_TURN_S = 1.0
 class LanguageDecoding(ShardDecoder, Protocol):
     """What the segments' languages need of their speech model (SpeechToText)."""
 
-    spec: ModelSpec
     engine: SpeechEngine
 
     @property

@@ -174,7 +174,7 @@ class H3Protocol(QuicConnectionProtocol):
                 if stream_id not in self._incoming:
                     self._incoming[stream_id] = self._start(event)
                     if is_websocket_connect(event.headers):  # its request is whole: what follows is the WebSocket's
-                        self.websockets.opened(stream_id)
+                        self.websockets.register(stream_id)
                         self._complete(stream_id)
                         return
             elif (assembler := self._incoming[stream_id]) is not None:
@@ -260,7 +260,7 @@ class H3Protocol(QuicConnectionProtocol):
     async def _serve(self, stream_id: int, request: Request) -> None:
         try:
             response = await self.server.api.handle(request)
-            if self.websockets.open(stream_id, response, self._terminated):
+            if self.websockets.answer(stream_id, response, self._terminated):
                 return
             if response.opened is not None and self.peer:
                 self.server.owners.record(self.peer, response.opened)

@@ -150,7 +150,7 @@ class WebSocketStreams:
         self._server, self._answers, self._http, self._reset, self._transmit = server, answers, http, reset, transmit
         self.streams: dict[int, H3WebSocket] = {}  # streams an extended CONNECT opened
 
-    def opened(self, stream_id: int) -> None:
+    def register(self, stream_id: int) -> None:
         """An extended CONNECT's request is whole: what follows on its stream is the WebSocket's."""
         answers, server = self._answers, self._server
         self.streams[stream_id] = H3WebSocket(
@@ -176,7 +176,7 @@ class WebSocketStreams:
             if (websocket := self.streams.pop(websocket_id, None)) is not None:
                 websocket.lost()
 
-    def open(self, stream_id: int, response: Response, ended: bool) -> bool:
+    def answer(self, stream_id: int, response: Response, ended: bool) -> bool:
         """The API's answer to an extended CONNECT where `stream_id` is one: a 200 and its session, or
         its refusal (the stream ends); False where it is not a WebSocket's."""
         if (websocket := self.streams.get(stream_id)) is None:

@@ -130,7 +130,8 @@ class Http1Server:
         return sum(1 for c in self.connections if c.transport is not None and unsent(c.transport))
 
     def check_timeouts(self, now: float) -> None:
-        """Each connection's head, body, keep-alive and write deadlines, at `now` on the server's clock."""
+        """Each connection's head, body, keep-alive and write deadlines, at `now` on the server's clock, and
+        whether a client that half-closed has closed since (the Unix socket's kernel tells)."""
         for connection in list(self.connections):
             connection.check_timeouts(now)
 

@@ -12,7 +12,6 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from appliance.api import wyoming
 from appliance.config import Config
 from appliance.networks import Bind, Listening
 from appliance.transport.h3_server import H3Server
@@ -36,9 +35,17 @@ TRANSPORTS: dict[str, Transport] = {
     "https": Transport(HttpsServer.serve, open=open_https),  # the same over TLS on TCP, for the LAN
     "quic": Transport(H3Server.serve),  # HTTP/3 and its WebSockets, for the LAN
     # Home Assistant's, beside the API socket; and the same for the LAN (wyoming.allow)
-    "wyoming": Transport(WyomingServer.serve_unix, in_engine=True, open=wyoming.open_unix),
-    "wyoming-tcp": Transport(WyomingServer.serve_tcp, in_engine=True, open=wyoming.open_tcp),
+    "wyoming": Transport(WyomingServer.serve_unix, in_engine=True, open=lambda c, b: _open_wyoming("unix", c, b)),
+    "wyoming-tcp": Transport(WyomingServer.serve_tcp, in_engine=True, open=lambda c, b: _open_wyoming("tcp", c, b)),
 }
+
+
+async def _open_wyoming(kind: str, config: Config, bind: Bind) -> Listening | None:
+    """Wyoming's sockets and announcement: imported where they are opened, the engine process (a protocol
+    worker loads no zeroconf)."""
+    from appliance.api.wyoming import open_tcp, open_unix
+
+    return await (open_unix if kind == "unix" else open_tcp)(config, bind)
 
 
 async def open_listeners(config: Config, bind: Bind) -> dict[str, Listening]:
@@ -52,14 +59,14 @@ async def open_listeners(config: Config, bind: Bind) -> dict[str, Listening]:
     except BaseException:
         for listening in opened.values():
             listening.sock.close()
-        await goodbye(opened)
+        await withdraw_announcements(opened)
         remove_files(opened)
         raise
     return opened
 
 
-async def goodbye(opened: dict[str, Listening]) -> None:
-    """Their announcements withdrawn on the LAN (as the daemon stops accepting)."""
+async def withdraw_announcements(opened: dict[str, Listening]) -> None:
+    """Their announcements withdrawn on the LAN, zeroconf's goodbye (as the daemon stops accepting)."""
     await asyncio.gather(*(listening.goodbye() for listening in opened.values() if listening.goodbye is not None))
 
 

@@ -221,8 +221,8 @@ class WyomingServer:
         self.sessions = sessions
         self.connections: set[asyncio.StreamWriter] = set()  # the refused, lingering, too: close_all ends them
         self.server: asyncio.Server | None = None
-        # as HTTP/1.1's: each pump's deadlines asked at once, and a half-closed client's close seen
-        self._timeouts = spawn(checking_timeouts(self, serving.clock), "the Wyoming timeouts", serving.on_failure)
+        self._serving = serving
+        self._timeouts: asyncio.Task[None] | None = None
 
     @classmethod
     async def serve_unix(cls, serving: Serving, sock: socket.socket) -> WyomingServer:
@@ -248,6 +248,11 @@ class WyomingServer:
 
     def tracked(self, serve: Serve) -> Serve:
         async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if self._timeouts is None:  # as HTTP/1.1's: each pump asks its clock, a half-closed client's close seen
+                serving = self._serving
+                self._timeouts = spawn(
+                    checking_timeouts(self, serving.clock), "the Wyoming timeouts", serving.on_failure
+                )
             self.connections.add(writer)
             try:
                 await serve(reader, writer)
@@ -276,7 +281,8 @@ class WyomingServer:
             self.server.close()
 
     def close_all(self) -> None:
-        self._timeouts.cancel()
+        if self._timeouts is not None:
+            self._timeouts.cancel()
         for writer in list(self.connections):
             writer.transport.abort()
 
