@@ -56,7 +56,7 @@ lint: venv
 bench: firmware firmware-default $(VOICE_BUNDLE)/manifest.json
 	$(APPLIANCE) bench --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
 	$(APPLIANCE) bench --bundle $(VOICE_BUNDLE) --trusted-keys $(TRUSTED) --part transcription
-	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices,wake,diarization
+	$(APPLIANCE) bench --bundle $(BUNDLE) --trusted-keys $(TRUSTED) --part live,speech,voices,wake,diarization,loop
 	$(PY) tests/bench_fleet.py --bundle $(DEFAULT_BUNDLE) --trusted-keys $(TRUSTED)
 
 # Debian packages: only asks apt when one is missing, so a warm machine skips the network.

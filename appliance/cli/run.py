@@ -26,6 +26,7 @@ BENCH_PARTS = {
     "workers": {"vad"},
     "https": {"vad"},
     "hostile": {"vad"},
+    "loop": {"language_identification"},
     "transcription": {"speech_to_text"},
     "live": {"speech_to_text"},
     "speech": {"speech_synthesis", "text_translation", "speech_pipeline"},
@@ -78,7 +79,19 @@ Part = tuple[str, Callable[[Path], Any], Callable[[Any], list[str]]]
 
 def _measured_parts(args: argparse.Namespace) -> dict[str, Part]:
     """Each part after the VAD's: its title, its measurement in a work directory, its report."""
-    from appliance.bench import diarization, hostile, https, live, memory, speech, transcription, voices, wake, workers
+    from appliance.bench import (
+        diarization,
+        hostile,
+        https,
+        live,
+        loop,
+        memory,
+        speech,
+        transcription,
+        voices,
+        wake,
+        workers,
+    )
     from appliance.config import EngineConfig
 
     bundle, trusted, seconds, threads = args.bundle, args.trusted_keys, args.seconds, EngineConfig().threads
@@ -97,6 +110,11 @@ def _measured_parts(args: argparse.Namespace) -> dict[str, Part]:
             "good clients under attack",
             lambda tmp: hostile.hostile_bench(bundle, trusted, tmp, max(3.0, seconds)),
             hostile.report,
+        ),
+        "loop": (
+            "the event loop kept free",
+            lambda tmp: loop.loop_bench(bundle, trusted, tmp, max(3.0, seconds)),
+            loop.report,
         ),
         "transcription": (
             "speech to text",
