@@ -120,10 +120,10 @@ class Daemon:
             self.api.certificate_pem, self.api.tls = tls_identity(config)
         self.listening = await open_listeners(config, bind)  # announced before they serve, as they have a port
         starting.unlink(missing_ok=True)  # `call health` says "starting" until here (an announcement takes seconds)
-        opened = {name: listening.sock for name, listening in self.listening.items()}
+        sockets = {name: listening.sock for name, listening in self.listening.items()}
         self.listeners = Listeners(self.api, self.live, self.config_paths, self._fail)
         label = f"{manifest.name} {manifest.version}"
-        await self.listeners.start({"unix": sock, **opened}, quic_sock, workers, label)
+        await self.listeners.start({"unix": sock, **sockets}, quic_sock, workers, label)
         freeze_start_up()
         self.api.ready = True
         where = str(sock.getsockname() or config.server.socket)

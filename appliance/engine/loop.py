@@ -136,8 +136,8 @@ class EngineLoop(Generic[W]):
         same failure batch after batch (an engine that stays broken) at debug level after the first."""
         failure = next((e.__cause__ for _, e in finished if e is not None and e.__cause__ is not None), None)
         if failure is None:
-            self._warmed = self._warmed or any(e is None for _, e in finished)
-            self._failing = "" if finished else self._failing
+            if any(e is None for _, e in finished):  # a work done: the engine serves (again)
+                self._warmed, self._failing = True, ""
             return
         again, self._failing = self._failing == repr(failure), repr(failure)
         level = logging.ERROR if self._warmed and not again else logging.DEBUG

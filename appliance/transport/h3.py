@@ -75,7 +75,9 @@ class H3Protocol(QuicConnectionProtocol):
         self.answers = StreamAnswers(
             self._quic, lambda: self._http, self.transmit, lambda: self._terminated, self.created
         )
-        self.websockets = WebSocketStreams(server, self.answers, lambda: self._http, self._reset_stream, self.transmit)
+        self.websockets = WebSocketStreams(
+            server, self.answers, lambda: self._http, self._reset_stream, self.transmit, lambda: self._terminated
+        )
         if server.client_certificates is not None:
             server.client_certificates.require(self._quic)
         if len(server.connections) >= server.config.max_connections:
@@ -260,7 +262,7 @@ class H3Protocol(QuicConnectionProtocol):
     async def _serve(self, stream_id: int, request: Request) -> None:
         try:
             response = await self.server.api.handle(request)
-            if self.websockets.answer(stream_id, response, self._terminated):
+            if self.websockets.answer(stream_id, response):
                 return
             if response.opened is not None and self.peer:
                 self.server.owners.record(self.peer, response.opened)

@@ -146,8 +146,10 @@ class WebSocketStreams:
         http: Callable[[], BoundedH3Connection | None],
         reset: Callable[[int], None],
         transmit: Callable[[], None],
+        ended: Callable[[], bool],
     ) -> None:
         self._server, self._answers, self._http, self._reset, self._transmit = server, answers, http, reset, transmit
+        self._ended = ended
         self.streams: dict[int, H3WebSocket] = {}  # streams an extended CONNECT opened
 
     def register(self, stream_id: int) -> None:
@@ -176,13 +178,13 @@ class WebSocketStreams:
             if (websocket := self.streams.pop(websocket_id, None)) is not None:
                 websocket.lost()
 
-    def answer(self, stream_id: int, response: Response, ended: bool) -> bool:
+    def answer(self, stream_id: int, response: Response) -> bool:
         """The API's answer to an extended CONNECT where `stream_id` is one: a 200 and its session, or
         its refusal (the stream ends); False where it is not a WebSocket's."""
         if (websocket := self.streams.get(stream_id)) is None:
             return False
         http = self._http()
-        if response.session is None or http is None or ended:
+        if response.session is None or http is None or self._ended():
             del self.streams[stream_id]
             self._answers.respond(stream_id, response)
             return True

@@ -51,28 +51,28 @@ async def _open_wyoming(kind: str, config: Config, bind: Bind) -> Listening | No
 async def open_listeners(config: Config, bind: Bind) -> dict[str, Listening]:
     """The sockets of the table's entries that the config turns on, by name; where one cannot be made,
     those made are undone and the start fails."""
-    opened: dict[str, Listening] = {}
+    made: dict[str, Listening] = {}
     try:
         for name, transport in TRANSPORTS.items():
             if transport.open is not None and (listening := await transport.open(config, bind)) is not None:
-                opened[name] = listening
+                made[name] = listening
     except BaseException:
-        for listening in opened.values():
+        for listening in made.values():
             listening.sock.close()
-        await withdraw_announcements(opened)
-        remove_files(opened)
+        await withdraw_announcements(made)
+        remove_files(made)
         raise
-    return opened
+    return made
 
 
-async def withdraw_announcements(opened: dict[str, Listening]) -> None:
+async def withdraw_announcements(made: dict[str, Listening]) -> None:
     """Their announcements withdrawn on the LAN, zeroconf's goodbye (as the daemon stops accepting)."""
-    await asyncio.gather(*(listening.goodbye() for listening in opened.values() if listening.goodbye is not None))
+    await asyncio.gather(*(listening.goodbye() for listening in made.values() if listening.goodbye is not None))
 
 
-def remove_files(opened: dict[str, Listening]) -> None:
+def remove_files(made: dict[str, Listening]) -> None:
     """Their socket files removed (the daemon ends)."""
-    for listening in opened.values():
+    for listening in made.values():
         if listening.path is not None:
             listening.path.unlink(missing_ok=True)
 
