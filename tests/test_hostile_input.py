@@ -13,6 +13,7 @@ import io
 import json
 import math
 import tracemalloc
+import unittest.mock
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,9 @@ from appliance.audio import decode_audio, encode_wav
 from appliance.client import Call, Client
 from appliance.client.http import encode_request
 from appliance.config import ServerConfig
-from appliance.errors import ApiError
+from appliance.errors import ApiError, BadRequest
+from appliance.protocol import json_reader
+from appliance.protocol.json_reader import JsonReader
 from appliance.protocol.tensors import NUMPY_TYPES, decode_infer
 from appliance.transport.assembler import Rejection, RequestAssembler
 
@@ -183,7 +186,7 @@ def test_sequence_ids_are_int64_or_uint64_integers_or_short_strings(sequence_id:
 # machine they take about 85 s: 45,000 tensor bodies in 44 s, 20,000 audio files in 18 s and 35,000
 # assembled requests in 23 s (measured with the assembler's Content-Length crash caught).
 FUZZ_EXAMPLES = 100_000
-FUZZ_SHARE = {"assembler": 0.35, "tensors": 0.45, "audio": 0.20}
+FUZZ_SHARE = {"assembler": 0.35, "tensors": 0.45, "audio": 0.18, "json": 0.02}
 
 
 def fuzz_settings(decoder: str) -> settings:
@@ -249,11 +252,42 @@ def test_fuzz_request_assembler(feed: dict[str, Any]) -> None:
         assembler.headers_complete(feed["method"])
         for piece in feed["body"]:
             assembler.add_body(piece)
-        request = assembler.request()
+        arrived = assembler.arrived()
     except Rejection as rejection:
         assert 400 <= rejection.response.status < 500, rejection.response.body
     else:
-        assert len(request.body) <= LIMITS.max_body_bytes
+        assert sum(map(len, arrived.pieces)) == arrived.size <= LIMITS.max_body_bytes
+
+
+# The bounded JSON reader, on the body's bytes: it reads what json.loads reads (the judge), strings with
+# quotes and backslashes across its scan's pieces included, and refuses with a 400 what it does not read.
+
+JSON_TEXT = st.text(st.sampled_from(['"', "\\", "a", "é", "😀", "\n", "\x01", "\u2028", " ", ","]), max_size=12)
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | JSON_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(JSON_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@fuzz_settings("json")
+@given(JSON_VALUES, st.booleans(), st.sampled_from([None, 0, 1, 7, 40]), st.integers(0, 255))
+def test_fuzz_json_reader(value: Any, ascii: bool, mutated_at: int | None, byte: int) -> None:
+    body = json.dumps(value, ensure_ascii=ascii).encode()
+    if mutated_at is not None and mutated_at < len(body):
+        body = body[:mutated_at] + bytes([byte]) + body[mutated_at + 1 :]
+    with unittest.mock.patch.object(json_reader, "SCAN_CHARS", 3):  # strings and runs cut across pieces
+        try:
+            got = JsonReader.read(body, tensors=False)
+        except BadRequest as refused:
+            assert_client_error(refused)
+            assert mutated_at is not None or "surrogate" in refused.message, (body, refused.message)
+            return
+    assert got == json.loads(body.decode("utf-8")), body
 
 
 # The tensor decoder: KServe-shaped JSON documents, some fields odd, some bytes mutated; binary tensors.

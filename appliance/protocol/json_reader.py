@@ -2,7 +2,11 @@
 MAX_DEPTH, at most MAX_VALUES values outside flat data lists, and flat lists of numbers kept as text
 (`Flat`) until the tensor's datatype and shape are known, then converted in chunks, so a large
 tensor never becomes a Python object per number. `json.loads` recurses without a bound and builds
-every number as an object, which is what this replaces for infer bodies."""
+every number as an object, which is what this replaces for infer bodies.
+
+It reads the body's bytes, not a decoded copy: decoding 60 MiB as UTF-8 is one call that holds the
+GIL for tens of milliseconds (the event loop's thread waits), and outside strings JSON is ASCII, so
+only each string is decoded (which is where a body that is not UTF-8 is found)."""
 
 from __future__ import annotations
 
@@ -21,13 +25,15 @@ CHUNK_CHARS = 1 << 18  # flat data is converted this many characters at a time (
 SCAN_CHARS = 1 << 20  # a long body is scanned this many characters at a time (see _match_end)
 
 
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+_WHITESPACE = re.compile(rb"[ \t\n\r]*")
+_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 # What a list of only numbers, or only booleans, can hold between its brackets. One character class
 # repeated: the regex engine keeps no state per character, however long the list.
-_NUMBER_CHARS = re.compile(r"[-+.eE0-9, \t\n\r]*")
-_BOOLEAN_CHARS = re.compile(r"[truefals, \t\n\r]*")
-_LITERALS = (("true", True), ("false", False), ("null", None))
+_NUMBER_CHARS = re.compile(rb"[-+.eE0-9, \t\n\r]*")
+_BOOLEAN_CHARS = re.compile(rb"[truefals, \t\n\r]*")
+# What a string holds between its quotes: anything but a quote or a backslash, and escapes.
+_STRING_CHARS = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
+_LITERALS = ((b"true", True), (b"false", False), (b"null", None))
 # What the reader is inside, so that only an input's `data` is kept as text.
 _DOCUMENT, _INPUTS, _INPUT, _DATA, _OTHER = range(5)
 
@@ -38,10 +44,10 @@ class BeyondBounds(BadRequest):
 
 @dataclass(frozen=True, slots=True)
 class Flat:
-    """A JSON list of only numbers or only booleans, kept as its text between the brackets until
+    """A JSON list of only numbers or only booleans, kept as its bytes between the brackets until
     its datatype is known; `chunks` checks it as JSON and gives its values a bounded list at a time."""
 
-    text: str
+    text: bytes
     start: int
     end: int
     booleans: bool
@@ -52,10 +58,10 @@ class Flat:
             return 0
         # a piece at a time, as _match_end scans: str.count holds the GIL through one call
         pieces = range(self.start, self.end, SCAN_CHARS)
-        return sum(self.text.count(",", at, min(at + SCAN_CHARS, self.end)) for at in pieces) + 1
+        return sum(self.text.count(b",", at, min(at + SCAN_CHARS, self.end)) for at in pieces) + 1
 
     def has_fractions(self) -> bool:
-        return any(self.text.find(c, self.start, self.end) >= 0 for c in ".eE")
+        return any(self.text.find(c, self.start, self.end) >= 0 for c in (b".", b"e", b"E"))
 
     def chunks(self) -> Iterator[list[Any]]:
         """Lists of at most about CHUNK_CHARS characters of values each; ValueError where not JSON."""
@@ -63,13 +69,13 @@ class Flat:
             return
         start = self.start
         while True:
-            cut = self.text.find(",", min(start + CHUNK_CHARS, self.end), self.end)
+            cut = self.text.find(b",", min(start + CHUNK_CHARS, self.end), self.end)
             piece = self.text[start : self.end if cut < 0 else cut]
             try:  # only number (or only boolean) characters: only numbers (or only booleans) come back
-                values = json.loads(f"[{piece}]")
+                values = json.loads(b"[" + piece + b"]")
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{exc.msg} at character {start + exc.pos - 1}") from None
-            if len(values) != piece.count(",") + 1:
+                raise ValueError(f"{exc.msg} at byte {start + exc.pos - 1}") from None
+            if len(values) != piece.count(b",") + 1:
                 raise ValueError(f"a value missing between commas after character {start}")
             yield values
             if cut < 0:
@@ -78,13 +84,14 @@ class Flat:
 
 
 class JsonReader:
-    """JSON text -> Python values, as `json.loads` gives them but bounded: at most MAX_DEPTH lists and
+    """JSON bytes -> Python values, as `json.loads` gives them but bounded: at most MAX_DEPTH lists and
     objects inside each other (a 400, never a RecursionError) and MAX_VALUES values, flat lists aside.
     An input's `data` list of only numbers or only booleans comes back as a `Flat`; other flat lists
-    are parsed whole by `json.loads`, their values counted; strings are read by the json module."""
+    are parsed whole by `json.loads`, their values counted; each string is decoded and read by the json
+    module."""
 
     def __init__(
-        self, text: str, max_values: int = MAX_VALUES, tensors: bool = True, name: str = "request body"
+        self, text: bytes, max_values: int = MAX_VALUES, tensors: bool = True, name: str = "request body"
     ) -> None:
         self.text, self.max_values, self.tensors, self.name = text, max_values, tensors, name
         self.values = 0
@@ -94,11 +101,7 @@ class JsonReader:
     def read(cls, body: bytes, tensors: bool = True, max_values: int = MAX_VALUES, name: str = "request body") -> Any:
         """`tensors`: an infer body, whose inputs' `data` lists come back as `Flat`; else plain JSON.
         `name`: what the errors call the document."""
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BadRequest(f"{name} is not valid JSON: not UTF-8 at byte {exc.start}") from None
-        reader = cls(text.removeprefix("\ufeff"), max_values, tensors, name)
+        reader = cls(body.removeprefix(b"\xef\xbb\xbf"), max_values, tensors, name)
         value, end = reader._value(reader._skip(0), 0, _DOCUMENT if tensors else _OTHER)
         end = reader._skip(end)
         if end != len(reader.text):
@@ -108,11 +111,11 @@ class JsonReader:
     def _value(self, pos: int, depth: int, mode: int) -> tuple[Any, int]:
         self._count(1)
         text = self.text
-        if text.startswith("{", pos):
+        if text.startswith(b"{", pos):
             return self._object(pos, depth + 1, mode)
-        if text.startswith("[", pos):
+        if text.startswith(b"[", pos):
             return self._array(pos, depth + 1, mode)
-        if text.startswith('"', pos):
+        if text.startswith(b'"', pos):
             return self._string(pos)
         for word, value in _LITERALS:
             if text.startswith(word, pos):
@@ -122,7 +125,7 @@ class JsonReader:
             raise self._invalid(pos, "expected a value")
         raw = number.group()
         try:
-            return (float(raw) if any(c in raw for c in ".eE") else int(raw)), number.end()
+            return (float(raw) if raw.strip(b"-0123456789") else int(raw)), number.end()
         except ValueError:
             raise self._invalid(pos, "a number with too many digits") from None
 
@@ -130,15 +133,15 @@ class JsonReader:
         self._check_depth(depth)
         result: dict[str, Any] = {}
         pos = self._skip(pos + 1)
-        if self.text.startswith("}", pos):
+        if self.text.startswith(b"}", pos):
             return result, pos + 1
         while True:
-            if not self.text.startswith('"', pos):
+            if not self.text.startswith(b'"', pos):
                 raise self._invalid(pos, "expected a string key")
             self._count(1)
             key, pos = self._string(pos)
             pos = self._skip(pos)
-            if not self.text.startswith(":", pos):
+            if not self.text.startswith(b":", pos):
                 raise self._invalid(pos, "expected ':'")
             inner = (
                 _INPUTS
@@ -149,9 +152,9 @@ class JsonReader:
             )
             result[key], pos = self._value(self._skip(pos + 1), depth, inner)
             pos = self._skip(pos)
-            if self.text.startswith(",", pos):
+            if self.text.startswith(b",", pos):
                 pos = self._skip(pos + 1)
-            elif self.text.startswith("}", pos):
+            elif self.text.startswith(b"}", pos):
                 return result, pos + 1
             else:
                 raise self._invalid(pos, "expected ',' or '}'")
@@ -174,9 +177,9 @@ class JsonReader:
             item, pos = self._value(pos, depth, inner)
             items.append(item)
             pos = self._skip(pos)
-            if self.text.startswith(",", pos):
+            if self.text.startswith(b",", pos):
                 pos = self._skip(pos + 1)
-            elif self.text.startswith("]", pos):
+            elif self.text.startswith(b"]", pos):
                 return items, pos + 1
             else:
                 raise self._invalid(pos, "expected ',' or ']'")
@@ -185,15 +188,24 @@ class JsonReader:
         """The list at `pos` as a `Flat` when it holds only number (or only boolean) characters."""
         for chars, booleans in ((_NUMBER_CHARS, False), (_BOOLEAN_CHARS, True)):
             end = _match_end(chars, self.text, pos + 1)
-            if self.text.startswith("]", end):
+            if self.text.startswith(b"]", end):
                 return Flat(self.text, pos + 1, end, booleans)
         return None
 
     def _string(self, pos: int) -> tuple[str, int]:
+        end = _string_end(self.text, pos)
+        if end < 0:
+            raise self._invalid(pos, "a string without its closing quote")
         try:
-            value, end = self._decoder.raw_decode(self.text, pos)
+            quoted = self.text[pos:end].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"{self.name} is not valid JSON: not UTF-8 at byte {pos + exc.start}") from None
+        try:
+            value, read = self._decoder.raw_decode(quoted)
         except ValueError:
             raise self._invalid(pos, "a malformed string") from None
+        if read != len(quoted):
+            raise self._invalid(pos, "a malformed string")
         if not value.isascii():
             try:
                 value.encode()
@@ -217,7 +229,7 @@ class JsonReader:
             raise BeyondBounds(f"{self.name} nests lists and objects more than {MAX_DEPTH} deep")
 
     def _invalid(self, pos: int, what: str) -> BadRequest:
-        return BadRequest(f"{self.name} is not valid JSON: {what} at character {pos}")
+        return BadRequest(f"{self.name} is not valid JSON: {what} at byte {pos}")
 
 
 def read_json(body: bytes, tensors: bool = True, name: str = "request body") -> Any:
@@ -251,7 +263,20 @@ def _nested_beyond(doc: Any, depth: int) -> bool:
     return False
 
 
-def _match_end(pattern: re.Pattern[str], text: str, pos: int) -> int:
+def _string_end(text: bytes, pos: int) -> int:
+    """Just past the quote that closes the string opening at `pos` (-1 where none does). Scanned a
+    piece at a time (_match_end); a piece that ends inside an escape stops before its backslash,
+    and the scan goes on from there."""
+    end = pos + 1
+    while True:
+        start, end = end, _match_end(_STRING_CHARS, text, end)
+        if text.startswith(b'"', end):
+            return end + 1
+        if end == start or end >= len(text):  # a backslash that ends the body, or nothing more matched
+            return -1
+
+
+def _match_end(pattern: re.Pattern[bytes], text: bytes, pos: int) -> int:
     """Where a pattern that may match nothing (one character class, repeated) stops matching from
     `pos`. A long run is matched a piece at a time: `re` holds the GIL through one match, and a reader
     on a worker thread must let the event loop's thread run between pieces of a 60 MB body."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from appliance.config import ServerConfig
 from appliance.errors import ApiError
@@ -14,6 +15,17 @@ from appliance.protocol.encoding import IDENTITY, BodyDecoder, DecodedTooLarge
 from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Request, error_response
 from appliance.transport.budget_ledger import BudgetLedger
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    """A request as it arrived: `head` is the Request but its body (what a transport decides by:
+    method, target, headers), `pieces` the body as received, `size` bytes of them held in the budget
+    until its answer is made."""
+
+    head: Request
+    pieces: tuple[bytes, ...] = ()
+    size: int = 0
 
 
 class Rejection(Exception):
@@ -161,16 +173,17 @@ class RequestAssembler:
         self.body_bytes += len(piece)
         self._body.append(piece)
 
-    def request(self) -> Request:
+    def arrived(self) -> Arrived:
+        """The request, whole; its body is joined where it is answered (answering.answer)."""
         if self._decoder is not None:
             try:
                 self._decoder.finish()
             except ApiError as exc:
                 raise Rejection(exc.status, exc.message) from None
-        body = b"".join(self._body)
-        return Request(
-            self.method, self.target, self._headers, body, self.peer, self.client, self.operator, self.listener
+        head = Request(
+            self.method, self.target, self._headers, b"", self.peer, self.client, self.operator, self.listener
         )
+        return Arrived(head, tuple(self._body), self.body_bytes)
 
     def quiet_since(self, moment: float) -> bool:
         return self.last_heard < moment

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aioquic.asyncio import QuicConnectionProtocol
@@ -34,9 +35,9 @@ from aioquic.quic.packet import QuicErrorCode, QuicFrameType
 from cryptography.hazmat.primitives import hashes
 
 from appliance.protocol.flow import SendWindow, send_stream
-from appliance.protocol.messages import Request
 from appliance.tasks import spawn
-from appliance.transport.assembler import LIMITS_BITTEN, Rejection, RequestAssembler, limit_bit
+from appliance.transport.answering import answer
+from appliance.transport.assembler import LIMITS_BITTEN, Arrived, Rejection, RequestAssembler, limit_bit
 from appliance.transport.conncache import peer_name
 from appliance.transport.h3_answers import StreamAnswers
 from appliance.transport.h3_bounds import BoundedH3Connection, HeadersRefused
@@ -67,9 +68,10 @@ class H3Protocol(QuicConnectionProtocol):
         self.handshake_done = False
         self.operator = False  # its certificate is one the operator CA signed (known once the handshake is done)
         self.created = server.clock()
-        self._waiting_for_handshake: list[tuple[int, Request]] = []
+        self._waiting_for_handshake: list[tuple[int, Arrived]] = []
         self.in_flight = 0
         self._serving: dict[int, asyncio.Task[None]] = {}  # request streams being answered
+        self._started: set[int] = set()  # of those, the ones whose task began (see _served)
         self.peer, self._addr = "", None
         self._terminated = False
         self.answers = StreamAnswers(
@@ -128,7 +130,7 @@ class H3Protocol(QuicConnectionProtocol):
         self.websockets.gone(None)
         self.server.connections.discard(self)
         held = sum(a.body_bytes for a in self._incoming.values() if a is not None)
-        self.server.budget.give(held + sum(len(r.body) for _, r in self._waiting_for_handshake))
+        self.server.budget.give(held + sum(arrived.size for _, arrived in self._waiting_for_handshake))
         self._incoming.clear()
         self._waiting_for_handshake.clear()
 
@@ -143,8 +145,8 @@ class H3Protocol(QuicConnectionProtocol):
                 context = self._quic.tls
                 self.operator = certificates.is_operator(context._peer_certificate, context._peer_certificate_chain)
             waiting, self._waiting_for_handshake = self._waiting_for_handshake, []
-            for stream_id, request in waiting:
-                self._dispatch(stream_id, request)
+            for stream_id, arrived in waiting:
+                self._dispatch(stream_id, arrived)
         elif isinstance(event, (StreamReset, StopSendingReceived)):
             if (serving := self._serving.get(event.stream_id)) is not None:
                 serving.cancel()  # the client gave up on this request: stop working for it
@@ -232,23 +234,34 @@ class H3Protocol(QuicConnectionProtocol):
         if assembler is None:
             return
         try:
-            request = assembler.request()
+            arrived = assembler.arrived()
         except Rejection as rejection:  # a compressed body that ends before its end
             self.server.budget.give(assembler.body_bytes)
             self.answers.respond(stream_id, rejection.response)
             return
-        if not self.handshake_done and (request.method not in SAFE_TO_REPLAY or self.server.client_certificates):
-            self._waiting_for_handshake.append((stream_id, request))  # RFC 8470: no replayable side effects
+        method = arrived.head.method
+        if not self.handshake_done and (method not in SAFE_TO_REPLAY or self.server.client_certificates):
+            self._waiting_for_handshake.append((stream_id, arrived))  # RFC 8470: no replayable side effects
         else:
-            self._dispatch(stream_id, request)
+            self._dispatch(stream_id, arrived)
 
-    def _dispatch(self, stream_id: int, request: Request) -> None:
+    def _dispatch(self, stream_id: int, arrived: Arrived) -> None:
         self.in_flight += 1
-        request = dataclasses.replace(request, client=self._client(), operator=self.operator)
+        head = dataclasses.replace(arrived.head, client=self._client(), operator=self.operator)
+        arrived = dataclasses.replace(arrived, head=head)
         task = self._serving[stream_id] = spawn(
-            self._serve(stream_id, request), f"HTTP/3 stream {stream_id} of {self.peer}"
+            self._serve(stream_id, arrived), f"HTTP/3 stream {stream_id} of {self.peer}"
         )
-        task.add_done_callback(lambda _: self._serving.pop(stream_id, None))
+        task.add_done_callback(lambda _: self._served(stream_id, arrived))
+
+    def _served(self, stream_id: int, arrived: Arrived) -> None:
+        """A stream's task is done. One cancelled before it began (the connection ended in the same
+        events as the request) ran none of its own cleanup: its body is given back here."""
+        self._serving.pop(stream_id, None)
+        self.in_flight -= 1
+        if stream_id not in self._started:
+            self.server.budget.give(arrived.size)
+        self._started.discard(stream_id)
 
     def _client(self) -> str:
         """Who this connection is (Request.client): its verified certificate where mutual TLS is on (client_ca;
@@ -259,14 +272,14 @@ class H3Protocol(QuicConnectionProtocol):
             return f"cert:{certificate.fingerprint(hashes.SHA256()).hex()[:32]}"
         return f"quic:{self._quic.original_destination_connection_id.hex()}"
 
-    async def _serve(self, stream_id: int, request: Request) -> None:
+    async def _serve(self, stream_id: int, arrived: Arrived) -> None:
+        self._started.add(stream_id)
         try:
-            response = await self.server.api.handle(request)
+            response = await answer(self.server, arrived, partial(self.server.opened, self.peer))
             if self.websockets.answer(stream_id, response):
                 return
-            if response.opened is not None and self.peer:
-                self.server.owners.record(self.peer, response.opened)
-            if self.answers.respond(stream_id, response, request.method == "HEAD") and response.stream is not None:
+            head_only = arrived.head.method == "HEAD"
+            if self.answers.respond(stream_id, response, head_only) and response.stream is not None:
                 window = self.answers.windows[stream_id] = SendWindow(self.server.limits.stream_window_bytes)
 
                 async def send(piece: bytes) -> int | None:  # held: what the peer has not acknowledged
@@ -278,8 +291,6 @@ class H3Protocol(QuicConnectionProtocol):
         finally:
             if (held := self.answers.windows.pop(stream_id, None)) is not None:
                 held.close()
-            self.in_flight -= 1
-            self.server.budget.give(len(request.body))
 
     def transmit(self) -> None:
         """Send what is due; the answers and WebSockets that wait for their peer learn what it took."""

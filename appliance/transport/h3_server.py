@@ -130,6 +130,11 @@ class H3Server:
     def peers_held(self) -> set[str]:  # peers with an open connection
         return {c.peer for c in self.connections if c.peer}
 
+    def opened(self, peer: str, opened: Opened) -> None:
+        """A request of `peer` opened a sequence: ended when the peer is gone (sweep_connection_cache)."""
+        if peer:
+            self.owners.record(peer, opened)
+
     def close_peer(self, peer: str, reason: str) -> list[Opened]:
         """Close a vanished peer's connections; the sequences it opened, for the API to end."""
         for connection in [c for c in self.connections if c.peer == peer]:

@@ -23,17 +23,19 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import httptools
 
 from appliance.config import Live, ServerConfig
 from appliance.protocol.flow import SendWindow, WriteProgress, peer_closed, send_stream, unsent
-from appliance.protocol.messages import Close, Handler, Opened, Request, Response
+from appliance.protocol.messages import Close, Handler, Opened, Response
 from appliance.protocol.proxied import Address
 from appliance.protocol.unix_peer import unix_peer
 from appliance.tasks import spawn
-from appliance.transport.assembler import BodyBudget, Rejection, RequestAssembler
+from appliance.transport.answering import answer
+from appliance.transport.assembler import Arrived, BodyBudget, Rejection, RequestAssembler
 from appliance.transport.connection_bounds import admission_refusal, linger
 from appliance.transport.http1_upgrade import WebSocketUpgrade, encode_response
 from appliance.transport.serving import Serving, checking_timeouts
@@ -150,7 +152,7 @@ class HttpConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         # in order: requests to serve, and at most one last answer (a rejection) before closing
-        self.queue: deque[tuple[Request | Response, bool]] = deque()
+        self.queue: deque[tuple[Arrived | Response, bool]] = deque()
         self.busy = False
         self._assembler: RequestAssembler | None = None  # a request under way (begun, not complete)
         self.client = self.peer = ""
@@ -194,7 +196,7 @@ class HttpConnection(asyncio.Protocol):
             self._serving.cancel()  # the client is gone: nobody reads the answer (its shards leave the queues)
         self.release(self._assembler.body_bytes if self._assembler else 0)
         self._assembler = None
-        self.release(sum(len(r.body) for r, _ in self.queue if isinstance(r, Request)))
+        self.release(sum(entry.size for entry, _ in self.queue if isinstance(entry, Arrived)))
         self.queue.clear()
 
     def pause_writing(self) -> None:
@@ -294,17 +296,17 @@ class HttpConnection(asyncio.Protocol):
         self._step().add_body(body)
 
     def on_message_complete(self) -> None:
-        request = self._step().request()
+        arrived = self._step().arrived()
         self._assembler = None
-        if not (self.parser.should_upgrade() and self.upgrade.requested(request)):
-            self.enqueue(request, self.parser.should_keep_alive())
+        if not (self.parser.should_upgrade() and self.upgrade.requested(arrived)):
+            self.enqueue(arrived, self.parser.should_keep_alive())
 
     def _step(self) -> RequestAssembler:
         assert self._assembler is not None  # httptools calls on_message_begin first
         return self._assembler
 
     # --- serving ---
-    def enqueue(self, entry: Request | Response, keep_alive: bool) -> None:
+    def enqueue(self, entry: Arrived | Response, keep_alive: bool) -> None:
         self.queue.append((entry, keep_alive))
         if not self.busy:
             self.busy = True
@@ -330,17 +332,12 @@ class HttpConnection(asyncio.Protocol):
                 if entry is self.upgrade.request:
                     await self.upgrade.switch(entry)
                     return
-                try:
-                    response = await self.server.api.handle(entry)
-                finally:
-                    self.release(len(entry.body))
-                if response.opened is not None:
-                    self.server.opened(self.client, response.opened)
+                response = await answer(self.server, entry, partial(self.server.opened, self.client))
                 if self.transport.is_closing():
                     return
                 keep_alive = keep_alive and (self.server.api.keep_connections() or bool(self.queue))
                 keep_alive = keep_alive and not (self._half_closed and not self.queue)
-                head_only = entry.method == "HEAD"
+                head_only = entry.head.method == "HEAD"
                 self.transport.write(encode_response(response, keep_alive, self.server.extra_headers(), head_only))
                 if response.stream is not None and not await self._write_chunks(response.stream):
                     return

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from functools import partial
 from http import HTTPStatus
 from typing import Protocol
 
 import httptools
 
 from appliance.config import Live
-from appliance.protocol.messages import Handler, Request, Response, error_response
+from appliance.protocol.messages import Handler, Opened, Request, Response, error_response
+from appliance.transport.answering import answer
+from appliance.transport.assembler import Arrived, BodyBudget
 from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
 
@@ -41,10 +44,13 @@ class UpgradeServer(Protocol):
     """What the Upgrade path needs of the connection's server (http1.Http1Server)."""
 
     api: Handler
+    budget: BodyBudget
     live: Live
     clock: Callable[[], float]
 
     def extra_headers(self) -> Iterable[tuple[str, str]]: ...
+
+    def opened(self, client: str, opened: Opened) -> None: ...
 
 
 class Upgrading(Protocol):
@@ -53,14 +59,13 @@ class Upgrading(Protocol):
     transport: asyncio.Transport | None
     parser: httptools.HttpRequestParser
     writable: asyncio.Event  # clear while the client does not read what it was sent
+    client: str
     websocket: WebSocketPump | None  # after the switch, the connection's protocol
 
     @property
     def server(self) -> UpgradeServer: ...
 
-    def enqueue(self, entry: Request | Response, keep_alive: bool) -> None: ...
-
-    def release(self, count: int) -> None: ...
+    def enqueue(self, entry: Arrived | Response, keep_alive: bool) -> None: ...
 
     def data_received(self, data: bytes) -> None: ...
 
@@ -71,17 +76,18 @@ class WebSocketUpgrade:
 
     def __init__(self, connection: Upgrading) -> None:
         self.connection = connection
-        self.request: Request | None = None  # a WebSocket handshake read, waiting for its turn
+        self.request: Arrived | None = None  # a WebSocket handshake read, waiting for its turn
         self._trailing = b""  # what the client sent after it: the WebSocket's first bytes
         self._replay = b""  # the head of a request whose Upgrade is ignored, to parse again with its body
 
-    def requested(self, request: Request) -> bool:
+    def requested(self, arrived: Arrived) -> bool:
         """A request llhttp read with Upgrade: True where this path took it (a WebSocket handshake,
         queued; or a body to parse again without Upgrade, as llhttp ends the request at its head and
         takes the body for the new protocol), False where it is served as plain HTTP."""
+        request = arrived.head
         if is_upgrade(request.method, request.headers):
-            self.request = request
-            self.connection.enqueue(request, False)
+            self.request = arrived
+            self.connection.enqueue(arrived, False)
             return True
         if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
             self._replay = head_without_upgrade(request)
@@ -110,19 +116,18 @@ class WebSocketUpgrade:
         if rest:
             connection.data_received(rest)
 
-    async def switch(self, request: Request) -> None:
+    async def switch(self, arrived: Arrived) -> None:
         """The WebSocket handshake's turn: the API's session, or its refusal and the connection closes."""
         connection, server = self.connection, self.connection.server
         assert connection.transport is not None
-        key, version = request.headers.get("sec-websocket-key", ""), request.headers.get("sec-websocket-version")
+        headers = arrived.head.headers
+        key, version = headers.get("sec-websocket-key", ""), headers.get("sec-websocket-version")
         if not key or version != "13":
+            server.budget.give(arrived.size)
             response = error_response(400, "a WebSocket handshake needs Sec-WebSocket-Key and Sec-WebSocket-Version 13")
             response.headers.append(("Sec-WebSocket-Version", "13"))
         else:
-            try:
-                response = await server.api.handle(request)
-            finally:
-                connection.release(len(request.body))
+            response = await answer(server, arrived, partial(server.opened, connection.client))
         transport = connection.transport
         if transport.is_closing():
             return
