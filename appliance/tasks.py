@@ -12,6 +12,7 @@ import bisect
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
@@ -43,13 +44,21 @@ def spawn(
 P = ParamSpec("P")
 R = TypeVar("R")
 OFF_LOOP_BYTES = 1 << 20  # work on more than this (a body, an output) leaves the event loop
+# A body parsed into values costs more a byte: KServe's JSON strings 0.3 us (5 ms at this size), its
+# binary BYTES 0.05 us (65,536 texts in 320 KiB: 17 ms on the loop, under OFF_LOOP_BYTES)
+PARSE_OFF_LOOP_BYTES = 16 << 10
 
 
 async def off_loop(size: int, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """`function(*args)` on a thread when it works on `size` bytes past OFF_LOOP_BYTES (JSON of a
     long output, a FLAC encoding), so the loop keeps serving everyone else; inline when small (a
     thread's hand-over costs more than the work)."""
-    if size > OFF_LOOP_BYTES:
+    return await off_loop_past(OFF_LOOP_BYTES, size, function, *args, **kwargs)
+
+
+async def off_loop_past(limit: int, size: int, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """off_loop for work that costs more a byte: on a thread past `limit` bytes."""
+    if size > limit:
         return await asyncio.to_thread(function, *args, **kwargs)
     return function(*args, **kwargs)
 
@@ -95,6 +104,18 @@ class LoopLag:
 
 
 LOOP_LAG = LoopLag()  # this process's
+LOOP_SWITCH_S = 0.001  # how long the loop's thread waits for the GIL at most before a busy thread lets it go
+
+
+def run_loop(main: Coroutine[Any, Any, R]) -> R:
+    """A process's event loop, run with a shorter GIL switch interval than Python's 5 ms: the threads
+    that take work off the loop (language ID's detection, a body's JSON scan) hold the GIL for that long
+    at a time, and each time the loop woke it waited for them (the loop bench's health check: p50
+    5.5 ms while language ID ran; 1.4 ms at 1 ms, for the same work done and CPU). Threads that work
+    side by side lose nothing to it: 8 Wyoming transcriptions at once, median of six, 2.73 s against
+    2.66 s at 5 ms."""
+    sys.setswitchinterval(LOOP_SWITCH_S)
+    return asyncio.run(main)
 
 
 def freeze_start_up() -> None:

@@ -30,7 +30,7 @@ from appliance.client.http import encode_request
 from appliance.config import ServerConfig
 from appliance.errors import ApiError, BadRequest
 from appliance.protocol import json_reader
-from appliance.protocol.json_reader import JsonReader
+from appliance.protocol.json_reader import MAX_STRING_BYTES, JsonReader
 from appliance.protocol.tensors import NUMPY_TYPES, decode_infer
 from appliance.transport.assembler import Rejection, RequestAssembler
 
@@ -98,6 +98,7 @@ HOSTILE = {
     "binary-NaN": (binary_call(np.full(FRAME, np.nan, np.float32)), 400, "samples must be finite numbers"),
     "sequence-id-1-MiB": (infer_call(sequence("s" * (1 << 20))), 400, "parameters.sequence_id must be"),
     "sequence-id-2**64": (infer_call(sequence(2**64)), 400, "parameters.sequence_id must be"),
+    "string-past-4-MiB": (infer_call(sequence("s" * MAX_STRING_BYTES)), 400, f"more than {MAX_STRING_BYTES} bytes"),
     "sequence-id-a-float": (infer_call(sequence(7.0)), 400, "parameters.sequence_id must be"),
     **{
         f"segments-{name}={value}": (
@@ -288,6 +289,16 @@ def test_fuzz_json_reader(value: Any, ascii: bool, mutated_at: int | None, byte:
             assert mutated_at is not None or "surrogate" in refused.message, (body, refused.message)
             return
     assert got == json.loads(body.decode("utf-8")), body
+
+
+def test_the_longest_text_any_field_takes_fits_the_string_bound_however_it_is_written() -> None:
+    """65,536 characters (MAX_TEXT_CHARS) outside the Basic Multilingual Plane, each written as two \\u
+    escapes: 786,434 bytes with its quotes, read whole; the bound refuses a string past 4 MiB."""
+    text = "\U0001f600" * 65_536
+    body = json.dumps({"q": text}).encode()
+    assert JsonReader.read(body, tensors=False) == {"q": text}
+    with pytest.raises(BadRequest, match=f"a string of more than {MAX_STRING_BYTES} bytes, at byte 6"):
+        JsonReader.read(json.dumps({"q": "x" * MAX_STRING_BYTES}).encode(), tensors=False)
 
 
 # The tensor decoder: KServe-shaped JSON documents, some fields odd, some bytes mutated; binary tensors.

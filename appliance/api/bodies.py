@@ -3,7 +3,6 @@ form; and errors in OpenAI's shape for its routes."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
@@ -16,13 +15,13 @@ from appliance.errors import ApiError, BadRequest
 from appliance.protocol.json_reader import BeyondBounds, JsonReader
 from appliance.protocol.limits import LIMITS_BITTEN
 from appliance.protocol.messages import Request, Response, json_response, openai_error
+from appliance.tasks import PARSE_OFF_LOOP_BYTES, off_loop_past
 
 FORM = "application/x-www-form-urlencoded"
 MULTIPART = "multipart/form-data"
 MAX_TEXT_BODY_BYTES = 2 << 20  # a JSON or form body of a task route: texts and options, never media
 MAX_TEXT_VALUES = 4096  # JSON values in such a body (a list of texts to translate, say)
 MAX_FORM_FIELDS = 32  # fields of a urlencoded form, parts of a multipart one
-INLINE_BODY_BYTES = 16 << 10  # smaller bodies are read on the event loop; larger ones in a thread
 
 
 def refused(status: int, message: str) -> ApiError:
@@ -53,7 +52,7 @@ async def _off_the_loop(read: Callable[[bytes], dict[str, Any]], body: bytes) ->
         raise refused(
             413, f"request body of {len(body)} bytes exceeds this route's limit of {MAX_TEXT_BODY_BYTES} bytes"
         )
-    return read(body) if len(body) <= INLINE_BODY_BYTES else await asyncio.to_thread(read, body)
+    return await off_loop_past(PARSE_OFF_LOOP_BYTES, len(body), read, body)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from appliance.errors import BadRequest
 from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.protocol.messages import Request, Response
 from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
-from appliance.tasks import off_loop
+from appliance.tasks import PARSE_OFF_LOOP_BYTES, off_loop, off_loop_past
 
 SEQUENCE_IDS = (-(2**63), 2**64 - 1)  # an integer sequence id is in the int64 or the uint64 range
 
@@ -24,7 +24,7 @@ async def answer(model: ServedModel, request: Request, fleet: fleet_routes.Fleet
     """POST /v2/models/{name}/infer: its tensors decoded (off the loop when large), its sequence
     parameters read, the model run and counted in its statistics, the outputs asked for encoded."""
     json_length = request.headers.get(HEADER_LENGTH)
-    infer = await off_loop(len(request.body), decode_infer, request.body, json_length)
+    infer = await off_loop_past(PARSE_OFF_LOOP_BYTES, len(request.body), decode_infer, request.body, json_length)
     sequence = sequence_call(infer.parameters)
     if fleet.draining and sequence is not None and sequence.start:
         raise fleet_routes.refusal("new sequences")

@@ -38,8 +38,8 @@ from appliance.api.realtime_session import (
     Commit,
     Respond,
     Restart,
-    Step,
     TranscriptionSession,
+    read_event,
 )
 from appliance.api.realtime_settings import RealtimeError, default_settings
 from appliance.api.routes import Route
@@ -52,6 +52,7 @@ from appliance.kinds.speech_api import MIN_SAMPLES, LiveChunk, Options, Segment
 from appliance.protocol.flow import received
 from appliance.protocol.limits import LIMITS_BITTEN, ByteBudget, Held
 from appliance.protocol.messages import Close, Message, Request, Response, SessionIO
+from appliance.tasks import PARSE_OFF_LOOP_BYTES, off_loop_past
 
 CHUNK = 2048  # 128 ms at 16 kHz: whole VAD frames; the turn's end is known within this
 FRAME = 512  # the VAD's frame: the last chunk of a committed turn is padded to whole frames
@@ -133,12 +134,8 @@ async def transcription(
             if not await received(receiving, limits.stopping, lambda: turns.listening_only):
                 return Close(1001, "the box is stopping")
             message, receiving = receiving.result(), None
-            steps: list[Step]
-            if isinstance(message, bytes):
-                steps = [session.error(RealtimeError("events are JSON text messages, not binary", "invalid_event"))]
-            else:
-                steps = session.receive(message)
-            for step in steps:
+            event = await off_loop_past(PARSE_OFF_LOOP_BYTES, len(message), read_event, message)  # long: on a thread
+            for step in session.receive_read(event):
                 try:
                     await (emit(step) if isinstance(step, dict) else turns.apply(step))
                 except ApiError as exc:

@@ -32,7 +32,7 @@ from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_models
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.networks import Listening
-from appliance.tasks import LOOP_LAG, arm_failpoints, freeze_start_up, spawn
+from appliance.tasks import LOOP_LAG, arm_failpoints, freeze_start_up, run_loop, spawn
 from appliance.tls import tls_identity
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.budget_ledger import BudgetLedger
@@ -367,7 +367,7 @@ def run(config_paths: list[Path] | None) -> int:
     configure_logging(config.log.level)
     daemon = Daemon(config, config_paths)
     try:
-        code = asyncio.run(daemon.run())
+        code = run_loop(daemon.run())
     except ApplianceError as exc:
         code = _start_failed(exc)
     if daemon.abandoned:  # the interpreter's exit would join the wedged engine thread forever

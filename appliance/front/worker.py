@@ -24,7 +24,7 @@ from appliance.front.channel import Channel, RemoteApi, RemoteTickets, WorkerRep
 from appliance.logs import FIRMWARE_FIELD, configure_logging
 from appliance.protocol import flow
 from appliance.protocol.peers import Totals
-from appliance.tasks import LOOP_LAG, freeze_start_up, spawn
+from appliance.tasks import LOOP_LAG, freeze_start_up, run_loop, spawn
 from appliance.transport.assembler import BodyBudget
 from appliance.transport.budget_ledger import BudgetLedger
 from appliance.transport.conncache import KernelCache, UserSpaceCache
@@ -190,7 +190,7 @@ def main() -> int:
         return 1
     configure_logging(config.log.level, f"appliance worker {args.slot}")
     FIRMWARE_FIELD.firmware = args.firmware
-    return asyncio.run(Worker(args, Live(config)).run())
+    return run_loop(Worker(args, Live(config)).run())
 
 
 if __name__ == "__main__":
