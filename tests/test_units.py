@@ -24,10 +24,11 @@ from appliance.errors import BadRequest, TooManyRequests
 from appliance.firmware import AudioSpec, ModelSpec, StatePair, TensorSpec
 from appliance.kinds.segments import SegmentParams, SegmentTracker
 from appliance.kinds.shards import plan_shards
-from appliance.protocol.messages import Opened
+from appliance.protocol.messages import Opened, Request
 from appliance.protocol.peers import Peer, Totals, reading, without_stalling
-from appliance.tasks import LOOP_SWITCH_S, run_loop
-from appliance.transport.assembler import BodyBudget
+from appliance.tasks import LOOP_SWITCH_S, OFF_LOOP_BYTES, run_loop
+from appliance.transport.answering import whole
+from appliance.transport.assembler import Arrived, BodyBudget
 from appliance.transport.budget_ledger import BudgetLedger
 from appliance.transport.owners import SequenceOwners
 
@@ -446,3 +447,13 @@ def test_a_process_event_loop_runs_with_a_gil_switch_interval_under_pythons() ->
         assert run_loop(interval()) == LOOP_SWITCH_S < 0.005 == before
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("sizes", [[10], [10, 20], [OFF_LOOP_BYTES, 1]])
+def test_a_body_joined_for_its_answer_is_held_once(sizes: list[int]) -> None:
+    """The pieces a transport received are let go once joined (the transport keeps what arrived until
+    its answer is sent: with them kept, a body was held twice while the budget counted it once)."""
+    pieces = [bytes([n]) * size for n, size in enumerate(sizes)]
+    arrived = Arrived(Request("POST", "/", {}), list(pieces), sum(sizes))
+    assert asyncio.run(whole(arrived)) == b"".join(pieces)
+    assert arrived.pieces == []

@@ -40,19 +40,20 @@ PACE_S = 0.02
 
 
 class GoodClients:
-    """The Unix and QUIC clients (the Unix one alone where not `quic`), each timing its requests under
-    the phase they were sent in: /v2/health/ready and `call` in turn (a one-frame VAD infer by default)."""
+    """The Unix and QUIC clients, each timing its requests under the phase they were sent in:
+    /v2/health/ready and a one-frame VAD infer in turn."""
 
-    def __init__(self, daemon: DaemonProcess, call: Call | None = None, quic: bool = True) -> None:
+    def __init__(self, daemon: DaemonProcess) -> None:
         self.daemon, self.phase = daemon, "quiet"
         self.times: dict[tuple[str, str], list[float]] = {}
         self.failed: dict[tuple[str, str], int] = {}
         self.stopping = threading.Event()
         frame = np.zeros(512, np.float32)
-        self.calls = [Call("GET", "/v2/health/ready"), call or infer_call("silero_vad", frame)]
-        self.threads = [threading.Thread(target=self._unix, daemon=True)]
-        if quic:
-            self.threads.append(threading.Thread(target=lambda: asyncio.run(self._quic()), daemon=True))
+        self.calls = [Call("GET", "/v2/health/ready"), infer_call("silero_vad", frame)]
+        self.threads = [
+            threading.Thread(target=self._unix, daemon=True),
+            threading.Thread(target=lambda: asyncio.run(self._quic()), daemon=True),
+        ]
 
     def __enter__(self) -> GoodClients:
         for thread in self.threads:

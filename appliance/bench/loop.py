@@ -64,7 +64,8 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
             }
             results["phases"] = _phases(daemon, work, seconds)
             live.end()
-            events.ws.close()
+            if events.ws is not None:
+                events.ws.close()
     finally:
         daemon.stop()
     daemon = DaemonProcess(bundle, trusted, workdir / "workers", workers=2, label="loop-workers")
@@ -113,6 +114,8 @@ class HealthChecks:
         if self._receiver.poll(60):
             self.checks = self._receiver.recv()
         self._process.join(30)
+        if not self.checks:
+            raise RuntimeError(f"the health checker sent nothing back (exit code {self._process.exitcode})")
 
     def latency(self, start: float, end: float) -> dict[str, Any]:
         """The checks sent from `start` to `end`, as hostile.latency reports them."""
@@ -127,7 +130,7 @@ def _check_health(socket: str, stop: Event, sender: Connection) -> None:
             sent = time.monotonic()
             try:
                 ok = client.send(Call("GET", "/v2/health/ready")).status == 200
-            except OSError:
+            except Exception:  # any failure is a failed check, never the checker's end
                 ok = False
             checks.append((sent, time.monotonic() - sent, ok))
             time.sleep(PACE_S)
@@ -141,11 +144,14 @@ class _LongEvents:
     EVENT = json.dumps({"type": "bench.long", "texts": ["a"] * 99_000})
 
     def __init__(self, socket: Path) -> None:
-        from websockets.sync.client import unix_connect  # the bench's client (a dev dependency)
-
-        self.ws = unix_connect(str(socket), "ws://appliance/v1/realtime?intent=transcription", max_size=None)
+        self.socket = socket
+        self.ws: Any = None  # websockets' ClientConnection, once its phase begins
 
     def send(self) -> None:
+        if self.ws is None:  # opened in its phase: earlier, it would pass the session's idle timeout
+            from websockets.sync.client import unix_connect  # the bench's client (a dev dependency)
+
+            self.ws = unix_connect(str(self.socket), "ws://appliance/v1/realtime?intent=transcription", max_size=None)
         self.ws.send(self.EVENT)
         while json.loads(self.ws.recv())["type"] != "error":
             pass

@@ -1,5 +1,5 @@
 """A JSON reader for request bodies that bounds what a hostile body can cost: nesting at most
-MAX_DEPTH, at most MAX_VALUES values outside flat data lists, and flat lists of numbers kept as text
+MAX_DEPTH, at most MAX_VALUES values outside flat data lists, and flat lists of numbers kept as bytes
 (`Flat`) until the tensor's datatype and shape are known, then converted in chunks, so a large
 tensor never becomes a Python object per number. `json.loads` recurses without a bound and builds
 every number as an object, which is what this replaces for infer bodies.
@@ -21,8 +21,9 @@ from appliance.errors import BadRequest
 MAX_DEPTH = 32  # lists and objects inside each other; a request with 8-dimensional nested data needs 11
 MAX_VALUES = 100_000  # JSON values (keys included) outside the flat lists that hold tensor data
 FAST_JSON_BYTES = 4096  # a document this small without tensor data is read by json.loads (see read_json)
-CHUNK_CHARS = 1 << 18  # flat data is converted this many characters at a time (a bounded list each)
-SCAN_CHARS = 1 << 20  # a long body is scanned this many characters at a time (see _match_end)
+CHUNK_CHARS = 1 << 18  # flat data is converted this many bytes at a time (a bounded list each)
+# a long body is scanned this many bytes at a time (see _match_end); 2 at least, a string's escape
+SCAN_CHARS = 1 << 20
 # A string is decoded in one call, which holds the GIL (a 30 MiB one: 35 ms). No field takes more than
 # 65,536 characters of text (256 KiB, or 768 KiB written as \u escapes); a 4 MiB string costs 6 ms.
 MAX_STRING_BYTES = 4 << 20
@@ -37,7 +38,7 @@ _BOOLEAN_CHARS = re.compile(rb"[truefals, \t\n\r]*")
 # What a string holds between its quotes: anything but a quote or a backslash, and escapes.
 _STRING_CHARS = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
 _LITERALS = ((b"true", True), (b"false", False), (b"null", None))
-# What the reader is inside, so that only an input's `data` is kept as text.
+# What the reader is inside, so that only an input's `data` is kept as bytes.
 _DOCUMENT, _INPUTS, _INPUT, _DATA, _OTHER = range(5)
 
 
@@ -59,7 +60,7 @@ class Flat:
     def count(self) -> int:
         if _match_end(_WHITESPACE, self.text, self.start) >= self.end:
             return 0
-        # a piece at a time, as _match_end scans: str.count holds the GIL through one call
+        # a piece at a time, as _match_end scans: bytes.count holds the GIL through one call
         pieces = range(self.start, self.end, SCAN_CHARS)
         return sum(self.text.count(b",", at, min(at + SCAN_CHARS, self.end)) for at in pieces) + 1
 
@@ -67,7 +68,7 @@ class Flat:
         return any(self.text.find(c, self.start, self.end) >= 0 for c in (b".", b"e", b"E"))
 
     def chunks(self) -> Iterator[list[Any]]:
-        """Lists of at most about CHUNK_CHARS characters of values each; ValueError where not JSON."""
+        """Lists of at most about CHUNK_CHARS bytes of values each; ValueError where not JSON."""
         if not self.count:
             return
         start = self.start
@@ -79,7 +80,7 @@ class Flat:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{exc.msg} at byte {start + exc.pos - 1}") from None
             if len(values) != piece.count(b",") + 1:
-                raise ValueError(f"a value missing between commas after character {start}")
+                raise ValueError(f"a value missing between commas after byte {start}")
             yield values
             if cut < 0:
                 return
@@ -104,8 +105,9 @@ class JsonReader:
     def read(cls, body: bytes, tensors: bool = True, max_values: int = MAX_VALUES, name: str = "request body") -> Any:
         """`tensors`: an infer body, whose inputs' `data` lists come back as `Flat`; else plain JSON.
         `name`: what the errors call the document."""
-        reader = cls(body.removeprefix(b"\xef\xbb\xbf"), max_values, tensors, name)
-        value, end = reader._value(reader._skip(0), 0, _DOCUMENT if tensors else _OTHER)
+        reader = cls(body, max_values, tensors, name)
+        start = 3 if body.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte order mark: skipped, still counted
+        value, end = reader._value(reader._skip(start), 0, _DOCUMENT if tensors else _OTHER)
         end = reader._skip(end)
         if end != len(reader.text):
             raise reader._invalid(end, "more after the document")
@@ -199,7 +201,7 @@ class JsonReader:
         end = _string_end(self.text, pos)
         if end < 0:
             raise self._invalid(pos, "a string without its closing quote")
-        if end - pos > MAX_STRING_BYTES:
+        if end - pos - 2 > MAX_STRING_BYTES:  # between its quotes
             raise BeyondBounds(f"{self.name} holds a string of more than {MAX_STRING_BYTES} bytes, at byte {pos}")
         try:
             quoted = self.text[pos:end].decode("utf-8")

@@ -1,5 +1,5 @@
 """One request, assembled from what a transport received, without I/O: headers and body pieces in,
-a Request or a Rejection with its status out. HTTP/1.1 and HTTP/3 both feed it, so the size and
+what arrived (its head and its body's pieces) or a Rejection with its status out. HTTP/1.1 and HTTP/3 both feed it, so the size and
 time limits (and what their errors say) are decided here and nowhere else, and each limit that
 bites is logged (at most one line per limit every LOG_EVERY_S)."""
 
@@ -17,14 +17,14 @@ from appliance.protocol.messages import Request, error_response
 from appliance.transport.budget_ledger import BudgetLedger
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Arrived:
     """A request as it arrived: `head` is the Request but its body (what a transport decides by:
-    method, target, headers), `pieces` the body as received, `size` bytes of them held in the budget
-    until its answer is made."""
+    method, target, headers), `pieces` the body as received (emptied once joined: the body is then
+    held once), `size` bytes of them held in the budget until its answer is made."""
 
     head: Request
-    pieces: tuple[bytes, ...] = ()
+    pieces: list[bytes]
     size: int = 0
 
 
@@ -183,7 +183,7 @@ class RequestAssembler:
         head = Request(
             self.method, self.target, self._headers, b"", self.peer, self.client, self.operator, self.listener
         )
-        return Arrived(head, tuple(self._body), self.body_bytes)
+        return Arrived(head, self._body, self.body_bytes)
 
     def quiet_since(self, moment: float) -> bool:
         return self.last_heard < moment

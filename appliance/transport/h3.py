@@ -252,15 +252,15 @@ class H3Protocol(QuicConnectionProtocol):
         task = self._serving[stream_id] = spawn(
             self._serve(stream_id, arrived), f"HTTP/3 stream {stream_id} of {self.peer}"
         )
-        task.add_done_callback(lambda _: self._served(stream_id, arrived))
+        task.add_done_callback(lambda _: self._served(stream_id, arrived.size))
 
-    def _served(self, stream_id: int, arrived: Arrived) -> None:
+    def _served(self, stream_id: int, size: int) -> None:
         """A stream's task is done. One cancelled before it began (the connection ended in the same
-        events as the request) ran none of its own cleanup: its body is given back here."""
+        events as the request) ran none of its own cleanup: its body's `size` is given back here."""
         self._serving.pop(stream_id, None)
         self.in_flight -= 1
         if stream_id not in self._started:
-            self.server.budget.give(arrived.size)
+            self.server.budget.give(size)
         self._started.discard(stream_id)
 
     def _client(self) -> str:
