@@ -36,10 +36,11 @@ Concurrent clients' recordings share engine calls (the speech_to_text batch queu
 wyoming-faster-whisper holds a lock per model.
 
 Here its sockets and its announcement on the LAN, made at the start by the listener table's entries.
-The connections, their admission and each one's loop: transport/wyoming_server.py (a transport of the listener table). Events read from bytes with
-their bounds and deadlines (sans I/O): wyoming_codec.py; its pump, writes and the error that closes a
-connection: wyoming_events.py; each event's answer: wyoming_handler.py (a stream's PCM in:
-wyoming_audio.py); TCP and its mDNS announcement: wyoming_lan.py.
+The connections, their admission and each one's loop: transport/wyoming_server.py (a transport of
+the listener table). Events read from bytes with their bounds and deadlines (sans I/O):
+wyoming_codec.py; its pump, writes and the error that closes a connection: wyoming_events.py; each
+event's answer: wyoming_handler.py (a stream's PCM in: wyoming_audio.py); TCP and its mDNS
+announcement: wyoming_lan.py.
 """
 
 from __future__ import annotations

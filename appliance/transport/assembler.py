@@ -1,7 +1,7 @@
 """One request, assembled from what a transport received, without I/O: headers and body pieces in,
-what arrived (its head and its body's pieces) or a Rejection with its status out. HTTP/1.1 and HTTP/3 both feed it, so the size and
-time limits (and what their errors say) are decided here and nowhere else, and each limit that
-bites is logged (at most one line per limit every LOG_EVERY_S)."""
+what arrived (its head and its body's pieces) or a Rejection with its status out. HTTP/1.1 and
+HTTP/3 both feed it, so the size and time limits (and what their errors say) are decided here and
+nowhere else, and each limit that bites is logged (at most one line per limit every LOG_EVERY_S)."""
 
 from __future__ import annotations
 

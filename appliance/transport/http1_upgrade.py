@@ -18,9 +18,9 @@ from typing import Protocol
 import httptools
 
 from appliance.config import Live
-from appliance.protocol.messages import Handler, Opened, Request, Response, error_response
-from appliance.transport.answering import answer
-from appliance.transport.assembler import Arrived, BodyBudget
+from appliance.protocol.messages import Opened, Request, Response, error_response
+from appliance.transport.answering import AnsweringServer, answer
+from appliance.transport.assembler import Arrived
 from appliance.transport.websocket import StreamIO, WebSocketPump, accept_token, is_upgrade
 
 
@@ -40,11 +40,10 @@ def encode_response(
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
-class UpgradeServer(Protocol):
-    """What the Upgrade path needs of the connection's server (http1.Http1Server)."""
+class UpgradeServer(AnsweringServer, Protocol):
+    """What the Upgrade path needs of the connection's server (http1.Http1Server), besides a request's
+    turn's (answering.py)."""
 
-    api: Handler
-    budget: BodyBudget
     live: Live
     clock: Callable[[], float]
 
