@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import threading
 import time
 
 import numpy as np
@@ -19,9 +20,11 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import push_ack_frame
 from aioquic.quic.rangeset import RangeSet
 from conftest import Bystander, cli, make_ca_and_client
+from fleet import wait_until
 
-from appliance.client import Call, Client, infer_call
+from appliance.client import Call, Client, infer_call, speech_call
 from appliance.client.quic import QuicSession
+from appliance.engine.choice import HANG_FAILPOINT
 
 
 def test_quic_client_refuses_a_server_it_cannot_verify(daemon) -> None:
@@ -79,6 +82,29 @@ def test_sighup_applies_a_lower_body_limit_to_quic_too(start_daemon, tls) -> Non
             time.sleep(0.05)
         response = client.send(Call("POST", "/v2/models/silero_vad/infer", body))
         assert response.status == 413 and f"limit of {1 << 20} bytes" in response.json()["error"]
+
+
+def test_a_request_the_engine_holds_past_the_idle_timeout_keeps_its_connection(
+    start_daemon, tls, speech_bundle, tmp_path
+) -> None:
+    """Neither side sends while the engine works on an answer: the server PINGs a connection that waits
+    on one, so a request held for three of its idle timeouts is answered on the same connection."""
+    hold = tmp_path / "hold"
+    quic = "idle_timeout_s = 1.0\n"
+    daemon = start_daemon(bundle_dir=speech_bundle, tls=tls, extra_quic=quic, env={HANG_FAILPOINT: str(hold)})
+    answered: list[int] = []
+    with daemon.client("quic") as client:
+        assert client.health()["ready"]
+        hold.write_text("0")  # the engine's next call stalls
+        call = speech_call("Held past the idle timeout.", "tts-1", "joe")
+        sender = threading.Thread(target=lambda: answered.append(client.send(call).status))
+        sender.start()
+        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
+        time.sleep(3.0)  # three idle timeouts with nothing to say but the PINGs
+        hold.unlink()
+        sender.join(60)
+        assert answered == [200], daemon.log.read_text()[-2000:]
+        assert client.health()["ready"]
 
 
 def test_connection_limit(start_daemon, tls) -> None:

@@ -29,6 +29,7 @@ from appliance.transport.serving import Serving
 log = logging.getLogger("appliance.h3")
 
 CONNCACHE_SWEEP_S = 1.0
+KEEP_ALIVE_PING = -1  # the uid of the PINGs that keep a waiting connection alive (aioquic's own count from 0)
 
 
 def quic_configuration(quic: QuicConfig) -> QuicConfiguration:
@@ -57,6 +58,7 @@ class H3Server:
         self.worker_key = worker_key  # every host connection ID starts with it (QUIC steering)
         self.config: QuicConfig = live.config.quic  # the listener's own settings change only with a restart
         self.connections: set[H3Protocol] = set()
+        self._waiting_since: dict[H3Protocol, float] = {}  # connections with answers in the work: since or last PING
         self.tickets = tickets or TicketStore()
         self.client_certificates = ClientCertificates.of(self.config.client_ca, self.config.operator_ca)
         self.cache: ConnectionCache | None = None
@@ -161,14 +163,19 @@ class H3Server:
     async def _reap(self) -> None:
         while True:
             quic = self.live.config.quic
-            await asyncio.sleep(min(1.0, quic.stream_idle_timeout_s / 2, quic.handshake_timeout_s / 2))
+            ticks = (quic.stream_idle_timeout_s / 2, quic.handshake_timeout_s / 2, self.config.idle_timeout_s / 3)
+            await asyncio.sleep(min(1.0, *ticks))
             self.check_timeouts(self.clock())
 
     def check_timeouts(self, now: float) -> None:
         """Handshakes not complete in time lose their slot; a peer that took nothing of the answers
-        waiting for it for server.write_timeout_s is cut off; quiet request streams get a 408."""
+        waiting for it for server.write_timeout_s is cut off; quiet request streams get a 408; a
+        connection waiting on its answers is kept alive."""
         quic, write_timeout_s = self.live.config.quic, self.limits.write_timeout_s
+        for gone in self._waiting_since.keys() - self.connections:
+            del self._waiting_since[gone]
         for connection in list(self.connections):
+            self._keep_alive(connection, now)
             if not connection.handshake_done and now - connection.created > quic.handshake_timeout_s:
                 LIMITS_BITTEN.bit("handshake", f"QUIC handshake not complete within {quic.handshake_timeout_s:g} s")
                 connection.close_quietly("handshake not complete in time")
@@ -176,6 +183,17 @@ class H3Server:
                 connection.cut_off(write_timeout_s)
             else:
                 connection.reap_quiet_streams(now, now - quic.stream_idle_timeout_s)
+
+    def _keep_alive(self, connection: H3Protocol, now: float) -> None:
+        """Neither side sends while the engine works on an answer, so a request that takes longer than
+        quic.idle_timeout_s would lose its connection: a PING a third of that apart keeps it (RFC 9000
+        10.1.2). The peer's acknowledgement keeps the server's side."""
+        if not connection.in_flight:
+            self._waiting_since.pop(connection, None)
+        elif now - self._waiting_since.setdefault(connection, now) >= self.config.idle_timeout_s / 3:
+            connection._quic.send_ping(KEEP_ALIVE_PING)
+            connection.transmit()
+            self._waiting_since[connection] = now
 
     def stop_accepting(self) -> None:
         """No new connections (their first packets are dropped); those open go on on the same socket."""
