@@ -473,7 +473,7 @@ def test_first_boot_serves_the_interpreter_from_slot_a_and_over_quic_to_the_lan(
     boot = machine.boot(update_media=("serve", media("serve")), while_serving=call_over_quic)
     assert calls, boot.tail()
     assert calls["health"].returncode == 0 and '"ready": true' in calls["health"].stdout, calls["health"]
-    assert calls["vad"].returncode == 0, calls["vad"]
+    assert calls["vad"].returncode == 0, (calls["vad"], boot.tail())
     assert len(json.loads(calls["vad"].stdout)["segments"]) == len(SENTENCES), calls["vad"]
     assert calls["translate"].returncode == 0 and "estação" in calls["translate"].stdout, calls["translate"]
     assert boot.selftest_ok(), boot.tail()

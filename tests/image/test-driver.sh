@@ -29,6 +29,8 @@ store() {
 case "$mode" in
 serve)  # the host calls the API over QUIC, pinning the certificate made at first boot
     echo "test-driver: certificate $(base64 -w0 /var/lib/appliance/tls/cert.pem)"
+    # the daemon's account of the host's calls, on the console where the test reads it
+    journalctl -f -n 0 -u appliance.service --no-pager -o short-monotonic | sed -u 's/^/test-driver: journal /' &
     echo "test-driver: serving"
     exec sleep infinity ;;
 rollback)
