@@ -466,8 +466,8 @@ def test_first_boot_serves_the_interpreter_from_slot_a_and_over_quic_to_the_lan(
         calls["health"] = cli("call", "health", *quic, check=False)
         calls["vad"] = cli("call", "vad", speech_wav(tmp_path), *quic, check=False)
         # Bergamot on fxtranslate. Ready already means every model's warm-up ran in the root: Whisper on
-        # CTranslate2, the Piper voice on espeak-ng's phonemes. (Longer calls outlast QUIC's idle timeout
-        # under TCG while the box runs a watchdog probe of Whisper.)
+        # CTranslate2, the Piper voice on espeak-ng's phonemes. (Under TCG the VAD's call outlasts QUIC's
+        # 30 s idle timeout while the box runs its watchdog's probes: the server's PINGs keep it.)
         calls["translate"] = cli("call", "translate", "--to", "pt", "Where is the station?", *quic, check=False)
 
     boot = machine.boot(update_media=("serve", media("serve")), while_serving=call_over_quic)
