@@ -55,6 +55,45 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs(missing, reason): a prerequisite; as root a missing one fails")
 
 
+# The suites that take minutes, longest first (seconds side by side, 2 cores: tests/run.sh's summary): they
+# start first, so that none of them is left running alone at the end. The rest keep their order.
+LONGEST_SUITES = (
+    "test_image.py",  # where KVM runs OVMF it boots 13 times
+    "test_speech_to_text.py",
+    "test_long_running.py",
+    "test_speakers.py",
+    "test_hostile_input.py",
+    "test_fleet_haproxy.py",
+    "test_languages.py",
+    "test_realtime_interpreter.py",
+    "test_wyoming.py",
+    "test_pipeline.py",
+    "test_systemd_pid1.py",
+    "test_whisper_reference.py",
+    "test_hostile_realtime.py",
+    "test_setup.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: place for place, name in enumerate(LONGEST_SUITES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# CPU seconds the test process and its descendants had spent at the last report: each report carries what
+# was spent since, so the summary gives each suite's CPU (side by side, wall seconds say little alone).
+CPU_SPENT = {"at last report": 0.0}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    spent = process_tree_cpu_s(os.getpid(), reaped=True)
+    report.user_properties = [*report.user_properties, ("cpu_s", spent - CPU_SPENT["at last report"])]
+    CPU_SPENT["at last report"] = spent
+    return report
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs"):
         if mark.kwargs["missing"]:
@@ -67,10 +106,13 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     outcomes: dict[str, dict[str, int]] = {}
     reasons: dict[str, set[str]] = {}
     seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for outcome in ("", "passed", "failed", "error", "skipped"):  # "": the setups and teardowns that passed
         for report in terminalreporter.stats.get(outcome, []):
             suite = report.nodeid.split("::", 1)[0]
             seconds[suite] = seconds.get(suite, 0.0) + getattr(report, "duration", 0.0)
+            spent = dict(getattr(report, "user_properties", [])).get("cpu_s", 0.0)
+            cpu[suite] = cpu.get(suite, 0.0) + spent
             if not outcome:
                 continue
             if getattr(report, "when", "call") != "call" and outcome == "passed":
@@ -85,11 +127,24 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     write(f"suites run as {'root' if AS_ROOT else 'uid ' + str(os.geteuid())}: {len(ran)} ran, {len(skipped)} skipped")
     for suite in ran:
         counts = ", ".join(f"{n} {what}" for what, n in sorted(outcomes[suite].items()))
-        write(f"  ran      {suite}: {counts} in {seconds.get(suite, 0.0):.0f} s")
+        write(f"  ran      {suite}: {counts} in {seconds.get(suite, 0.0):.0f} s ({cpu.get(suite, 0.0):.0f} s of CPU)")
     for suite in skipped:
         write(f"  SKIPPED  {suite}: {'; '.join(sorted(reasons.get(suite, set())))}")
     started, ready, stop = DAEMON_SECONDS.values()
     write(f"daemons (conftest's Daemon): {started} started, {ready:.0f} s until ready, {stop:.0f} s to stop")
+    write(f"CPU of the tests and their processes: {sum(cpu.values()):.0f} s ({os.cpu_count()} cores here)")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its daemons' count and seconds to the controller, which reports them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["daemon_seconds"] = DAEMON_SECONDS
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    for what, amount in getattr(node, "workeroutput", {}).get("daemon_seconds", {}).items():
+        DAEMON_SECONDS[what] += amount
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -306,14 +361,15 @@ def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, 
     return tuple(str(p) for p in paths)  # type: ignore[return-value]
 
 
-def process_tree_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of `pid` and its descendants (the protocol workers)."""
+def process_tree_cpu_s(pid: int, reaped: bool = False) -> float:
+    """User plus system CPU seconds of `pid` and its descendants (the protocol workers); with `reaped`,
+    also those of the descendants that have ended and been waited for."""
     total, pids = 0.0, [pid]
     while pids:
         current = pids.pop()
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += sum(int(f) for f in fields[11 : 15 if reaped else 13]) / os.sysconf("SC_CLK_TCK")
             pids += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
     return total
 
