@@ -63,15 +63,16 @@ LONGEST_SUITES = (
     "test_long_running.py",
     "test_speakers.py",
     "test_hostile_input.py",
-    "test_fleet_haproxy.py",
     "test_languages.py",
+    "test_fleet_haproxy.py",
     "test_realtime_interpreter.py",
-    "test_wyoming.py",
-    "test_pipeline.py",
-    "test_systemd_pid1.py",
-    "test_whisper_reference.py",
     "test_hostile_realtime.py",
     "test_setup.py",
+    "test_systemd_pid1.py",
+    "test_vad.py",
+    "test_wyoming.py",
+    "test_stop.py",
+    "test_voices.py",
 )
 
 

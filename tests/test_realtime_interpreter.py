@@ -12,12 +12,13 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import soxr
-from conftest import Daemon
+from conftest import Daemon, Keys
 from faster_whisper import WhisperModel
 from speech import RATE, recording
 from test_long_running import process_tree_rss_kib
@@ -139,7 +140,20 @@ def test_the_session_hears_the_next_turn_while_it_answers_one(daemon: Daemon) ->
         assert transcript < done
 
 
-def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(daemon: Daemon) -> None:
+@pytest.fixture(scope="module")
+def patient_daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, interpreter_bundle: Path) -> Iterator[Daemon]:
+    """The interpreter firmware with two protocol workers, as the shared daemon, that waits 10 min instead
+    of 30 s on a client that takes nothing ([server] write_timeout_s). The back-pressure test's client
+    reads nothing for as long as the engine works through its turns: under 30 s alone, past it beside
+    the suite's other workers, where the deadline cut it off. Its subject is the bounds the client is held
+    at; the deadline's own tests are test_connection_attacks's and the transport contract's."""
+    workdir = tmp_path_factory.mktemp("patient")
+    d = Daemon(workdir, interpreter_bundle, keys.trusted, workers=2, extra_server="write_timeout_s = 600.0\n")
+    yield d.wait_ready(240)
+    assert d.stop() == 0, d.log.read_text()
+
+
+def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(patient_daemon: Daemon) -> None:
     """A raw WebSocket client (wsproto, a small receive buffer) streams eight long turns and then
     silence as fast as it can without reading the translated speech (some 3 MB of it, more than the
     worker channel's 1 MiB credit and the socket's buffers hold): the session's sends wait for it, the
@@ -155,12 +169,12 @@ def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(dae
     # the models' working memory for this very work, before the bound is measured: the same turns, sent
     # as fast as the box takes them, by a client that reads (one paced turn left the engine's arenas
     # short of what eight turns decoded in bursts take: it grew 181 MB in a full run)
-    interpret(daemon, turns, paced=False)
-    before = process_tree_rss_kib(daemon)
+    interpret(patient_daemon, turns, paced=False)
+    before = process_tree_rss_kib(patient_daemon)
     ws = WSConnection(ConnectionType.CLIENT)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(str(daemon.socket))
+    sock.connect(str(patient_daemon.socket))
     sock.sendall(ws.send(Request(host="appliance", target="/v1/realtime?model=interpreter&target=en")))
     received: list[dict] = []
     parts: list[str] = []  # of the message being received (wsproto hands frames on as they come)
@@ -206,22 +220,22 @@ def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(dae
             break
     assert blocked, f"the box took {sent >> 20} MiB from a client that reads nothing"
     assert sent < 12 << 20, f"{sent >> 20} MiB taken before the box stopped reading"
-    with daemon.client() as client:
+    with patient_daemon.client() as client:
         assert client.health()["ready"], "others are not served"
     # the turns it had taken are transcribed (up to four wait for their answers, which wait for the
     # client) while the audio it took is read at speech pace ([realtime] max_ahead_s): the engine works
     # in bursts for minutes, so each process is held to its bound at every sample of 5 s, not to none
-    wait_until_quiet(daemon)
+    wait_until_quiet(patient_daemon)
     samples = []
     for _ in range(6):
-        samples.append(process_tree_rss_kib(daemon))
+        samples.append(process_tree_rss_kib(patient_daemon))
         time.sleep(1)
     grown = {pid: max(s.get(pid, 0) for s in samples) - before.get(pid, 0) for pid in samples[-1]}
     # every process but the engine holds at most its WebSocket buffers (4 MiB) and the channel's 1 MiB.
     # What the engine holds for the client is bounded above (under 12 MiB of its audio taken; its answers
     # a few MB of speech); its resident size moves with its models' arenas as the turns' decodes meet:
     # -50 MiB alone, +167 and +181 MiB in full runs, so it is held only to no runaway
-    engine = daemon.proc.pid
+    engine = patient_daemon.proc.pid
     assert grown[engine] < 512 << 10 and all(g < 16 << 10 for p, g in grown.items() if p != engine), grown
     # the client reads again (and finishes its last message): every turn's answer comes, whole
     sock.settimeout(180)
