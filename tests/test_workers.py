@@ -52,12 +52,16 @@ class UnixConnection(http.client.HTTPConnection):
         if self.sock is None:
             self.connect()
         inode = os.fstat(self.sock.fileno()).st_ino
-        out = subprocess.run(["ss", "-xpnH"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            fields = line.split()
-            # Netid State Recv-Q Send-Q Local-Address Local-inode Peer-Address Peer-inode Process
-            if len(fields) >= 9 and fields[7] == str(inode) and fields[4] == self.path:
-                return int(re.search(r"pid=(\d+)", line)[1])
+        # until a worker has accepted it: before, the server side is in the listen queue, held by no process
+        for _ in range(100):
+            out = subprocess.run(["ss", "-xpnH"], capture_output=True, text=True, check=True).stdout
+            for line in out.splitlines():
+                fields = line.split()
+                # Netid State Recv-Q Send-Q Local-Address Local-inode Peer-Address Peer-inode Process
+                held = re.search(r"pid=(\d+)", line)
+                if len(fields) >= 9 and fields[7] == str(inode) and fields[4] == self.path and held:
+                    return int(held[1])
+            time.sleep(0.1)
         raise AssertionError(f"no server side for inode {inode} in ss:\n{out}")
 
 
