@@ -275,7 +275,10 @@ def boots_under_tcg() -> str:
     and beside the suite's workers far more (the first boot's test: 834 s against 326 s alone, its guest's
     start bounded by 15 min). `make test` boots none, `make image-first-boot` (which .ci/run calls after
     it) the first, `make image-test` all 13."""
-    return os.environ.get("APPLIANCE_IMAGE_TCG", "none")
+    boots = os.environ.get("APPLIANCE_IMAGE_TCG", "none")
+    if boots not in ("none", "first", "all"):
+        raise pytest.UsageError(f"APPLIANCE_IMAGE_TCG={boots!r}: say none, first or all")
+    return boots
 
 
 @pytest.fixture(scope="module")  # before the module's image copies, which cost a minute
