@@ -67,6 +67,18 @@ class Fleet:
     def session(self) -> http.client.HTTPSConnection:
         return http.client.HTTPSConnection("127.0.0.1", self.balancer.sessions_port, context=self.context, timeout=120)
 
+    def what_happened(self) -> str:
+        """For a failure's message: the boxes' warnings and errors, and HAProxy's last lines (each
+        connection's box, timings and termination state)."""
+        parts = []
+        for box in self.boxes:
+            lines = box.log.read_text(errors="replace").splitlines() if box.starts else []
+            said = [line for line in lines if ": WARNING: " in line or ": ERROR: " in line]
+            parts.append(f"box {box.address}: " + ("\n".join(said[-20:]) or "no warning or error"))
+        if self.haproxy is not None:
+            parts.append("HAProxy:\n" + "\n".join(self.haproxy.log.read_text(errors="replace").splitlines()[-30:]))
+        return "\n".join(parts)
+
     def close(self) -> None:
         if self.haproxy is not None:
             self.haproxy.stop()

@@ -19,7 +19,7 @@ import pytest
 from conftest import APPLIANCE, ROOT, needs
 from fleet import ADDRESSES, FRAME, Prometheus, agent_says, wait_until
 from fleet_clients import Fleet, Load, Sessions, box_of, sequence_step, spread
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.sync.client import ClientConnection, connect
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
@@ -224,7 +224,10 @@ def test_a_rolling_update_under_load_fails_no_request_and_prometheus_sees_each_v
 def realtime(fleet: Fleet) -> ClientConnection:
     """A Realtime transcription session through HAProxy's sessions front (TLS passed through to a box)."""
     uri = f"wss://127.0.0.1:{fleet.balancer.sessions_port}/v1/realtime?intent=transcription"
-    ws = connect(uri, ssl=fleet.context, open_timeout=60)
+    try:
+        ws = connect(uri, ssl=fleet.context, open_timeout=60)
+    except (OSError, EOFError, InvalidHandshake) as exc:
+        raise AssertionError(f"a Realtime session did not open: {exc!r}\n{fleet.what_happened()}") from exc
     assert json.loads(ws.recv(timeout=60))["type"] == "session.created"
     return ws
 
