@@ -108,3 +108,27 @@ def test_a_request_that_waited_exactly_the_timeout_is_served() -> None:
         return outcomes
 
     assert asyncio.run(run()) == ["ON-TIME", 1]
+
+
+def test_the_depth_counts_the_shards_waiting_and_those_in_the_engine_call() -> None:
+    """appliance_queue_depth, as the VAD's and the ONNX kinds' queues count it: what waits and what the
+    engine call under way holds, so a depth of 0 means the engine has nothing left of it."""
+    engine = HeldEngine()
+
+    async def run() -> list[int]:
+        batches, _ = queue(engine, [0], timeout_s=0.0)
+        batches.start()
+        depths = [batches.queue_depth]
+        shards = batches.submit(["a0", "a1"])
+        assert await engine.next_call() == ["a0"]
+        depths.append(batches.queue_depth)  # a0 in the engine, a1 waiting
+        engine.release.release()
+        assert await engine.next_call() == ["a1"]
+        depths.append(batches.queue_depth)  # a1 in the engine
+        engine.release.release()
+        await asyncio.gather(*shards)
+        depths.append(batches.queue_depth)
+        await batches.stop(5)
+        return depths
+
+    assert asyncio.run(run()) == [0, 2, 1, 0]

@@ -21,6 +21,7 @@ import pytest
 import soxr
 from conftest import Daemon
 from faster_whisper import WhisperModel
+from fleet import wait_until
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
@@ -31,6 +32,7 @@ from wyoming.event import Event, async_read_event, async_write_event
 from wyoming.info import Describe, Info
 from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
+from wyoming.vad import VoiceStopped
 from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
@@ -54,14 +56,25 @@ async def transcribe(
     daemon: Daemon,
     samples: np.ndarray,
     real_time: bool = False,
-    before_stop: Callable[[], None] = lambda: None,
+    before_stop: Callable[[list[Event]], None] = lambda seen: None,
     asked: Transcribe = Transcribe(name=TINY, language="en"),
     chunk_bytes: int = RATE * 2 // 10,
 ) -> tuple[str | None, list[Event]]:
     """The transcript of `samples` (None where the box closed without one) and every event before it.
     Sent in 100 ms chunks, all at once, or as a microphone hears them (real-time pace, as Home
-    Assistant's voice pipeline sends them); `before_stop` runs once they are all sent."""
+    Assistant's voice pipeline sends them); `before_stop(seen)` runs once they are all sent, with the
+    events come so far (a reader of its own fills `seen` as they come)."""
     async with AsyncUnixClient(wyoming_socket(daemon)) as client:
+        seen: list[Event] = []
+
+        async def read() -> str | None:
+            while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
+                if Transcript.is_type(event.type):
+                    return Transcript.from_event(event).text
+                seen.append(event)
+            return None
+
+        reader = asyncio.create_task(read())
         await client.write_event(asked.event())
         await client.write_event(AudioStart(rate=RATE, width=2, channels=1).event())
 
@@ -69,41 +82,50 @@ async def transcribe(
             await client.write_event(AudioChunk(rate=RATE, width=2, channels=1, audio=piece).event())
 
         await paced(send, to_pcm16(samples), chunk_bytes, 0.1 * chunk_bytes / (RATE * 2 // 10) if real_time else 0.0)
-        await asyncio.to_thread(before_stop)
+        await asyncio.to_thread(before_stop, seen)
         await client.write_event(AudioStop().event())
-        seen = []
-        while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
-            if Transcript.is_type(event.type):
-                return Transcript.from_event(event).text, seen
-            seen.append(event)
-    return None, seen
+        return await reader, seen
+
+
+def metric(daemon: Daemon, name: str, model: str) -> int:
+    with daemon.client() as client:
+        found = re.search(rf'{name}\{{model="{model}"[^}}]*\}} (\d+)', client.metrics())
+    return int(found[1]) if found else 0
 
 
 def engine_calls(daemon: Daemon, model: str) -> int:
-    with daemon.client() as client:
-        found = re.search(rf'appliance_batch_size_count\{{model="{model}"[^}}]*\}} (\d+)', client.metrics())
-    return int(found[1]) if found else 0
+    return metric(daemon, "appliance_batch_size_count", model)
 
 
 def test_a_recording_sent_as_it_is_spoken_is_transcribed_before_its_audio_stop(daemon: Daemon) -> None:
     """Home Assistant stops sending some silence after the speech (its segmenter waits 0.7 s): the box
     has transcribed the speech by then, so no engine call is left to make at audio-stop. (The text so
-    far streamed while the speech came costs engine calls too: audio-stop waits until they settle.)"""
+    far streamed while the speech came costs engine calls too: audio-stop waits until they settle.)
+    The order, not a clock: the box says voice-stopped once it has heard 0.7 s of silence after the
+    speech, and it starts the text ahead 0.1 s into that silence; audio-stop goes once that text's
+    engine calls are done (neither Whisper nor the VAD has work waiting or running)."""
     samples, _ = recording(CLEAR[1:2], gap_s=1.5, lead_s=0.3)
     before = engine_calls(daemon, TINY)
     at_stop = []
 
-    def ahead() -> None:
-        deadline = time.monotonic() + 60  # a slow machine's window: the silence sent may end before it
-        seen = before
-        while (calls := engine_calls(daemon, TINY)) == before or calls != seen:
-            assert time.monotonic() < deadline, "nothing transcribed before audio-stop"
-            seen = calls
-            time.sleep(0.5)
-        at_stop.append(calls)
+    def idle() -> bool:
+        return not any(metric(daemon, "appliance_queue_depth", model) for model in (TINY, "silero_vad"))
+
+    def ahead(seen: list[Event]) -> None:
+        said = lambda: any(VoiceStopped.is_type(e.type) for e in seen)  # noqa: E731
+        wait_until(said, "voice-stopped before audio-stop: the box heard the recording as it was spoken")
+        settled = [False]  # idle on two reads in a row: the text ahead passes from the VAD's queue to Whisper's
+
+        def done() -> bool:
+            settled[0], was = idle(), settled[0]
+            return was and settled[0]
+
+        wait_until(done, "the engine calls of the text ahead done")
+        at_stop.append(engine_calls(daemon, TINY))
 
     text, _ = asyncio.run(transcribe(daemon, samples, real_time=True, before_stop=ahead))
     assert wer(CLEAR[1], text) <= 0.10, text
+    assert at_stop[0] > before, "nothing transcribed before audio-stop"
     assert engine_calls(daemon, TINY) == at_stop[0]  # the text made ahead, no engine call after audio-stop
 
 

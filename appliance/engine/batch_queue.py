@@ -139,6 +139,11 @@ class BatchQueue(Generic[T, R]):
         """Shards waiting for a batch (those whose caller went away are not: the next batch drops them)."""
         return sum(not s.future.done() for s in self._waiting)
 
+    @property
+    def queue_depth(self) -> int:
+        """Shards waiting or in the engine call under way, as the other engines' queues count them."""
+        return self.waiting + len(self._running)
+
     def start(self) -> None:
         self._task = spawn(self._run(), f"the batch queue of model {self.policy.model}", self._crashed)
 

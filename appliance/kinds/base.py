@@ -99,13 +99,13 @@ class EngineModel:
 
 class QueuedModel(EngineModel):
     """A stateless kind whose work goes through one BatchQueue (`queue`, engine/batch_queue.py): it
-    starts and stops with its queue, its depth is what waits there, and it has no sequences to expire."""
+    starts and stops with its queue, its depth is what waits or runs there, and it has no sequences to expire."""
 
     queue: Any
 
     @property
     def queue_depth(self) -> int:
-        return int(self.queue.waiting)
+        return int(self.queue.queue_depth)
 
     def start(self) -> None:
         self.queue.start()

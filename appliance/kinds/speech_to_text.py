@@ -121,7 +121,7 @@ class SpeechToText(EngineModel):
 
     @property
     def queue_depth(self) -> int:
-        return self.batcher.waiting
+        return self.batcher.queue_depth
 
     def config(self) -> dict[str, Any]:
         return speech_api.config(self.spec, self.baked, self.live)
