@@ -6,9 +6,7 @@ cd "$(dirname "$0")/.."
 # Test files run side by side in APPLIANCE_TEST_WORKERS processes (pytest-xdist; 0: one process), each
 # file whole in one of them (its module fixtures once), the longest started first (tests/conftest.py):
 # the suite mostly waits on its daemons' timeouts and clients, a quarter of 2 cores used with one process.
-# One process by default until the tests that a loaded machine makes fail are mended (README): with three
-# workers one run in three failed two of them.
-workers=${APPLIANCE_TEST_WORKERS:-0}
+workers=${APPLIANCE_TEST_WORKERS:-3}
 .venv/bin/python -m pytest -ra --durations=40 -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
