@@ -23,7 +23,7 @@ from conftest import Daemon
 from faster_whisper import WhisperModel
 from fleet import wait_until
 from speech import RATE, recording
-from test_speech_to_text import CLEAR, wer
+from test_speech_to_text import CLEAR, wer, whisper_metric
 from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient, AsyncUnixClient
@@ -89,8 +89,7 @@ async def transcribe(
 
 def metric(daemon: Daemon, name: str, model: str) -> int:
     with daemon.client() as client:
-        found = re.search(rf'{name}\{{model="{model}"[^}}]*\}} (\d+)', client.metrics())
-    return int(found[1]) if found else 0
+        return int(whisper_metric(client, name, model))
 
 
 def engine_calls(daemon: Daemon, model: str) -> int:
@@ -114,13 +113,8 @@ def test_a_recording_sent_as_it_is_spoken_is_transcribed_before_its_audio_stop(d
     def ahead(seen: list[Event]) -> None:
         said = lambda: any(VoiceStopped.is_type(e.type) for e in seen)  # noqa: E731
         wait_until(said, "voice-stopped before audio-stop: the box heard the recording as it was spoken")
-        settled = [False]  # idle on two reads in a row: the text ahead passes from the VAD's queue to Whisper's
-
-        def done() -> bool:
-            settled[0], was = idle(), settled[0]
-            return was and settled[0]
-
-        wait_until(done, "the engine calls of the text ahead done")
+        # idle on two reads in a row: the text ahead passes from the VAD's queue to Whisper's between them
+        wait_until(lambda: idle() and idle(), "the engine calls of the text ahead done")
         at_stop.append(engine_calls(daemon, TINY))
 
     text, _ = asyncio.run(transcribe(daemon, samples, real_time=True, before_stop=ahead))
