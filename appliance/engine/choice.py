@@ -119,10 +119,10 @@ def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int, var
     GPU engine where one can run, else ONNX Runtime with the reason logged. The GPU engines, in
     order: the CUDA kernels (the default VAD model), then the firmware's TensorRT plan for the
     model. The CPU engine backs either under memory pressure. `varied_shapes`: each call's inputs
-    are a different length (a voice's sentences), so ONNX Runtime keeps no arena (engine/onnx_cpu.py)."""
+    are a different length (a voice's sentences), so ONNX Runtime's arena shrinks after each (engine/onnx_cpu.py)."""
     if device not in ("cpu", "cuda", "auto"):
         raise ApplianceError(f"engine.device: no engine for {device!r}")
-    cpu = OnnxCpuEngine(bundle.artifact(model.file), threads, arena=not varied_shapes)
+    cpu = OnnxCpuEngine(bundle.artifact(model.file), threads, varied_shapes)
     engine: Engine = cpu
     if device != "cpu":
         gpu, reasons = _gpu_engine(bundle, model)
