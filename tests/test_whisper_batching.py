@@ -114,3 +114,22 @@ def test_a_looping_or_unsure_decode_is_tried_again_hotter_unless_nothing_was_sai
     assert unsure is not None and unsure.temperature == 0.6 and not unsure.chosen
     assert hotter(decoded(text, -1.5, no_speech=0.8), tokens) is None  # silence
     assert hotter(decoded(text * 12, -1.5, temperature=1.0), tokens) is None  # no hotter one
+
+
+def test_where_no_hotter_decode_stands_the_first_is_kept_cut_where_its_loop_begins(
+    voice_bundle: Path, keys: Keys, tmp_path: Path
+) -> None:
+    """The box's own engine on a sentence said six times (tests/test_languages.py has it through the
+    daemon): every sample at 0.2 to 1.0 loops or is unsure, and the answer is the first decode's two
+    turns, not the hottest sample's words nobody said."""
+    from test_languages import REPEATED
+    from test_whisper_reference import converted
+
+    from appliance.engine.speech_engine import Shard
+
+    engine = converted(model_dir(voice_bundle, keys, "whisper_tiny_en"), tmp_path)
+    (answer,) = engine.run([Shard(say(" ".join([REPEATED] * 6)), "en")])
+    text = " ".join(piece.text for piece in answer.pieces).strip()
+    assert engine.retried["temperature"] == 5 and answer.quality.temperature == 0.0, (engine.retried, answer)
+    turn = text[: len(text) // 2].strip()  # greedy tiny.en hears "at mustation ... leans": its own, at 0.0
+    assert turn.startswith("We will meet at") and text == f"{turn} {turn}", text

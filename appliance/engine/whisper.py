@@ -30,7 +30,6 @@ from appliance.errors import ApplianceError
 log = logging.getLogger("appliance")
 
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first timestamp at most 1 s in, as openai-whisper decodes
-FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
 SAMPLING_SEED = 0  # where a looping shard's sampler starts (the box's own Whisper seeds its sequences alike)
 
 
@@ -198,12 +197,12 @@ class WhisperEngine:
             for at in self._looping([g.ids for g in generated]):  # openai-whisper's fallback: rising temperatures
                 sampler = seeded_sampler(self.directory, self.threads)
                 one = sampler.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
-                for fallback in (t for t in FALLBACK_TEMPERATURES if t > temperature):
+                for fallback in (t for t in whisper_loops.FALLBACK_TEMPERATURES if t > temperature):
                     again = self._generate(sampler, one, prompts[at : at + 1], fallback)
-                    if not self._looping([again[0].ids]):
+                    if self._stands(again[0]):
                         generated[at], used[at] = again[0], fallback
                         break
-                else:  # every temperature loops too: the first answer, cut where its loop begins
+                else:  # none stands: the first answer, cut where its loop begins
                     generated[at] = dataclasses.replace(
                         generated[at], ids=whisper_loops.cut(generated[at].ids, self.tokens.eot)
                     )
@@ -271,6 +270,12 @@ class WhisperEngine:
             **sampling,
         )
         return [Generated(list(r.sequences_ids[0]), float(r.scores[0]), float(r.no_speech_prob)) for r in results]
+
+    def _stands(self, generated: Generated) -> bool:
+        """A sampled decode neither loops nor is unsure (whisper_loops.stands)."""
+        text = [t for t in generated.ids if t < self.tokens.eot]
+        mean = self.tokens.quality(generated, 0.0).avg_logprob
+        return whisper_loops.stands(text, self.tokens.tokenizer.decode(text), mean, generated.no_speech_prob)
 
     def _looping(self, ids: list[list[int]]) -> list[int]:
         """Which decodes loop on themselves (whisper_loops.py)."""

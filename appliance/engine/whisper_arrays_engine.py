@@ -12,7 +12,6 @@ while the others still decode, as openai-whisper falls back. Greedy or beam sear
 from __future__ import annotations
 
 import json
-import zlib
 from collections import Counter
 from collections.abc import Hashable
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.engine import whisper_align, whisper_language
+from appliance.engine import whisper_align, whisper_language, whisper_loops
 from appliance.engine.speech_engine import Decoded, Shard, check_request
 from appliance.engine.whisper_batch import DecodeBatch, Sequence
 from appliance.engine.whisper_beams import BeamGroup
@@ -32,25 +31,22 @@ from appliance.engine.whisper_rules import Rules
 from appliance.engine.whisper_tokens import WhisperTokens
 from appliance.engine.whisper_words import Word
 
-FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
-COMPRESSION_RATIO_LIMIT = 2.4  # openai-whisper's: above it a decode repeats itself
-LOGPROB_LIMIT = -1.0  # and under it Whisper was unsure
-NO_SPEECH_LIMIT = 0.6  # above it (and unsure) the window holds no speech: no second try
 MULTILINGUAL_VOCABULARY = 51865
 
 
-def hotter(sequence: Sequence, tokens: WhisperTokens) -> Sequence | None:
-    """The same prompt at the next temperature, where this decode loops or is unsure (and something
-    was said), as openai-whisper falls back; None where it stands."""
+def stands(sequence: Sequence, tokens: WhisperTokens) -> bool:
+    """The decode neither loops nor is unsure, or nothing was said (whisper_loops.stands)."""
     ids = [t for t in sequence.chosen if t < tokens.eot]
-    text = tokens.tokenizer.decode(ids).encode()
-    ratio = len(text) / len(zlib.compress(text)) if text else 0.0
     mean = sequence.logprob / (len(sequence.chosen) or 1)
-    temperatures = [t for t in FALLBACK_TEMPERATURES if t > sequence.temperature]
-    if not temperatures or (ratio <= COMPRESSION_RATIO_LIMIT and mean >= LOGPROB_LIMIT):
+    return whisper_loops.stands(ids, tokens.tokenizer.decode(ids), mean, sequence.no_speech_prob)
+
+
+def hotter(sequence: Sequence, tokens: WhisperTokens) -> Sequence | None:
+    """The same prompt at the next temperature, where this decode does not stand, as openai-whisper
+    falls back; None where it stands or was the hottest."""
+    temperatures = [t for t in whisper_loops.FALLBACK_TEMPERATURES if t > sequence.temperature]
+    if not temperatures or stands(sequence, tokens):
         return None
-    if ratio <= COMPRESSION_RATIO_LIMIT and sequence.no_speech_prob > NO_SPEECH_LIMIT:
-        return None  # unsure because nothing was said: silence, as openai-whisper takes it
     return Sequence(sequence.prompt, sequence.key, temperatures[0], sequence.timestamps)
 
 
@@ -110,6 +106,9 @@ class ArrayWhisperEngine:
 
     def hotter(self, sequence: Sequence) -> Sequence | None:
         return hotter(sequence, self.tokens)
+
+    def stands(self, sequence: Sequence) -> bool:
+        return stands(sequence, self.tokens)
 
     def words(self, shard: Shard, language: str, ids: list[int], cross: list[tuple[Any, Any]], at: int) -> list[Word]:
         """The shard's words timed by the alignment heads (whisper_align.py); item `at` of `cross`."""

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from appliance.engine import whisper_loops
 from appliance.engine.speech_engine import Decoded, Shard
 from appliance.engine.whisper_batch import DecodeBatch, Sequence
 from appliance.engine.whisper_features import SAMPLE_RATE, log_mel
@@ -42,6 +43,8 @@ class Decoder(Protocol):
     def beams_of(self, sequence: Sequence) -> list[Sequence]: ...
 
     def hotter(self, sequence: Sequence) -> Sequence | None: ...
+
+    def stands(self, sequence: Sequence) -> bool: ...
 
     def encode(self, features: np.ndarray) -> list[list[tuple[Any, Any]]]: ...
 
@@ -74,6 +77,7 @@ class Decoding:
         self._where: dict[Hashable, tuple[list[tuple[Any, Any]], int]] = {}
         self._units: list[list[Sequence]] = []  # waiting for rows (a beam group's all at once)
         self._open: dict[Hashable, _Open] = {}
+        self._first: dict[Hashable, Sequence] = {}  # a falling-back shard's first decode
 
     @property
     def busy(self) -> bool:
@@ -101,11 +105,16 @@ class Decoding:
         for sequence in batch.step():
             again = self.engine.hotter(sequence) if self.fallback else None
             if again is not None:
+                self._first.setdefault(sequence.key, sequence)
                 self.engine.retried["temperature"] += 1
                 self._units.append([again])
-            else:
-                del self._where[sequence.key]
-                ended.append(sequence)
+                continue
+            del self._where[sequence.key]
+            first = self._first.pop(sequence.key, None)
+            if first is not None and not self.engine.stands(sequence):  # none stood: the first, cut
+                first.chosen = whisper_loops.cut(first.chosen, self.engine.tokens.eot)
+                sequence = first
+            ended.append(sequence)
         return ended
 
     def begin(self, keyed: list[tuple[Hashable, Shard]]) -> None:
@@ -134,6 +143,7 @@ class Decoding:
         """The shard's caller went away: it leaves the batch now, and the others go on."""
         self._open.pop(key, None)
         self._where.pop(key, None)
+        self._first.pop(key, None)
         self._units = [unit for unit in self._units if unit[0].key != key]
         for sequence in [s for s in self.engine.batch.rows if s.key == key]:
             self.engine.batch.leave(sequence)

@@ -4,12 +4,12 @@ compression_ratio, no_speech_prob). Plain functions of ids and text; no engine h
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
 
+from appliance.engine.whisper_loops import compression_ratio
 from appliance.errors import ApplianceError
 
 TOKEN_SECONDS = 0.02  # an encoder position, and a timestamp token's step
@@ -75,12 +75,12 @@ class WhisperTokens:
 
     def quality(self, generated: Generated, temperature: float) -> Quality:
         """openai-whisper's measures of a decode (faster-whisper's formulas for CTranslate2's score)."""
-        text = self.text(generated.ids).encode()
+        text = self.text(generated.ids)
         count = len(generated.ids)
         return Quality(
             temperature,
             round(generated.score * count / (count + 1), 4),
-            round(len(text) / len(zlib.compress(text)), 4) if text else 0.0,
+            round(compression_ratio(text), 4),
             round(generated.no_speech_prob, 4),
         )
 
