@@ -54,8 +54,10 @@ class DaemonProcess:
         self.cert, key = workdir / "cert.pem", workdir / "key.pem"
         init_self_signed(self.cert, key, [])
         self.quic = f"127.0.0.1:{free_udp_port()}"
+        self.pin_dir: Path | None = None  # where its eBPF maps are pinned, where the bench chose it
         if "pin_dir" not in conncache:  # its own: a daemon already serving here (make run) holds the default
-            conncache = f'pin_dir = "/sys/fs/bpf/appliance-bench-{os.getpid()}-{workdir.name}"\n{conncache}'
+            self.pin_dir = Path(f"/sys/fs/bpf/appliance-bench-{os.getpid()}-{workdir.name}")
+            conncache = f'pin_dir = "{self.pin_dir}"\n{conncache}'
         self.https_port = free_tcp_port() if https else None
         if https:
             conncache += f"[https]\nenabled = true\nport = {self.https_port}\n"

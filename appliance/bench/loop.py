@@ -9,6 +9,9 @@ is the one that takes the work). Phases of `seconds` each:
     bodies       a JSON infer body nested 100,000 deep and a 60 MiB JSON list (parsed off the loop)
     realtime-events  a Realtime session's events of 99,000 strings each (under the WebSocket's 1 MiB and
                  the JSON reader's 100,000 values), read off the loop, each answered with an error event
+    peer-walk    the QUIC listener's validated-peer table (the eBPF map) full, 65,536 peers each seen at
+                 the phase's start: the sweep walks it in a thread every second (0.7 to 0.8 s of bpf()
+                 calls); where the kernel backend did not load, the phase is left out and says so
     bodies-2-workers  the same bodies on a daemon with server.workers = 2: each crosses from the worker
                  that reads it to the engine through shared memory (copied on threads), and the health
                  check is a worker's
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import socket
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -38,9 +42,12 @@ from appliance.audio import encode_wav
 from appliance.bench.daemon import DaemonProcess
 from appliance.bench.hostile import PACE_S, hostile_bodies, latency, until
 from appliance.client import Call, Client, tensors_call
+from appliance.transport.bpfmaps import PinnedMap
+from appliance.transport.conncache import KernelCache
 
 TEXTS = np.array([b"a"] * 65_536, dtype=object)  # the most texts one infer takes: 65,536 characters in all
 CHUNK_SAMPLES = 64 * 512  # 2.048 s at 16 kHz: whole VAD frames, as a live stream's chunks must be
+PEER_TABLE = 65_536  # conncache.max_entries' default
 
 
 def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> dict[str, Any]:
@@ -62,7 +69,14 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
                 "bodies": lambda: hostile_bodies(daemon),
                 "realtime-events": events.send,
             }
+            table = _FullPeerTable.of(daemon)
+            if isinstance(table, str):
+                results["peer_walk"] = table
+            else:
+                work["peer-walk"] = table.step
             results["phases"] = _phases(daemon, work, seconds)
+            if not isinstance(table, str):
+                table.empty()
             live.end()
             if events.ws is not None:
                 events.ws.close()
@@ -157,6 +171,39 @@ class _LongEvents:
             pass
 
 
+class _FullPeerTable:
+    """The engine's validated-peer map filled from the bench (root, as the daemon's loader): fake peers
+    on 127.0.0.0/8, each seen when the phase began, so that none is idle before it ends."""
+
+    def __init__(self, table: PinnedMap, entries: int) -> None:
+        self.table, self.entries, self.keys = table, entries, list[bytes]()
+
+    @classmethod
+    def of(cls, daemon: DaemonProcess) -> _FullPeerTable | str:
+        """The table, or why the phase cannot run."""
+        if daemon.pin_dir is None or not (daemon.pin_dir / "peers").exists():
+            return "no peer-walk phase: the daemon's connection cache is not the kernel's (eBPF)"
+        return cls(PinnedMap(daemon.pin_dir / "peers", KernelCache.KEY.size, KernelCache.STATS_SIZE), PEER_TABLE)
+
+    def step(self) -> None:
+        if not self.keys:  # the phase's first step fills it
+            now = time.monotonic_ns()
+            value = KernelCache.STATS.pack(now, now, 1, 1200, 0, 0, 0, 8, bytes(20)).ljust(
+                KernelCache.STATS_SIZE, b"\0"
+            )
+            for i in range(self.entries):
+                address = bytes([127, 1 + i // 60000 % 250, 0, 1]).ljust(16, b"\0")
+                key = KernelCache.KEY.pack(4, 0, socket.htons(1024 + i % 60000), address)
+                self.table.update(key, value)
+                self.keys.append(key)
+        time.sleep(0.1)  # the daemon's sweep does the work
+
+    def empty(self) -> None:
+        for key in self.keys:
+            self.table.delete(key)
+        self.table.close()
+
+
 class _LiveBytes:
     """One live stream of the speech model, each chunk an encoded WAV file (near silence: the VAD closes
     nothing, so no decode of speech joins the measure)."""
@@ -186,6 +233,8 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  the health check while work once on the event loop runs ({r['workers']} worker: the engine's loop "
         f"serves the socket; {r['seconds']} s a phase, a check every 20 ms): p50 / p99 / max ms, failed"
     ]
+    if "peer_walk" in r:
+        lines.append(f"    {r['peer_walk']}")
     for phase, m in r["phases"].items():
         t = m["unix"]
         lines.append(
