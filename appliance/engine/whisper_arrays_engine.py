@@ -3,9 +3,10 @@ decoder continuously batched (whisper_batch.py).
 
 NumPy computes in float32: the reference CI holds against CTranslate2 on the CPU. CuPy runs the same
 code in float16 on the GPU. A batch's encoder windows run max_batch at a time; its sequences join the
-decode batch while it has a free row, and a decode that loops on itself (compression ratio above
-2.4) or is unsure of itself (mean log probability under -1) joins again at the next temperature
-while the others still decode, as openai-whisper falls back. Greedy or beam search
+decode batch while it has a free row, and a decode that loops on itself or is unsure of itself
+(whisper_loops.stands) joins again at the next temperature while the others still decode, as
+openai-whisper falls back; where none stands, the first decode does, cut where its loop begins
+(whisper_decoding.py). Greedy or beam search
 (whisper_beams.py); each shard in its own window.
 """
 
