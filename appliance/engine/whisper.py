@@ -199,7 +199,7 @@ class WhisperEngine:
                 one = sampler.encode(ctranslate2.StorageView.from_array(features[at : at + 1]), to_cpu=False)
                 for fallback in (t for t in whisper_loops.FALLBACK_TEMPERATURES if t > temperature):
                     again = self._generate(sampler, one, prompts[at : at + 1], fallback)
-                    if self._stands(again[0]):
+                    if stands(self.tokens, again[0]):
                         generated[at], used[at] = again[0], fallback
                         break
                 else:  # none stands: the first answer, cut where its loop begins
@@ -271,12 +271,6 @@ class WhisperEngine:
         )
         return [Generated(list(r.sequences_ids[0]), float(r.scores[0]), float(r.no_speech_prob)) for r in results]
 
-    def _stands(self, generated: Generated) -> bool:
-        """A sampled decode neither loops nor is unsure (whisper_loops.stands)."""
-        text = [t for t in generated.ids if t < self.tokens.eot]
-        mean = self.tokens.quality(generated, 0.0).avg_logprob
-        return whisper_loops.stands(text, self.tokens.tokenizer.decode(text), mean, generated.no_speech_prob)
-
     def _looping(self, ids: list[list[int]]) -> list[int]:
         """Which decodes loop on themselves (whisper_loops.py)."""
         return whisper_loops.looping_rows(ids, self.tokens.eot, self.tokens.tokenizer.decode)
@@ -285,6 +279,13 @@ class WhisperEngine:
         """Each clip's language and its probability, as Whisper detects it (a multilingual model only)."""
         assert self.tokens.multilingual, "an English-only Whisper detects no language"
         return whisper_language.detect(self._model(len(clips)), self.filters, clips)
+
+
+def stands(tokens: WhisperTokens, generated: Generated) -> bool:
+    """A sampled decode neither loops nor is unsure (whisper_loops.stands)."""
+    text = [t for t in generated.ids if t < tokens.eot]
+    mean = tokens.quality(generated, 0.0).avg_logprob
+    return whisper_loops.stands(text, tokens.tokenizer.decode(text), mean, generated.no_speech_prob)
 
 
 def seeded_sampler(directory: Path, threads: int) -> ctranslate2.models.Whisper:
