@@ -5,13 +5,9 @@ allocates, up to 8 a core) for the next allocation, and a mix of sizes leaves mo
 on the interpreter firmware after 20 min of mixed use (appliance bench --part memory) the engine
 process held 2,263 MiB, and 1,044 MiB right after a malloc_trim(0), under the same load.
 
-glibc also moves its mmap threshold up to the largest block freed (up to 32 MiB), so the tensors of a
-long recording or sentence go into those heaps after the first one is freed, and stay there until
-the next trim. The engine process fixes it at 1 MiB before it loads its models: a block that large
-is mapped on its own and unmapped when freed. Whisper base on two recordings of 5 to 25 s beside
-Kokoro on two sentences of 40 to 200 tokens, four rounds in one process: at rest 464-467 MiB against
-529-538 MiB, a peak 610-612 MiB above it against 730-777, 42-43 MiB kept against 341-349, and 95.6-97.7 s
-against 101.6-104.2 s.
+glibc's mmap threshold is left to move: fixed at 1 MiB, every block that large is mapped and unmapped
+again, and Whisper base's CPU went from 33 s to 39-40 s on eight recordings of 6 to 25 s (three times
+the page faults), to keep 150 MiB less at its peak than the trim does.
 """
 
 from __future__ import annotations
@@ -23,20 +19,6 @@ from collections.abc import Callable
 
 log = logging.getLogger("appliance")
 TRIM_INTERVAL_S = 30.0  # a trim of a 2 GiB heap takes milliseconds, on a thread of its own
-MMAP_THRESHOLD_BYTES = 1 << 20
-M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
-
-
-def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> None:
-    """Blocks of `size` bytes or more mapped on their own from now on, whatever was freed before (glibc's
-    mallopt, where the C library has it)."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        log.info("no mallopt in this C library: its mmap threshold moves with what is freed")
-        return
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mallopt(M_MMAP_THRESHOLD, size)
 
 
 def heap_trim() -> Callable[[], int] | None:
