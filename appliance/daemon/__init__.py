@@ -26,7 +26,7 @@ from appliance.daemon.agent import Agent
 from appliance.daemon.listeners import Listeners, bind_unix_socket
 from appliance.daemon.watchdog import Watchdog
 from appliance.engine import cuda
-from appliance.engine.heap import trim_heap_forever
+from appliance.engine.heap import fix_mmap_threshold, trim_heap_forever
 from appliance.engine.stats import ModelStats
 from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_models
@@ -86,6 +86,7 @@ class Daemon:
         FIRMWARE_FIELD.firmware = f"{manifest.name} {manifest.version}"
         log.info("firmware %s %s verified (key %s)", manifest.name, manifest.version, manifest.signing_key_id)
         systemd.extend_start(START_STEP_S, "loading models")
+        fix_mmap_threshold()
         self.models = load_models(
             bundle, self.live, lambda name: systemd.extend_start(START_STEP_S, f"model {name} loaded; loading the next")
         )

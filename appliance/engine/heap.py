@@ -5,9 +5,14 @@ allocates, up to 8 a core) for the next allocation, and a mix of sizes leaves mo
 on the interpreter firmware after 20 min of mixed use (appliance bench --part memory) the engine
 process held 2,263 MiB, and 1,044 MiB right after a malloc_trim(0), under the same load.
 
-glibc's mmap threshold is left to move: fixed at 1 MiB, every block that large is mapped and unmapped
-again, and Whisper base's CPU went from 31-32 s to 37-40 s on eight recordings of 6 to 25 s (three
-times the page faults), for a peak no lower than this trim gives (439 MiB above rest against 434).
+glibc also moves its mmap threshold up to the largest block freed (up to 32 MiB), so that the blocks
+of a long recording or sentence go into those heaps once one has been freed, and stay there until the
+next trim. The engine process fixes it at MMAP_THRESHOLD_BYTES before it loads its models: a block
+that large is mapped on its own and unmapped when freed. appliance bench --part memory on the
+interpreter firmware, each daemon beside one on the moving threshold: the median of the processes'
+memory under load was 1,518 MiB against 2,028 over 15 min, 108 calls against 90 (fixed at 1 MiB:
+1,329 against 1,963 over 40 min). Lower costs CTranslate2 page faults: Whisper base's CPU on eight
+recordings of 6 to 25 s was 31-34 s moving, 34.7 s fixed at 8 MiB, 35.9 s at 4 MiB, 37-40 s at 1 MiB.
 """
 
 from __future__ import annotations
@@ -19,6 +24,20 @@ from collections.abc import Callable
 
 log = logging.getLogger("appliance")
 TRIM_INTERVAL_S = 30.0  # a trim of a 2 GiB heap takes milliseconds, on a thread of its own
+MMAP_THRESHOLD_BYTES = 8 << 20
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+
+def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> None:
+    """Blocks of `size` bytes or more mapped on their own from now on, whatever was freed before (glibc's
+    mallopt, where the C library has it)."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        log.info("no mallopt in this C library: its mmap threshold moves with what is freed")
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt(M_MMAP_THRESHOLD, size)
 
 
 def heap_trim() -> Callable[[], int] | None:
