@@ -42,12 +42,12 @@ from appliance.audio import encode_wav
 from appliance.bench.daemon import DaemonProcess
 from appliance.bench.hostile import PACE_S, hostile_bodies, latency, until
 from appliance.client import Call, Client, tensors_call
+from appliance.config import ConnCacheConfig
 from appliance.transport.bpfmaps import PinnedMap
 from appliance.transport.conncache import KernelCache
 
 TEXTS = np.array([b"a"] * 65_536, dtype=object)  # the most texts one infer takes: 65,536 characters in all
 CHUNK_SAMPLES = 64 * 512  # 2.048 s at 16 kHz: whole VAD frames, as a live stream's chunks must be
-PEER_TABLE = 65_536  # conncache.max_entries' default
 
 
 def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> dict[str, Any]:
@@ -70,12 +70,12 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
                 "realtime-events": events.send,
             }
             table = _FullPeerTable.of(daemon)
-            if isinstance(table, str):
-                results["peer_walk"] = table
+            if table is None:
+                results["peer_walk"] = "no peer-walk phase: the daemon's connection cache is not the kernel's (eBPF)"
             else:
                 work["peer-walk"] = table.step
             results["phases"] = _phases(daemon, work, seconds)
-            if not isinstance(table, str):
+            if table is not None:
                 table.empty()
             live.end()
             if events.ws is not None:
@@ -179,11 +179,12 @@ class _FullPeerTable:
         self.table, self.entries, self.keys = table, entries, list[bytes]()
 
     @classmethod
-    def of(cls, daemon: DaemonProcess) -> _FullPeerTable | str:
-        """The table, or why the phase cannot run."""
+    def of(cls, daemon: DaemonProcess) -> _FullPeerTable | None:
+        """The table at its default size (conncache.max_entries), or None where it is not the kernel's."""
         if daemon.pin_dir is None or not (daemon.pin_dir / "peers").exists():
-            return "no peer-walk phase: the daemon's connection cache is not the kernel's (eBPF)"
-        return cls(PinnedMap(daemon.pin_dir / "peers", KernelCache.KEY.size, KernelCache.STATS_SIZE), PEER_TABLE)
+            return None
+        peers = PinnedMap(daemon.pin_dir / "peers", KernelCache.KEY.size, KernelCache.STATS_SIZE)
+        return cls(peers, ConnCacheConfig().max_entries)
 
     def step(self) -> None:
         if not self.keys:  # the phase's first step fills it
