@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -30,10 +29,8 @@ MIN_CHARACTERS_PER_LINE = 20  # a 390 px column holds about 40; the broken panel
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, keys, interpreter_bundle, tls) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("phone"), interpreter_bundle, keys.trusted, tls=tls, https="")
-    yield d.wait_ready(180)
-    assert d.stop() == 0, d.log.read_text()
+def daemon(interpreter_daemon: Daemon) -> Daemon:
+    return interpreter_daemon  # HTTPS with the box's certificate, as a LAN sees the box
 
 
 @pytest.fixture(scope="module")
