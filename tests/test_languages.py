@@ -15,7 +15,6 @@ import json
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -25,7 +24,7 @@ import pytest
 import soundfile
 import soxr
 import tokenizers
-from conftest import Daemon, Keys, cli
+from conftest import Daemon, cli
 from faster_whisper import WhisperModel
 from kokoro import Kokoro, package_file
 from speech import RATE, say
@@ -53,11 +52,8 @@ MIXED_PORTUGUESE = ["Meu irmão trabalha no hospital.", "Eu gostaria de um café
 
 
 @pytest.fixture(scope="module")
-def daemon(keys: Keys, interpreter_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    work = tmp_path_factory.mktemp("languages")
-    d = Daemon(work, interpreter_bundle, keys.trusted).wait_ready(240)
-    yield d
-    assert d.stop() == 0, d.log.read_text()
+def daemon(interpreter_daemon: Daemon) -> Daemon:
+    return interpreter_daemon
 
 
 @pytest.fixture(scope="module")
