@@ -185,10 +185,10 @@ def test_sequence_ids_are_int64_or_uint64_integers_or_short_strings(sequence_id:
 # --- the fuzz: three decoders in-process --------------------------------------------------------
 #
 # Hypothesis spends its time per choice it draws (0.1 ms or more each, with 0.2 ms per example): it took
-# about 85% of the fuzz's time when it drew each input's shape. So an example draws a shape (the few
+# about 85% of the fuzz's time when it drew each input's form. So an example draws a form (the few
 # choices that make an input what it is) and a seed, and the seed fills in INPUTS_PER_EXAMPLE inputs of
-# that shape (their bytes, values and cut points), checked in turn. A failure shows the shape and the
-# seed (a few bytes, not ten inputs), and shrinks to the smallest shape that fails.
+# that form (their bytes, values and cut points), checked in turn. A failure shows the form and the
+# seed (a few bytes, not ten inputs), and shrinks to the smallest form that fails.
 
 # The issue asks for 100,000 generated inputs over the three decoders together: 45,000 tensor bodies,
 # 35,000 assembled requests, 18,000 audio files and 2,000 JSON documents (drawn whole, one an example).
@@ -235,12 +235,12 @@ HEADERS = st.sampled_from([(name, value) for name in HEADER_NAMES for value in H
 BODY_SIZES = st.sampled_from([0, 1, 100, 4095, 4096, 4097, 70000])
 
 
-ASSEMBLY_SHAPES = st.tuples(TARGETS, BODY_SIZES, METHODS, st.lists(HEADERS, max_size=5))
+ASSEMBLY_FORMS = st.tuples(TARGETS, BODY_SIZES, METHODS, st.lists(HEADERS, max_size=5))
 
 
-def assembled(shape: tuple[bytes, int, str, list[tuple[bytes, bytes]]], rng: np.random.Generator) -> dict[str, Any]:
+def assembled(form: tuple[bytes, int, str, list[tuple[bytes, bytes]]], rng: np.random.Generator) -> dict[str, Any]:
     """A request as a transport feeds it: the target and the body in pieces, the headers ("?": random)."""
-    target, size, method, headers = shape
+    target, size, method, headers = form
     random = lambda raw, most: raw if raw != b"?" else rng.bytes(int(rng.integers(0, most)))  # noqa: E731
     cut = int(rng.integers(0, len(target) + 1))
     body = rng.bytes(size)
@@ -254,10 +254,10 @@ def assembled(shape: tuple[bytes, int, str, list[tuple[bytes, bytes]]], rng: np.
 
 
 @fuzz_settings("assembler")
-@given(ASSEMBLY_SHAPES, SEEDS)
-def test_fuzz_request_assembler(shape: tuple[bytes, int, str, list[tuple[bytes, bytes]]], seed: int) -> None:
+@given(ASSEMBLY_FORMS, SEEDS)
+def test_fuzz_request_assembler(form: tuple[bytes, int, str, list[tuple[bytes, bytes]]], seed: int) -> None:
     for rng in fillings("assembler", seed):
-        check_assembly(assembled(shape, rng))
+        check_assembly(assembled(form, rng))
 
 
 def check_assembly(feed: dict[str, Any]) -> None:
@@ -417,13 +417,13 @@ def kserve_tensor(tensor: tuple[tuple[Any, str], Any], rng: np.random.Generator)
     return entry, binary
 
 
-BODY_SHAPES = st.tuples(st.lists(st.tuples(TENSOR_KINDS, SHAPES), min_size=1, max_size=2), DOC_EXTRAS, MUTATIONS)
+BODY_FORMS = st.tuples(st.lists(st.tuples(TENSOR_KINDS, SHAPES), min_size=1, max_size=2), DOC_EXTRAS, MUTATIONS)
 
 
-def tensor_body(shape: tuple[list[Any], dict[str, Any], int], rng: np.random.Generator) -> tuple[bytes, str | None]:
+def tensor_body(form: tuple[list[Any], dict[str, Any], int], rng: np.random.Generator) -> tuple[bytes, str | None]:
     """(body, Inference-Header-Content-Length)."""
-    tensors = [kserve_tensor(tensor, rng) for tensor in shape[0]]
-    extras, mutations = shape[1:]
+    tensors = [kserve_tensor(tensor, rng) for tensor in form[0]]
+    extras, mutations = form[1:]
     doc: Any = {"inputs": [entry for entry, _ in tensors], **extras}
     if rng.random() < 0.1:
         doc = ODD_DOCUMENTS[int(rng.integers(0, len(ODD_DOCUMENTS)))]
@@ -448,10 +448,10 @@ def tensor_body(shape: tuple[list[Any], dict[str, Any], int], rng: np.random.Gen
 
 
 @fuzz_settings("tensors")
-@given(BODY_SHAPES, SEEDS)
-def test_fuzz_tensor_decoder(shape: tuple[list[Any], dict[str, Any], int], seed: int) -> None:
+@given(BODY_FORMS, SEEDS)
+def test_fuzz_tensor_decoder(form: tuple[list[Any], dict[str, Any], int], seed: int) -> None:
     for rng in fillings("tensors", seed):
-        check_tensor_body(*tensor_body(shape, rng))
+        check_tensor_body(*tensor_body(form, rng))
 
 
 def check_tensor_body(body: bytes, header_length: str | None) -> None:
@@ -489,12 +489,12 @@ AUDIO_SEEDS = [
 ]
 AUDIO_EDITS = ["byte", "u16", "u32", "cut", "insert", "delete"]
 FIELD_VALUES = [0, 1, 2, 7, 8, 9, 255, 7999, 384001, 0x7FFFF000, 0x7FFFFFFF, 0xFFFFFFFF]
-AUDIO_SHAPES = st.tuples(st.sampled_from(AUDIO_SEEDS), st.integers(1, 5))  # a file, and how many edits
+AUDIO_FORMS = st.tuples(st.sampled_from(AUDIO_SEEDS), st.integers(1, 5))  # a file, and how many edits
 MAX_SECONDS = (8 << 20) / (2 * 16000)  # what the test daemon's body limit allows, as the segments route computes it
 
 
-def mutated_audio(shape: tuple[bytes, int], rng: np.random.Generator) -> bytes:
-    data, count = bytearray(shape[0]), shape[1]
+def mutated_audio(form: tuple[bytes, int], rng: np.random.Generator) -> bytes:
+    data, count = bytearray(form[0]), form[1]
     for edit in rng.choice(AUDIO_EDITS, count):
         if not data:
             break
@@ -515,10 +515,10 @@ def mutated_audio(shape: tuple[bytes, int], rng: np.random.Generator) -> bytes:
 
 
 @fuzz_settings("audio")
-@given(AUDIO_SHAPES, SEEDS)
-def test_fuzz_audio_decoder(shape: tuple[bytes, int], seed: int) -> None:
+@given(AUDIO_FORMS, SEEDS)
+def test_fuzz_audio_decoder(form: tuple[bytes, int], seed: int) -> None:
     for rng in fillings("audio", seed):
-        check_audio(mutated_audio(shape, rng))
+        check_audio(mutated_audio(form, rng))
 
 
 def check_audio(data: bytes) -> None:
