@@ -8,7 +8,9 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -260,6 +262,39 @@ def test_one_daemon_owns_a_pin_dir(start_daemon, tls) -> None:
     third = start_daemon(tls=tls, pin_dir=first.pin_dir, extra_conncache='backend = "ebpf"\n')
     with third.client() as client:  # the dead owner's directory is free again
         assert client.status()["conncache"]["backend"] == "ebpf"
+
+
+# A daemon stopped while bcc compiles its program: it starts the loader as the daemon does, and leaves.
+STOPPED_DAEMON = """
+import socket, subprocess, sys
+from pathlib import Path
+from appliance.config import ConnCacheConfig
+from appliance.transport.conncache import loader_command
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind(("127.0.0.1", 0))
+command = loader_command(ConnCacheConfig(pin_dir=Path(sys.argv[1])), [sock.fileno()], None)
+print(subprocess.Popen(command, pass_fds=[sock.fileno()]).pid)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")
+def test_a_loader_whose_daemon_stopped_ends_without_pinning_its_maps() -> None:
+    """Left running, it would attach to a socket no one reads and pin its maps over those of the daemon
+    that starts next on the same pin_dir (that one's lock is free once the first is gone)."""
+    pin_dir = Path("/sys/fs/bpf") / f"appliance-test-orphan-{os.getpid()}"
+    pin_dir.mkdir()
+    try:
+        started = subprocess.run([sys.executable, "-c", STOPPED_DAEMON, pin_dir], capture_output=True, check=True)
+        stat = Path(f"/proc/{int(started.stdout)}/stat")
+        deadline = time.monotonic() + 120  # left running, it compiles and pins in about 2 s
+        while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the loader is still running 120 s after its daemon"
+            time.sleep(0.1)
+        assert not list(pin_dir.iterdir())
+    finally:
+        for pin in pin_dir.iterdir():
+            pin.unlink()
+        pin_dir.rmdir()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

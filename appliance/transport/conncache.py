@@ -252,29 +252,9 @@ class KernelCache(ConnectionCache):
         return cache
 
     def _load(self, config: ConnCacheConfig, socks: list[socket.socket], keys: list[int] | None) -> None:
-        defines = [
-            f"MAX_ENTRIES={config.max_entries}",
-            f"MAX_UNVALIDATED={config.max_unvalidated}",
-            f"RATE_PER_S={max(1, int(config.peer_rate))}",
-            f"BURST={max(1, int(config.peer_burst))}",
-            f"HOST_CID_LENGTH={HOST_CID_LENGTH}",
-            f"DROPPERS={DROPPERS}",
-        ]
+        fds = [sock.fileno() for sock in socks]
         loader = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "appliance.transport.conncache_loader",
-                *(f"--fd={sock.fileno()}" for sock in socks),
-                *(f"--steer-key={key}" for key in keys or ()),
-                "--pin-dir",
-                str(config.pin_dir),
-                *(f"--define={d}" for d in defines),
-            ],
-            pass_fds=tuple(sock.fileno() for sock in socks),
-            capture_output=True,
-            text=True,
-            timeout=120,
+            loader_command(config, fds, keys), pass_fds=fds, capture_output=True, text=True, timeout=120
         )
         if loader.returncode != 0:
             raise OSError(
@@ -363,6 +343,23 @@ class KernelCache(ConnectionCache):
         with contextlib.suppress(OSError):  # left in place if someone else pinned there too
             self.config.pin_dir.rmdir()
         os.close(self._owner)  # only now may another daemon take the directory
+
+
+def loader_command(config: ConnCacheConfig, fds: list[int], keys: list[int] | None) -> list[str]:
+    """The loader child's command line: it attaches to the sockets `fds` (inherited) and ends with this process."""
+    defines = [
+        f"MAX_ENTRIES={config.max_entries}",
+        f"MAX_UNVALIDATED={config.max_unvalidated}",
+        f"RATE_PER_S={max(1, int(config.peer_rate))}",
+        f"BURST={max(1, int(config.peer_burst))}",
+        f"HOST_CID_LENGTH={HOST_CID_LENGTH}",
+        f"DROPPERS={DROPPERS}",
+    ]
+    return [
+        sys.executable, "-m", "appliance.transport.conncache_loader", f"--parent={os.getpid()}",
+        *(f"--fd={fd}" for fd in fds), *(f"--steer-key={key}" for key in keys or ()),
+        "--pin-dir", str(config.pin_dir), *(f"--define={d}" for d in defines),
+    ]  # fmt: skip
 
 
 def own_pin_dir(pin_dir: Path) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -30,6 +32,7 @@ SO_ATTACH_BPF = 50
 SO_ATTACH_REUSEPORT_EBPF = 52
 BPF_PROG_TYPE_SK_REUSEPORT = 21  # not in bcc's BPFProgType
 BPF_MAP_TYPE_SOCKHASH = 18
+PR_SET_PDEATHSIG = 1
 
 libbcc.lib.bcc_create_map.restype = ctypes.c_int
 libbcc.lib.bcc_create_map.argtypes = [ctypes.c_int, ctypes.c_char_p] + [ctypes.c_int] * 4
@@ -91,8 +94,17 @@ def steer(fds: list[int], keys: list[int], pin_dir: Path, defines: list[str]) ->
         ) from None
 
 
+def die_with(parent: int) -> None:
+    """Killed when the daemon that started it ends: a loader left compiling after a stop during start-up
+    would attach to sockets no one reads and pin its maps over those of the daemon that starts next."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the line above
+        sys.exit("the daemon that started the loader has stopped")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--parent", type=int, required=True, help="the daemon's pid: the loader ends with it")
     parser.add_argument("--fd", type=int, action="append", required=True, help="a UDP socket, inherited")
     parser.add_argument("--pin-dir", type=Path, required=True)
     parser.add_argument("--define", action="append", default=[], help="NAME=VALUE for the BPF C")
@@ -100,6 +112,7 @@ def main() -> int:
         "--steer-key", type=int, action="append", default=[], help="a worker's CID key, one per --fd, in order"
     )
     args = parser.parse_args()
+    die_with(args.parent)
     try:
         load(args.fd, args.pin_dir, args.define)
     except Exception as exc:  # noqa: BLE001 - bcc raises plain Exceptions; the daemon gets the reason
