@@ -317,7 +317,7 @@ def exit_overdue(daemon: Daemon, again: bool) -> None:
     event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
     while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
     if daemon.stopped_starting:
-        log.info("stopped during start-up (models were loading or warming up)")
+        log.info("stopped during start-up, before anything was served (what was starting is abandoned)")
         logging.shutdown()
         os._exit(0)
     in_flight = daemon.in_flight()
