@@ -378,7 +378,7 @@ def test_a_twenty_minute_transcription_abandoned_after_2_s_stops_within_one_engi
     time.sleep(2.0)
     deadline = time.monotonic() + 60
     while (depth := whisper_metric(unix, "appliance_queue_depth")) <= 2 * 8:
-        assert time.monotonic() < deadline, f"{depth:.0f} shards of the recording reached Whisper"
+        assert time.monotonic() < deadline, f"{depth:.0f} of its shards waited or ran after 60 s, not 17"
         time.sleep(0.05)
     before = whisper_metric(unix, "nv_inference_count")  # an engine call counts its shards when it ends
     sock.close()
