@@ -22,8 +22,9 @@ import soxr
 from conftest import Daemon
 from faster_whisper import WhisperModel
 from fleet import wait_until
+from promtext import sample
 from speech import RATE, recording
-from test_speech_to_text import CLEAR, wer, whisper_metric
+from test_speech_to_text import CLEAR, wer
 from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient, AsyncUnixClient
@@ -89,7 +90,7 @@ async def transcribe(
 
 def metric(daemon: Daemon, name: str, model: str) -> int:
     with daemon.client() as client:
-        return int(whisper_metric(client, name, model))
+        return int(sample(client.metrics(), name, model=model))
 
 
 def engine_calls(daemon: Daemon, model: str) -> int:
