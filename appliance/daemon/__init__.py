@@ -315,7 +315,8 @@ async def abandon_start(daemon: Daemon) -> None:
 def exit_overdue(daemon: Daemon, again: bool) -> None:
     """From the signal thread: a second stop signal (stop now), or the stop did not end in time, so the
     event loop itself is blocked (an engine call that never returns, run on the loop), or a stop came
-    while models were still loading or warming up (nothing served yet). Say what is lost and exit."""
+    during start-up (models loading or warming up, the eBPF loader, the listeners: nothing served yet). Say
+    what is lost and exit."""
     if daemon.stopped_starting:
         log.info("stopped during start-up, before anything was served (what was starting is abandoned)")
         logging.shutdown()
