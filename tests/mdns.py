@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import socket
 import sys
 
@@ -24,12 +25,13 @@ def srv_ports(name: str, address: str, tries: int = 1, interface: str = "127.0.0
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(tries)]
     ports: list[int] = []
     with contextlib.ExitStack() as stack:
-        for sock in sockets:
+        # each its own id, as dig's: a responder drops a datagram the same as one it took within a second
+        for sock, query_id in zip(sockets, random.sample(range(1, 1 << 16), tries), strict=True):
             stack.enter_context(sock)
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(interface))
             if source:
                 sock.bind((source, 0))
-            query = DNSOutgoing(0, multicast=False)
+            query = DNSOutgoing(0, multicast=False, id_=query_id)
             query.add_question(DNSQuestion(name, SRV, IN))
             sock.sendto(query.packets()[0], (address, 5353))
         for number, sock in enumerate(sockets):  # the answers to the others come while the first waits

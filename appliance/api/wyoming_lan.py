@@ -112,14 +112,15 @@ async def _free_instance(zeroconf: AsyncZeroconf, instance: str) -> str:
 
 
 def _narrow(zeroconf: AsyncZeroconf, host: str) -> None:
-    """zeroconf's wildcard socket takes only multicast datagrams to the mDNS group that came in on
-    `host`'s interface (a socket filter on the destination address, read from the IP header, and the
-    interface: the kernel was seen handing this socket a query that came in on another interface
-    where another process had joined the group), and of those only the ones of the memberships it
-    joined itself (IP_MULTICAST_ALL off); its socket on `host`
-    takes only datagrams that came in on `host`'s interface from `host`'s subnet, or from the box
-    itself (loopback). zeroconf has no setting for either: the sockets are its engine's
-    (_listen_socket and _respond_sockets, there since zeroconf 0.32), before its setup runs."""
+    """zeroconf's wildcard socket is bound to `host`'s interface and takes only datagrams to the mDNS
+    group (a socket filter on the destination address, read from the IP header), and of those only
+    the ones of the memberships it joined itself (IP_MULTICAST_ALL off). Bound to no interface, it
+    shared port 5353 (SO_REUSEPORT) with the other responders' wildcard sockets on this host, and the
+    kernel handed a query from the LAN to any one of them: beside two other boxes on loopback, this
+    box's got 1 of 12. Its socket on `host` takes only datagrams that came in on `host`'s interface
+    from `host`'s subnet, or from the box itself (loopback). zeroconf has no setting for either: the
+    sockets are its engine's (_listen_socket and _respond_sockets, there since zeroconf 0.32),
+    before its setup runs."""
     engine = zeroconf.zeroconf.engine
     listen, responders = getattr(engine, "_listen_socket", None), getattr(engine, "_respond_sockets", None)
     if not isinstance(listen, socket.socket) or not responders:
@@ -130,14 +131,13 @@ def _narrow(zeroconf: AsyncZeroconf, host: str) -> None:
         listen,
         [
             (LOAD_WORD, 0, 0, (SKF_NET_OFF + 16) & 0xFFFFFFFF),  # the IPv4 destination
-            (JUMP_IF_EQUAL, 0, 3, group),  # not the group: drop
-            (LOAD_WORD, 0, 0, SKF_AD_IFINDEX & 0xFFFFFFFF),  # the interface it came in on
-            (JUMP_IF_EQUAL, 0, 1, index),  # the served one: keep, else drop
+            (JUMP_IF_EQUAL, 0, 1, group),  # the group: keep, else drop
             KEEP,
             DROP,
         ],
     )
     listen.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, socket.if_indextoname(index).encode())
     mask = (0xFFFFFFFF << (32 - prefix)) & 0xFFFFFFFF
     subnet = struct.unpack("!I", socket.inet_aton(host))[0] & mask
     on_link = [
