@@ -7,14 +7,19 @@ import dataclasses
 import time
 from typing import Any
 
-import numpy as np
-
 from appliance.api import fleet_routes
 from appliance.engine.stats import RequestTimes
 from appliance.errors import BadRequest
 from appliance.kinds.base import SequenceCall, ServedModel
 from appliance.protocol.messages import Request, Response
-from appliance.protocol.tensors import HEADER_LENGTH, MAX_NAME_BYTES, decode_infer, encode_infer, json_kind
+from appliance.protocol.tensors import (
+    HEADER_LENGTH,
+    MAX_NAME_BYTES,
+    decode_infer,
+    encode_infer,
+    encoding_size,
+    json_kind,
+)
 from appliance.tasks import PARSE_OFF_LOOP_BYTES, off_loop, off_loop_past
 
 SEQUENCE_IDS = (-(2**63), 2**64 - 1)  # an integer sequence id is in the int64 or the uint64 range
@@ -49,7 +54,7 @@ async def answer(model: ServedModel, request: Request, fleet: fleet_routes.Fleet
     out_params: dict[str, Any] = {}
     if sequence is not None:
         out_params = {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}
-    size = sum(a.nbytes for a in outputs.values() if isinstance(a, np.ndarray))  # JSON of 10 M samples: seconds
+    size = encoding_size(infer, outputs)
     body, header_length = await off_loop(size, encode_infer, model.name, version, infer, outputs, out_params)
     headers = [] if header_length is None else [("Inference-Header-Content-Length", str(header_length))]
     content_type = "application/json" if header_length is None else "application/octet-stream"
