@@ -5,22 +5,24 @@ is the one that takes the work). Phases of `seconds` each:
 
     quiet        nothing else
     language     language ID over 65,536 texts in one infer, its bound (fastText, off the loop past 64 texts)
-    live-bytes   a live stream's 2 s chunks sent as encoded WAV files (BYTES), decoded off the loop
     bodies       a JSON infer body nested 100,000 deep and a 60 MiB JSON list (parsed off the loop)
     realtime-events  a Realtime session's events of 99,000 strings each (under the WebSocket's 1 MiB and
                  the JSON reader's 100,000 values), read off the loop, each answered with an error event
     peer-walk    the QUIC listener's validated-peer table (the eBPF map) full, 65,536 peers each seen at
                  the phase's start: the sweep walks it in a thread every second (0.7 to 0.8 s of bpf()
                  calls); where the kernel backend did not load, the phase is left out and says so
+    live-bytes   a live stream's 2 s chunks sent as encoded WAV files (BYTES), decoded off the loop
     bodies-2-workers  the same bodies on a daemon with server.workers = 2: each crosses from the worker
                  that reads it to the engine through shared memory (copied on threads), and the health
                  check is a worker's
 
-Each phase: the health check's p50, p99 and max latency, its failed requests, the work done and the
-daemon's CPU seconds. The health check is timed from a process of its own: in the bench's process, the
-work's client (a 60 MiB body made and sent, 65,536 texts encoded) held its GIL for tens of milliseconds,
-which the check's timing took for the daemon's. On 2 cores the work's threads contend with the loop for
-the CPU and the GIL: a phase's latency is that contention and any stall together.
+Each phase: the health check's p50, p99 and max latency, its failed requests, the work done, the
+daemon's CPU seconds, the engine's own loop lags over 10 ms (its /metrics histogram) and how long the
+loop's thread waited for a core. The health check is timed from a process of its own: in the bench's
+process, the work's client (a 60 MiB body made and sent, 65,536 texts encoded) held its GIL for tens
+of milliseconds, which the check's timing took for the daemon's. On 2 cores the work's threads
+contend with the loop for the CPU and the GIL: a phase's latency is that contention and any stall
+together.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from appliance import firmware
 from appliance.audio import encode_wav
 from appliance.bench.daemon import DaemonProcess
 from appliance.bench.hostile import PACE_S, hostile_bodies, latency, until
+from appliance.bench.measure import loop_lags
 from appliance.client import Call, Client, tensors_call
 from appliance.config import ConnCacheConfig
 from appliance.transport.bpfmaps import PinnedMap
 from appliance.transport.conncache import KernelCache
 
 TEXTS = np.array([b"a"] * 65_536, dtype=object)  # the most texts one infer takes: 65,536 characters in all
+STALL_S = 0.01  # issue 42's bound on a stall of the event loop
 CHUNK_SAMPLES = 64 * 512  # 2.048 s at 16 kHz: whole VAD frames, as a live stream's chunks must be
 
 
@@ -65,7 +69,6 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
             work = {
                 "quiet": lambda: time.sleep(0.1),
                 "language": lambda: _ok(client.send(tensors_call(language_model, {"text": TEXTS}))),
-                "live-bytes": live.chunk,
                 "bodies": lambda: hostile_bodies(daemon),
                 "realtime-events": events.send,
             }
@@ -74,6 +77,7 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
                 results["peer_walk"] = "no peer-walk phase: the daemon's connection cache is not the kernel's (eBPF)"
             else:
                 work["peer-walk"] = table.step
+            work["live-bytes"] = live.chunk  # last: its stream ends right after (60 s idle closes it)
             results["phases"] = _phases(daemon, work, seconds)
             if table is not None:
                 table.empty()
@@ -91,21 +95,41 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
 
 
 def _phases(daemon: DaemonProcess, work: dict[str, Callable[[], Any]], seconds: float) -> dict[str, Any]:
-    """Each phase's work again and again for `seconds`, the health checked throughout."""
+    """Each phase's work again and again for `seconds`, the health checked throughout, and the engine's
+    own event-loop lag (its /metrics histogram, sampled every 0.1 s: a stall there is the loop's, where
+    the check's latency also holds the checker's and the CPU's share of 2 cores)."""
     phases: dict[str, Any] = {}
-    with HealthChecks(str(daemon.socket)) as checks:
+    with HealthChecks(str(daemon.socket)) as checks, Client(str(daemon.socket), timeout=60) as scraper:
         for phase, step in work.items():
-            started, cpu = time.monotonic(), daemon.tree_cpu_s()
+            started, cpu, lags, waited = time.monotonic(), daemon.tree_cpu_s(), _metrics(scraper), _waits(daemon)
             done = until(seconds, step)
             time.sleep(0.5)  # requests sent during the phase come back
+            lagged, (wait_s, runs) = loop_lags(lags, _metrics(scraper)), np.subtract(_waits(daemon), waited)
             phases[phase] = {
                 "work": done if phase != "quiet" else 0,
                 "daemon_cpu_s": round(daemon.tree_cpu_s() - cpu, 2),
                 "window": (started, time.monotonic()),
+                "loop_lags": int(lagged[float("inf")]),
+                "loop_lags_over_10ms": int(lagged[float("inf")] - lagged[STALL_S]),
+                "loop_thread_wait_ms": round(wait_s * 1e3),
+                "loop_thread_runs": int(runs),
             }
     for figures in phases.values():
         figures["unix"] = checks.latency(*figures.pop("window"))
     return phases
+
+
+def _metrics(client: Client) -> str:
+    return client.send(Call("GET", "/metrics")).body.decode()
+
+
+def _waits(daemon: DaemonProcess) -> tuple[float, int]:
+    """How long the engine's main thread (its event loop's) has waited, runnable, for a CPU, in seconds,
+    and how many times it ran (the kernel's schedstat): on 2 cores shared by the engine, the work's
+    client and the checker, a late health check can be the loop's stall or its wait for a core."""
+    pid = daemon.proc.pid
+    _, waited_ns, runs = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    return int(waited_ns) / 1e9, int(runs)
 
 
 class HealthChecks:
@@ -232,7 +256,8 @@ def report(r: dict[str, Any]) -> list[str]:
     quiet = r["phases"]["quiet"]["unix"]
     lines = [
         f"  the health check while work once on the event loop runs ({r['workers']} worker: the engine's loop "
-        f"serves the socket; {r['seconds']} s a phase, a check every 20 ms): p50 / p99 / max ms, failed"
+        f"serves the socket; {r['seconds']} s a phase, a check every 20 ms): p50 / p99 / max ms, failed;"
+        " the engine's loop lags (every 0.1 s) over 10 ms"
     ]
     if "peer_walk" in r:
         lines.append(f"    {r['peer_walk']}")
@@ -240,6 +265,8 @@ def report(r: dict[str, Any]) -> list[str]:
         t = m["unix"]
         lines.append(
             f"    {phase:16} {t['p50_ms']} / {t['p99_ms']} / {t['max_ms']} ms ({t['p99_ms'] / (quiet['p99_ms'] or 1.0):.1f}x"
-            f" quiet's p99), {t['failed']} of {t['requests']} failed; {m['work']} done; daemon CPU {m['daemon_cpu_s']} s"
+            f" quiet's p99), {t['failed']} of {t['requests']} failed; {m['work']} done; daemon CPU {m['daemon_cpu_s']} s;"
+            f" loop lags over 10 ms: {m['loop_lags_over_10ms']} of {m['loop_lags']}; the loop's thread waited"
+            f" {m['loop_thread_wait_ms']} ms for a core over {m['loop_thread_runs']} runs"
         )
     return lines

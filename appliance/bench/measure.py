@@ -242,9 +242,9 @@ def live_during_recording(socket_path: str, frame: np.ndarray, wav: bytes, frame
 LAG_BUCKET = "appliance_event_loop_lag_duration_seconds_bucket"
 
 
-def loop_lag_p99_ms(before: str, after: str) -> float:
-    """The engine process's event-loop lag between two /metrics scrapes, 99th percentile: the upper
-    bound of the histogram bucket it falls in (inf past the last)."""
+def loop_lags(before: str, after: str) -> dict[float, float]:
+    """The engine process's event-loop lags between two /metrics scrapes: how many were at most each
+    of the histogram's bounds (cumulative, as Prometheus keeps them; inf: all of them)."""
 
     def buckets(text: str) -> dict[float, float]:
         out = {}
@@ -255,7 +255,13 @@ def loop_lag_p99_ms(before: str, after: str) -> float:
         return out
 
     start, end = buckets(before), buckets(after)
-    counts = {bound: end[bound] - start.get(bound, 0.0) for bound in sorted(end)}
+    return {bound: end[bound] - start.get(bound, 0.0) for bound in sorted(end)}
+
+
+def loop_lag_p99_ms(before: str, after: str) -> float:
+    """The event-loop lag between two /metrics scrapes, 99th percentile: the upper bound of the
+    histogram bucket it falls in (inf past the last)."""
+    counts = loop_lags(before, after)
     total = counts.get(float("inf"), 0.0)
     for bound, cumulative in counts.items():
         if total and cumulative >= 0.99 * total:
