@@ -101,10 +101,10 @@ def _phases(daemon: DaemonProcess, work: dict[str, Callable[[], Any]], seconds: 
     phases: dict[str, Any] = {}
     with HealthChecks(str(daemon.socket)) as checks, Client(str(daemon.socket), timeout=60) as scraper:
         for phase, step in work.items():
-            started, cpu, lags, waited = time.monotonic(), daemon.tree_cpu_s(), _metrics(scraper), _waits(daemon)
+            started, cpu, lags, waited = time.monotonic(), daemon.tree_cpu_s(), scraper.metrics(), _waits(daemon)
             done = until(seconds, step)
             time.sleep(0.5)  # requests sent during the phase come back
-            lagged, (wait_s, runs) = loop_lags(lags, _metrics(scraper)), np.subtract(_waits(daemon), waited)
+            lagged, (wait_s, runs) = loop_lags(lags, scraper.metrics()), np.subtract(_waits(daemon), waited)
             phases[phase] = {
                 "work": done if phase != "quiet" else 0,
                 "daemon_cpu_s": round(daemon.tree_cpu_s() - cpu, 2),
@@ -117,10 +117,6 @@ def _phases(daemon: DaemonProcess, work: dict[str, Callable[[], Any]], seconds: 
     for figures in phases.values():
         figures["unix"] = checks.latency(*figures.pop("window"))
     return phases
-
-
-def _metrics(client: Client) -> str:
-    return client.send(Call("GET", "/metrics")).body.decode()
 
 
 def _waits(daemon: DaemonProcess) -> tuple[float, int]:
