@@ -1,14 +1,18 @@
 """What an infer answer's encoding is weighed at, for the event loop: past OFF_LOOP_BYTES it is encoded
 on a thread. Language ID's answer of 65,536 texts was 768 KiB of arrays, under the bound by their
-bytes, and its encoding held the loop for 50 ms (the loop bench's health check, 49 to 78 ms)."""
+bytes, and its encoding held the loop for 50 ms (the loop bench's health check, 49 to 78 ms). On the
+thread it is written JSON_SLICE values a call: one json.dumps holds the GIL to its end, so the loop's
+thread waited out a whole answer's (65,536 FP32s as JSON: 30 ms)."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import pytest
 
-from appliance.protocol.tensors import InferRequest, decode_infer, encoding_size
+from appliance.protocol import tensors
+from appliance.protocol.tensors import JSON_SLICE, InferRequest, decode_infer, encode_infer, encoding_size, tensor_entry
 from appliance.tasks import OFF_LOOP_BYTES
 
 TEXTS = 65_536  # the most one language ID infer takes
@@ -29,3 +33,36 @@ def test_many_texts_or_json_numbers_weigh_past_the_bound_and_a_small_answer_does
     assert encoding_size(request(), {"confidence": confidence}) > OFF_LOOP_BYTES  # as JSON numbers
     assert encoding_size(request(("confidence",)), {"confidence": confidence}) == confidence.nbytes  # copied whole
     assert encoding_size(request(), {"speech_prob": np.zeros(16, np.float32)}) < OFF_LOOP_BYTES  # a VAD answer
+
+
+def test_a_long_json_answer_is_written_a_slice_a_call_and_reads_as_written_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(0)
+    outputs = {
+        "language": np.array([f"l\u00e9{i}".encode() for i in range(TEXTS)], object),
+        "confidence": rng.random(TEXTS).astype(np.float32),
+        "counts": rng.integers(0, 9, (JSON_SLICE + 1, 2)),
+        "none": np.zeros(0, np.float32),
+    }
+    asked = request()
+    asked.id = 'one "quoted" id'
+    whole = {
+        "model_name": "languages", "model_version": "1",
+        "outputs": [tensor_entry(name, array, False, []) for name, array in outputs.items()],
+        "id": asked.id, "parameters": {"sequence_id": 7},
+    }  # fmt: skip
+    lengths: list[int] = []
+    dumps = json.dumps
+
+    def counted(value: object, **kwargs: object) -> str:
+        lengths.append(len(value) if isinstance(value, list) else 1)
+        return dumps(value, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tensors.json, "dumps", counted)
+    body, header_length = encode_infer("languages", "1", asked, outputs, {"sequence_id": 7})
+    monkeypatch.undo()
+    assert header_length is None
+    assert body == json.dumps(whole, separators=(",", ":")).encode()
+    assert max(lengths) == JSON_SLICE  # never a whole answer's values in one call
+    assert len(lengths) > 2 * TEXTS // JSON_SLICE

@@ -5,6 +5,8 @@ is the one that takes the work). Phases of `seconds` each:
 
     quiet        nothing else
     language     language ID over 65,536 texts in one infer, its bound (fastText, off the loop past 64 texts)
+    language-json  the same as JSON both ways (Triton's default without the binary extension): 65,536
+                 strings read and 65,536 texts and confidences written as JSON, on threads
     bodies       a JSON infer body nested 100,000 deep and a 60 MiB JSON list (parsed off the loop)
     realtime-events  a Realtime session's events of 99,000 strings each (under the WebSocket's 1 MiB and
                  the JSON reader's 100,000 values), read off the loop, each answered with an error event
@@ -69,6 +71,7 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
             work = {
                 "quiet": lambda: time.sleep(0.1),
                 "language": lambda: _ok(client.send(tensors_call(language_model, {"text": TEXTS}))),
+                "language-json": lambda: _ok(client.send(tensors_call(language_model, {"text": TEXTS}, binary=False))),
                 "bodies": lambda: hostile_bodies(daemon),
                 "realtime-events": events.send,
             }
