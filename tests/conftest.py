@@ -440,7 +440,7 @@ class Daemon:
             env={**os.environ, **(env or {})},
         )
 
-    def wait_ready(self, timeout: float = 60.0) -> Daemon:
+    def wait_ready(self, timeout: float = 240.0) -> Daemon:
         """Ready, and its start over: /health says ready once the models are warm and a protocol worker
         serves, the log's "ready: serving" once every worker does (a stop or a reload sent before then
         meets a daemon still starting)."""

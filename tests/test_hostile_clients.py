@@ -9,6 +9,7 @@ import select
 import signal
 import socket
 import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from conftest import Daemon, good_clients_throughout
+from promtext import sample
 
 from appliance.audio import encode_wav
 from appliance.client import Client
@@ -117,12 +119,31 @@ def test_a_stalled_body_gets_408_and_its_bytes_go_back_to_the_budget(daemon, con
 
 
 def test_stalled_uploads_together_meet_the_body_budget(daemon, connect) -> None:
+    """An upload that keeps sending a byte now and then holds its 700 KB; the next one meets the budget.
+    Once the first stops sending, it stalls: a 408."""
+    upload = b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 900000\r\n\r\n" + b"x" * 700_000
     first = connect(daemon)
-    first.sendall(b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 900000\r\n\r\n" + b"x" * 700_000)
-    time.sleep(0.2)
-    second = connect(daemon)
-    send(second, b"POST /v2/models/silero_vad/infer HTTP/1.1\r\ncontent-length: 900000\r\n\r\n" + b"x" * 700_000)
-    [(status, body)] = responses(read_all(second))
+    first.sendall(upload)
+    sending = threading.Event()
+    sending.set()
+
+    def trickle() -> None:  # never quiet for the body timeout (1 s), however slow the rest of the test
+        while sending.is_set():
+            first.sendall(b"x")
+            time.sleep(0.1)
+
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    try:
+        with Client(str(daemon.socket), timeout=10) as client:
+            while sample(client.metrics(), "appliance_buffered_bytes") < 700_000:
+                time.sleep(0.05)
+        second = connect(daemon)
+        send(second, upload)
+        [(status, body)] = responses(read_all(second))
+    finally:
+        sending.clear()
+        trickler.join()
     assert status == 503 and "request bodies held by all clients are at the limit of 1048576 bytes" in body.decode()
     assert responses(read_all(first))[0][0] == 408
     assert_served(daemon)
@@ -208,9 +229,12 @@ def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon, tls, con
     wav = encode_wav(np.zeros(16000 * 5, np.float32), 16000)
     sock = connect(daemon)
     sock.sendall(b"POST /v2/models/silero_vad/segments HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(wav) + wav[:1000])
-    time.sleep(0.3)
+    with Client(str(daemon.socket), timeout=10) as client:  # its head read, its first bytes held
+        while sample(client.metrics(), "appliance_buffered_bytes") < 1000:
+            time.sleep(0.05)
     daemon.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    while "stopping: " not in daemon.log.read_text():
+        time.sleep(0.05)
     sock.sendall(wav[1000:])
     [(status, body)] = responses(read_all(sock))
     assert status == 200 and json.loads(body)["duration"] == 5.0
@@ -231,16 +255,25 @@ def test_a_client_that_pipelines_and_never_reads_holds_little(daemon, connect) -
 
 
 def test_idle_connections_cannot_hold_every_slot(start_daemon, tls, connect) -> None:
-    limits = "max_connections = 50\nheader_timeout_s = 1.0\n"
+    """Fifty connections that never send a byte hold every slot (the head's time, 5 s, is longer than
+    fifty connects take on a slow machine): the next one gets a 503. Once the head's time is over they
+    are closed, and a good client is served."""
+    limits = "max_connections = 50\nheader_timeout_s = 5.0\n"
     daemon = start_daemon(extra_server=limits, tls=tls, https="max_connections = 50\n")
     idle = [connect(daemon) for _ in range(50)]  # every slot, and never a request
-    time.sleep(0.2)
+    while accept_queue(daemon) > 0:  # a Unix connect returns before the daemon accepts (TLS's handshake after)
+        time.sleep(0.05)
     refused = connect(daemon)
     [(status, body)] = responses(read_all(refused))
     assert status == 503 and json.loads(body) == {"error": "too many connections (limit 50)"}
-    time.sleep(1.5)  # the idle ones had the head's time and are gone
+    assert all(read_all(sock) == b"" for sock in idle)  # the head's time over: closed
     assert_served(daemon)
-    assert all(read_all(sock) == b"" for sock in idle)
+
+
+def accept_queue(daemon: Daemon) -> int:
+    """Connections to the daemon's Unix socket that it has not accepted yet (its listener's Recv-Q)."""
+    shown = subprocess.run(["ss", "-xlnH", "src", str(daemon.socket)], capture_output=True, text=True, check=True)
+    return sum(int(line.split()[2]) for line in shown.stdout.splitlines())
 
 
 def test_a_tcp_client_that_never_starts_tls_is_closed_after_the_header_timeout(daemon) -> None:

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from conftest import build_bundle
+from promtext import sample
 
 from appliance.audio import encode_wav
 
@@ -40,7 +41,9 @@ def test_a_short_request_is_not_held_behind_a_long_recording(start_daemon, small
     runner = threading.Thread(target=long_request)
     runner.start()
     with daemon.client() as client:
-        time.sleep(1.0)  # the recording is decoded and its shards queued by now
+        while sample(client.metrics(), "appliance_queue_depth", model="silero_vad") == 0:  # decoded, in the engine
+            assert runner.is_alive(), "the long recording was answered before its work was seen in the engine"
+            time.sleep(0.05)
         for _ in range(5):
             assert client.speech_probs(np.zeros(RATE, np.float32)).shape == (32,)
         finished["short"] = time.monotonic()

@@ -21,6 +21,7 @@ from conftest import ROOT, Daemon, Keys
 
 from appliance.client import Call, Client
 from appliance.engine.choice import HANG_FAILPOINT, SLOWDOWN_FAILPOINT
+from appliance.kinds.speech import SHARDS_AHEAD
 
 VAD = "silero_vad"
 SENTENCES = [
@@ -191,7 +192,9 @@ def test_an_http3_client_that_stops_reading_stops_the_synthesis(speech_daemon: D
 @pytest.mark.parametrize("transport", ["unix", "quic"])
 def test_a_client_that_leaves_a_long_request_cancels_it(speech_daemon: Daemon, transport: str) -> None:
     """A 60,000-character KServe infer (answered whole, at the end) whose client leaves after 2 s: the
-    request is cancelled (counted) and the engine stops within one engine call."""
+    request is cancelled (counted), and once the voice's queue is empty it has run at most the
+    sentences that were queued when the cancel came (no verdict from the clock: how many sentences a
+    machine makes in 2 s is its speed)."""
     doc = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [LONG_TEXT]}]}
     before = metrics(speech_daemon)
     call = Call("POST", "/v2/models/joe/infer", json.dumps(doc).encode(), (("content-type", "application/json"),))
@@ -207,14 +210,13 @@ def test_a_client_that_leaves_a_long_request_cancels_it(speech_daemon: Daemon, t
         lambda: (
             metrics(speech_daemon)["appliance_requests_cancelled_total"] > before["appliance_requests_cancelled_total"]
         ),
-        10,
+        60,
         "cancelled",
     )
-    time.sleep(1.0)  # one engine call under way finishes
-    stalled = shards_run(speech_daemon)
-    time.sleep(3)
-    assert shards_run(speech_daemon) == stalled, "the engine went on for a client that left"
-    assert stalled - before['nv_inference_count{model="joe",version="1.0.0"}'] < 100
+    cancelled = shards_run(speech_daemon)
+    wait_until(lambda: metrics(speech_daemon)['appliance_queue_depth{model="joe"}'] == 0, 60, "the voice's queue empty")
+    stopped = shards_run(speech_daemon)
+    assert stopped - cancelled <= SHARDS_AHEAD, "the engine went on for a client that left"
 
 
 def vad_step(sequence_id: int, start: bool = False) -> dict:

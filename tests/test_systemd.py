@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, Keys, needs, terminate
 
-from appliance.client import Client, ClientError
+from appliance.client import Call, Client, ClientError
 
 pytestmark = needs(shutil.which("systemd-socket-activate") is None, "systemd is not installed (make deps)")
 
@@ -154,21 +154,29 @@ def test_ready_only_when_serving_with_status_on_the_handed_socket(activate) -> N
 
 
 def test_watchdog_pings_come_from_engine_probes_and_stop_when_the_engine_hangs(activate) -> None:
+    """Pings follow READY while the engine answers its probes; with the engine hung, the watchdog says
+    twice that it withholds them and no ping comes between; released, the engine pings again. (How
+    often, and the same order in process: test_watchdog.py; no verdict here is taken from a clock.)"""
     d = activate(watchdog_usec=1_000_000)  # ping every 0.5 s
     with d.client() as client:
         client.health()
-    d.notify.wait_for("READY=1")
-    time.sleep(3.0)
-    pings = d.notify.times("WATCHDOG=1")
-    assert len(pings) >= 4, pings
-    gaps = np.diff(pings)
-    assert np.all(gaps < 1.0), gaps  # never later than WATCHDOG_USEC
+    ready = d.notify.wait_for("READY=1")
+    while len([t for t in d.notify.times("WATCHDOG=1") if t > ready]) < 4:
+        time.sleep(0.05)
     d.hang_trigger.touch()  # the engine's next call stalls, as a wedged driver call would
-    hung_at = time.monotonic()
-    time.sleep(3.0)
-    assert not [t for t in d.notify.times("WATCHDOG=1") if t > hung_at + 1.0], "pings went on with a hung engine"
+    withheld = withholdings(d, 1)
+    pings = len(d.notify.times("WATCHDOG=1"))  # any sent before the first withholding is in by the second
+    withholdings(d, withheld + 2)
+    assert len(d.notify.times("WATCHDOG=1")) == pings, "a ping between two withholdings: pings went on, hung"
     d.hang_trigger.unlink()
-    d.notify.wait_for("WATCHDOG=1", after=time.monotonic(), timeout=10)  # a recovered engine pings again
+    d.notify.wait_for("WATCHDOG=1", after=time.monotonic(), timeout=60)  # a recovered engine pings again
+
+
+def withholdings(d: Activated, count: int) -> int:
+    """Wait until the watchdog has said `count` times that an engine did not complete its probe."""
+    while (said := d.log.read_text().count("did not complete a probe within")) < count:
+        time.sleep(0.05)
+    return said
 
 
 def test_sigterm_during_16_in_flight_requests_completes_all_of_them(activate) -> None:
@@ -188,17 +196,22 @@ def test_sigterm_during_16_in_flight_requests_completes_all_of_them(activate) ->
             except Exception as exc:  # noqa: BLE001 - recorded and asserted below
                 results[i] = exc
 
+    d.hang_trigger.touch()  # the engine holds its next call: the 16 are all under way when the stop comes
     threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     sent.wait()
-    time.sleep(0.3)  # requests written and being read
+    with d.client() as client:  # /v2/fleet counts itself among the requests under way
+        while client.send(Call("GET", "/v2/fleet")).json()["in_flight"] < 17:
+            time.sleep(0.05)
     d.proc.send_signal(signal.SIGTERM)
+    d.notify.wait_for("STOPPING=1")
+    d.hang_trigger.unlink()
     for t in threads:
         t.join(60)
     assert results == [(600 + i,) for i in range(16)], results
-    assert d.proc.wait(30) == 0
-    d.notify.wait_for("STOPPING=1")
+    assert d.proc.wait(60) == 0
+    assert "stopping: 16 requests in flight, 0 sequences open" in d.notify.statuses()
 
 
 def test_sighup_applies_a_changed_setting_on_open_connections(activate) -> None:

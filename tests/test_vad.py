@@ -177,7 +177,8 @@ def test_sigterm_with_a_wedged_engine_exits_within_the_grace_time(start_daemon, 
 
     caller = threading.Thread(target=stuck_call)
     caller.start()
-    time.sleep(0.5)  # the call reaches the engine and stalls there
+    while "held by the test's hang failpoint" not in daemon.log.read_text():  # the call reached the engine
+        time.sleep(0.05)
     daemon.proc.send_signal(signal.SIGTERM)
     code = daemon.proc.wait(120)  # its own watchdog ends it (logged below); waiting for the call never would
     caller.join(10)

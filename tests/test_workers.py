@@ -230,7 +230,7 @@ def test_sighup_and_sigterm_reach_every_worker(two_workers: Daemon) -> None:
     small = np.zeros(CHUNK, np.float32)
     assert connection.call("POST", "/v2/models/silero_vad/infer", vad_step(4, small, start=True))[0] == 200
     daemon.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    wait_for(lambda: "stopping: " in daemon.log.read_text(), what="the stop begun")
     assert daemon.proc.poll() is None  # draining: the sequence is still open
     assert connection.call("POST", "/v2/models/silero_vad/infer", vad_step(4, small, end=True))[0] == 200
     assert daemon.proc.wait(20) == 0, daemon.log.read_text()
