@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fleet import ADDRESSES, ONE_FRAME, Box, HAProxy, Ports, fleet_ca, port_free_on_all, wait_until  # noqa: E402
+from fleet import ADDRESSES, ONE_FRAME, Box, HAProxy, Ports, fleet_ca, port_free_on_all  # noqa: E402
+from waits import wait_until  # noqa: E402
 
 
 def measure(connect, requests: int, clients: int) -> tuple[float, float]:

@@ -9,10 +9,8 @@ import json
 import os
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from waits import wait_until
 
 from appliance.client import Client, ClientError, infer_call
 
@@ -37,18 +36,6 @@ def agent_says(host: str, port: int) -> str:
         while chunk := s.recv(100):
             answer += chunk
     return answer.decode()
-
-
-def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 120.0, log: Path | None = None) -> None:
-    """A bounded wait: fails only when `condition` never holds (no verdict from the clock), with the
-    tail of `log` where one is given (what the daemon did instead)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    tail = "\n" + log.read_text()[-4000:] if log is not None else ""
-    raise AssertionError(f"never happened: {what}{tail}")
 
 
 def answers(host: str, port: int) -> bool:

@@ -11,7 +11,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from fleet import ADDRESSES, FRAME, ONE_FRAME, Box, HAProxy, Ports, fleet_ca, port_free_on_all, wait_until
+from fleet import ADDRESSES, FRAME, ONE_FRAME, Box, HAProxy, Ports, fleet_ca, port_free_on_all
+from waits import wait_until
 
 from appliance.client import tensors_call
 

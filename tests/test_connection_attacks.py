@@ -13,8 +13,7 @@ import json
 import select
 import socket
 import ssl
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from aioquic.quic.events import QuicEvent, StopSendingReceived, StreamReset
 from conftest import Daemon, Keys, good_unix_client_beside
 from test_http1_timeouts import until
 from test_realtime_h3 import H3Client, configuration, open_websocket
+from waits import wait_until
 from websockets.sync.client import unix_connect
 
 from appliance.config import Config, Live, ServerConfig, WebSocketConfig
@@ -35,14 +35,6 @@ from appliance.transport.http1 import Http1Server
 from appliance.transport.websocket import MAX_MESSAGE_FRAMES, StreamIO, WebSocketPump
 
 BIG = b"x" * (8 << 20)
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Bounded wait: fails only when `condition` never comes."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
 
 
 # --- the write deadline on a clock the test holds (the Unix socket's server; HTTPS is the same class) ---

@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 
 from conftest import APPLIANCE, ROOT
-from fleet import FRAME, ONE_FRAME, agent_says, answers, wait_until
+from fleet import FRAME, ONE_FRAME, agent_says, answers
+from waits import wait_until
 from wyoming.client import AsyncUnixClient
 from wyoming.error import Error
 from wyoming.info import Describe

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 from conftest import APPLIANCE, ROOT, needs
-from fleet import ADDRESSES, FRAME, Prometheus, agent_says, wait_until
+from fleet import ADDRESSES, FRAME, Prometheus, agent_says
 from fleet_clients import Fleet, Load, Sessions, box_of, sequence_step, spread
+from waits import wait_until
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.sync.client import ClientConnection, connect
 from wyoming.client import AsyncTcpClient

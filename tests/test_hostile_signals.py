@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waits import wait_until
 
 
 def children(pid: int) -> list[int]:
@@ -37,13 +38,6 @@ def holds_sighup(pid: int) -> bool:
     return False
 
 
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not condition():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.002)
-
-
 def reload_lines(log: Path) -> list[str]:
     """The config's reload outcome, one line a reload (the API keys' reload says its own line too)."""
     return [line for line in log.read_text().splitlines() if "appliance: " in line and "reload: applied" in line]
@@ -53,11 +47,12 @@ def reload_lines(log: Path) -> list[str]:
 @pytest.mark.parametrize("moment", ["first-held", "workers-spawning"])
 def test_sighup_during_start_is_applied_once_after_it(start_daemon, tls, workers, moment) -> None:
     d = start_daemon(tls=tls, workers=workers, wait=False)
-    wait_until(lambda: d.proc.poll() is not None or holds_sighup(d.proc.pid), "held SIGHUP")
+    wait_until(lambda: d.proc.poll() is not None or holds_sighup(d.proc.pid), "held SIGHUP", poll_s=0.002)
     if moment == "workers-spawning":  # with one worker, none spawns: the engine's start is the moment
         wait_until(
             lambda: d.proc.poll() is not None or workers == 1 or any(map(is_worker, children(d.proc.pid))),
             "spawned a worker",
+            poll_s=0.002,
         )
     d.proc.send_signal(signal.SIGHUP)
     for pid in children(d.proc.pid):  # a worker reached while it starts, as `kill -HUP` to the group would

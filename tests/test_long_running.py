@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ROOT, Daemon, Keys
+from waits import wait_until
 
 from appliance.client import Call, Client
 from appliance.engine.choice import HANG_FAILPOINT, SLOWDOWN_FAILPOINT
@@ -70,14 +71,6 @@ def process_tree_rss_kib(daemon: Daemon, field: str = "VmRSS") -> dict[int, int]
             if line.startswith(f"{field}:"):
                 out[pid] = int(line.split()[1])
     return out
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
 
 
 def stalled_shards(daemon: Daemon, before: float) -> float:
@@ -158,7 +151,7 @@ def test_a_slow_reader_over_the_unix_socket_stops_the_synthesis(speech_daemon: D
         cancelled = metrics(speech_daemon)["appliance_requests_cancelled_total"]
     finally:
         sock.close()
-    wait_until(lambda: metrics(speech_daemon)["appliance_requests_cancelled_total"] > cancelled, 10, "cancel counted")
+    wait_until(lambda: metrics(speech_daemon)["appliance_requests_cancelled_total"] > cancelled, "cancel counted")
 
 
 QUIC_READER = """
@@ -210,11 +203,10 @@ def test_a_client_that_leaves_a_long_request_cancels_it(speech_daemon: Daemon, t
         lambda: (
             metrics(speech_daemon)["appliance_requests_cancelled_total"] > before["appliance_requests_cancelled_total"]
         ),
-        60,
         "cancelled",
     )
     cancelled = shards_run(speech_daemon)
-    wait_until(lambda: metrics(speech_daemon)['appliance_queue_depth{model="joe"}'] == 0, 60, "the voice's queue empty")
+    wait_until(lambda: metrics(speech_daemon)['appliance_queue_depth{model="joe"}'] == 0, "the voice's queue empty")
     stopped = shards_run(speech_daemon)
     assert stopped - cancelled <= SHARDS_AHEAD, "the engine went on for a client that left"
 
@@ -329,7 +321,7 @@ def test_a_stop_during_start_up_stops_at_once(start_daemon, tmp_path: Path) -> N
     hold = tmp_path / "hold-engine"
     hold.write_text("0")
     daemon = start_daemon(wait=False, env={HANG_FAILPOINT: str(hold)}, shutdown_grace_s=3600.0)
-    wait_until(lambda: "verified" in daemon.log.read_text(), 60, "the start began")
+    wait_until(lambda: "verified" in daemon.log.read_text(), "the start began")
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(300) == 0, daemon.log.read_text()
     log = daemon.log.read_text()
@@ -361,11 +353,11 @@ def test_a_second_stop_signal_stops_now_saying_what_it_abandons(
 
     threading.Thread(target=held_request, daemon=True).start()
     try:
-        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), 60, "the engine held")
+        wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
         daemon.proc.send_signal(signal.SIGINT)
-        wait_until(lambda: "a second stop signal (Ctrl-C again) stops now" in daemon.log.read_text(), 60, "stopping")
+        wait_until(lambda: "a second stop signal (Ctrl-C again) stops now" in daemon.log.read_text(), "stopping")
         if held == "in-a-thread":
-            wait_until(lambda: "stopping: 1 requests in flight" in daemon.log.read_text(), 60, "the drain")
+            wait_until(lambda: "stopping: 1 requests in flight" in daemon.log.read_text(), "the drain")
         daemon.proc.send_signal(signal.SIGINT)
         code = daemon.proc.wait(300)
     finally:
@@ -408,15 +400,15 @@ def test_a_request_waiting_past_queue_timeout_s_is_refused_and_one_under_way_is_
 
     before = shards_run(daemon)
     threads = [speak("long", long_text)]
-    wait_until(lambda: shards_run(daemon) > before, 60, "the long answer began")
+    wait_until(lambda: shards_run(daemon) > before, "the long answer began")
     hold.write_text("0")  # the engine's next call stalls
-    wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), 60, "the engine held")
+    wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
     held_depth = depth()
     threads += [speak(f"early{i}", SENTENCES[i % 4]) for i in range(16)]
-    wait_until(lambda: depth() >= held_depth + 16, 60, "the 16 queued")
+    wait_until(lambda: depth() >= held_depth + 16, "the 16 queued")
     time.sleep(5.5)  # the 16 wait past the timeout behind the held call
     threads += [speak(f"fresh{i}", SENTENCES[i % 4]) for i in range(8)]
-    wait_until(lambda: depth() >= held_depth + 24, 60, "the 8 queued")
+    wait_until(lambda: depth() >= held_depth + 24, "the 8 queued")
     hold.unlink()
     for thread in threads:
         thread.join(300)

@@ -24,6 +24,7 @@ from speech import RATE, recording
 from tcp_forward import tcp_to_unix
 from test_long_running import metrics, shards_run
 from test_speech_to_text import CLEAR, wer, words
+from waits import wait_until
 
 with warnings.catch_warnings():  # deprecated since 3.11, gone in 3.13: here while the box runs 3.11
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -147,13 +148,6 @@ def test_g711_in_and_out_of_an_interpreter_turn(interpreter_daemon: Daemon, judg
 def voice_idle(daemon: Daemon) -> bool:
     depth = [v for k, v in metrics(daemon).items() if k.startswith('appliance_queue_depth{model="joe"')]
     return depth == [0.0]
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.2)
 
 
 def test_response_cancel_mid_answer_stops_the_voice_and_its_engine_work(interpreter_daemon: Daemon) -> None:

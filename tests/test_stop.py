@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fleet import wait_until
 from promtext import sample
 from speech import RATE, recording
 from test_realtime import URI, configure, pcm
 from test_speech_to_text import ENGLISH, wer
+from waits import wait_until
 from websockets.asyncio.client import unix_connect
 from websockets.exceptions import ConnectionClosed
 from wyoming.asr import Transcribe, Transcript

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 from conftest import Bystander, Daemon, cli, root_can
+from waits import wait_until
 
 from appliance.client import Client
 
@@ -82,15 +83,6 @@ def quic_hosts(daemon: Daemon) -> dict[str, int]:
     return {p.rsplit(":", 1)[0]: w["pid"] for w in workers_status(daemon) if w["up"] for p in w["quic_peers"]}
 
 
-def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def connection_on(daemon: Daemon, pid: int) -> UnixConnection:
     """A Unix connection that the worker `pid` accepted (connections land where a worker accepts first)."""
     for _ in range(200):
@@ -105,7 +97,7 @@ def connection_on(daemon: Daemon, pid: int) -> UnixConnection:
 @pytest.fixture
 def two_workers(start_daemon, tls) -> Daemon:
     daemon = start_daemon(tls=tls, workers=2)
-    wait_for(lambda: all(w["up"] for w in workers_status(daemon)), what="both workers to report")
+    wait_until(lambda: all(w["up"] for w in workers_status(daemon)), "both workers to report")
     return daemon
 
 
@@ -123,7 +115,7 @@ def test_each_quic_connection_stays_on_one_worker_and_connections_spread(two_wor
         for _ in range(5):
             for client in clients:
                 assert client.speech_probs(np.zeros(CHUNK, np.float32)).shape == (1,)
-        wait_for(lambda: len(quic_hosts(daemon)) == len(hosts), what="the workers' next reports")
+        wait_until(lambda: len(quic_hosts(daemon)) == len(hosts), "the workers' next reports")
         workers = workers_status(daemon)
     finally:
         for client in clients:
@@ -156,7 +148,7 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(
             for n in range(first, first + 8):
                 bystanders.append(Bystander(daemon, local_host=f"127.0.0.{n}", pause_s=0.02))
                 bystanders[-1].__enter__()
-            wait_for(lambda: len(quic_hosts(daemon)) == len(bystanders), what="QUIC clients to be reported")
+            wait_until(lambda: len(quic_hosts(daemon)) == len(bystanders), "QUIC clients to be reported")
             quic_on = quic_hosts(daemon)
             if quic["workers"] != 2 or survivor["pid"] in quic_on.values():
                 break
@@ -165,9 +157,8 @@ def test_a_killed_worker_is_replaced_and_the_other_workers_clients_see_no_error(
             status, doc = kept.call("GET", "/v2/health/ready")
             assert status == 200, doc
             time.sleep(0.05)
-        wait_for(
-            lambda: (w := workers_status(daemon)[0])["up"] and w["pid"] != victim["pid"],
-            what="worker 0 to be replaced",
+        wait_until(
+            lambda: (w := workers_status(daemon)[0])["up"] and w["pid"] != victim["pid"], "worker 0 to be replaced"
         )
     finally:
         for bystander in bystanders:
@@ -219,7 +210,7 @@ def test_sighup_and_sigterm_reach_every_worker(two_workers: Daemon) -> None:
     text = daemon.config.read_text().replace("max_body_bytes = 8388608", "max_body_bytes = 4096")
     daemon.config.write_text(text)
     daemon.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: daemon.log.read_text().count("reload: applied server.max_body_bytes") >= 3, what="reloads")
+    wait_until(lambda: daemon.log.read_text().count("reload: applied server.max_body_bytes") >= 3, "reloads")
     big = vad_step(3, np.zeros(4096, np.float32), start=True)
     for worker in workers:  # each worker now refuses what it accepted before
         with connection_on(daemon, worker["pid"]) as connection:
@@ -230,7 +221,7 @@ def test_sighup_and_sigterm_reach_every_worker(two_workers: Daemon) -> None:
     small = np.zeros(CHUNK, np.float32)
     assert connection.call("POST", "/v2/models/silero_vad/infer", vad_step(4, small, start=True))[0] == 200
     daemon.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: "stopping: " in daemon.log.read_text(), what="the stop begun")
+    wait_until(lambda: "stopping: " in daemon.log.read_text(), "the stop begun")
     assert daemon.proc.poll() is None  # draining: the sequence is still open
     assert connection.call("POST", "/v2/models/silero_vad/infer", vad_step(4, small, end=True))[0] == 200
     assert daemon.proc.wait(20) == 0, daemon.log.read_text()

@@ -21,10 +21,10 @@ import pytest
 import soxr
 from conftest import Daemon
 from faster_whisper import WhisperModel
-from fleet import wait_until
 from promtext import sample
 from speech import RATE, recording
 from test_speech_to_text import CLEAR, wer
+from waits import wait_until
 from wyoming.asr import Transcribe, Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient, AsyncUnixClient
