@@ -6,7 +6,6 @@ import json
 import socket
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 from conftest import cli
 from promtext import sample, samples, total
 from test_workers import UnixConnection
+from waits import wait_until
 
 from appliance.audio import encode_wav
 from appliance.client import Call, Client, ClientError, infer_call
@@ -301,17 +301,18 @@ def test_metrics_count_requests_batches_and_sequences(client: Client) -> None:
 
 
 def test_sequence_table_is_bounded_and_idle_sequences_expire(start_daemon) -> None:
-    daemon = start_daemon("[sequences]\nmax_live = 2\nidle_timeout_s = 1.0\n")
+    daemon = start_daemon("[sequences]\nmax_live = 2\nidle_timeout_s = 3.0\n")  # longer than three calls take
     with daemon.client() as client:
         client.speech_probs(noise(1), sequence_id=1, start=True)
         client.speech_probs(noise(1), sequence_id=2, start=True)
         with pytest.raises(ClientError) as err:
             client.speech_probs(noise(1), sequence_id=3, start=True)
         assert err.value.status == 429 and "sequence table full (2 live" in err.value.message
-        time.sleep(2.5)  # past the idle timeout and one expiry pass
+        live = lambda: sample(client.metrics(), "appliance_live_sequences", model="silero_vad")  # noqa: E731
+        wait_until(lambda: live() == 0, "both expired")
         with pytest.raises(ClientError) as err:
             client.speech_probs(noise(1), sequence_id=1)
-        assert "expired after 1 s idle" in err.value.message
+        assert "expired after 3 s idle" in err.value.message
         client.speech_probs(noise(1), sequence_id=3, start=True)  # room again
 
 

@@ -56,6 +56,11 @@ def metrics(daemon: Daemon) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
+def pending(daemon: Daemon, model: str = "joe") -> float:
+    """Shards waiting for the voice or in its engine call (Triton's pending count is the queue's depth)."""
+    return metrics(daemon)[f'nv_inference_pending_request_count{{model="{model}",version="1.0.0"}}']
+
+
 def shards_run(daemon: Daemon, model: str = "joe") -> float:
     return metrics(daemon)[f'nv_inference_count{{model="{model}",version="1.0.0"}}']
 
@@ -206,7 +211,7 @@ def test_a_client_that_leaves_a_long_request_cancels_it(speech_daemon: Daemon, t
         "cancelled",
     )
     cancelled = shards_run(speech_daemon)
-    wait_until(lambda: metrics(speech_daemon)['appliance_queue_depth{model="joe"}'] == 0, "the voice's queue empty")
+    wait_until(lambda: pending(speech_daemon) == 0, "the voice's queue empty")
     stopped = shards_run(speech_daemon)
     assert stopped - cancelled <= SHARDS_AHEAD, "the engine went on for a client that left"
 
@@ -395,20 +400,17 @@ def test_a_request_waiting_past_queue_timeout_s_is_refused_and_one_under_way_is_
         thread.start()
         return thread
 
-    def depth() -> float:
-        return metrics(daemon)['nv_inference_pending_request_count{model="joe",version="1.0.0"}']
-
     before = shards_run(daemon)
     threads = [speak("long", long_text)]
     wait_until(lambda: shards_run(daemon) > before, "the long answer began")
     hold.write_text("0")  # the engine's next call stalls
     wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the engine held")
-    held_depth = depth()
+    held_depth = pending(daemon)
     threads += [speak(f"early{i}", SENTENCES[i % 4]) for i in range(16)]
-    wait_until(lambda: depth() >= held_depth + 16, "the 16 queued")
+    wait_until(lambda: pending(daemon) >= held_depth + 16, "the 16 queued")
     time.sleep(5.5)  # the 16 wait past the timeout behind the held call
     threads += [speak(f"fresh{i}", SENTENCES[i % 4]) for i in range(8)]
-    wait_until(lambda: depth() >= held_depth + 24, "the 8 queued")
+    wait_until(lambda: pending(daemon) >= held_depth + 24, "the 8 queued")
     hold.unlink()
     for thread in threads:
         thread.join(300)

@@ -19,7 +19,7 @@ from aioquic.quic import connection as quic_connection
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.packet import push_ack_frame
 from aioquic.quic.rangeset import RangeSet
-from conftest import Bystander, cli, make_ca_and_client
+from conftest import Bystander, Daemon, cli, make_ca_and_client
 from waits import wait_until
 
 from appliance.client import Call, Client, infer_call, speech_call
@@ -313,12 +313,7 @@ def test_abandoned_handshakes_free_their_slots_in_seconds(start_daemon, tls) -> 
 def test_one_address_holds_at_most_its_share_of_handshakes(start_daemon, tls) -> None:
     daemon = start_daemon(tls=tls, extra_quic="max_handshakes_per_source = 3\nhandshake_timeout_s = 30.0\n")
     hellos = [abandoned_hello(daemon.quic_port, "127.0.0.7") for _ in range(10)]
-
-    def seen() -> int:
-        with daemon.client() as unix:
-            return sum(p["peer"].startswith("127.0.0.7:") for p in unix.status()["conncache"]["peers"])
-
-    wait_until(lambda: seen() == 10, "all ten seen")
+    wait_until(lambda: seen(daemon, "127.0.0.7:") == 10, "all ten seen")
     wait_until(  # ... 7 refused
         lambda: "limit: more than 3 QUIC handshakes in progress from 127.0.0.7" in daemon.log.read_text(), "refused"
     )
@@ -328,15 +323,24 @@ def test_one_address_holds_at_most_its_share_of_handshakes(start_daemon, tls) ->
         sock.close()
 
 
+def seen(daemon: Daemon, prefix: str) -> int:
+    """Peers from addresses that start with `prefix` in the daemon's QUIC peer table."""
+    with daemon.client() as unix:
+        return sum(p["peer"].startswith(prefix) for p in unix.status()["conncache"]["peers"])
+
+
 def test_retry_switches_on_by_itself_under_pressure(start_daemon, tls) -> None:
     daemon = start_daemon(tls=tls, extra_quic="retry_when_handshaking = 3\nhandshake_timeout_s = 30.0\n")
     hellos = [abandoned_hello(daemon.quic_port, f"127.0.0.{10 + i}") for i in range(3)]
-    wait_until(lambda: "quic: 3 handshakes in progress: Retry on" in daemon.log.read_text(), "Retry on")
+    wait_until(
+        lambda: seen(daemon, "127.0.0.1") == 3, "the three handshakes in progress"
+    )  # the next datagram meets them
     probe = abandoned_hello(daemon.quic_port, "127.0.0.20")
     probe.settimeout(5)
     answer, _ = probe.recvfrom(2048)
     assert answer[0] & 0x80 and (answer[0] & 0x30) >> 4 == 3  # a long-header Retry packet, not a handshake
     with daemon.client("quic") as client:  # a real client follows the Retry and is served
         assert client.health()["ready"]
+    assert "quic: 3 handshakes in progress: Retry on" in daemon.log.read_text()
     for sock in [*hellos, probe]:
         sock.close()
