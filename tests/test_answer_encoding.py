@@ -11,8 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from appliance.protocol import tensors
-from appliance.protocol.tensors import JSON_SLICE, InferRequest, decode_infer, encode_infer, encoding_size, tensor_entry
+from appliance.protocol import json_text
+from appliance.protocol.json_text import JSON_SLICE
+from appliance.protocol.tensors import InferRequest, decode_infer, encode_infer, encoding_size, tensor_entry
 from appliance.tasks import OFF_LOOP_BYTES
 
 TEXTS = 65_536  # the most one language ID infer takes
@@ -59,10 +60,38 @@ def test_a_long_json_answer_is_written_a_slice_a_call_and_reads_as_written_whole
         lengths.append(len(value) if isinstance(value, list) else 1)
         return dumps(value, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tensors.json, "dumps", counted)
+    monkeypatch.setattr(json_text.json, "dumps", counted)
     body, header_length = encode_infer("languages", "1", asked, outputs, {"sequence_id": 7})
     monkeypatch.undo()
     assert header_length is None
     assert body == json.dumps(whole, separators=(",", ":")).encode()
     assert max(lengths) == JSON_SLICE  # never a whole answer's values in one call
     assert len(lengths) > 2 * TEXTS // JSON_SLICE
+
+
+def test_an_hours_verbose_json_is_written_a_slice_a_call_as_written_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An hour of speech with its words (900 segments, 14,400 words): no call writes more than about
+    JSON_SLICE values (a word's dict is its keys and values), and the text is json.dumps's."""
+    words = [{"word": f" w{i}", "start": i * 0.25, "end": i * 0.25 + 0.2, "probability": 0.9} for i in range(14_400)]
+    rows = [{"id": i, "start": i * 4.0, "text": " a b", "tokens": list(range(30))} for i in range(900)]
+    doc = {
+        "task": "transcribe",
+        "duration": 3600.0,
+        "words": words,
+        "segments": rows,
+        "empty": [],
+        "nested": {"a": [1]},
+    }
+    values: list[int] = []
+    dumps = json.dumps
+
+    def counted(value: object, **kwargs: object) -> str:
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            values.append(len(value) * 2 * len(value[0]))
+        return dumps(value, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(json_text.json, "dumps", counted)
+    text = json_text.dumps(doc)
+    monkeypatch.undo()
+    assert text == json.dumps(doc, separators=(",", ":"))
+    assert values and max(values) <= JSON_SLICE, max(values)  # never the 14,400 words in one call

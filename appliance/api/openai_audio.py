@@ -35,6 +35,7 @@ from appliance.kinds.diarized import Who
 from appliance.kinds.speech_api import FORMATS, SAMPLE_RATE, SUBTITLES, Options, Segment, render, word_json
 from appliance.kinds.streaming import begun, guarded, query_flag, whole
 from appliance.protocol.json_reader import JsonReader
+from appliance.protocol.json_text import ELEMENT_BYTES
 from appliance.protocol.messages import Request, Response, json_response
 from appliance.tasks import off_loop
 
@@ -62,6 +63,7 @@ DIARIZED = "diarized_json"  # OpenAI's answer with speakers
 MAX_FIELD_BYTES = 64 * 1024  # any form field but the file and the speakers' clips
 # a known speaker's clip as a data URL: 10 s of 48 kHz stereo PCM16 in base64 (the body limit bounds them all)
 MAX_CLIP_BYTES = 4 * 1024 * 1024
+SEGMENT_BYTES = 128 * ELEMENT_BYTES  # a segment's row, cue or line costs as much as this many values written
 
 Handler = Callable[[Request, dict[str, str]], Awaitable[Response]]
 
@@ -194,10 +196,12 @@ async def _transcribed(
         events = _events(await begun(segments), model.name, "word" in granularities, diarizing, duration)
         return Response(200, content_type="text/event-stream", stream=events)
     found = await whole(segments)
+    # an hour's transcript (900 segments) took 25 to 50 ms to write as SRT or verbose_json with its words
+    weight = sum(SEGMENT_BYTES + len(s.words) * ELEMENT_BYTES for s in found)
     if response_format == DIARIZED:
-        return json_response(200, diarized.diarized_json(found, duration))
+        return await off_loop(weight, lambda: json_response(200, diarized.diarized_json(found, duration)))
     shown = tuple(granularities) or ("segment",)
-    return render(found, response_format, options.task, duration, shown)
+    return await off_loop(weight, render, found, response_format, options.task, duration, shown)
 
 
 def _check_chunking(value: str) -> None:

@@ -7,6 +7,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from appliance.protocol import json_text
+
 Message = str | bytes  # one WebSocket message: text or binary
 
 
@@ -98,7 +100,7 @@ class Handler(Protocol):
 
 
 def json_response(status: int, doc: Any) -> Response:
-    return Response(status, json.dumps(doc, separators=(",", ":")).encode())
+    return Response(status, json_text.dumps(doc).encode())  # long lists a slice at a time (an hour's words)
 
 
 def error_response(status: int, message: str, target: str = "") -> Response:

@@ -15,7 +15,6 @@ most MAX_DIMS dimensions, no more elements than the body can carry) before anyth
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from appliance.errors import BadRequest
+from appliance.protocol import json_text
 from appliance.protocol.json_reader import json_kind, read_json, shown
+from appliance.protocol.json_text import ELEMENT_BYTES
 from appliance.protocol.tensor_data import NUMPY_TYPES, data_array
 
 DATATYPES = {np.dtype(v).str: k for k, v in NUMPY_TYPES.items()}
@@ -237,16 +238,6 @@ def _shape(value: Any, where: str) -> list[int]:
 # --- tensor data in JSON ----------------------------------------------------------------------
 
 
-# An element written one by one (a JSON number, a BYTES string: 0.2 to 0.4 us) weighs as much as this
-# many bytes copied: 65,536 FP32 as JSON took 25 ms, 1 MiB of them 108 ms, and 65,536 BYTES 12 ms
-ELEMENT_BYTES = 1 << 10
-
-
-# Values one json.dumps call writes (FP32s: about 0.8 ms). A call holds the GIL to its end, so on a
-# thread too it kept the event loop's thread from running: 65,536 FP32s for 30 ms, 1 MiB of them 137 ms
-JSON_SLICE = 2048
-
-
 def encoding_size(request: InferRequest, outputs: dict[str, np.ndarray]) -> int:
     """What encoding `outputs` costs, in bytes: binary tensors' bytes, and each element written one by
     one (JSON data, BYTES strings) as ELEMENT_BYTES (counted by bytes alone, language ID's answer of
@@ -264,17 +255,19 @@ def _binary(request: InferRequest, output: str) -> bool:
 def encode_infer(
     model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray], parameters: dict[str, Any]
 ) -> tuple[bytes, int | None]:
-    """Return (body, JSON header length when binary data follows, else None). Written a piece at a time
-    (see JSON_SLICE): on a thread, a single long write would hold up the event loop all the same."""
+    """Return (body, JSON header length when binary data follows, else None). Its JSON is written a
+    slice at a time (`json_text`): on a thread, a single long write would hold up the event loop all the same."""
     chunks: list[bytes] = []
-    entries = [_entry_text(name, array, _binary(request, name), chunks) for name, array in outputs.items()]
-    members = _members({"model_name": model, "model_version": version})
-    members.append(f'"outputs":[{",".join(entries)}]')
+    entries = []
+    for name, array in outputs.items():
+        entry, data = _entry_parts(name, array, _binary(request, name), chunks)
+        entries.append(entry if data is None else entry | {"data": data})
+    doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if request.id is not None:
-        members += _members({"id": request.id})
+        doc["id"] = request.id
     if parameters:
-        members += _members({"parameters": parameters})
-    header = ("{" + ",".join(members) + "}").encode()
+        doc["parameters"] = parameters
+    header = json_text.dumps(doc).encode()
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)
@@ -287,16 +280,6 @@ def tensor_entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]
     if data is not None:
         entry["data"] = data.tolist() if isinstance(data, np.ndarray) else data
     return entry
-
-
-def _entry_text(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]) -> str:
-    """tensor_entry as JSON text, its data written JSON_SLICE values at a time."""
-    entry, data = _entry_parts(name, array, binary, chunks)
-    members = _members(entry)
-    if data is not None:
-        pieces = (_json(data[at : at + JSON_SLICE])[1:-1] for at in range(0, len(data), JSON_SLICE))
-        members.append(f'"data":[{",".join(pieces)}]')
-    return "{" + ",".join(members) + "}"
 
 
 def _entry_parts(
@@ -312,15 +295,6 @@ def _entry_parts(
     entry["parameters"] = {"binary_data_size": len(raw)}
     chunks.append(raw)
     return entry, None
-
-
-def _json(values: Any) -> str:
-    return json.dumps(values.tolist() if isinstance(values, np.ndarray) else values, separators=(",", ":"))
-
-
-def _members(doc: dict[str, Any]) -> list[str]:
-    """An object's members as JSON text (`"key":value`), to join with others between braces."""
-    return [f"{_json(key)}:{_json(value)}" for key, value in doc.items()]
 
 
 def _bytes_entry(
