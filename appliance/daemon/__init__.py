@@ -27,6 +27,7 @@ from appliance.daemon.listeners import Listeners, bind_unix_socket
 from appliance.daemon.watchdog import Watchdog
 from appliance.engine import cuda
 from appliance.engine.heap import fix_mmap_threshold, trim_heap_forever
+from appliance.engine.loop_first import keep_the_loop_first
 from appliance.engine.stats import ModelStats
 from appliance.errors import ApplianceError
 from appliance.kinds import ServedModel, load_models
@@ -175,6 +176,7 @@ class Daemon:
             spawn(self._report_status(), "the status report", self._fail),
             spawn(LOOP_LAG.run(), "the event loop lag probe", self._fail),
             spawn(trim_heap_forever(), "the heap trim", self._fail),
+            spawn(keep_the_loop_first(), "the loop's priority", self._fail),
         ]
         assert self.listeners is not None
         if (interval := systemd.watchdog_interval()) is not None:

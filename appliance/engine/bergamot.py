@@ -21,6 +21,7 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from appliance.engine.loop_first import COMPUTE_NICE
 from appliance.errors import ApiError, ApplianceError, Unavailable
 from appliance.exitcodes import exit_text
 
@@ -95,7 +96,7 @@ class TranslatorProcess:
         ours, theirs = socket.socketpair()
         with theirs:
             process = subprocess.Popen(
-                [sys.executable, "-I", str(SCRIPT), str(theirs.fileno())],
+                [sys.executable, "-I", str(SCRIPT), str(theirs.fileno()), str(COMPUTE_NICE)],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
             )

@@ -3,13 +3,15 @@
 fxtranslate's Translator holds the GIL while it translates (its class is unsendable, so it cannot let
 go of it): in the daemon's process two of them took turns on one core, and the event loop waited
 behind every sentence. Run as a script (`python -I`), this imports only the standard library and
-fxtranslate. It reads the model's files, then one text at a time, from the connection on the fd
-named in argv[1], and answers each with ("ok", result) or ("error", message); it ends when the
-connection does, so it never outlives the daemon. The service's stop signals are the daemon's to act on.
+fxtranslate. It lowers its priority by the nice value in argv[2], reads the model's files, then one
+text at a time, from the connection on the fd named in argv[1], and answers each with ("ok", result)
+or ("error", message); it ends when the connection does, so it never outlives the daemon. The
+service's stop signals are the daemon's to act on.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -42,4 +44,5 @@ if __name__ == "__main__":
     # started before the daemon allowed reloads (signals.py), not in translators a reload starts.
     for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(stop, signal.SIG_IGN)
+    os.nice(int(sys.argv[2]))  # behind the daemon's event loop, as its other compute (engine/loop_first.py)
     serve(Connection(int(sys.argv[1])))

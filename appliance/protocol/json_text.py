@@ -24,7 +24,9 @@ def dumps(value: Any) -> str:
         return "{" + ",".join(f"{_plain(key)}:{dumps(item)}" for key, item in value.items()) + "}"
     if isinstance(value, np.ndarray):
         flat = value.reshape(-1)
-        return "[" + ",".join(_plain(flat[at : at + JSON_SLICE].tolist())[1:-1] for at in _starts(flat, JSON_SLICE)) + "]"
+        return (
+            "[" + ",".join(_plain(flat[at : at + JSON_SLICE].tolist())[1:-1] for at in _starts(flat, JSON_SLICE)) + "]"
+        )
     if isinstance(value, (list, tuple)) and value:
         step = max(1, JSON_SLICE // _width(value[0]))
         if len(value) > step:
