@@ -13,7 +13,7 @@ import pytest
 
 from appliance.protocol import json_text
 from appliance.protocol.json_text import JSON_SLICE
-from appliance.protocol.tensors import InferRequest, decode_infer, encode_infer, encoding_size, tensor_entry
+from appliance.protocol.tensors import InferRequest, decode_infer, encode_infer, encoding_size
 from appliance.tasks import OFF_LOOP_BYTES
 
 TEXTS = 65_536  # the most one language ID infer takes
@@ -48,9 +48,14 @@ def test_a_long_json_answer_is_written_a_slice_a_call_and_reads_as_written_whole
     }
     asked = request()
     asked.id = 'one "quoted" id'
-    whole = {
+    types = {"language": "BYTES", "confidence": "FP32", "counts": "INT64", "none": "FP32"}
+    whole = {  # as KServe writes it, all in one json.dumps
         "model_name": "languages", "model_version": "1",
-        "outputs": [tensor_entry(name, array, False, []) for name, array in outputs.items()],
+        "outputs": [
+            {"name": name, "datatype": types[name], "shape": list(array.shape),
+             "data": [v.decode() for v in array] if array.dtype == object else array.reshape(-1).tolist()}
+            for name, array in outputs.items()
+        ],
         "id": asked.id, "parameters": {"sequence_id": 7},
     }  # fmt: skip
     lengths: list[int] = []

@@ -15,6 +15,7 @@ import httptools
 import numpy as np
 
 from appliance.client.errors import ServerError
+from appliance.protocol import json_text
 from appliance.protocol.tensors import NUMPY_TYPES, tensor_entry
 
 DEFAULT_MODEL = "silero_vad"
@@ -192,7 +193,7 @@ def encode_request(
         params["binary_data_output"] = True
     if params:
         doc["parameters"] = params
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    header = json_text.dumps(doc).encode()
     return (b"".join([header, *chunks]), len(header)) if binary else (header, None)
 
 

@@ -256,12 +256,9 @@ def encode_infer(
     model: str, version: str, request: InferRequest, outputs: dict[str, np.ndarray], parameters: dict[str, Any]
 ) -> tuple[bytes, int | None]:
     """Return (body, JSON header length when binary data follows, else None). Its JSON is written a
-    slice at a time (`json_text`): on a thread, a single long write would hold up the event loop all the same."""
+    slice at a time (`json_text`): on a thread too, one long write would hold up the event loop."""
     chunks: list[bytes] = []
-    entries = []
-    for name, array in outputs.items():
-        entry, data = _entry_parts(name, array, _binary(request, name), chunks)
-        entries.append(entry if data is None else entry | {"data": data})
+    entries = [tensor_entry(name, array, _binary(request, name), chunks) for name, array in outputs.items()]
     doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if request.id is not None:
         doc["id"] = request.id
@@ -274,37 +271,28 @@ def encode_infer(
 
 
 def tensor_entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]) -> dict[str, Any]:
-    """One tensor's JSON entry; with `binary`, its raw bytes go to `chunks` (the binary extension).
-    An object array is BYTES: strings (str or bytes, UTF-8) as Triton carries them."""
-    entry, data = _entry_parts(name, array, binary, chunks)
-    if data is not None:
-        entry["data"] = data.tolist() if isinstance(data, np.ndarray) else data
-    return entry
-
-
-def _entry_parts(
-    name: str, array: np.ndarray, binary: bool, chunks: list[bytes]
-) -> tuple[dict[str, Any], np.ndarray | list[str] | None]:
-    """The entry without its data, and the data to write as JSON (None where it went to `chunks`)."""
+    """One tensor's entry, for `json_text.dumps` (its data the flat array, or the BYTES' texts); with
+    `binary`, its raw bytes go to `chunks` (the binary extension). An object array is BYTES: strings
+    (str or bytes, UTF-8) as Triton carries them."""
     if array.dtype == object:
         return _bytes_entry(name, array, binary, chunks)
     entry: dict[str, Any] = {"name": name, "datatype": DATATYPES[array.dtype.str], "shape": list(array.shape)}
-    if not binary:
-        return entry, array.reshape(-1)
-    raw = np.ascontiguousarray(array).tobytes()
-    entry["parameters"] = {"binary_data_size": len(raw)}
-    chunks.append(raw)
-    return entry, None
+    if binary:
+        raw = np.ascontiguousarray(array).tobytes()
+        entry["parameters"] = {"binary_data_size": len(raw)}
+        chunks.append(raw)
+    else:
+        entry["data"] = array.reshape(-1)
+    return entry
 
 
-def _bytes_entry(
-    name: str, array: np.ndarray, binary: bool, chunks: list[bytes]
-) -> tuple[dict[str, Any], list[str] | None]:
+def _bytes_entry(name: str, array: np.ndarray, binary: bool, chunks: list[bytes]) -> dict[str, Any]:
     elements = [v.encode() if isinstance(v, str) else bytes(v) for v in array.reshape(-1)]
     entry: dict[str, Any] = {"name": name, "datatype": "BYTES", "shape": list(array.shape)}
-    if not binary:
-        return entry, [e.decode("utf-8", "replace") for e in elements]
-    raw = b"".join(len(e).to_bytes(4, "little") + e for e in elements)
-    entry["parameters"] = {"binary_data_size": len(raw)}
-    chunks.append(raw)
-    return entry, None
+    if binary:
+        raw = b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+        entry["parameters"] = {"binary_data_size": len(raw)}
+        chunks.append(raw)
+    else:
+        entry["data"] = [e.decode("utf-8", "replace") for e in elements]
+    return entry
