@@ -8,6 +8,8 @@ is the one that takes the work). Phases of `seconds` each:
     language-json  the same as JSON both ways (Triton's default without the binary extension): 65,536
                  strings read and 65,536 texts and confidences written as JSON, on threads
     bodies       a JSON infer body nested 100,000 deep and a 60 MiB JSON list (parsed off the loop)
+    whisper      20 s of speech transcribed by the largest Whisper, one after another: no work on the loop,
+                 but its threads take every core (the loop's thread against them for a core)
     realtime-events  a Realtime session's events of 99,000 strings each (under the WebSocket's 1 MiB and
                  the JSON reader's 100,000 values), read off the loop, each answered with an error event
     peer-walk    the QUIC listener's validated-peer table (the eBPF map) full, 65,536 peers each seen at
@@ -46,6 +48,7 @@ from appliance.audio import encode_wav
 from appliance.bench.daemon import DaemonProcess
 from appliance.bench.hostile import PACE_S, hostile_bodies, latency, until
 from appliance.bench.measure import loop_lags
+from appliance.bench.transcription import RATE, speech
 from appliance.client import Call, Client, tensors_call
 from appliance.config import ConnCacheConfig
 from appliance.transport.bpfmaps import PinnedMap
@@ -59,11 +62,13 @@ CHUNK_SAMPLES = 64 * 512  # 2.048 s at 16 kHz: whole VAD frames, as a live strea
 def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> dict[str, Any]:
     models = firmware.verify(bundle, trusted).manifest.models
     speech_model = next(m.name for m in models if m.kind == "speech_to_text")
+    whisper = [m.name for m in models if m.kind == "speech_to_text"][-1]  # the largest: base on the interpreter
     language_model = next(m.name for m in models if m.kind == "language_identification")
     daemon = DaemonProcess(bundle, trusted, workdir / "engine", workers=1, label="loop")
     results: dict[str, Any] = {"workers": 1, "seconds": seconds, "phases": {}}
     rng = np.random.default_rng(2)
     quiet_wav = encode_wav((rng.standard_normal(CHUNK_SAMPLES) * 1e-3).astype(np.float32), 16_000)
+    spoken_wav = encode_wav(speech(20.0)[0], RATE)
     try:
         with Client(str(daemon.socket), timeout=120) as client:
             live = _LiveBytes(client, speech_model, quiet_wav)
@@ -74,6 +79,7 @@ def loop_bench(bundle: Path, trusted: Path, workdir: Path, seconds: float) -> di
                 "language-json": lambda: _ok(client.send(tensors_call(language_model, {"text": TEXTS}, binary=False))),
                 "bodies": lambda: hostile_bodies(daemon),
                 "realtime-events": events.send,
+                "whisper": lambda: client.transcribe(spoken_wav, whisper),
             }
             table = _FullPeerTable.of(daemon)
             if table is None:
