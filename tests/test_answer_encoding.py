@@ -100,3 +100,4 @@ def test_an_hours_verbose_json_is_written_a_slice_a_call_as_written_whole(monkey
     monkeypatch.undo()
     assert text == json.dumps(doc, separators=(",", ":"))
     assert values and max(values) <= JSON_SLICE, max(values)  # never the 14,400 words in one call
+    assert json_text.dumps([[], [], {}]) == "[[],[],{}]"  # empty items (LibreTranslate's alternatives)

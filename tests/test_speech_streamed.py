@@ -27,10 +27,10 @@ from test_long_running import (
     speech_body,
     stalled_shards,
     unix_request,
-    wait_until,
     warmed_rss,
 )
 from test_speech import av_decoded
+from waits import wait_until
 
 TEXT = " ".join(SENTENCES * 2)  # eight sentences: several pieces on the wire
 FIRST_WORDS = ("train", "coast", "platform", "seven")  # SENTENCES[0]'s, for the judge
@@ -110,7 +110,5 @@ def test_wav_and_flac_readers_that_never_read_stop_the_synthesis(
     finally:
         for sock in attackers:
             sock.close()
-    wait_until(
-        lambda: metrics(speech_daemon)["appliance_requests_cancelled_total"] >= cancelled + 2, 10, "both cancelled"
-    )
+    wait_until(lambda: metrics(speech_daemon)["appliance_requests_cancelled_total"] >= cancelled + 2, "both cancelled")
     assert shards_run(speech_daemon) - stalled < 2 * 40

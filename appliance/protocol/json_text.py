@@ -47,7 +47,7 @@ def _starts(values: Any, step: int) -> range:
 
 def _width(item: Any) -> int:
     """About how many values one item of a long list holds (a word's dict: its keys and values)."""
-    return 2 * len(item) if isinstance(item, (dict, list, tuple)) else 1
+    return max(1, 2 * len(item)) if isinstance(item, (dict, list, tuple)) else 1  # an empty one: one
 
 
 def _plain(value: Any) -> str:
