@@ -308,8 +308,8 @@ def test_sequence_table_is_bounded_and_idle_sequences_expire(start_daemon) -> No
         with pytest.raises(ClientError) as err:
             client.speech_probs(noise(1), sequence_id=3, start=True)
         assert err.value.status == 429 and "sequence table full (2 live" in err.value.message
-        live = lambda: sample(client.metrics(), "appliance_live_sequences", model="silero_vad")  # noqa: E731
-        wait_until(lambda: live() == 0, "both expired")
+        live = "appliance_live_sequences"
+        wait_until(lambda: sample(client.metrics(), live, model="silero_vad") == 0, "both expired")
         with pytest.raises(ClientError) as err:
             client.speech_probs(noise(1), sequence_id=1)
         assert "expired after 3 s idle" in err.value.message

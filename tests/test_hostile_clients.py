@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import Daemon, good_clients_throughout
 from promtext import sample
+from waits import wait_until
 
 from appliance.audio import encode_wav
 from appliance.client import Client
@@ -136,8 +137,7 @@ def test_stalled_uploads_together_meet_the_body_budget(daemon, connect) -> None:
     trickler.start()
     try:
         with Client(str(daemon.socket), timeout=10) as client:
-            while sample(client.metrics(), "appliance_buffered_bytes") < 700_000:
-                time.sleep(0.05)
+            wait_until(lambda: sample(client.metrics(), "appliance_buffered_bytes") >= 700_000, "the first held")
         second = connect(daemon)
         send(second, upload)
         [(status, body)] = responses(read_all(second))
@@ -230,11 +230,9 @@ def test_sigterm_while_a_body_uploads_finishes_the_upload(start_daemon, tls, con
     sock = connect(daemon)
     sock.sendall(b"POST /v2/models/silero_vad/segments HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(wav) + wav[:1000])
     with Client(str(daemon.socket), timeout=10) as client:  # its head read, its first bytes held
-        while sample(client.metrics(), "appliance_buffered_bytes") < 1000:
-            time.sleep(0.05)
+        wait_until(lambda: sample(client.metrics(), "appliance_buffered_bytes") >= 1000, "its first bytes held")
     daemon.proc.send_signal(signal.SIGTERM)
-    while "stopping: " not in daemon.log.read_text():
-        time.sleep(0.05)
+    wait_until(lambda: "stopping: " in daemon.log.read_text(), "the stop begun")
     sock.sendall(wav[1000:])
     [(status, body)] = responses(read_all(sock))
     assert status == 200 and json.loads(body)["duration"] == 5.0
@@ -261,8 +259,7 @@ def test_idle_connections_cannot_hold_every_slot(start_daemon, tls, connect) -> 
     limits = "max_connections = 50\nheader_timeout_s = 5.0\n"
     daemon = start_daemon(extra_server=limits, tls=tls, https="max_connections = 50\n")
     idle = [connect(daemon) for _ in range(50)]  # every slot, and never a request
-    while accept_queue(daemon) > 0:  # a Unix connect returns before the daemon accepts (TLS's handshake after)
-        time.sleep(0.05)
+    wait_until(lambda: accept_queue(daemon) == 0, "all fifty accepted")  # a Unix connect returns before that
     refused = connect(daemon)
     [(status, body)] = responses(read_all(refused))
     assert status == 503 and json.loads(body) == {"error": "too many connections (limit 50)"}

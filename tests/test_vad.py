@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
 from conftest import build_bundle
 from speech import RATE, SENTENCES, recording, speech_segments
+from waits import wait_until
 
 from appliance.audio import encode_wav, to_frames
 from appliance.client import AsyncClient, Client
@@ -177,8 +177,7 @@ def test_sigterm_with_a_wedged_engine_exits_within_the_grace_time(start_daemon, 
 
     caller = threading.Thread(target=stuck_call)
     caller.start()
-    while "held by the test's hang failpoint" not in daemon.log.read_text():  # the call reached the engine
-        time.sleep(0.05)
+    wait_until(lambda: "held by the test's hang failpoint" in daemon.log.read_text(), "the call held in the engine")
     daemon.proc.send_signal(signal.SIGTERM)
     code = daemon.proc.wait(120)  # its own watchdog ends it (logged below); waiting for the call never would
     caller.join(10)
