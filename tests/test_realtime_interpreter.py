@@ -166,10 +166,6 @@ def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(pat
     second_of_silence = json.dumps(
         {"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(48000)).decode()}
     )
-    # the models' working memory for this very work, before the bound is measured: the same turns, sent
-    # as fast as the box takes them, by a client that reads (one paced turn left the engine's arenas
-    # short of what eight turns decoded in bursts take: it grew 181 MB in a full run)
-    interpret(patient_daemon, turns, paced=False)
     before = process_tree_rss_kib(patient_daemon)
     ws = WSConnection(ConnectionType.CLIENT)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
