@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import APPLIANCE, ROOT, Keys, cli
 
@@ -463,3 +464,25 @@ def test_plain_lines_every_ten_percent_for_large_phases() -> None:
     with Progress(stream=quiet, enabled=False).phase("x", 1 << 30) as advance:
         advance(1 << 30)
     assert quiet.getvalue() == ""
+
+
+def test_call_live_sends_each_chunk_once_it_has_been_heard() -> None:
+    """`call live`'s pace on an injected clock: the n-th chunk goes once n chunks' time (256 ms each) has
+    passed, however fast the daemon answers; after an answer slower than that, the chunks heard meanwhile
+    go at once, one after another."""
+    from appliance.cli.speech import CHUNK_SAMPLES, as_heard
+
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    chunks = (np.full(CHUNK_SAMPLES, i, np.float32) for i in range(6))
+    sent = []
+    for chunk, last in as_heard(chunks, clock=lambda: now[0], sleep=sleep):
+        sent.append((round(now[0], 3), int(chunk[0]), last))
+        now[0] += 1.0 if chunk[0] == 2 else 0.05  # the daemon's answer: quick, once slow
+    assert sent == [
+        (0.256, 0, False), (0.512, 1, False), (0.768, 2, False),  # at speech pace
+        (1.768, 3, False), (1.818, 4, False), (1.868, 5, True),  # heard while the third was answered
+    ]  # fmt: skip

@@ -11,7 +11,6 @@ import json
 import re
 import socket
 import subprocess
-import time
 
 import av
 import numpy as np
@@ -245,7 +244,7 @@ async def _statistics(daemon) -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.parametrize("framing", ["wav", "pcm"])
-def test_cli_live_reads_standard_input_at_real_time_pace(daemon, framing: str) -> None:
+def test_cli_live_reads_standard_input(daemon, framing: str) -> None:
     """`arecord -f S16_LE -r 16000 -c 1 | appliance call live -`: raw PCM16, or a WAV (here 44.1 kHz
     stereo with a streaming header, as arecord's default writes), piped in; each segment printed."""
     spoken = recording(CLEAR[:2], gap_s=1.5)[0]
@@ -259,17 +258,14 @@ def test_cli_live_reads_standard_input_at_real_time_pace(daemon, framing: str) -
         header[22:24], header[24:28] = (2).to_bytes(2, "little"), (44100).to_bytes(4, "little")
         header[28:32], header[32:34] = (44100 * 4).to_bytes(4, "little"), (4).to_bytes(2, "little")
         data = bytes(header) + pcm
-    started = time.monotonic()
     result = subprocess.run(
         [*APPLIANCE, "call", "live", "-", "--socket", str(daemon.socket), "--model", TINY],
         input=data, capture_output=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
-    elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     lines = result.stdout.decode().splitlines()
     assert len(lines) >= 2 and all(re.match(r"\[ *\d+\.\d\d -> *\d+\.\d\d\] ", line) for line in lines), lines
     assert wer(CLEAR[:2], " ".join(line.split("] ", 1)[1] for line in lines)) <= 0.1, lines
-    assert elapsed >= len(spoken) / RATE * 0.95  # sent as it would be heard, not all at once
 
 
 def test_the_transcribe_route_gives_words_too(unix: Client) -> None:

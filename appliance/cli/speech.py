@@ -82,18 +82,27 @@ def live(client: Client, args: argparse.Namespace, source: str) -> None:
     if args.language:
         extra["language"] = args.language
     chunks = stdin_chunks(cast(io.BufferedReader, sys.stdin.buffer)) if source == "-" else file_chunks(source)
-    started, first = time.monotonic(), True
+    for index, (chunk, last) in enumerate(as_heard(chunks)):
+        out = client.live(chunk, model, sequence, start=index == 0, end=last, **extra)
+        for text, start, end in zip(out["text"], out["start"], out["end"]):
+            print(f"[{float(start):8.2f} -> {float(end):8.2f}] {bytes(text).decode()}", flush=True)
+
+
+def as_heard(
+    chunks: Iterator[np.ndarray],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[tuple[np.ndarray, bool]]:
+    """Each chunk with whether it is the last, once it has been "heard": the n-th not before n chunks'
+    time has passed since the first was asked for (a file goes at speech pace, as a microphone's would;
+    standard input that arrives at that pace waits no more)."""
+    started, sent = clock(), 0
     chunk = next(chunks, None)
-    sent = 0
     while chunk is not None:
         following = next(chunks, None)  # one ahead: the last chunk ends the sequence
         sent += 1
-        due = started + sent * CHUNK_SAMPLES / RATE  # a chunk is sent once it has been "heard"
-        time.sleep(max(0.0, due - time.monotonic()))
-        out = client.live(chunk, model, sequence, start=first, end=following is None, **extra)
-        first = False
-        for text, start, end in zip(out["text"], out["start"], out["end"]):
-            print(f"[{float(start):8.2f} -> {float(end):8.2f}] {bytes(text).decode()}", flush=True)
+        sleep(max(0.0, started + sent * CHUNK_SAMPLES / RATE - clock()))
+        yield chunk, following is None
         chunk = following
 
 
