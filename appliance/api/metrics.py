@@ -277,6 +277,10 @@ def _flow_lines(metrics: Metrics, models: list[ServedModel]) -> list[str]:
         "# HELP appliance_stream_held_bytes_max The most bytes held for one streamed answer (bound: stream_window_bytes).",
         "# TYPE appliance_stream_held_bytes_max gauge",
         f"appliance_stream_held_bytes_max {held.largest}",
+        "# HELP appliance_streams_waiting_for_client Streamed answers held past the window: none of their next"
+        " pieces is made until their client takes some.",
+        "# TYPE appliance_streams_waiting_for_client gauge",
+        f"appliance_streams_waiting_for_client {held.waiting}",
         "# HELP appliance_event_loop_lag_seconds How late the event loop ran a timer lately (CPU work on the loop).",
         "# TYPE appliance_event_loop_lag_seconds gauge",
         f"appliance_event_loop_lag_seconds {LOOP_LAG.last:.6f}",

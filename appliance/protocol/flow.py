@@ -86,19 +86,17 @@ async def send_stream(
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """The bytes all open windows of a process hold, and the largest one's."""
+    """The bytes all open windows of a process hold, the largest one's, and how many windows wait for
+    their peer (held past the window: the answer's next piece is not made until the peer takes some)."""
 
     total: int = 0
     largest: int = 0
-    streams: int = 0
-
-    def __add__(self, other: Held) -> Held:
-        return Held(self.total + other.total, max(self.largest, other.largest), self.streams + other.streams)
+    waiting: int = 0
 
 
 def held() -> Held:
-    windows = [w.held for w in list(_OPEN)]
-    return Held(sum(windows), max(windows, default=0), len(windows))
+    windows = [(w.held, w.held > w.limit and not w.closed) for w in list(_OPEN)]
+    return Held(sum(h for h, _ in windows), max((h for h, _ in windows), default=0), sum(w for _, w in windows))
 
 
 def unsent(transport: asyncio.WriteTransport) -> int:
