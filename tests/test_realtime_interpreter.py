@@ -23,7 +23,7 @@ from faster_whisper import WhisperModel
 from speech import RATE, recording
 from test_long_running import process_tree_rss_kib
 from test_realtime import TURN_DETECTION, next_event, pcm
-from test_speech_to_text import wait_until_quiet, words
+from test_speech_to_text import wait_until_idle, words
 from websockets.asyncio.client import unix_connect
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
@@ -221,7 +221,7 @@ def test_a_client_that_stops_reading_is_held_at_the_bounds_and_loses_nothing(pat
     # the turns it had taken are transcribed (up to four wait for their answers, which wait for the
     # client) while the audio it took is read at speech pace ([realtime] max_ahead_s): the engine works
     # in bursts for minutes, so each process is held to its bound at every sample of 5 s, not to none
-    wait_until_quiet(patient_daemon)
+    wait_until_idle(patient_daemon)
     samples = []
     for _ in range(6):
         samples.append(process_tree_rss_kib(patient_daemon))
