@@ -22,6 +22,7 @@ from waits import wait_until
 
 from appliance.audio import encode_wav
 from appliance.client import Client
+from appliance.client.unix import UnixTransport
 
 LIMITS = (
     "header_timeout_s = 1.0\nbody_timeout_s = 1.0\nkeepalive_timeout_s = 1.5\n"
@@ -219,8 +220,13 @@ def test_the_client_opens_a_new_connection_where_the_keep_alive_timeout_closed_i
     here) the daemon has closed it, and the next call goes on a new one instead of failing."""
     with Client(str(daemon.socket), timeout=10) as client:
         assert client.health()["ready"]
-        time.sleep(2.5)
+        assert isinstance(client.transport, UnixTransport)
+        kept = client.transport._sock  # the connection it keeps between calls
+        assert kept is not None
+        wait_until(lambda: select.select([kept], [], [], 0)[0], "the idle connection closed by the daemon")
+        assert kept.recv(1, socket.MSG_PEEK) == b""  # its end of file
         assert client.health()["ready"]
+        assert client.transport._sock is not kept
         assert client.metrics()
 
 
