@@ -196,9 +196,8 @@ def test_a_flood_from_one_peer_is_dropped_while_another_is_served(start_daemon, 
         datagram = b"\x40" + os.urandom(1199)
         assert wait_until(lambda: bystander.answered >= 1), bystander.errors  # connected before the flood
         answered_before, cpu_before = bystander.answered, daemon.cpu_seconds()
-        wanted = ANSWERED_DURING if backend == "ebpf" else 0
         started, sent = time.monotonic(), 0
-        while sent < FLOOD_DATAGRAMS or (bystander.answered - answered_before < wanted and sent < 30 * FLOOD_DATAGRAMS):
+        while sent < FLOOD_DATAGRAMS:
             for _ in range(100):
                 flooder.sendto(datagram, ("127.0.0.1", daemon.quic_port))
             sent += 100
