@@ -486,18 +486,6 @@ class Daemon:
             ticks += int(fields[11]) + int(fields[12])
         return ticks / os.sysconf("SC_CLK_TCK")
 
-    def run_queue_waits(self) -> dict[int, float]:
-        """Seconds each of the daemon's threads has waited for a CPU so far (schedstat): with cpu_seconds,
-        what it asked for, so a daemon starved by a loaded machine is not taken for a quiet one."""
-        waits = {}
-        for pid in self.pids():
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    waits[int(task.name)] = int((task / "schedstat").read_text().split()[1]) / 1e9
-                except (FileNotFoundError, ProcessLookupError):  # a thread that ended since the walk
-                    continue
-        return waits
-
     def pids(self) -> list[int]:
         """The engine process and its descendants (the protocol workers, where server.workers > 1)."""
         found, todo = [], [self.proc.pid]
