@@ -144,7 +144,8 @@ class HealthChecks:
     def __init__(self, socket: str) -> None:
         context = multiprocessing.get_context("spawn")
         self.stop = context.Event()
-        self.checks: list[tuple[float, float, bool]] = []  # sent at, took, answered 200
+        # sent at, took, answered 200, and how long of it the checker waited, runnable, for a core
+        self.checks: list[tuple[float, float, bool, float]] = []
         self._receiver, sender = context.Pipe(duplex=False)
         self._process = context.Process(target=_check_health, args=(socket, self.stop, sender), daemon=True)
 
@@ -161,23 +162,33 @@ class HealthChecks:
             raise RuntimeError(f"the health checker sent nothing back (exit code {self._process.exitcode})")
 
     def latency(self, start: float, end: float) -> dict[str, Any]:
-        """The checks sent from `start` to `end`, as hostile.latency reports them."""
-        within = [(took, ok) for sent, took, ok in self.checks if start <= sent < end]
-        return latency([took for took, _ in within], sum(not ok for _, ok in within))
+        """The checks sent from `start` to `end`, as hostile.latency reports them; and how many took over
+        10 ms, in all and once the checker's own wait for a core is taken out (what is left is the answer's
+        time and the checker's own CPU: a late check that is late no more was the checker's wait)."""
+        within = [(took, ok, waited) for sent, took, ok, waited in self.checks if start <= sent < end]
+        figures = latency([took for took, _, _ in within], sum(not ok for _, ok, _ in within))
+        figures["over_10ms"] = sum(took > STALL_S for took, _, _ in within)
+        figures["over_10ms_not_waiting"] = sum(took - waited > STALL_S for took, _, waited in within)
+        return figures
 
 
 def _check_health(socket: str, stop: Event, sender: Connection) -> None:
     checks = []
     with Client(socket, timeout=30) as client:
         while not stop.is_set():
-            sent = time.monotonic()
+            sent, waited = time.monotonic(), _own_wait_s()
             try:
                 ok = client.send(Call("GET", "/v2/health/ready")).status == 200
             except Exception:  # any failure is a failed check, never the checker's end
                 ok = False
-            checks.append((sent, time.monotonic() - sent, ok))
+            checks.append((sent, time.monotonic() - sent, ok, _own_wait_s() - waited))
             time.sleep(PACE_S)
     sender.send(checks)
+
+
+def _own_wait_s() -> float:
+    """How long this thread has waited, runnable, for a CPU so far (the kernel's schedstat)."""
+    return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
 
 
 class _LongEvents:
@@ -272,6 +283,7 @@ def report(r: dict[str, Any]) -> list[str]:
             f"    {phase:16} {t['p50_ms']} / {t['p99_ms']} / {t['max_ms']} ms ({t['p99_ms'] / (quiet['p99_ms'] or 1.0):.1f}x"
             f" quiet's p99), {t['failed']} of {t['requests']} failed; {m['work']} done; daemon CPU {m['daemon_cpu_s']} s;"
             f" loop lags over 10 ms: {m['loop_lags_over_10ms']} of {m['loop_lags']}; the loop's thread waited"
-            f" {m['loop_thread_wait_ms']} ms for a core over {m['loop_thread_runs']} runs"
+            f" {m['loop_thread_wait_ms']} ms for a core over {m['loop_thread_runs']} runs; checks over 10 ms:"
+            f" {t['over_10ms']}, {t['over_10ms_not_waiting']} without the checker's own wait for a core"
         )
     return lines
