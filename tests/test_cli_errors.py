@@ -11,17 +11,19 @@ import time
 import wave
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import APPLIANCE, ROOT, Daemon, cli
 
 from appliance import exitcodes
+from appliance.audio import encode_wav
 from appliance.bench.daemon import free_udp_port
 from appliance.client import Call
 
 HINT = "point at the daemon's socket with --socket PATH or APPLIANCE_SOCKET=PATH"
 
 
-def run(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(*args: object, env: dict[str, str] | None = None, stdin: str = "") -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "APPLIANCE_SOCKET"}
     return subprocess.run(
         [*APPLIANCE, *map(str, args)],
@@ -31,6 +33,7 @@ def run(*args: object, env: dict[str, str] | None = None) -> subprocess.Complete
         env={**environ, **(env or {})},
         timeout=60,
         check=False,
+        input=stdin,
     )
 
 
@@ -279,3 +282,14 @@ def test_a_starting_daemon_keeps_its_marker_until_the_socket_is_bound(tmp_path: 
     daemon.wait_ready()
     assert seen and not marker.exists()
     assert daemon.stop() == 0
+
+
+def test_call_live_with_no_audio_says_so(tmp_path: Path) -> None:
+    """Nothing on standard input (a microphone's pipe that ended at once), or a WAV of no samples: one line
+    naming it, before any call (exit 0 with nothing printed looked like a silence that was heard)."""
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(encode_wav(np.zeros(0, np.float32), 16000))
+    for source, named in (("-", "standard input"), (empty, str(empty))):
+        result = run("call", "live", source, "--socket", tmp_path / "api.sock")
+        assert result.returncode == exitcodes.USAGE, result.stderr
+        assert one_line(result) == f"appliance: error: {named}: no audio in it: nothing to send"

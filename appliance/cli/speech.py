@@ -82,10 +82,13 @@ def live(client: Client, args: argparse.Namespace, source: str) -> None:
     if args.language:
         extra["language"] = args.language
     chunks = stdin_chunks(cast(io.BufferedReader, sys.stdin.buffer)) if source == "-" else file_chunks(source)
-    for index, (chunk, last) in enumerate(as_heard(chunks)):
-        out = client.live(chunk, model, sequence, start=index == 0, end=last, **extra)
+    sent = 0
+    for sent, (chunk, last) in enumerate(as_heard(chunks), 1):
+        out = client.live(chunk, model, sequence, start=sent == 1, end=last, **extra)
         for text, start, end in zip(out["text"], out["start"], out["end"]):
             print(f"[{float(start):8.2f} -> {float(end):8.2f}] {bytes(text).decode()}", flush=True)
+    if not sent:
+        raise ApplianceError(f"{'standard input' if source == '-' else source}: no audio in it: nothing to send")
 
 
 def as_heard(
