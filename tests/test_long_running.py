@@ -56,9 +56,12 @@ def metrics(daemon: Daemon) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
+PENDING = 'nv_inference_pending_request_count{{model="{model}",version="1.0.0"}}'
+
+
 def pending(daemon: Daemon, model: str = "joe") -> float:
     """Shards waiting for the voice or in its engine call (Triton's pending count is the queue's depth)."""
-    return metrics(daemon)[f'nv_inference_pending_request_count{{model="{model}",version="1.0.0"}}']
+    return metrics(daemon)[PENDING.format(model=model)]
 
 
 def shards_run(daemon: Daemon, model: str = "joe") -> float:
@@ -83,11 +86,12 @@ def stalled_shards(daemon: Daemon, answers: int = 1) -> float:
     each answer waits for its client (held past the window, so no sentence of it is asked for) and the
     voice has nothing queued or running. A synthesis that went on regardless ends with its whole text
     run (no verdict from the clock: the order of events)."""
-    wait_until(
-        lambda: metrics(daemon)["appliance_streams_waiting_for_client"] >= answers and pending(daemon) == 0,
-        "the answers waiting for their clients, the voice idle",
-        timeout_s=300,
-    )
+
+    def stalled() -> bool:
+        now = metrics(daemon)  # one scrape: both figures at one moment
+        return now["appliance_streams_waiting_for_client"] >= answers and now[PENDING.format(model="joe")] == 0
+
+    wait_until(stalled, "the answers waiting for their clients, the voice idle", timeout_s=300)
     return shards_run(daemon)
 
 

@@ -133,7 +133,12 @@ def _waits(daemon: DaemonProcess) -> tuple[float, int]:
     and how many times it ran (the kernel's schedstat): on 2 cores shared by the engine, the work's
     client and the checker, a late health check can be the loop's stall or its wait for a core."""
     pid = daemon.proc.pid
-    _, waited_ns, runs = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    return _schedstat(f"/proc/{pid}/task/{pid}")
+
+
+def _schedstat(task: str) -> tuple[float, int]:
+    """A thread's wait, runnable, for a CPU so far in seconds, and how many times it ran."""
+    _, waited_ns, runs = Path(task, "schedstat").read_text().split()
     return int(waited_ns) / 1e9, int(runs)
 
 
@@ -176,19 +181,14 @@ def _check_health(socket: str, stop: Event, sender: Connection) -> None:
     checks = []
     with Client(socket, timeout=30) as client:
         while not stop.is_set():
-            sent, waited = time.monotonic(), _own_wait_s()
+            sent, (waited, _) = time.monotonic(), _schedstat("/proc/thread-self")
             try:
                 ok = client.send(Call("GET", "/v2/health/ready")).status == 200
             except Exception:  # any failure is a failed check, never the checker's end
                 ok = False
-            checks.append((sent, time.monotonic() - sent, ok, _own_wait_s() - waited))
+            checks.append((sent, time.monotonic() - sent, ok, _schedstat("/proc/thread-self")[0] - waited))
             time.sleep(PACE_S)
     sender.send(checks)
-
-
-def _own_wait_s() -> float:
-    """How long this thread has waited, runnable, for a CPU so far (the kernel's schedstat)."""
-    return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
 
 
 class _LongEvents:

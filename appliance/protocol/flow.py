@@ -58,6 +58,11 @@ class SendWindow:
     def taken(self, count: int) -> None:
         self.hold(self.held - count)
 
+    @property
+    def full(self) -> bool:
+        """Held past the window: the answer's next piece waits until the peer takes some."""
+        return not self._room.is_set()
+
     async def wait(self) -> None:
         """Return once the peer has taken enough (or the window closed: the caller checks its peer)."""
         await self._room.wait()
@@ -95,8 +100,9 @@ class Held:
 
 
 def held() -> Held:
-    windows = [(w.held, w.held > w.limit and not w.closed) for w in list(_OPEN)]
-    return Held(sum(h for h, _ in windows), max((h for h, _ in windows), default=0), sum(w for _, w in windows))
+    windows = list(_OPEN)
+    sizes = [w.held for w in windows]
+    return Held(sum(sizes), max(sizes, default=0), sum(w.full for w in windows))
 
 
 def unsent(transport: asyncio.WriteTransport) -> int:
