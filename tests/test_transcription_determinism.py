@@ -53,10 +53,10 @@ def test_a_recording_is_heard_alike_before_and_after_other_requests(
     sampled again at rising temperatures), then requests that sample too and others that do not (a short
     clip, Spanish translated by base, a live stream, two at once, among them the same recording), then
     the same recording: the same segments, text, temperatures and tokens each time."""
-    # five times one sentence: both windows' greedy decodes loop, and stand only when sampled at 1.0
+    # five times one sentence: both windows' greedy decodes loop (and stand sampled at 1.0 from the seed)
     looping = recording([SENTENCES[4]] * 5, gap_s=0.3)[0]
     first = segments(openai_client, looping)
-    assert any(s[3] >= 0.6 for s in first), first  # decodes were sampled, and hot: the path under test ran
+    assert any(s[3] > 0 for s in first), first  # a decode was sampled: the path under test ran
 
     short = recording(["Turn off the lights in the kitchen please."])[0]
     spanish = recording(["Hola, me gusta mucho la música.", "Mi hermano tiene un coche rojo."], voice="es")[0]
