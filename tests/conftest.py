@@ -25,6 +25,7 @@ from appliance import firmware
 from appliance import keys as signing
 from appliance.bench.daemon import free_tcp_port, free_udp_port
 from appliance.client import Client
+from appliance.engine.failpoints import SPEECH_HANG_FAILPOINT
 
 if TYPE_CHECKING:
     from faster_whisper import WhisperModel
@@ -400,8 +401,10 @@ class Daemon:
         https: str | None = None,
         operator: bool = True,
         shutdown_grace_s: float = 5.0,
+        whisper_holdable: bool = False,
     ) -> None:
-        """`https`: serve HTTPS on TCP (needs tls) with these lines in its [https] table."""
+        """`https`: serve HTTPS on TCP (needs tls) with these lines in its [https] table. `whisper_holdable`:
+        Whisper's batches wait while the file `whisper_hold` exists (the speech hang failpoint)."""
         self.socket = workdir / "api.sock"
         self.config = workdir / "appliance.toml"
         self.quic_port = free_udp_port() if tls else None
@@ -430,6 +433,8 @@ class Daemon:
             f'[firmware]\nbundle = "{bundle}"\ntrusted_keys = "{trusted}"\n' + quic + extra
         )
         self.log = workdir / "daemon.log"
+        self.whisper_hold = workdir / "hold-whisper"
+        held = {SPEECH_HANG_FAILPOINT: str(self.whisper_hold)} if whisper_holdable else {}
         self.spawned = time.monotonic()
         DAEMON_SECONDS["started"] += 1
         self.proc = subprocess.Popen(
@@ -437,7 +442,7 @@ class Daemon:
             cwd=ROOT,
             stdout=self.log.open("wb"),
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **held, **(env or {})},
         )
 
     def wait_ready(self, timeout: float = 240.0) -> Daemon:
@@ -545,8 +550,10 @@ class Bystander:
 @pytest.fixture(scope="session")
 def voice_daemon(tmp_path_factory: pytest.TempPathFactory, keys: Keys, voice_bundle: Path, tls) -> Iterator[Daemon]:
     """The voice firmware's daemon, shared by the suites that neither change its config nor stop it
-    (speech to text, OpenAI's clients): started once, its clean exit checked at the session's end."""
-    d = Daemon(tmp_path_factory.mktemp("voiced"), voice_bundle, keys.trusted, tls=tls, max_body_bytes=64 << 20)
+    (speech to text, OpenAI's clients): started once, its clean exit checked at the session's end. Its
+    Whisper batches wait while a test holds them (`Daemon.whisper_hold`)."""
+    voiced = tmp_path_factory.mktemp("voiced")
+    d = Daemon(voiced, voice_bundle, keys.trusted, tls=tls, max_body_bytes=64 << 20, whisper_holdable=True)
     yield d.wait_ready(180)
     assert d.stop() == 0, d.log.read_text()
 

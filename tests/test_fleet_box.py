@@ -20,7 +20,7 @@ from wyoming.info import Describe
 
 from appliance.bench.daemon import free_tcp_port
 from appliance.client import Call, Client, infer_call, speech_call
-from appliance.engine.choice import HANG_FAILPOINT
+from appliance.engine.failpoints import HANG_FAILPOINT
 
 HOST = "127.0.0.1"
 

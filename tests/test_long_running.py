@@ -21,7 +21,7 @@ from conftest import ROOT, Daemon, Keys
 from waits import wait_until
 
 from appliance.client import Call, Client
-from appliance.engine.choice import HANG_FAILPOINT, SLOWDOWN_FAILPOINT
+from appliance.engine.failpoints import HANG_FAILPOINT, SLOWDOWN_FAILPOINT
 from appliance.kinds.speech import SHARDS_AHEAD
 
 VAD = "silero_vad"

@@ -24,7 +24,7 @@ from waits import wait_until
 
 from appliance.client import Call, Client, infer_call, speech_call
 from appliance.client.quic import QuicSession
-from appliance.engine.choice import HANG_FAILPOINT
+from appliance.engine.failpoints import HANG_FAILPOINT
 
 
 def test_quic_client_refuses_a_server_it_cannot_verify(daemon) -> None:

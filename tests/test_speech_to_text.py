@@ -4,6 +4,7 @@ transcribe route, live sequences, the CLI and the real `openai` package."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import select
@@ -137,9 +138,10 @@ def ten_minutes() -> tuple[np.ndarray, list[str], list[tuple[float, float]]]:
 
 
 @pytest.fixture(scope="module")
-def twenty_minutes(ten_minutes) -> bytes:
-    """The ten minutes twice, as FLAC: more shards than Whisper base decodes while the VAD cuts them."""
-    return flac(np.concatenate([ten_minutes[0], ten_minutes[0]]))
+def twenty_minutes(ten_minutes) -> tuple[int, bytes]:
+    """The ten minutes twice, as FLAC (some 40 shards), and its length in samples."""
+    samples = np.concatenate([ten_minutes[0], ten_minutes[0]])
+    return len(samples), flac(samples)
 
 
 def test_ten_minute_recording_streams_every_sentence_in_order_with_times(unix: Client, ten_minutes) -> None:
@@ -282,13 +284,13 @@ def test_openai_client_every_response_format_and_streaming(openai_client: openai
         openai_client.audio.translations.create(model=TINY, file=("e.wav", wav))
 
 
-def send_transcription(daemon: Daemon, body: bytes) -> socket.socket:
-    """A transcription by Whisper base sent on a socket of its own, its answer left unread: the test
-    closes the socket to abandon it. Named English: its shards go to Whisper as the VAD cuts them, no
-    segment's language identified first."""
+def send_transcription(daemon: Daemon, body: bytes, model: str = BASE) -> socket.socket:
+    """A transcription sent on a socket of its own, its answer left unread: the test closes the socket
+    to abandon it. Named English: its shards go to Whisper as the VAD cuts them, no segment's language
+    identified first."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(daemon.socket))
-    head = f"POST /v2/models/{BASE}/transcribe?language=en HTTP/1.1\r\nhost: box\r\ncontent-type: audio/flac\r\n"
+    head = f"POST /v2/models/{model}/transcribe?language=en HTTP/1.1\r\nhost: box\r\ncontent-type: audio/flac\r\n"
     sock.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
     return sock
 
@@ -351,8 +353,13 @@ def test_a_build_refuses_assembled_weights_whose_hash_is_not_pinned(keys: Keys, 
     assert not (tmp_path / "out").exists()
 
 
-def whisper_metric(client: Client, name: str) -> float:
-    return sample(client.metrics(), name, model=BASE)
+def whisper_metric(client: Client, name: str, model: str = BASE) -> float:
+    return sample(client.metrics(), name, model=model)
+
+
+def vad_frames(client: Client) -> float:
+    """The VAD's frames so far (512 samples each): a recording is cut whole once its frames are counted."""
+    return sample(client.metrics(), "appliance_engine_frames_total", model="silero_vad")
 
 
 def wait_until_idle(daemon: Daemon) -> None:
@@ -362,25 +369,35 @@ def wait_until_idle(daemon: Daemon) -> None:
         wait_until(lambda: total(client.metrics(), "appliance_queue_depth") == 0, "every model's queue empty")
 
 
-def test_a_twenty_minute_transcription_abandoned_after_2_s_stops_within_one_engine_call(
-    daemon: Daemon, unix: Client, twenty_minutes: bytes
+@contextlib.contextmanager
+def whisper_held(daemon: Daemon) -> Iterator[None]:
+    """Whisper's next batch waits until the block ends (the speech hang failpoint); the VAD cuts on."""
+    daemon.whisper_hold.write_text("0")
+    try:
+        yield
+    finally:
+        daemon.whisper_hold.unlink(missing_ok=True)
+
+
+def test_a_twenty_minute_transcription_abandoned_stops_within_one_engine_call(
+    daemon: Daemon, unix: Client, twenty_minutes: tuple[int, bytes]
 ) -> None:
-    """Its client leaves after 2 s, once more of its shards wait or run than two engine calls take: its
-    shards leave the queue, and at most the engine call under way runs on (its results dropped) and one
-    starting as it leaves, before every queue is empty."""
-    sock = send_transcription(daemon, twenty_minutes)
-    time.sleep(2.0)
-    wait_until(lambda: whisper_metric(unix, "appliance_queue_depth") > 2 * 8, "17 of its shards waiting or running")
-    depth = whisper_metric(unix, "appliance_queue_depth")
-    before = whisper_metric(unix, "nv_inference_count")  # an engine call counts its shards when it ends
-    sock.close()
+    """Its client leaves while Whisper's first batch of its shards is held and more than another batch
+    waits: its waiting shards leave the queue, the held call runs on (its results dropped), and no
+    other shard of it runs, before every queue is empty or later."""
+    with whisper_held(daemon):
+        with send_transcription(daemon, twenty_minutes[1], TINY):  # closed: the client leaves
+            wait_until(lambda: whisper_metric(unix, "appliance_queue_depth", TINY) > 2 * 8, "17 of its shards waiting")
+            before = whisper_metric(unix, "nv_inference_count", TINY)  # a call counts its shards when it ends
+        wait_until(lambda: whisper_metric(unix, "appliance_queue_depth", TINY) <= 8, "only the held call's shards")
     wait_until_idle(daemon)
-    assert whisper_metric(unix, "appliance_queue_depth") == 0
-    ran = whisper_metric(unix, "nv_inference_count") - before
-    assert ran <= 2 * 8, f"{ran} of {depth:.0f} shards ran after the client left (max_batch 8: one call, one starting)"
-    assert whisper_metric(unix, "appliance_cancelled_work_total") > 0
+    ran = whisper_metric(unix, "nv_inference_count", TINY) - before
+    assert ran <= 8, f"{ran} shards ran after the client left (max_batch 8: the held call's)"
+    assert whisper_metric(unix, "appliance_cancelled_work_total", TINY) > 0
     time.sleep(5.0)  # nothing of it comes back later (a VAD left cutting would send more shards)
-    assert whisper_metric(unix, "nv_inference_count") - before == ran, "shards of the abandoned recording ran later"
+    assert whisper_metric(unix, "nv_inference_count", TINY) - before == ran, (
+        "shards of the abandoned recording ran later"
+    )
 
 
 def test_a_silent_live_stream_keeps_bounded_audio_at_any_age(daemon: Daemon, unix: Client) -> None:
@@ -399,26 +416,38 @@ def test_a_silent_live_stream_keeps_bounded_audio_at_any_age(daemon: Daemon, uni
 
 
 def test_a_short_transcription_goes_before_a_long_recordings_queued_shards(
-    daemon: Daemon, unix: Client, twenty_minutes: bytes
+    daemon: Daemon, unix: Client, twenty_minutes: tuple[int, bytes]
 ) -> None:
-    """A twenty-minute recording's shards all wait for Whisper base when a one-sentence request comes:
-    its only shard is its first, and every request's first shard goes before anyone's next, so it is
-    answered after at most the engine call under way and the next (max_batch 8: 16 shards, its own
-    among them), not after the recording's queued shards (some 40)."""
-    sock = send_transcription(daemon, twenty_minutes)
-    try:
-        deadline, waiting = time.monotonic() + 60, -1.0
-        while (depth := whisper_metric(unix, "appliance_queue_depth")) != waiting or depth <= 16:
-            assert time.monotonic() < deadline, "the recording's shards did not reach Whisper"
-            waiting = depth
-            time.sleep(0.3)  # until the VAD has cut it all: the queue no longer grows
-        before = whisper_metric(unix, "nv_inference_count")
-        with Client(str(daemon.socket), timeout=120) as short:
-            text = short.transcribe(encode_wav(say(CLEAR[0]), RATE), BASE, response_format="text").body.decode()
-        ran = whisper_metric(unix, "nv_inference_count") - before
-        assert wer(CLEAR[0], text) == 0.0, text
-        assert ran <= 2 * 8, f"{ran} shards ran before the short request's answer ({depth:.0f} were waiting)"
-        assert whisper_metric(unix, "appliance_queue_depth") > 0, "the recording was done first"
-    finally:
-        sock.close()  # the recording is abandoned: its shards leave the queue
+    """A twenty-minute recording is cut whole while Whisper is held on its first batch (max_batch 8), so
+    its other shards (some 30) wait when a one-sentence request comes: every request's first shard goes
+    before anyone's next, so the sentence is answered after the held call and the next (16 shards, its
+    own among them), not after the recording's queued shards."""
+    length, body = twenty_minutes
+    frames = vad_frames(unix)
+    with whisper_held(daemon):
+        sock = send_transcription(daemon, body, TINY)
+        try:
+            wait_until(lambda: vad_frames(unix) - frames >= -(-length // 512), "the recording cut whole")
+            waiting = whisper_metric(unix, "appliance_queue_depth", TINY)
+            assert waiting > 2 * 8, f"{waiting:.0f} shards of the recording: too few to show the order"
+            before = whisper_metric(unix, "nv_inference_count", TINY)
+            answer: list[str] = []
+            with Client(str(daemon.socket), timeout=120) as short:
+                asked = threading.Thread(
+                    target=lambda: answer.append(
+                        short.transcribe(encode_wav(say(CLEAR[0]), RATE), TINY, response_format="text").body.decode()
+                    )
+                )
+                asked.start()
+                wait_until(
+                    lambda: whisper_metric(unix, "appliance_queue_depth", TINY) > waiting, "the sentence's shard queued"
+                )
+                daemon.whisper_hold.unlink()  # Whisper goes on
+                asked.join(120)
+            ran = whisper_metric(unix, "nv_inference_count", TINY) - before
+            assert answer and wer(CLEAR[0], answer[0]) == 0.0, answer
+            assert ran <= 2 * 8, f"{ran} shards ran before the short request's answer ({waiting:.0f} were waiting)"
+            assert whisper_metric(unix, "appliance_queue_depth", TINY) > 0, "the recording was done first"
+        finally:
+            sock.close()  # the recording is abandoned: its shards leave the queue
     wait_until_idle(daemon)  # and the engine call under way ends before the next test (or the stop)

@@ -29,7 +29,7 @@ from wyoming.client import AsyncUnixClient
 from wyoming.info import Describe, Info
 
 from appliance.client import Client, ConnectError, speech_call
-from appliance.engine.choice import HANG_FAILPOINT
+from appliance.engine.failpoints import HANG_FAILPOINT
 from appliance.front.supervisor import REPORT_STALE_S
 from appliance.front.worker import START_HOLD_FAILPOINT
 

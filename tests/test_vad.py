@@ -14,7 +14,7 @@ from waits import wait_until
 
 from appliance.audio import encode_wav, to_frames
 from appliance.client import AsyncClient, Client
-from appliance.engine.choice import HANG_FAILPOINT
+from appliance.engine.failpoints import HANG_FAILPOINT
 from appliance.kinds.segments import SegmentParams
 from appliance.kinds.shards import frame_energy, plan_shards
 

@@ -4,75 +4,19 @@ a TensorRT plan) with the CPU engine as its fallback under memory pressure."""
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import cast
 
 import numpy as np
 
 from appliance.engine import cuda, tensorrt
+from appliance.engine.failpoints import engine_failpoints
 from appliance.engine.interface import Engine, GpuOutOfMemory
 from appliance.engine.onnx_cpu import OnnxCpuEngine
 from appliance.errors import ApplianceError
 from appliance.firmware import Bundle, ModelSpec
 
 log = logging.getLogger("appliance")
-
-
-# Failpoints for tests, read from the environment only, never from config. HANG: while this file
-# exists, engine calls stall the way a wedged driver call would; if the file holds a number N, the
-# first N calls after it appeared still run. SLOWDOWN: each engine call takes N times as long (a
-# slower machine, for tests whose outcome must not depend on the engine's speed).
-HANG_FAILPOINT = "APPLIANCE_FAILPOINT_ENGINE_HANG"
-SLOWDOWN_FAILPOINT = "APPLIANCE_FAILPOINT_ENGINE_SLOWDOWN"
-
-
-class _TestWrapper:
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.name = engine, engine.name
-
-    @property
-    def fallbacks(self) -> Counter[str]:
-        return cast(Counter[str], getattr(self.engine, "fallbacks", Counter()))
-
-
-class _StallWhenFilePresent(_TestWrapper):
-    def __init__(self, engine: Engine, trigger: Path) -> None:
-        super().__init__(engine)
-        self.trigger = trigger
-        self.calls_while_armed = 0
-
-    def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
-        if self.trigger.exists():
-            self.calls_while_armed += 1
-            if self.calls_while_armed > self._allowance():
-                log.warning("engine %s: held by the test's hang failpoint (%s)", self.name, self.trigger)
-                while self.trigger.exists():
-                    time.sleep(0.05)
-        else:
-            self.calls_while_armed = 0
-        return self.engine.run(feeds, batch)
-
-    def _allowance(self) -> int:
-        try:
-            return int(self.trigger.read_text() or 0)
-        except (OSError, ValueError):
-            return 0
-
-
-class _Slowed(_TestWrapper):
-    def __init__(self, engine: Engine, factor: float) -> None:
-        super().__init__(engine)
-        self.factor = factor
-
-    def run(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
-        started = time.perf_counter()
-        outputs = self.engine.run(feeds, batch)
-        time.sleep((self.factor - 1) * (time.perf_counter() - started))
-        return outputs
 
 
 def _gpu_engine(bundle: Bundle, model: ModelSpec) -> tuple[Engine | None, list[str]]:
@@ -132,8 +76,4 @@ def load_engine(device: str, bundle: Bundle, model: ModelSpec, threads: int, var
             raise ApplianceError(f'engine.device = "cuda": model {model.name}: {"; ".join(reasons)}')
         else:
             log.info("model %s: engine.device = auto runs it on the CPU: %s", model.name, "; ".join(reasons))
-    if factor := os.environ.get(SLOWDOWN_FAILPOINT):
-        engine = _Slowed(engine, float(factor))
-    if trigger := os.environ.get(HANG_FAILPOINT):
-        engine = _StallWhenFilePresent(engine, Path(trigger))
-    return engine
+    return engine_failpoints(engine)

@@ -19,6 +19,7 @@ import numpy as np
 
 from appliance.engine import cuda, whisper_weights
 from appliance.engine.batch_queue import Runner
+from appliance.engine.failpoints import speech_failpoints
 from appliance.engine.speech_engine import Decoded, Shard, SpeechEngine
 from appliance.engine.whisper import WhisperEngine
 from appliance.engine.whisper_arrays_engine import ArrayWhisperEngine
@@ -157,6 +158,12 @@ class FallbackDecoding:
 
 
 def load_speech_engine(
+    device: str, bundle: Bundle, model: ModelSpec, threads: int, beam_size: int, window_samples: int
+) -> SpeechEngine:
+    return speech_failpoints(_speech_engine(device, bundle, model, threads, beam_size, window_samples))
+
+
+def _speech_engine(
     device: str, bundle: Bundle, model: ModelSpec, threads: int, beam_size: int, window_samples: int
 ) -> SpeechEngine:
     if device not in ("cpu", "cuda", "auto"):
