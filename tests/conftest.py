@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,21 +133,27 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         write(f"  ran      {suite}: {counts} in {seconds.get(suite, 0.0):.0f} s ({cpu.get(suite, 0.0):.0f} s of CPU)")
     for suite in skipped:
         write(f"  SKIPPED  {suite}: {'; '.join(sorted(reasons.get(suite, set())))}")
-    started, ready, stop = DAEMON_SECONDS.values()
+    ready, stop = DAEMON_SECONDS.values()
+    started = sum(DAEMON_STARTS.values())
     write(f"daemons (conftest's Daemon): {started} started, {ready:.0f} s until ready, {stop:.0f} s to stop")
+    for name, count in DAEMON_STARTS.most_common():
+        write(f"  {name}: {count} started, {DAEMON_CPU_S[name]:.0f} s of CPU until their stops")
     write(f"CPU of the tests and their processes: {sum(cpu.values()):.0f} s ({os.cpu_count()} cores here)")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A pytest-xdist worker hands its daemons' count and seconds to the controller, which reports them."""
+    """A pytest-xdist worker hands its daemons' counts and seconds to the controller, which reports them."""
     if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["daemon_seconds"] = DAEMON_SECONDS
+        session.config.workeroutput["daemons"] = (DAEMON_SECONDS, dict(DAEMON_STARTS), dict(DAEMON_CPU_S))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: object) -> None:
-    for what, amount in getattr(node, "workeroutput", {}).get("daemon_seconds", {}).items():
+    seconds, starts, cpu = getattr(node, "workeroutput", {}).get("daemons", ({}, {}, {}))
+    for what, amount in seconds.items():
         DAEMON_SECONDS[what] += amount
+    DAEMON_STARTS.update(starts)
+    DAEMON_CPU_S.update(cpu)
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -363,21 +370,35 @@ def make_ca_and_client(base, name: str, signed: bool = True) -> tuple[str, str, 
     return tuple(str(p) for p in paths)  # type: ignore[return-value]
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, whichever of their threads started them (the protocol workers, the
+    translators)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").glob("*/children"):
+                todo += [int(child) for child in task.read_text().split()]
+    return found
+
+
 def process_tree_cpu_s(pid: int, reaped: bool = False) -> float:
-    """User plus system CPU seconds of `pid` and its descendants (the protocol workers); with `reaped`,
-    also those of the descendants that have ended and been waited for."""
-    total, pids = 0.0, [pid]
-    while pids:
-        current = pids.pop()
+    """User plus system CPU seconds of `pid` and its descendants; with `reaped`, also those of the
+    descendants that have ended and been waited for."""
+    total = 0.0
+    for current in process_tree(pid):
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
             total += sum(int(f) for f in fields[11 : 15 if reaped else 13]) / os.sysconf("SC_CLK_TCK")
-            pids += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
     return total
 
 
-# Where the suite's time goes (printed at its end): daemons started, seconds until ready, seconds to stop.
-DAEMON_SECONDS = {"started": 0, "until ready": 0.0, "to stop": 0.0}
+# Where the suite's time goes (printed at its end): seconds until daemons were ready and to stop them;
+# daemons started, and the CPU seconds of those stopped through Daemon.stop, by firmware.
+DAEMON_SECONDS = {"until ready": 0.0, "to stop": 0.0}
+DAEMON_STARTS: Counter[str] = Counter()
+DAEMON_CPU_S: Counter[str] = Counter()
 
 
 class Daemon:
@@ -436,7 +457,8 @@ class Daemon:
         self.whisper_hold = workdir / "hold-whisper"
         held = {SPEECH_HANG_FAILPOINT: str(self.whisper_hold)} if whisper_holdable else {}
         self.spawned = time.monotonic()
-        DAEMON_SECONDS["started"] += 1
+        self.firmware = json.loads((bundle / "manifest.json").read_text())["name"]
+        DAEMON_STARTS[self.firmware] += 1
         self.proc = subprocess.Popen(
             [*prefix, *APPLIANCE, "run", "--config", str(self.config)],
             cwd=ROOT,
@@ -474,6 +496,7 @@ class Daemon:
         return Client(str(self.socket))
 
     def stop(self) -> int:
+        DAEMON_CPU_S[self.firmware] += process_tree_cpu_s(self.proc.pid, reaped=True)
         began = time.monotonic()
         try:
             return terminate(self.proc)
@@ -482,24 +505,11 @@ class Daemon:
 
     def cpu_seconds(self) -> float:
         """User plus system CPU time the daemon (the engine process and its workers) has used so far."""
-        ticks = 0
-        for pid in self.pids():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except FileNotFoundError:
-                continue
-            ticks += int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return process_tree_cpu_s(self.proc.pid)
 
     def pids(self) -> list[int]:
         """The engine process and its descendants (the protocol workers, where server.workers > 1)."""
-        found, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            for task in Path(f"/proc/{pid}/task").glob("*/children"):
-                todo += [int(child) for child in task.read_text().split()]
-        return found
+        return process_tree(self.proc.pid)
 
     def rss_kib(self) -> int:
         """Resident memory of the whole daemon: with workers, the traffic is in them, not the engine."""

@@ -14,13 +14,15 @@ import time
 from collections import Counter
 from collections.abc import Hashable, Mapping
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from appliance.engine.batch_queue import Runner
 from appliance.engine.interface import Engine
-from appliance.engine.speech_engine import Decoded, Shard, SpeechEngine
+
+if TYPE_CHECKING:  # a VAD-only daemon loads no speech-to-text module
+    from appliance.engine.batch_queue import Runner
+    from appliance.engine.speech_engine import Decoded, Shard, SpeechEngine
 
 log = logging.getLogger("appliance")
 
