@@ -1,9 +1,11 @@
 """What the API shows of the QUIC listener's peers (/status, /metrics), as plain data, and the small
-interface of whatever provides it: the connection cache does, and the API never imports it."""
+interface of whatever provides it: the connection cache does, and the API never imports it. And a
+peer's budget in user space, a token bucket."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -99,3 +101,22 @@ async def reading(table: PeerTable, every_peer: bool) -> PeerReading:
         return PeerReading(table.backend, table.reason, peers, table.droppers(), table.totals())
 
     return await without_stalling(table, read)
+
+
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved; `take` spends one if there is one."""
+
+    __slots__ = ("rate", "burst", "clock", "tokens", "updated")
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.updated = burst, clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True

@@ -15,7 +15,8 @@ from aioquic.quic.retry import QuicRetryTokenHandler
 from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
-from appliance.transport.conncache import HOST_CID_LENGTH, TokenBucket
+from appliance.protocol.peers import TokenBucket
+from appliance.transport.conncache import HOST_CID_LENGTH
 
 log = logging.getLogger("appliance.h3")
 
