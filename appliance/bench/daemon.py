@@ -92,14 +92,18 @@ class DaemonProcess:
         out = {"engine": round(_rss_mib(self.proc.pid), 1)}
         count: dict[str, int] = {}
         for child in self._children():
-            try:
-                command = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
+            if not Path(f"/proc/{child}").exists():
                 continue
-            role = "translator" if b"bergamot_process" in command else "worker"
+            role = "translator" if _is_translator(child) else "worker"
             count[role] = count.get(role, 0) + 1
             out[f"{role} {count[role]}"] = round(_rss_mib(child), 1)
         return out
+
+    def serving_loops(self) -> list[int]:
+        """The processes whose event loop answers its sockets: the protocol workers where it has them,
+        else the engine process (each loop on its process's main thread)."""
+        workers = [child for child in self._children() if not _is_translator(child)]
+        return workers or [self.proc.pid]
 
     def _children(self) -> list[int]:
         """Every thread's children: the translators are started by the engine's translation threads."""
@@ -145,3 +149,11 @@ def _cpu_s(pid: int) -> float:
     except OSError:  # gone meanwhile
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _is_translator(pid: int) -> bool:
+    """A translator process (engine/bergamot_process.py), not a protocol worker."""
+    try:
+        return b"bergamot_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

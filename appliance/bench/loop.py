@@ -108,7 +108,10 @@ def _phases(daemon: DaemonProcess, work: dict[str, Callable[[], Any]], seconds: 
     own event-loop lag (its /metrics histogram, sampled every 0.1 s: a stall there is the loop's, where
     the check's latency also holds the checker's and the CPU's share of 2 cores)."""
     phases: dict[str, Any] = {}
-    with HealthChecks(str(daemon.socket)) as checks, Client(str(daemon.socket), timeout=60) as scraper:
+    with (
+        HealthChecks(str(daemon.socket), daemon.serving_loops()) as checks,
+        Client(str(daemon.socket), timeout=60) as scraper,
+    ):
         for phase, step in work.items():
             started, cpu, lags, waited = time.monotonic(), daemon.tree_cpu_s(), scraper.metrics(), _waits(daemon)
             done = until(seconds, step)
@@ -146,13 +149,15 @@ class HealthChecks:
     """/v2/health/ready on the Unix socket every PACE_S, from a process of its own (see above); each
     check kept with the moment it was sent, on the clock every process shares (CLOCK_MONOTONIC)."""
 
-    def __init__(self, socket: str) -> None:
+    def __init__(self, socket: str, loops: list[int]) -> None:
         context = multiprocessing.get_context("spawn")
         self.stop = context.Event()
-        # sent at, took, answered 200, and how long of it the checker waited, runnable, for a core
-        self.checks: list[tuple[float, float, bool, float]] = []
+        # sent at, took, answered 200, and how long of it the checker, and the serving loops' threads
+        # (the longest of their waits), waited, runnable, for a core
+        self.checks: list[tuple[float, float, bool, float, float]] = []
         self._receiver, sender = context.Pipe(duplex=False)
-        self._process = context.Process(target=_check_health, args=(socket, self.stop, sender), daemon=True)
+        loop_tasks = [f"/proc/{pid}/task/{pid}" for pid in loops]
+        self._process = context.Process(target=_check_health, args=(socket, loop_tasks, self.stop, sender), daemon=True)
 
     def __enter__(self) -> HealthChecks:
         self._process.start()
@@ -168,25 +173,32 @@ class HealthChecks:
 
     def latency(self, start: float, end: float) -> dict[str, Any]:
         """The checks sent from `start` to `end`, as hostile.latency reports them; and how many took over
-        10 ms, in all and once the checker's own wait for a core is taken out (what is left is the answer's
-        time and the checker's own CPU: a late check that is late no more was the checker's wait)."""
-        within = [(took, ok, waited) for sent, took, ok, waited in self.checks if start <= sent < end]
-        figures = latency([took for took, _, _ in within], sum(not ok for _, ok, _ in within))
-        figures["over_10ms"] = sum(took > STALL_S for took, _, _ in within)
-        figures["over_10ms_not_waiting"] = sum(took - waited > STALL_S for took, _, waited in within)
+        10 ms, in all, once the checker's own wait for a core is taken out (a late check that is late no
+        more was the checker's wait), and once the serving loop's thread's wait is taken out too (what is
+        left is the daemon's time on a core: its stalls)."""
+        within = [check[1:] for check in self.checks if start <= check[0] < end]
+        figures = latency([took for took, *_ in within], sum(not ok for _, ok, *_ in within))
+        figures["over_10ms"] = sum(took > STALL_S for took, *_ in within)
+        figures["over_10ms_not_waiting"] = sum(took - mine > STALL_S for took, _, mine, _ in within)
+        figures["over_10ms_on_a_core"] = sum(took - mine - loop > STALL_S for took, _, mine, loop in within)
         return figures
 
 
-def _check_health(socket: str, stop: Event, sender: Connection) -> None:
+def _check_health(socket: str, loop_tasks: list[str], stop: Event, sender: Connection) -> None:
     checks = []
+
+    def waits() -> list[float]:
+        return [_schedstat(task)[0] for task in ["/proc/thread-self", *loop_tasks]]
+
     with Client(socket, timeout=30) as client:
         while not stop.is_set():
-            sent, (waited, _) = time.monotonic(), _schedstat("/proc/thread-self")
+            sent, before = time.monotonic(), waits()
             try:
                 ok = client.send(Call("GET", "/v2/health/ready")).status == 200
             except Exception:  # any failure is a failed check, never the checker's end
                 ok = False
-            checks.append((sent, time.monotonic() - sent, ok, _schedstat("/proc/thread-self")[0] - waited))
+            took, (mine, *loops) = time.monotonic() - sent, np.subtract(waits(), before)
+            checks.append((sent, took, ok, float(mine), float(max(loops))))
             time.sleep(PACE_S)
     sender.send(checks)
 
@@ -284,6 +296,7 @@ def report(r: dict[str, Any]) -> list[str]:
             f" quiet's p99), {t['failed']} of {t['requests']} failed; {m['work']} done; daemon CPU {m['daemon_cpu_s']} s;"
             f" loop lags over 10 ms: {m['loop_lags_over_10ms']} of {m['loop_lags']}; the loop's thread waited"
             f" {m['loop_thread_wait_ms']} ms for a core over {m['loop_thread_runs']} runs; checks over 10 ms:"
-            f" {t['over_10ms']}, {t['over_10ms_not_waiting']} without the checker's own wait for a core"
+            f" {t['over_10ms']}, {t['over_10ms_not_waiting']} without the checker's own wait for a core,"
+            f" {t['over_10ms_on_a_core']} without the serving loop's either"
         )
     return lines
