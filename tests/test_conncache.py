@@ -22,6 +22,8 @@ from conftest import Bystander, needs
 
 from appliance.client import Call, infer_call
 from appliance.client.quic import QuicSession
+from appliance.config import ConnCacheConfig
+from appliance.transport.conncache import KernelCache
 
 BACKENDS = [
     pytest.param("ebpf", marks=pytest.mark.skipif(os.geteuid() != 0, reason="loading BPF programs needs root")),
@@ -112,6 +114,14 @@ def test_counts_match_what_two_clients_sent(start_daemon, tls, backend: str) -> 
             check=True,
         ).stdout
         assert dump.count('"packets"') == len(table) >= 2
+        # the sweep's reading of the map (when each peer last sent) is the one /status shows
+        cache = KernelCache.attached(lambda: ConnCacheConfig(pin_dir=daemon.pin_dir))
+        try:
+            shown = {address: peer.last_seen for address, peer in cache.validated_peers().items()}
+            assert cache.last_seen() == shown and len(shown) >= 2, (cache.last_seen(), shown)
+            assert all(peer.last_seen > peer.first_seen for peer in cache.validated_peers().values())
+        finally:
+            cache.close()
     with daemon.client() as client:
         metrics = client.metrics()
     total = sum(c.packets for _, c in sent)
