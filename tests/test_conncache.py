@@ -126,6 +126,8 @@ def test_counts_match_what_two_clients_sent(start_daemon, tls, backend: str) -> 
         metrics = client.metrics()
     total = sum(c.packets for _, c in sent)
     assert f'appliance_quic_packets_total{{backend="{backend}"}} {total}' in metrics
+    validated = sum(peer["validated"] for peer in table.values())
+    assert validated >= 2 and f'appliance_quic_peers{{backend="{backend}"}} {validated}\n' in metrics, metrics
 
 
 async def open_sequence(daemon, local_host: str) -> QuicSession:

@@ -306,7 +306,7 @@ def _worker_lines(workers: list[dict[str, Any]]) -> list[str]:
 
 def _conncache_lines(cache: PeerTable) -> list[str]:
     # no walk of the unvalidated sources' table: a flood makes it as big as it may be
-    totals, validated, droppers = cache.totals(), cache.validated_peers(), cache.droppers()
+    totals, validated, droppers = cache.totals(), cache.validated_count(), cache.droppers()
     label = f'backend="{cache.backend}"'
     out = []
     for name, kind, help_text, value in (
@@ -314,7 +314,7 @@ def _conncache_lines(cache: PeerTable) -> list[str]:
             "appliance_quic_peers",
             "gauge",
             "QUIC peers (address and port) in the connection cache's validated table (handshake completed).",
-            len(validated),
+            validated,
         ),
         (
             "appliance_quic_sources_total",

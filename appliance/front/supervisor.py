@@ -353,6 +353,9 @@ class ReportedPeers:
     def validated_peers(self) -> dict[str, Peer]:
         return {k: v for r in self.supervisor.reports() if r.peers for k, v in r.peers.items()}
 
+    def validated_count(self) -> int:
+        return len(self.validated_peers())
+
     def droppers(self) -> dict[str, int]:
         return {k: v for r in self.supervisor.reports() if r.droppers for k, v in r.droppers.items()}
 

@@ -57,6 +57,10 @@ class PeerTable(Protocol):
         """The peers whose handshake completed (a flood of other sources cannot grow this table)."""
         ...
 
+    def validated_count(self) -> int:
+        """How many validated peers (/metrics: a count, not 65,536 peers made and filtered)."""
+        ...
+
     def droppers(self) -> dict[str, int]:
         """The drops of the peers that went over budget last (at most a few hundred)."""
         ...
@@ -78,7 +82,8 @@ class PeerReading:
 
     backend: str
     reason: str
-    read_peers: dict[str, Peer]  # every peer (/status), or the validated ones (/metrics: no walk of a flood)
+    read_peers: dict[str, Peer]  # every peer (/status); none for /metrics, which counts the validated ones
+    read_validated_count: int
     read_droppers: dict[str, int]
     read_totals: Totals
 
@@ -88,6 +93,9 @@ class PeerReading:
     def validated_peers(self) -> dict[str, Peer]:
         return {address: peer for address, peer in self.read_peers.items() if peer.validated}
 
+    def validated_count(self) -> int:
+        return self.read_validated_count
+
     def droppers(self) -> dict[str, int]:
         return self.read_droppers
 
@@ -96,9 +104,13 @@ class PeerReading:
 
 
 async def reading(table: PeerTable, every_peer: bool) -> PeerReading:
+    """The table as read once: with `every_peer` each peer (/status), else the validated ones counted
+    (/metrics; a walk of the unvalidated sources' table would meet a flood at its largest)."""
+
     def read() -> PeerReading:
-        peers = table.peers() if every_peer else table.validated_peers()
-        return PeerReading(table.backend, table.reason, peers, table.droppers(), table.totals())
+        peers = table.peers() if every_peer else {}
+        count = sum(p.validated for p in peers.values()) if every_peer else table.validated_count()
+        return PeerReading(table.backend, table.reason, peers, count, table.droppers(), table.totals())
 
     return await without_stalling(table, read)
 

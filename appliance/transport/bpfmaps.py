@@ -1,15 +1,19 @@
 """Pinned BPF maps read and written with the bpf() system call itself (ctypes), so the daemon
 can use the connection cache's maps without importing bcc (LLVM costs it over 100 MiB of RSS);
-bcc runs only in the short-lived loader (appliance.transport.conncache_loader)."""
+bcc runs only in the short-lived loader (appliance.transport.conncache_loader). And the pin directory's
+lock: one daemon to a pin_dir."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import platform
 from collections.abc import Iterator
 from pathlib import Path
+
+from appliance.errors import ApplianceError
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280}[platform.machine()]
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY, BPF_OBJ_GET = 1, 2, 3, 4, 7
@@ -104,3 +108,22 @@ class PinnedMap:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def own_pin_dir(pin_dir: Path) -> int:
+    """Lock pin_dir for this daemon's lifetime (flock on the directory: bpffs holds no plain files, and
+    the kernel drops the lock when the process dies). A second daemon on the same pins is a start error,
+    never a fallback: it would replace the live daemon's maps. OSError: bpffs is not usable there."""
+    try:
+        pin_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"cannot create {pin_dir}: {exc} (is bpffs mounted on /sys/fs/bpf?)") from None
+    fd = os.open(pin_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ApplianceError(
+            f"conncache.pin_dir {pin_dir} belongs to another running daemon; give each daemon its own pin_dir"
+        ) from None
+    return fd

@@ -1,27 +1,25 @@
 """The per-peer connection cache of the QUIC listener: kernel (eBPF via bcc) or user space.
 
 bpf/conncache.c, compiled by bcc in a loader child (conncache_loader.py), is attached to the listener's
-UDP sockets (SO_ATTACH_BPF) and its maps pinned under `pin_dir`; the daemon reads them with bare bpf()
-calls (bpfmaps.py); `bpftool map dump pinned PIN_DIR/peers` shows them. Datagrams over a peer's budget
-are dropped in the kernel. Where it cannot load (no privileges, no kernel headers, no bcc) the
-user-space backend keeps the same tables with the same limits, fed by the QUIC layer (`admit`).
+UDP sockets (SO_ATTACH_BPF) and its maps pinned under `pin_dir`, which the daemon reads with bare bpf()
+calls (bpfmaps.py; `bpftool map dump pinned PIN_DIR/peers` shows them). Datagrams over a peer's budget
+are dropped in the kernel. Where it cannot load (no privileges, kernel headers or bcc) the user-space
+backend keeps the same tables with the same limits, fed by the QUIC layer (`admit`).
 
-With several sockets in one SO_REUSEPORT group and a key per socket, the same loader also attaches
-bpf/quic_steering.c to the group: a datagram whose destination connection ID starts with a worker's
-key goes to that worker's socket (`steering_reason` says why not, where it did not load). A worker
-process reads the pins the engine's cache made with `KernelCache.attached`.
+With a key per socket of one SO_REUSEPORT group, the loader also attaches bpf/quic_steering.c to the
+group: a datagram whose destination connection ID starts with a worker's key goes to that worker's
+socket (`steering_reason` says why not). A worker reads the engine's pins with `KernelCache.attached`.
 
-Both keep the validated peers (`validate`: its handshake completed) apart from every other source,
-which a small LRU of its own holds (max_unvalidated): a flood that never completes a handshake cannot
-evict a validated peer nor grow what the daemon reads. `peers()` (both) serves /status and /metrics;
-`sweep()` reads the validated table only, forgets peers idle past `idle_timeout_s` and reports them,
-and those evicted without a live connection, so the daemon can release what they held.
+Both keep the validated peers (`validate`: its handshake completed) apart from every other source, in
+a small LRU of its own (max_unvalidated): a flood that never completes a handshake cannot evict a
+validated peer nor grow what the daemon reads. `peers()` serves /status; `sweep()` reads when each
+validated peer last sent, forgets those idle past `idle_timeout_s`, and reports them and those
+evicted without a live connection, so the daemon can release what they held.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ipaddress
 import logging
 import os
@@ -32,13 +30,11 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
-from pathlib import Path
 from typing import Any
 
 from appliance.config import ConnCacheConfig
-from appliance.errors import ApplianceError
 from appliance.protocol.peers import Peer, TokenBucket, Totals, without_stalling
-from appliance.transport.bpfmaps import PinnedMap, possible_cpus
+from appliance.transport.bpfmaps import PinnedMap, own_pin_dir, possible_cpus
 
 log = logging.getLogger("appliance.conncache")
 
@@ -84,6 +80,9 @@ class ConnectionCache:
         raise NotImplementedError
 
     def validated_peers(self) -> dict[str, Peer]:
+        raise NotImplementedError
+
+    def validated_count(self) -> int:
         raise NotImplementedError
 
     def last_seen(self) -> dict[str, float]:
@@ -182,6 +181,9 @@ class UserSpaceCache(ConnectionCache):
 
     def last_seen(self) -> dict[str, float]:
         return {address: peer.last_seen for address, (peer, _) in self._validated.items()}
+
+    def validated_count(self) -> int:
+        return len(self._validated)
 
     def droppers(self) -> dict[str, int]:
         return dict(self._droppers)
@@ -289,6 +291,9 @@ class KernelCache(ConnectionCache):
         walk = self._walk(self._table, self.config.max_entries)
         return {self._name(key): int.from_bytes(value[8:16], "little") / 1e9 for key, value in walk}  # last_seen_ns
 
+    def validated_count(self) -> int:
+        return sum(1 for _ in self._keys(self._table, self.config.max_entries))
+
     def _read(self, table: PinnedMap, size: int) -> dict[str, Peer]:
         out = {}
         for key, value in self._walk(table, size):
@@ -300,11 +305,16 @@ class KernelCache(ConnectionCache):
 
     def _walk(self, table: PinnedMap, size: int) -> Iterator[tuple[bytes, bytes]]:
         """Each entry of a map as it is now (one evicted while we walk is passed over)."""
+        for key in self._keys(table, size):
+            if (value := table.lookup(key)) is not None:
+                yield key, value
+
+    @staticmethod
+    def _keys(table: PinnedMap, size: int) -> Iterator[bytes]:
         for count, key in enumerate(table.keys(limit=2 * size)):
             if count % 64 == 63:
                 time.sleep(0)  # a walk runs in a thread: the GIL to the event loop (else it waits 5 ms a turn)
-            if (value := table.lookup(key)) is not None:
-                yield key, value
+            yield key
 
     def droppers(self) -> dict[str, int]:
         out = {}
@@ -357,25 +367,6 @@ def loader_command(config: ConnCacheConfig, fds: list[int], keys: list[int] | No
         *(f"--fd={fd}" for fd in fds), *(f"--steer-key={key}" for key in keys or ()),
         "--pin-dir", str(config.pin_dir), *(f"--define={d}" for d in defines),
     ]  # fmt: skip
-
-
-def own_pin_dir(pin_dir: Path) -> int:
-    """Lock pin_dir for this daemon's lifetime (flock on the directory: bpffs holds no plain files, and
-    the kernel drops the lock when the process dies). A second daemon on the same pins is a start error,
-    never a fallback: it would replace the live daemon's maps. OSError: bpffs is not usable there."""
-    try:
-        pin_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"cannot create {pin_dir}: {exc} (is bpffs mounted on /sys/fs/bpf?)") from None
-    fd = os.open(pin_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ApplianceError(
-            f"conncache.pin_dir {pin_dir} belongs to another running daemon; give each daemon its own pin_dir"
-        ) from None
-    return fd
 
 
 def unsteered(socks: list[socket.socket], keys: list[int] | None) -> str:
