@@ -92,9 +92,8 @@ class DaemonProcess:
         out = {"engine": round(_rss_mib(self.proc.pid), 1)}
         count: dict[str, int] = {}
         for child in self._children():
-            if not Path(f"/proc/{child}").exists():
+            if (role := _role(child)) is None:
                 continue
-            role = "translator" if _is_translator(child) else "worker"
             count[role] = count.get(role, 0) + 1
             out[f"{role} {count[role]}"] = round(_rss_mib(child), 1)
         return out
@@ -102,7 +101,7 @@ class DaemonProcess:
     def serving_loops(self) -> list[int]:
         """The processes whose event loop answers its sockets: the protocol workers where it has them,
         else the engine process (each loop on its process's main thread)."""
-        workers = [child for child in self._children() if not _is_translator(child)]
+        workers = [child for child in self._children() if _role(child) == "worker"]
         return workers or [self.proc.pid]
 
     def _children(self) -> list[int]:
@@ -151,9 +150,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _is_translator(pid: int) -> bool:
-    """A translator process (engine/bergamot_process.py), not a protocol worker."""
+def _role(pid: int) -> str | None:
+    """A child's role, by its command line: a translator (engine/bergamot_process.py) or a protocol
+    worker; None if it has ended."""
     try:
-        return b"bergamot_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return False
+        return None
+    return "translator" if b"bergamot_process" in command else "worker"
